@@ -1,0 +1,483 @@
+"""Save and restore of one checkpoint: snapshot -> serializer -> commit, and manifest -> target.
+
+Scope: a single checkpoint folder. ``snapshot`` runs on the caller's thread (device-to-host copies);
+``write_snapshot`` and ``commit`` may run in the background (writer.py). Scheduling, retention and tiers
+belong to the manager; multi-process agreement to distributed.py; the byte layout to the serializers.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import numpy as np
+
+from . import commit as commit_mod
+from . import tree as tree_mod
+from .errors import (CheckpointError, CheckpointNotCommittedError, CheckpointNotFoundError,
+                     LeafMismatchError, StructureMismatchError, format_list)
+from .format import MANIFEST, MAX_MANIFEST_BYTES, decode, dtype_from_name, dtype_name, encode
+from .serializers import ArrayItem, Serializer, Shard, Written, get_serializer
+from .storage import LocalStorage, Storage, open_storage
+
+_IO_THREADS = 8
+
+
+# ----------------------------------------------------------------------------------------------- save
+
+@dataclass
+class LeafPlan:
+    """One leaf as the manifest will describe it, plus this process's host shards (arrays only)."""
+
+    path: tree_mod.KeyPath
+    record: dict[str, Any]
+    shards: tuple[Shard, ...] = ()
+
+
+@dataclass
+class Snapshot:
+    """A host copy of a tree: nothing in it changes when the caller's arrays are mutated or donated."""
+
+    leaves: list[LeafPlan]
+    nbytes: int  # bytes this process writes
+    seconds: float = 0.0
+
+    def items(self) -> list[ArrayItem]:
+        return [ArrayItem(i, tree_mod.keystr(p.path), dtype_from_name(p.record["dtype"]),
+                          tuple(p.record["shape"]), p.shards)
+                for i, p in enumerate(self.leaves) if "dtype" in p.record]
+
+
+def describe_sharding(s: Any) -> dict[str, Any] | None:
+    if s is None:
+        return None
+    if isinstance(s, jax.sharding.NamedSharding):
+        spec = [None if p is None else (p if isinstance(p, str) else list(p)) for p in s.spec]
+        return {"type": "NamedSharding", "axis_names": list(s.mesh.axis_names),
+                "mesh_shape": [int(n) for n in s.mesh.devices.shape], "spec": spec}
+    return {"type": type(s).__name__, "num_devices": len(s.device_set)}
+
+
+def _box(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    return tuple(tuple(sl.indices(d)[:2]) for sl, d in zip(index, shape))
+
+
+def _host(x: Any, copy: bool) -> np.ndarray:
+    a = np.asarray(x)
+    return np.array(a, order="C", copy=True) if copy else np.asarray(a, order="C")
+
+
+def _array_plan(path, x: Any, kind: str, copy: bool) -> LeafPlan:
+    rec: dict[str, Any] = {"path": tree_mod.path_to_json(path), "kind": kind}
+    if kind == "prng_key":
+        rec["key_impl"] = str(jax.random.key_impl(x))
+        x = jax.random.key_data(x)
+        rec["key_shape"] = list(x.shape[x.ndim - len(jax.random.key_data(jax.random.key(0,
+                                impl=rec["key_impl"])).shape):])
+    shape = tuple(int(d) for d in x.shape)
+    rec.update(dtype=dtype_name(x.dtype), shape=list(shape))
+    if isinstance(x, jax.Array):
+        rec["sharding"] = describe_sharding(x.sharding)
+        on_cpu = all(d.platform == "cpu" for d in x.sharding.device_set)
+        shards = tuple(Shard(_box(s.index, shape), _host(s.data, copy or not on_cpu))
+                       for s in x.addressable_shards if s.replica_id == 0)
+    else:
+        rec["sharding"] = None
+        shards = (Shard(tuple((0, d) for d in shape), _host(x, copy)),)
+    return LeafPlan(path, rec, shards)
+
+
+def _value_record(path, x: Any, kind: str) -> dict[str, Any]:
+    rec: dict[str, Any] = {"path": tree_mod.path_to_json(path), "kind": kind}
+    if kind == "empty":
+        rec["empty"] = tree_mod.empty_kind(x)
+    elif kind == "string":
+        rec["value"] = x
+    else:  # Python scalar: ints and bools exactly in JSON, floats as their bytes (NaN payloads, -0.0)
+        py = type(x).__name__ if type(x) in (bool, int, float, complex) else (
+            "bool" if isinstance(x, bool) else "int" if isinstance(x, int) else
+            "float" if isinstance(x, float) else "complex")
+        rec["py_type"] = py
+        rec["value"] = {"bool": bool, "int": int}[py](x) if py in ("bool", "int") else \
+            np.asarray(x, np.float64 if py == "float" else np.complex128).tobytes().hex()
+    return rec
+
+
+def snapshot(tree: Any, *, copy: bool = True) -> Snapshot:
+    """Copies every array this process writes to host memory (``copy=False`` reuses host buffers
+    where possible: for synchronous saves, where nothing can change them meanwhile)."""
+    t0 = time.perf_counter()
+    flat, _ = tree_mod.flatten(tree)
+    kinds = tree_mod.classify_all(flat)
+    for (_, x), kind in zip(flat, kinds):  # start every device-to-host transfer before waiting on any
+        if kind == "jax" and not all(d.platform == "cpu" for d in x.sharding.device_set):
+            x.copy_to_host_async()
+
+    def plan(i: int) -> LeafPlan:
+        (path, x), kind = flat[i], kinds[i]
+        if kind in ("jax", "numpy", "prng_key"):
+            return _array_plan(path, x, kind, copy)
+        return LeafPlan(path, _value_record(path, x, kind))
+
+    big = [i for i, (_, x) in enumerate(flat) if getattr(x, "nbytes", 0) > (1 << 20)]
+    leaves: list[Any] = [None] * len(flat)
+    if len(big) > 1:
+        with ThreadPoolExecutor(min(4, len(big))) as pool:
+            for i, p in zip(big, pool.map(plan, big)):
+                leaves[i] = p
+    for i in range(len(flat)):
+        if leaves[i] is None:
+            leaves[i] = plan(i)
+    nbytes = sum(s.data.nbytes for p in leaves for s in p.shards)
+    return Snapshot(leaves, nbytes, time.perf_counter() - t0)
+
+
+def write_snapshot(snap: Snapshot, storage: Storage, serializer: Serializer, tag: str = "p0") -> Written:
+    return serializer.write(storage, snap.items(), tag=tag)
+
+
+def manifest_bytes(snap: Snapshot, written: list[Written], serializer: Serializer, *, step: int | None,
+                   metrics: dict | None, metadata: Any, process_count: int = 1) -> bytes:
+    leaves = []
+    for i, p in enumerate(snap.leaves):
+        rec = dict(p.record)
+        if "dtype" in rec:
+            rec["chunks"] = [c for w in written for c in w.chunks.get(i, [])]
+        leaves.append(rec)
+    files = {name: size for w in written for name, size in w.files.items()}
+    body = {"step": step, "metrics": _jsonable(metrics, "metrics"), "metadata": _jsonable(metadata, "metadata"),
+            "created": time.time(), "process_count": process_count, "serializer": serializer.name,
+            "files": files, "leaves": leaves}
+    return encode(body)
+
+
+def _jsonable(obj: Any, what: str) -> Any:
+    if obj is None:
+        return None
+    try:
+        return json.loads(json.dumps(obj, default=_json_default))
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{what} must be JSON-serializable (no pickle is used): {e}") from None
+
+
+def _json_default(x: Any) -> Any:
+    if isinstance(x, (np.generic, np.ndarray, jax.Array)) and np.ndim(x) == 0:
+        return np.asarray(x).item()
+    raise TypeError(f"{type(x).__name__} is not JSON-serializable")
+
+
+def split_path(path: Any) -> tuple[Storage, str]:
+    """(parent storage, final name) of a checkpoint path."""
+    if isinstance(path, (dict,)):
+        raise TypeError("pass a path or URL; for a kvstore spec, open it with flax_ckpt.storage.open_storage")
+    s = os.fspath(path).rstrip("/")
+    if "://" in s and not s.startswith("file://"):
+        head, name = s.rsplit("/", 1)
+        return open_storage(head), name
+    if s.startswith("file://"):
+        s = s[len("file://"):]
+    s = os.path.abspath(s)
+    return LocalStorage(os.path.dirname(s)), os.path.basename(s)
+
+
+def save(path: Any, tree: Any, *, metadata: Any = None, serializer: "str | Serializer | None" = None,
+         step: int | None = None, metrics: dict | None = None, format: str = "flax_ckpt") -> None:
+    """Synchronous, atomic save of ``tree`` to ``path`` (which must not exist).
+
+    ``format="orbax"`` writes Orbax's layout (restorable by orbax-checkpoint; see orbax_compat)."""
+    if format == "orbax":
+        from . import orbax_compat
+        return orbax_compat.save(path, tree, metadata=metadata)
+    if format != "flax_ckpt":
+        raise ValueError(f"unknown format {format!r}; use 'flax_ckpt' or 'orbax'")
+    parent, name = split_path(path)
+    ser = get_serializer(serializer)
+    snap = snapshot(tree, copy=False)
+    staging = commit_mod.staging_name(parent, name)
+    _jsonable(metadata, "metadata")
+    try:
+        written = write_snapshot(snap, parent.sub(staging), ser)
+        data = manifest_bytes(snap, [written], ser, step=step, metrics=metrics, metadata=metadata)
+        commit_mod.commit(parent, staging, name, data)
+    except BaseException:
+        commit_mod.abort(parent, staging)
+        raise
+
+
+# -------------------------------------------------------------------------------------------- restore
+
+def read_manifest(storage: Storage) -> dict[str, Any]:
+    """The validated manifest body of the checkpoint folder ``storage``."""
+    where = f"{storage.url}/{MANIFEST}"
+    try:
+        raw = storage.read(MANIFEST, MAX_MANIFEST_BYTES)
+    except (FileNotFoundError, NotADirectoryError):
+        if isinstance(storage, LocalStorage) and not os.path.exists(storage.root):
+            raise CheckpointNotFoundError(f"no checkpoint at {storage.url} (the path does not exist)") from None
+        if isinstance(storage, LocalStorage) and not storage.isdir():
+            raise CheckpointNotFoundError(f"{storage.url} is a file, not a checkpoint folder") from None
+        if not isinstance(storage, LocalStorage) and not storage.list():
+            raise CheckpointNotFoundError(f"no checkpoint at {storage.url}") from None
+        raise CheckpointNotCommittedError(
+            f"{storage.url} holds no committed checkpoint (no {MANIFEST}: a save in flight or one that "
+            "crashed); it is never read") from None
+    body = decode(raw, where)
+    ser = get_serializer(body["serializer"])
+    for i, leaf in enumerate(body["leaves"]):
+        if "chunks" in leaf:
+            ser.validate(leaf, body["files"], f"{where}: leaves[{i}] ({tree_mod.keystr(tree_mod.path_from_json(leaf['path']))})")
+    return body
+
+
+def open_checkpoint(path: Any) -> tuple[Storage, dict[str, Any]]:
+    parent, name = split_path(path)
+    storage = parent.sub(name)
+    if commit_mod.is_temporary(name):
+        raise CheckpointNotCommittedError(f"{storage.url} is the folder of a save in flight or one that "
+                                          "crashed; it is never read")
+    return storage, read_manifest(storage)
+
+
+def _describe(rec: dict[str, Any]) -> str:
+    if rec["kind"] in ("jax", "numpy"):
+        return f"{rec['dtype']}{list(rec['shape'])}".replace(" ", "")
+    if rec["kind"] == "prng_key":
+        return f"key<{rec['key_impl']}>{rec['shape'][:len(rec['shape']) - len(rec['key_shape'])]}".replace(" ", "")
+    if rec["kind"] == "scalar":
+        return f"Python {rec['py_type']}"
+    if rec["kind"] == "string":
+        return "str"
+    return {"none": "None", "dict": "{}", "list": "[]", "tuple": "()"}[rec["empty"]]
+
+
+def _describe_target(t: Any) -> str:
+    if tree_mod.is_prng_key(t):
+        return f"key<{jax.random.key_impl(t) if isinstance(t, jax.Array) else t.dtype}>{list(t.shape)}".replace(" ", "")
+    if hasattr(t, "shape") and hasattr(t, "dtype"):
+        return f"{np.dtype(t.dtype).name}{list(t.shape)}".replace(" ", "")
+    if isinstance(t, (bool, int, float, complex)):
+        return f"Python {type(t).__name__}"
+    if isinstance(t, str):
+        return "str"
+    kind = tree_mod.empty_kind(t)
+    return {"none": "None", "dict": "{}", "list": "[]", "tuple": "()"}.get(kind or "", type(t).__name__)
+
+
+def _compatible(t: Any, rec: dict[str, Any]) -> bool:
+    kind = rec["kind"]
+    if tree_mod.empty_kind(t) is not None:
+        return kind == "empty" and rec["empty"] == tree_mod.empty_kind(t)
+    if tree_mod.is_prng_key(t):
+        impl = str(jax.random.key_impl(t)) if isinstance(t, jax.Array) else None
+        return kind == "prng_key" and (impl is None or impl == rec["key_impl"]) and \
+            list(t.shape) == rec["shape"][:len(rec["shape"]) - len(rec["key_shape"])]
+    if hasattr(t, "shape") and hasattr(t, "dtype"):
+        return kind in ("jax", "numpy") and np.dtype(t.dtype).name == rec["dtype"] and \
+            list(t.shape) == rec["shape"]
+    if isinstance(t, (bool, int, float, complex)):
+        return kind == "scalar" and rec["py_type"] == type(t).__name__
+    if isinstance(t, str):
+        return kind == "string"
+    return False
+
+
+def _scalar(rec: dict[str, Any]) -> Any:
+    py = rec["py_type"]
+    if py in ("bool", "int"):
+        return rec["value"]
+    dt = np.float64 if py == "float" else np.complex128
+    return {"float": float, "complex": complex}[py](np.frombuffer(bytes.fromhex(rec["value"]), dt)[0])
+
+
+@dataclass
+class _Reader:
+    storage: Storage
+    body: dict[str, Any]
+    where: str
+    serializer: Serializer = field(init=False)
+
+    def __post_init__(self):
+        self.serializer = get_serializer(self.body["serializer"])
+
+    def host(self, rec: dict[str, Any], box=None) -> np.ndarray:
+        shape = tuple(rec["shape"])
+        box = box or tuple((0, d) for d in shape)
+        out = np.empty(tuple(e - s for s, e in box), dtype_from_name(rec["dtype"]))
+        self.serializer.read(self.storage, rec, box, out, f"{self.where} leaf {_name(rec)!r}")
+        return out
+
+    def sharded(self, rec: dict[str, Any], sharding: jax.sharding.Sharding) -> jax.Array:
+        shape = tuple(rec["shape"])
+        idx_map = sharding.addressable_devices_indices_map(shape)
+        cache: dict[Any, np.ndarray] = {}
+        arrays = []
+        for dev, index in idx_map.items():
+            box = _box(index, shape)
+            if box not in cache:
+                cache[box] = self.host(rec, box)
+            arrays.append(jax.device_put(cache[box], dev))
+        return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
+
+    def value(self, rec: dict[str, Any], target: Any, sharding: Any) -> Any:
+        kind = rec["kind"]
+        if kind == "empty":
+            return target if target is not None or rec["empty"] == "none" else \
+                {"none": None, "dict": {}, "list": [], "tuple": ()}[rec["empty"]]
+        if kind == "string":
+            return rec["value"]
+        if kind == "scalar":
+            return _scalar(rec)
+        if kind == "prng_key":
+            data = self.host(rec)
+            key = jax.random.wrap_key_data(data, impl=rec["key_impl"])
+            sharding = sharding or getattr(target, "sharding", None)
+            return jax.device_put(key, sharding) if sharding is not None else key
+        if sharding is None and target is not None:
+            sharding = getattr(target, "sharding", None)
+        if sharding is None:
+            if target is not None and isinstance(target, (jax.Array, jax.ShapeDtypeStruct)):
+                return jax.device_put(self.host(rec))
+            arr = self.host(rec)
+            return arr[()] if isinstance(target, np.generic) else arr
+        return self.sharded(rec, sharding)
+
+
+def _name(rec: dict[str, Any]) -> str:
+    return tree_mod.keystr(tree_mod.path_from_json(rec["path"]))
+
+
+def _flat_shardings(shardings: Any, keys: list[str]) -> dict[str, Any]:
+    if shardings is None:
+        return {}
+    if isinstance(shardings, jax.sharding.Sharding):
+        return {k: shardings for k in keys}
+    flat, _ = jax.tree_util.tree_flatten_with_path(
+        shardings, is_leaf=lambda x: x is None or isinstance(x, jax.sharding.Sharding))
+    return {tree_mod.keystr(tuple(tree_mod._entry(k) for k in p)): s for p, s in flat}
+
+
+def restore(path: Any, target: Any = None, *, shardings: Any = None, partial: bool = False) -> Any:
+    """Restores ``path`` into ``target``'s structure (or plain containers of numpy arrays)."""
+    if _is_orbax(path):
+        from . import orbax_compat
+        return orbax_compat.restore(path, target, shardings=shardings, partial=partial)
+    storage, body = open_checkpoint(path)
+    return restore_body(storage, body, target, shardings=shardings, partial=partial)
+
+
+def restore_body(storage: Storage, body: dict[str, Any], target: Any = None, *, shardings: Any = None,
+                 partial: bool = False) -> Any:
+    where = f"{storage.url}/{MANIFEST}"
+    saved = {_name(rec): rec for rec in body["leaves"]}
+    reader = _Reader(storage, body, where)
+    if target is None:
+        shard_map = _flat_shardings(shardings, list(saved))
+        keys = list(saved)
+        values = _read_all(reader, [(saved[k], None, shard_map.get(k)) for k in keys])
+        return tree_mod.nest((tree_mod.path_from_json(saved[k]["path"]), v) for k, v in zip(keys, values))
+    flat, treedef = tree_mod.flatten(target)
+    keys = [tree_mod.keystr(p) for p, _ in flat]
+    missing = [k for k in keys if k not in saved]
+    unexpected = [] if partial else [k for k in saved if k not in set(keys)]
+    if missing or unexpected:
+        raise StructureMismatchError(
+            f"restore of {storage.url}: the target's structure differs from the checkpoint's. "
+            + (f"In the target but not the checkpoint: {format_list(missing)}. " if missing else "")
+            + (f"In the checkpoint but not the target: {format_list(unexpected)} "
+               "(pass partial=True to restore only the target's sub-tree). " if unexpected else "")
+            + f"Checkpoint: {where}")
+    bad = [f"{k!r}: expected {_describe_target(t)} (target), found {_describe(saved[k])}"
+           for k, (_, t) in zip(keys, flat) if not _compatible(t, saved[k])]
+    if bad:
+        raise LeafMismatchError(f"restore of {len(bad)} leaves does not match the target: " + "; ".join(bad)
+                                + f" in {where}")
+    shard_map = _flat_shardings(shardings, keys)
+    values = _read_all(reader, [(saved[k], t, shard_map.get(k)) for k, (_, t) in zip(keys, flat)])
+    return jax.tree_util.tree_unflatten(treedef, values)
+
+
+def _read_all(reader: _Reader, jobs: list[tuple[dict, Any, Any]]) -> list[Any]:
+    sizes = [math.prod(r["shape"]) if "shape" in r else 0 for r, _, _ in jobs]
+    if sum(1 for s in sizes if s > (1 << 16)) < 2:
+        return [reader.value(*j) for j in jobs]
+    with ThreadPoolExecutor(_IO_THREADS) as pool:
+        return list(pool.map(lambda j: reader.value(*j), jobs))
+
+
+# ------------------------------------------------------------------------------------------- metadata
+
+@dataclass(frozen=True)
+class LeafInfo:
+    """What the manifest says of one leaf; reads no array bytes."""
+
+    kind: str
+    shape: tuple[int, ...] | None
+    dtype: np.dtype | None
+    sharding: dict[str, Any] | None
+    nbytes: int
+
+    def __repr__(self) -> str:
+        return f"LeafInfo({self.kind}, {self.dtype}{list(self.shape) if self.shape is not None else ''})"
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """fc.metadata(path): the tree of LeafInfo, step, metrics, user metadata; reads no array bytes."""
+
+    path: str
+    tree: Any
+    leaves: dict[str, LeafInfo]
+    step: int | None
+    metrics: dict[str, Any] | None
+    metadata: Any
+    created: float
+    process_count: int
+    serializer: str
+    nbytes: int
+    format: str = "flax_ckpt"
+
+
+def leaf_info(rec: dict[str, Any]) -> LeafInfo:
+    if "dtype" not in rec:
+        return LeafInfo(rec["kind"], None, None, None, 0)
+    dt = dtype_from_name(rec["dtype"])
+    shape = tuple(rec["shape"])
+    if rec["kind"] == "prng_key":
+        shape = shape[:len(shape) - len(rec["key_shape"])]
+    return LeafInfo(rec["kind"], shape, dt, rec.get("sharding"), math.prod(rec["shape"]) * dt.itemsize)
+
+
+def info_from_body(url: str, body: dict[str, Any]) -> CheckpointInfo:
+    leaves = {_name(r): leaf_info(r) for r in body["leaves"]}
+    nested = tree_mod.nest((tree_mod.path_from_json(r["path"]), leaves[_name(r)]) for r in body["leaves"])
+    return CheckpointInfo(url, nested, leaves, body["step"], body["metrics"], body.get("metadata"),
+                          body["created"], body["process_count"], body["serializer"],
+                          sum(i.nbytes for i in leaves.values()))
+
+
+def _is_orbax(path: Any) -> bool:
+    parent, name = split_path(path)
+    folder = parent.sub(name)
+    try:
+        folder.check_size(MANIFEST, 1)
+        return False
+    except Exception:
+        pass
+    from . import orbax_compat
+    return orbax_compat.is_orbax(path)
+
+
+def metadata(path: Any) -> CheckpointInfo:
+    if _is_orbax(path):
+        from . import orbax_compat
+        return orbax_compat.metadata(path)
+    storage, body = open_checkpoint(path)
+    return info_from_body(storage.url, body)
+
+

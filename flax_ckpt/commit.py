@@ -1,0 +1,87 @@
+"""Atomic commit: a checkpoint becomes visible all at once, or not at all.
+
+Two protocols behind one small interface, chosen by the storage:
+- rename (local file systems): write into ``<name>.tmp-<uuid>/``, fsync files and folders, write the
+  manifest, fsync, rename to ``<name>``, fsync the parent. A crash leaves a tmp folder, never read.
+- commit object (object stores, no rename): write data in place, then the manifest last; it is the
+  commit record. Deletion removes the manifest first, so a half-deleted step is never read as committed.
+One process commits, after every process has written (distributed.py arranges the agreement).
+"""
+
+from __future__ import annotations
+
+import errno
+import uuid
+
+from .errors import CheckpointExistsError
+from .format import MANIFEST
+from .storage import LocalStorage, Storage, fsync_dir
+
+TMP_MARK = ".tmp-"
+DELETING_MARK = ".deleting-"
+
+
+def is_temporary(entry: str) -> bool:
+    """Names of in-flight saves and interrupted deletions: never checkpoints, removable by a manager."""
+    return TMP_MARK in entry or DELETING_MARK in entry
+
+
+def is_committed(parent: Storage, name: str) -> bool:
+    try:
+        parent.sub(name).check_size(MANIFEST, 1)
+        return True
+    except Exception:
+        return False
+
+
+def staging_name(parent: Storage, name: str, nonce: str | None = None) -> str:
+    """Where a save of ``name`` writes before commit; refuses a name that is already taken."""
+    if is_committed(parent, name):
+        raise CheckpointExistsError(f"{parent.url}/{name} is a committed checkpoint; checkpoints are never "
+                                    "overwritten (save to a new path or delete it first)")
+    if not parent.supports_rename:
+        return name
+    if isinstance(parent, LocalStorage) and parent.sub(name).list():
+        raise CheckpointExistsError(f"{parent.url}/{name} exists and is not a committed checkpoint; "
+                                    "remove it or save elsewhere")
+    return f"{name}{TMP_MARK}{nonce or uuid.uuid4().hex}"
+
+
+def commit(parent: Storage, staging: str, name: str, manifest: bytes) -> None:
+    """Writes the manifest and makes ``staging`` visible as ``name`` atomically."""
+    step = parent.sub(staging)
+    step.write(MANIFEST, [manifest])
+    if not parent.supports_rename:
+        return
+    assert isinstance(parent, LocalStorage)
+    parent.fsync_tree(staging)
+    try:
+        parent.rename(staging, name)
+    except OSError as e:
+        if e.errno in (errno.EEXIST, errno.ENOTEMPTY):
+            raise CheckpointExistsError(f"{parent.url}/{name} appeared while saving; not overwritten "
+                                        f"(the new data stays in {staging} until cleaned up)") from e
+        raise
+    fsync_dir(parent.root)
+
+
+def abort(parent: Storage, staging: str) -> None:
+    """Removes what an uncommitted save wrote (never a committed checkpoint)."""
+    if parent.supports_rename and not is_temporary(staging):
+        return
+    if not parent.supports_rename and is_committed(parent, staging):
+        return
+    parent.delete(staging)
+
+
+def remove(parent: Storage, name: str) -> None:
+    """Deletes a committed checkpoint, un-committing it first (atomically) so it is never half-read."""
+    if parent.supports_rename:
+        assert isinstance(parent, LocalStorage)
+        gone = f"{name}{DELETING_MARK}{uuid.uuid4().hex}"
+        parent.rename(name, gone)
+        fsync_dir(parent.root)
+        parent.delete(gone)
+    else:
+        parent.sub(name).delete(MANIFEST)
+        parent.delete(name)

@@ -1,0 +1,91 @@
+"""The exception hierarchy of flax_ckpt.
+
+Every error the library raises on purpose is a `CheckpointError`. Each subclass's docstring says what
+causes it and what to do. Messages name the checkpoint path and, where one applies, the leaf's key path.
+Nothing here has behaviour beyond formatting; it is imported by every other module.
+"""
+
+from __future__ import annotations
+
+
+class CheckpointError(Exception):
+    """Base class of every error raised by flax_ckpt."""
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """No checkpoint at the given path. Check the path (and the step, for a manager)."""
+
+
+class CheckpointNotCommittedError(CheckpointError):
+    """The folder exists but holds no committed checkpoint (a save still in flight, or one that crashed).
+
+    It is never read. A manager removes leftovers of crashed saves when it starts.
+    """
+
+
+class CheckpointExistsError(CheckpointError, FileExistsError):
+    """A committed checkpoint (or another folder) already exists where a save was asked to write.
+
+    Checkpoints are never overwritten: save to a new path, or delete the old one first.
+    """
+
+
+class InvalidManifestError(CheckpointError):
+    """The manifest is not valid JSON, has an unknown format version, or fails validation
+    (locations outside the checkpoint, impossible shapes, wrong field types). The checkpoint is
+    damaged or was not written by flax_ckpt; nothing outside its folder is read."""
+
+
+class CorruptCheckpointError(CheckpointError):
+    """Stored bytes do not match their checksum, or a data file is missing or truncated.
+
+    The message names the file and the leaf. Restore an older step; a manager does so itself
+    (with a warning) unless it was created with strict=True.
+    """
+
+
+class TargetMismatchError(CheckpointError):
+    """The restore target does not match what the checkpoint holds."""
+
+
+class StructureMismatchError(TargetMismatchError):
+    """The target's tree structure differs from the checkpoint's: the message lists the key paths
+    missing from the checkpoint and those in the checkpoint but not in the target. Pass
+    ``partial=True`` to restore a sub-tree of what was saved."""
+
+
+class LeafMismatchError(TargetMismatchError):
+    """Some leaves' shape, dtype or kind differ between target and checkpoint; the message lists
+    every one with both values. Fix the target (for example the model config) or cast after restore."""
+
+
+class UnsupportedLeafError(CheckpointError, TypeError):
+    """A leaf of a type that cannot be stored (a function, an arbitrary object). Nothing was written.
+
+    Store only arrays, Python scalars, strings and None; rebuild other objects in code."""
+
+
+class CheckpointLockedError(CheckpointError):
+    """Another CheckpointManager (in this or another live process) holds the directory's lock.
+
+    Close the other manager. A lock held by a process that died is released by the operating system."""
+
+
+class SaveFailedError(CheckpointError):
+    """A background save failed; its cause is the original exception (with its traceback).
+
+    The failed step was not committed and older checkpoints are untouched."""
+
+
+class StorageError(CheckpointError):
+    """A storage backend failed permanently (permission denied, missing bucket, ...). Names the URL."""
+
+
+class DistributedError(CheckpointError):
+    """Processes of a multi-process job did not agree in time (a peer died or hangs)."""
+
+
+def format_list(items: list[str], limit: int = 20) -> str:
+    """Formats a list of names for an error message, eliding past ``limit`` entries."""
+    shown = ", ".join(repr(i) for i in items[:limit])
+    return shown + (f", ... ({len(items) - limit} more)" if len(items) > limit else "")

@@ -1,0 +1,227 @@
+"""The on-disk layout of a native checkpoint: the manifest's schema, its versions and its validation.
+
+A checkpoint is a folder holding ``manifest.json`` plus whatever the serializer wrote. The manifest is
+also the commit record: a folder without a valid manifest is not a checkpoint. Its body is covered by
+a crc32c, and every field is validated before anything it names is read, so a damaged or hostile
+manifest gives an InvalidManifestError and never a read outside the folder or an absurd allocation.
+Nothing here touches array bytes; storage access goes through a Storage.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import posixpath
+from typing import Any
+
+import crc32c
+import ml_dtypes
+import numpy as np
+
+from .errors import InvalidManifestError
+
+MANIFEST = "manifest.json"
+FORMAT_NAME = "flax_ckpt"
+FORMAT_VERSION = 1
+MAX_MANIFEST_BYTES = 256 << 20
+MAX_NDIM = 64
+MAX_DIM = 1 << 48
+MAX_ARRAY_BYTES = 1 << 50
+MAX_PATH_DEPTH = 512
+MAX_CHUNKS_PER_LEAF = 1 << 20
+LEAF_KINDS = ("jax", "numpy", "prng_key", "scalar", "string", "empty")
+EMPTY_KINDS = ("none", "dict", "list", "tuple")
+PY_TYPES = ("bool", "int", "float", "complex")
+
+
+def dtype_from_name(name: str) -> np.dtype:
+    """numpy dtype names plus ml_dtypes ones (bfloat16, float8_e4m3fn, int4, ...)."""
+    if not isinstance(name, str) or not name.isidentifier():
+        raise ValueError(f"not a dtype name: {name!r}")
+    ml = getattr(ml_dtypes, name, None)
+    if ml is not None and isinstance(ml, type):
+        return np.dtype(ml)
+    dt = np.dtype(name)
+    if dt.kind not in "biufc":
+        raise ValueError(f"unsupported dtype {name!r}")
+    return dt
+
+
+def dtype_name(dt: np.dtype) -> str:
+    return np.dtype(dt).name
+
+
+def encode(body: dict[str, Any]) -> bytes:
+    """The manifest file's bytes: a header with the crc32c of the canonical body, then the body."""
+    canon = json.dumps(body, sort_keys=True, separators=(",", ":"))
+    head = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "crc32c": crc32c.crc32c(canon.encode())}
+    return (json.dumps(head)[:-1] + ', "body": ' + canon + "}\n").encode()
+
+
+def decode(raw: bytes, where: str) -> dict[str, Any]:
+    """Parses and verifies a manifest file; returns its validated body."""
+    if len(raw) > MAX_MANIFEST_BYTES:
+        raise InvalidManifestError(f"{where}: manifest of {len(raw)} bytes exceeds {MAX_MANIFEST_BYTES}")
+    try:
+        doc = json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        raise InvalidManifestError(f"{where}: not valid JSON ({e}); the checkpoint is damaged") from None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
+        raise InvalidManifestError(f"{where}: not a flax_ckpt manifest (no \"format\": \"{FORMAT_NAME}\")")
+    version = doc.get("version")
+    if version != FORMAT_VERSION:
+        raise InvalidManifestError(
+            f"{where}: unknown format version {version!r}; this flax_ckpt reads version {FORMAT_VERSION}. "
+            "Upgrade flax_ckpt to read it.")
+    body = doc.get("body")
+    if not isinstance(body, dict):
+        raise InvalidManifestError(f"{where}: manifest has no body object")
+    canon = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+    if crc32c.crc32c(canon) != doc.get("crc32c"):
+        raise InvalidManifestError(f"{where}: manifest checksum mismatch (expected {doc.get('crc32c')!r}, "
+                                   f"found {crc32c.crc32c(canon)}); the manifest was modified or damaged")
+    validate_body(body, where)
+    return body
+
+
+class _Check:
+    """Field checks that raise InvalidManifestError naming the field."""
+
+    def __init__(self, where: str):
+        self.where = where
+
+    def fail(self, field: str, msg: str):
+        raise InvalidManifestError(f"{self.where}: field {field}: {msg}")
+
+    def typed(self, obj: Any, key: str, types, field: str, optional: bool = False):
+        if not isinstance(obj, dict):
+            self.fail(field, f"expected an object, found {type(obj).__name__}")
+        if key not in obj:
+            if optional:
+                return None
+            self.fail(f"{field}.{key}", "missing")
+        v = obj[key]
+        if optional and v is None:
+            return None
+        if isinstance(v, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
+            self.fail(f"{field}.{key}", f"expected {types}, found bool")
+        if not isinstance(v, types):
+            self.fail(f"{field}.{key}", f"expected {getattr(types, '__name__', types)}, found {type(v).__name__}")
+        return v
+
+    def nonneg_int(self, v: Any, field: str, limit: int):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0 or v > limit:
+            self.fail(field, f"expected an integer in [0, {limit}], found {v!r}")
+        return v
+
+
+def check_relpath(name: Any, field: str, where: str) -> str:
+    """A stored location must be a plain relative path inside the checkpoint folder."""
+    if (not isinstance(name, str) or not name or name.startswith("/") or "\\" in name or "\0" in name
+            or posixpath.normpath(name) != name or name.split("/")[0] in ("..", ".")
+            or any(p in ("..", ".", "") for p in name.split("/")) or name == MANIFEST):
+        raise InvalidManifestError(f"{where}: field {field}: location {name!r} is not a relative path inside "
+                                   "the checkpoint folder; refusing to read it")
+    return name
+
+
+def validate_leaf(leaf: Any, i: int, c: _Check) -> None:
+    f = f"leaves[{i}]"
+    path = c.typed(leaf, "path", list, f)
+    if len(path) > MAX_PATH_DEPTH:
+        c.fail(f + ".path", f"deeper than {MAX_PATH_DEPTH}")
+    for j, e in enumerate(path):
+        if (not isinstance(e, list) or len(e) != 2 or e[0] not in ("key", "attr", "idx")
+                or isinstance(e[1], bool) or not isinstance(e[1], (str, int))
+                or (e[0] == "idx" and (not isinstance(e[1], int) or not 0 <= e[1] < 1 << 31))
+                or (e[0] == "attr" and not isinstance(e[1], str))):
+            c.fail(f"{f}.path[{j}]", f"expected [\"key\"|\"attr\"|\"idx\", key], found {e!r}")
+    kind = c.typed(leaf, "kind", str, f)
+    if kind not in LEAF_KINDS:
+        c.fail(f + ".kind", f"unknown leaf kind {kind!r}")
+    if kind == "string":
+        c.typed(leaf, "value", str, f)
+    elif kind == "empty":
+        if c.typed(leaf, "empty", str, f) not in EMPTY_KINDS:
+            c.fail(f + ".empty", f"unknown {leaf['empty']!r}")
+    elif kind == "scalar":
+        py = c.typed(leaf, "py_type", str, f)
+        if py not in PY_TYPES:
+            c.fail(f + ".py_type", f"unknown {py!r}")
+        if py in ("bool", "int"):
+            c.typed(leaf, "value", bool if py == "bool" else int, f)
+        else:
+            hexv = c.typed(leaf, "value", str, f)
+            if len(hexv) != (16 if py == "float" else 32) or any(ch not in "0123456789abcdef" for ch in hexv):
+                c.fail(f + ".value", f"expected hex bytes of a {py}, found {hexv!r}")
+    else:
+        validate_array(leaf, f, c)
+
+
+def validate_array(leaf: dict, f: str, c: _Check) -> None:
+    try:
+        dt = dtype_from_name(c.typed(leaf, "dtype", str, f))
+    except (TypeError, ValueError) as e:
+        c.fail(f + ".dtype", str(e))
+    shape = c.typed(leaf, "shape", list, f)
+    if len(shape) > MAX_NDIM:
+        c.fail(f + ".shape", f"more than {MAX_NDIM} dimensions")
+    for d in shape:
+        c.nonneg_int(d, f + ".shape", MAX_DIM)
+    nbytes = math.prod(shape) * dt.itemsize
+    if nbytes > MAX_ARRAY_BYTES:
+        c.fail(f + ".shape", f"{shape} of {dt} is {nbytes} bytes, more than any checkpoint holds")
+    if leaf["kind"] == "prng_key":
+        c.typed(leaf, "key_impl", str, f)
+        c.typed(leaf, "key_shape", list, f)
+    c.typed(leaf, "sharding", dict, f, optional=True)
+    chunks = c.typed(leaf, "chunks", list, f)
+    if len(chunks) > MAX_CHUNKS_PER_LEAF:
+        c.fail(f + ".chunks", "too many chunks")
+    volume = 0
+    for j, ch in enumerate(chunks):
+        index = c.typed(ch, "index", list, f"{f}.chunks[{j}]")
+        if len(index) != len(shape):
+            c.fail(f"{f}.chunks[{j}].index", f"rank {len(index)} differs from shape {shape}")
+        for k, b in enumerate(index):
+            if (not isinstance(b, list) or len(b) != 2 or any(isinstance(x, bool) or not isinstance(x, int) for x in b)
+                    or not 0 <= b[0] <= b[1] <= shape[k]):
+                c.fail(f"{f}.chunks[{j}].index", f"{b!r} is not inside dimension {k} of {shape}")
+        volume += math.prod(b - a for a, b in index)
+    if volume != math.prod(shape) or not _disjoint([ch["index"] for ch in chunks]):
+        c.fail(f + ".chunks", f"chunks do not tile the array of shape {shape} exactly")
+
+
+def _disjoint(boxes: list[list[list[int]]]) -> bool:
+    nonempty = [b for b in boxes if all(s < e for s, e in b)]
+    if len(nonempty) < 2:
+        return True
+    a = np.asarray(nonempty, dtype=np.int64)  # (n, ndim, 2)
+    if len(a) > 4096:  # volume already matches; pairwise check is quadratic
+        return len({tuple(map(tuple, b)) for b in nonempty}) == len(nonempty)
+    lo = np.maximum(a[:, None, :, 0], a[None, :, :, 0])
+    hi = np.minimum(a[:, None, :, 1], a[None, :, :, 1])
+    overlap = np.all(lo < hi, axis=-1)
+    np.fill_diagonal(overlap, False)
+    return not overlap.any()
+
+
+def validate_body(body: dict, where: str) -> None:
+    c = _Check(where)
+    c.typed(body, "step", int, "body", optional=True)
+    c.typed(body, "metrics", dict, "body", optional=True)
+    c.typed(body, "process_count", int, "body")
+    c.typed(body, "created", (int, float), "body")
+    c.typed(body, "serializer", str, "body")
+    files = c.typed(body, "files", dict, "body")
+    for name, size in files.items():
+        check_relpath(name, f"files[{name!r}]", where)
+        c.nonneg_int(size, f"files[{name!r}]", MAX_ARRAY_BYTES)
+    leaves = c.typed(body, "leaves", list, "body")
+    seen = set()
+    for i, leaf in enumerate(leaves):
+        validate_leaf(leaf, i, c)
+        key = json.dumps(leaf["path"])
+        if key in seen:
+            c.fail(f"leaves[{i}].path", f"duplicate key path {leaf['path']!r}")
+        seen.add(key)

@@ -1,0 +1,142 @@
+"""The numpy-only serializer: shards packed into a few raw files, crc32c per 8 MiB block.
+
+Large shards are split along their first axis into sub-chunks so that writes run in parallel over
+several files and partial reads (resharding) touch only the rows they need. Reads go straight into the
+destination buffer when a chunk is wanted whole. Knows nothing of trees or manifests beyond its own
+chunk fields: {"file", "offset", "nbytes", "block", "crc32c": [per block]}.
+"""
+
+from __future__ import annotations
+
+import math
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Sequence
+
+import crc32c
+import numpy as np
+
+from ..errors import CorruptCheckpointError, InvalidManifestError
+from ..format import check_relpath
+from ..storage import Storage
+from . import ArrayItem, Box, Written, for_each_overlap, local
+
+BLOCK = 8 << 20
+SUBCHUNK = 64 << 20
+MAX_FILES = 8
+
+
+def _crcs(buf: memoryview) -> list[int]:
+    return [crc32c.crc32c(buf[i:i + BLOCK]) for i in range(0, len(buf), BLOCK)] or [0]
+
+
+def _split(box: Box, data: np.ndarray) -> list[tuple[Box, np.ndarray]]:
+    """Splits a shard along axis 0 into pieces of about SUBCHUNK bytes."""
+    if data.ndim == 0 or data.nbytes <= SUBCHUNK or data.shape[0] < 2:
+        return [(box, data)]
+    rows = max(1, SUBCHUNK // max(1, data.nbytes // data.shape[0]))
+    (s0, _), rest = box[0], box[1:]
+    return [(((s0 + r, s0 + min(r + rows, data.shape[0])),) + rest, data[r:r + rows])
+            for r in range(0, data.shape[0], rows)]
+
+
+class RawSerializer:
+    name = "raw"
+
+    def __init__(self, max_files: int = MAX_FILES):
+        self.max_files = max_files
+
+    def write(self, storage: Storage, items: Sequence[ArrayItem], *, tag: str) -> Written:
+        pieces = [(item.leaf, box, np.asarray(data, order="C"))
+                  for item in items for shard in item.shards for box, data in _split(shard.box, shard.data)]
+        total = sum(p[2].nbytes for p in pieces)
+        nfiles = max(1, min(self.max_files, len(pieces), math.ceil(total / SUBCHUNK)))
+        bins: list[list[tuple[int, Box, np.ndarray]]] = [[] for _ in range(nfiles)]
+        load = [0] * nfiles
+        for p in sorted(pieces, key=lambda p: -p[2].nbytes):
+            i = load.index(min(load))
+            bins[i].append(p)
+            load[i] += p[2].nbytes
+        names = [f"data/{tag}.{i}.bin" for i in range(nfiles)]
+        chunks: dict[int, list[dict[str, Any]]] = {item.leaf: [] for item in items}
+
+        def write_file(i: int) -> None:
+            offset, bufs = 0, []
+            for leaf, box, data in bins[i]:
+                mv = memoryview(data.reshape(-1).view(np.uint8)) if data.size else memoryview(b"")
+                chunks[leaf].append({"index": [list(b) for b in box], "file": names[i], "offset": offset,
+                                     "nbytes": len(mv), "block": BLOCK, "crc32c": _crcs(mv)})
+                bufs.append(mv)
+                offset += len(mv)
+            storage.write(names[i], bufs)
+
+        if nfiles == 1:
+            write_file(0)
+        else:
+            with ThreadPoolExecutor(nfiles) as pool:
+                list(pool.map(write_file, range(nfiles)))
+        # a leaf with no shards here (zero-size array) still needs its tiling chunk
+        for item in items:
+            if not chunks[item.leaf] and math.prod(item.shape) == 0 and item.shards:
+                chunks[item.leaf].append({"index": [[0, d] for d in item.shape], "file": names[0],
+                                          "offset": 0, "nbytes": 0, "block": BLOCK, "crc32c": [0]})
+        return Written(chunks, dict(zip(names, load)))
+
+    def validate(self, leaf: dict[str, Any], files: dict[str, int], where: str) -> None:
+        itemsize = np.dtype(_dtype(leaf)).itemsize
+        for j, ch in enumerate(leaf["chunks"]):
+            f = f"chunks[{j}]"
+            name = check_relpath(ch.get("file"), f + ".file", where)
+            ints = [ch.get(k) for k in ("offset", "nbytes", "block")]
+            crcs = ch.get("crc32c")
+            if (name not in files or any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in ints)
+                    or ints[2] == 0 or ints[2] % 16 or not isinstance(crcs, list)):
+                raise InvalidManifestError(f"{where}: leaf chunk {f} has invalid raw fields {ch!r}")
+            offset, nbytes, block = ints
+            volume = math.prod(b - a for a, b in ch["index"])
+            if nbytes != volume * itemsize or offset + nbytes > files[name]:
+                raise InvalidManifestError(f"{where}: leaf chunk {f}: {nbytes} bytes at {offset} do not match "
+                                           f"its box ({volume} elements of {itemsize} bytes) or file {name}")
+            if len(crcs) != max(1, math.ceil(nbytes / block)) or not all(
+                    isinstance(c, int) and not isinstance(c, bool) for c in crcs):
+                raise InvalidManifestError(f"{where}: leaf chunk {f}: wrong number of checksums")
+
+    def read(self, storage: Storage, leaf: dict[str, Any], box: Box, out: np.ndarray, where: str) -> None:
+        for chunk, cbox, ov in for_each_overlap(leaf, box):
+            dst = out[local(ov, box)]
+            shape = tuple(e - s for s, e in cbox)
+            if ov == cbox and dst.flags.c_contiguous:
+                buf = memoryview(dst.reshape(-1).view(np.uint8)) if dst.size else memoryview(bytearray(0))
+                self._read_blocks(storage, chunk, 0, len(buf), buf, where)
+                continue
+            # rows [r0, r1) of the chunk along axis 0 hold the overlap; read and verify just those
+            rowbytes = chunk["nbytes"] // shape[0] if shape and shape[0] else chunk["nbytes"]
+            r0, r1 = (ov[0][0] - cbox[0][0], ov[0][1] - cbox[0][0]) if shape else (0, 1)
+            tmp = np.empty(((r1 - r0) * rowbytes,), np.uint8)
+            self._read_blocks(storage, chunk, r0 * rowbytes, r1 * rowbytes, memoryview(tmp), where)
+            rows = tmp.view(out.dtype).reshape((r1 - r0,) + shape[1:])
+            dst[...] = rows[(slice(None),) + local(ov, cbox)[1:]]
+
+    def _read_blocks(self, storage: Storage, chunk: dict, lo: int, hi: int, out: memoryview, where: str) -> None:
+        """Reads chunk bytes [lo, hi) into out, verifying every block they touch."""
+        block, nbytes, crcs = chunk["block"], chunk["nbytes"], chunk["crc32c"]
+        if hi <= lo:
+            return
+        b0, b1 = lo // block, math.ceil(hi / block)
+        s, e = b0 * block, min(b1 * block, nbytes)
+        aligned = (s == lo and e == hi)
+        buf = out if aligned else memoryview(bytearray(e - s))
+        storage.read_into(chunk["file"], chunk["offset"] + s, buf)
+        for k in range(b0, b1):
+            part = buf[k * block - s: min((k + 1) * block, nbytes) - s]
+            if crc32c.crc32c(part) != crcs[k]:
+                raise CorruptCheckpointError(
+                    f"{where}: checksum mismatch in {chunk['file']} bytes {chunk['offset'] + k * block}.."
+                    f"{chunk['offset'] + k * block + len(part)} (crc32c expected {crcs[k]}, found "
+                    f"{crc32c.crc32c(part)}); the data file is damaged")
+        if not aligned:
+            out[:] = buf[lo - s: hi - s]
+
+
+def _dtype(leaf: dict[str, Any]):
+    from ..format import dtype_from_name
+    return dtype_from_name(leaf["dtype"])

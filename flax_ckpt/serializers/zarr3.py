@@ -1,0 +1,95 @@
+"""The tensorstore serializer: one zarr3 array per leaf, chunked by shard, crc32c codec on every chunk.
+
+Works over any tensorstore kvstore the Storage can name (file, memory, s3, gcs), so its arrays are
+readable by any zarr3 tool. Chunk records are {"array": <folder of the zarr3 array>} plus the box;
+tensorstore verifies each chunk's crc32c as it reads. dtypes tensorstore lacks are stored as unsigned
+integers of the same width ("stored_dtype" in the record).
+"""
+
+from __future__ import annotations
+
+
+from typing import Any, Sequence
+
+import numpy as np
+import tensorstore as ts
+
+from ..errors import CorruptCheckpointError, InvalidManifestError
+from ..format import check_relpath
+from ..storage import Storage
+from . import ArrayItem, Box, Written, for_each_overlap, local
+
+CODECS = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]
+_UNSUPPORTED = {"uint4", "uint2"}
+
+
+def _stored(dtype: np.dtype) -> np.dtype:
+    return np.dtype(f"uint{8 * dtype.itemsize}") if dtype.name in _UNSUPPORTED else dtype
+
+
+def _spec(storage: Storage, name: str, dtype: np.dtype, shape, chunk) -> dict[str, Any]:
+    return {"driver": "zarr3", "kvstore": storage.kvstore_spec(name), "store_data_equal_to_fill_value": True,
+            "metadata": {"shape": list(shape), "data_type": _stored(dtype).name,
+                         "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(chunk)}},
+                         "codecs": CODECS}}
+
+
+class Zarr3Serializer:
+    name = "zarr3"
+
+    def write(self, storage: Storage, items: Sequence[ArrayItem], *, tag: str) -> Written:
+        futures, chunks, opened = [], {}, []
+        for item in items:
+            name = f"z/{item.leaf}"
+            chunk = [max(1, e - s) for s, e in item.shards[0].box] if item.shards else [1] * len(item.shape)
+            spec = _spec(storage, name, item.dtype, item.shape, chunk)
+            arr = ts.open(spec, create=True, open=True).result()
+            opened.append(arr)
+            chunks[item.leaf] = []
+            for shard in item.shards:
+                data = shard.data.view(_stored(item.dtype)) if _stored(item.dtype) != item.dtype else shard.data
+                if data.size:
+                    futures.append(arr[tuple(slice(s, e) for s, e in shard.box)].write(data))
+                cell = "/".join(["c"] + [str(s // c) for (s, _), c in zip(shard.box, chunk)])
+                chunks[item.leaf].append({"index": [list(b) for b in shard.box], "array": name,
+                                          "key": cell, "stored_dtype": _stored(item.dtype).name})
+        for f in futures:
+            f.result()
+        return Written(chunks, {})
+
+    def validate(self, leaf: dict[str, Any], files: dict[str, int], where: str) -> None:
+        for j, ch in enumerate(leaf["chunks"]):
+            check_relpath(ch.get("array"), f"chunks[{j}].array", where)
+            check_relpath(ch.get("key"), f"chunks[{j}].key", where)
+            if not isinstance(ch.get("stored_dtype"), str):
+                raise InvalidManifestError(f"{where}: leaf chunk {j}: missing stored_dtype")
+
+    def read(self, storage: Storage, leaf: dict[str, Any], box: Box, out: np.ndarray, where: str) -> None:
+        handles: dict[str, Any] = {}
+        for chunk, _, ov in for_each_overlap(leaf, box):
+            name = chunk["array"]
+            if name not in handles:
+                try:
+                    handles[name] = ts.open({"driver": "zarr3", "kvstore": storage.kvstore_spec(name)},
+                                            open=True, dtype=chunk["stored_dtype"], shape=leaf["shape"]).result()
+                except Exception as e:
+                    raise CorruptCheckpointError(f"{where}: cannot open zarr3 array {name}: {e}") from e
+            _check_chunk_present(storage, leaf, chunk, where)
+            dst = out[local(ov, box)]
+            try:
+                data = handles[name][tuple(slice(s, e) for s, e in ov)].read().result()
+            except Exception as e:
+                raise CorruptCheckpointError(f"{where}: reading {name} failed (damaged chunk?): {e}") from e
+            dst[...] = data.view(out.dtype) if data.dtype != out.dtype else data
+
+
+def _check_chunk_present(storage: Storage, leaf: dict[str, Any], chunk: dict[str, Any], where: str) -> None:
+    """tensorstore reads a missing chunk as fill value; a chunk we wrote must exist, so check."""
+    box = chunk["index"]
+    if any(s >= e for s, e in box):
+        return
+    key = f"{chunk['array']}/{chunk['key']}"
+    try:
+        storage.read_into(key, 0, memoryview(bytearray(1)))
+    except (OSError, CorruptCheckpointError) as e:
+        raise CorruptCheckpointError(f"{where}: zarr3 chunk {key} is missing ({e})") from None

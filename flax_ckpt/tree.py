@@ -1,0 +1,143 @@
+"""Pytree <-> flat list of (key path, leaf), and the classification of leaves.
+
+Scope: structure only. How a leaf's bytes are stored lives in the serializers; what the manifest says
+lives in format.py. Containers jax knows (dict, list, tuple, namedtuple, flax.struct dataclasses such as
+TrainState, optax states, nnx.State) are walked by jax.tree_util; None and empty containers are kept as
+leaves so that a restore without a target gives them back.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Sequence
+
+import jax
+import numpy as np
+
+from .errors import UnsupportedLeafError, format_list
+
+# A key path: a tuple of (kind, key) with kind "key" (a dict key), "attr" (an attribute or namedtuple /
+# dataclass field) or "idx" (a sequence index).
+KeyEntry = tuple[str, Any]
+KeyPath = tuple[KeyEntry, ...]
+
+def _is_leaf(x: Any) -> bool:
+    if x is None:
+        return True
+    if isinstance(x, (dict, list, tuple)) and len(x) == 0:
+        return True
+    return False
+
+
+def _entry(k: Any) -> KeyEntry:
+    if isinstance(k, jax.tree_util.DictKey):
+        key = k.key
+        if isinstance(key, (bool, np.bool_)) or not isinstance(key, (str, int, np.integer)):
+            raise UnsupportedLeafError(
+                f"dict key {key!r} of type {type(key).__name__} cannot be stored; use str or int keys")
+        return ("key", key if isinstance(key, str) else int(key))
+    if isinstance(k, jax.tree_util.GetAttrKey):
+        return ("attr", k.name)
+    if isinstance(k, jax.tree_util.SequenceKey):
+        return ("idx", k.idx)
+    if isinstance(k, jax.tree_util.FlattenedIndexKey):
+        return ("idx", k.key)
+    raise UnsupportedLeafError(f"unknown pytree key {k!r}")
+
+
+def keystr(path: KeyPath) -> str:
+    """'params/dense/kernel'; '/' and '%' inside keys are escaped so the string identifies the leaf."""
+    if not path:
+        return "<root>"
+    return "/".join(str(k).replace("%", "%25").replace("/", "%2F") for _, k in path)
+
+
+def flatten(tree: Any) -> tuple[list[tuple[KeyPath, Any]], Any]:
+    """Returns [(key path, leaf)] in jax's canonical order, and the treedef to rebuild ``tree``."""
+    flat, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_leaf)
+    return [(tuple(_entry(k) for k in path), leaf) for path, leaf in flat], treedef
+
+
+def empty_kind(x: Any) -> str | None:
+    """For a structure-only leaf (None, {}, [], ()), its kind; else None."""
+    if x is None:
+        return "none"
+    if isinstance(x, dict) and not x:
+        return "dict"
+    if isinstance(x, list) and not x:
+        return "list"
+    if isinstance(x, tuple) and not x:
+        return "tuple"
+    return None
+
+
+def is_prng_key(x: Any) -> bool:
+    return isinstance(x, (jax.Array, jax.ShapeDtypeStruct)) and jax.dtypes.issubdtype(
+        x.dtype, jax.dtypes.prng_key)
+
+
+def classify(x: Any) -> str:
+    """The manifest kind of a leaf at save time; raises TypeError for unsupported ones."""
+    if empty_kind(x) is not None:
+        return "empty"
+    if isinstance(x, jax.Array):
+        return "prng_key" if is_prng_key(x) else "jax"
+    if isinstance(x, (np.ndarray, np.generic)):
+        if x.dtype.kind in "OUSV" or x.dtype.hasobject:
+            raise TypeError(f"numpy dtype {x.dtype} (object, string or void arrays are not stored)")
+        return "numpy"
+    if isinstance(x, (bool, int, float, complex)):
+        return "scalar"
+    if isinstance(x, str):
+        return "string"
+    raise TypeError(type(x).__qualname__)
+
+
+def classify_all(flat: Sequence[tuple[KeyPath, Any]]) -> list[str]:
+    """Classifies every leaf; collects every unsupported one into a single UnsupportedLeafError."""
+    kinds, bad = [], []
+    for path, leaf in flat:
+        try:
+            kinds.append(classify(leaf))
+        except TypeError as e:
+            bad.append(f"{keystr(path)}: {e}")
+    if bad:
+        raise UnsupportedLeafError(
+            "cannot save these leaves (nothing was written): " + "; ".join(bad)
+            + ". Store arrays, Python scalars, strings and None; rebuild functions and objects in code "
+              "(TrainState's apply_fn and tx are not leaves and need nothing).")
+    return kinds
+
+
+def nest(items: Iterable[tuple[KeyPath, Any]]) -> Any:
+    """Builds plain nested dicts/lists from (key path, value); 'attr' and 'key' entries become dicts."""
+    items = list(items)
+    if len(items) == 1 and items[0][0] == ():
+        return items[0][1]
+    root: Any = {}
+    for path, value in items:
+        if not isinstance(root, list) and not root and path[0][0] == "idx":
+            root = []
+        node = root
+        for depth, (kind, key) in enumerate(path):
+            last = depth == len(path) - 1
+            new = value if last else ([] if path[depth + 1][0] == "idx" else {})
+            if isinstance(node, list):
+                node.extend([None] * (key + 1 - len(node)))
+                if last or node[key] is None:
+                    node[key] = new
+            elif last or key not in node:
+                node[key] = new
+            node = node[key]
+    return root
+
+
+def path_to_json(path: KeyPath) -> list[list[Any]]:
+    return [[kind, key] for kind, key in path]
+
+
+def path_from_json(obj: Any) -> KeyPath:
+    return tuple((kind, key) for kind, key in obj)
+
+
+__all__ = ["KeyPath", "flatten", "keystr", "classify", "classify_all", "nest", "empty_kind", "is_prng_key",
+           "format_list"]

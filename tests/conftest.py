@@ -1,0 +1,16 @@
+"""Shared test set-up: 8 CPU devices in the test process so sharded layouts can be exercised."""
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture
+def ckpt_dir(tmp_path):
+    """A fresh folder for checkpoints."""
+    d = tmp_path / "ckpts"
+    d.mkdir()
+    return d
