@@ -22,6 +22,8 @@ from .errors import StorageError as StorageError
 from .errors import StructureMismatchError as StructureMismatchError
 from .errors import TargetMismatchError as TargetMismatchError
 from .errors import UnsupportedLeafError as UnsupportedLeafError
+from .manager import CheckpointManager as CheckpointManager
+from .manager import SaveStats as SaveStats
 from .serializers import Serializer as Serializer
 
 __version__ = "0.1.0"
@@ -31,6 +33,7 @@ __all__ = [
     "CheckpointExistsError",
     "CheckpointInfo",
     "CheckpointLockedError",
+    "CheckpointManager",
     "CheckpointNotCommittedError",
     "CheckpointNotFoundError",
     "CorruptCheckpointError",
@@ -39,6 +42,7 @@ __all__ = [
     "LeafInfo",
     "LeafMismatchError",
     "SaveFailedError",
+    "SaveStats",
     "Serializer",
     "StorageError",
     "StructureMismatchError",

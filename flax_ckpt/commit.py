@@ -27,11 +27,7 @@ def is_temporary(entry: str) -> bool:
 
 
 def is_committed(parent: Storage, name: str) -> bool:
-    try:
-        parent.sub(name).check_size(MANIFEST, 1)
-        return True
-    except Exception:
-        return False
+    return parent.sub(name).exists(MANIFEST)
 
 
 def staging_name(parent: Storage, name: str, nonce: str | None = None) -> str:

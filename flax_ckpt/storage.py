@@ -33,6 +33,7 @@ class Storage(Protocol):
     def read(self, name: str, max_bytes: int) -> bytes: ...
     def read_into(self, name: str, offset: int, out: memoryview) -> None: ...
     def check_size(self, name: str, expected: int) -> None: ...
+    def exists(self, name: str) -> bool: ...
     def list(self) -> list[str]: ...
     def delete(self, name: str = "") -> None: ...
     def kvstore_spec(self, name: str) -> dict[str, Any]: ...
@@ -100,6 +101,9 @@ class LocalStorage:
             return os.stat(self._p(name)).st_size
         except FileNotFoundError:
             return None
+
+    def exists(self, name: str) -> bool:
+        return os.path.isfile(self._p(name))
 
     def check_size(self, name: str, expected: int) -> None:
         """Raises CorruptCheckpointError unless the file exists with exactly ``expected`` bytes."""
@@ -207,7 +211,7 @@ class KvStorage:
         if len(out) == 0:
             return
         try:
-            r = self.kv.read(name, byte_range=ts.KvStore.ByteRange(offset, offset + len(out))).result()
+            r = self.kv.read(name, byte_range=slice(offset, offset + len(out))).result()
         except Exception as e:
             if "OUT_OF_RANGE" in str(e) or "out of range" in str(e).lower():
                 raise CorruptCheckpointError(f"{self.url}/{name}: truncated (needed bytes {offset}.."
@@ -220,11 +224,17 @@ class KvStorage:
                                          f"got {len(r.value)})")
         out[:] = r.value
 
+    def exists(self, name: str) -> bool:
+        try:
+            return self.kv.read(name, byte_range=slice(0, 0)).result().state == "value"
+        except Exception as e:
+            raise self._err("read of", name, e) from e
+
     def check_size(self, name: str, expected: int) -> None:
         """Raises CorruptCheckpointError unless the object exists with at least ``expected`` bytes
         (object stores report no size without a read; this reads one byte)."""
         if expected == 0:
-            r = self.kv.read(name, byte_range=ts.KvStore.ByteRange(0, 0)).result()
+            r = self.kv.read(name, byte_range=slice(0, 0)).result()
             if r.state != "value":
                 raise CorruptCheckpointError(f"{self.url}/{name}: missing data object")
             return

@@ -82,8 +82,11 @@ def classify(x: Any) -> str:
     if isinstance(x, jax.Array):
         return "prng_key" if is_prng_key(x) else "jax"
     if isinstance(x, (np.ndarray, np.generic)):
-        if x.dtype.kind in "OUSV" or x.dtype.hasobject:
-            raise TypeError(f"numpy dtype {x.dtype} (object, string or void arrays are not stored)")
+        from .format import dtype_from_name  # format depends on nothing of ours but errors
+        try:
+            dtype_from_name(x.dtype.name)
+        except (TypeError, ValueError):
+            raise TypeError(f"numpy dtype {x.dtype} (object, string and structured arrays are not stored)") from None
         return "numpy"
     if isinstance(x, (bool, int, float, complex)):
         return "scalar"

@@ -2,14 +2,16 @@
 
 Large shards are split along their first axis into sub-chunks so that writes run in parallel over
 several files and partial reads (resharding) touch only the rows they need. Reads go straight into the
-destination buffer when a chunk is wanted whole. Knows nothing of trees or manifests beyond its own
-chunk fields: {"file", "offset", "nbytes", "block", "crc32c": [per block]}.
+destination buffer when a chunk is wanted whole, and the sub-chunks of one large leaf are read in
+parallel (a shared pool of READ_THREADS). Knows nothing of trees or manifests beyond its own chunk
+fields: {"file", "offset", "nbytes", "block", "crc32c": [per block]}.
 """
 
 from __future__ import annotations
 
 import math
-from concurrent.futures import ThreadPoolExecutor
+import threading
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any, Sequence
 
 import crc32c
@@ -23,6 +25,21 @@ from . import ArrayItem, Box, Written, for_each_overlap, local
 BLOCK = 8 << 20
 SUBCHUNK = 64 << 20
 MAX_FILES = 8
+READ_THREADS = 8
+PARALLEL_READ_MIN = 16 << 20  # a leaf's chunks are read in parallel when it needs at least this many bytes
+
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _read_pool() -> ThreadPoolExecutor:
+    """One pool for the chunk reads of every restore in this process (bounded I/O concurrency; its
+    tasks never wait on each other, so callers on other pools may block on them safely)."""
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="flax_ckpt-raw-read")
+        return _pool
 
 
 def _crcs(buf: memoryview) -> list[int]:
@@ -101,20 +118,33 @@ class RawSerializer:
                 raise InvalidManifestError(f"{where}: leaf chunk {f}: wrong number of checksums")
 
     def read(self, storage: Storage, leaf: dict[str, Any], box: Box, out: np.ndarray, where: str) -> None:
-        for chunk, cbox, ov in for_each_overlap(leaf, box):
-            dst = out[local(ov, box)]
-            shape = tuple(e - s for s, e in cbox)
-            if ov == cbox and dst.flags.c_contiguous:
-                buf = memoryview(dst.reshape(-1).view(np.uint8)) if dst.size else memoryview(bytearray(0))
-                self._read_blocks(storage, chunk, 0, len(buf), buf, where)
-                continue
-            # rows [r0, r1) of the chunk along axis 0 hold the overlap; read and verify just those
-            rowbytes = chunk["nbytes"] // shape[0] if shape and shape[0] else chunk["nbytes"]
-            r0, r1 = (ov[0][0] - cbox[0][0], ov[0][1] - cbox[0][0]) if shape else (0, 1)
-            tmp = np.empty(((r1 - r0) * rowbytes,), np.uint8)
-            self._read_blocks(storage, chunk, r0 * rowbytes, r1 * rowbytes, memoryview(tmp), where)
-            rows = tmp.view(out.dtype).reshape((r1 - r0,) + shape[1:])
-            dst[...] = rows[(slice(None),) + local(ov, cbox)[1:]]
+        parts = list(for_each_overlap(leaf, box))
+        if len(parts) < 2 or out.nbytes < PARALLEL_READ_MIN:
+            for chunk, cbox, ov in parts:
+                self._read_chunk(storage, chunk, cbox, ov, box, out, where)
+            return
+        futures = [_read_pool().submit(self._read_chunk, storage, chunk, cbox, ov, box, out, where)
+                   for chunk, cbox, ov in parts]
+        wait(futures)  # every read has stopped writing into out before anything is raised
+        for f in futures:
+            f.result()
+
+    def _read_chunk(self, storage: Storage, chunk: dict, cbox: Box, ov: Box, box: Box, out: np.ndarray,
+                    where: str) -> None:
+        """Fills the part ``ov`` of ``out`` (which holds ``box``) from one chunk covering ``cbox``."""
+        dst = out[local(ov, box)]
+        shape = tuple(e - s for s, e in cbox)
+        if ov == cbox and dst.flags.c_contiguous:
+            buf = memoryview(dst.reshape(-1).view(np.uint8)) if dst.size else memoryview(bytearray(0))
+            self._read_blocks(storage, chunk, 0, len(buf), buf, where)
+            return
+        # rows [r0, r1) of the chunk along axis 0 hold the overlap; read and verify just those
+        rowbytes = chunk["nbytes"] // shape[0] if shape and shape[0] else chunk["nbytes"]
+        r0, r1 = (ov[0][0] - cbox[0][0], ov[0][1] - cbox[0][0]) if shape else (0, 1)
+        tmp = np.empty(((r1 - r0) * rowbytes,), np.uint8)
+        self._read_blocks(storage, chunk, r0 * rowbytes, r1 * rowbytes, memoryview(tmp), where)
+        rows = tmp.view(out.dtype).reshape((r1 - r0,) + shape[1:])
+        dst[...] = rows[(slice(None),) + local(ov, cbox)[1:]]
 
     def _read_blocks(self, storage: Storage, chunk: dict, lo: int, hi: int, out: memoryview, where: str) -> None:
         """Reads chunk bytes [lo, hi) into out, verifying every block they touch."""
@@ -125,7 +155,12 @@ class RawSerializer:
         s, e = b0 * block, min(b1 * block, nbytes)
         aligned = (s == lo and e == hi)
         buf = out if aligned else memoryview(bytearray(e - s))
-        storage.read_into(chunk["file"], chunk["offset"] + s, buf)
+        try:
+            storage.read_into(chunk["file"], chunk["offset"] + s, buf)
+        except FileNotFoundError:
+            raise CorruptCheckpointError(f"{where}: data file {chunk['file']} is missing") from None
+        except CorruptCheckpointError as err:
+            raise CorruptCheckpointError(f"{where}: {err}") from None
         for k in range(b0, b1):
             part = buf[k * block - s: min((k + 1) * block, nbytes) - s]
             if crc32c.crc32c(part) != crcs[k]:

@@ -34,6 +34,12 @@ def _spec(storage: Storage, name: str, dtype: np.dtype, shape, chunk) -> dict[st
                          "codecs": CODECS}}
 
 
+def _context(storage: Storage) -> dict[str, Any]:
+    """The storage's tensorstore context (shared memory kvstore, s3 settings), if it has one."""
+    ctx = getattr(storage, "context", None)
+    return {"context": ctx} if ctx is not None else {}
+
+
 class Zarr3Serializer:
     name = "zarr3"
 
@@ -43,7 +49,7 @@ class Zarr3Serializer:
             name = f"z/{item.leaf}"
             chunk = [max(1, e - s) for s, e in item.shards[0].box] if item.shards else [1] * len(item.shape)
             spec = _spec(storage, name, item.dtype, item.shape, chunk)
-            arr = ts.open(spec, create=True, open=True).result()
+            arr = ts.open(spec, create=True, open=True, **_context(storage)).result()
             opened.append(arr)
             chunks[item.leaf] = []
             for shard in item.shards:
@@ -71,7 +77,8 @@ class Zarr3Serializer:
             if name not in handles:
                 try:
                     handles[name] = ts.open({"driver": "zarr3", "kvstore": storage.kvstore_spec(name)},
-                                            open=True, dtype=chunk["stored_dtype"], shape=leaf["shape"]).result()
+                                            open=True, dtype=chunk["stored_dtype"], shape=leaf["shape"],
+                                            **_context(storage)).result()
                 except Exception as e:
                     raise CorruptCheckpointError(f"{where}: cannot open zarr3 array {name}: {e}") from e
             _check_chunk_present(storage, leaf, chunk, where)

@@ -1,0 +1,309 @@
+"""CheckpointManager: when to save, what to keep, and which step to restore.
+
+Scope: scheduling (``save_interval_steps``, ``force``), retention (``steps_to_delete``, a pure function
+shared with the CLI's prune), latest/best bookkeeping rebuilt from the directory, the directory lock,
+cleanup of crashed saves, per-save statistics, and restore with fallback to an older good step. The
+path of a save: ``save`` -> checkpoint.snapshot (caller's thread) -> AsyncWriter.submit -> ``_persist``
+-> checkpoint.persist -> serializer.write -> storage.write.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import math
+import os
+import threading
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Iterable, Literal
+
+from . import checkpoint as ckpt
+from . import commit as commit_mod
+from .errors import (CheckpointError, CheckpointLockedError, CheckpointNotFoundError, CorruptCheckpointError,
+                     InvalidManifestError)
+from .serializers import Serializer, get_serializer
+from .storage import LocalStorage, Storage, open_storage
+from .writer import AsyncWriter
+
+log = logging.getLogger("flax_ckpt")
+LOCK_FILE = ".flax_ckpt.lock"
+
+
+def steps_to_delete(steps: Iterable[int], *, max_to_keep: int | None = None, keep_period: int | None = None,
+                    metrics: dict[int, float | None] | None = None, best_mode: Literal["min", "max"] = "min",
+                    keep_best: int | None = None) -> list[int]:
+    """The committed steps that retention removes, oldest first.
+
+    Kept: the newest step always; the newest ``max_to_keep`` (all, when None); every step divisible by
+    ``keep_period``; the ``keep_best`` best steps by ``metrics`` (steps without a value never count).
+    """
+    steps = sorted(set(steps))
+    if not steps or max_to_keep is None:
+        return []
+    keep = set(steps[-max(1, max_to_keep):]) if max_to_keep > 0 else {steps[-1]}
+    keep.add(steps[-1])
+    if keep_period:
+        keep.update(s for s in steps if s % keep_period == 0)
+    if keep_best and metrics:
+        scored = [(v, s) for s, v in metrics.items() if s in steps and _finite(v)]
+        scored.sort(key=lambda vs: (vs[0] if best_mode == "min" else -vs[0], -vs[1]))
+        keep.update(s for _, s in scored[:keep_best])
+    return [s for s in steps if s not in keep]
+
+
+def _finite(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+@dataclass(frozen=True)
+class SaveStats:
+    """One save's costs. ``blocked_s``: time ``save`` held the caller (waiting for the previous save +
+    snapshot); ``durable_s``: from the ``save`` call to the commit being durable."""
+
+    step: int
+    nbytes: int
+    blocked_s: float
+    snapshot_s: float
+    write_s: float
+    commit_s: float
+    durable_s: float
+
+    @property
+    def throughput_gbps(self) -> float:
+        return self.nbytes / max(self.write_s + self.commit_s, 1e-9) / 1e9
+
+
+class _DirLock:
+    """An flock on ``<dir>/.flax_ckpt.lock``: exclusive across processes and managers; released by the
+    OS when the holder dies, so a crashed run never leaves it held."""
+
+    def __init__(self, directory: str):
+        self.path = os.path.join(directory, LOCK_FILE)
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(self.fd, 200, 0).decode(errors="replace").strip() or "unknown"
+            os.close(self.fd)
+            raise CheckpointLockedError(
+                f"{directory} is in use by another CheckpointManager ({holder}); close it first. "
+                "A lock held by a process that died is released by the OS.") from None
+        os.ftruncate(self.fd, 0)
+        os.pwrite(self.fd, f"pid {os.getpid()} on {os.uname().nodename}\n".encode(), 0)
+
+    def release(self) -> None:
+        if self.fd >= 0:
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+            os.close(self.fd)
+            self.fd = -1
+
+
+class CheckpointManager:
+    """Periodic, asynchronous, retained checkpoints of a training run in ``directory``.
+
+    Each option has one meaning: ``save_interval_steps`` (save steps divisible by it), ``max_to_keep``
+    (newest N kept; None keeps all), ``keep_period`` (steps divisible by it kept forever),
+    ``best_metric``/``best_mode``/``keep_best`` (the best N by that metric also kept), ``async_save``,
+    ``serializer`` ('raw', 'zarr3' or an instance), ``strict`` (restore(step=None) raises on a damaged
+    newest step instead of falling back to an older one with a warning).
+    """
+
+    def __init__(self, directory: Any, *, save_interval_steps: int = 1, max_to_keep: int | None = None,
+                 keep_period: int | None = None, best_metric: str | None = None,
+                 best_mode: Literal["min", "max"] = "min", keep_best: int | None = None,
+                 async_save: bool = True, serializer: "str | Serializer | None" = None, tiers: Any = None,
+                 strict: bool = False, metadata: Any = None):
+        if not isinstance(save_interval_steps, int) or save_interval_steps < 1:
+            raise ValueError(f"save_interval_steps must be a positive int, got {save_interval_steps!r}")
+        if max_to_keep is not None and max_to_keep < 1:
+            raise ValueError(f"max_to_keep must be >= 1 or None, got {max_to_keep!r}")
+        if best_mode not in ("min", "max"):
+            raise ValueError(f"best_mode must be 'min' or 'max', got {best_mode!r}")
+        if keep_best is not None and best_metric is None:
+            raise ValueError("keep_best needs best_metric (the metric name to rank steps by)")
+        if tiers is not None:
+            raise NotImplementedError("tiers are not available yet in this version")
+        self.storage: Storage = open_storage(directory)
+        self.directory = self.storage.url
+        self.save_interval_steps, self.max_to_keep, self.keep_period = save_interval_steps, max_to_keep, keep_period
+        self.best_metric, self.best_mode, self.keep_best = best_metric, best_mode, keep_best
+        self.async_save, self.strict, self.metadata = async_save, strict, metadata
+        self.serializer = get_serializer(serializer)
+        self._lock: _DirLock | None = None
+        if isinstance(self.storage, LocalStorage):
+            os.makedirs(self.storage.root, exist_ok=True)
+            self._lock = _DirLock(self.storage.root)
+        self._mutex = threading.Lock()
+        self._metrics: dict[int, dict[str, Any] | None] = {}
+        self.stats: list[SaveStats] = []
+        self._writer = AsyncWriter()
+        self._closed = False
+        self._scan()
+
+    # ------------------------------------------------------------------------------------ directory
+
+    def _scan(self) -> None:
+        """Rebuilds the view of committed steps from the directory and removes leftovers of crashes."""
+        for entry in self.storage.list():
+            if commit_mod.is_temporary(entry):
+                log.warning("flax_ckpt: removing %s/%s, left by an interrupted save or deletion", self.directory, entry)
+                self.storage.delete(entry)
+                continue
+            if not entry.isdigit():
+                continue
+            step = int(entry)
+            try:
+                body = ckpt.read_manifest(self.storage.sub(entry))
+            except (InvalidManifestError, CheckpointError, OSError) as e:
+                if not commit_mod.is_committed(self.storage, entry) and not self.storage.supports_rename:
+                    self.storage.delete(entry)  # an uncommitted object-store step: its commit object never came
+                else:
+                    log.warning("flax_ckpt: ignoring step %d in %s: %s", step, self.directory, e)
+                continue
+            self._metrics[step] = body.get("metrics")
+
+    def all_steps(self) -> list[int]:
+        with self._mutex:
+            return sorted(self._metrics)
+
+    def latest_step(self) -> int | None:
+        steps = self.all_steps()
+        return steps[-1] if steps else None
+
+    def metrics(self, step: int) -> dict[str, Any] | None:
+        with self._mutex:
+            if step not in self._metrics:
+                raise CheckpointNotFoundError(f"no committed step {step} in {self.directory}")
+            return self._metrics[step]
+
+    def _metric_values(self) -> dict[int, float | None]:
+        return {s: (m or {}).get(self.best_metric) for s, m in self._metrics.items()} if self.best_metric else {}
+
+    def best_step(self) -> int | None:
+        if self.best_metric is None:
+            return None
+        with self._mutex:
+            scored = [(v, s) for s, v in self._metric_values().items() if _finite(v)]
+        if not scored:
+            return None
+        return min(scored, key=lambda vs: (vs[0] if self.best_mode == "min" else -vs[0], -vs[1]))[1]
+
+    def should_save(self, step: int) -> bool:
+        return step % self.save_interval_steps == 0 and step not in self._metrics
+
+    # ----------------------------------------------------------------------------------------- save
+
+    def save(self, step: int, state: Any, *, metrics: dict[str, Any] | None = None, force: bool = False) -> bool:
+        """Saves ``state`` as ``step`` if the schedule says so (or ``force``); False when skipped.
+
+        Returns once the state is copied to host memory (async) or committed (sync). Raises a previous
+        background failure as SaveFailedError."""
+        if self._closed:
+            raise CheckpointError(f"CheckpointManager({self.directory}) is closed")
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be a non-negative int, got {step!r}")
+        t0 = time.perf_counter()
+        self._writer.wait()
+        if step in self._metrics:
+            log.info("flax_ckpt: step %d already saved in %s; skipped", step, self.directory)
+            return False
+        if not force and not self.should_save(step):
+            return False
+        metrics = ckpt._jsonable(metrics, "metrics")
+        snap = ckpt.snapshot(state, copy=self.async_save)
+        blocked = time.perf_counter() - t0
+        self._writer.submit(lambda: self._persist(step, snap, metrics, t0, blocked), f"step {step} in {self.directory}")
+        if not self.async_save:
+            self._writer.wait()
+        return True
+
+    def _persist(self, step: int, snap: ckpt.Snapshot, metrics: dict | None, t0: float, blocked: float) -> None:
+        times = ckpt.persist(snap, self.storage, str(step), self.serializer, step=step, metrics=metrics,
+                             metadata=self.metadata)
+        with self._mutex:
+            self._metrics[step] = metrics
+        stats = SaveStats(step, snap.nbytes, blocked, snap.seconds, times.write, times.commit,
+                          time.perf_counter() - t0)
+        self.stats.append(stats)
+        log.info("flax_ckpt: saved step %d to %s: %s", step, self.directory, asdict(stats))
+        self._apply_retention()
+
+    def _apply_retention(self) -> None:
+        with self._mutex:
+            doomed = steps_to_delete(self._metrics, max_to_keep=self.max_to_keep, keep_period=self.keep_period,
+                                     metrics=self._metric_values(), best_mode=self.best_mode,
+                                     keep_best=self.keep_best)
+        for step in doomed:
+            commit_mod.remove(self.storage, str(step))
+            with self._mutex:
+                self._metrics.pop(step, None)
+            log.info("flax_ckpt: retention removed step %d from %s", step, self.directory)
+
+    def wait_until_finished(self) -> None:
+        """Blocks until the save in flight is durable; raises its failure as SaveFailedError."""
+        self._writer.wait()
+
+    # -------------------------------------------------------------------------------------- restore
+
+    def restore(self, step: int | None = None, target: Any = None, *, shardings: Any = None,
+                partial: bool = False) -> Any:
+        """Restores ``step`` (default: the newest committed step; if it is damaged and the manager is not
+        strict, the newest older one that is good, with a warning)."""
+        self._writer.wait()
+        if step is not None:
+            if step not in self.all_steps():
+                raise CheckpointNotFoundError(f"no committed step {step} in {self.directory} "
+                                              f"(steps: {self.all_steps()})")
+            return ckpt.restore_body(*self._open(step), target, shardings=shardings, partial=partial)
+        steps = self.all_steps()
+        if not steps:
+            raise CheckpointNotFoundError(f"no committed checkpoint in {self.directory}")
+        for i, s in enumerate(reversed(steps)):
+            try:
+                return ckpt.restore_body(*self._open(s), target, shardings=shardings, partial=partial)
+            except (CorruptCheckpointError, InvalidManifestError, FileNotFoundError) as e:
+                if self.strict or i == len(steps) - 1:
+                    raise
+                log.warning("flax_ckpt: step %d in %s is damaged (%s); falling back to an older step", s,
+                            self.directory, e)
+        raise AssertionError("unreachable")
+
+    def _open(self, step: int) -> tuple[Storage, dict[str, Any]]:
+        folder = self.storage.sub(str(step))
+        return folder, ckpt.read_manifest(folder)
+
+    def item_metadata(self, step: int | None = None) -> ckpt.CheckpointInfo:
+        step = self.latest_step() if step is None else step
+        if step is None:
+            raise CheckpointNotFoundError(f"no committed checkpoint in {self.directory}")
+        folder, body = self._open(step)
+        return ckpt.info_from_body(folder.url, body)
+
+    # ---------------------------------------------------------------------------------------- close
+
+    def close(self) -> None:
+        """Waits for the save in flight, then releases the directory. Raises a background failure."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._writer.close()
+        finally:
+            if self._lock is not None:
+                self._lock.release()
+
+    def __enter__(self) -> "CheckpointManager":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        lock = getattr(self, "_lock", None)
+        if lock is not None and lock.fd >= 0 and not getattr(self, "_closed", True):
+            try:
+                self._writer.close()
+            except Exception:
+                pass
+            lock.release()

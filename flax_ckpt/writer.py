@@ -1,0 +1,55 @@
+"""The async writer: one background save at a time, failures re-raised on the caller's next call.
+
+Scope: threading and error propagation only. The caller snapshots the state to host memory first
+(checkpoint.snapshot, on its own thread); the job given to ``submit`` serializes, writes, fsyncs and
+commits. At most one job is in flight: ``submit`` waits for the previous one (back-pressure keeps host
+memory bounded by one snapshot). A job's exception is raised as SaveFailedError (its cause is the
+original exception, with its traceback) from the next ``submit``, ``wait`` or ``close``.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable
+
+from .errors import SaveFailedError
+
+
+class AsyncWriter:
+    def __init__(self, name: str = "flax_ckpt-writer"):
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix=name)
+        self._pending: Future | None = None
+        self._label = ""
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def submit(self, job: Callable[[], object], label: str) -> Future:
+        """Waits for the previous job (raising its failure), then starts ``job`` in the background."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the writer is closed")
+            self.wait()
+            self._pending, self._label = self._pool.submit(job), label
+            return self._pending
+
+    def wait(self) -> None:
+        """Blocks until the job in flight is done; raises SaveFailedError if it failed."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        exc = pending.exception()
+        if exc is not None:
+            raise SaveFailedError(f"background save of {self._label} failed: {type(exc).__name__}: {exc}. "
+                                  "It was not committed; older checkpoints are untouched.") from exc
+
+    @property
+    def busy(self) -> bool:
+        return self._pending is not None and not self._pending.done()
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            self._closed = True
+            self._pool.shutdown(wait=True)

@@ -1,0 +1,192 @@
+"""Every bad input gets a clear CheckpointError subclass naming the path (and leaf), and loses nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import flax_ckpt as fc
+from flax_ckpt import format as fmt
+
+TREE = {"params": {"dense": {"kernel": np.arange(24, dtype=np.float32).reshape(4, 6), "bias": np.zeros(6)}},
+        "step": 3}
+
+
+def saved(tmp_path, serializer="raw"):
+    path = tmp_path / f"ck-{serializer}"
+    fc.save(path, TREE, serializer=serializer)
+    return path
+
+
+def body_of(path):
+    return json.loads((path / "manifest.json").read_text())["body"]
+
+
+def write_body(path, body):
+    """Writes a crafted manifest with a valid checksum, so only the crafted field is wrong."""
+    (path / "manifest.json").write_bytes(fmt.encode(body))
+
+
+def test_all_errors_share_one_base():
+    for name in fc.__all__:
+        obj = getattr(fc, name)
+        if isinstance(obj, type) and issubclass(obj, Exception):
+            assert issubclass(obj, fc.CheckpointError) and obj.__doc__
+
+
+def test_missing_path(tmp_path):
+    with pytest.raises(fc.CheckpointNotFoundError, match="does not exist") as e:
+        fc.restore(tmp_path / "nope")
+    assert str(tmp_path / "nope") in str(e.value)
+
+
+def test_folder_that_is_not_committed(tmp_path):
+    (tmp_path / "half").mkdir()
+    (tmp_path / "half" / "data").mkdir()
+    with pytest.raises(fc.CheckpointNotCommittedError, match="no committed checkpoint"):
+        fc.restore(tmp_path / "half")
+    staging = tmp_path / "7.tmp-abc"
+    staging.mkdir()
+    with pytest.raises(fc.CheckpointNotCommittedError, match="in flight"):
+        fc.metadata(staging)
+
+
+def test_save_over_committed_checkpoint_is_refused_and_keeps_it(tmp_path):
+    path = saved(tmp_path)
+    with pytest.raises(fc.CheckpointExistsError, match="never overwritten"):
+        fc.save(path, {"other": np.ones(3)})
+    np.testing.assert_array_equal(fc.restore(path)["params"]["dense"]["kernel"], TREE["params"]["dense"]["kernel"])
+    assert not [p for p in os.listdir(tmp_path) if ".tmp-" in p]
+
+
+def test_structure_mismatch_lists_missing_and_unexpected(tmp_path):
+    path = saved(tmp_path)
+    target = {"params": {"dense": {"kernel": np.zeros((4, 6), np.float32), "scale": np.zeros(6)}}, "step": 0}
+    with pytest.raises(fc.StructureMismatchError) as e:
+        fc.restore(path, target)
+    msg = str(e.value)
+    assert "In the target but not the checkpoint: 'params/dense/scale'" in msg
+    assert "In the checkpoint but not the target: 'params/dense/bias'" in msg
+    assert str(path) in msg
+
+
+def test_shape_and_dtype_mismatch_show_both_for_every_leaf(tmp_path):
+    path = saved(tmp_path)
+    target = {"params": {"dense": {"kernel": jnp.zeros((4, 6), jnp.bfloat16), "bias": np.zeros(5)}}, "step": 0.0}
+    with pytest.raises(fc.LeafMismatchError) as e:
+        fc.restore(path, target)
+    msg = str(e.value)
+    assert "'params/dense/kernel': expected bfloat16[4,6] (target), found float32[4,6]" in msg
+    assert "'params/dense/bias': expected float64[5] (target), found float64[6]" in msg
+    assert "'step': expected Python float (target), found Python int" in msg
+    assert "manifest.json" in msg
+
+
+@pytest.mark.parametrize("serializer", ["raw", "zarr3"])
+@pytest.mark.parametrize("damage", ["flip", "truncate", "delete"])
+def test_damaged_data_is_detected_and_named(tmp_path, serializer, damage):
+    path = saved(tmp_path, serializer)
+    files = sorted(p for p in path.rglob("*") if p.is_file() and p.name not in ("manifest.json", "zarr.json"))
+    victim = max(files, key=lambda p: p.stat().st_size)  # holds the kernel
+    data = bytearray(victim.read_bytes())
+    if damage == "flip":
+        data[len(data) // 2] ^= 0x40
+        victim.write_bytes(bytes(data))
+    elif damage == "truncate":
+        victim.write_bytes(bytes(data[: len(data) // 2]))
+    else:
+        victim.unlink()
+    with pytest.raises(fc.CorruptCheckpointError) as e:
+        fc.restore(path)
+    msg = str(e.value)
+    assert "params/dense" in msg or victim.name in msg, msg
+    assert str(path) in msg or victim.name in msg
+
+
+def test_manifest_not_json(tmp_path):
+    path = saved(tmp_path)
+    (path / "manifest.json").write_text('{"format": "flax_ckpt", "version": 1, "body": {')
+    with pytest.raises(fc.InvalidManifestError, match="not valid JSON"):
+        fc.restore(path)
+
+
+def test_manifest_edited_by_hand_fails_its_checksum(tmp_path):
+    path = saved(tmp_path)
+    doc = json.loads((path / "manifest.json").read_text())
+    doc["body"]["leaves"][0]["shape"] = [4, 7]
+    (path / "manifest.json").write_text(json.dumps(doc))
+    with pytest.raises(fc.InvalidManifestError, match="checksum mismatch"):
+        fc.restore(path)
+
+
+def test_unknown_format_version(tmp_path):
+    path = saved(tmp_path)
+    doc = json.loads((path / "manifest.json").read_text())
+    doc["version"] = 99
+    (path / "manifest.json").write_text(json.dumps(doc))
+    with pytest.raises(fc.InvalidManifestError, match="unknown format version 99"):
+        fc.restore(path)
+
+
+@pytest.mark.parametrize("location", ["../../etc/passwd", "/etc/passwd", "data/../../x", "data//x", "./data/x"])
+def test_locations_outside_the_folder_are_refused(tmp_path, location):
+    path = saved(tmp_path)
+    body = body_of(path)
+    old = body["leaves"][0]["chunks"][0]["file"]
+    body["files"][location] = body["files"].pop(old)
+    for leaf in body["leaves"]:
+        for ch in leaf.get("chunks", []):
+            ch["file"] = location
+    write_body(path, body)
+    with pytest.raises(fc.InvalidManifestError, match="not a relative path inside"):
+        fc.restore(path)
+
+
+def test_symlink_out_of_the_folder_is_not_followed(tmp_path):
+    path = saved(tmp_path)
+    outside = tmp_path / "outside.bin"
+    data_file = next((path / "data").iterdir())
+    outside.write_bytes(data_file.read_bytes())
+    data_file.unlink()
+    data_file.symlink_to(outside)
+    with pytest.raises(fc.CorruptCheckpointError, match="outside the checkpoint folder"):
+        fc.restore(path)
+
+
+@pytest.mark.parametrize("shape", [[2**40, 2**40], [-1, 6], [10**30], ["4", 6], [1] * 100])
+def test_absurd_shapes_are_refused_before_allocating(tmp_path, shape):
+    path = saved(tmp_path)
+    body = body_of(path)
+    leaf = next(lf for lf in body["leaves"] if lf["path"][-1][1] == "kernel")
+    leaf["shape"] = shape
+    write_body(path, body)
+    with pytest.raises(fc.InvalidManifestError, match="leaves"):
+        fc.restore(path)
+
+
+def test_chunks_that_do_not_tile_the_array_are_refused(tmp_path):
+    path = saved(tmp_path)
+    body = body_of(path)
+    leaf = next(lf for lf in body["leaves"] if lf["path"][-1][1] == "kernel")
+    leaf["chunks"].append(dict(leaf["chunks"][0]))
+    write_body(path, body)
+    with pytest.raises(fc.InvalidManifestError, match="tile"):
+        fc.restore(path)
+
+
+def test_unsupported_leaf_names_key_path_and_type_and_writes_nothing(tmp_path):
+    with pytest.raises(fc.UnsupportedLeafError) as e:
+        fc.save(tmp_path / "bad", {"ok": np.ones(2), "fn": lambda x: x, "nested": [object()]})
+    msg = str(e.value)
+    assert "fn: function" in msg and "nested/0: object" in msg
+    assert not os.listdir(tmp_path)
+
+
+def test_non_json_metadata_is_refused_before_writing(tmp_path):
+    with pytest.raises(fc.CheckpointError, match="JSON-serializable"):
+        fc.save(tmp_path / "bad", {"x": np.ones(2)}, metadata={"when": object()})
+    assert not os.listdir(tmp_path)

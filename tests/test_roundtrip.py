@@ -1,0 +1,168 @@
+"""Bit-exact round trips of every supported leaf and container, on every serializer and storage."""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import flax_ckpt as fc
+from trees import assert_bit_exact, mixed_tree, train_state_tree
+
+SERIALIZERS = ["raw", "zarr3"]
+
+
+@pytest.fixture(params=["local", "memory"])
+def location(request, tmp_path):
+    """A fresh checkpoint path on each storage backend."""
+    if request.param == "local":
+        return lambda name: str(tmp_path / name)
+    prefix = f"memory://rt-{uuid.uuid4().hex}"
+    return lambda name: f"{prefix}/{name}"
+
+
+@pytest.mark.parametrize("serializer", SERIALIZERS)
+def test_mixed_tree_round_trip_with_target(location, serializer):
+    tree = mixed_tree()
+    path = location("ck")
+    fc.save(path, tree, serializer=serializer, metadata={"run": "x"})
+    assert_bit_exact(fc.restore(path, tree), tree)
+
+
+@pytest.mark.parametrize("serializer", SERIALIZERS)
+def test_restore_without_target_gives_plain_containers(location, serializer):
+    tree = mixed_tree()
+    path = location("ck")
+    fc.save(path, tree, serializer=serializer)
+    out = fc.restore(path)
+    assert isinstance(out["jax"]["w"], np.ndarray) and out["jax"]["w"].dtype == np.float32
+    np.testing.assert_array_equal(out["jax"]["w"], np.asarray(tree["jax"]["w"]))
+    assert isinstance(out["point"], dict) and set(out["point"]) == {"x", "y"} and out["point"]["x"] == 3
+    assert isinstance(out["point"]["y"], list)
+    assert out["extra"]["b"] == 4 and "name" not in out["extra"]
+    assert out["scalars"][1] == -2**70 and out["scalars"][5] is True
+    assert np.float64(out["scalars"][3]).tobytes() == np.float64(-0.0).tobytes()
+    assert out["text"] == "héllo" and out["none"] is None
+    assert out["empty_dict"] == {} and out["empty_list"] == [] and out["empty_tuple"] == ()
+    assert out["int_keys"][3] == "three" and list(out["int_keys"]) == [3, 10]
+    assert out["opt"][0]["mu"]["a"].shape == (3,)
+    assert jax.dtypes.issubdtype(out["typed_key"].dtype, jax.dtypes.prng_key)
+    np.testing.assert_array_equal(jax.random.key_data(out["typed_key"]), jax.random.key_data(tree["typed_key"]))
+    assert out["raw_key"].dtype == np.uint32
+
+
+@pytest.mark.parametrize("serializer", SERIALIZERS)
+def test_train_state_round_trip_gives_back_apply_fn_and_tx(tmp_path, serializer):
+    state = train_state_tree()
+    grads = jax.tree_util.tree_map(jnp.ones_like, state.params)
+    state = state.apply_gradients(grads=grads)
+    fc.save(tmp_path / "ts", state, serializer=serializer)
+    template = train_state_tree()
+    out = fc.restore(tmp_path / "ts", template)
+    assert out.apply_fn == template.apply_fn and out.tx is template.tx
+    assert int(out.step) == 1
+    assert_bit_exact(out.params, state.params)
+    assert_bit_exact(out.opt_state, state.opt_state)
+
+
+def test_nnx_state_round_trip(tmp_path):
+    class Model(nnx.Module):
+        def __init__(self, rngs):
+            self.dense = nnx.Linear(3, 4, rngs=rngs)
+            self.bn = nnx.BatchNorm(4, rngs=rngs)
+
+    model = Model(nnx.Rngs(0))
+    _, state = nnx.split(model)
+    fc.save(tmp_path / "nnx", state)
+    fresh = Model(nnx.Rngs(1))
+    graphdef, abstract = nnx.split(fresh)
+    restored = fc.restore(tmp_path / "nnx", abstract)
+    nnx.update(fresh, restored)
+    np.testing.assert_array_equal(fresh.dense.kernel[...], model.dense.kernel[...])
+    pure = fc.restore(tmp_path / "nnx")
+    np.testing.assert_array_equal(pure["dense"]["kernel"]["value"], np.asarray(model.dense.kernel[...]))
+
+
+def test_shape_dtype_struct_target_places_on_sharding(tmp_path):
+    mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("a", "b"))
+    x = jax.device_put(jnp.arange(64.0).reshape(8, 8), NamedSharding(mesh, P("a", "b")))
+    fc.save(tmp_path / "s", {"x": x})
+    target_sharding = NamedSharding(Mesh(np.array(jax.devices()[:8]), ("d",)), P(None, "d"))
+    out = fc.restore(tmp_path / "s", {"x": jax.ShapeDtypeStruct((8, 8), jnp.float32, sharding=target_sharding)})
+    assert out["x"].sharding == target_sharding
+    np.testing.assert_array_equal(np.asarray(out["x"]), np.asarray(x))
+    info = fc.metadata(tmp_path / "s")
+    assert info.leaves["x"].sharding == {"type": "NamedSharding", "axis_names": ["a", "b"], "mesh_shape": [2, 2],
+                                         "spec": ["a", "b"]}
+
+
+def test_shardings_argument_overrides_placement_without_target(tmp_path):
+    fc.save(tmp_path / "s", {"x": np.arange(16, dtype=np.int32).reshape(4, 4)})
+    sharding = NamedSharding(Mesh(np.array(jax.devices()[:2]), ("d",)), P("d"))
+    out = fc.restore(tmp_path / "s", shardings={"x": sharding})
+    assert isinstance(out["x"], jax.Array) and out["x"].sharding == sharding
+
+
+def test_partial_restore_reads_only_the_subtree(tmp_path):
+    tree = {"params": {"w": np.ones((256, 256), np.float32)}, "opt": {"m": np.zeros((512, 512), np.float32)}}
+    fc.save(tmp_path / "p", tree)
+    # damage the bytes of opt/m: a restore that read them would fail its checksum
+    body = json.loads((tmp_path / "p" / "manifest.json").read_text())["body"]
+    chunk = next(leaf for leaf in body["leaves"] if leaf["path"][0][1] == "opt")["chunks"][0]
+    with open(tmp_path / "p" / chunk["file"], "r+b") as f:
+        f.seek(chunk["offset"] + 100)
+        f.write(b"\xff")
+    out = fc.restore(tmp_path / "p", {"params": {"w": np.zeros((256, 256), np.float32)}}, partial=True)
+    assert set(out) == {"params"}
+    np.testing.assert_array_equal(out["params"]["w"], tree["params"]["w"])
+    with pytest.raises(fc.StructureMismatchError, match="partial=True"):
+        fc.restore(tmp_path / "p", {"params": {"w": np.zeros((256, 256), np.float32)}})
+    with pytest.raises(fc.CorruptCheckpointError, match="opt/m"):
+        fc.restore(tmp_path / "p")
+
+
+def test_metadata_reads_no_array_bytes(tmp_path):
+    tree = {"w": np.ones((100, 10), np.float32), "step": 3}
+    fc.save(tmp_path / "m", tree, step=3, metrics={"loss": 0.5}, metadata={"lr": 0.1})
+    for f in (tmp_path / "m" / "data").iterdir():
+        f.unlink()  # metadata must not need them
+    info = fc.metadata(tmp_path / "m")
+    assert info.step == 3 and info.metrics == {"loss": 0.5} and info.metadata == {"lr": 0.1}
+    assert info.tree["w"].shape == (100, 10) and info.tree["w"].dtype == np.float32
+    assert info.nbytes == 4000 and info.process_count == 1
+
+
+def test_large_array_is_split_into_subchunks_and_restored(tmp_path):
+    x = np.random.default_rng(0).standard_normal((3000, 7000)).astype(np.float32)  # 84 MB > one sub-chunk
+    fc.save(tmp_path / "big", {"x": x})
+    assert len(list((tmp_path / "big" / "data").iterdir())) > 1
+    np.testing.assert_array_equal(fc.restore(tmp_path / "big")["x"], x)
+
+
+# ------------------------------------------------------------------------------------ property-based
+
+leaf = st.one_of(
+    st.integers(-2**80, 2**80), st.floats(allow_nan=True), st.booleans(), st.text(max_size=8), st.none(),
+    st.sampled_from(["float32", "int8", "uint16", "float16", "bool", "complex64", "int64"]).flatmap(
+        lambda dt: st.lists(st.integers(0, 3), max_size=3).map(
+            lambda shape: np.random.default_rng(len(shape)).integers(0, 100, shape).astype(dt))),
+)
+trees = st.recursive(leaf, lambda kids: st.one_of(
+    st.lists(kids, max_size=3), st.tuples(kids, kids),
+    st.dictionaries(st.text(min_size=1, max_size=5), kids, max_size=3)), max_leaves=10)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(tree=trees, serializer=st.sampled_from(SERIALIZERS))
+def test_random_pytrees_round_trip_bit_exact(tmp_path, tree, serializer):
+    path = tmp_path / uuid.uuid4().hex
+    fc.save(path, tree, serializer=serializer)
+    assert_bit_exact(fc.restore(path, tree), tree)
