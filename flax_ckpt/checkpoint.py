@@ -19,11 +19,12 @@ import jax
 import numpy as np
 
 from . import commit as commit_mod
+from . import distributed
 from . import tree as tree_mod
 from .errors import (CheckpointError, CheckpointNotCommittedError, CheckpointNotFoundError,
                      LeafMismatchError, StructureMismatchError, format_list)
 from .format import MANIFEST, MAX_MANIFEST_BYTES, decode, dtype_from_name, dtype_name, encode
-from .serializers import ArrayItem, Serializer, Shard, Written, get_serializer
+from .serializers import ArrayItem, Box, Serializer, Shard, Written, get_serializer
 from .storage import LocalStorage, Storage, open_storage
 
 _IO_THREADS = 8
@@ -49,6 +50,13 @@ class Snapshot:
     leaves: list[LeafPlan]
     nbytes: int  # bytes this process writes
     seconds: float = 0.0
+    owned: bool = False  # every shard buffer was allocated by the snapshot (copy=True): reusable
+
+    def spare_buffers(self) -> dict[tuple[Any, Box], np.ndarray]:
+        """This snapshot's buffers by (key path, box), for ``snapshot(reuse=...)``; none unless owned."""
+        if not self.owned:
+            return {}
+        return {(p.path, s.box): s.data for p in self.leaves for s in p.shards}
 
     def items(self) -> list[ArrayItem]:
         return [ArrayItem(i, tree_mod.keystr(p.path), dtype_from_name(p.record["dtype"]),
@@ -75,7 +83,20 @@ def _host(x: Any, copy: bool) -> np.ndarray:
     return np.array(a, order="C", copy=True) if copy else np.asarray(a, order="C")
 
 
-def _array_plan(path, x: Any, kind: str, copy: bool) -> LeafPlan:
+def _host_into(spare: dict, key: tuple[Any, Box], x: Any, copy: bool) -> np.ndarray:
+    """``_host(x, copy)``, copying into the spare buffer of the same key, shape and dtype if there is one
+    (already-faulted memory: several times cheaper to fill than a fresh allocation)."""
+    buf = spare.get(key)
+    if buf is None:
+        return _host(x, copy)
+    a = np.asarray(x)
+    if buf.shape != a.shape or buf.dtype != a.dtype:
+        return _host(a, copy)
+    np.copyto(buf, a)
+    return buf
+
+
+def _array_plan(path, x: Any, kind: str, copy: bool, spare: dict | None = None) -> LeafPlan:
     rec: dict[str, Any] = {"path": tree_mod.path_to_json(path), "kind": kind}
     if kind == "prng_key":
         rec["key_impl"] = str(jax.random.key_impl(x))
@@ -87,11 +108,13 @@ def _array_plan(path, x: Any, kind: str, copy: bool) -> LeafPlan:
     if isinstance(x, jax.Array):
         rec["sharding"] = describe_sharding(x.sharding)
         on_cpu = all(d.platform == "cpu" for d in x.sharding.device_set)
-        shards = tuple(Shard(_box(s.index, shape), _host(s.data, copy or not on_cpu))
-                       for s in x.addressable_shards if s.replica_id == 0)
+        spare = spare if copy else {}
+        boxes = [(s, _box(s.index, shape)) for s in x.addressable_shards if s.replica_id == 0]
+        shards = tuple(Shard(b, _host_into(spare, (path, b), s.data, copy or not on_cpu)) for s, b in boxes)
     else:
         rec["sharding"] = None
-        shards = (Shard(tuple((0, d) for d in shape), _host(x, copy)),)
+        box = tuple((0, d) for d in shape)
+        shards = (Shard(box, _host_into(spare if copy else {}, (path, box), x, copy)),)
     return LeafPlan(path, rec, shards)
 
 
@@ -111,10 +134,15 @@ def _value_record(path, x: Any, kind: str) -> dict[str, Any]:
     return rec
 
 
-def snapshot(tree: Any, *, copy: bool = True) -> Snapshot:
+def snapshot(tree: Any, *, copy: bool = True, reuse: Snapshot | None = None) -> Snapshot:
     """Copies every array this process writes to host memory (``copy=False`` reuses host buffers
-    where possible: for synchronous saves, where nothing can change them meanwhile)."""
+    where possible: for synchronous saves, where nothing can change them meanwhile).
+
+    ``reuse``: an earlier snapshot (copy=True) that nothing reads any more, e.g. the previous save's
+    once it is durable; its buffers are overwritten where key path, box, shape and dtype match, which
+    saves the page faults of fresh memory (most of a snapshot's time on a CPU host)."""
     t0 = time.perf_counter()
+    spare = reuse.spare_buffers() if (copy and reuse is not None) else {}
     flat, _ = tree_mod.flatten(tree)
     kinds = tree_mod.classify_all(flat)
     for (_, x), kind in zip(flat, kinds):  # start every device-to-host transfer before waiting on any
@@ -124,7 +152,7 @@ def snapshot(tree: Any, *, copy: bool = True) -> Snapshot:
     def plan(i: int) -> LeafPlan:
         (path, x), kind = flat[i], kinds[i]
         if kind in ("jax", "numpy", "prng_key"):
-            return _array_plan(path, x, kind, copy)
+            return _array_plan(path, x, kind, copy, spare)
         return LeafPlan(path, _value_record(path, x, kind))
 
     big = [i for i, (_, x) in enumerate(flat) if getattr(x, "nbytes", 0) > (1 << 20)]
@@ -137,11 +165,18 @@ def snapshot(tree: Any, *, copy: bool = True) -> Snapshot:
         if leaves[i] is None:
             leaves[i] = plan(i)
     nbytes = sum(s.data.nbytes for p in leaves for s in p.shards)
-    return Snapshot(leaves, nbytes, time.perf_counter() - t0)
+    return Snapshot(leaves, nbytes, time.perf_counter() - t0, owned=copy)
 
 
-def write_snapshot(snap: Snapshot, storage: Storage, serializer: Serializer, tag: str = "p0") -> Written:
-    return serializer.write(storage, snap.items(), tag=tag)
+def write_snapshot(snap: Snapshot, storage: Storage, serializer: Serializer, tag: str = "p0",
+                   process: int | None = None) -> Written:
+    """Writes this process's shards. ``process`` (multi-process saves): leaves it holds no shard of are
+    skipped, and host values (numpy leaves) are written by process 0 alone."""
+    items = snap.items()
+    if process is not None:
+        items = [it for it in items if it.shards and (
+            process == 0 or snap.leaves[it.leaf].record.get("sharding") is not None)]
+    return serializer.write(storage, items, tag=tag)
 
 
 def manifest_bytes(snap: Snapshot, written: list[Written], serializer: Serializer, *, step: int | None,
@@ -210,23 +245,61 @@ class PersistTimes:
 
     write: float = 0.0
     commit: float = 0.0
+    fsync: float = 0.0
 
 
 def persist(snap: Snapshot, parent: Storage, name: str, serializer: Serializer, *, step: int | None,
             metrics: dict | None, metadata: Any) -> PersistTimes:
     """Writes a snapshot under ``parent/name`` and commits it atomically; on any failure removes what
-    it wrote and re-raises. This is the whole path from a snapshot to durable bytes."""
+    it wrote and re-raises. This is the whole path from a snapshot to durable bytes. With several
+    processes (jax.distributed), every process calls it with its own snapshot; see _persist_shared."""
+    if distributed.process_count() > 1:
+        return _persist_shared(snap, parent, name, serializer, step=step, metrics=metrics, metadata=metadata)
     times = PersistTimes()
     staging = commit_mod.staging_name(parent, name)
+    stage = parent.sub(staging)
+    clock = getattr(stage, "clock", None)
     try:
         t0 = time.perf_counter()
-        written = write_snapshot(snap, parent.sub(staging), serializer)
+        written = write_snapshot(snap, stage, serializer)
         t1 = time.perf_counter()
         data = manifest_bytes(snap, [written], serializer, step=step, metrics=metrics, metadata=metadata)
         commit_mod.commit(parent, staging, name, data)
         times.write, times.commit = t1 - t0, time.perf_counter() - t1
+        times.fsync = clock.fsync_s if clock is not None else 0.0
     except BaseException:
         commit_mod.abort(parent, staging)
+        raise
+    return times
+
+
+def _persist_shared(snap: Snapshot, parent: Storage, name: str, serializer: Serializer, *, step: int | None,
+                    metrics: dict | None, metadata: Any) -> PersistTimes:
+    """persist() across processes: process 0 names the staging folder, each process writes its own
+    shards there (files tagged p<i>) and publishes its chunk records, process 0 merges them into the
+    manifest and commits; the others return once the commit is announced (distributed.SaveRound)."""
+    times, rnd = PersistTimes(), distributed.SaveRound.begin(parent, name)
+    staging = rnd.agree_staging(lambda: commit_mod.staging_name(parent, name))
+    stage, digest = parent.sub(staging), distributed.tree_digest([p.record for p in snap.leaves])
+    try:
+        t0 = time.perf_counter()
+        written = write_snapshot(snap, stage, serializer, tag=f"p{rnd.index}", process=rnd.index)
+        t1 = time.perf_counter()
+        if rnd.index:
+            rnd.publish(stage, written, digest)
+            rnd.await_commit()
+        else:
+            parts = rnd.gather(stage, written, digest)
+            data = manifest_bytes(snap, parts, serializer, step=step, metrics=metrics, metadata=metadata,
+                                  process_count=rnd.count)
+            decode(data, f"{stage.url}/{MANIFEST}")  # the merged chunks must tile every array exactly
+            commit_mod.commit(parent, staging, name, data)
+            rnd.announce()
+        times.write, times.commit = t1 - t0, time.perf_counter() - t1
+    except BaseException as e:
+        rnd.fail(e)
+        if rnd.index == 0:
+            commit_mod.abort(parent, staging)
         raise
     return times
 

@@ -20,10 +20,12 @@ from typing import Any, Iterable, Literal
 
 from . import checkpoint as ckpt
 from . import commit as commit_mod
+from . import distributed
 from .errors import (CheckpointError, CheckpointLockedError, CheckpointNotFoundError, CorruptCheckpointError,
                      InvalidManifestError)
 from .serializers import Serializer, get_serializer
 from .storage import LocalStorage, Storage, open_storage
+from .interval import AutoInterval
 from .writer import AsyncWriter
 
 log = logging.getLogger("flax_ckpt")
@@ -65,9 +67,11 @@ class SaveStats:
     nbytes: int
     blocked_s: float
     snapshot_s: float
-    write_s: float
-    commit_s: float
+    write_s: float  # serialization (checksums), writes and fsyncs of the data, wall time
+    commit_s: float  # manifest, folder fsyncs, rename
     durable_s: float
+    fsync_s: float = 0.0  # part of write_s: seconds in fsync, summed over writer threads
+    migrate_s: float = 0.0  # tiers: migration of this step to persistent storage
 
     @property
     def throughput_gbps(self) -> float:
@@ -109,13 +113,17 @@ class CheckpointManager:
     newest step instead of falling back to an older one with a warning).
     """
 
-    def __init__(self, directory: Any, *, save_interval_steps: int = 1, max_to_keep: int | None = None,
+    def __init__(self, directory: Any, *, save_interval_steps: "int | Literal['auto']" = 1,
+                 max_to_keep: int | None = None,
                  keep_period: int | None = None, best_metric: str | None = None,
                  best_mode: Literal["min", "max"] = "min", keep_best: int | None = None,
                  async_save: bool = True, serializer: "str | Serializer | None" = None, tiers: Any = None,
-                 strict: bool = False, metadata: Any = None):
-        if not isinstance(save_interval_steps, int) or save_interval_steps < 1:
-            raise ValueError(f"save_interval_steps must be a positive int, got {save_interval_steps!r}")
+                 strict: bool = False, metadata: Any = None, overhead_budget: float = 0.01,
+                 mtbf_s: float | None = None, metric_writer: Any = None):
+        self._auto = AutoInterval(overhead_budget, mtbf_s) if save_interval_steps == "auto" else None
+        if self._auto is None and (isinstance(save_interval_steps, bool) or not isinstance(save_interval_steps, int)
+                                   or save_interval_steps < 1):
+            raise ValueError(f"save_interval_steps must be a positive int or 'auto', got {save_interval_steps!r}")
         if max_to_keep is not None and max_to_keep < 1:
             raise ValueError(f"max_to_keep must be >= 1 or None, got {max_to_keep!r}")
         if best_mode not in ("min", "max"):
@@ -129,11 +137,15 @@ class CheckpointManager:
         self.save_interval_steps, self.max_to_keep, self.keep_period = save_interval_steps, max_to_keep, keep_period
         self.best_metric, self.best_mode, self.keep_best = best_metric, best_mode, keep_best
         self.async_save, self.strict, self.metadata = async_save, strict, metadata
+        self.metric_writer = metric_writer  # anything with write_scalars(step, dict), e.g. a clu MetricWriter
+        self._last_call_end: float | None = None
+        self._last_saved: int | None = None
         self.serializer = get_serializer(serializer)
         self._lock: _DirLock | None = None
         if isinstance(self.storage, LocalStorage):
             os.makedirs(self.storage.root, exist_ok=True)
-            self._lock = _DirLock(self.storage.root)
+            if distributed.process_index() == 0:  # one lock per job: its other processes share it
+                self._lock = _DirLock(self.storage.root)
         self._mutex = threading.Lock()
         self._metrics: dict[int, dict[str, Any] | None] = {}
         self.stats: list[SaveStats] = []
@@ -144,11 +156,15 @@ class CheckpointManager:
     # ------------------------------------------------------------------------------------ directory
 
     def _scan(self) -> None:
-        """Rebuilds the view of committed steps from the directory and removes leftovers of crashes."""
+        """Rebuilds the view of committed steps from the directory and removes leftovers of crashes.
+        With several processes, process 0 alone removes, and every process adopts its list of steps."""
+        lead = distributed.process_index() == 0
         for entry in self.storage.list():
             if commit_mod.is_temporary(entry):
-                log.warning("flax_ckpt: removing %s/%s, left by an interrupted save or deletion", self.directory, entry)
-                self.storage.delete(entry)
+                if lead:
+                    log.warning("flax_ckpt: removing %s/%s, left by an interrupted save or deletion",
+                                self.directory, entry)
+                    self.storage.delete(entry)
                 continue
             if not entry.isdigit():
                 continue
@@ -157,11 +173,15 @@ class CheckpointManager:
                 body = ckpt.read_manifest(self.storage.sub(entry))
             except (InvalidManifestError, CheckpointError, OSError) as e:
                 if not commit_mod.is_committed(self.storage, entry) and not self.storage.supports_rename:
-                    self.storage.delete(entry)  # an uncommitted object-store step: its commit object never came
+                    if lead:  # an uncommitted object-store step: its commit object never came
+                        self.storage.delete(entry)
                 else:
                     log.warning("flax_ckpt: ignoring step %d in %s: %s", step, self.directory, e)
                 continue
             self._metrics[step] = body.get("metrics")
+        if distributed.process_count() > 1:
+            steps = distributed.agree_steps(self.directory, list(self._metrics))
+            self._metrics = {s: self._metrics.get(s) for s in steps}
 
     def all_steps(self) -> list[int]:
         with self._mutex:
@@ -190,7 +210,16 @@ class CheckpointManager:
         return min(scored, key=lambda vs: (vs[0] if self.best_mode == "min" else -vs[0], -vs[1]))[1]
 
     def should_save(self, step: int) -> bool:
-        return step % self.save_interval_steps == 0 and step not in self._metrics
+        if step in self._metrics:
+            return False
+        if self._auto is not None:
+            return self._last_saved is None or step - self._last_saved >= self._auto.interval()
+        return step % self.save_interval_steps == 0
+
+    @property
+    def interval(self) -> int:
+        """The steps between saves now in force (re-tuned continuously in "auto" mode)."""
+        return self._auto.interval() if self._auto is not None else self.save_interval_steps
 
     # ----------------------------------------------------------------------------------------- save
 
@@ -204,15 +233,28 @@ class CheckpointManager:
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
         t0 = time.perf_counter()
-        self._writer.wait()
-        if step in self._metrics:
+        if self._auto is not None and self._last_call_end is not None:
+            self._auto.observe_step(t0 - self._last_call_end)
+        try:
+            return self._save(step, state, metrics, force, t0)
+        finally:
+            self._last_call_end = time.perf_counter()
+
+    def _save(self, step: int, state: Any, metrics: dict | None, force: bool, t0: float) -> bool:
+        if not self._writer.busy:
+            self._writer.wait()  # raise a finished save's failure now
+        if step in self._metrics or (self._writer.busy and step == self._last_saved):
             log.info("flax_ckpt: step %d already saved in %s; skipped", step, self.directory)
             return False
         if not force and not self.should_save(step):
             return False
         metrics = ckpt._jsonable(metrics, "metrics")
+        self._writer.wait()  # back-pressure: one save in flight
         snap = ckpt.snapshot(state, copy=self.async_save)
         blocked = time.perf_counter() - t0
+        self._last_saved = step
+        if self._auto is not None:
+            self._auto.observe_save(blocked)
         self._writer.submit(lambda: self._persist(step, snap, metrics, t0, blocked), f"step {step} in {self.directory}")
         if not self.async_save:
             self._writer.wait()
@@ -224,10 +266,16 @@ class CheckpointManager:
         with self._mutex:
             self._metrics[step] = metrics
         stats = SaveStats(step, snap.nbytes, blocked, snap.seconds, times.write, times.commit,
-                          time.perf_counter() - t0)
-        self.stats.append(stats)
-        log.info("flax_ckpt: saved step %d to %s: %s", step, self.directory, asdict(stats))
+                          time.perf_counter() - t0, fsync_s=times.fsync)
+        self._record(stats)
         self._apply_retention()
+
+    def _record(self, stats: SaveStats) -> None:
+        self.stats.append(stats)
+        log.info("flax_ckpt: saved step %d to %s: %s", stats.step, self.directory, asdict(stats))
+        if self.metric_writer is not None:
+            scalars = {f"checkpoint/{k}": v for k, v in asdict(stats).items() if k != "step"}
+            self.metric_writer.write_scalars(stats.step, scalars)
 
     def _apply_retention(self) -> None:
         with self._mutex:
@@ -235,7 +283,8 @@ class CheckpointManager:
                                      metrics=self._metric_values(), best_mode=self.best_mode,
                                      keep_best=self.keep_best)
         for step in doomed:
-            commit_mod.remove(self.storage, str(step))
+            if distributed.process_index() == 0:  # every process drops the step; process 0 deletes it
+                commit_mod.remove(self.storage, str(step))
             with self._mutex:
                 self._metrics.pop(step, None)
             log.info("flax_ckpt: retention removed step %d from %s", step, self.directory)

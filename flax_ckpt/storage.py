@@ -11,6 +11,7 @@ import errno
 import os
 import shutil
 import threading
+import time
 from typing import Any, Protocol, Sequence
 from urllib.parse import urlparse
 
@@ -39,32 +40,53 @@ class Storage(Protocol):
     def kvstore_spec(self, name: str) -> dict[str, Any]: ...
 
 
+class IoClock:
+    """Seconds spent in writes and fsyncs through a storage and its sub-folders, summed over threads."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.write_s = self.fsync_s = 0.0
+        self.nbytes = 0
+
+    def add(self, write_s: float, fsync_s: float, nbytes: int) -> None:
+        with self._lock:
+            self.write_s += write_s
+            self.fsync_s += fsync_s
+            self.nbytes += nbytes
+
+
 class LocalStorage:
     """A folder on a local (or network) file system. Writes are fsynced before they return."""
 
     supports_rename = True
 
-    def __init__(self, root: str | os.PathLike):
+    def __init__(self, root: str | os.PathLike, clock: IoClock | None = None):
         self.root = os.path.abspath(os.fspath(root))
         self.url = self.root
+        self.clock = clock if clock is not None else IoClock()
 
     def _p(self, name: str) -> str:
         return os.path.join(self.root, *name.split("/")) if name else self.root
 
     def sub(self, name: str) -> "LocalStorage":
+        """The folder ``name`` below this one, with a clock of its own."""
         return LocalStorage(self._p(name))
 
     def write(self, name: str, buffers: Sequence[Buffer]) -> None:
         path = self._p(name)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        t0, nbytes = time.perf_counter(), 0
         try:
             for buf in buffers:
                 mv = memoryview(buf).cast("B")
+                nbytes += len(mv)
                 while len(mv):
                     n = os.write(fd, mv[:_WRITE_STEP])
                     mv = mv[n:]
+            t1 = time.perf_counter()
             os.fsync(fd)
+            self.clock.add(t1 - t0, time.perf_counter() - t1, nbytes)
         finally:
             os.close(fd)
 

@@ -1,0 +1,284 @@
+"""Multi-process agreement for saves, over the jax.distributed key-value store.
+
+Scope: process index and count, and the small key-value protocol by which the N processes of one
+job agree on a save: process 0 names the staging folder, every process writes its own shards there
+and publishes its chunk records (``parts/p<i>.json`` in the staging folder, announced with its crc32c
+through the key-value store), process 0 waits for all of them, merges them into the one manifest's
+inputs, commits and announces the commit; the other processes' saves finish when they see it. Also
+the manager's shared view of committed steps (process 0's scan, adopted by all).
+
+Every wait runs on the caller's thread (for the manager: the background writer, never the training
+thread) and has a timeout (``set_timeout``): a dead or hung peer gives a DistributedError naming the
+missing processes instead of a hang. No collectives are used, only the coordinator's key-value store.
+
+Not here: which shards a process owns (checkpoint.snapshot keeps each process's addressable shards
+with replica_id == 0, so a replicated shard has exactly one writer), the byte layout (serializers),
+the commit itself (commit.py), and the orchestration of one save (checkpoint.persist).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import crc32c
+import jax
+
+from .errors import DistributedError
+from .format import MAX_MANIFEST_BYTES
+from .serializers import Written, intersect
+from .storage import Storage
+
+PARTS = "parts"
+_ROOT = "flax_ckpt"
+_timeout_s = 300.0
+_lock = threading.Lock()
+_rounds: dict[str, int] = {}  # key prefix -> how many rounds this process has run under it
+_unacked: list[str] = []      # process 0: rounds whose keys are deleted once every peer has acked
+
+
+def process_index() -> int:
+    return jax.process_index()
+
+
+def process_count() -> int:
+    return jax.process_count()
+
+
+def set_timeout(seconds: float) -> None:
+    """How long any process waits for another at one point of a save (default 300 s).
+
+    A peer's wait for the commit allows twice this, since process 0 may itself wait this long."""
+    global _timeout_s
+    if not seconds > 0:
+        raise ValueError(f"timeout must be positive, got {seconds!r}")
+    _timeout_s = float(seconds)
+
+
+def timeout_s() -> float:
+    return _timeout_s
+
+
+def _client() -> Any:
+    from jax._src.distributed import global_state
+    if global_state.client is None:
+        raise DistributedError(f"{process_count()} processes but jax.distributed is not initialized; call "
+                               "jax.distributed.initialize() in every process before saving")
+    return global_state.client
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _next_round(prefix: str) -> str:
+    """A fresh key prefix for the next round under ``prefix``: every process runs the same rounds in
+    the same order (SPMD), so the n-th round of each process meets the n-th round of the others."""
+    with _lock:
+        n = _rounds.get(prefix, 0)
+        _rounds[prefix] = n + 1
+    return f"{prefix}/{n}"
+
+
+def _get(key: str, seconds: float, what: str) -> dict[str, Any]:
+    try:
+        raw = _client().blocking_key_value_get(key, max(1, int(seconds * 1000)))
+    except Exception as e:  # jax.errors.JaxRuntimeError: DEADLINE_EXCEEDED, or the coordinator is gone
+        if "DEADLINE_EXCEEDED" in str(e):
+            raise TimeoutError(key) from None
+        raise DistributedError(f"{what}: lost contact with the jax.distributed coordinator ({e})") from e
+    return json.loads(raw)
+
+
+def _set(key: str, value: dict[str, Any], what: str) -> None:
+    try:
+        _client().key_value_set(key, json.dumps(value))
+    except Exception as e:
+        raise DistributedError(f"{what}: cannot publish to the jax.distributed coordinator ({e})") from e
+
+
+def _present(prefix: str) -> set[str]:
+    try:
+        return {k.rsplit("/", 1)[-1] for k, _ in _client().key_value_dir_get(prefix + "/")}
+    except Exception:
+        return set()
+
+
+# ------------------------------------------------------------------------------------------- saves
+
+def tree_digest(leaves: list[dict[str, Any]]) -> str:
+    """Structure of a snapshot (paths, kinds, dtypes, shapes): every process must save the same tree."""
+    rows = [[r["path"], r["kind"], r.get("dtype"), r.get("shape")] for r in leaves]
+    return f"{crc32c.crc32c(json.dumps(rows).encode()):08x}"
+
+
+@dataclass(frozen=True)
+class SaveRound:
+    """One distributed save of ``<parent>/<name>``: the key prefix its processes meet under."""
+
+    prefix: str
+    where: str
+    index: int
+    count: int
+
+    @staticmethod
+    def begin(parent: Storage, name: str) -> "SaveRound":
+        where = f"{parent.url}/{name}"
+        return SaveRound(_next_round(f"{_ROOT}/save/{_digest(where)}"), where, process_index(), process_count())
+
+    def agree_staging(self, make: Callable[[], str]) -> str:
+        """Process 0 calls ``make`` and publishes the staging folder's name; the others receive it. A
+        failure of ``make`` on process 0 is raised there and reported to the others."""
+        key = f"{self.prefix}/staging"
+        if self.index == 0:
+            _cleanup_acked(self.count)
+            try:
+                staging = make()
+            except Exception as e:
+                _set(key, {"error": f"{type(e).__name__}: {e}"}, self.where)
+                raise
+            _set(key, {"staging": staging}, self.where)
+            return staging
+        try:
+            msg = _get(key, _timeout_s, self.where)
+        except TimeoutError:
+            raise DistributedError(f"save of {self.where}: process 0 did not start this save within "
+                                   f"{_timeout_s:g} s (dead, hung, or not saving this step?); nothing was "
+                                   "written") from None
+        if "error" in msg:
+            raise DistributedError(f"save of {self.where}: process 0 could not start it: {msg['error']}")
+        return msg["staging"]
+
+    def publish(self, stage: Storage, written: Written, digest: str) -> None:
+        """A peer: stores its chunk records durably in the staging folder and announces them."""
+        name = f"{PARTS}/p{self.index}.json"
+        body = json.dumps({"process": self.index, "tree": digest, "files": written.files,
+                           "chunks": {str(k): v for k, v in written.chunks.items()}}).encode()
+        stage.write(name, [body])
+        _set(f"{self.prefix}/written/p{self.index}",
+             {"part": name, "nbytes": len(body), "crc32c": crc32c.crc32c(body)}, self.where)
+
+    def fail(self, exc: BaseException) -> None:
+        """Reports this process's failure to the others (best effort: the coordinator may be gone)."""
+        key = f"{self.prefix}/written/p{self.index}" if self.index else f"{self.prefix}/result"
+        try:
+            _client().key_value_set(key, json.dumps({"error": f"{type(exc).__name__}: {exc}"}))
+        except Exception:
+            pass
+
+    def gather(self, stage: Storage, own: Written, digest: str) -> list[Written]:
+        """Process 0: waits for every peer's chunk records and returns all, in process order, with
+        copies of process-local leaves (written by several processes) kept only from the lowest."""
+        msgs = self._wait_written()
+        failed = {j: m["error"] for j, m in msgs.items() if "error" in m}
+        if failed:
+            raise DistributedError(f"save of {self.where}: " + "; ".join(
+                f"process {j} failed: {err}" for j, err in sorted(failed.items())) + ". Not committed.")
+        parts = [own] + [self._read_part(stage, j, msgs[j], digest) for j in range(1, self.count)]
+        stage.delete(PARTS)
+        return dedupe(parts)
+
+    def _wait_written(self) -> dict[int, dict[str, Any]]:
+        deadline = time.monotonic() + _timeout_s
+        msgs: dict[int, dict[str, Any]] = {}
+        for j in range(1, self.count):
+            try:
+                msgs[j] = _get(f"{self.prefix}/written/p{j}", deadline - time.monotonic(), self.where)
+            except TimeoutError:
+                have = _present(f"{self.prefix}/written")
+                missing = [p for p in range(1, self.count) if f"p{p}" not in have]
+                raise DistributedError(
+                    f"save of {self.where}: process(es) {missing} of {self.count} did not report their shards "
+                    f"written within {_timeout_s:g} s (dead, hung, or not saving this step?); the step was "
+                    "not committed") from None
+        return msgs
+
+    def _read_part(self, stage: Storage, j: int, msg: dict[str, Any], digest: str) -> Written:
+        raw = stage.read(msg["part"], MAX_MANIFEST_BYTES)
+        if len(raw) != msg["nbytes"] or crc32c.crc32c(raw) != msg["crc32c"]:
+            raise DistributedError(f"save of {self.where}: process {j}'s chunk records "
+                                   f"{stage.url}/{msg['part']} are damaged (size or crc32c mismatch)")
+        body = json.loads(raw)
+        if body["tree"] != digest:
+            raise DistributedError(f"save of {self.where}: process {j} saved a different tree than process 0 "
+                                   "(other key paths, shapes or dtypes); every process must save the same "
+                                   "state")
+        return Written({int(k): v for k, v in body["chunks"].items()}, body["files"])
+
+    def announce(self) -> None:
+        """Process 0, after the commit: the peers' saves may finish."""
+        _set(f"{self.prefix}/result", {"committed": True}, self.where)
+        with _lock:
+            _unacked.append(self.prefix)
+
+    def await_commit(self) -> None:
+        """A peer: waits until process 0 has committed (or failed) this save."""
+        try:
+            msg = _get(f"{self.prefix}/result", 2 * _timeout_s, self.where)
+        except TimeoutError:
+            raise DistributedError(f"save of {self.where}: process 0 did not announce the commit within "
+                                   f"{2 * _timeout_s:g} s (dead or hung); the step may or may not be "
+                                   "committed: a manager's next start shows which") from None
+        if "error" in msg:
+            raise DistributedError(f"save of {self.where} failed on process 0: {msg['error']}; not committed")
+        try:
+            _client().key_value_set(f"{self.prefix}/ack/p{self.index}", "1")
+        except Exception:
+            pass
+
+
+def dedupe(parts: list[Written]) -> list[Written]:
+    """Drops a process's chunks of a leaf that overlap chunks of a lower process: only process-local
+    values (numpy arrays, arrays on one process's devices) are written by several processes, and the
+    checkpoint keeps process 0's. Shards of global arrays never overlap (one replica_id 0 each)."""
+    seen: dict[int, list[list[list[int]]]] = {}
+    out = []
+    for w in parts:
+        chunks = {}
+        for leaf, recs in w.chunks.items():
+            boxes = seen.setdefault(leaf, [])
+            if any(intersect(_box(r), _box(b)) is not None for r in recs for b in boxes):
+                continue
+            chunks[leaf] = recs
+            boxes.extend(r["index"] for r in recs)
+        out.append(Written(chunks, w.files))
+    return out
+
+
+def _box(rec: Any) -> tuple[tuple[int, int], ...]:
+    index = rec["index"] if isinstance(rec, dict) else rec
+    return tuple((int(a), int(b)) for a, b in index)
+
+
+def _cleanup_acked(count: int) -> None:
+    """Process 0: deletes the keys of finished rounds every peer has acknowledged."""
+    with _lock:
+        pending = list(_unacked)
+    for prefix in pending:
+        if len(_present(f"{prefix}/ack")) >= count - 1:
+            try:
+                _client().key_value_delete(prefix + "/")
+            except Exception:
+                continue
+            with _lock:
+                _unacked.remove(prefix)
+
+
+# ----------------------------------------------------------------------------------------- manager
+
+def agree_steps(directory: str, steps: list[int]) -> list[int]:
+    """The committed steps of ``directory`` as process 0 sees them, adopted by every process so that
+    all restore and retain the same steps."""
+    key = _next_round(f"{_ROOT}/scan/{_digest(directory)}")
+    if process_index() == 0:
+        _set(key, {"steps": sorted(steps)}, directory)
+        return sorted(steps)
+    try:
+        return _get(key, _timeout_s, directory)["steps"]
+    except TimeoutError:
+        raise DistributedError(f"CheckpointManager({directory}): process 0 did not publish its committed steps "
+                               f"within {_timeout_s:g} s; create the manager on every process") from None
