@@ -23,6 +23,7 @@ from .errors import StructureMismatchError as StructureMismatchError
 from .errors import TargetMismatchError as TargetMismatchError
 from .errors import UnsupportedLeafError as UnsupportedLeafError
 from .manager import CheckpointManager as CheckpointManager
+from .manager import RestoreStats as RestoreStats
 from .manager import SaveStats as SaveStats
 from .serializers import Serializer as Serializer
 
@@ -41,6 +42,7 @@ __all__ = [
     "InvalidManifestError",
     "LeafInfo",
     "LeafMismatchError",
+    "RestoreStats",
     "SaveFailedError",
     "SaveStats",
     "Serializer",

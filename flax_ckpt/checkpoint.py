@@ -98,6 +98,7 @@ def _host_into(spare: dict, key: tuple[Any, Box], x: Any, copy: bool) -> np.ndar
 
 def _array_plan(path, x: Any, kind: str, copy: bool, spare: dict | None = None) -> LeafPlan:
     rec: dict[str, Any] = {"path": tree_mod.path_to_json(path), "kind": kind}
+    spare = spare if copy and spare else {}
     if kind == "prng_key":
         rec["key_impl"] = str(jax.random.key_impl(x))
         x = jax.random.key_data(x)
@@ -108,13 +109,12 @@ def _array_plan(path, x: Any, kind: str, copy: bool, spare: dict | None = None) 
     if isinstance(x, jax.Array):
         rec["sharding"] = describe_sharding(x.sharding)
         on_cpu = all(d.platform == "cpu" for d in x.sharding.device_set)
-        spare = spare if copy else {}
         boxes = [(s, _box(s.index, shape)) for s in x.addressable_shards if s.replica_id == 0]
         shards = tuple(Shard(b, _host_into(spare, (path, b), s.data, copy or not on_cpu)) for s, b in boxes)
     else:
         rec["sharding"] = None
         box = tuple((0, d) for d in shape)
-        shards = (Shard(box, _host_into(spare if copy else {}, (path, box), x, copy)),)
+        shards = (Shard(box, _host_into(spare, (path, box), x, copy)),)
     return LeafPlan(path, rec, shards)
 
 
@@ -503,6 +503,14 @@ def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     raw = np.empty(n + _ALIGN, np.uint8)
     off = -raw.ctypes.data % _ALIGN
     return raw[off:off + n].view(dtype).reshape(shape)
+
+
+def restored_nbytes(body: dict[str, Any], target: Any, partial: bool) -> int:
+    """Array bytes a restore of ``body`` into ``target`` reads."""
+    wanted = None
+    if target is not None and partial:
+        wanted = {tree_mod.keystr(p) for p, _ in tree_mod.flatten(target)[0]}
+    return sum(leaf_info(r).nbytes for r in body["leaves"] if wanted is None or _name(r) in wanted)
 
 
 def _read_all(reader: _Reader, jobs: list[tuple[dict, Any, Any]]) -> list[Any]:

@@ -72,10 +72,22 @@ class SaveStats:
     durable_s: float
     fsync_s: float = 0.0  # part of write_s: seconds in fsync, summed over writer threads
     migrate_s: float = 0.0  # tiers: migration of this step to persistent storage
+    start_s: float = 0.0  # when save was called, seconds since the manager was created
 
     @property
     def throughput_gbps(self) -> float:
         return self.nbytes / max(self.write_s + self.commit_s, 1e-9) / 1e9
+
+
+@dataclass(frozen=True)
+class RestoreStats:
+    """One restore: which step, from which tier, how many array bytes, how long (reading, checking
+    checksums and placing on devices)."""
+
+    step: int
+    tier: str
+    nbytes: int
+    seconds: float
 
 
 class _DirLock:
@@ -139,6 +151,7 @@ class CheckpointManager:
         self.async_save, self.strict, self.metadata = async_save, strict, metadata
         self.metric_writer = metric_writer  # anything with write_scalars(step, dict), e.g. a clu MetricWriter
         self._last_call_end: float | None = None
+        self._created = time.perf_counter()
         self._last_saved: int | None = None
         self.serializer = get_serializer(serializer)
         self._lock: _DirLock | None = None
@@ -149,6 +162,7 @@ class CheckpointManager:
         self._mutex = threading.Lock()
         self._metrics: dict[int, dict[str, Any] | None] = {}
         self.stats: list[SaveStats] = []
+        self.restore_stats: list[RestoreStats] = []
         self._writer = AsyncWriter()
         self._closed = False
         self._scan()
@@ -266,7 +280,7 @@ class CheckpointManager:
         with self._mutex:
             self._metrics[step] = metrics
         stats = SaveStats(step, snap.nbytes, blocked, snap.seconds, times.write, times.commit,
-                          time.perf_counter() - t0, fsync_s=times.fsync)
+                          time.perf_counter() - t0, fsync_s=times.fsync, start_s=t0 - self._created)
         self._record(stats)
         self._apply_retention()
 
@@ -304,19 +318,29 @@ class CheckpointManager:
             if step not in self.all_steps():
                 raise CheckpointNotFoundError(f"no committed step {step} in {self.directory} "
                                               f"(steps: {self.all_steps()})")
-            return ckpt.restore_body(*self._open(step), target, shardings=shardings, partial=partial)
+            return self._restore_step(step, target, shardings, partial)
         steps = self.all_steps()
         if not steps:
             raise CheckpointNotFoundError(f"no committed checkpoint in {self.directory}")
         for i, s in enumerate(reversed(steps)):
             try:
-                return ckpt.restore_body(*self._open(s), target, shardings=shardings, partial=partial)
+                return self._restore_step(s, target, shardings, partial)
             except (CorruptCheckpointError, InvalidManifestError, FileNotFoundError) as e:
                 if self.strict or i == len(steps) - 1:
                     raise
                 log.warning("flax_ckpt: step %d in %s is damaged (%s); falling back to an older step", s,
                             self.directory, e)
         raise AssertionError("unreachable")
+
+    def _restore_step(self, step: int, target: Any, shardings: Any, partial: bool) -> Any:
+        t0 = time.perf_counter()
+        folder, body = self._open(step)
+        out = ckpt.restore_body(folder, body, target, shardings=shardings, partial=partial)
+        stats = RestoreStats(step, "persistent", ckpt.restored_nbytes(body, target, partial),
+                             time.perf_counter() - t0)
+        self.restore_stats.append(stats)
+        log.info("flax_ckpt: restored step %d from %s (%s): %s", step, self.directory, stats.tier, asdict(stats))
+        return out
 
     def _open(self, step: int) -> tuple[Storage, dict[str, Any]]:
         folder = self.storage.sub(str(step))

@@ -74,3 +74,31 @@ def test_stats_reach_a_metric_writer_and_fsync_is_counted(ckpt_dir):
     step, scalars = writer.rows[0]
     assert step == 1 and scalars["checkpoint/nbytes"] == 8000
     assert scalars["checkpoint/fsync_s"] > 0 and scalars["checkpoint/durable_s"] >= scalars["checkpoint/write_s"]
+
+
+def test_restore_stats_record_bytes_and_time(ckpt_dir):
+    with fc.CheckpointManager(ckpt_dir) as mgr:
+        mgr.save(1, {"w": np.ones(1000), "b": np.ones(10, np.float32)})
+        mgr.restore()
+        mgr.restore(1, {"w": np.zeros(1000)}, partial=True)
+        full, part = mgr.restore_stats
+    assert (full.step, full.tier, full.nbytes) == (1, "persistent", 8040) and full.seconds > 0
+    assert part.nbytes == 8000
+
+
+def test_timeline_plot_draws_every_phase(ckpt_dir):
+    pytest.importorskip("matplotlib", reason="the plot extra is not installed")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from flax_ckpt.plot import plot_timeline
+
+    with fc.CheckpointManager(ckpt_dir) as mgr:
+        for s in (1, 2, 3):
+            mgr.save(s, {"w": np.ones(10_000)})
+    ax = plot_timeline(mgr.stats)
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert {"blocked (snapshot)", "write + fsync", "commit"} <= set(labels)
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["step 1", "step 2", "step 3"]
+    starts = sorted(s.start_s for s in mgr.stats)
+    assert starts == [s.start_s for s in mgr.stats] and starts[0] >= 0
