@@ -7,9 +7,12 @@ belong to the manager; multi-process agreement to distributed.py; the byte layou
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
+import stat
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -22,7 +25,8 @@ from . import commit as commit_mod
 from . import distributed
 from . import tree as tree_mod
 from .errors import (CheckpointError, CheckpointNotCommittedError, CheckpointNotFoundError,
-                     LeafMismatchError, StructureMismatchError, format_list)
+                     CorruptCheckpointError, InvalidManifestError, LeafMismatchError, StructureMismatchError,
+                     format_list)
 from .format import MANIFEST, MAX_MANIFEST_BYTES, decode, dtype_from_name, dtype_name, encode
 from .serializers import ArrayItem, Box, Serializer, Shard, Written, get_serializer
 from .storage import LocalStorage, Storage, open_storage
@@ -191,7 +195,7 @@ def manifest_bytes(snap: Snapshot, written: list[Written], serializer: Serialize
     body = {"step": step, "metrics": _jsonable(metrics, "metrics"), "metadata": _jsonable(metadata, "metadata"),
             "created": time.time(), "process_count": process_count, "serializer": serializer.name,
             "files": files, "leaves": leaves}
-    return encode(body)
+    return encode(body, check=True)
 
 
 def _jsonable(obj: Any, what: str) -> Any:
@@ -281,6 +285,7 @@ def _persist_shared(snap: Snapshot, parent: Storage, name: str, serializer: Seri
     times, rnd = PersistTimes(), distributed.SaveRound.begin(parent, name)
     staging = rnd.agree_staging(lambda: commit_mod.staging_name(parent, name))
     stage, digest = parent.sub(staging), distributed.tree_digest([p.record for p in snap.leaves])
+    clock = getattr(stage, "clock", None)
     try:
         t0 = time.perf_counter()
         written = write_snapshot(snap, stage, serializer, tag=f"p{rnd.index}", process=rnd.index)
@@ -296,6 +301,7 @@ def _persist_shared(snap: Snapshot, parent: Storage, name: str, serializer: Seri
             commit_mod.commit(parent, staging, name, data)
             rnd.announce()
         times.write, times.commit = t1 - t0, time.perf_counter() - t1
+        times.fsync = clock.fsync_s if clock is not None else 0.0
     except BaseException as e:
         rnd.fail(e)
         if rnd.index == 0:
@@ -322,11 +328,32 @@ def read_manifest(storage: Storage) -> dict[str, Any]:
             f"{storage.url} holds no committed checkpoint (no {MANIFEST}: a save in flight or one that "
             "crashed); it is never read") from None
     body = decode(raw, where)
-    ser = get_serializer(body["serializer"])
+    try:
+        ser = get_serializer(body["serializer"])
+    except ValueError as e:
+        raise InvalidManifestError(f"{where}: field body.serializer: {e}") from None
     for i, leaf in enumerate(body["leaves"]):
         if "chunks" in leaf:
             ser.validate(leaf, body["files"], f"{where}: leaves[{i}] ({tree_mod.keystr(tree_mod.path_from_json(leaf['path']))})")
+        if leaf["kind"] == "prng_key" and leaf["key_shape"] != _key_data_shape(leaf["key_impl"], where, i):
+            raise InvalidManifestError(f"{where}: field leaves[{i}].key_shape: {leaf['key_shape']} is not the key "
+                                       f"data shape of {leaf['key_impl']!r}")
     return body
+
+
+@functools.lru_cache(maxsize=64)
+def _known_key_shape(impl: str) -> list[int] | None:
+    try:
+        return list(jax.random.key_data(jax.random.key(0, impl=impl)).shape)
+    except (ValueError, TypeError, KeyError):
+        return None
+
+
+def _key_data_shape(impl: str, where: str, i: int) -> list[int]:
+    shape = _known_key_shape(impl)
+    if shape is None:
+        raise InvalidManifestError(f"{where}: field leaves[{i}].key_impl: unknown PRNG implementation {impl!r}")
+    return shape
 
 
 def open_checkpoint(path: Any) -> tuple[Storage, dict[str, Any]]:
@@ -395,16 +422,39 @@ class _Reader:
     body: dict[str, Any]
     where: str
     serializer: Serializer = field(init=False)
+    budget: int | None = field(init=False)  # bytes still allowed to be allocated (None: no bound known)
+    mutex: threading.Lock = field(init=False, default_factory=threading.Lock)
 
     def __post_init__(self):
         self.serializer = get_serializer(self.body["serializer"])
+        self.budget = _stored_bytes(self.storage)
 
     def host(self, rec: dict[str, Any], box=None) -> np.ndarray:
         shape = tuple(rec["shape"])
         box = box or tuple((0, d) for d in shape)
-        out = _aligned_empty(tuple(e - s for s, e in box), dtype_from_name(rec["dtype"]))
-        self.serializer.read(self.storage, rec, box, out, f"{self.where} leaf {_name(rec)!r}")
+        where = f"{self.where} leaf {_name(rec)!r}"
+        extents, dt = tuple(e - s for s, e in box), dtype_from_name(rec["dtype"])
+        try:
+            self._reserve(math.prod(extents) * dt.itemsize, where)
+            out = _aligned_empty(extents, dt)
+            self.serializer.read(self.storage, rec, box, out, where)
+        except CorruptCheckpointError as e:
+            if not self.storage.exists(MANIFEST):
+                raise CheckpointNotFoundError(f"{self.storage.url} was deleted while it was being read (by the "
+                                              "retention of a running CheckpointManager?)") from e
+            raise
         return out
+
+    def _reserve(self, nbytes: int, where: str) -> None:
+        """Memory stays bounded by what is stored: a restore never allocates more bytes than the
+        checkpoint folder holds, whatever its manifest claims."""
+        with self.mutex:
+            if self.budget is not None and nbytes > self.budget:
+                raise CorruptCheckpointError(
+                    f"{where}: needs {nbytes} bytes but the checkpoint folder stores only {self.budget} more; "
+                    "the manifest claims data that is not there (damaged or crafted); nothing was allocated")
+            if self.budget is not None:
+                self.budget -= nbytes
 
     def sharded(self, rec: dict[str, Any], sharding: jax.sharding.Sharding) -> jax.Array:
         shape = tuple(rec["shape"])
@@ -440,6 +490,36 @@ class _Reader:
             arr = self.host(rec)
             return arr[()] if isinstance(target, np.generic) else arr
         return self.sharded(rec, sharding)
+
+
+def _stored_bytes(storage: Storage) -> int | None:
+    """The bytes in the regular files of a local checkpoint folder (None for other storages). Refuses
+    (CorruptCheckpointError) symlinks that leave the folder and special files (FIFOs, devices, sockets),
+    before any data is read: nothing outside a checkpoint is read, and no read blocks."""
+    if not isinstance(storage, LocalStorage):
+        return None
+    root, total = os.path.realpath(storage.root), 0
+    for dirpath, dirnames, filenames in os.walk(storage.root):
+        for name in dirnames + filenames:
+            path = os.path.join(dirpath, name)
+            try:
+                st = os.lstat(path)
+                if stat.S_ISLNK(st.st_mode):
+                    real = os.path.realpath(path)
+                    if real != root and not real.startswith(root + os.sep):
+                        raise CorruptCheckpointError(f"{path} resolves to {real}, outside the checkpoint folder "
+                                                     f"{root}; refusing to read the checkpoint")
+                    st = os.stat(path)
+            except FileNotFoundError:
+                continue  # deleted meanwhile; reads will say so
+            except OSError as e:
+                raise CorruptCheckpointError(f"{path}: {e.strerror}; refusing to read the checkpoint") from None
+            if stat.S_ISREG(st.st_mode):
+                total += st.st_size
+            elif not stat.S_ISDIR(st.st_mode):
+                raise CorruptCheckpointError(f"{path} is not a regular file (a FIFO, device or socket); "
+                                             "refusing to read the checkpoint")
+    return total
 
 
 def _name(rec: dict[str, Any]) -> str:

@@ -41,12 +41,19 @@ _rounds: dict[str, int] = {}  # key prefix -> how many rounds this process has r
 _unacked: list[str] = []      # process 0: rounds whose keys are deleted once every peer has acked
 
 
+def _started() -> bool:
+    """Whether asking jax for processes is free: never initializes backends (which would make a later
+    jax.distributed.initialize fail, and costs time in a single-process job that has none yet)."""
+    from jax._src import distributed as jd, xla_bridge
+    return jd.global_state.client is not None or xla_bridge.backends_are_initialized()
+
+
 def process_index() -> int:
-    return jax.process_index()
+    return jax.process_index() if _started() else 0
 
 
 def process_count() -> int:
-    return jax.process_count()
+    return jax.process_count() if _started() else 1
 
 
 def set_timeout(seconds: float) -> None:
@@ -166,9 +173,13 @@ class SaveRound:
         """Reports this process's failure to the others (best effort: the coordinator may be gone)."""
         key = f"{self.prefix}/written/p{self.index}" if self.index else f"{self.prefix}/result"
         try:
-            _client().key_value_set(key, json.dumps({"error": f"{type(exc).__name__}: {exc}"}))
+            _client().key_value_set(key, json.dumps({"error": self._reason(exc)}))
         except Exception:
             pass
+
+    def _reason(self, exc: BaseException) -> str:
+        text = str(exc).removeprefix(f"save of {self.where}: ")
+        return text if isinstance(exc, DistributedError) else f"{type(exc).__name__}: {text}"
 
     def gather(self, stage: Storage, own: Written, digest: str) -> list[Written]:
         """Process 0: waits for every peer's chunk records and returns all, in process order, with
@@ -177,7 +188,7 @@ class SaveRound:
         failed = {j: m["error"] for j, m in msgs.items() if "error" in m}
         if failed:
             raise DistributedError(f"save of {self.where}: " + "; ".join(
-                f"process {j} failed: {err}" for j, err in sorted(failed.items())) + ". Not committed.")
+                f"process {j} failed: {err}" for j, err in sorted(failed.items())) + "; the step was not committed")
         parts = [own] + [self._read_part(stage, j, msgs[j], digest) for j in range(1, self.count)]
         stage.delete(PARTS)
         return dedupe(parts)
@@ -193,8 +204,8 @@ class SaveRound:
                 missing = [p for p in range(1, self.count) if f"p{p}" not in have]
                 raise DistributedError(
                     f"save of {self.where}: process(es) {missing} of {self.count} did not report their shards "
-                    f"written within {_timeout_s:g} s (dead, hung, or not saving this step?); the step was "
-                    "not committed") from None
+                    f"as written within {_timeout_s:g} s (dead, hung, or not saving this step?); the step "
+                    "was not committed") from None
         return msgs
 
     def _read_part(self, stage: Storage, j: int, msg: dict[str, Any], digest: str) -> Written:
@@ -224,7 +235,7 @@ class SaveRound:
                                    f"{2 * _timeout_s:g} s (dead or hung); the step may or may not be "
                                    "committed: a manager's next start shows which") from None
         if "error" in msg:
-            raise DistributedError(f"save of {self.where} failed on process 0: {msg['error']}; not committed")
+            raise DistributedError(f"save of {self.where} failed on process 0: {msg['error']}")
         try:
             _client().key_value_set(f"{self.prefix}/ack/p{self.index}", "1")
         except Exception:

@@ -133,6 +133,9 @@ class CheckpointManager:
                  strict: bool = False, metadata: Any = None, overhead_budget: float = 0.01,
                  mtbf_s: float | None = None, metric_writer: Any = None):
         self._auto = AutoInterval(overhead_budget, mtbf_s) if save_interval_steps == "auto" else None
+        if self._auto is not None and distributed.process_count() > 1:
+            raise ValueError("save_interval_steps='auto' measures one process's timings, so processes of a "
+                             "multi-process job could pick different steps; pass an int interval there")
         if self._auto is None and (isinstance(save_interval_steps, bool) or not isinstance(save_interval_steps, int)
                                    or save_interval_steps < 1):
             raise ValueError(f"save_interval_steps must be a positive int or 'auto', got {save_interval_steps!r}")

@@ -1,0 +1,276 @@
+"""One process of a multi-process test job (tests/test_distributed.py starts N of these).
+
+Usage: mp_worker.py '<json config>' with keys mode, dir, out, process_id, num_processes, port. The
+launcher sets XLA_FLAGS (CPU device count) and JAX_PLATFORMS=cpu; with num_processes > 1 the worker
+joins a real jax.distributed job on 127.0.0.1 with gloo collectives. It writes its findings to
+<out>/<mode>.p<i>.json and leaves with os._exit (no shutdown barrier that a killed peer would hang).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from typing import Any
+
+import jax
+
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from flax.training import train_state  # noqa: E402
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSharding  # noqa: E402
+
+import flax_ckpt as fc  # noqa: E402
+from flax_ckpt import checkpoint as ckpt  # noqa: E402
+from flax_ckpt import distributed  # noqa: E402
+from flax_ckpt.serializers.raw import RawSerializer  # noqa: E402
+from flax_ckpt.storage import LocalStorage  # noqa: E402
+
+# ------------------------------------------------------------------------------------------ the state
+
+def _apply(params, x):
+    return x @ params["dense"]["kernel"] + params["dense"]["bias"]
+
+
+TX = optax.adam(1e-2)  # one transformation: TrainStates built from it share their static fields
+
+
+def host_state(variant: int) -> train_state.TrainState:
+    """A TrainState (params, Adam state after one update, step counter) of numpy arrays, identical on
+    every process for the same ``variant``."""
+    rng = np.random.default_rng(variant)
+    params = {"dense": {"kernel": rng.standard_normal((8, 8), dtype=np.float32),
+                        "bias": rng.standard_normal((8,), dtype=np.float32)},
+              "embed": {"table": rng.standard_normal((16, 8), dtype=np.float32).astype(jnp.bfloat16)}}
+    cpu = jax.local_devices()[0]
+    with jax.default_device(cpu):
+        state = train_state.TrainState.create(apply_fn=_apply, params=params, tx=TX)
+        grads = jax.tree.map(lambda p: jnp.full_like(p, 0.5) * (variant + 1), params)
+        state = state.apply_gradients(grads=grads)
+    return jax.tree.map(np.asarray, state.replace(step=np.int32(state.step)))
+
+
+LAYOUTS = {  # mesh shape, axis names, spec of kernel, bias, table (scalars are replicated)
+    "save22": ((2, 2), ("data", "model"), P("data", "model"), P("model"), P(None, "data")),
+    "x4": ((4,), ("x",), P(None, "x"), P("x"), P("x", None)),
+    "m14": ((1, 4), ("data", "model"), P("data", "model"), P("model"), P(None, "data")),
+    "x3": ((3,), ("x",), P(None), P(), P()),
+}
+
+
+def shardings(state: Any, layout: str) -> Any:
+    if layout == "one":
+        one = SingleDeviceSharding(jax.devices()[0])
+        return jax.tree.map(lambda _: one, state)
+    shape, names, kernel, bias, table = LAYOUTS[layout]
+    mesh = Mesh(np.array(jax.devices()).reshape(shape), names)
+
+    def pick(path, _):
+        key = jax.tree_util.keystr(path)
+        spec = kernel if "kernel" in key else bias if "bias" in key else table if "table" in key else P()
+        return NamedSharding(mesh, spec)
+    return jax.tree_util.tree_map_with_path(pick, state)
+
+
+def place(host: Any, shard_tree: Any) -> Any:
+    return jax.tree.map(lambda a, s: jax.make_array_from_callback(a.shape, s, lambda i: a[i]), host, shard_tree)
+
+
+def abstract(host: Any, shard_tree: Any) -> Any:
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), host, shard_tree)
+
+
+def check_bit_exact(got: Any, want: Any, shard_tree: Any | None) -> int:
+    """Every addressable shard of every leaf equals the expected bytes; returns the leaves checked."""
+    g, gdef = jax.tree_util.tree_flatten(got)
+    w, wdef = jax.tree_util.tree_flatten(want)
+    assert gdef == wdef, (gdef, wdef)
+    s = jax.tree_util.tree_leaves(shard_tree) if shard_tree is not None else [None] * len(w)
+    for x, a, sh in zip(g, w, s):
+        assert x.shape == a.shape and np.dtype(x.dtype) == a.dtype, (x.shape, x.dtype, a.shape, a.dtype)
+        if sh is None:
+            assert np.asarray(x).tobytes() == a.tobytes()
+            continue
+        assert x.sharding == sh, (x.sharding, sh)
+        for shard in x.addressable_shards:
+            assert np.asarray(shard.data).tobytes() == np.ascontiguousarray(a[shard.index]).tobytes()
+    return len(w)
+
+
+class CountingStorage(LocalStorage):
+    """A real local folder that counts the array bytes read through it (read_into)."""
+
+    def __init__(self, root: str, counter: list[int] | None = None):
+        super().__init__(root)
+        self.counter = counter if counter is not None else [0]
+        self._lock = threading.Lock()
+
+    def sub(self, name: str) -> "CountingStorage":
+        return CountingStorage(self._p(name), self.counter)
+
+    def read_into(self, name: str, offset: int, out: memoryview) -> None:
+        super().read_into(name, offset, out)
+        with self._lock:
+            self.counter[0] += memoryview(out).nbytes
+
+
+def needed_bytes(body: dict, shard_tree: Any) -> int:
+    """Bytes the raw reader must read for this process's boxes: each stored chunk that overlaps a
+    distinct box a local device needs (tiny chunks lie in one crc block, so they are read whole)."""
+    by_name = {ckpt._name(r): r for r in body["leaves"]}
+    total = 0
+    for path, sharding in ckpt.tree_mod.flatten(shard_tree)[0]:
+        if not isinstance(sharding, jax.sharding.Sharding):
+            continue
+        rec = by_name[ckpt.tree_mod.keystr(path)]
+        shape = tuple(rec["shape"])
+        for box in {ckpt._box(i, shape) for i in sharding.addressable_devices_indices_map(shape).values()}:
+            for ch in rec["chunks"]:
+                if all(max(a0, b0) < min(a1, b1) for (a0, a1), (b0, b1) in zip(ch["index"], box)):
+                    total += ch["nbytes"]
+    return total
+
+
+# -------------------------------------------------------------------------------------------- modes
+
+def mode_save(cfg: dict) -> dict:
+    """2 processes x 2 devices: fc.save (raw and zarr3) and an async CheckpointManager."""
+    d, i = cfg["dir"], jax.process_index()
+    host = host_state(0)
+    sh = shardings(host, "save22")
+    state = place(host, sh)
+    fc.save(os.path.join(d, "ts"), state, metadata={"run": "mp"}, step=1)
+    fc.save(os.path.join(d, "ts_zarr"), state, serializer="zarr3")
+    info = fc.metadata(os.path.join(d, "ts"))
+    out: dict[str, Any] = {"kernel_sharding": info.leaves["params/dense/kernel"].sharding,
+                           "process_count": info.process_count}
+    mgr_dir = os.path.join(d, "mgr")
+    mgr = fc.CheckpointManager(mgr_dir, max_to_keep=2, async_save=True)
+    for step in (1, 2):
+        mgr.save(step, place(host_state(step), sh), metrics={"loss": 1.0 / step})
+    mgr.wait_until_finished()
+    if i == 0:
+        time.sleep(2.0)  # process 1's save of step 3 must not wait for process 0 on its own thread
+    t0 = time.perf_counter()
+    mgr.save(3, place(host_state(3), sh), metrics={"loss": 1.0 / 3})
+    out["save3_returned_s"] = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    mgr.wait_until_finished()
+    out["save3_wait_s"] = time.perf_counter() - t1
+    out["save3_blocked_s"] = mgr.stats[-1].blocked_s
+    out["steps"] = mgr.all_steps()
+    check_bit_exact(mgr.restore(target=abstract(host, sh)), host_state(3), sh)
+    mgr.close()
+    with fc.CheckpointManager(mgr_dir, max_to_keep=2) as again:  # a fresh scan agrees on every process
+        out["steps_rescanned"] = again.all_steps()
+        check_bit_exact(again.restore(2, target=abstract(host, sh)), host_state(2), sh)
+    return out
+
+
+def mode_restore(cfg: dict) -> dict:
+    """Restores the 2x2 save into ``cfg['layouts']``, counting the bytes each process reads."""
+    host = host_state(0)
+    out: dict[str, Any] = {}
+    for layout in cfg["layouts"]:
+        sh = shardings(host, layout)
+        storage = CountingStorage(os.path.join(cfg["dir"], "ts"))
+        body = ckpt.read_manifest(storage)
+        got = ckpt.restore_body(storage, body, abstract(host, sh))
+        check_bit_exact(got, host, sh)
+        stored = sum(ch["nbytes"] for r in body["leaves"] for ch in r.get("chunks", []))
+        out[layout] = {"read": storage.counter[0], "needed": needed_bytes(body, sh), "stored": stored}
+        zarr = fc.restore(os.path.join(cfg["dir"], "ts_zarr"), abstract(host, sh))
+        check_bit_exact(zarr, host, sh)
+        kernel = got.params["dense"]["kernel"]  # a cross-process reduction (gloo when N > 1)
+        bits = jax.jit(lambda x: (jax.lax.bitcast_convert_type(x, jnp.int32) & 0xFFFF).sum())(kernel)
+        want = int((host.params["dense"]["kernel"].view(np.int32) & 0xFFFF).sum())
+        assert int(np.asarray(bits.addressable_data(0))) == want
+    if cfg.get("plain"):
+        plain = fc.restore(os.path.join(cfg["dir"], "ts"))  # no target: numpy arrays in nested dicts
+        adam = host.opt_state[0]
+        out["plain_leaves"] = check_bit_exact(
+            [plain["params"], plain["step"], plain["opt_state"][0]],
+            [host.params, host.step, {"count": adam.count, "mu": adam.mu, "nu": adam.nu}], None)
+        with fc.CheckpointManager(os.path.join(cfg["dir"], "mgr")) as mgr:
+            out["mgr_steps"] = mgr.all_steps()
+            sh = shardings(host, cfg["layouts"][0])
+            check_bit_exact(mgr.restore(target=abstract(host, sh)), host_state(3), sh)
+    return out
+
+
+class KillAfterWrite(RawSerializer):
+    """The raw serializer, but the process SIGKILLs itself right after writing its shards of save
+    number ``at`` (before it can report them): a process dying in the middle of a distributed save."""
+
+    def __init__(self, at: int, marker: str):
+        super().__init__()
+        self.at, self.marker, self.calls = at, marker, 0
+
+    def write(self, storage, items, *, tag):
+        written = super().write(storage, items, tag=tag)
+        self.calls += 1
+        if self.calls == self.at:
+            with open(self.marker, "w") as f:
+                json.dump(sorted(written.files), f)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return written
+
+
+def mode_kill(cfg: dict) -> dict:
+    """3 processes x 1 device: step 1 saves; process 1 dies during step 2's save."""
+    i = jax.process_index()
+    host = {"w": np.arange(48, dtype=np.float32).reshape(12, 4), "b": np.ones(4, np.float32)}
+    mesh = Mesh(np.array(jax.devices()), ("x",))
+    sh = {"w": NamedSharding(mesh, P("x")), "b": NamedSharding(mesh, P())}
+    ser = KillAfterWrite(2, os.path.join(cfg["out"], "killed.json")) if i == 1 else None
+    mgr = fc.CheckpointManager(os.path.join(cfg["dir"], "mgr"), async_save=True, serializer=ser)
+    # process-local values too: a numpy array and an array on this process's device alone, different
+    # on each process; the checkpoint keeps process 0's
+    local = {"n": np.arange(5), "local": jax.device_put(np.int32(i), jax.local_devices()[0])}
+    mgr.save(1, {**place(host, sh), **local})
+    mgr.wait_until_finished()
+    t0 = time.perf_counter()
+    mgr.save(2, {**place(jax.tree.map(lambda a: a + 1, host), sh), **local})
+    out: dict[str, Any] = {"save2_returned_s": time.perf_counter() - t0}
+    try:
+        mgr.wait_until_finished()
+        out["error"] = None
+    except fc.SaveFailedError as e:
+        out.update(error=str(e), cause_type=type(e.__cause__).__name__, cause=str(e.__cause__),
+                   detected_after_s=time.perf_counter() - t0)
+    out["steps"] = mgr.all_steps()
+    return out
+
+
+def main() -> None:
+    cfg = json.loads(sys.argv[1])
+    n, i = cfg["num_processes"], cfg["process_id"]
+    signal.alarm(cfg.get("alarm_s", 120))  # a worker never outlives a stuck job, even an orphaned one
+    distributed.set_timeout(cfg.get("timeout_s", 30))
+    if n > 1:
+        jax.distributed.initialize(coordinator_address=f"127.0.0.1:{cfg['port']}", num_processes=n,
+                                   process_id=i, coordinator_bind_address=f"127.0.0.1:{cfg['port']}",
+                                   initialization_timeout=60)
+    result: dict[str, Any]
+    try:
+        result = {"ok": True, **{"save": mode_save, "restore": mode_restore, "kill": mode_kill}[cfg["mode"]](cfg)}
+        code = 0
+    except BaseException:
+        result, code = {"ok": False, "traceback": traceback.format_exc()}, 1
+        print(result["traceback"], file=sys.stderr, flush=True)
+    with open(os.path.join(cfg["out"], f"{cfg['tag']}.p{i}.json"), "w") as f:
+        json.dump(result, f)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    main()
