@@ -457,15 +457,18 @@ class _Reader:
                 self.budget -= nbytes
 
     def sharded(self, rec: dict[str, Any], sharding: jax.sharding.Sharding) -> jax.Array:
+        """Reads only the boxes this process's devices hold; when they tile one bounding box (the usual
+        case), that box is read once and sliced, so no stored byte is read twice."""
         shape = tuple(rec["shape"])
-        idx_map = sharding.addressable_devices_indices_map(shape)
-        cache: dict[Any, np.ndarray] = {}
-        arrays = []
-        for dev, index in idx_map.items():
-            box = _box(index, shape)
-            if box not in cache:
-                cache[box] = self.host(rec, box)
-            arrays.append(jax.device_put(cache[box], dev))
+        boxes = {dev: _box(index, shape) for dev, index in sharding.addressable_devices_indices_map(shape).items()}
+        unique = set(boxes.values())
+        bbox = tuple((min(b[d][0] for b in unique), max(b[d][1] for b in unique)) for d in range(len(shape)))
+        if len(unique) > 1 and sum(_volume(b) for b in unique) == _volume(bbox) and _disjoint(unique):
+            whole = self.host(rec, bbox)
+            cache = {b: whole[tuple(slice(s - o, e - o) for (s, e), (o, _) in zip(b, bbox))] for b in unique}
+        else:
+            cache = {b: self.host(rec, b) for b in unique}
+        arrays = [jax.device_put(cache[box], dev) for dev, box in boxes.items()]
         return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
 
     def value(self, rec: dict[str, Any], target: Any, sharding: Any) -> Any:
@@ -520,6 +523,16 @@ def _stored_bytes(storage: Storage) -> int | None:
                 raise CorruptCheckpointError(f"{path} is not a regular file (a FIFO, device or socket); "
                                              "refusing to read the checkpoint")
     return total
+
+
+def _volume(box: tuple[tuple[int, int], ...]) -> int:
+    return math.prod(e - s for s, e in box)
+
+
+def _disjoint(boxes: set) -> bool:
+    items = list(boxes)
+    return all(any(a[d][1] <= b[d][0] or b[d][1] <= a[d][0] for d in range(len(a)))
+               for i, a in enumerate(items) for b in items[i + 1:])
 
 
 def _name(rec: dict[str, Any]) -> str:

@@ -122,8 +122,9 @@ class CountingStorage(LocalStorage):
 
 
 def needed_bytes(body: dict, shard_tree: Any) -> int:
-    """Bytes the raw reader must read for this process's boxes: each stored chunk that overlaps a
-    distinct box a local device needs (tiny chunks lie in one crc block, so they are read whole)."""
+    """Bytes the raw reader must read for this process's boxes: each stored chunk that overlaps a box
+    a local device needs, once (boxes that tile one bounding box are read together; tiny chunks lie in
+    one crc block, so they are read whole)."""
     by_name = {ckpt._name(r): r for r in body["leaves"]}
     total = 0
     for path, sharding in ckpt.tree_mod.flatten(shard_tree)[0]:
@@ -131,10 +132,11 @@ def needed_bytes(body: dict, shard_tree: Any) -> int:
             continue
         rec = by_name[ckpt.tree_mod.keystr(path)]
         shape = tuple(rec["shape"])
-        for box in {ckpt._box(i, shape) for i in sharding.addressable_devices_indices_map(shape).values()}:
-            for ch in rec["chunks"]:
-                if all(max(a0, b0) < min(a1, b1) for (a0, a1), (b0, b1) in zip(ch["index"], box)):
-                    total += ch["nbytes"]
+        boxes = {ckpt._box(i, shape) for i in sharding.addressable_devices_indices_map(shape).values()}
+        for ch in rec["chunks"]:
+            if any(all(max(a0, b0) < min(a1, b1) for (a0, a1), (b0, b1) in zip(ch["index"], box))
+                   for box in boxes):
+                total += ch["nbytes"]
     return total
 
 

@@ -187,8 +187,8 @@ def test_restore_on_four_processes_reads_only_what_each_needs(restored):
 def test_restore_on_one_process_four_devices_and_one_device(restored):
     (one_by_four,), (one_by_one,) = restored["1x4"], restored["1x1"]
     assert one_by_one["one"]["read"] == one_by_one["one"]["stored"], one_by_one  # one box: each chunk once
-    # four devices, four column boxes: each box reads the stored chunks it overlaps (whole crc blocks)
-    assert one_by_four["m14"]["read"] == one_by_four["m14"]["needed"], one_by_four
+    # four devices, four column boxes tiling the array: read together, each stored chunk once
+    assert one_by_four["m14"]["read"] == one_by_four["m14"]["needed"] == one_by_four["m14"]["stored"], one_by_four
     assert one_by_four["plain_leaves"] > 0
     assert one_by_four["mgr_steps"] == [2, 3]
 
