@@ -22,10 +22,12 @@ from .errors import StorageError as StorageError
 from .errors import StructureMismatchError as StructureMismatchError
 from .errors import TargetMismatchError as TargetMismatchError
 from .errors import UnsupportedLeafError as UnsupportedLeafError
+from .errors import UnsupportedOrbaxCheckpointError as UnsupportedOrbaxCheckpointError
 from .manager import CheckpointManager as CheckpointManager
 from .manager import RestoreStats as RestoreStats
 from .manager import SaveStats as SaveStats
 from .serializers import Serializer as Serializer
+from .tiers import Tiers as Tiers
 
 __version__ = "0.1.0"
 
@@ -49,7 +51,9 @@ __all__ = [
     "StorageError",
     "StructureMismatchError",
     "TargetMismatchError",
+    "Tiers",
     "UnsupportedLeafError",
+    "UnsupportedOrbaxCheckpointError",
     "metadata",
     "restore",
     "save",

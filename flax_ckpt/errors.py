@@ -77,6 +77,13 @@ class SaveFailedError(CheckpointError):
     The failed step was not committed and older checkpoints are untouched."""
 
 
+class UnsupportedOrbaxCheckpointError(CheckpointError, ValueError):
+    """The Orbax checkpoint uses a feature flax_ckpt does not read or write (see orbax_compat's
+    docstring): a handler type other than PyTree/Standard/JSON, a legacy msgpack checkpoint, a custom
+    value type. The message names the path and the feature; restore it with orbax-checkpoint, or
+    re-save it with a StandardCheckpointer."""
+
+
 class StorageError(CheckpointError):
     """A storage backend failed permanently (permission denied, missing bucket, ...). Names the URL."""
 

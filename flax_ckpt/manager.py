@@ -20,11 +20,13 @@ from typing import Any, Iterable, Literal
 
 from . import checkpoint as ckpt
 from . import commit as commit_mod
-from . import distributed
+from . import distributed, orbax_compat
 from .errors import (CheckpointError, CheckpointLockedError, CheckpointNotFoundError, CorruptCheckpointError,
                      InvalidManifestError)
 from .serializers import Serializer, get_serializer
 from .storage import LocalStorage, Storage, open_storage
+from .tier_store import TierSnapshot
+from .tiers import TierSet, Tiers
 from .interval import AutoInterval
 from .writer import AsyncWriter
 
@@ -130,7 +132,8 @@ class CheckpointManager:
                  keep_period: int | None = None, best_metric: str | None = None,
                  best_mode: Literal["min", "max"] = "min", keep_best: int | None = None,
                  async_save: bool = True, serializer: "str | Serializer | None" = None, tiers: Any = None,
-                 strict: bool = False, metadata: Any = None, overhead_budget: float = 0.01,
+                 strict: bool = False, metadata: Any = None, format: Literal["flax_ckpt", "orbax"] = "flax_ckpt",
+                 overhead_budget: float = 0.01,
                  mtbf_s: float | None = None, metric_writer: Any = None):
         self._auto = AutoInterval(overhead_budget, mtbf_s) if save_interval_steps == "auto" else None
         if self._auto is not None and distributed.process_count() > 1:
@@ -143,10 +146,16 @@ class CheckpointManager:
             raise ValueError(f"max_to_keep must be >= 1 or None, got {max_to_keep!r}")
         if best_mode not in ("min", "max"):
             raise ValueError(f"best_mode must be 'min' or 'max', got {best_mode!r}")
+        if format not in ("flax_ckpt", "orbax"):
+            raise ValueError(f"format must be 'flax_ckpt' or 'orbax', got {format!r}")
+        self.format = format
         if keep_best is not None and best_metric is None:
             raise ValueError("keep_best needs best_metric (the metric name to rank steps by)")
-        if tiers is not None:
-            raise NotImplementedError("tiers are not available yet in this version")
+        if tiers is not None and not isinstance(tiers, Tiers):
+            raise TypeError(f"tiers must be a flax_ckpt.Tiers, got {type(tiers).__name__}")
+        if tiers is not None and format != "flax_ckpt":
+            raise ValueError("tiers= needs format='flax_ckpt' (the memory tiers migrate native checkpoints)")
+        self._tiers: TierSet | None = None
         self.storage: Storage = open_storage(directory)
         self.directory = self.storage.url
         self.save_interval_steps, self.max_to_keep, self.keep_period = save_interval_steps, max_to_keep, keep_period
@@ -169,6 +178,8 @@ class CheckpointManager:
         self._writer = AsyncWriter()
         self._closed = False
         self._scan()
+        if tiers is not None:  # after the scan: the tiers need the persistent steps
+            self._tiers = TierSet(tiers, self.directory, set(self._metrics))
 
     # ------------------------------------------------------------------------------------ directory
 
@@ -176,14 +187,15 @@ class CheckpointManager:
         """Rebuilds the view of committed steps from the directory and removes leftovers of crashes.
         With several processes, process 0 alone removes, and every process adopts its list of steps."""
         lead = distributed.process_index() == 0
+        self._orbax = set(orbax_compat.list_steps(self.storage))
         for entry in self.storage.list():
-            if commit_mod.is_temporary(entry):
+            if commit_mod.is_temporary(entry) or orbax_compat.is_temporary_name(entry):
                 if lead:
                     log.warning("flax_ckpt: removing %s/%s, left by an interrupted save or deletion",
                                 self.directory, entry)
                     self.storage.delete(entry)
                 continue
-            if not entry.isdigit():
+            if not entry.isdigit() or int(entry) in self._orbax:
                 continue
             step = int(entry)
             try:
@@ -196,13 +208,16 @@ class CheckpointManager:
                     log.warning("flax_ckpt: ignoring step %d in %s: %s", step, self.directory, e)
                 continue
             self._metrics[step] = body.get("metrics")
+        for step in self._orbax:  # steps written by Orbax (or by format="orbax"): resumed like ours
+            self._metrics[step] = orbax_compat.read_step_metrics(self.storage, step)
         if distributed.process_count() > 1:
             steps = distributed.agree_steps(self.directory, list(self._metrics))
             self._metrics = {s: self._metrics.get(s) for s in steps}
 
     def all_steps(self) -> list[int]:
         with self._mutex:
-            return sorted(self._metrics)
+            steps = set(self._metrics)
+        return sorted(steps | set(self._tiers.steps())) if self._tiers is not None else sorted(steps)
 
     def latest_step(self) -> int | None:
         steps = self.all_steps()
@@ -267,7 +282,10 @@ class CheckpointManager:
             return False
         metrics = ckpt._jsonable(metrics, "metrics")
         self._writer.wait()  # back-pressure: one save in flight
-        snap = ckpt.snapshot(state, copy=self.async_save)
+        if self._tiers is not None:  # first sends the previous step's copy to its peer (a collective)
+            snap = self._tiers.snapshot(state, copy=self.async_save, force=force)
+        else:
+            snap = (orbax_compat.snapshot if self.format == "orbax" else ckpt.snapshot)(state, copy=self.async_save)
         blocked = time.perf_counter() - t0
         self._last_saved = step
         if self._auto is not None:
@@ -277,12 +295,21 @@ class CheckpointManager:
             self._writer.wait()
         return True
 
-    def _persist(self, step: int, snap: ckpt.Snapshot, metrics: dict | None, t0: float, blocked: float) -> None:
-        times = ckpt.persist(snap, self.storage, str(step), self.serializer, step=step, metrics=metrics,
-                             metadata=self.metadata)
+    def _persist(self, step: int, snap: Any, metrics: dict | None, t0: float, blocked: float) -> None:
+        if isinstance(snap, TierSnapshot):  # memory tiers; migration comes back here with a plain Snapshot
+            return self._tiers.save(step, snap, metrics, lambda s: self._persist(step, s, metrics, t0, blocked),
+                                    t0, blocked)
+        if self.format == "orbax":
+            t1 = time.perf_counter()
+            orbax_compat.save_step(self.storage, step, snap, metrics=metrics, metadata=self.metadata)
+            times = ckpt.PersistTimes(write=time.perf_counter() - t1)
+            self._orbax.add(step)
+        else:
+            times = ckpt.persist(snap, self.storage, str(step), self.serializer, step=step, metrics=metrics,
+                                 metadata=self.metadata)
         with self._mutex:
             self._metrics[step] = metrics
-        stats = SaveStats(step, snap.nbytes, blocked, snap.seconds, times.write, times.commit,
+        stats = SaveStats(step, snap.nbytes, blocked, getattr(snap, "seconds", 0.0), times.write, times.commit,
                           time.perf_counter() - t0, fsync_s=times.fsync, start_s=t0 - self._created)
         self._record(stats)
         self._apply_retention()
@@ -301,7 +328,8 @@ class CheckpointManager:
                                      keep_best=self.keep_best)
         for step in doomed:
             if distributed.process_index() == 0:  # every process drops the step; process 0 deletes it
-                commit_mod.remove(self.storage, str(step))
+                commit_mod.remove(self.storage, self._folder_name(step))
+            self._orbax.discard(step)
             with self._mutex:
                 self._metrics.pop(step, None)
             log.info("flax_ckpt: retention removed step %d from %s", step, self.directory)
@@ -309,6 +337,8 @@ class CheckpointManager:
     def wait_until_finished(self) -> None:
         """Blocks until the save in flight is durable; raises its failure as SaveFailedError."""
         self._writer.wait()
+        if self._tiers is not None:  # the peer copy of the last save, and the migration in flight
+            self._tiers.flush()
 
     # -------------------------------------------------------------------------------------- restore
 
@@ -317,6 +347,8 @@ class CheckpointManager:
         """Restores ``step`` (default: the newest committed step; if it is damaged and the manager is not
         strict, the newest older one that is good, with a warning)."""
         self._writer.wait()
+        if self._tiers is not None:
+            return self._restore_tiered(step, target, shardings, partial)
         if step is not None:
             if step not in self.all_steps():
                 raise CheckpointNotFoundError(f"no committed step {step} in {self.directory} "
@@ -335,12 +367,37 @@ class CheckpointManager:
                             self.directory, e)
         raise AssertionError("unreachable")
 
+    def _restore_tiered(self, step: int | None, target: Any, shardings: Any, partial: bool) -> Any:
+        """With tiers= (every process calls it): the newest step complete across processes in some
+        combination of tiers, each process reading from the fastest tier holding its shards."""
+        t0 = time.perf_counter()
+        self._tiers.flush()
+        with self._mutex:
+            persistent = set(self._metrics)
+        out, plan, nbytes = self._tiers.restore(
+            step, target, shardings=shardings, partial=partial, persistent=persistent, strict=self.strict,
+            restore_persistent=lambda s: self._restore_step(s, target, shardings, partial))
+        tier = plan.sources[distributed.process_index()][0]
+        if tier != "persistent":  # _restore_step recorded the persistent ones
+            self.restore_stats.append(RestoreStats(plan.step, tier, nbytes, time.perf_counter() - t0))
+        return out
+
+    def _folder_name(self, step: int) -> str:
+        if step in self._orbax:
+            return orbax_compat.step_path(self.storage, step).rstrip("/").rsplit("/", 1)[-1]
+        return str(step)
+
     def _restore_step(self, step: int, target: Any, shardings: Any, partial: bool) -> Any:
         t0 = time.perf_counter()
-        folder, body = self._open(step)
-        out = ckpt.restore_body(folder, body, target, shardings=shardings, partial=partial)
-        stats = RestoreStats(step, "persistent", ckpt.restored_nbytes(body, target, partial),
-                             time.perf_counter() - t0)
+        if step in self._orbax:
+            path = orbax_compat.step_item_path(self.storage, step)
+            out = ckpt.restore(path, target, shardings=shardings, partial=partial)
+            nbytes = ckpt.metadata(path).nbytes
+        else:
+            folder, body = self._open(step)
+            out = ckpt.restore_body(folder, body, target, shardings=shardings, partial=partial)
+            nbytes = ckpt.restored_nbytes(body, target, partial)
+        stats = RestoreStats(step, "persistent", nbytes, time.perf_counter() - t0)
         self.restore_stats.append(stats)
         log.info("flax_ckpt: restored step %d from %s (%s): %s", step, self.directory, stats.tier, asdict(stats))
         return out
@@ -353,6 +410,8 @@ class CheckpointManager:
         step = self.latest_step() if step is None else step
         if step is None:
             raise CheckpointNotFoundError(f"no committed checkpoint in {self.directory}")
+        if step in self._orbax:
+            return ckpt.metadata(orbax_compat.step_item_path(self.storage, step))
         folder, body = self._open(step)
         return ckpt.info_from_body(folder.url, body)
 
@@ -365,6 +424,9 @@ class CheckpointManager:
         self._closed = True
         try:
             self._writer.close()
+            if self._tiers is not None:
+                self._tiers.close(lambda: set(self._metrics),
+                                  lambda s, snap, m: self._persist(s, snap, m, time.perf_counter(), 0.0))
         finally:
             if self._lock is not None:
                 self._lock.release()

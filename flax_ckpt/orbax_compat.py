@@ -62,6 +62,7 @@ from .errors import (CheckpointError, CheckpointExistsError, CheckpointNotCommit
                      LeafMismatchError, StructureMismatchError, UnsupportedLeafError, format_list)
 from .format import MANIFEST, check_relpath
 from .serializers import Shard
+from .errors import UnsupportedOrbaxCheckpointError
 from .storage import KvStorage, LocalStorage, Storage, fsync_dir
 
 TESTED_ORBAX_VERSION = "0.12.8"
@@ -86,16 +87,12 @@ _OCDBT_FILE_SIZE = 1 << 31
 _CONTEXT = {"cache_pool#ocdbt": {"total_bytes_limit": 100_000_000}, "file_io_concurrency": {"limit": 128}}
 
 
-class UnsupportedOrbaxCheckpointError(CheckpointError, ValueError):
-    """The Orbax checkpoint uses a feature flax_ckpt does not read or write (see orbax_compat's
-    docstring): a handler type other than PyTree/Standard/JSON, a legacy msgpack checkpoint, a custom
-    value type. The message names the path and the feature; restore it with orbax-checkpoint, or
-    re-save it with a StandardCheckpointer."""
-
-
 # --------------------------------------------------------------------------------------- locating
 
 def _folder(path: Any) -> Storage:
+    """The folder a path, URL or Storage names."""
+    if isinstance(path, (LocalStorage, KvStorage)):
+        return path
     parent, name = split_path(path)
     return parent.sub(name)
 

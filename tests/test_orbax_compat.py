@@ -360,25 +360,24 @@ def test_save_refuses_existing_and_unsupported_names(ckpt_dir, orbax_ckpt):
 def test_manager_resumes_an_orbax_run(ckpt_dir):
     root = ckpt_dir / "run"
     trees = {s: {"w": jnp.full((4,), float(s), jnp.bfloat16), "step": s} for s in (1, 2)}
-    with ocp.CheckpointManager(root) as omgr:
+    options = ocp.CheckpointManagerOptions(best_fn=lambda m: m["loss"], best_mode="min")  # Orbax keeps
+    with ocp.CheckpointManager(root, options=options) as omgr:  # metrics only with best-metric retention
         for s, t in trees.items():
             omgr.save(s, args=ocp.args.StandardSave(t), metrics={"loss": 1.0 / s})
-    with fc.CheckpointManager(root, async_save=False) as mgr:
-        if not mgr.all_steps():
-            pytest.xfail("manager.py does not list Orbax steps yet (orbax_compat.list_steps/step_item_path)")
+    with fc.CheckpointManager(root, async_save=False, max_to_keep=2) as mgr:
         assert mgr.all_steps() == [1, 2] and mgr.latest_step() == 2
         assert_bit_exact(trees[2], mgr.restore(target=trees[2]))
         assert mgr.metrics(2) == {"loss": 0.5}
+        mgr.save(3, {"w": jnp.full((4,), 3.0, jnp.bfloat16), "step": 3}, metrics={"loss": 0.1})
+        assert mgr.all_steps() == [2, 3]  # the run continues natively; retention removed Orbax's step 1
+        assert not (root / "1").exists() and (root / "2").exists()
+        assert mgr.restore(2, trees[2])["step"] == 2 and mgr.restore()["step"] == 3
 
 
 def test_manager_writes_orbax_steps(ckpt_dir):
     root = ckpt_dir / "mine"
     tree = {"w": jax.device_put(jnp.arange(8.0), NamedSharding(_mesh(), P(("x", "y"))))}
-    try:
-        mgr = fc.CheckpointManager(root, format="orbax", async_save=False)
-    except TypeError:
-        pytest.xfail("manager.py has no format='orbax' yet (orbax_compat.snapshot + save_step)")
-    with mgr:
+    with fc.CheckpointManager(root, format="orbax", async_save=False) as mgr:
         mgr.save(5, tree, metrics={"loss": 0.1})
     with ocp.CheckpointManager(root) as omgr:
         assert omgr.all_steps() == [5]
