@@ -1,0 +1,298 @@
+"""The ``flax-ckpt`` command: ls, info, verify, diff, convert and prune, each with --help and --json.
+
+Scope: argument parsing, printing (text tables for people, one JSON document on stdout for scripts)
+and exit statuses. The work itself lives in inspect.py and the engine; nothing here reads bytes.
+Exit status: 0 success; 1 verify found damage or diff found differences; 2 usage errors and errors
+(no such checkpoint, a damaged manifest for info, a lock held by a live manager). Progress bars go
+to stderr (never into --json stdout) and are silenced by --quiet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import sys
+from typing import Any, Callable, Sequence
+
+EXIT_OK, EXIT_FOUND, EXIT_ERROR = 0, 1, 2
+
+
+def _common() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--json", action="store_true", help="print one JSON document on stdout (for scripts)")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bars on stderr")
+    return p
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="flax-ckpt", description="Inspect, verify, compare, convert and prune flax_ckpt checkpoints.",
+        epilog="Exit status: 0 ok; 1 damage (verify) or differences (diff) found; 2 error.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    common = [_common()]
+    p = sub.add_parser("ls", parents=common, help="list the steps of a checkpoint directory",
+                       description="List step folders: step, state (committed, in-flight, ...), tier, size, "
+                                   "metrics. A step is committed iff it has a valid manifest.json (or is an "
+                                   "Orbax step); *.tmp-* folders are saves in flight or crashed.")
+    p.add_argument("directory", metavar="DIR")
+    p.add_argument("--local-dir", metavar="LOCAL_DIR",
+                   help="also list the memory-tier copies a tiered manager of DIR keeps on this host under "
+                        "Tiers(local_dir=LOCAL_DIR), e.g. /dev/shm/flax_ckpt")
+    p = sub.add_parser("info", parents=common, help="show the tree of one checkpoint",
+                       description="Show every leaf (key path, kind, dtype, shape, bytes, sharding), totals, "
+                                   "step, metrics and user metadata. Reads no array bytes.")
+    p.add_argument("path", metavar="PATH")
+    p = sub.add_parser("verify", parents=common, help="re-read every byte and check every checksum",
+                       description="Re-read every stored byte and check its checksum; name each damaged leaf "
+                                   "and file. Exit status 1 on damage.")
+    p.add_argument("path", metavar="PATH")
+    p = sub.add_parser("diff", parents=common, help="compare two checkpoints leaf by leaf",
+                       description="List leaves only in one checkpoint and leaves whose dtype, shape or values "
+                                   "differ (with the max absolute difference). Exit status 1 if they differ.")
+    p.add_argument("a", metavar="A")
+    p.add_argument("b", metavar="B")
+    p = sub.add_parser("convert", parents=common, help="convert between native, Orbax and safetensors",
+                       description="Convert SRC into DST (never overwritten): native <-> Orbax layout, or an "
+                                   "export of the params to one .safetensors file.")
+    p.add_argument("src", metavar="SRC")
+    p.add_argument("dst", metavar="DST")
+    p.add_argument("--to", choices=["orbax", "native", "safetensors"],
+                   help="target format (default: safetensors for a *.safetensors DST, else the other layout)")
+    p.add_argument("--serializer", choices=["raw", "zarr3"], help="serializer of a native DST (default: raw)")
+    p.add_argument("--subtree", metavar="KEY",
+                   help="safetensors: key path of the sub-tree to export (default: 'params' if present, else all)")
+    p = sub.add_parser("prune", parents=common, help="delete old steps with the manager's retention rules",
+                       description="Delete committed steps that CheckpointManager(max_to_keep=N, ...) would "
+                                   "delete. Takes the directory lock; never touches in-flight folders.")
+    p.add_argument("directory", metavar="DIR")
+    p.add_argument("--keep", type=int, required=True, metavar="N", help="keep the newest N steps")
+    p.add_argument("--keep-period", type=int, metavar="P", help="also keep every step divisible by P")
+    p.add_argument("--best-metric", metavar="NAME", help="metric to rank steps by for --keep-best")
+    p.add_argument("--best-mode", choices=["min", "max"], default="min")
+    p.add_argument("--keep-best", type=int, metavar="K", help="also keep the K best steps by --best-metric")
+    p.add_argument("--dry-run", action="store_true", help="print what would be deleted; delete nothing")
+    return parser
+
+
+# ------------------------------------------------------------------------------------------ helpers
+
+def human_bytes(n: int | None) -> str:
+    if n is None:
+        return "-"
+    if n < 1024:
+        return f"{n} B"
+    size = float(n)
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        size /= 1024
+        if size < 1024 or unit == "TiB":
+            break
+    return f"{size:.1f} {unit}"
+
+
+def _table(rows: list[list[str]], header: list[str]) -> str:
+    widths = [max(len(str(r[i])) for r in [header] + rows) for i in range(len(header))]
+    lines = ["  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip() for r in [header] + rows]
+    return "\n".join(lines)
+
+
+def _metrics_text(m: dict[str, Any] | None) -> str:
+    if not m:
+        return "-"
+    return " ".join(f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}" for k, v in m.items())
+
+
+def _time_text(t: float | None) -> str:
+    if t is None:
+        return "-"
+    return datetime.datetime.fromtimestamp(t).isoformat(sep=" ", timespec="seconds")
+
+
+def sharding_text(s: dict[str, Any] | None) -> str:
+    if not s:
+        return "-"
+    if s.get("type") == "NamedSharding":
+        mesh = ",".join(f"{a}={n}" for a, n in zip(s["axis_names"], s["mesh_shape"]))
+        spec = ",".join("None" if p is None else p if isinstance(p, str) else "(" + ",".join(p) + ")"
+                        for p in s["spec"])
+        return f"NamedSharding(mesh=({mesh}),spec=({spec}))"
+    return f"{s.get('type')}({s.get('num_devices', '?')} devices)"
+
+
+def _strict(obj: Any) -> Any:
+    """NaN and infinities as strings, so --json output is strict JSON (jq and JSON.parse refuse NaN)."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return str(obj)
+    if isinstance(obj, dict):
+        return {k: _strict(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_strict(v) for v in obj]
+    return obj
+
+
+def _emit(args: argparse.Namespace, doc: dict[str, Any], text: str) -> None:
+    if args.json:
+        json.dump(_strict(doc), sys.stdout, indent=2, default=str, allow_nan=False)
+        sys.stdout.write("\n")
+    else:
+        print(text)
+
+
+# ---------------------------------------------------------------------------------------- commands
+
+def _ls_note(e: Any) -> str:
+    """Metrics of a committed step; otherwise its folder name and, for an invalid one, why."""
+    if e.committed:
+        return _metrics_text(e.metrics)
+    note = e.name if e.name != str(e.step) else "-"
+    return note + (f" ({e.problem.splitlines()[0][:80]})" if e.problem and e.state == "invalid" else "")
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    from . import inspect as fi
+
+    entries = fi.list_steps(args.directory)
+    if args.local_dir:
+        entries = sorted(entries + fi.list_memory_tiers(args.directory, args.local_dir),
+                         key=lambda e: (e.step, e.tier != "persistent", e.tier))
+    rows = [[str(e.step), e.state, e.tier, e.format or "-", human_bytes(e.nbytes), _time_text(e.created),
+             _ls_note(e)] for e in entries]
+    doc = {"directory": os.fspath(args.directory), "steps": [
+        {"step": e.step, "name": e.name, "state": e.state, "committed": e.committed, "tier": e.tier,
+         "format": e.format, "nbytes": e.nbytes, "metrics": e.metrics, "created": e.created, "problem": e.problem}
+        for e in entries]}
+    text = _table(rows, ["STEP", "STATE", "TIER", "FORMAT", "SIZE", "CREATED", "METRICS / NOTE"]) if entries \
+        else f"no steps in {args.directory}"
+    _emit(args, doc, text)
+    return EXIT_OK
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    import flax_ckpt as fc
+
+    info = fc.metadata(args.path)
+    leaves = [{"key": k, "kind": v.kind, "dtype": None if v.dtype is None else v.dtype.name,
+               "shape": None if v.shape is None else list(v.shape), "nbytes": v.nbytes, "sharding": v.sharding}
+              for k, v in info.leaves.items()]
+    arrays = sum(1 for v in info.leaves.values() if v.dtype is not None)
+    doc = {"path": info.path, "format": info.format, "step": info.step, "metrics": info.metrics,
+           "metadata": info.metadata, "created": info.created, "serializer": info.serializer,
+           "process_count": info.process_count, "leaves": leaves,
+           "total": {"leaves": len(leaves), "arrays": arrays, "nbytes": info.nbytes}}
+    rows = [[k, v.kind, "-" if v.dtype is None else v.dtype.name,
+             "-" if v.shape is None else str(list(v.shape)).replace(" ", ""), str(v.nbytes), sharding_text(v.sharding)]
+            for k, v in info.leaves.items()]
+    head = (f"{info.path}\nformat {info.format}  step {info.step}  serializer {info.serializer}  processes "
+            f"{info.process_count}  created {_time_text(info.created)}\nmetrics: {_metrics_text(info.metrics)}"
+            + ("" if info.metadata is None else f"\nmetadata: {json.dumps(info.metadata, default=str)}"))
+    total = f"total: {len(leaves)} leaves ({arrays} arrays), {info.nbytes} bytes ({human_bytes(info.nbytes)})"
+    _emit(args, doc, "\n".join([head, _table(rows, ["KEY PATH", "KIND", "DTYPE", "SHAPE", "BYTES", "SHARDING"]),
+                                total]))
+    return EXIT_OK
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from . import inspect as fi
+
+    problems = fi.verify(args.path, progress=not args.quiet)
+    doc = {"path": os.fspath(args.path), "ok": not problems,
+           "problems": [{"leaf": p.leaf, "file": p.file, "message": p.message} for p in problems]}
+    damaged = sorted({p.leaf for p in problems if p.leaf})
+    if problems:
+        text = "\n".join([f"DAMAGED {args.path}: {len(problems)} problems"
+                          + (f" in {len(damaged)} leaves" if damaged else "")]
+                         + [f"  leaf {p.leaf or '-'}  file {p.file or '-'}: {p.message}" for p in problems])
+    elif fi.detect_format(args.path) == "orbax":
+        text = f"OK {args.path}: every leaf reads back (Orbax layout: checked where Orbax stores checksums)"
+    else:
+        text = f"OK {args.path}: every checksum matches"
+    _emit(args, doc, text)
+    return EXIT_FOUND if problems else EXIT_OK
+
+
+def cmd_diff(args: argparse.Namespace) -> int:
+    from . import inspect as fi
+
+    r = fi.diff(args.a, args.b, progress=not args.quiet)
+    doc = {"a": args.a, "b": args.b, "identical": r.identical, "only_in_a": r.only_in_a, "only_in_b": r.only_in_b,
+           "differing": [{"key": d.key, "a": d.a, "b": d.b, "max_abs_diff": d.max_abs_diff}
+                         for d in r.differing], "same": r.same}
+    lines = [f"only in A: {k}" for k in r.only_in_a] + [f"only in B: {k}" for k in r.only_in_b]
+    lines += [f"differs: {d.key}  {d.a} vs {d.b}"
+              + ("" if d.max_abs_diff is None else f"  max |a-b| = {d.max_abs_diff:.6g}") for d in r.differing]
+    lines.append(f"{r.same} leaves identical" + ("" if r.identical else
+                 f", {len(r.differing)} differ, {len(r.only_in_a)} only in A, {len(r.only_in_b)} only in B"))
+    _emit(args, doc, "\n".join(lines))
+    return EXIT_OK if r.identical else EXIT_FOUND
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from . import inspect as fi
+
+    to: fi.Format | None = args.to or ("safetensors" if str(args.dst).endswith(".safetensors") else None)
+    r = fi.convert(args.src, args.dst, to=to, serializer=args.serializer, subtree=args.subtree,
+                   progress=not args.quiet)
+    doc = {"src": args.src, "dst": r.dst, "to": r.to, "leaves": r.leaves, "nbytes": r.nbytes, "skipped": r.skipped}
+    text = f"wrote {r.dst} ({r.to}): {r.leaves} leaves, {human_bytes(r.nbytes)}" + (
+        f"; skipped {len(r.skipped)} leaves that are not plain arrays: {', '.join(r.skipped)}" if r.skipped else "")
+    _emit(args, doc, text)
+    return EXIT_OK
+
+
+def cmd_prune(args: argparse.Namespace) -> int:
+    from . import inspect as fi
+
+    r = fi.prune(args.directory, keep=args.keep, keep_period=args.keep_period, best_metric=args.best_metric,
+                 best_mode=args.best_mode, keep_best=args.keep_best, dry_run=args.dry_run)
+    doc = {"directory": args.directory, "dry_run": r.dry_run, "deleted": r.deleted, "kept": r.kept}
+    verb = "would delete" if r.dry_run else "deleted"
+    text = f"{verb}: {', '.join(map(str, r.deleted)) or 'nothing'}\nkept: {', '.join(map(str, r.kept)) or 'nothing'}"
+    _emit(args, doc, text)
+    return EXIT_OK
+
+
+COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "ls": cmd_ls, "info": cmd_info, "verify": cmd_verify, "diff": cmd_diff, "convert": cmd_convert,
+    "prune": cmd_prune}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if "JAX_PLATFORMS" not in os.environ:  # inspecting a checkpoint must not take a training job's GPUs
+        import jax
+        jax.config.update("jax_platforms", "cpu")
+    from .errors import CheckpointError
+
+    try:
+        return COMMANDS[args.command](args)
+    except BrokenPipeError:  # `flax-ckpt info ... | head`: the reader left; not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_OK
+    except (CheckpointError, OSError, ValueError) as e:
+        message = str(e) + _hint(args)
+        if args.json:
+            json.dump({"error": {"type": type(e).__name__, "message": message}}, sys.stdout)
+            sys.stdout.write("\n")
+        print(f"flax-ckpt {args.command}: error: {type(e).__name__}: {message}", file=sys.stderr)
+        return EXIT_ERROR
+
+
+def _hint(args: argparse.Namespace) -> str:
+    """For a checkpoint command given a manager's directory instead of one step: say so."""
+    from . import inspect as fi
+
+    path = getattr(args, "path", None) or getattr(args, "src", None)
+    if path is None or not os.path.isdir(path) or os.path.exists(os.path.join(path, "manifest.json")):
+        return ""
+    try:
+        steps = [e.step for e in fi.list_steps(path) if e.committed]
+    except Exception:  # a hint must never hide the error it is added to
+        return ""
+    return (f" ({path} is a directory of steps {steps}: pass one of them, e.g. {os.path.join(path, str(steps[-1]))}, "
+            "or list them with `flax-ckpt ls`)") if steps else ""
+
+
+if __name__ == "__main__":
+    sys.exit(main())
