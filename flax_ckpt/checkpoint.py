@@ -29,11 +29,14 @@ from .errors import (CheckpointError, CheckpointNotCommittedError, CheckpointNot
                      format_list)
 from .format import MANIFEST, MAX_MANIFEST_BYTES, decode, dtype_from_name, dtype_name, encode
 from .serializers import ArrayItem, Box, Serializer, Shard, Written, get_serializer
-from .storage import LocalStorage, Storage, open_storage
+from .storage import LocalStorage, Storage, split_location
 
 _IO_THREADS = 8
+_REMOTE_THREADS = 32  # object stores: reads in flight at once
 _BIG_LEAF = 1 << 20  # restore reads leaves of at least this many bytes on a pool
 _ALIGN = 64  # restored host buffers start on this boundary (see _aligned_empty)
+_BUDGET_SLACK = 64 << 20  # see _Reader._reserve
+ARRAY_KINDS = ("jax", "numpy", "prng_key")  # leaf kinds with a dtype, a shape and chunks
 
 
 # ----------------------------------------------------------------------------------------------- save
@@ -57,10 +60,11 @@ class Snapshot:
     owned: bool = False  # every shard buffer was allocated by the snapshot (copy=True): reusable
 
     def spare_buffers(self) -> dict[tuple[Any, Box], np.ndarray]:
-        """This snapshot's buffers by (key path, box), for ``snapshot(reuse=...)``; none unless owned."""
+        """This snapshot's buffers by (key path, box), for ``snapshot(reuse=...)``; none unless owned.
+        Read-only views (of CPU jax arrays) are never handed out."""
         if not self.owned:
             return {}
-        return {(p.path, s.box): s.data for p in self.leaves for s in p.shards}
+        return {(p.path, s.box): s.data for p in self.leaves for s in p.shards if s.data.flags.writeable}
 
     def items(self) -> list[ArrayItem]:
         return [ArrayItem(i, tree_mod.keystr(p.path), dtype_from_name(p.record["dtype"]),
@@ -114,7 +118,11 @@ def _array_plan(path, x: Any, kind: str, copy: bool, spare: dict | None = None) 
         rec["sharding"] = describe_sharding(x.sharding)
         on_cpu = all(d.platform == "cpu" for d in x.sharding.device_set)
         boxes = [(s, _box(s.index, shape)) for s in x.addressable_shards if s.replica_id == 0]
-        shards = tuple(Shard(b, _host_into(spare, (path, b), s.data, copy or not on_cpu)) for s, b in boxes)
+        # A CPU array's host view is already a snapshot: jax arrays are immutable, the view keeps the
+        # buffer alive through x.delete(), and XLA never donates a buffer that has host views (it
+        # allocates the output instead). So CPU arrays are not copied; other devices' are.
+        shards = tuple(Shard(b, _host(s.data, False) if on_cpu else _host_into(spare, (path, b), s.data, True))
+                       for s, b in boxes)
     else:
         rec["sharding"] = None
         box = tuple((0, d) for d in shape)
@@ -214,17 +222,8 @@ def _json_default(x: Any) -> Any:
 
 
 def split_path(path: Any) -> tuple[Storage, str]:
-    """(parent storage, final name) of a checkpoint path."""
-    if isinstance(path, (dict,)):
-        raise TypeError("pass a path or URL; for a kvstore spec, open it with flax_ckpt.storage.open_storage")
-    s = os.fspath(path).rstrip("/")
-    if "://" in s and not s.startswith("file://"):
-        head, name = s.rsplit("/", 1)
-        return open_storage(head), name
-    if s.startswith("file://"):
-        s = s[len("file://"):]
-    s = os.path.abspath(s)
-    return LocalStorage(os.path.dirname(s)), os.path.basename(s)
+    """(parent storage, final name) of a checkpoint path, URL, kvstore spec or Storage."""
+    return split_location(path)
 
 
 def save(path: Any, tree: Any, *, metadata: Any = None, serializer: "str | Serializer | None" = None,
@@ -333,7 +332,7 @@ def read_manifest(storage: Storage) -> dict[str, Any]:
     except ValueError as e:
         raise InvalidManifestError(f"{where}: field body.serializer: {e}") from None
     for i, leaf in enumerate(body["leaves"]):
-        if "chunks" in leaf:
+        if leaf["kind"] in ARRAY_KINDS:  # not "chunks" in leaf: other kinds' extra fields are never validated
             ser.validate(leaf, body["files"], f"{where}: leaves[{i}] ({tree_mod.keystr(tree_mod.path_from_json(leaf['path']))})")
         if leaf["kind"] == "prng_key" and leaf["key_shape"] != _key_data_shape(leaf["key_impl"], where, i):
             raise InvalidManifestError(f"{where}: field leaves[{i}].key_shape: {leaf['key_shape']} is not the key "
@@ -427,7 +426,8 @@ class _Reader:
 
     def __post_init__(self):
         self.serializer = get_serializer(self.body["serializer"])
-        self.budget = _stored_bytes(self.storage)
+        stored = _stored_bytes(self.storage)
+        self.budget = None if stored is None else 2 * stored + _BUDGET_SLACK
 
     def host(self, rec: dict[str, Any], box=None) -> np.ndarray:
         shape = tuple(rec["shape"])
@@ -446,13 +446,15 @@ class _Reader:
         return out
 
     def _reserve(self, nbytes: int, where: str) -> None:
-        """Memory stays bounded by what is stored: a restore never allocates more bytes than the
-        checkpoint folder holds, whatever its manifest claims."""
+        """Memory stays bounded by what is stored: a restore allocates at most twice the bytes the
+        checkpoint folder holds (plus _BUDGET_SLACK), whatever its manifest claims. The slack lets a
+        merely truncated file reach the serializer, whose error names it."""
         with self.mutex:
             if self.budget is not None and nbytes > self.budget:
                 raise CorruptCheckpointError(
-                    f"{where}: needs {nbytes} bytes but the checkpoint folder stores only {self.budget} more; "
-                    "the manifest claims data that is not there (damaged or crafted); nothing was allocated")
+                    f"{where}: needs {nbytes} bytes, more than the checkpoint folder can hold (it stores "
+                    f"{_stored_bytes(self.storage)} bytes); the manifest claims data that is not there "
+                    "(damaged or crafted); nothing was allocated")
             if self.budget is not None:
                 self.budget -= nbytes
 
@@ -608,9 +610,14 @@ def restored_nbytes(body: dict[str, Any], target: Any, partial: bool) -> int:
 
 def _read_all(reader: _Reader, jobs: list[tuple[dict, Any, Any]]) -> list[Any]:
     """Reads every leaf: the large ones on a pool, the small ones meanwhile on this thread (a pool task
-    per small leaf costs more in thread hand-offs than the read itself)."""
+    per small leaf costs more in thread hand-offs than the read itself). On object stores, where every
+    read is a request round trip, all array leaves go to a wide pool."""
+    if not reader.storage.supports_rename:
+        with ThreadPoolExecutor(_REMOTE_THREADS) as pool:
+            return list(pool.map(lambda j: reader.value(*j), jobs))
     big = [i for i, (r, _, _) in enumerate(jobs)
-           if "shape" in r and math.prod(r["shape"]) * dtype_from_name(r["dtype"]).itemsize >= _BIG_LEAF]
+           if r["kind"] in ARRAY_KINDS  # only these are validated to have a shape and a dtype
+           and math.prod(r["shape"]) * dtype_from_name(r["dtype"]).itemsize >= _BIG_LEAF]
     if len(big) < 2:
         return [reader.value(*j) for j in jobs]
     values: list[Any] = [None] * len(jobs)
@@ -658,7 +665,7 @@ class CheckpointInfo:
 
 
 def leaf_info(rec: dict[str, Any]) -> LeafInfo:
-    if "dtype" not in rec:
+    if rec["kind"] not in ARRAY_KINDS:
         return LeafInfo(rec["kind"], None, None, None, 0)
     dt = dtype_from_name(rec["dtype"])
     shape = tuple(rec["shape"])
@@ -670,7 +677,7 @@ def leaf_info(rec: dict[str, Any]) -> LeafInfo:
 def info_from_body(url: str, body: dict[str, Any]) -> CheckpointInfo:
     leaves = {_name(r): leaf_info(r) for r in body["leaves"]}
     nested = tree_mod.nest((tree_mod.path_from_json(r["path"]), leaves[_name(r)]) for r in body["leaves"])
-    return CheckpointInfo(url, nested, leaves, body["step"], body["metrics"], body.get("metadata"),
+    return CheckpointInfo(url, nested, leaves, body.get("step"), body.get("metrics"), body.get("metadata"),
                           body["created"], body["process_count"], body["serializer"],
                           sum(i.nbytes for i in leaves.values()))
 

@@ -11,12 +11,14 @@ One process commits, after every process has written (distributed.py arranges th
 from __future__ import annotations
 
 import errno
+import logging
 import uuid
 
-from .errors import CheckpointExistsError
+from .errors import CheckpointExistsError, StorageError
 from .format import MANIFEST
 from .storage import LocalStorage, Storage, fsync_dir
 
+log = logging.getLogger(__name__)
 TMP_MARK = ".tmp-"
 DELETING_MARK = ".deleting-"
 
@@ -46,9 +48,10 @@ def staging_name(parent: Storage, name: str, nonce: str | None = None) -> str:
 def commit(parent: Storage, staging: str, name: str, manifest: bytes) -> None:
     """Writes the manifest and makes ``staging`` visible as ``name`` atomically."""
     step = parent.sub(staging)
-    step.write(MANIFEST, [manifest])
     if not parent.supports_rename:
+        _commit_object(parent, step, name, manifest)
         return
+    step.write(MANIFEST, [manifest])
     assert isinstance(parent, LocalStorage)
     parent.fsync_tree(staging)
     try:
@@ -65,9 +68,27 @@ def abort(parent: Storage, staging: str) -> None:
     """Removes what an uncommitted save wrote (never a committed checkpoint)."""
     if parent.supports_rename and not is_temporary(staging):
         return
-    if not parent.supports_rename and is_committed(parent, staging):
+    if not parent.supports_rename:
+        try:
+            if not is_committed(parent, staging):
+                parent.delete(staging)
+        except StorageError as e:  # the store is failing: what is left is uncommitted, so never read
+            log.warning("flax_ckpt: could not remove the uncommitted %s/%s (a manager removes it when it "
+                        "next starts): %s", parent.url, staging, e)
         return
     parent.delete(staging)
+
+
+def _commit_object(parent: Storage, step: Storage, name: str, manifest: bytes) -> None:
+    """Object stores: every data object is written; the manifest, written once and last, commits.
+    Written only if absent, so a commit that appeared meanwhile (another writer) is not replaced."""
+    write_if_absent = getattr(step, "write_if_absent", None)
+    if write_if_absent is None:
+        step.write(MANIFEST, [manifest])
+    elif not write_if_absent(MANIFEST, manifest):
+        raise CheckpointExistsError(f"{parent.url}/{name} was committed by another writer while this save "
+                                    "ran; not overwritten (its data objects may mix both saves: delete it "
+                                    "and save again)")
 
 
 def remove(parent: Storage, name: str) -> None:

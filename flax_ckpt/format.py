@@ -18,7 +18,7 @@ import crc32c
 import ml_dtypes
 import numpy as np
 
-from .errors import InvalidManifestError
+from .errors import CheckpointError, InvalidManifestError
 
 MANIFEST = "manifest.json"
 FORMAT_NAME = "flax_ckpt"
@@ -29,6 +29,8 @@ MAX_DIM = 1 << 48
 MAX_ARRAY_BYTES = 1 << 50
 MAX_PATH_DEPTH = 512
 MAX_CHUNKS_PER_LEAF = 1 << 20
+MAX_JSON_DEPTH = 64  # metrics and user metadata; json.loads' recursion stays far off
+MAX_LIST_GAPS = 1 << 20  # list slots without a leaf (children with no leaves, e.g. dataclasses of static fields)
 LEAF_KINDS = ("jax", "numpy", "prng_key", "scalar", "string", "empty")
 EMPTY_KINDS = ("none", "dict", "list", "tuple")
 PY_TYPES = ("bool", "int", "float", "complex")
@@ -39,7 +41,7 @@ def dtype_from_name(name: str) -> np.dtype:
     if not isinstance(name, str) or not name.isidentifier():
         raise ValueError(f"not a dtype name: {name!r}")
     ml = getattr(ml_dtypes, name, None)
-    if ml is not None and isinstance(ml, type):
+    if isinstance(ml, type) and issubclass(ml, np.generic):  # not ml_dtypes.finfo: np.dtype(class) is object
         return np.dtype(ml)
     dt = np.dtype(name)
     if dt.kind not in "biufc":
@@ -51,8 +53,18 @@ def dtype_name(dt: np.dtype) -> str:
     return np.dtype(dt).name
 
 
-def encode(body: dict[str, Any]) -> bytes:
-    """The manifest file's bytes: a header with the crc32c of the canonical body, then the body."""
+def encode(body: dict[str, Any], *, check: bool = False) -> bytes:
+    """The manifest file's bytes: a header with the crc32c of the canonical body, then the body.
+
+    ``check`` (saves): first validate ``body`` as restore will, so that nothing is committed that
+    could not be read back (a tree nested deeper than MAX_PATH_DEPTH, metadata deeper than
+    MAX_JSON_DEPTH, ...)."""
+    if check:
+        try:
+            validate_body(body, "the manifest being written")
+        except InvalidManifestError as e:
+            raise CheckpointError(f"cannot save: restore would refuse this checkpoint ({e}); "
+                                  "nothing was committed") from None
     canon = json.dumps(body, sort_keys=True, separators=(",", ":"))
     head = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "crc32c": crc32c.crc32c(canon.encode())}
     return (json.dumps(head)[:-1] + ', "body": ' + canon + "}\n").encode()
@@ -69,7 +81,7 @@ def decode(raw: bytes, where: str) -> dict[str, Any]:
     if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
         raise InvalidManifestError(f"{where}: not a flax_ckpt manifest (no \"format\": \"{FORMAT_NAME}\")")
     version = doc.get("version")
-    if version != FORMAT_VERSION:
+    if type(version) is not int or version != FORMAT_VERSION:  # not True or 1.0
         raise InvalidManifestError(
             f"{where}: unknown format version {version!r}; this flax_ckpt reads version {FORMAT_VERSION}. "
             "Upgrade flax_ckpt to read it.")
@@ -173,7 +185,11 @@ def validate_array(leaf: dict, f: str, c: _Check) -> None:
         c.fail(f + ".shape", f"{shape} of {dt} is {nbytes} bytes, more than any checkpoint holds")
     if leaf["kind"] == "prng_key":
         c.typed(leaf, "key_impl", str, f)
-        c.typed(leaf, "key_shape", list, f)
+        key_shape = c.typed(leaf, "key_shape", list, f)
+        for d in key_shape:
+            c.nonneg_int(d, f + ".key_shape", MAX_DIM)
+        if not key_shape or len(key_shape) > len(shape) or shape[len(shape) - len(key_shape):] != key_shape:
+            c.fail(f + ".key_shape", f"{key_shape!r} is not the trailing dimensions of shape {shape}")
     c.typed(leaf, "sharding", dict, f, optional=True)
     chunks = c.typed(leaf, "chunks", list, f)
     if len(chunks) > MAX_CHUNKS_PER_LEAF:
@@ -210,6 +226,9 @@ def validate_body(body: dict, where: str) -> None:
     c = _Check(where)
     c.typed(body, "step", int, "body", optional=True)
     c.typed(body, "metrics", dict, "body", optional=True)
+    for key in ("metrics", "metadata"):
+        if json_depth(body.get(key)) > MAX_JSON_DEPTH:
+            c.fail(f"body.{key}", f"nested deeper than {MAX_JSON_DEPTH} levels")
     c.typed(body, "process_count", int, "body")
     c.typed(body, "created", (int, float), "body")
     c.typed(body, "serializer", str, "body")
@@ -218,10 +237,67 @@ def validate_body(body: dict, where: str) -> None:
         check_relpath(name, f"files[{name!r}]", where)
         c.nonneg_int(size, f"files[{name!r}]", MAX_ARRAY_BYTES)
     leaves = c.typed(body, "leaves", list, "body")
-    seen = set()
     for i, leaf in enumerate(leaves):
         validate_leaf(leaf, i, c)
-        key = json.dumps(leaf["path"])
-        if key in seen:
-            c.fail(f"leaves[{i}].path", f"duplicate key path {leaf['path']!r}")
-        seen.add(key)
+    check_tree([leaf["path"] for leaf in leaves], c)
+
+
+def json_depth(obj: Any) -> int:
+    """How deeply lists and objects nest in ``obj`` (0 for a scalar); iterative, so any depth is safe."""
+    depth, level = 0, [obj]
+    while True:
+        containers = [x for x in level if isinstance(x, (dict, list))]
+        if not containers:
+            return depth
+        depth += 1
+        level = [v for x in containers for v in (x.values() if isinstance(x, dict) else x)]
+
+
+class _Node:
+    """A folder of the key-path trie: its children by key string, and whether they are indices."""
+
+    __slots__ = ("children", "group", "top")
+
+    def __init__(self):
+        self.children: dict[str, tuple[tuple[str, Any], Any]] = {}
+        self.group: str | None = None  # "idx", "int" (dict keys) or "name"
+        self.top = -1  # the largest index seen (a list of top + 1 slots is built on restore)
+
+
+_LEAF = object()
+
+
+def check_tree(paths: list[list], c: _Check) -> None:
+    """The key paths must form one tree: no path is a prefix or a duplicate of another, also as key
+    strings (what restore matches leaves by: ["key", 1], ["key", "1"] and ["attr", "1"] are one key),
+    the children of a node are all indices or all names, and lists stay small (their slots total at
+    most the number of leaves plus MAX_LIST_GAPS), so that nesting the result can neither fail nor
+    allocate without bound."""
+    if len(paths) > 1 and not all(paths):
+        c.fail(f"leaves[{[bool(p) for p in paths].index(False)}].path", "the root is a leaf beside others")
+    root, lists = _Node(), []
+    for i, path in enumerate(paths):
+        node = root
+        for j, (kind, key) in enumerate(path):
+            if node is _LEAF:
+                c.fail(f"leaves[{i}].path", f"{path!r} passes through another leaf")
+            group = "idx" if kind == "idx" else "int" if isinstance(key, int) else "name"
+            if node.group not in (None, group):  # jax flattens no such node: it cannot sort mixed keys
+                c.fail(f"leaves[{i}].path[{j}]", "a node mixes sequence indices, integer keys and names")
+            if node.group is None and group == "idx":
+                lists.append(node)
+            node.group = group
+            if kind == "idx":
+                node.top = max(node.top, key)
+            last = j == len(path) - 1
+            prev = node.children.get(str(key))
+            if prev is None:
+                child = _LEAF if last else _Node()
+                node.children[str(key)] = ((kind, key), child)
+            elif prev[0] != (kind, key) or last:
+                c.fail(f"leaves[{i}].path", f"{path!r} duplicates or contains the key path of another leaf")
+            else:
+                child = prev[1]
+            node = child
+    if sum(n.top + 1 for n in lists) > len(paths) + MAX_LIST_GAPS:
+        c.fail("leaves", "sequence indices leave more gaps than any saved tree has")

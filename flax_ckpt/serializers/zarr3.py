@@ -14,9 +14,9 @@ from typing import Any, Sequence
 import numpy as np
 import tensorstore as ts
 
-from ..errors import CorruptCheckpointError, InvalidManifestError
-from ..format import check_relpath
-from ..storage import Storage
+from ..errors import CorruptCheckpointError, InvalidManifestError, StorageError
+from ..format import check_relpath, dtype_from_name
+from ..storage import Storage, explain
 from . import ArrayItem, Box, Written, for_each_overlap, local
 
 CODECS = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]
@@ -44,6 +44,12 @@ class Zarr3Serializer:
     name = "zarr3"
 
     def write(self, storage: Storage, items: Sequence[ArrayItem], *, tag: str) -> Written:
+        try:
+            return self._write(storage, items)
+        except (ValueError, RuntimeError, OSError) as e:  # tensorstore reports I/O failures as ValueError
+            raise StorageError(f"write of zarr3 arrays under {storage.url} failed: {explain(e)}") from e
+
+    def _write(self, storage: Storage, items: Sequence[ArrayItem]) -> Written:
         futures, chunks, opened = [], {}, []
         for item in items:
             name = f"z/{item.leaf}"
@@ -69,6 +75,10 @@ class Zarr3Serializer:
             check_relpath(ch.get("key"), f"chunks[{j}].key", where)
             if not isinstance(ch.get("stored_dtype"), str):
                 raise InvalidManifestError(f"{where}: leaf chunk {j}: missing stored_dtype")
+            expected = _stored(dtype_from_name(leaf["dtype"])).name  # what write() stores for the dtype
+            if ch["stored_dtype"] != expected:
+                raise InvalidManifestError(f"{where}: leaf chunk {j}: stored_dtype {ch['stored_dtype']!r} is not "
+                                           f"{expected!r}, the storage of {leaf['dtype']}")
 
     def read(self, storage: Storage, leaf: dict[str, Any], box: Box, out: np.ndarray, where: str) -> None:
         handles: dict[str, Any] = {}
