@@ -401,10 +401,18 @@ def _compatible(t: Any, rec: dict[str, Any]) -> bool:
         return kind in ("jax", "numpy") and np.dtype(t.dtype).name == rec["dtype"] and \
             list(t.shape) == rec["shape"]
     if isinstance(t, (bool, int, float, complex)):
+        if kind in ("jax", "numpy") and rec["shape"] == [] and _scalar_kind(t) == np.dtype(
+                dtype_from_name(rec["dtype"])).kind:
+            return True  # e.g. TrainState.create's step=0 against the int32 array a jitted step saved
         return kind == "scalar" and rec["py_type"] == type(t).__name__
     if isinstance(t, str):
         return kind == "string"
     return False
+
+
+def _scalar_kind(t: Any) -> str:
+    """The numpy dtype kind a Python scalar target accepts from a 0-d array."""
+    return "b" if isinstance(t, bool) else "i" if isinstance(t, int) else "f" if isinstance(t, float) else "c"
 
 
 def _scalar(rec: dict[str, Any]) -> Any:
@@ -487,6 +495,8 @@ class _Reader:
             key = jax.random.wrap_key_data(data, impl=rec["key_impl"])
             sharding = sharding or getattr(target, "sharding", None)
             return jax.device_put(key, sharding) if sharding is not None else key
+        if isinstance(target, (bool, int, float, complex)) and sharding is None:  # a 0-d array as saved
+            return jax.device_put(self.host(rec)) if kind == "jax" else self.host(rec)
         if sharding is None and target is not None:
             sharding = getattr(target, "sharding", None)
         if sharding is None:

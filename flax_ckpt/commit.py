@@ -73,7 +73,7 @@ def abort(parent: Storage, staging: str) -> None:
             if not is_committed(parent, staging):
                 parent.delete(staging)
         except StorageError as e:  # the store is failing: what is left is uncommitted, so never read
-            log.warning("flax_ckpt: could not remove the uncommitted %s/%s (a manager removes it when it "
+            log.warning("could not remove the uncommitted %s/%s (a manager removes it when it "
                         "next starts): %s", parent.url, staging, e)
         return
     parent.delete(staging)

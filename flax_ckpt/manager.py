@@ -191,7 +191,7 @@ class CheckpointManager:
         for entry in self.storage.list():
             if commit_mod.is_temporary(entry) or orbax_compat.is_temporary_name(entry):
                 if lead:
-                    log.warning("flax_ckpt: removing %s/%s, left by an interrupted save or deletion",
+                    log.warning("removing %s/%s, left by an interrupted save or deletion",
                                 self.directory, entry)
                     self.storage.delete(entry)
                 continue
@@ -205,7 +205,7 @@ class CheckpointManager:
                     if lead:  # an uncommitted object-store step: its commit object never came
                         self.storage.delete(entry)
                 else:
-                    log.warning("flax_ckpt: ignoring step %d in %s: %s", step, self.directory, e)
+                    log.warning("ignoring step %d in %s: %s", step, self.directory, e)
                 continue
             self._metrics[step] = body.get("metrics")
         for step in self._orbax:  # steps written by Orbax (or by format="orbax"): resumed like ours
@@ -276,7 +276,7 @@ class CheckpointManager:
         if not self._writer.busy:
             self._writer.wait()  # raise a finished save's failure now
         if step in self._metrics or (self._writer.busy and step == self._last_saved):
-            log.info("flax_ckpt: step %d already saved in %s; skipped", step, self.directory)
+            log.info("step %d already saved in %s; skipped", step, self.directory)
             return False
         if not force and not self.should_save(step):
             return False
@@ -316,7 +316,9 @@ class CheckpointManager:
 
     def _record(self, stats: SaveStats) -> None:
         self.stats.append(stats)
-        log.info("flax_ckpt: saved step %d to %s: %s", stats.step, self.directory, asdict(stats))
+        log.info("saved step %d to %s: %.1f MB, blocked %.1f ms, durable after %.2f s (%.2f GB/s)", stats.step,
+                 self.directory, stats.nbytes / 1e6, stats.blocked_s * 1e3, stats.durable_s, stats.throughput_gbps)
+        log.debug("save statistics: %s", asdict(stats))
         if self.metric_writer is not None:
             scalars = {f"checkpoint/{k}": v for k, v in asdict(stats).items() if k != "step"}
             self.metric_writer.write_scalars(stats.step, scalars)
@@ -332,7 +334,7 @@ class CheckpointManager:
             self._orbax.discard(step)
             with self._mutex:
                 self._metrics.pop(step, None)
-            log.info("flax_ckpt: retention removed step %d from %s", step, self.directory)
+            log.info("retention removed step %d from %s", step, self.directory)
 
     def wait_until_finished(self) -> None:
         """Blocks until the save in flight is durable; raises its failure as SaveFailedError."""
@@ -363,7 +365,7 @@ class CheckpointManager:
             except (CorruptCheckpointError, InvalidManifestError, FileNotFoundError) as e:
                 if self.strict or i == len(steps) - 1:
                     raise
-                log.warning("flax_ckpt: step %d in %s is damaged (%s); falling back to an older step", s,
+                log.warning("step %d in %s is damaged (%s); falling back to an older step", s,
                             self.directory, e)
         raise AssertionError("unreachable")
 
@@ -399,7 +401,8 @@ class CheckpointManager:
             nbytes = ckpt.restored_nbytes(body, target, partial)
         stats = RestoreStats(step, "persistent", nbytes, time.perf_counter() - t0)
         self.restore_stats.append(stats)
-        log.info("flax_ckpt: restored step %d from %s (%s): %s", step, self.directory, stats.tier, asdict(stats))
+        log.info("restored step %d from %s (%s tier): %.1f MB in %.2f s", step, self.directory, stats.tier,
+                 stats.nbytes / 1e6, stats.seconds)
         return out
 
     def _open(self, step: int) -> tuple[Storage, dict[str, Any]]:

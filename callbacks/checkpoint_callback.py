@@ -1,0 +1,170 @@
+"""CheckpointCallback: periodic, preemption-safe checkpoints and automatic resume for a training loop.
+
+Scope: the three calls a training loop makes (construction, ``restore_or``, one call per step boundary)
+and what happens on preemption. Built only on flax_ckpt's public API (``fc.CheckpointManager``); how the
+user's state becomes a pytree lives in state.py, signals in preemption.py.
+
+    ckpt = CheckpointCallback(directory, every_steps=100, max_to_keep=3)
+    state, start_step = ckpt.restore_or(state)
+    for step in range(start_step, num_steps):
+        state, metrics = train_step(state, batch(step))
+        ckpt(step + 1, state, metrics)
+    ckpt.close()  # optional: an open callback closes itself when collected or at interpreter exit
+
+On SIGTERM or SIGINT the step in progress finishes; at its boundary the callback saves that step (off
+schedule), waits until it is durable and exits (``SystemExit``, status ``128 + signal`` unless
+``exit_code`` says otherwise), or, with ``exit_on_preemption=False``, sets ``ckpt.preempted`` and returns
+so the loop can break.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import signal
+import weakref
+from typing import Any, Callable, Mapping, Sequence
+
+import flax_ckpt as fc
+
+from .preemption import PreemptionGuard
+from .state import from_tree, match_saved_scalars, to_tree
+
+log = logging.getLogger("callbacks")
+
+Metrics = Mapping[str, Any] | Callable[[], Mapping[str, Any]] | None
+_DAMAGED = (fc.CorruptCheckpointError, fc.InvalidManifestError)
+
+
+class CheckpointCallback:
+    """Saves every ``every_steps`` steps, resumes from the newest checkpoint, and survives preemption.
+
+    Args:
+      directory: where the checkpoints go (a local path or a URL the manager accepts).
+      every_steps: save the steps divisible by this (the manager's ``save_interval_steps``).
+      max_to_keep: the newest N checkpoints are kept (None keeps all).
+      exit_on_preemption: on preemption, exit after the save (True) or set ``preempted`` (False).
+      exit_code: the exit status after a preemption save; None gives 128 + the signal number (143 for
+        SIGTERM), the status a scheduler sees for a job the signal killed, so it is not taken for success.
+      preemption_signals: the signals that mean "preempted"; ``()`` installs no handler.
+      force_after: the number of signals after which the previous handler runs, abandoning the save.
+      **manager_options: any other ``fc.CheckpointManager`` option (``keep_period``, ``best_metric``,
+        ``best_mode``, ``keep_best``, ``async_save``, ``serializer``, ...).
+    """
+
+    def __init__(self, directory: str | os.PathLike, every_steps: int = 100, max_to_keep: int | None = 3, *,
+                 exit_on_preemption: bool = True, exit_code: int | None = None,
+                 preemption_signals: Sequence[int] = (signal.SIGTERM, signal.SIGINT),
+                 force_after: int | None = 3, **manager_options: Any):
+        if "save_interval_steps" in manager_options:
+            raise TypeError("CheckpointCallback takes every_steps (it is the manager's save_interval_steps); "
+                            "pass one of them, not save_interval_steps")
+        self.every_steps = every_steps
+        self.manager = fc.CheckpointManager(directory, save_interval_steps=every_steps,
+                                            max_to_keep=max_to_keep, **manager_options)
+        self.preempted = False
+        self._exit_on_preemption = exit_on_preemption
+        self._exit_code = exit_code
+        try:
+            self._guard = PreemptionGuard(preemption_signals, force_after=force_after)
+        except BaseException:
+            self.manager.close()
+            raise
+        self._closed = False
+        self._close_at_exit = _CloseAtExit(weakref.ref(self))
+        atexit.register(self._close_at_exit)
+
+    # ------------------------------------------------------------------------------------------ resume
+
+    def restore_or(self, state: Any) -> tuple[Any, int]:
+        """``(state restored from the newest good checkpoint, its step)``, or ``(state, 0)`` if there is none.
+
+        ``state`` is the freshly initialised state: it gives the structure, dtypes and placement. nnx
+        objects and stateful iterators in it are updated in place."""
+        target = to_tree(state)
+        for step in reversed(self.manager.all_steps()):
+            try:
+                restored = self.manager.restore(
+                    step, target=match_saved_scalars(target, self.manager.item_metadata(step)))
+            except _DAMAGED as e:
+                log.warning("step %d in %s is damaged (%s); trying an older one", step,
+                            self.manager.directory, e)
+                continue
+            log.info("resumed from step %d of %s", step, self.manager.directory)
+            return from_tree(state, restored), step
+        log.info("no checkpoint in %s; starting from step 0", self.manager.directory)
+        return state, 0
+
+    # ------------------------------------------------------------------------------------------ saving
+
+    def __call__(self, step: int, state: Any, metrics: Metrics = None, *, force: bool = False) -> bool:
+        """Call at each step boundary with the state after ``step`` steps. Saves when the schedule says so
+        (or ``force``); on preemption saves this step, waits for it, and stops. Returns whether it saved.
+
+        ``metrics`` (JSON-serialisable scalars, or a function returning them, called only when saving)
+        are stored with the checkpoint and rank it for ``best_metric``."""
+        if self._closed:
+            raise fc.CheckpointError("CheckpointCallback is closed")
+        stop = not self.preempted and self._guard.reached(step)
+        saved = False
+        if force or stop or self.manager.should_save(step):
+            values = metrics() if callable(metrics) else metrics
+            saved = self.manager.save(step, to_tree(state), metrics=values, force=force or stop)
+        if saved and not stop and not self.preempted and self._guard.requested:
+            stop = True  # a signal arrived while this step was being saved: it is the one to stop at
+        if stop:
+            self._stop(step)
+        return saved
+
+    def _stop(self, step: int) -> None:
+        self.manager.wait_until_finished()
+        self.preempted = True
+        where = f"step {step} is saved in {self.manager.directory} and durable"
+        if not self._exit_on_preemption:
+            log.warning("preemption: %s; ckpt.preempted is True, leave the training loop", where)
+            return
+        code = self._exit_code
+        if code is None:
+            code = 128 + (self._guard.signum or signal.SIGTERM)
+        log.warning("preemption: %s; exiting with status %d (restart to resume from step %d)", where, code,
+                    step)
+        self.close()
+        raise SystemExit(code)
+
+    # ------------------------------------------------------------------------------------------- close
+
+    def close(self) -> None:
+        """Waits for the save in flight, releases the directory and puts back the signal handlers."""
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self._close_at_exit)
+        if self._guard.requested and not self.preempted:
+            log.warning("preemption: a signal arrived after the last step boundary; nothing was left to save")
+        try:
+            self.manager.close()
+        finally:
+            self._guard.close()
+
+    def __enter__(self) -> "CheckpointCallback":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if not getattr(self, "_closed", True):
+            self.close()
+
+
+class _CloseAtExit:
+    """Closes a callback still open when the interpreter exits, without keeping it alive until then."""
+
+    def __init__(self, ref: "weakref.ref[CheckpointCallback]"):
+        self._ref = ref
+
+    def __call__(self) -> None:
+        cb = self._ref()
+        if cb is not None:
+            cb.close()

@@ -1,0 +1,111 @@
+"""Turning the training state people use into a checkpointable pytree, and restoring back into it.
+
+Scope: the mapping between a user's live state and the pytree handed to ``fc.CheckpointManager``.
+Most states are pytrees already (``flax.training.train_state.TrainState`` and its subclasses, dicts of
+params plus optax state, PRNG keys, Python ints such as a data position) and pass through unchanged.
+Two kinds of leaf are mutable objects that are not stored as themselves:
+
+* ``flax.nnx`` objects (modules, ``nnx.Optimizer``, ``nnx.Rngs``; anything ``nnx.Pytree``) and
+  ``nnx.State``: stored as ``nnx.to_pure_dict(nnx.state(obj))``; restored in place with
+  ``nnx.replace_by_pure_dict`` + ``nnx.update``, so the caller's objects hold the restored values.
+* objects with ``get_state()`` / ``set_state(state)`` (the protocol of grain's data iterators): stored as
+  ``get_state()``, restored with ``set_state``.
+
+``match_saved_scalars`` reconciles one common difference between a fresh state and a saved one:
+``TrainState.create`` starts ``step`` as the Python int 0, and after a step it is an int32 array.
+
+What does not belong here: scheduling, signals, anything about the manager.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+import jax
+from flax import nnx
+
+import flax_ckpt as fc
+
+_PY_SCALARS = (bool, int, float, complex)
+
+
+@runtime_checkable
+class Stateful(Protocol):
+    """An object whose position is captured by ``get_state()`` and set by ``set_state()`` (grain's
+    ``DatasetIterator`` protocol). ``get_state`` returns a pytree: arrays, Python scalars, strings."""
+
+    def get_state(self) -> Any: ...
+
+    def set_state(self, state: Any) -> None: ...
+
+
+def _is_nnx(x: Any) -> bool:
+    return isinstance(x, (nnx.Pytree, nnx.State))
+
+
+def _is_object_leaf(x: Any) -> bool:
+    return _is_nnx(x) or (isinstance(x, Stateful) and not isinstance(x, type))
+
+
+def _pure(x: Any) -> Any:
+    if isinstance(x, nnx.State):
+        return nnx.to_pure_dict(x)
+    if _is_nnx(x):
+        return nnx.to_pure_dict(nnx.state(x))
+    if isinstance(x, Stateful) and not isinstance(x, type):
+        return x.get_state()
+    return x
+
+
+def to_tree(state: Any) -> Any:
+    """The pytree that is saved for ``state``: nnx objects and stateful iterators replaced by their
+    pure state; everything else as it is. Reads, never mutates."""
+    return jax.tree_util.tree_map(_pure, state, is_leaf=_is_object_leaf)
+
+
+def _put_back(live: Any, restored: Any) -> Any:
+    if isinstance(live, nnx.State):
+        nnx.replace_by_pure_dict(live, restored)
+        return live
+    if _is_nnx(live):
+        current = nnx.state(live)
+        nnx.replace_by_pure_dict(current, restored)
+        nnx.update(live, current)
+        return live
+    if isinstance(live, Stateful) and not isinstance(live, type):
+        live.set_state(restored)
+        return live
+    return restored
+
+
+def from_tree(state: Any, restored: Any) -> Any:
+    """``state`` with the values of ``restored`` (a tree shaped like ``to_tree(state)``): nnx objects and
+    stateful iterators are updated in place and returned; pytree leaves are replaced."""
+    leaves, treedef = jax.tree_util.tree_flatten(state, is_leaf=_is_object_leaf)
+    parts = treedef.flatten_up_to(restored)
+    return jax.tree_util.tree_unflatten(treedef, [_put_back(a, b) for a, b in zip(leaves, parts)])
+
+
+def _saved_leaf(tree: Any, path: tuple[Any, ...]) -> Any:
+    """The LeafInfo at a jax key path in ``fc.CheckpointInfo.tree`` (nested dicts/lists), or None."""
+    node = tree
+    for k in path:
+        key = getattr(k, "key", getattr(k, "name", getattr(k, "idx", None)))
+        try:
+            node = node[key]
+        except (KeyError, IndexError, TypeError):
+            return None
+    return node if isinstance(node, fc.LeafInfo) else None
+
+
+def match_saved_scalars(target: Any, info: fc.CheckpointInfo) -> Any:
+    """``target`` with each Python-scalar leaf that the checkpoint stores as a 0-d array replaced by a
+    ``jax.ShapeDtypeStruct`` of the saved dtype (so it restores as the array the run had when saved)."""
+    def fix(path: tuple[Any, ...], leaf: Any) -> Any:
+        if not isinstance(leaf, _PY_SCALARS):
+            return leaf
+        saved = _saved_leaf(info.tree, path)
+        if saved is not None and saved.kind in ("jax", "numpy") and saved.shape == ():
+            return jax.ShapeDtypeStruct((), saved.dtype)
+        return leaf
+    return jax.tree_util.tree_map_with_path(fix, target)

@@ -1,0 +1,476 @@
+"""CheckpointCallback: schedule, resume of every state shape, preemption (flag, exit, double signal,
+signal during a save, during the first compile), handler restore, and the clu adapter.
+
+Signals are real: ``os.kill`` to this process (its handler runs on the main thread right after), or to a
+real subprocess. Nothing of the code under test is mocked.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from flax.training import train_state
+
+import flax_ckpt as fc
+from callbacks import CheckpointCallback, PreemptionGuard, to_tree
+
+TIMEOUT_S = 120
+
+
+def leaf_bytes(tree: Any) -> dict[str, tuple[str, tuple[int, ...], bytes]]:
+    """Every leaf as (type name, dtype, shape, raw bytes): equal means bit-identical, same types."""
+    out = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        kind = type(leaf).__name__ if isinstance(leaf, (bool, int, float, str)) else "array"
+        if isinstance(leaf, jax.Array) and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            kind, leaf = f"key<{jax.random.key_impl(leaf)}>", jax.random.key_data(leaf)
+        a = np.asarray(leaf)
+        out[jax.tree_util.keystr(path)] = (kind, a.dtype.str, a.shape, a.tobytes())
+    return out
+
+
+def small_state(seed: int = 0) -> dict[str, Any]:
+    """A plain dict: params, optax state (with an EmptyState), PRNG keys both styles, a data position."""
+    k = jax.random.key(seed)
+    params = {"w": jax.random.normal(k, (3, 4)), "b": jnp.zeros(4)}
+    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2))
+    return {"params": params, "opt_state": tx.init(params), "rng": jax.random.key(seed + 1),
+            "legacy_rng": jax.random.PRNGKey(seed + 2), "data": {"epoch": 0, "index": 0}}
+
+
+def bump(state: dict[str, Any]) -> dict[str, Any]:
+    """A different state of the same structure (one fake training step)."""
+    def plus_one(x: Any) -> Any:
+        is_key = isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+        return x + 1 if isinstance(x, jax.Array) and not is_key else x
+
+    out = jax.tree_util.tree_map(plus_one, state)
+    out["rng"] = jax.random.split(state["rng"])[0]
+    out["data"] = {"epoch": state["data"]["epoch"], "index": state["data"]["index"] + 1}
+    return out
+
+
+@pytest.fixture
+def signals_restored():
+    """Checks that the test's callbacks left SIGTERM and SIGINT as they found them. A test that installs
+    its own handler first appends it to the yielded list (it is the one expected back at the end)."""
+    before = [signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)]
+    expected = list(before)
+    yield expected
+    after = [signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)]
+    signal.signal(signal.SIGTERM, before[0])
+    signal.signal(signal.SIGINT, before[1])
+    assert after == expected[-2:], "a callback left its signal handlers installed"
+
+
+# ------------------------------------------------------------------------------------------ schedule
+
+def test_schedule_saves_every_n_steps_and_keeps_max_to_keep(ckpt_dir, signals_restored):
+    state = small_state()
+    with CheckpointCallback(ckpt_dir, every_steps=3, max_to_keep=2) as ckpt:
+        saved = [step for step in range(1, 11) if ckpt(step, state := bump(state), {"loss": 1.0 / step})]
+        ckpt.manager.wait_until_finished()
+        assert saved == [3, 6, 9]
+        assert ckpt.manager.all_steps() == [6, 9]
+        assert ckpt(10, state, force=True)
+        ckpt.manager.wait_until_finished()
+        assert ckpt.manager.all_steps() == [9, 10]
+        assert ckpt.manager.metrics(9) == {"loss": pytest.approx(1 / 9)}
+
+
+def test_metrics_function_is_called_only_on_steps_that_save(ckpt_dir, signals_restored):
+    calls = []
+    with CheckpointCallback(ckpt_dir, every_steps=4) as ckpt:
+        for step in range(1, 9):
+            ckpt(step, small_state(), lambda step=step: calls.append(step) or {"acc": step / 10})
+    assert calls == [4, 8]
+
+
+def test_save_interval_steps_is_refused_in_favour_of_every_steps(ckpt_dir):
+    with pytest.raises(TypeError, match="every_steps"):
+        CheckpointCallback(ckpt_dir, save_interval_steps=5)
+
+
+def test_manager_options_pass_through(ckpt_dir, signals_restored):
+    with CheckpointCallback(ckpt_dir, every_steps=1, max_to_keep=1, best_metric="acc", best_mode="max",
+                            keep_best=1, async_save=False) as ckpt:
+        for step, acc in enumerate([0.5, 0.9, 0.7, 0.6], start=1):
+            ckpt(step, small_state(step), {"acc": acc})
+        assert ckpt.manager.best_step() == 2 and ckpt.manager.all_steps() == [2, 4]
+
+
+# --------------------------------------------------------------------------------- resume, by shape
+
+def test_restore_or_without_checkpoint_returns_the_state_and_zero(ckpt_dir, signals_restored):
+    state = small_state()
+    with CheckpointCallback(ckpt_dir) as ckpt:
+        got, start = ckpt.restore_or(state)
+    assert got is state and start == 0
+
+
+def test_plain_dict_with_optax_state_keys_and_data_position(ckpt_dir, signals_restored):
+    state = bump(bump(small_state()))
+    with CheckpointCallback(ckpt_dir, every_steps=2) as ckpt:
+        ckpt(2, state)
+    with CheckpointCallback(ckpt_dir, every_steps=2) as ckpt:
+        got, start = ckpt.restore_or(small_state())
+    assert start == 2
+    assert leaf_bytes(got) == leaf_bytes(state)
+    assert type(got["opt_state"]) is type(state["opt_state"])  # optax's named tuples, not dicts
+    assert got["data"] == {"epoch": 0, "index": 2}  # Python ints stay Python ints
+
+
+class ExtraState(train_state.TrainState):
+    rng: jax.Array
+    batch_stats: dict
+    epoch: int
+
+
+def _train_state(seed: int) -> ExtraState:
+    params = {"dense": {"kernel": jnp.full((2, 3), float(seed)), "bias": jnp.zeros(3)}}
+    return ExtraState.create(apply_fn=lambda *a: None, params=params, tx=optax.sgd(0.1, momentum=0.9),
+                             rng=jax.random.key(seed), batch_stats={"mean": jnp.ones(3)}, epoch=0)
+
+
+def test_train_state_subclass_with_extra_fields(ckpt_dir, signals_restored):
+    state = _train_state(0)
+    grads = jax.tree_util.tree_map(jnp.ones_like, state.params)
+    state = state.apply_gradients(grads=grads).replace(rng=jax.random.split(state.rng)[0], epoch=3)
+    with CheckpointCallback(ckpt_dir, every_steps=1) as ckpt:
+        ckpt(1, state)
+    fresh = _train_state(7)  # step is the Python int 0 here, an int32 array in the checkpoint
+    with CheckpointCallback(ckpt_dir, every_steps=1) as ckpt:
+        got, start = ckpt.restore_or(fresh)
+    assert start == 1 and isinstance(got, ExtraState) and got.tx is fresh.tx
+    assert leaf_bytes(got) == leaf_bytes(state) and got.epoch == 3
+
+
+class Tiny(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.linear = nnx.Linear(3, 2, rngs=rngs)
+        self.dropout = nnx.Dropout(0.5, rngs=rngs)
+        self.bn = nnx.BatchNorm(2, rngs=rngs)
+
+    def __call__(self, x):
+        return self.bn(self.dropout(self.linear(x)))
+
+
+class Position:
+    """A grain-style iterator position: get_state / set_state."""
+
+    def __init__(self):
+        self.index = 0
+
+    def get_state(self) -> dict[str, int]:
+        return {"index": self.index}
+
+    def set_state(self, state: dict[str, int]) -> None:
+        self.index = state["index"]
+
+
+def test_nnx_model_optimizer_and_stateful_iterator_restored_in_place(ckpt_dir, signals_restored):
+    def make(seed):
+        model = Tiny(nnx.Rngs(params=seed, dropout=seed + 1))
+        return model, nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param), Position()
+
+    model, opt, pos = make(0)
+
+    @nnx.jit
+    def step(model, opt, x):
+        loss, grads = nnx.value_and_grad(lambda m: jnp.sum(m(x) ** 2))(model)
+        opt.update(model, grads)
+        return loss
+
+    for _ in range(3):
+        step(model, opt, jnp.ones((4, 3)))
+        pos.index += 1
+    with CheckpointCallback(ckpt_dir, every_steps=3) as ckpt:
+        ckpt(3, (model, opt, pos))
+    expected = leaf_bytes(to_tree((model, opt, pos)))
+
+    model2, opt2, pos2 = make(5)
+    with CheckpointCallback(ckpt_dir, every_steps=3) as ckpt:
+        (m, o, p), start = ckpt.restore_or((model2, opt2, pos2))
+    assert start == 3 and m is model2 and o is opt2 and p is pos2 and pos2.index == 3
+    assert leaf_bytes(to_tree((model2, opt2, pos2))) == expected
+    # and training continues identically from both
+    assert np.asarray(step(model, opt, jnp.ones((4, 3)))).tobytes() == \
+        np.asarray(step(model2, opt2, jnp.ones((4, 3)))).tobytes()
+
+
+def test_restore_or_skips_a_damaged_newest_step(ckpt_dir, signals_restored):
+    state = small_state()
+    with CheckpointCallback(ckpt_dir, every_steps=1) as ckpt:
+        ckpt(1, state)
+        ckpt(2, bump(state))
+    (ckpt_dir / "2" / "manifest.json").write_text("{ not json")
+    with CheckpointCallback(ckpt_dir, every_steps=1) as ckpt:
+        got, start = ckpt.restore_or(small_state(3))
+    assert start == 1 and leaf_bytes(got) == leaf_bytes(state)
+
+
+# -------------------------------------------------------------------------------------- preemption
+
+def test_sigterm_with_flag_saves_that_step_and_sets_preempted(ckpt_dir, signals_restored):
+    state = small_state()
+    with CheckpointCallback(ckpt_dir, every_steps=100, exit_on_preemption=False) as ckpt:
+        assert not ckpt(1, state)
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert not ckpt.preempted  # nothing happens between boundaries
+        assert ckpt(2, bump(state)) and ckpt.preempted
+        assert ckpt.manager.all_steps() == [2]  # off schedule, and already durable
+        assert not ckpt(3, state)  # handled once; the loop should have broken
+    with fc.CheckpointManager(ckpt_dir) as mgr:
+        assert leaf_bytes(mgr.restore(2, target=to_tree(state))) == leaf_bytes(bump(state))
+
+
+@pytest.mark.parametrize("sig, status", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_signal_exits_after_saving_with_status_128_plus_signal(ckpt_dir, signals_restored, sig, status):
+    ckpt = CheckpointCallback(ckpt_dir, every_steps=100)
+    ckpt(1, small_state())
+    os.kill(os.getpid(), sig)
+    with pytest.raises(SystemExit) as exc:
+        ckpt(2, small_state())
+    assert exc.value.code == status
+    with fc.CheckpointManager(ckpt_dir) as mgr:  # the callback closed itself: the directory is free
+        assert mgr.all_steps() == [2]
+
+
+def test_exit_code_and_signals_are_configurable(ckpt_dir, signals_restored):
+    previous = signal.getsignal(signal.SIGINT)
+    ckpt = CheckpointCallback(ckpt_dir, exit_code=0, preemption_signals=(signal.SIGTERM,))
+    assert signal.getsignal(signal.SIGINT) is previous  # SIGINT left alone
+    os.kill(os.getpid(), signal.SIGTERM)
+    with pytest.raises(SystemExit) as exc:
+        ckpt(1, small_state())
+    assert exc.value.code == 0
+
+
+def test_signal_on_a_scheduled_step_does_not_save_twice(ckpt_dir, signals_restored):
+    with CheckpointCallback(ckpt_dir, every_steps=2, exit_on_preemption=False) as ckpt:
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert ckpt(2, small_state()) and ckpt.preempted
+        assert ckpt.manager.all_steps() == [2]
+
+
+def test_double_signal_saves_once_and_third_runs_the_previous_handler(ckpt_dir, signals_restored):
+    received = []
+    signal.signal(signal.SIGTERM, handler := lambda s, f: received.append(s))
+    signals_restored += [handler, signal.getsignal(signal.SIGINT)]
+    with CheckpointCallback(ckpt_dir, every_steps=100, exit_on_preemption=False) as ckpt:
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert received == []  # the second is logged and ignored
+        assert ckpt(1, small_state()) and ckpt.preempted and ckpt.manager.all_steps() == [1]
+        os.kill(os.getpid(), signal.SIGTERM)  # the third: the user insists
+        assert received == [signal.SIGTERM]
+
+
+def test_signal_during_a_save_in_flight(ckpt_dir, signals_restored):
+    big = {"w": jnp.arange(2_000_000, dtype=jnp.float32)}  # 8 MB: the background write takes a while
+    with CheckpointCallback(ckpt_dir, every_steps=3, exit_on_preemption=False) as ckpt:
+        assert ckpt(3, big)  # returns once snapshotted; the write continues in the background
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert ckpt(4, {"w": big["w"] + 1}) and ckpt.preempted
+        assert ckpt.manager.all_steps() == [3, 4]  # both committed: the in-flight one was not lost
+        assert np.asarray(ckpt.manager.restore(4)["w"])[0] == 1
+
+
+def test_signal_while_this_step_is_being_saved_stops_at_this_step(ckpt_dir, signals_restored):
+    class SignalsWhileSaved(Position):
+        def get_state(self):
+            os.kill(os.getpid(), signal.SIGTERM)  # arrives in the middle of the callback's save
+            return super().get_state()
+
+    with CheckpointCallback(ckpt_dir, every_steps=2, exit_on_preemption=False) as ckpt:
+        assert not ckpt(1, {"pos": Position()})
+        assert ckpt(2, {"pos": SignalsWhileSaved()}) and ckpt.preempted
+        assert ckpt.manager.all_steps() == [2]  # no extra step, no second save
+
+
+def test_signal_before_the_first_step_saves_step_one(ckpt_dir, signals_restored):
+    ckpt = CheckpointCallback(ckpt_dir, every_steps=100, exit_on_preemption=False)
+    os.kill(os.getpid(), signal.SIGTERM)  # e.g. during restore_or or the first compile
+    state, start = ckpt.restore_or(small_state())
+    assert ckpt(start + 1, bump(state)) and ckpt.preempted
+    ckpt.close()
+
+
+def test_close_restores_the_previous_handlers(ckpt_dir, signals_restored):
+    mine = lambda s, f: None  # noqa: E731
+    signal.signal(signal.SIGTERM, mine)
+    signals_restored += [mine, signal.getsignal(signal.SIGINT)]
+    int_before = signal.getsignal(signal.SIGINT)
+    ckpt = CheckpointCallback(ckpt_dir)
+    assert signal.getsignal(signal.SIGTERM) is not mine and signal.getsignal(signal.SIGINT) is not int_before
+    ckpt.close()
+    assert signal.getsignal(signal.SIGTERM) is mine and signal.getsignal(signal.SIGINT) is int_before
+    ckpt.close()  # idempotent
+    with pytest.raises(fc.CheckpointError, match="closed"):
+        ckpt(1, small_state())
+
+
+def test_guard_off_the_main_thread_installs_nothing(signals_restored):
+    before = signal.getsignal(signal.SIGTERM)
+    guards = []
+    t = threading.Thread(target=lambda: guards.append(PreemptionGuard()))
+    t.start()
+    t.join()
+    assert signal.getsignal(signal.SIGTERM) is before and not guards[0].reached(1)
+
+
+CHILD = textwrap.dedent('''
+    import os, sys, time
+    import jax, jax.numpy as jnp, optax
+    from callbacks import CheckpointCallback
+
+    tx = optax.adam(1e-2)
+    params = {"w": jnp.ones((32, 32)) / 32}
+    state = {"params": params, "opt": tx.init(params), "rng": jax.random.key(0)}
+    ballast = {"table": jnp.zeros(8_000_000)}  # 32 MB: the preemption save takes a moment
+
+    @jax.jit
+    def train_step(state):
+        def loss(p):
+            x = jax.random.normal(state["rng"], (8, 32))
+            for _ in range(60):  # a deep unrolled graph: the first compile takes a while
+                x = jnp.tanh(x @ p["w"])
+            return jnp.sum(x ** 2)
+        g = jax.grad(loss)(state["params"])
+        u, opt = tx.update(g, state["opt"], state["params"])
+        return {"params": optax.apply_updates(state["params"], u), "opt": opt,
+                "rng": jax.random.split(state["rng"])[0]}
+
+    ckpt = CheckpointCallback(sys.argv[1], every_steps=100)
+    (state, ballast), start = ckpt.restore_or((state, ballast))
+    print("start", start, "compiling", flush=True)
+    for step in range(start, 5):
+        state = train_step(state)
+        if step == start:
+            print("first step done", flush=True)
+        ckpt(step + 1, (state, ballast))
+    print("finished", flush=True)
+''')
+
+
+def test_signals_during_the_first_compile_in_a_real_process(tmp_path):
+    """A SIGTERM lands while the child compiles its first step, a second one while it saves: it finishes
+    that step, saves it, exits 143; restarted, it resumes from step 1 and finishes."""
+    script = tmp_path / "child.py"
+    script.write_text(CHILD)
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"JAX_PLATFORMS": "cpu"}
+    cmd = [sys.executable, str(script), str(tmp_path / "ckpts")]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if "compiling" in line or "received SIGTERM;" in line:
+                proc.send_signal(signal.SIGTERM)
+        status = proc.wait(timeout=TIMEOUT_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+    out = "".join(lines)
+    assert status == 143, out
+    assert out.index("received SIGTERM;") < out.index("first step done"), out  # arrived before it ended
+    assert "received SIGTERM again (2 signals)" in out and "preemption: step 1 is saved" in out, out
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S, env=env)
+    assert again.returncode == 0 and "start 1 " in again.stdout and "finished" in again.stdout, again
+
+
+MULTI_CHILD = textwrap.dedent('''
+    import sys, time
+    import jax
+    process_id, port, directory = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    jax.distributed.initialize(f"localhost:{port}", num_processes=2, process_id=process_id)
+    import jax.numpy as jnp
+    from callbacks import CheckpointCallback
+
+    ckpt = CheckpointCallback(directory, every_steps=1000)
+    state, start = ckpt.restore_or({"w": jnp.zeros(4)})
+    for step in range(start, 5000):
+        state = {"w": state["w"] + 1}
+        time.sleep(0.005)
+        print("step", step + 1, flush=True)
+        ckpt(step + 1, state)
+''')
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_stop_at_the_same_step_when_one_gets_sigterm(tmp_path):
+    """jax.distributed with 2 CPU processes: SIGTERM to process 1 only; JAX's preemption sync point makes
+    both save the same step and exit 143."""
+    script = tmp_path / "multi.py"
+    script.write_text(MULTI_CHILD)
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"JAX_PLATFORMS": "cpu"}
+    port, directory = str(_free_port()), tmp_path / "ckpts"
+    logs = [tmp_path / f"p{i}.log" for i in range(2)]
+    procs = [subprocess.Popen([sys.executable, str(script), str(i), port, str(directory)], env=env,
+                              stdout=logs[i].open("w"), stderr=subprocess.STDOUT) for i in range(2)]
+    watchdog = threading.Timer(TIMEOUT_S, lambda: [p.kill() for p in procs])
+    watchdog.start()
+    try:
+        while "step 50\n" not in logs[1].read_text() and procs[1].poll() is None:
+            threading.Event().wait(0.05)
+        procs[1].send_signal(signal.SIGTERM)
+        statuses = [p.wait() for p in procs]
+    finally:
+        watchdog.cancel()
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+    outs = [log.read_text() for log in logs]
+    assert statuses == [143, 143], outs
+    steps = [re.search(r"preemption: step (\d+) is saved", out) for out in outs]
+    assert steps[0] and steps[1] and steps[0][1] == steps[1][1], outs
+    with fc.CheckpointManager(directory) as mgr:
+        assert mgr.all_steps() == [int(steps[0][1])]
+        assert np.asarray(mgr.restore(int(steps[0][1]))["w"]).tolist() == [float(steps[0][1])] * 4
+
+
+# ------------------------------------------------------------------------------------------------ clu
+
+def test_clu_periodic_action_adapter(ckpt_dir, signals_restored):
+    pytest.importorskip("clu.periodic_actions", reason="clu's periodic_actions needs clu, tensorflow and "
+                        "tensorboard (pip install clu tensorflow-cpu tensorboard)", exc_type=ImportError)
+    from clu import periodic_actions
+
+    from callbacks.clu_adapter import CheckpointAction
+
+    state = small_state()
+    with CheckpointCallback(ckpt_dir, every_steps=2, exit_on_preemption=False) as ckpt:
+        action = CheckpointAction(ckpt, lambda: state, metrics_fn=lambda: {"loss": 0.5})
+        assert isinstance(action, periodic_actions.PeriodicAction)
+        saved = []
+        for step in range(1, 6):
+            state = bump(state)
+            if step == 5:
+                os.kill(os.getpid(), signal.SIGTERM)
+            if action(step):
+                saved.append(step)
+        assert saved == [2, 4, 5] and ckpt.preempted
+        assert ckpt.manager.metrics(4) == {"loss": 0.5}
+        with pytest.raises(ValueError, match="every step"):
+            action(7)  # clu's own check: the hook must run at every step
