@@ -1,0 +1,251 @@
+"""Shared pieces of the benchmarks: the test pytree, page-cache control, timing rounds, reports.
+
+Scope: helpers only; each bench_*.py script says what it compares. Nothing here is imported by
+flax_ckpt or the tests. Benchmark data lives under a scratch folder (default /tmp/flax_ckpt_bench) that
+every script deletes when it ends (one subfolder per process); reports go to bench_out/ at the repository root (gitignored).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+OUT_DIR = REPO / "bench_out"
+# per process, so that concurrent benchmark runs (and their clean-ups) never touch each other's files
+SCRATCH = Path(os.environ.get("FLAX_CKPT_BENCH_DIR", "/tmp/flax_ckpt_bench")) / f"run-{os.getpid()}"
+MB = 1 << 20
+
+
+# ---------------------------------------------------------------------------------------- the pytree
+
+def make_tree(total_bytes: int, seed: int = 0) -> dict[str, np.ndarray]:
+    """A model-like flat state of about ``total_bytes``: a few large float32/bfloat16 arrays (~88%) and
+    many small ones (biases, norms, optimizer counters; ~12% in ~400 leaves), with random contents.
+
+    Keys are '/'-separated paths; ``nest`` turns them into nested dicts.
+    """
+    import ml_dtypes
+
+    rng = np.random.default_rng(seed)
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+    tree: dict[str, np.ndarray] = {}
+
+    def add(name: str, nbytes: int, dtype: np.dtype, cols: int) -> None:
+        n = max(cols, int(nbytes) // dtype.itemsize // cols * cols)
+        if dtype == bf16:
+            a = rng.standard_normal(n, dtype=np.float32).astype(bf16)
+        elif dtype.kind == "f":
+            a = rng.standard_normal(n, dtype=np.float32).astype(dtype, copy=False)
+        else:
+            a = rng.integers(0, 1 << 30, n, dtype=dtype)
+        tree[name] = a.reshape(-1, cols) if cols > 1 else a
+
+    f32 = np.dtype(np.float32)
+    add("params/embed/embedding", 0.30 * total_bytes, f32, 1024)
+    add("params/head/kernel", 0.18 * total_bytes, f32, 1024)
+    add("opt/mu/embed/embedding", 0.15 * total_bytes, bf16, 1024)
+    add("opt/nu/embed/embedding", 0.10 * total_bytes, bf16, 1024)
+    for i in range(6):  # medium: per-layer MLP kernels
+        add(f"params/layer_{i}/mlp/kernel", 0.025 * total_bytes, f32, 256)
+    small_budget = 0.12 * total_bytes
+    sizes = np.exp(rng.uniform(np.log(256), np.log(max(512, small_budget / 50)), 400))
+    sizes *= small_budget / sizes.sum()
+    for i, s in enumerate(sizes):
+        kind = ("bias", "scale", "count")[i % 3]
+        dt = np.dtype(np.int32) if kind == "count" and i % 9 == 2 else f32
+        add(f"params/block_{i // 8}/{kind}_{i % 8}", s, dt, 1)
+    return tree
+
+
+def many_small_tree(n_leaves: int, leaf_bytes: int, seed: int = 0) -> dict[str, np.ndarray]:
+    """``n_leaves`` float32 vectors of ``leaf_bytes`` each (a worst case for per-leaf overhead)."""
+    rng = np.random.default_rng(seed)
+    return {f"layers/{i // 16}/w_{i % 16}": rng.standard_normal(leaf_bytes // 4, dtype=np.float32)
+            for i in range(n_leaves)}
+
+
+def nest(flat: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in flat.items():
+        d = out
+        *head, last = k.split("/")
+        for h in head:
+            d = d.setdefault(h, {})
+        d[last] = v
+    return out
+
+
+def flat_items(tree: Any, prefix: str = "") -> list[tuple[str, Any]]:
+    if isinstance(tree, dict):
+        return [kv for k in sorted(tree) for kv in flat_items(tree[k], f"{prefix}{k}/")]
+    return [(prefix[:-1], tree)]
+
+
+def tree_bytes(flat: dict[str, np.ndarray]) -> int:
+    return sum(a.nbytes for a in flat.values())
+
+
+def same_bytes(expected: dict[str, np.ndarray], got: dict[str, Any]) -> None:
+    """Raises AssertionError unless ``got`` (flat, any array type) holds exactly the bytes of ``expected``."""
+    assert set(expected) == set(got), (sorted(set(expected) ^ set(got)))[:5]
+    for k, a in expected.items():
+        b = np.asarray(got[k])
+        assert b.shape == a.shape and b.dtype == a.dtype, (k, b.shape, b.dtype, a.shape, a.dtype)
+        assert np.array_equal(b.reshape(-1).view(np.uint8), a.reshape(-1).view(np.uint8)), k
+
+
+# -------------------------------------------------------------------------------- files and the cache
+
+def files_under(path: Path) -> list[Path]:
+    if path.is_file():
+        return [path]
+    return [Path(d) / f for d, _, fs in os.walk(path) for f in fs]
+
+
+def fsync_tree(path: Path) -> None:
+    """fsync every file and folder under ``path`` (cheap where the writer already did)."""
+    for f in files_under(path):
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    dirs = [path.parent] + ([Path(d) for d, _, _ in os.walk(path)] if path.is_dir() else [])
+    for d in dirs:
+        fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def drop_cache(path: Path) -> None:
+    """Evicts the (clean, fsynced) pages of every file under ``path`` from the page cache:
+    posix_fadvise(POSIX_FADV_DONTNEED), applied the same way to every contender's files."""
+    for f in files_under(path):
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.fdatasync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def remove_scratch(path: Path) -> None:
+    """Deletes a benchmark's scratch folder, and this process's SCRATCH folder once it is empty."""
+    shutil.rmtree(path, ignore_errors=True)
+    try:
+        SCRATCH.rmdir()
+    except OSError:
+        pass
+
+
+def disk_usage(path: Path) -> int:
+    return sum(f.stat().st_size for f in files_under(path))
+
+
+def fresh_dir(path: Path) -> Path:
+    if path.exists():
+        shutil.rmtree(path)
+    path.mkdir(parents=True)
+    return path
+
+
+# ------------------------------------------------------------------------------------------- rounds
+
+@dataclass
+class Results:
+    """Seconds per (contender, measure), one entry per round, in round order."""
+
+    times: dict[str, dict[str, list[float]]] = field(default_factory=dict)
+
+    def add(self, contender: str, measure: str, seconds: float) -> None:
+        self.times.setdefault(contender, {}).setdefault(measure, []).append(seconds)
+
+    def median(self, contender: str, measure: str) -> float | None:
+        v = self.times.get(contender, {}).get(measure)
+        return statistics.median(v) if v else None
+
+    def paired_ratio(self, a: str, b: str, measure: str) -> float | None:
+        """Median over rounds of t_b / t_a (> 1: a is faster than b); pairs runs of the same round."""
+        ta, tb = self.times.get(a, {}).get(measure), self.times.get(b, {}).get(measure)
+        if not ta or not tb:
+            return None
+        return statistics.median(y / x for x, y in zip(ta, tb))
+
+
+def rotated(names: list[str], r: int) -> list[str]:
+    k = r % len(names)
+    return names[k:] + names[:k]
+
+
+def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+    t0 = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - t0, out
+
+
+# ------------------------------------------------------------------------------------------ reports
+
+def _sh(cmd: str) -> str:
+    try:
+        return subprocess.run(cmd, shell=True, capture_output=True, text=True, timeout=10).stdout.strip()
+    except Exception:
+        return ""
+
+
+def machine_info(scratch: Path) -> dict[str, Any]:
+    import numpy
+
+    info: dict[str, Any] = {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "cpus": os.cpu_count(),
+        "cpu_model": _sh("lscpu | sed -n 's/^Model name: *//p'"),
+        "memory_gb": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9, 1),
+        "loadavg_start": os.getloadavg(),
+        "python": platform.python_version(),
+        "numpy": numpy.__version__,
+        "scratch": str(scratch),
+        "filesystem": _sh(f"df -T {scratch.parent if not scratch.exists() else scratch} | tail -1"),
+        "block_devices": _sh("lsblk -d -o NAME,SIZE,ROTA,TYPE | grep -v zram"),
+    }
+    for mod in ("jax", "orbax.checkpoint", "torch", "tensorstore", "crc32c"):
+        try:
+            m = __import__(mod, fromlist=["_"])
+            info[mod] = getattr(m, "__version__", "?")
+        except Exception:
+            pass
+    return info
+
+
+def fmt(x: float | None, unit: str = "") -> str:
+    if x is None:
+        return "-"
+    return f"{x:.2f}{unit}" if x < 100 else f"{x:.0f}{unit}"
+
+
+def write_report(stem: str, body: dict[str, Any], markdown: str) -> tuple[Path, Path]:
+    OUT_DIR.mkdir(exist_ok=True)
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    js, md = OUT_DIR / f"{stem}-{stamp}.json", OUT_DIR / f"{stem}-{stamp}.md"
+    js.write_text(json.dumps(body, indent=1, default=str))
+    md.write_text(markdown)
+    return js, md
+
+
+def jax_cpu_env() -> None:
+    """Benchmarks run jax on the host CPU, one device, quietly."""
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")

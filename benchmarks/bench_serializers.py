@@ -1,0 +1,162 @@
+"""flax_ckpt's serializers head to head: raw (numpy, packed files, crc32c per 8 MiB block) vs zarr3
+(tensorstore, one zarr3 array per leaf, crc32c codec). The default serializer is chosen from this.
+
+    python benchmarks/bench_serializers.py                     # mixed 256 MiB + 1000 small leaves, 3 rounds
+    python benchmarks/bench_serializers.py --size-mb 64 --rounds 2
+
+Workloads: "mixed" (benchmarks/_common.make_tree: a few large float32/bfloat16 arrays and ~400 small
+ones) and "small" (1000 float32 leaves of 16 KiB: per-leaf overhead). Storages: a local folder (fsync,
+page cache dropped with posix_fadvise(DONTNEED) before the cold restore) and memory:// (tensorstore's
+in-memory kvstore, as the memory tier uses). Measures: save (to durable), restore into jax arrays on one
+CPU device (cold and warm page cache), and a resharded restore onto 4 CPU devices (rows split 4 ways
+where the first dimension allows it, replicated otherwise: the reads a multi-host restore makes).
+Interleaved rounds, the serializer order alternating; medians, and raw's speed-up over zarr3 as the
+median of per-round ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import shutil
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common as C  # noqa: E402
+
+C.jax_cpu_env()
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
+warnings.filterwarnings("ignore")
+
+import numpy as np  # noqa: E402
+
+SERIALIZERS = ["raw", "zarr3"]
+
+
+class Case:
+    """One workload's trees: the state as jax arrays, and the two restore targets."""
+
+    def __init__(self, name: str, flat: dict[str, np.ndarray]):
+        import jax
+
+        self.name, self.flat = name, flat
+        devs = jax.devices("cpu")
+        one = jax.sharding.SingleDeviceSharding(devs[0])
+        mesh = jax.sharding.Mesh(np.array(devs[:4]), ("x",))
+        P = jax.sharding.PartitionSpec
+
+        def split(a: np.ndarray):
+            rows = a.ndim and a.shape[0] % len(mesh.devices) == 0
+            return jax.sharding.NamedSharding(mesh, P("x") if rows else P())
+
+        self.tree = C.nest({k: jax.device_put(a, one) for k, a in flat.items()})
+        self.target = C.nest({k: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=one) for k, a in flat.items()})
+        self.sharded = C.nest({k: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=split(a))
+                               for k, a in flat.items()})
+
+
+def one_round(case: Case, ser: str, where: str, scratch: Path, r: int, res: C.Results, check: bool) -> str:
+    import jax
+    import flax_ckpt as fc
+    from flax_ckpt.storage import open_storage
+
+    key = f"{case.name}/{where}/{ser}"
+    local = where == "local"
+    path: Any = scratch / f"{case.name}-{ser}-{r}" if local else f"memory://bench/{case.name}-{ser}-{r}"
+
+    def save() -> None:
+        fc.save(path, case.tree, serializer=ser)
+        if local:
+            C.fsync_tree(path)
+
+    t, _ = C.timed(save)
+    res.add(key, "save", t)
+    msg = f"round {r} {key:22s} save {t:6.2f}s"
+    if local:
+        C.drop_cache(path)
+        t, got = C.timed(lambda: jax.block_until_ready(fc.restore(path, case.target)))
+        res.add(key, "restore_cold", t)
+        msg += f"  cold {t:6.2f}s"
+        if check:
+            C.same_bytes(case.flat, dict(C.flat_items(got)))
+        del got
+    t, got = C.timed(lambda: jax.block_until_ready(fc.restore(path, case.target)))
+    res.add(key, "restore_warm", t)
+    if check and not local:
+        C.same_bytes(case.flat, dict(C.flat_items(got)))
+    del got
+    t, got = C.timed(lambda: jax.block_until_ready(fc.restore(path, case.sharded)))
+    res.add(key, "restore_4way", t)
+    if check:
+        C.same_bytes(case.flat, {k: np.asarray(v) for k, v in C.flat_items(got)})
+    del got
+    gc.collect()
+    msg += f"  warm {res.times[key]['restore_warm'][-1]:6.2f}s  4-way {t:6.2f}s"
+    if local:
+        shutil.rmtree(path)
+    else:
+        parent, name = str(path).rsplit("/", 1)
+        open_storage(parent).delete(name)
+    return msg
+
+
+MEASURES = [("save", "save"), ("restore_cold", "restore cold"), ("restore_warm", "restore warm"),
+            ("restore_4way", "restore 4-way resharded (warm)")]
+
+
+def markdown(res: C.Results, cases: list[Case], wheres: list[str], rounds: int) -> str:
+    lines = [f"{rounds} interleaved rounds; medians in seconds; 'raw speed-up' = t_zarr3 / t_raw "
+             "(median of per-round ratios).", "",
+             "| workload | storage | measure | raw | zarr3 | raw speed-up |", "|---|---|---|---:|---:|---:|"]
+    for case in cases:
+        size = f"{case.name} ({len(case.flat)} leaves, {C.tree_bytes(case.flat) / C.MB:.0f} MiB)"
+        for where in wheres:
+            a, b = f"{case.name}/{where}/raw", f"{case.name}/{where}/zarr3"
+            for m, label in MEASURES:
+                if res.median(a, m) is None:
+                    continue
+                lines.append(f"| {size} | {where} | {label} | {C.fmt(res.median(a, m))} | "
+                             f"{C.fmt(res.median(b, m))} | {C.fmt(res.paired_ratio(a, b, m))} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--size-mb", type=float, default=256, help="size of the mixed workload in MiB")
+    ap.add_argument("--small-leaves", type=int, default=1000, help="leaves of the small workload (0: skip)")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--storages", default="local,memory")
+    ap.add_argument("--scratch", type=Path, default=C.SCRATCH / "serializers")
+    args = ap.parse_args(argv)
+
+    cases = [Case("mixed", C.make_tree(int(args.size_mb * C.MB)))]
+    if args.small_leaves:
+        cases.append(Case("small", C.many_small_tree(args.small_leaves, 16 << 10)))
+    wheres = args.storages.split(",")
+    scratch = C.fresh_dir(args.scratch)
+    info = C.machine_info(scratch)
+    res = C.Results()
+    try:
+        for r in range(args.rounds):
+            for case in cases:
+                for where in wheres:
+                    for ser in C.rotated(SERIALIZERS, r):
+                        print(one_round(case, ser, where, scratch, r, res, r == 0), flush=True)
+    finally:
+        C.remove_scratch(scratch)
+    info["loadavg_end"] = os.getloadavg()
+    md = markdown(res, cases, wheres, args.rounds)
+    body = {"benchmark": "serializers", "args": {k: str(v) for k, v in vars(args).items()}, "machine": info,
+            "workloads": {c.name: {"leaves": len(c.flat), "nbytes": C.tree_bytes(c.flat)} for c in cases},
+            "seconds": res.times}
+    js, mdp = C.write_report("serializers", body, md)
+    print("\n" + md)
+    print(f"wrote {js} and {mdp}")
+
+
+if __name__ == "__main__":
+    main()
