@@ -283,7 +283,7 @@ class CheckpointManager:
         metrics = ckpt._jsonable(metrics, "metrics")
         self._writer.wait()  # back-pressure: one save in flight
         if self._tiers is not None:  # first sends the previous step's copy to its peer (a collective)
-            snap = self._tiers.snapshot(state, copy=self.async_save, force=force)
+            snap = self._tiers.snapshot(step, state, copy=self.async_save, force=force)
         else:
             snap = (orbax_compat.snapshot if self.format == "orbax" else ckpt.snapshot)(state, copy=self.async_save)
         blocked = time.perf_counter() - t0

@@ -1,0 +1,273 @@
+"""Tiered checkpoints vs a plain persistent save of the same state: save cost and restore time per tier.
+
+    python benchmarks/bench_tiers.py                       # 256 MiB state, 3 rounds, 2-process peer part
+    python benchmarks/bench_tiers.py --size-mb 64 --rounds 2 --peer-mb 16
+
+States of ``--size-mb`` (jax CPU arrays), saved step after step by two CheckpointManagers in one
+process, rounds interleaved (order rotated per round), every save waited for before the next:
+- fine-tuning: a frozen backbone (``1 - --trained-frac`` of the bytes; the same jax.Array every step,
+  as in adapter fine-tuning) and a trained head that changes every step (new random values:
+  incompressible, the worst case for the XOR delta);
+- fine-tuning, frozen re-created: the same, but the backbone is a new array with equal bytes every
+  step (unchanged chunks are then found by crc32c and a byte comparison instead of by identity);
+- full change: every leaf changes every step (new random values).
+Contenders: ``persistent`` = CheckpointManager(dir) on this machine's disk (raw serializer, fsync,
+atomic rename); ``memory`` = CheckpointManager(dir, tiers=Tiers(local_dir=/dev/shm/..., no migration)).
+Each contender saves its own, freshly created arrays of equal values (a jax CPU array caches its host
+copy on first use, which would make the second contender's snapshot free); the frozen backbone is one
+array shared by both and by every step.
+Per save: ``blocked`` (time ``save`` held the caller) and ``to tier`` (from the ``save`` call to the
+commit: durable on disk, resp. committed in local memory); the memory tier's bytes written. The first
+memory save is a full base and is reported apart.
+
+Restore (the fine-tuning state's newest step, into jax CPU arrays): from local memory; from disk cold
+(the step's files evicted from the page cache with posix_fadvise(DONTNEED) after fsync) and warm. The
+peer part runs a real 2-process jax.distributed job (gloo, 127.0.0.1; ``--peer-mb`` per process):
+after two saves process 1 deletes its local memory tier, then both restore; process 1's shards come from
+its peer over the collective, process 0's from local memory; the first such restore compiles the
+transfer's ppermute, so it is timed twice. Medians over rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common as C  # noqa: E402
+
+C.jax_cpu_env()
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+import flax_ckpt as fc  # noqa: E402
+
+SHM = Path(os.environ.get("FLAX_CKPT_BENCH_SHM", "/dev/shm/flax_ckpt_bench"))
+
+
+KINDS = ("fine-tuning", "fine-tuning, frozen re-created", "full change")
+
+
+def base_state(size: int, trained_frac: float, seed: int) -> dict:
+    rng = np.random.default_rng(seed)
+    trained = max(1, int(size * trained_frac) // 4 // 1024) * 1024
+    frozen = (size // 4 - trained) // 1024 * 1024
+    return {"backbone": jax.device_put(rng.standard_normal(frozen, dtype=np.float32).reshape(-1, 1024)),
+            "head": jax.device_put(rng.standard_normal(trained, dtype=np.float32).reshape(-1, 1024))}
+
+
+def step_state(kind: str, base: dict, step: int) -> dict:
+    rng = np.random.default_rng(1000 + step)
+    new = {k: jax.device_put(rng.standard_normal(v.shape, dtype=np.float32)) for k, v in base.items()}
+    if kind == "fine-tuning":
+        return {"backbone": base["backbone"], "head": new["head"], "step": step}
+    if kind == "fine-tuning, frozen re-created":
+        return {"backbone": jax.device_put(np.array(base["backbone"])), "head": new["head"], "step": step}
+    return {"backbone": new["backbone"], "head": new["head"], "step": step}
+
+
+def abstract(state: dict) -> dict:
+    cpu = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    return {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=cpu) if hasattr(v, "shape") else v
+            for k, v in state.items()}
+
+
+def bench_saves(kind: str, base: dict, rounds: int, res: C.Results, extra: dict[str, Any]) -> dict:
+    slug = kind.replace(",", "").replace(" ", "-")
+    disk, shm = C.fresh_dir(C.SCRATCH / f"{slug}-disk"), SHM / slug
+    shutil.rmtree(shm, ignore_errors=True)
+    plain = fc.CheckpointManager(disk, max_to_keep=2)
+    tiered = fc.CheckpointManager(C.SCRATCH / f"{slug}-tiered", max_to_keep=2, tiers=fc.Tiers(
+        local_dir=str(shm), persist_interval_steps=None, max_to_keep=2, cleanup=True))
+    for mgr in (plain, tiered):  # step 0: warm-up, and the memory tier's base
+        mgr.save(0, step_state(kind, base, 0))
+        mgr.wait_until_finished()
+    first = tiered._tiers.stats[0]
+    extra[kind] = {"base_save_s": first.memory_s, "base_written": first.written, "written": [], "reused": []}
+    for r in range(1, rounds + 1):
+        for name in C.rotated(["persistent", "memory"], r):
+            mgr = plain if name == "persistent" else tiered
+            state = step_state(kind, base, r)  # fresh arrays per contender: a jax CPU array caches its
+            mgr.save(r, state)                 # host copy, which would make the second save free
+            mgr.wait_until_finished()
+            if name == "persistent":
+                s = plain.stats[-1]
+                res.add(f"{kind}/persistent", "blocked", s.blocked_s)
+                res.add(f"{kind}/persistent", "to tier", s.durable_s)
+            else:
+                t = tiered._tiers.stats[-1]
+                res.add(f"{kind}/memory", "blocked", t.blocked_s)
+                res.add(f"{kind}/memory", "to tier", t.memory_s)
+                extra[kind]["written"].append(t.written)
+                extra[kind]["reused"].append(t.reused)
+    return {"plain": plain, "tiered": tiered, "disk": disk, "last": rounds}
+
+
+def bench_restores(run: dict, rounds: int, res: C.Results) -> None:
+    step, plain, tiered = run["last"], run["plain"], run["tiered"]
+    want = {k: np.asarray(v) if hasattr(v, "shape") else v
+            for k, v in step_state("fine-tuning", states_cache["base"], step).items()}
+    target = abstract(want)
+    for r in range(rounds):
+        for name in C.rotated(["local memory", "disk cold", "disk warm"], r):
+            if name == "disk cold":
+                C.drop_cache(run["disk"] / str(step))
+            mgr = tiered if name == "local memory" else plain
+            t, got = C.timed(lambda: jax.block_until_ready(mgr.restore(step, target=target)))
+            if r == 0:
+                C.same_bytes({k: v for k, v in want.items() if k != "step"},
+                             {k: v for k, v in got.items() if k != "step"})
+            res.add(name, "restore", t)
+
+
+# -------------------------------------------------------------------------------------- peer part
+
+def worker(i: int, port: int, root: str, mb: int) -> None:
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(f"127.0.0.1:{port}", 2, i, coordinator_bind_address=f"127.0.0.1:{port}",
+                               initialization_timeout=60)
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    mesh = Mesh(np.array(jax.devices()), ("p",))
+    sh = NamedSharding(mesh, P("p"))
+    rows = mb * (1 << 20) // 4 // 1024
+
+    def state(step: int) -> dict:
+        host = np.random.default_rng(step).standard_normal((2 * rows, 1024), dtype=np.float32)
+        return {"w": jax.make_array_from_callback(host.shape, sh, lambda idx: host[idx]), "step": step}
+    local = os.path.join(root, f"host{i}")
+    mgr = fc.CheckpointManager(os.path.join(root, "ckpt"), tiers=fc.Tiers(
+        local_dir=local, persist_interval_steps=None, cleanup=False))
+    for step in (1, 2):
+        mgr.save(step, state(step))
+    mgr.wait_until_finished()
+    target = {"w": jax.ShapeDtypeStruct((2 * rows, 1024), np.float32, sharding=sh), "step": 0}
+    out = {}
+    t, _ = C.timed(lambda: jax.block_until_ready(mgr.restore(target=target)))
+    out["local"] = t
+    if i == 1:
+        shutil.rmtree(local)  # host 1 lost its memory tier
+    t, got = C.timed(lambda: jax.block_until_ready(mgr.restore(target=target)))
+    want = state(2)["w"]
+    for a, b in zip(got["w"].addressable_shards, want.addressable_shards):
+        assert np.asarray(a.data).tobytes() == np.asarray(b.data).tobytes()
+    out["after_loss"] = t
+    out["after_loss_again"], _ = C.timed(lambda: jax.block_until_ready(mgr.restore(target=target)))
+    out["sources"] = [list(s) for s in mgr._tiers.last_plan.sources]
+    with open(os.path.join(root, f"peer.p{i}.json"), "w") as f:
+        json.dump(out, f)
+    jax.distributed.shutdown()  # a barrier: process 0, the coordinator, leaves last
+    os._exit(0)
+
+
+def bench_peer(mb: int, rounds: int, res: C.Results) -> dict:
+    out = []
+    for r in range(rounds):
+        root = C.fresh_dir(C.SCRATCH / "peer")
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+        procs = [subprocess.Popen([sys.executable, __file__, "--worker", str(i), str(port), str(root), str(mb)],
+                                  env=env, start_new_session=True, stdout=open(root / f"p{i}.log", "w"),
+                                  stderr=subprocess.STDOUT) for i in range(2)]
+        try:
+            for i, p in enumerate(procs):
+                assert p.wait(timeout=300) == 0, f"peer worker {i} failed:\n" + "\n".join(
+                    (root / f"p{j}.log").read_text()[-3000:] for j in range(2))
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+        p0, p1 = (json.loads((root / f"peer.p{i}.json").read_text()) for i in range(2))
+        assert p1["sources"] == [["local", 0], ["peer", 0]], p1["sources"]
+        res.add("2 processes: local memory (both)", "restore", p1["local"])
+        res.add("2 processes: p1 from peer memory, first", "restore", p1["after_loss"])
+        res.add("2 processes: p1 from peer memory, again", "restore", p1["after_loss_again"])
+        out.append({"p0": p0, "p1": p1})
+    return {"mb_per_process": mb, "runs": out}
+
+
+# ----------------------------------------------------------------------------------------- report
+
+states_cache: dict[str, Any] = {}
+
+
+def report(args: argparse.Namespace, res: C.Results, extra: dict[str, Any], info: dict[str, Any]) -> str:
+    size = args.size_mb
+    lines = [f"State: {size} MiB (fine-tuning: trained head {args.trained_frac:.1%} of it, the rest frozen), "
+             f"{args.rounds} interleaved rounds after a warm-up save; medians. Machine: {info['cpus']} CPUs, "
+             f"load {info['loadavg_start'][0]:.1f}; disk: {info['filesystem']}; memory tier: {SHM} (tmpfs).", "",
+             "| state | contender | blocked (s) | to tier (s) | bytes written per save |", "|---|---|---:|---:|---:|"]
+    for kind in KINDS:
+        w = statistics.median(extra[kind]["written"])
+        for name in ("persistent", "memory"):
+            nb = f"{w / C.MB:.1f} MiB" if name == "memory" else f"{size} MiB"
+            lines.append(f"| {kind} | {name} | {C.fmt(res.median(f'{kind}/{name}', 'blocked'))} | "
+                         f"{C.fmt(res.median(f'{kind}/{name}', 'to tier'))} | {nb} |")
+        lines.append(f"| {kind} | memory, first save (full base) | - | {C.fmt(extra[kind]['base_save_s'])} | "
+                     f"{extra[kind]['base_written'] / C.MB:.1f} MiB |")
+    lines += ["", "| restore from | seconds |", "|---|---:|"]
+    for name in ("local memory", "disk cold", "disk warm"):
+        lines.append(f"| {name} | {C.fmt(res.median(name, 'restore'))} |")
+    if "peer" in extra:
+        lines += ["", f"2-process job, {args.peer_mb} MiB per process (the restore call of process 1; it is a "
+                  "collective, process 0 takes as long):", "", "| restore | seconds |", "|---|---:|"]
+        for name in ("local memory (both)", "p1 from peer memory, first", "p1 from peer memory, again"):
+            lines.append(f"| {name} | {C.fmt(res.median('2 processes: ' + name, 'restore'))} |")
+        lines.append("")
+        lines.append("'first' includes compiling the ppermute for that transfer (once per job and placement).")
+    ratios = {k: res.paired_ratio(f"{k}/memory", f"{k}/persistent", "to tier") for k in KINDS}
+    cold = res.paired_ratio("local memory", "disk cold", "restore")
+    warm = res.paired_ratio("local memory", "disk warm", "restore")
+    lines += ["", "Ratios (median of per-round ratios, persistent / memory):",
+              "- checkpoint into memory vs persistent save: " + ", ".join(
+                  f"{k} {C.fmt(v)}x ({'met' if v and v >= 5 else 'MISSED'})" for k, v in ratios.items())
+              + " (target >= 5x)",
+              f"- restore from local memory vs disk: cold {C.fmt(cold)}x (target >= 3x: "
+              f"{'met' if cold and cold >= 3 else 'MISSED'}), warm page cache {C.fmt(warm)}x"]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        return worker(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], int(sys.argv[5]))
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--size-mb", type=int, default=256)
+    ap.add_argument("--trained-frac", type=float, default=1 / 16)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--peer-mb", type=int, default=32, help="per process; 0 skips the 2-process part")
+    args = ap.parse_args()
+    info = C.machine_info(C.SCRATCH)
+    res, extra = C.Results(), {}
+    try:
+        base = states_cache["base"] = base_state(args.size_mb * C.MB, args.trained_frac, 0)
+        run = bench_saves("fine-tuning", base, args.rounds, res, extra)
+        for kind in KINDS[1:]:
+            other = bench_saves(kind, base, args.rounds, res, extra)
+            other["tiered"].close()
+            other["plain"].close()
+        bench_restores(run, args.rounds, res)
+        run["tiered"].close()
+        run["plain"].close()
+        if args.peer_mb:
+            extra["peer"] = bench_peer(args.peer_mb, args.rounds, res)
+        md = report(args, res, extra, info)
+        js, mdp = C.write_report("tiers", {"args": vars(args), "machine": info, "times": res.times,
+                                           "extra": extra}, md)
+        print(md)
+        print(f"wrote {js} and {mdp}")
+    finally:
+        shutil.rmtree(C.SCRATCH, ignore_errors=True)
+        shutil.rmtree(SHM, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

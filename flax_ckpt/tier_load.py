@@ -1,0 +1,165 @@
+"""Reading memory-tier copies back: chunks decoded and verified into the caller's buffers.
+
+Scope: restoring a tree from one copy (through the engine's restore_body, which checks the target leaf
+by leaf) and turning a copy into a persistent-storage snapshot (migration at close). Every chunk is
+read straight into its place in the output buffer (one kernel copy from tmpfs, or from the bytes a
+peer sent), delta chunks are decompressed and XORed with the base there, and its crc32c is checked
+while it is still in cache. The chunks of a large shard are read on a small shared pool. The format
+is tier_store.py's; which copy to read is tiers.py's decision.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import zlib
+from concurrent.futures import ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from typing import Any
+
+import crc32c
+import numpy as np
+
+from . import checkpoint as ckpt
+from . import tree as tree_mod
+from .errors import CheckpointError, CorruptCheckpointError
+from .format import dtype_from_name
+from .serializers import Box, Shard, for_each_overlap, local
+from .tier_store import Copy
+
+_PARALLEL_MIN = 16 << 20
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _read_pool() -> ThreadPoolExecutor:
+    """Shared by all restores in this process; its tasks never wait on each other."""
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(4, thread_name_prefix="flax_ckpt-tier-read")
+        return _pool
+
+
+def _u8(buf: Any) -> np.ndarray:
+    return np.frombuffer(buf, np.uint8)
+
+
+def _unshuffle(x: np.ndarray, itemsize: int) -> np.ndarray:
+    return np.ascontiguousarray(x.reshape(itemsize, -1).T).reshape(-1) if itemsize > 1 and len(x) % itemsize == 0 else x
+
+
+def _fill(copy: Copy, e: list, dst: memoryview, itemsize: int, where: str) -> None:
+    """Decodes one chunk into ``dst`` and verifies it."""
+    n = len(dst)
+    if e[0] == "r":
+        copy.data.read_into(e[2], dst)
+    elif e[0] == "b":
+        copy.base.data.read_into(e[2], dst)
+    else:
+        z = bytearray(e[3])
+        copy.data.read_into(e[2], memoryview(z))
+        d = zlib.decompressobj()
+        try:
+            x = d.decompress(z, n + 1)
+        except zlib.error:
+            x = b""
+        if len(x) != n or not d.eof:
+            raise CorruptCheckpointError(f"{where}: a delta chunk does not decompress to {n} bytes")
+        copy.base.data.read_into(e[4], dst)
+        np.bitwise_xor(_u8(dst), _unshuffle(_u8(x), itemsize), out=_u8(dst))
+    if crc32c.crc32c(dst) != e[1]:
+        raise CorruptCheckpointError(f"{where}: checksum mismatch in a chunk stored as {e[0]!r} (crc32c "
+                                     f"expected {e[1]}); the memory copy is damaged")
+
+
+def read_shard(copy: Copy, s: dict[str, Any], dst: memoryview) -> None:
+    """Fills ``dst`` (the shard's nbytes) with shard ``s`` of the copy, every chunk verified."""
+    rec, size = copy.body["leaves"][s["leaf"]], copy.body["chunk"]
+    where = f"{copy.where}: leaf {ckpt._name(rec)!r} box {list(s['box'])}"
+    itemsize = dtype_from_name(rec["dtype"]).itemsize
+    jobs = [(e, dst[k * size:(k + 1) * size]) for k, e in enumerate(s["chunks"])]
+    if len(dst) < _PARALLEL_MIN:
+        for e, d in jobs:
+            _fill(copy, e, d, itemsize, where)
+        return
+    futures = [_read_pool().submit(_fill, copy, e, d, itemsize, where) for e, d in jobs]
+    wait(futures)  # every chunk has stopped writing into dst before anything is raised
+    for f in futures:
+        f.result()
+
+
+def _flat_bytes(a: np.ndarray) -> memoryview:
+    return memoryview(a.reshape(-1).view(np.uint8)) if a.size else memoryview(bytearray(0))
+
+
+def shard_array(copy: Copy, s: dict[str, Any]) -> np.ndarray:
+    rec = copy.body["leaves"][s["leaf"]]
+    out = np.empty(tuple(e - a for a, e in s["box"]), dtype_from_name(rec["dtype"]))
+    read_shard(copy, s, _flat_bytes(out))
+    return out
+
+
+class _Held:
+    """A serializer over one copy: fills a box from the copy's shards that overlap it, and refuses a
+    box the copy does not hold (a target laid out differently from the save)."""
+
+    name = "memory-tier"
+
+    def __init__(self, copy: Copy):
+        self.copy = copy
+
+    def read(self, storage: Any, leaf: dict[str, Any], box: Box, out: np.ndarray, where: str) -> None:
+        covered = 0
+        for chunk, cbox, ov in for_each_overlap(leaf, box):
+            s = self.copy.body["shards"][chunk["shard"]]
+            dst = out[local(ov, box)]
+            if ov == cbox and dst.flags.c_contiguous:
+                read_shard(self.copy, s, _flat_bytes(dst))
+            else:
+                dst[...] = shard_array(self.copy, s)[local(ov, cbox)]
+            covered += math.prod(e - a for a, e in ov)
+        if covered != math.prod(e - a for a, e in box):
+            raise CheckpointError(f"{where}: this process's memory copy does not hold box {list(box)} (the "
+                                  "target's layout differs from the one saved); restore from persistent storage")
+
+    def write(self, *a: Any, **k: Any) -> Any:
+        raise NotImplementedError("memory-tier copies are written by tier_store.encode")
+
+    def validate(self, *a: Any, **k: Any) -> None:
+        return None
+
+
+@dataclass(frozen=True)
+class _Place:
+    """Stands for the storage in the engine's restore: reads go through _Held, and no size budget
+    comes from a folder (a differential copy stores fewer bytes than it restores)."""
+
+    url: str
+    supports_rename: bool = True  # local: the engine's thread layout for local files
+
+    def exists(self, name: str) -> bool:
+        return True
+
+
+def restore_copy(copy: Copy, target: Any, *, shardings: Any, partial: bool) -> tuple[Any, int]:
+    """Restores the copy's tree into ``target`` (checked per leaf); returns it and the array bytes."""
+    chunks: dict[int, list[dict[str, Any]]] = {}
+    for j, s in enumerate(copy.body["shards"]):
+        chunks.setdefault(s["leaf"], []).append({"index": s["box"], "shard": j})
+    leaves = [dict(r, chunks=chunks.get(i, [])) if "dtype" in r else r for i, r in enumerate(copy.body["leaves"])]
+    body = {"step": copy.step, "serializer": _Held(copy), "leaves": leaves}
+    value = ckpt.restore_body(_Place(copy.where), body, target, shardings=shardings, partial=partial)
+    return value, ckpt.restored_nbytes(body, target, partial)
+
+
+def to_snapshot(copy: Copy) -> ckpt.Snapshot:
+    """The persistent-storage snapshot of a copy (its primary shards): migration from the memory tier."""
+    plans = [ckpt.LeafPlan(tree_mod.path_from_json(r["path"]), r) for r in copy.body["leaves"]]
+    shards: dict[int, list[Shard]] = {}
+    for s in copy.body["shards"]:
+        if s["primary"]:
+            shards.setdefault(s["leaf"], []).append(Shard(tuple(map(tuple, s["box"])), shard_array(copy, s)))
+    for i, p in enumerate(plans):
+        p.shards = tuple(shards.get(i, ()))
+    return ckpt.Snapshot(plans, sum(s.data.nbytes for p in plans for s in p.shards))

@@ -1,0 +1,422 @@
+"""The memory tiers' format: one process's copy of one step, stored differentially against a base.
+
+Scope: the host snapshot of a tiered save, encoding it into a copy, writing copies atomically into a
+tier folder, and opening and checking them (from files, or from bytes a peer sent). Reading copies
+back is tier_load.py's; which steps are kept,
+committed or restored, and all communication, belong to tiers.py and tier_sync.py.
+
+A copy is a folder ``<tier folder>/<step>/`` with ``data.bin`` and ``index.json`` (the index carries
+a crc32c of its body and is written last; the folder is then renamed into place). Per shard the index
+lists {"leaf", "box", "primary", "nbytes", "chunks"}, one entry per CHUNK bytes:
+  ["r", crc, off, n]        raw bytes at ``off`` of this copy's data.bin
+  ["b", crc, boff]          the same bytes as the base's data.bin at ``boff`` (costs nothing)
+  ["x", crc, off, n, boff]  zlib(shuffle(raw XOR base bytes at boff)), n bytes at ``off``
+``crc`` is the crc32c of the chunk's raw bytes, verified when the chunk is read back, so every stored
+byte is checked. A base has only "r" entries, back to back per shard; a differential copy names its
+base, a sibling folder, so chains are one link long. A chunk is unchanged when its crc32c and its
+bytes equal the base's; a jax.Array leaf that is the very object saved at or before the base step
+(arrays are immutable) is not even copied to host or hashed: its shards are views of the base.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import mmap
+import os
+import uuid
+import weakref
+import zlib
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import crc32c
+import jax
+import numpy as np
+
+from . import checkpoint as ckpt
+from . import commit as commit_mod
+from . import tree as tree_mod
+from .errors import CorruptCheckpointError
+from .format import dtype_from_name
+from .serializers import Box, Shard
+from .storage import LocalStorage, fsync_dir
+
+CHUNK = 1 << 20
+INDEX, DATA, COMMIT = "index.json", "data.bin", "commit.json"
+_FORMAT, _VERSION = "flax_ckpt-tier", 1
+_SAMPLE = 64 << 10  # a changed chunk is delta-compressed only if this much of its XOR compresses well
+_TRIES = 2  # failed delta trials after which a shard's remaining chunks are stored raw without trying
+_MAX_INDEX = 256 << 20
+
+
+# ------------------------------------------------------------------------------------------- bytes
+
+class Data:
+    """The bytes of one data.bin: views through a read-only map (encoding, sending) and reads into a
+    caller's buffer (restore, one kernel copy), or the same over bytes received from a peer."""
+
+    def __init__(self, path: str | None = None, buf: memoryview | None = None):
+        self.path, self._buf = path, buf
+        self.size = os.stat(path).st_size if path is not None else len(buf)
+
+    def __len__(self) -> int:
+        return self.size
+
+    def view(self, lo: int, hi: int) -> memoryview:
+        if self._buf is None:
+            with open(self.path, "rb") as f:
+                self._buf = memoryview(mmap.mmap(f.fileno(), self.size, access=mmap.ACCESS_READ)) \
+                    if self.size else memoryview(b"")
+        return self._buf[lo:hi]
+
+    def read_into(self, off: int, out: memoryview) -> None:
+        if self.path is None or self._buf is not None:
+            out[:] = self.view(off, off + len(out))
+            return
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            if os.preadv(fd, [out], off) != len(out):
+                raise CorruptCheckpointError(f"{self.path}: truncated at {off}..{off + len(out)}")
+        finally:
+            os.close(fd)
+
+
+@dataclass
+class Copy:
+    """An opened copy: its index body, its data bytes, and its base (None for a base)."""
+
+    where: str
+    body: dict[str, Any]
+    data: Data
+    base: "Copy | None"
+
+    @property
+    def step(self) -> int:
+        return self.body["step"]
+
+    def lookup(self) -> dict[str, dict[str, Any]]:
+        return {_key(self.body["leaves"][s["leaf"]], s["box"]): s for s in self.body["shards"]}
+
+    def by_leaf(self) -> dict[str, tuple[dict[str, Any], list[dict[str, Any]]]]:
+        out: dict[str, tuple[dict[str, Any], list[dict[str, Any]]]] = {}
+        for s in self.body["shards"]:
+            rec = self.body["leaves"][s["leaf"]]
+            out.setdefault(ckpt._name(rec), (rec, []))[1].append(s)
+        return out
+
+    def array(self, s: dict[str, Any]) -> np.ndarray:
+        """A base shard as a read-only view of its bytes (a base stores each shard back to back)."""
+        rec = self.body["leaves"][s["leaf"]]
+        start = s["chunks"][0][2] if s["chunks"] else 0
+        buf = np.frombuffer(self.data.view(start, start + s["nbytes"]), np.uint8)
+        return buf.view(dtype_from_name(rec["dtype"])).reshape(tuple(e - a for a, e in s["box"]))
+
+
+# -------------------------------------------------------------------------------------- snapshot
+
+@dataclass(frozen=True)
+class HostShard:
+    leaf: int
+    box: Box
+    data: np.ndarray
+    primary: bool  # this process writes it to persistent storage (replica 0 of a box, or a host value)
+    base: dict[str, Any] | None = None  # the base's shard entry, when ``data`` is known to equal it
+
+
+@dataclass
+class TierSnapshot:
+    """A tiered save's host copy: ``snap`` (what persistent storage gets) plus ``extra``, every other
+    distinct box on this process's devices, so that each process can restore its devices alone.
+    ``origin``: shards that are views of the base copy ``base_step`` (unchanged leaves)."""
+
+    snap: ckpt.Snapshot
+    extra: list[HostShard]
+    force: bool = False
+    base_step: int | None = None
+    origin: dict[tuple[int, Box], dict[str, Any]] = field(default_factory=dict)
+
+    def shards(self) -> list[HostShard]:
+        own = [HostShard(i, s.box, s.data, True, self.origin.get((i, s.box)))
+               for i, p in enumerate(self.snap.leaves) for s in p.shards]
+        return own + self.extra
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.data.nbytes for s in self.shards())
+
+    def verify_views(self) -> None:
+        """Checks the bytes of base views against the base's crc32c (before they are migrated)."""
+        for sh in self.shards():
+            if sh.base is not None:
+                mv = _bytes_of(sh.data)
+                for k, e in enumerate(sh.base["chunks"]):
+                    if crc32c.crc32c(mv[k * CHUNK:(k + 1) * CHUNK]) != e[1]:
+                        raise CorruptCheckpointError(f"memory-tier base step {self.base_step}: checksum "
+                                                     f"mismatch in leaf {sh.leaf} box {list(sh.box)}")
+
+
+def _box(index: tuple[slice, ...], shape: tuple[int, ...]) -> Box:
+    return tuple(tuple(sl.indices(d)[:2]) for sl, d in zip(index, shape))
+
+
+def _boxes(x: jax.Array) -> set[Box]:
+    return {_box(s.index, tuple(x.shape)) for s in x.addressable_shards}
+
+
+Seen = dict[str, tuple[Any, int]]  # leaf name -> (weak reference to the jax.Array saved, first step seen)
+
+
+def take_snapshot(state: Any, *, copy: bool, force: bool, step: int, seen: Seen,
+                  base: Copy | None) -> TierSnapshot:
+    """Copies ``state`` to host, except jax.Array leaves unchanged since ``base`` (their shards become
+    views of it). ``seen`` is updated: it tracks since when each leaf has been the same object."""
+    flat = tree_mod.flatten(state)[0]
+    held = base.by_leaf() if base is not None else {}
+    reuse: dict[int, tuple[dict[str, Any], list[dict[str, Any]]]] = {}
+    fresh, now = [], {}
+    for i, (path, x) in enumerate(flat):
+        name = tree_mod.keystr(path)
+        if isinstance(x, jax.Array) and not x.is_deleted():
+            prev = seen.get(name)
+            since = prev[1] if prev is not None and prev[0]() is x else step
+            now[name] = (weakref.ref(x), since)
+            data = jax.random.key_data(x) if tree_mod.is_prng_key(x) else x
+            if base is not None and since <= base.step and name in held and \
+                    {tuple(map(tuple, s["box"])) for s in held[name][1]} == _boxes(data):
+                reuse[i] = held[name]
+                continue
+        fresh.append(i)
+    seen.clear()
+    seen.update(now)
+    part = ckpt.snapshot([flat[i][1] for i in fresh], copy=copy) if fresh else ckpt.Snapshot([], 0)
+    plans: list[Any] = [None] * len(flat)
+    for i, p in zip(fresh, part.leaves):
+        p.path, p.record["path"] = flat[i][0], tree_mod.path_to_json(flat[i][0])
+        plans[i] = p
+    ts = TierSnapshot(ckpt.Snapshot(plans, 0), [], force, base.step if reuse else None)
+    for i, (rec, shards) in reuse.items():
+        views = [(tuple(map(tuple, s["box"])), base.array(s), s) for s in shards]
+        plans[i] = ckpt.LeafPlan(flat[i][0], dict(rec), tuple(Shard(b, a) for b, a, s in views if s["primary"]))
+        ts.extra += [HostShard(i, b, a, False, s) for b, a, s in views if not s["primary"]]
+        ts.origin.update({(i, b): s for b, _, s in views})
+    for i in fresh:
+        ts.extra += _replicas(i, flat[i][1], plans[i])
+    ts.snap.nbytes = sum(s.data.nbytes for p in plans for s in p.shards)
+    ts.snap.seconds = part.seconds
+    return ts
+
+
+def _replicas(i: int, x: Any, plan: ckpt.LeafPlan) -> list[HostShard]:
+    """The boxes on this process's devices that another process writes to persistent storage."""
+    if not isinstance(x, jax.Array) or "dtype" not in plan.record:
+        return []
+    x = jax.random.key_data(x) if plan.record["kind"] == "prng_key" else x
+    have, out = {s.box for s in plan.shards}, []
+    for s in x.addressable_shards:
+        box = _box(s.index, tuple(x.shape))
+        if box not in have:
+            have.add(box)
+            out.append(HostShard(i, box, np.array(s.data, order="C", copy=True), False))
+    return out
+
+
+# -------------------------------------------------------------------------------------- encoding
+
+@dataclass
+class Encoded:
+    body: dict[str, Any]
+    index: bytes
+    pieces: list[memoryview]  # data.bin, in order
+    data_nbytes: int
+
+    @property
+    def written(self) -> int:
+        return self.data_nbytes + len(self.index)
+
+    @property
+    def full(self) -> bool:
+        return self.body["base"] is None
+
+
+def _u8(buf: Any) -> np.ndarray:
+    return np.frombuffer(buf, np.uint8)
+
+
+def _bytes_of(a: np.ndarray) -> memoryview:
+    return memoryview(np.ascontiguousarray(a).reshape(-1).view(np.uint8)) if a.size else memoryview(b"")
+
+
+def shuffle(x: np.ndarray, itemsize: int) -> np.ndarray:
+    return np.ascontiguousarray(x.reshape(-1, itemsize).T) if itemsize > 1 and len(x) % itemsize == 0 else x
+
+
+def _xor_delta(raw: memoryview, old: memoryview, itemsize: int) -> bytes | None:
+    """zlib of the byte-shuffled XOR when it is clearly smaller than the chunk (a sample decides first,
+    so an incompressible chunk costs a 64 KiB trial, not a full compression)."""
+    x = np.bitwise_xor(_u8(raw), _u8(old))
+    sample = x[:_SAMPLE - _SAMPLE % max(1, itemsize)]
+    if len(x) > _SAMPLE and len(zlib.compress(shuffle(sample, itemsize), 1)) > 0.75 * len(sample):
+        return None
+    z = zlib.compress(shuffle(x, itemsize), 1)
+    return z if len(z) < 0.9 * len(raw) else None
+
+
+def encode(ts: TierSnapshot, ident: dict[str, Any], base: Copy | None, *, delta: bool) -> Encoded:
+    """Encodes a snapshot; against a base, unchanged chunks become references to it."""
+    recs = [p.record for p in ts.snap.leaves]
+    lookup = base.lookup() if base is not None else {}
+    pieces: list[memoryview] = []
+    shards, off = [], 0
+    for sh in ts.shards():
+        mv, itemsize = _bytes_of(sh.data), sh.data.dtype.itemsize
+        if sh.base is not None and base is not None and base.step == ts.base_step:
+            entries = [["b", e[1], e[2]] for e in sh.base["chunks"]]  # the very bytes of the base
+        else:
+            b = lookup.get(_key(recs[sh.leaf], sh.box))
+            entries, stored = _encode_shard(mv, b if b is not None and b["nbytes"] == len(mv) else None,
+                                            base, itemsize, delta, off)
+            pieces += stored
+            off += sum(len(p) for p in stored)
+        shards.append({"leaf": sh.leaf, "box": [list(x) for x in sh.box], "primary": sh.primary,
+                       "nbytes": len(mv), "chunks": entries})
+    body = dict(ident, base=base.step if base is not None else None, chunk=CHUNK, data=off, leaves=recs,
+                shards=shards)
+    return Encoded(body, encode_index(body), pieces, off)
+
+
+def _encode_shard(mv: memoryview, b: dict[str, Any] | None, base: Copy | None, itemsize: int, delta: bool,
+                  off: int) -> tuple[list[list], list[memoryview]]:
+    entries, stored, tries = [], [], _TRIES
+    for lo in range(0, len(mv), CHUNK):
+        raw = mv[lo:lo + CHUNK]
+        crc = crc32c.crc32c(raw)
+        entry, piece = ["r", crc, off, len(raw)], raw
+        if b is not None:
+            boff = b["chunks"][lo // CHUNK][2]
+            old = base.data.view(boff, boff + len(raw))
+            if b["chunks"][lo // CHUNK][1] == crc and np.array_equal(_u8(raw), _u8(old)):
+                entry, piece = ["b", crc, boff], None
+            elif delta and tries and (z := _xor_delta(raw, old, itemsize)) is not None:
+                entry, piece, tries = ["x", crc, off, len(z), boff], memoryview(z), _TRIES
+            elif delta and tries:
+                tries -= 1
+        if piece is not None:
+            stored.append(piece)
+            off += len(piece)
+        entries.append(entry)
+    return entries, stored
+
+
+def _key(rec: dict[str, Any], box: Any) -> str:
+    return json.dumps([rec["path"], rec["dtype"], [list(x) for x in box]])
+
+
+def encode_index(body: dict[str, Any]) -> bytes:
+    canon = json.dumps(body, sort_keys=True, separators=(",", ":"))
+    return json.dumps({"format": _FORMAT, "version": _VERSION, "crc32c": crc32c.crc32c(canon.encode()),
+                       "body": body}, sort_keys=True, separators=(",", ":")).encode()
+
+
+def decode_index(raw: bytes | memoryview, where: str) -> dict[str, Any]:
+    try:
+        doc = json.loads(bytes(raw))
+        body = doc["body"]
+        ok = doc.get("format") == _FORMAT and doc.get("version") == _VERSION and crc32c.crc32c(
+            json.dumps(body, sort_keys=True, separators=(",", ":")).encode()) == doc.get("crc32c")
+    except (ValueError, TypeError, KeyError, AttributeError):
+        ok = False
+    if not ok:
+        raise CorruptCheckpointError(f"{where}/{INDEX}: not a valid memory-tier index (damaged or truncated)")
+    return body
+
+
+# ------------------------------------------------------------------------------------------ copies
+
+def _check(copy: Copy) -> Copy:
+    """Bounds of every entry against the bytes present: a damaged index never reads out of range."""
+    b, n, base_n = copy.body, len(copy.data), len(copy.base.data) if copy.base is not None else 0
+    if len(copy.data) != b["data"] or (b["base"] is None) != (copy.base is None):
+        raise CorruptCheckpointError(f"{copy.where}/{DATA}: {n} bytes, the index says {b['data']}")
+    if copy.base is not None and (copy.base.body["base"] is not None or any(
+            copy.base.body[k] != b[k] for k in ("session", "process", "process_count"))):
+        raise CorruptCheckpointError(f"{copy.where}: base {b['base']} belongs to another run or process")
+    for s in b["shards"]:
+        rec = b["leaves"][s["leaf"]]
+        size = math.prod(e - a for a, e in s["box"]) * dtype_from_name(rec["dtype"]).itemsize
+        if size != s["nbytes"] or len(s["chunks"]) != math.ceil(size / b["chunk"]):
+            raise CorruptCheckpointError(f"{copy.where}/{INDEX}: shard {s['box']} of {ckpt._name(rec)!r} is inconsistent")
+        for k, e in enumerate(s["chunks"]):
+            span = min(b["chunk"], size - k * b["chunk"])
+            if (e[0] not in ("r", "b", "x") or (e[0] == "r" and e[3] != span) or (e[0] != "b" and e[2] + e[3] > n)
+                    or (e[0] != "r" and (copy.base is None or e[-1] + span > base_n))):
+                raise CorruptCheckpointError(f"{copy.where}/{INDEX}: chunk {e} lies outside the stored bytes")
+    return copy
+
+
+def open_copy(folder: str, *, with_base: bool = True) -> Copy:
+    """Opens ``<tier folder>/<step>`` (and its base, a sibling folder), its index verified."""
+    with open(os.path.join(folder, INDEX), "rb") as f:
+        body = decode_index(f.read(_MAX_INDEX), folder)
+    base = None
+    if body["base"] is not None and with_base:
+        base = open_copy(os.path.join(os.path.dirname(folder), str(body["base"])), with_base=False)
+    copy = Copy(folder, body, Data(os.path.join(folder, DATA)), base)
+    return _check(copy) if with_base else copy
+
+
+def copy_from_parts(parts: Sequence[memoryview], where: str) -> Copy:
+    """A copy sent by a peer: [index, data] or [index, data, base index, base data]."""
+    if len(parts) not in (2, 4):
+        raise CorruptCheckpointError(f"{where}: expected a copy (2 or 4 parts), received {len(parts)}")
+    base = Copy(where + " (base)", decode_index(parts[2], where), Data(buf=parts[3]), None) if len(parts) == 4 else None
+    return _check(Copy(where, decode_index(parts[0], where), Data(buf=parts[1]), base))
+
+
+def copy_parts(folder: str) -> list[list[memoryview]]:
+    """What a holder sends so that a copy can be restored elsewhere: the copy and its base."""
+    copy = open_copy(folder)
+    parts = [[memoryview(encode_index(copy.body))], [copy.data.view(0, len(copy.data))]]
+    if copy.base is not None:
+        parts += [[memoryview(encode_index(copy.base.body))], [copy.base.data.view(0, len(copy.base.data))]]
+    return parts
+
+
+def write_copy(tier_dir: str, step: int, index: bytes, pieces: Sequence[Any]) -> None:
+    """Writes ``tier_dir/<step>`` atomically (staging folder, then rename), replacing a copy of that
+    step left by an earlier run; a crash leaves only a staging folder, removed at the next start."""
+    parent = LocalStorage(tier_dir)
+    os.makedirs(tier_dir, exist_ok=True)
+    staging = f"{step}{commit_mod.TMP_MARK}{uuid.uuid4().hex}"
+    try:
+        parent.sub(staging).write(DATA, pieces)
+        parent.sub(staging).write(INDEX, [index])
+        fsync_dir(os.path.join(tier_dir, staging))
+        if os.path.lexists(os.path.join(tier_dir, str(step))):
+            commit_mod.remove(parent, str(step))
+        parent.rename(staging, str(step))
+        fsync_dir(tier_dir)
+    except BaseException:
+        parent.delete(staging)
+        raise
+
+
+def mark_committed(folder: str, record: dict[str, Any]) -> None:
+    """The tier's commit record of this copy: written once every process holds the step there."""
+    tmp = f"{COMMIT}{commit_mod.TMP_MARK}{uuid.uuid4().hex}"
+    LocalStorage(folder).write(tmp, [json.dumps(record).encode()])
+    os.rename(os.path.join(folder, tmp), os.path.join(folder, COMMIT))
+
+
+def unmark(folder: str) -> None:
+    try:
+        os.unlink(os.path.join(folder, COMMIT))
+    except FileNotFoundError:
+        pass
+
+
+def steps_in(tier_dir: str) -> list[int]:
+    try:
+        return sorted(int(e) for e in os.listdir(tier_dir) if e.isdigit())
+    except FileNotFoundError:
+        return []

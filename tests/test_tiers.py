@@ -1,0 +1,311 @@
+"""Tiered checkpoints (issue 6): local memory, peer memory, persistent storage; differential copies.
+
+Single-process tests drive a CheckpointManager with ``tiers=`` in this process. Multi-process tests run
+real jobs (tests/tier_worker.py): N processes on a jax.distributed coordinator at 127.0.0.1, CPU devices,
+gloo collectives, each process with its own local_dir standing for its host; processes are killed with
+SIGKILL, folders deleted, jobs restarted, and every restore is checked bit-exact on every process
+against the state of the step it reports. Every wait has a timeout; every process group is killed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import flax_ckpt as fc
+from flax_ckpt import tier_store
+
+WORKER = str(Path(__file__).with_name("tier_worker.py"))
+JOB_TIMEOUT_S = 90
+
+
+# ------------------------------------------------------------------------------------- one process
+
+def tuned(step: int, frozen: np.ndarray) -> dict[str, Any]:
+    """A fine-tuning state: a large frozen backbone and a small trained head that changes every step."""
+    rng = np.random.default_rng(step)
+    return {"backbone": {"w": frozen}, "head": {"w": jnp.asarray(rng.standard_normal((256, 256), np.float32)),
+                                                "b": rng.standard_normal((256,)).astype(np.float32)},
+            "step": step, "key": jax.random.key(step)}
+
+
+def assert_same(got: dict[str, Any], want: dict[str, Any]) -> None:
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        a = jax.random.key_data(a) if jnp.issubdtype(jnp.result_type(a), jax.dtypes.prng_key) else a
+        b = jax.random.key_data(b) if jnp.issubdtype(jnp.result_type(b), jax.dtypes.prng_key) else b
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+
+
+@pytest.fixture
+def frozen() -> np.ndarray:
+    return np.random.default_rng(0).standard_normal((2048, 1024)).astype(np.float32)  # 8 MiB
+
+
+def test_differential_copy_costs_only_the_trained_part(tmp_path, frozen, caplog):
+    caplog.set_level(logging.INFO, "flax_ckpt")
+    tiers = fc.Tiers(local_dir=str(tmp_path / "shm"), persist_interval_steps=100, cleanup=False)
+    with fc.CheckpointManager(tmp_path / "ckpt", tiers=tiers) as mgr:
+        for step in range(1, 6):
+            mgr.save(step, tuned(step, frozen))
+        mgr.wait_until_finished()
+        stats = mgr._tiers.stats
+    assert "peer-memory tier disabled (a single process" in caplog.text
+    trained = tuned(0, frozen)["head"]["w"].nbytes + tuned(0, frozen)["head"]["b"].nbytes
+    assert stats[0].base and stats[0].written > frozen.nbytes
+    for s in stats[1:]:  # everything written: changed chunks, index; the 8 MiB backbone costs nothing
+        assert not s.base and s.written <= 1.05 * trained, (s.step, s.written, trained)
+    with fc.CheckpointManager(tmp_path / "ckpt", tiers=tiers) as mgr:  # a restarted process
+        assert mgr.all_steps() == [4, 5]
+        assert_same(mgr.restore(target=tuned(0, frozen)), tuned(5, frozen))
+        assert mgr.restore_stats[-1].tier == "local"
+        assert_same(mgr.restore(4, target=tuned(0, frozen)), tuned(4, frozen))
+
+
+def test_unchanged_jax_leaves_are_neither_copied_nor_hashed(tmp_path):
+    backbone = jnp.asarray(np.random.default_rng(2).standard_normal((1024, 1024), np.float32))  # 4 MiB
+    tiers = fc.Tiers(local_dir=str(tmp_path / "shm"), persist_interval_steps=3, rebase_interval=2, cleanup=False)
+    states = {s: {"backbone": backbone, "head": jnp.full((64, 64), float(s))} for s in range(1, 7)}
+    with fc.CheckpointManager(tmp_path / "ckpt", tiers=tiers) as mgr:
+        for step in range(1, 7):
+            mgr.save(step, states[step])
+        mgr.wait_until_finished()
+        stats = {s.step: s for s in mgr._tiers.stats}
+    assert [s for s, t in stats.items() if t.base] == [1, 4]  # step 4's base is written from the views
+    assert all(stats[s].reused == backbone.nbytes for s in (2, 3, 4, 5, 6))  # the same object since step 1
+    assert all(stats[s].written < 64 * 64 * 4 + 4096 for s in (2, 3, 5, 6))
+    with fc.CheckpointManager(tmp_path / "ckpt", tiers=tiers) as mgr:
+        for step in (5, 6):  # memory, then the migrated steps (3 and 6 were migrated from views)
+            assert_same(mgr.restore(step, target=states[1]), states[step])
+    assert_same(fc.restore(tmp_path / "ckpt" / "3", target=states[1]), states[3])
+    assert_same(fc.restore(tmp_path / "ckpt" / "6", target=states[1]), states[6])
+
+
+def test_small_changes_are_stored_as_compressed_xor_deltas(tmp_path):
+    base = np.random.default_rng(1).standard_normal((512, 1024)).astype(np.float32)  # 2 MiB
+    tiers = fc.Tiers(local_dir=str(tmp_path / "shm"), persist_interval_steps=None, cleanup=False)
+    with fc.CheckpointManager(tmp_path / "ckpt", tiers=tiers) as mgr:
+        mgr.save(1, {"w": base})
+        mgr.save(2, {"w": base + np.float32(1e-6) * base})  # every element changes a little
+        mgr.wait_until_finished()
+        written = [s.written for s in mgr._tiers.stats]
+        copy = tier_store.open_copy(os.path.join(mgr._tiers.local_dir, "2"))
+    assert {e[0] for s in copy.body["shards"] for e in s["chunks"]} == {"x"}
+    assert written[1] < 0.8 * base.nbytes
+    with fc.CheckpointManager(tmp_path / "ckpt", tiers=tiers) as mgr:
+        assert mgr.restore()["w"].tobytes() == (base + np.float32(1e-6) * base).tobytes()
+
+
+def test_retention_rebase_cleanup_and_final_migration(tmp_path, frozen):
+    tiers = fc.Tiers(local_dir=str(tmp_path / "shm"), persist_interval_steps=4, max_to_keep=2, rebase_interval=3)
+    mgr = fc.CheckpointManager(tmp_path / "ckpt", tiers=tiers)
+    for step in range(1, 11):
+        mgr.save(step, tuned(step, frozen))
+        mgr.wait_until_finished()
+        folders = tier_store.steps_in(mgr._tiers.local_dir)
+        assert len(folders) <= tiers.max_to_keep + 2, folders  # kept steps, the bases they need
+    assert [s.step for s in mgr._tiers.stats if s.base] == [1, 5, 9]  # a new base after 3 differential copies
+    assert mgr._tiers.committed("local") == [9, 10] and mgr.all_steps() == [4, 8, 9, 10]
+    mgr.close()  # cleanup: step 10 lived only in memory, so it is migrated first; then the tiers go
+    assert os.listdir(tmp_path / "shm") == []
+    with fc.CheckpointManager(tmp_path / "ckpt", tiers=tiers) as again:
+        assert again.all_steps() == [4, 8, 10]
+        assert_same(again.restore(target=tuned(0, frozen)), tuned(10, frozen))
+        assert again.restore_stats[-1].tier == "persistent"
+
+
+def test_damaged_memory_copy_falls_back_with_a_warning(tmp_path, frozen, caplog):
+    tiers = fc.Tiers(local_dir=str(tmp_path / "shm"), persist_interval_steps=2, cleanup=False)
+    with fc.CheckpointManager(tmp_path / "ckpt", tiers=tiers) as mgr:
+        for step in range(1, 4):
+            mgr.save(step, tuned(step, frozen))
+        local = mgr._tiers.local_dir
+    data = os.path.join(local, "3", tier_store.DATA)  # step 3: only the changed head, stored raw
+    with open(data, "r+b") as f:
+        f.seek(100)
+        byte = f.read(1)
+        f.seek(100)
+        f.write(bytes([byte[0] ^ 1]))
+    with fc.CheckpointManager(tmp_path / "ckpt", tiers=tiers) as mgr:
+        assert_same(mgr.restore(target=tuned(0, frozen)), tuned(2, frozen))  # step 2: memory and persistent
+    assert "could not restore from local memory" in caplog.text and "checksum mismatch" in caplog.text
+    with fc.CheckpointManager(tmp_path / "ckpt", tiers=tiers, strict=True) as mgr:
+        with pytest.raises(fc.CheckpointError, match="strict"):
+            mgr.restore(target=tuned(0, frozen))
+
+
+def test_failed_migration_is_raised_and_memory_still_serves(tmp_path):
+    from flax_ckpt.serializers.raw import RawSerializer
+
+    class DiskFull(RawSerializer):
+        def write(self, storage, items, *, tag):
+            raise OSError(28, "No space left on device")
+    tiers = fc.Tiers(local_dir=str(tmp_path / "shm"), persist_interval_steps=1, cleanup=False)
+    state = {"w": np.arange(8.0)}
+    with fc.CheckpointManager(tmp_path / "ckpt", tiers=tiers, serializer=DiskFull()) as mgr:
+        mgr.save(1, state)
+        with pytest.raises(fc.SaveFailedError, match="migration of step 1") as info:
+            mgr.wait_until_finished()
+        assert "No space left" in str(info.value.__cause__)
+        assert mgr.all_steps() == [1]  # committed in local memory, not persisted
+        assert mgr.restore()["w"].tobytes() == state["w"].tobytes()
+
+
+def test_plan_never_mixes_steps_or_runs():
+    from flax_ckpt.tier_plan import choose, peer_shift
+
+    def inv(local, peer=None):
+        return {"local": {str(s): v for s, v in local.items()}, "peer": {
+            str(k): {str(s): v for s, v in steps.items()} for k, steps in (peer or {}).items()}}
+    x, y = "run-x", "run-y"
+    # step 9: written everywhere, but no process holds a commit record (the vote never finished);
+    # step 8: committed, but process 1's copy is from another run; step 7: process 1 lost its local copy
+    invs = [inv({9: [x, False], 8: [x, True], 7: [x, True]}, {1: {7: [x, True]}}),
+            inv({9: [x, False], 8: [y, True]})]
+    plan = choose(invs, {6}, None, set())
+    assert (plan.step, plan.sources) == (7, (("local", 0), ("peer", 0)))
+    assert choose(invs, {6, 7}, None, {(1, "peer", 7)}).sources == (("local", 0), ("persistent", None))
+    assert choose(invs, {6}, None, {(1, "peer", 7)}).sources == (("persistent", None),) * 2
+    assert choose(invs, set(), 8, set()) is None
+    # one record suffices: every process voted that its copy was complete before any record was written
+    invs[1]["local"]["9"] = [x, True]
+    assert choose(invs, set(), None, set()).sources == (("local", 0), ("local", 1))
+    assert peer_shift(["h0", "h0", "h1", "h1"]) == 2 and peer_shift(["h0", "h1", "h2"]) == 1
+    assert peer_shift(["h0", "h0"]) is None and peer_shift(["h0"]) is None
+
+
+def test_tiers_config_is_validated(tmp_path):
+    with pytest.raises(ValueError, match="max_to_keep"):
+        fc.Tiers(max_to_keep=0)
+    with pytest.raises(ValueError, match="persist_interval_steps"):
+        fc.Tiers(persist_interval_steps=0)
+    with pytest.raises(TypeError, match="flax_ckpt.Tiers"):
+        fc.CheckpointManager(tmp_path, tiers={"local_dir": "/dev/shm"})
+
+
+# ----------------------------------------------------------------------------------- multi-process
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Job:
+    """N tier_worker processes of one jax.distributed job; process i's local_dir is <tmp>/host<i>."""
+
+    def __init__(self, tmp: Path, tag: str, mode: str, n: int = 2, **cfg: Any):
+        self.tmp, self.tag, self.n = tmp, tag, n
+        self.cfg = dict(cfg, mode=mode, out=str(tmp), tag=tag, num_processes=n, port=_free_port(),
+                        dir=str(tmp / "ckpt"))
+        self.env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
+        self.procs = [subprocess.Popen(
+            [sys.executable, WORKER, json.dumps(dict(self.cfg, process_id=i, local=str(tmp / f"host{i}")))],
+            env=self.env, stdout=open(tmp / f"{tag}.p{i}.log", "w"), stderr=subprocess.STDOUT,
+            start_new_session=True) for i in range(n)]
+
+    def result(self, i: int, kind: str = "") -> dict[str, Any]:
+        path = self.tmp / f"{self.tag}.p{i}{kind}.json"
+        return json.loads(path.read_text()) if path.exists() else {"ok": False, "missing": True}
+
+    def progress(self, i: int) -> list[dict[str, Any]]:
+        path = self.tmp / f"{self.tag}.p{i}.progress"
+        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+    def wait(self, done, timeout: float = JOB_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout
+        while not done():
+            if time.monotonic() > deadline:
+                self.kill()
+                pytest.fail(f"job {self.tag}: timed out\n{self.logs()}")
+            time.sleep(0.1)
+
+    def join(self) -> list[dict[str, Any]]:
+        """Waits for the results (a train or loop job then keeps running: it is killed here)."""
+        try:
+            self.wait(lambda: all((self.tmp / f"{self.tag}.p{i}.json").exists() for i in range(self.n)))
+        finally:
+            self.kill()
+        results = [self.result(i) for i in range(self.n)]
+        assert all(r["ok"] for r in results), f"{results}\n{self.logs()}"
+        return results
+
+    def kill(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+        for p in self.procs:
+            p.wait(timeout=30)
+
+    def logs(self) -> str:
+        return "\n".join(f"--- p{i} (rc {p.poll()}):\n" + (self.tmp / f"{self.tag}.p{i}.log").read_text()[-3000:]
+                         for i, p in enumerate(self.procs))
+
+
+@pytest.mark.timeout(300)
+def test_three_failure_classes_restore_the_newest_surviving_step(tmp_path):
+    train = Job(tmp_path, "train", "train", steps=7, persist=3).join()
+    assert train[0]["local"] == train[0]["peer"] == [6, 7] and train[0]["peer_dst"] == 1
+    assert all(not b for _, _, _, b in train[0]["written"][1:])  # differential after the first save
+
+    def restore(tag: str) -> list[dict[str, Any]]:
+        res = Job(tmp_path, tag, "restore", persist=3).join()
+        assert res[0]["restored"] == res[1]["restored"] and res[0]["sources"] == res[1]["sources"]
+        return res
+
+    # (1) every process killed (SIGKILL above) and restarted: all shards from local memory
+    r = restore("all-killed")
+    assert r[0]["restored"] == 7 and r[0]["sources"] == [["local", 0], ["local", 1]]
+    assert r[1]["stats"] == ["local"]
+    # (2) host 1 lost (its tmpfs gone): its shards come from its peer, process 0's from local memory
+    shutil.rmtree(tmp_path / "host1")
+    r = restore("host-lost")
+    assert r[0]["restored"] == 7 and r[0]["sources"] == [["local", 0], ["peer", 0]]
+    assert r[1]["stats"] == ["peer"]
+    # (3) every memory tier gone: the newest migrated step, from persistent storage
+    for host in tmp_path.glob("host[0-9]"):
+        shutil.rmtree(host)
+    r = restore("memory-lost")
+    assert r[0]["restored"] == 6 and r[0]["sources"] == [["persistent", None]] * 2
+
+
+@pytest.mark.timeout(300)
+def test_crash_in_a_memory_save_or_a_migration_never_mixes_steps(tmp_path):
+    # process 1 dies in its local-tier save of step 5 (written, not renamed); process 0 has committed
+    # nothing of step 5: the vote never completed
+    job = Job(tmp_path, "crash-local", "loop", persist=2, until=9, flush_at=[4],
+              crash={"process": 1, "at": "local", "step": 5})
+    job.wait(lambda: job.procs[1].poll() is not None)
+    job.kill()
+    assert job.procs[1].returncode == -signal.SIGKILL
+    assert max(p["local"] for p in job.progress(0)) == 4
+    assert any(".tmp-" in e for e in os.listdir(next((tmp_path / "host1").rglob("local"))))
+    # restart: step 4 from local memory everywhere; then process 1 dies inside the migration of step 6
+    job = Job(tmp_path, "crash-migrate", "loop", persist=2, until=9, crash={"process": 1, "at": "migrate", "write": 1})
+    job.wait(lambda: job.procs[1].poll() is not None)
+    job.kill()
+    first = job.result(0, ".restored")
+    assert first["restored"] == 4 and first["sources"] == [["local", 0], ["local", 1]]
+    reported = max(p["local"] for p in job.progress(0))
+    # restart: the newest step committed in memory (step 6 was, before its migration began), bit-exact
+    r = Job(tmp_path, "after-migrate", "restore", persist=2).join()
+    assert r[0]["restored"] >= max(6, reported) and r[0]["sources"][0][0] == "local"
+    # memory lost: persistent storage holds step 4 (the migration of step 6 never committed)
+    for host in tmp_path.glob("host[0-9]"):
+        shutil.rmtree(host)
+    r = Job(tmp_path, "persistent-only", "restore", persist=2).join()
+    assert r[0]["restored"] == 4 and r[0]["sources"] == [["persistent", None]] * 2
+    assert sorted(e for e in os.listdir(tmp_path / "ckpt") if e.isdigit()) == ["2", "4"]
