@@ -163,6 +163,7 @@ class CheckpointManager:
         self.async_save, self.strict, self.metadata = async_save, strict, metadata
         self.metric_writer = metric_writer  # anything with write_scalars(step, dict), e.g. a clu MetricWriter
         self._last_call_end: float | None = None
+        self._spare: ckpt.Snapshot | None = None  # the last durable snapshot, refilled by the next save
         self._created = time.perf_counter()
         self._last_saved: int | None = None
         self.serializer = get_serializer(serializer)
@@ -284,8 +285,10 @@ class CheckpointManager:
         self._writer.wait()  # back-pressure: one save in flight
         if self._tiers is not None:  # first sends the previous step's copy to its peer (a collective)
             snap = self._tiers.snapshot(step, state, copy=self.async_save, force=force)
-        else:
-            snap = (orbax_compat.snapshot if self.format == "orbax" else ckpt.snapshot)(state, copy=self.async_save)
+        elif self.format == "orbax":
+            snap = orbax_compat.snapshot(state, copy=self.async_save)
+        else:  # refill the previous durable snapshot's buffers: no page faults of fresh memory
+            snap, self._spare = ckpt.snapshot(state, copy=self.async_save, reuse=self._spare), None
         blocked = time.perf_counter() - t0
         self._last_saved = step
         if self._auto is not None:
@@ -313,6 +316,8 @@ class CheckpointManager:
                           time.perf_counter() - t0, fsync_s=times.fsync, start_s=t0 - self._created)
         self._record(stats)
         self._apply_retention()
+        if self._tiers is None and self.format == "flax_ckpt" and self.async_save:
+            self._spare = snap  # durable now: the next snapshot may overwrite its buffers
 
     def _record(self, stats: SaveStats) -> None:
         self.stats.append(stats)

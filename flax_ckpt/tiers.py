@@ -138,7 +138,7 @@ class TierSet:
                 try:
                     b = store.open_copy(os.path.join(folder, str(s))).body
                 except (CheckpointError, OSError, ValueError, KeyError, TypeError) as e:
-                    log.warning("flax_ckpt: ignoring memory copy %s/%d: %s", folder, s, e)
+                    log.warning("ignoring memory copy %s/%d: %s", folder, s, e)
                     continue
                 owner = self.i if key == "local" else int(key)
                 if b["process"] == owner and b["process_count"] == self.n and b["step"] == s:
@@ -161,7 +161,7 @@ class TierSet:
         if self.peer_dst is None:
             why = ("peer=False" if not self.cfg.peer else "a single process: no other host to hold a replica"
                    if self.n == 1 else "every process shares one host and local_dir")
-            log.info("flax_ckpt: peer-memory tier disabled (%s); tiers: local memory, persistent", why)
+            log.info("peer-memory tier disabled (%s); tiers: local memory, persistent", why)
         self._old = self._restorable(invs, persistent)
 
     def _restorable(self, invs: list[dict[str, Any]], persistent: set[int]) -> dict[int, str]:
@@ -215,7 +215,7 @@ class TierSet:
         if self._inbox is not None:
             self._store_replica()
         if step in self._kept["local"]:
-            log.info("flax_ckpt: step %d is already in the memory tiers; not replaced", step)
+            log.info("step %d is already in the memory tiers; not replaced", step)
         else:
             self._save_local(step, ts, metrics, t0, blocked)
         if ts.force or (self.cfg.persist_interval_steps is not None and step // self.cfg.persist_interval_steps
@@ -330,7 +330,7 @@ class TierSet:
             if self.cfg.cleanup:
                 newest = max(self._kept["local"], default=None)
                 if newest is not None and newest not in persistent():
-                    log.info("flax_ckpt: migrating step %d to %s before removing the memory tiers", newest,
+                    log.info("migrating step %d to %s before removing the memory tiers", newest,
                              self.directory)
                     copy = store.open_copy(os.path.join(self.local_dir, str(newest)))
                     migrate(newest, load.to_snapshot(copy), copy.body.get("metrics"))
@@ -340,7 +340,7 @@ class TierSet:
                     os.rmdir(os.path.dirname(self.root))
                 except OSError:
                     pass
-                log.info("flax_ckpt: removed the memory tiers of %s from %s", self.directory, self.root)
+                log.info("removed the memory tiers of %s from %s", self.directory, self.root)
         finally:
             self._pool.shutdown(wait=True)
 
@@ -371,10 +371,10 @@ class TierSet:
             failed = [(j, v["error"]) for j, v in enumerate(votes) if v["error"]]
             if not failed:
                 self.last_plan = plan
-                log.info("flax_ckpt: restored step %d of %s: %s", plan.step, self.directory, plan.describe())
+                log.info("restored step %d of %s: %s", plan.step, self.directory, plan.describe())
                 return done[1][0], plan, done[1][1]
             for j, e in failed:
-                log.warning("flax_ckpt: step %d: process %d could not restore from %s (%s)", plan.step, j,
+                log.warning("step %d: process %d could not restore from %s (%s)", plan.step, j,
                             TIER_NAMES[plan.sources[j][0]], e)
                 bad.add((j, plan.sources[j][0], plan.step))
             if strict:
@@ -390,7 +390,7 @@ class TierSet:
             try:
                 parts = tier_sync.frame(store.copy_parts(os.path.join(self._peer_dir(serve), str(plan.step))))
             except (CheckpointError, OSError) as e:  # the receiver then fails and the plan changes
-                log.warning("flax_ckpt: cannot send process %d its replica of step %d: %s", serve, plan.step, e)
+                log.warning("cannot send process %d its replica of step %d: %s", serve, plan.step, e)
         sizes = self.group.allgather("serve", {"n": sum(len(p) for p in parts)})
         return self.group.transfer(perm, parts, [v["n"] for v in sizes])
 

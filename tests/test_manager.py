@@ -114,6 +114,18 @@ def test_mutation_and_donation_after_save_do_not_change_what_is_written(ckpt_dir
     np.testing.assert_array_equal(restored["dev"], expected_dev)
 
 
+def test_reused_snapshot_buffers_never_leak_into_an_earlier_step(ckpt_dir):
+    """The manager refills the previous durable snapshot's host buffers; each step keeps its own bytes."""
+    host = np.zeros((512, 512), np.float32)
+    with fc.CheckpointManager(ckpt_dir) as mgr:
+        for s in range(1, 5):
+            host[:] = s
+            mgr.save(s, {"w": host, "n": s})
+        mgr.wait_until_finished()
+        for s in range(1, 5):
+            np.testing.assert_array_equal(mgr.restore(s)["w"], np.full((512, 512), s, np.float32))
+
+
 def test_stats_are_recorded_and_logged(ckpt_dir, caplog):
     caplog.set_level(logging.INFO, logger="flax_ckpt")
     with fc.CheckpointManager(ckpt_dir) as mgr:
