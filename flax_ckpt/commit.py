@@ -52,6 +52,11 @@ def commit(parent: Storage, staging: str, name: str, manifest: bytes) -> None:
         _commit_object(parent, step, name, manifest)
         return
     step.write(MANIFEST, [manifest])
+    rename_into_place(parent, staging, name)
+
+
+def rename_into_place(parent: Storage, staging: str, name: str) -> None:
+    """fsyncs ``staging``'s folders, renames it to ``name`` (refusing an existing one), fsyncs the parent."""
     assert isinstance(parent, LocalStorage)
     parent.fsync_tree(staging)
     try:

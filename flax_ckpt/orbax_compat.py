@@ -40,7 +40,6 @@ Orbax's emergency / multi-tier checkpoint layouts and ``_ROOT_METADATA`` (ignore
 from __future__ import annotations
 
 import base64
-import errno
 import json
 import math
 import os
@@ -56,14 +55,14 @@ import tensorstore as ts
 
 from . import tree as tree_mod
 from .checkpoint import CheckpointInfo, LeafInfo, _flat_shardings, _jsonable, split_path
-from .commit import is_temporary
+from .commit import is_temporary, rename_into_place
 from .errors import (CheckpointError, CheckpointExistsError, CheckpointNotCommittedError,
                      CheckpointNotFoundError, CorruptCheckpointError, InvalidManifestError,
                      LeafMismatchError, StructureMismatchError, UnsupportedLeafError, format_list)
 from .format import MANIFEST, check_relpath
 from .serializers import Shard
 from .errors import UnsupportedOrbaxCheckpointError
-from .storage import KvStorage, LocalStorage, Storage, fsync_dir
+from .storage import KvStorage, LocalStorage, Storage
 
 TESTED_ORBAX_VERSION = "0.12.8"
 TREE_METADATA = "_METADATA"
@@ -970,22 +969,10 @@ def _commit_folder(parent: Storage, name: str, write: Callable[[Storage], Any], 
         folder.write(CHECKPOINT_METADATA, [_json_bytes(meta)])
         _commit_success(folder)
         if parent.supports_rename:
-            _rename(parent, staging, name)
+            rename_into_place(parent, staging, name)
     except BaseException:
         parent.delete(staging)
         raise
-
-
-def _rename(parent: Storage, staging: str, name: str) -> None:
-    assert isinstance(parent, LocalStorage)
-    parent.fsync_tree(staging)
-    try:
-        parent.rename(staging, name)
-    except OSError as e:
-        if e.errno in (errno.EEXIST, errno.ENOTEMPTY):
-            raise CheckpointExistsError(f"{parent.url}/{name} appeared while saving; not overwritten") from e
-        raise
-    fsync_dir(parent.root)
 
 
 def _step_meta(handlers: str | dict[str, str], custom: Any) -> dict[str, Any]:
