@@ -213,6 +213,8 @@ def _jsonable(obj: Any, what: str) -> Any:
         return json.loads(json.dumps(obj, default=_json_default))
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"{what} must be JSON-serializable (no pickle is used): {e}") from None
+    except RecursionError:
+        raise CheckpointError(f"{what} is nested too deeply to store as JSON") from None
 
 
 def _json_default(x: Any) -> Any:

@@ -14,6 +14,7 @@ import logging
 import math
 import os
 import threading
+import uuid
 import time
 from dataclasses import asdict, dataclass
 from typing import Any, Iterable, Literal
@@ -22,7 +23,7 @@ from . import checkpoint as ckpt
 from . import commit as commit_mod
 from . import distributed, orbax_compat
 from .errors import (CheckpointError, CheckpointLockedError, CheckpointNotFoundError, CorruptCheckpointError,
-                     InvalidManifestError)
+                     InvalidManifestError, StorageError)
 from .serializers import Serializer, get_serializer
 from .storage import LocalStorage, Storage, open_storage
 from .tier_store import TierSnapshot
@@ -174,6 +175,7 @@ class CheckpointManager:
                 self._lock = _DirLock(self.storage.root)
         self._mutex = threading.Lock()
         self._metrics: dict[int, dict[str, Any] | None] = {}
+        self._damaged: dict[int, Exception] = {}  # step folders whose manifest fails validation
         self.stats: list[SaveStats] = []
         self.restore_stats: list[RestoreStats] = []
         self._writer = AsyncWriter()
@@ -201,12 +203,15 @@ class CheckpointManager:
             step = int(entry)
             try:
                 body = ckpt.read_manifest(self.storage.sub(entry))
-            except (InvalidManifestError, CheckpointError, OSError) as e:
+            except StorageError:
+                raise  # the store failed (after its retries): say so rather than hide a committed step
+            except (CheckpointError, OSError) as e:
                 if not commit_mod.is_committed(self.storage, entry) and not self.storage.supports_rename:
                     if lead:  # an uncommitted object-store step: its commit object never came
                         self.storage.delete(entry)
                 else:
-                    log.warning("ignoring step %d in %s: %s", step, self.directory, e)
+                    log.warning("ignoring damaged step %d in %s: %s", step, self.directory, e)
+                    self._damaged[step] = e
                 continue
             self._metrics[step] = body.get("metrics")
         for step in self._orbax:  # steps written by Orbax (or by format="orbax"): resumed like ours
@@ -308,6 +313,7 @@ class CheckpointManager:
             times = ckpt.PersistTimes(write=time.perf_counter() - t1)
             self._orbax.add(step)
         else:
+            self._set_aside_damaged(step)
             times = ckpt.persist(snap, self.storage, str(step), self.serializer, step=step, metrics=metrics,
                                  metadata=self.metadata)
         with self._mutex:
@@ -318,6 +324,19 @@ class CheckpointManager:
         self._apply_retention()
         if self._tiers is None and self.format == "flax_ckpt" and self.async_save:
             self._spare = snap  # durable now: the next snapshot may overwrite its buffers
+
+    def _set_aside_damaged(self, step: int) -> None:
+        """A new save of a step whose old folder is damaged moves the old one aside (never deletes it on a
+        file system: ``<step>.damaged-<uuid>``; an object store has no rename, so there it is removed)."""
+        if self._damaged.pop(step, None) is None or distributed.process_index() != 0:
+            return
+        if isinstance(self.storage, LocalStorage):
+            aside = f"{step}.damaged-{uuid.uuid4().hex[:8]}"
+            self.storage.rename(str(step), aside)
+            log.warning("step %d in %s was damaged; moved to %s before saving it again", step, self.directory, aside)
+        else:
+            commit_mod.remove(self.storage, str(step))
+            log.warning("step %d in %s was damaged; removed before saving it again", step, self.directory)
 
     def _record(self, stats: SaveStats) -> None:
         self.stats.append(stats)
@@ -362,6 +381,9 @@ class CheckpointManager:
                                               f"(steps: {self.all_steps()})")
             return self._restore_step(step, target, shardings, partial)
         steps = self.all_steps()
+        damaged = max(self._damaged, default=None)
+        if self.strict and damaged is not None and (not steps or damaged > steps[-1]):
+            raise self._damaged[damaged]  # strict: a damaged newest step is an error, not a fallback
         if not steps:
             raise CheckpointNotFoundError(f"no committed checkpoint in {self.directory}")
         for i, s in enumerate(reversed(steps)):

@@ -93,6 +93,10 @@ class LocalStorage:
             t1 = time.perf_counter()
             os.fsync(fd)
             self.clock.add(t1 - t0, time.perf_counter() - t1, nbytes)
+        except OSError as e:
+            if e.filename is None:  # os.write/fsync name no file: a full disk should say which
+                raise type(e)(e.errno, f"{e.strerror} (writing {path})", path) from e
+            raise
         finally:
             os.close(fd)
 

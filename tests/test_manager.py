@@ -255,3 +255,18 @@ def test_saves_from_a_thread_while_main_thread_works(ckpt_dir):
         mgr.wait_until_finished()
         assert total > 0 and mgr.all_steps() == [4, 5]
         assert json.loads((ckpt_dir / "5" / "manifest.json").read_text())["body"]["step"] == 5
+
+
+def test_saving_a_step_whose_folder_is_damaged_sets_the_old_one_aside(ckpt_dir):
+    with fc.CheckpointManager(ckpt_dir) as mgr:
+        for s in (1, 2):
+            mgr.save(s, state(s))
+    manifest = ckpt_dir / "2" / "manifest.json"
+    manifest.write_text(manifest.read_text()[:-20])  # damaged: no longer valid JSON
+    with fc.CheckpointManager(ckpt_dir) as mgr:
+        assert mgr.all_steps() == [1]
+        assert mgr.save(2, state(20))  # the resumed run reaches step 2 again
+        mgr.wait_until_finished()
+        np.testing.assert_array_equal(mgr.restore(2)["w"], state(20)["w"])
+    aside = [e for e in os.listdir(ckpt_dir) if e.startswith("2.damaged-")]
+    assert len(aside) == 1 and (ckpt_dir / aside[0] / "data").is_dir()  # kept for inspection, not deleted

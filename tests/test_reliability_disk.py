@@ -44,8 +44,6 @@ def test_damaged_newest_step_is_named_and_the_manager_falls_back(tmp_path, seria
     assert outcome.ok, f"{outcome.kind}: {outcome.detail}"
 
 
-@pytest.mark.xfail(strict=True, reason="manager._scan drops a step whose manifest is damaged (with a warning) "
-                   "before restore sees it, so strict=True cannot refuse it; reported to the lead")
 @pytest.mark.parametrize("cls", ["manifest", "commit"])
 def test_strict_manager_refuses_a_damaged_newest_manifest(tmp_path, cls):
     d = tmp_path / "ckpts"

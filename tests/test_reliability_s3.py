@@ -46,9 +46,6 @@ def test_faults_during_restore_give_the_bytes_or_an_error(rig, serializer):
         assert outcome.ok, f"trial {i} ({note}): {outcome.kind}: {outcome.detail}"
 
 
-@pytest.mark.xfail(strict=True, reason="manager._scan treats a transient read failure of a committed step's "
-                   "manifest as a damaged step and ignores it (a warning only): a job resuming then starts over; "
-                   "reported to the lead")
 def test_a_transient_error_while_a_manager_scans_does_not_hide_a_committed_step(rig):
     url = rig.url("scan-hides")
     with fc.CheckpointManager(url) as mgr:

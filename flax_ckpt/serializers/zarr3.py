@@ -90,13 +90,13 @@ class Zarr3Serializer:
                                             open=True, dtype=chunk["stored_dtype"], shape=leaf["shape"],
                                             **_context(storage)).result()
                 except Exception as e:
-                    raise CorruptCheckpointError(f"{where}: cannot open zarr3 array {name}: {e}") from e
+                    raise _read_error(storage, f"{where}: cannot open zarr3 array {name}", e) from e
             _check_chunk_present(storage, leaf, chunk, where)
             dst = out[local(ov, box)]
             try:
                 data = handles[name][tuple(slice(s, e) for s, e in ov)].read().result()
             except Exception as e:
-                raise CorruptCheckpointError(f"{where}: reading {name} failed (damaged chunk?): {e}") from e
+                raise _read_error(storage, f"{where}: reading {name} failed", e) from e
             dst[...] = data.view(out.dtype) if data.dtype != out.dtype else data
 
 
@@ -110,3 +110,14 @@ def _check_chunk_present(storage: Storage, leaf: dict[str, Any], chunk: dict[str
         storage.read_into(key, 0, memoryview(bytearray(1)))
     except (OSError, CorruptCheckpointError) as e:
         raise CorruptCheckpointError(f"{where}: zarr3 chunk {key} is missing ({e})") from None
+
+
+def _read_error(storage: Storage, what: str, e: Exception) -> Exception:
+    """On an object store, a failed request is a StorageError (the data may be fine: retry later, no
+    fallback to older steps); anything else, and any checksum failure, is damage."""
+    msg = str(e)
+    damaged = "DATA_LOSS" in msg or "crc32c" in msg.lower() or "checksum" in msg.lower() \
+        or "NOT_FOUND" in msg or "Error parsing" in msg
+    if not storage.supports_rename and not damaged:
+        return StorageError(f"{what}: {explain(e)}")
+    return CorruptCheckpointError(f"{what} (damaged data?): {e}")
