@@ -247,6 +247,11 @@ class CheckpointManager:
             return None
         return min(scored, key=lambda vs: (vs[0] if self.best_mode == "min" else -vs[0], -vs[1]))[1]
 
+    @property
+    def tier_stats(self) -> list[Any]:
+        """Per-save records of the memory tiers (bytes written, reused, seconds per phase); [] without tiers."""
+        return list(self._tiers.stats) if self._tiers is not None else []
+
     def should_save(self, step: int) -> bool:
         if step in self._metrics:
             return False
@@ -319,7 +324,8 @@ class CheckpointManager:
         with self._mutex:
             self._metrics[step] = metrics
         stats = SaveStats(step, snap.nbytes, blocked, getattr(snap, "seconds", 0.0), times.write, times.commit,
-                          time.perf_counter() - t0, fsync_s=times.fsync, start_s=t0 - self._created)
+                          time.perf_counter() - t0, fsync_s=times.fsync, start_s=t0 - self._created,
+                          migrate_s=times.write + times.commit if self._tiers is not None else 0.0)
         self._record(stats)
         self._apply_retention()
         if self._tiers is None and self.format == "flax_ckpt" and self.async_save:

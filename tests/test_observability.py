@@ -102,3 +102,15 @@ def test_timeline_plot_draws_every_phase(ckpt_dir):
     assert [t.get_text() for t in ax.get_yticklabels()] == ["step 1", "step 2", "step 3"]
     starts = sorted(s.start_s for s in mgr.stats)
     assert starts == [s.start_s for s in mgr.stats] and starts[0] >= 0
+
+
+def test_tiered_saves_report_memory_and_migration_phases(tmp_path):
+    tiers = fc.Tiers(local_dir=str(tmp_path / "shm"), peer=False, persist_interval_steps=2)
+    with fc.CheckpointManager(tmp_path / "run", tiers=tiers) as mgr:
+        for s in range(1, 5):
+            mgr.save(s, {"w": np.full(1000, s, np.float32)})
+        mgr.wait_until_finished()
+        memory = mgr.tier_stats
+        migrated = [s for s in mgr.stats if s.migrate_s > 0]
+    assert [t.step for t in memory] == [1, 2, 3, 4] and all(t.written > 0 for t in memory)
+    assert [s.step for s in migrated][:2] == [2, 4]  # every persist_interval_steps-th step went to disk
