@@ -251,6 +251,23 @@ def mode_kill(cfg: dict) -> dict:
     return out
 
 
+def mode_s3(cfg: dict) -> dict:
+    """2 processes x 2 devices over s3:// (the endpoint and keys come from the environment): fc.save,
+    then an async manager with retention; process 0 checks every step restores bit-exact."""
+    d = cfg["dir"]
+    host = host_state(0)
+    sh = shardings(host, "save22")
+    fc.save(d + "/ts", place(host, sh), step=1)
+    with fc.CheckpointManager(d + "/mgr", max_to_keep=2) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, place(host_state(step), sh), metrics={"loss": 1.0 / step})
+        mgr.wait_until_finished()
+        steps = mgr.all_steps()
+        check_bit_exact(mgr.restore(target=abstract(host, sh)), host_state(3), sh)
+    check_bit_exact(fc.restore(d + "/ts", abstract(host, sh)), host, sh)
+    return {"steps": steps}
+
+
 def main() -> None:
     cfg = json.loads(sys.argv[1])
     n, i = cfg["num_processes"], cfg["process_id"]
@@ -262,7 +279,7 @@ def main() -> None:
                                    initialization_timeout=60)
     result: dict[str, Any]
     try:
-        result = {"ok": True, **{"save": mode_save, "restore": mode_restore, "kill": mode_kill}[cfg["mode"]](cfg)}
+        result = {"ok": True, **{"save": mode_save, "restore": mode_restore, "kill": mode_kill, "s3": mode_s3}[cfg["mode"]](cfg)}
         code = 0
     except BaseException:
         result, code = {"ok": False, "traceback": traceback.format_exc()}, 1

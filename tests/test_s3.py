@@ -286,3 +286,22 @@ def test_s3_and_gs_urls_map_to_tensorstore_specs(monkeypatch):
     with pytest.raises(ValueError, match="together"):
         ObjectStoreOptions(access_key_id="a")
 
+
+
+@pytest.mark.timeout(200)
+def test_two_process_sharded_save_and_manager_over_s3(s3: S3Place, tmp_path):
+    """A real 2-process jax.distributed job (gloo, 127.0.0.1) saving sharded state to the S3 server:
+    each process uploads its own shards, process 0 writes the one manifest last; retention deletes."""
+    from test_distributed import Job
+
+    job = Job(tmp_path, "s3", "s3", 2, 2, dir=s3.url).start()
+    try:
+        results = job.check_ok(job.join())
+    finally:
+        job.kill()
+    assert [r["steps"] for r in results] == [[2, 3], [2, 3]]
+    _, body = ckpt.open_checkpoint(f"{s3.url}/ts")
+    assert body["process_count"] == 2
+    assert {name.split("/")[1].split(".")[0] for name in body["files"]} == {"p0", "p1"}
+    assert not [k for k in s3.keys("ts") if k.startswith("ts/parts/")]  # the per-process parts are merged
+    assert sorted({k.split("/")[1] for k in s3.keys("mgr")}) == ["2", "3"]  # step 1's objects are gone
