@@ -250,7 +250,13 @@ class PersistTimes:
 
     write: float = 0.0
     commit: float = 0.0
-    fsync: float = 0.0
+    fsync: float = 0.0  # part of write: summed over writer threads (local file systems)
+    serialize: float = 0.0  # part of write: checksums, summed over writer threads
+    written: int = 0  # bytes handed to storage (data files; local file systems)
+
+    def add_clock(self, clock: Any) -> None:
+        if clock is not None:
+            self.fsync, self.serialize, self.written = clock.fsync_s, clock.serialize_s, clock.nbytes
 
 
 def persist(snap: Snapshot, parent: Storage, name: str, serializer: Serializer, *, step: int | None,
@@ -271,7 +277,7 @@ def persist(snap: Snapshot, parent: Storage, name: str, serializer: Serializer, 
         data = manifest_bytes(snap, [written], serializer, step=step, metrics=metrics, metadata=metadata)
         commit_mod.commit(parent, staging, name, data)
         times.write, times.commit = t1 - t0, time.perf_counter() - t1
-        times.fsync = clock.fsync_s if clock is not None else 0.0
+        times.add_clock(clock)
     except BaseException:
         commit_mod.abort(parent, staging)
         raise
@@ -302,7 +308,7 @@ def _persist_shared(snap: Snapshot, parent: Storage, name: str, serializer: Seri
             commit_mod.commit(parent, staging, name, data)
             rnd.announce()
         times.write, times.commit = t1 - t0, time.perf_counter() - t1
-        times.fsync = clock.fsync_s if clock is not None else 0.0
+        times.add_clock(clock)
     except BaseException as e:
         rnd.fail(e)
         if rnd.index == 0:

@@ -76,6 +76,8 @@ class SaveStats:
     fsync_s: float = 0.0  # part of write_s: seconds in fsync, summed over writer threads
     migrate_s: float = 0.0  # tiers: migration of this step to persistent storage
     start_s: float = 0.0  # when save was called, seconds since the manager was created
+    serialize_s: float = 0.0  # part of write_s: checksums of the data, summed over writer threads
+    written_bytes: int = 0  # bytes of data files written (local file systems)
 
     @property
     def throughput_gbps(self) -> float:
@@ -325,6 +327,7 @@ class CheckpointManager:
             self._metrics[step] = metrics
         stats = SaveStats(step, snap.nbytes, blocked, getattr(snap, "seconds", 0.0), times.write, times.commit,
                           time.perf_counter() - t0, fsync_s=times.fsync, start_s=t0 - self._created,
+                          serialize_s=times.serialize, written_bytes=times.written,
                           migrate_s=times.write + times.commit if self._tiers is not None else 0.0)
         self._record(stats)
         self._apply_retention()

@@ -51,8 +51,13 @@ class IoClock:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self.write_s = self.fsync_s = 0.0
+        self.write_s = self.fsync_s = self.serialize_s = 0.0
         self.nbytes = 0
+
+    def add_serialize(self, seconds: float) -> None:
+        """Time a serializer spent encoding (checksums) before handing bytes to this storage."""
+        with self._lock:
+            self.serialize_s += seconds
 
     def add(self, write_s: float, fsync_s: float, nbytes: int) -> None:
         with self._lock:

@@ -74,6 +74,7 @@ def test_stats_reach_a_metric_writer_and_fsync_is_counted(ckpt_dir):
     step, scalars = writer.rows[0]
     assert step == 1 and scalars["checkpoint/nbytes"] == 8000
     assert scalars["checkpoint/fsync_s"] > 0 and scalars["checkpoint/durable_s"] >= scalars["checkpoint/write_s"]
+    assert scalars["checkpoint/serialize_s"] > 0 and scalars["checkpoint/written_bytes"] == 8000
 
 
 def test_restore_stats_record_bytes_and_time(ckpt_dir):

@@ -10,6 +10,7 @@ fields: {"file", "offset", "nbytes", "block", "crc32c": [per block]}.
 from __future__ import annotations
 
 import math
+import time
 import threading
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any, Sequence
@@ -77,13 +78,16 @@ class RawSerializer:
         chunks: dict[int, list[dict[str, Any]]] = {item.leaf: [] for item in items}
 
         def write_file(i: int) -> None:
-            offset, bufs = 0, []
+            offset, bufs, t0 = 0, [], time.perf_counter()
             for leaf, box, data in bins[i]:
                 mv = memoryview(data.reshape(-1).view(np.uint8)) if data.size else memoryview(b"")
                 chunks[leaf].append({"index": [list(b) for b in box], "file": names[i], "offset": offset,
                                      "nbytes": len(mv), "block": BLOCK, "crc32c": _crcs(mv)})
                 bufs.append(mv)
                 offset += len(mv)
+            clock = getattr(storage, "clock", None)
+            if clock is not None:
+                clock.add_serialize(time.perf_counter() - t0)
             storage.write(names[i], bufs)
 
         if nfiles == 1:
