@@ -35,7 +35,7 @@ _IO_THREADS = 8
 _REMOTE_THREADS = 32  # object stores: reads in flight at once
 _BIG_LEAF = 1 << 20  # restore reads leaves of at least this many bytes on a pool
 _ALIGN = 64  # restored host buffers start on this boundary (see _aligned_empty)
-_BUDGET_SLACK = 64 << 20  # see _Reader._reserve
+_BUDGET_SLACK = 64 << 20  # see Reader._reserve
 ARRAY_KINDS = ("jax", "numpy", "prng_key")  # leaf kinds with a dtype, a shape and chunks
 
 
@@ -432,7 +432,10 @@ def _scalar(rec: dict[str, Any]) -> Any:
 
 
 @dataclass
-class _Reader:
+class Reader:
+    """Reads leaves of one checkpoint folder (``host``: a box into numpy; ``value``: a leaf as restore
+    returns it), verifying checksums, with allocation bounded by the bytes the folder stores."""
+
     storage: Storage
     body: dict[str, Any]
     where: str
@@ -448,7 +451,7 @@ class _Reader:
     def host(self, rec: dict[str, Any], box=None) -> np.ndarray:
         shape = tuple(rec["shape"])
         box = box or tuple((0, d) for d in shape)
-        where = f"{self.where} leaf {_name(rec)!r}"
+        where = f"{self.where} leaf {leaf_name(rec)!r}"
         extents, dt = tuple(e - s for s, e in box), dtype_from_name(rec["dtype"])
         try:
             self._reserve(math.prod(extents) * dt.itemsize, where)
@@ -555,7 +558,7 @@ def _disjoint(boxes: set) -> bool:
                for i, a in enumerate(items) for b in items[i + 1:])
 
 
-def _name(rec: dict[str, Any]) -> str:
+def leaf_name(rec: dict[str, Any]) -> str:
     return tree_mod.keystr(tree_mod.path_from_json(rec["path"]))
 
 
@@ -581,8 +584,8 @@ def restore(path: Any, target: Any = None, *, shardings: Any = None, partial: bo
 def restore_body(storage: Storage, body: dict[str, Any], target: Any = None, *, shardings: Any = None,
                  partial: bool = False) -> Any:
     where = f"{storage.url}/{MANIFEST}"
-    saved = {_name(rec): rec for rec in body["leaves"]}
-    reader = _Reader(storage, body, where)
+    saved = {leaf_name(rec): rec for rec in body["leaves"]}
+    reader = Reader(storage, body, where)
     if target is None:
         shard_map = _flat_shardings(shardings, list(saved))
         keys = list(saved)
@@ -623,10 +626,10 @@ def restored_nbytes(body: dict[str, Any], target: Any, partial: bool) -> int:
     wanted = None
     if target is not None and partial:
         wanted = {tree_mod.keystr(p) for p, _ in tree_mod.flatten(target)[0]}
-    return sum(leaf_info(r).nbytes for r in body["leaves"] if wanted is None or _name(r) in wanted)
+    return sum(leaf_info(r).nbytes for r in body["leaves"] if wanted is None or leaf_name(r) in wanted)
 
 
-def _read_all(reader: _Reader, jobs: list[tuple[dict, Any, Any]]) -> list[Any]:
+def _read_all(reader: Reader, jobs: list[tuple[dict, Any, Any]]) -> list[Any]:
     """Reads every leaf: the large ones on a pool, the small ones meanwhile on this thread (a pool task
     per small leaf costs more in thread hand-offs than the read itself). On object stores, where every
     read is a request round trip, all array leaves go to a wide pool."""
@@ -693,8 +696,8 @@ def leaf_info(rec: dict[str, Any]) -> LeafInfo:
 
 
 def info_from_body(url: str, body: dict[str, Any]) -> CheckpointInfo:
-    leaves = {_name(r): leaf_info(r) for r in body["leaves"]}
-    nested = tree_mod.nest((tree_mod.path_from_json(r["path"]), leaves[_name(r)]) for r in body["leaves"])
+    leaves = {leaf_name(r): leaf_info(r) for r in body["leaves"]}
+    nested = tree_mod.nest((tree_mod.path_from_json(r["path"]), leaves[leaf_name(r)]) for r in body["leaves"])
     return CheckpointInfo(url, nested, leaves, body.get("step"), body.get("metrics"), body.get("metadata"),
                           body["created"], body["process_count"], body["serializer"],
                           sum(i.nbytes for i in leaves.values()))

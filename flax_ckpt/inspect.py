@@ -159,7 +159,7 @@ class _Leaves:
             return
         storage, body = ckpt.open_checkpoint(path)
         self.info = ckpt.info_from_body(storage.url, body)
-        self._reader = ckpt._Reader(storage, body, f"{storage.url}/{MANIFEST}")
+        self._reader = ckpt.Reader(storage, body, f"{storage.url}/{MANIFEST}")
         self._records = {_key(r): r for r in body["leaves"]}
 
     def keys(self) -> list[str]:
@@ -579,10 +579,10 @@ def prune(directory: Any, *, keep: int | None, keep_period: int | None = None, b
 
 def _lock(root: Storage) -> Any:
     """The manager's directory lock (local folders; object stores have none to take)."""
-    from .manager import _DirLock
+    from .manager import DirectoryLock
 
     if not isinstance(root, LocalStorage):
         return None
     if not root.isdir():
         raise CheckpointNotFoundError(f"{root.url} is not a folder of checkpoints")
-    return _DirLock(root.root)
+    return DirectoryLock(root.root)

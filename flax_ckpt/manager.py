@@ -95,7 +95,7 @@ class RestoreStats:
     seconds: float
 
 
-class _DirLock:
+class DirectoryLock:
     """An flock on ``<dir>/.flax_ckpt.lock``: exclusive across processes and managers; released by the
     OS when the holder dies, so a crashed run never leaves it held."""
 
@@ -170,11 +170,11 @@ class CheckpointManager:
         self._created = time.perf_counter()
         self._last_saved: int | None = None
         self.serializer = get_serializer(serializer)
-        self._lock: _DirLock | None = None
+        self._lock: DirectoryLock | None = None
         if isinstance(self.storage, LocalStorage):
             os.makedirs(self.storage.root, exist_ok=True)
             if distributed.process_index() == 0:  # one lock per job: its other processes share it
-                self._lock = _DirLock(self.storage.root)
+                self._lock = DirectoryLock(self.storage.root)
         self._mutex = threading.Lock()
         self._metrics: dict[int, dict[str, Any] | None] = {}
         self._damaged: dict[int, Exception] = {}  # step folders whose manifest fails validation

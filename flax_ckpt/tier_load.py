@@ -76,7 +76,7 @@ def _fill(copy: Copy, e: list, dst: memoryview, itemsize: int, where: str) -> No
 def read_shard(copy: Copy, s: dict[str, Any], dst: memoryview) -> None:
     """Fills ``dst`` (the shard's nbytes) with shard ``s`` of the copy, every chunk verified."""
     rec, size = copy.body["leaves"][s["leaf"]], copy.body["chunk"]
-    where = f"{copy.where}: leaf {ckpt._name(rec)!r} box {list(s['box'])}"
+    where = f"{copy.where}: leaf {ckpt.leaf_name(rec)!r} box {list(s['box'])}"
     itemsize = dtype_from_name(rec["dtype"]).itemsize
     jobs = [(e, dst[k * size:(k + 1) * size]) for k, e in enumerate(s["chunks"])]
     if len(dst) < _PARALLEL_MIN:

@@ -102,7 +102,7 @@ class Copy:
         out: dict[str, tuple[dict[str, Any], list[dict[str, Any]]]] = {}
         for s in self.body["shards"]:
             rec = self.body["leaves"][s["leaf"]]
-            out.setdefault(ckpt._name(rec), (rec, []))[1].append(s)
+            out.setdefault(ckpt.leaf_name(rec), (rec, []))[1].append(s)
         return out
 
     def array(self, s: dict[str, Any]) -> np.ndarray:
@@ -345,7 +345,7 @@ def _check(copy: Copy) -> Copy:
         rec = b["leaves"][s["leaf"]]
         size = math.prod(e - a for a, e in s["box"]) * dtype_from_name(rec["dtype"]).itemsize
         if size != s["nbytes"] or len(s["chunks"]) != math.ceil(size / b["chunk"]):
-            raise CorruptCheckpointError(f"{copy.where}/{INDEX}: shard {s['box']} of {ckpt._name(rec)!r} is inconsistent")
+            raise CorruptCheckpointError(f"{copy.where}/{INDEX}: shard {s['box']} of {ckpt.leaf_name(rec)!r} is inconsistent")
         for k, e in enumerate(s["chunks"]):
             span = min(b["chunk"], size - k * b["chunk"])
             if (e[0] not in ("r", "b", "x") or (e[0] == "r" and e[3] != span) or (e[0] != "b" and e[2] + e[3] > n)

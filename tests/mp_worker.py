@@ -125,7 +125,7 @@ def needed_bytes(body: dict, shard_tree: Any) -> int:
     """Bytes the raw reader must read for this process's boxes: each stored chunk that overlaps a box
     a local device needs, once (boxes that tile one bounding box are read together; tiny chunks lie in
     one crc block, so they are read whole)."""
-    by_name = {ckpt._name(r): r for r in body["leaves"]}
+    by_name = {ckpt.leaf_name(r): r for r in body["leaves"]}
     total = 0
     for path, sharding in ckpt.tree_mod.flatten(shard_tree)[0]:
         if not isinstance(sharding, jax.sharding.Sharding):

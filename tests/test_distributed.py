@@ -139,10 +139,10 @@ def test_two_processes_write_their_own_shards_once(saved):
     assert sum(body["files"].values()) == array_bytes  # replicated shards were written exactly once
     # bias is P("model"): both halves live on process 0's devices (mesh row data=0, replica 0) and
     # again on process 1's (data=1, replica 1); only process 0 writes them
-    bias = next(r for r in arrays if ckpt._name(r) == "params/dense/bias")
+    bias = next(r for r in arrays if ckpt.leaf_name(r) == "params/dense/bias")
     assert sorted(tuple(map(tuple, c["index"])) for c in bias["chunks"]) == [((0, 4),), ((4, 8),)]
     assert sorted(c["file"].split(".")[0] for c in bias["chunks"]) == ["data/p0", "data/p0"]
-    kernel = next(r for r in arrays if ckpt._name(r) == "params/dense/kernel")  # P("data", "model")
+    kernel = next(r for r in arrays if ckpt.leaf_name(r) == "params/dense/kernel")  # P("data", "model")
     assert sorted(c["file"].split(".")[0] for c in kernel["chunks"]) == ["data/p0"] * 2 + ["data/p1"] * 2
     assert not [e for e in os.listdir(d) if ".tmp-" in e]
 
