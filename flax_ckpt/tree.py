@@ -142,5 +142,4 @@ def path_from_json(obj: Any) -> KeyPath:
     return tuple((kind, key) for kind, key in obj)
 
 
-__all__ = ["KeyPath", "flatten", "keystr", "classify", "classify_all", "nest", "empty_kind", "is_prng_key",
-           "format_list"]
+__all__ = ["KeyPath", "flatten", "keystr", "classify", "classify_all", "nest", "empty_kind", "is_prng_key"]

@@ -95,8 +95,4 @@ def get_serializer(spec: "str | Serializer | None") -> Serializer:
     return spec
 
 
-def by_name(name: str) -> Serializer:
-    return get_serializer(name)
-
-
 __all__ = ["ArrayItem", "Box", "Serializer", "Shard", "Written", "get_serializer"]

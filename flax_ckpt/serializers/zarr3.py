@@ -50,7 +50,7 @@ class Zarr3Serializer:
             raise StorageError(f"write of zarr3 arrays under {storage.url} failed: {explain(e)}") from e
 
     def _write(self, storage: Storage, items: Sequence[ArrayItem]) -> Written:
-        futures, chunks, opened = [], {}, []
+        futures, chunks, opened = [], {}, []  # opened: the arrays stay alive until their writes finish
         for item in items:
             name = f"z/{item.leaf}"
             chunk = [max(1, e - s) for s, e in item.shards[0].box] if item.shards else [1] * len(item.shape)
