@@ -27,8 +27,8 @@ from . import tree as tree_mod
 from .errors import (CheckpointError, CheckpointNotCommittedError, CheckpointNotFoundError,
                      CorruptCheckpointError, InvalidManifestError, LeafMismatchError, StructureMismatchError,
                      format_list)
-from .format import MANIFEST, MAX_MANIFEST_BYTES, decode, dtype_from_name, dtype_name, encode
-from .serializers import ArrayItem, Box, Serializer, Shard, Written, get_serializer
+from .format import MANIFEST, MAX_MANIFEST_BYTES, boxes_disjoint, decode, dtype_from_name, dtype_name, encode
+from .serializers import ArrayItem, Box, Serializer, Shard, Written, box_of, get_serializer
 from .storage import LocalStorage, Storage, split_location
 
 _IO_THREADS = 8
@@ -82,24 +82,21 @@ def describe_sharding(s: Any) -> dict[str, Any] | None:
     return {"type": type(s).__name__, "num_devices": len(s.device_set)}
 
 
-def _box(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
-    return tuple(tuple(sl.indices(d)[:2]) for sl, d in zip(index, shape))
-
-
-def _host(x: Any, copy: bool) -> np.ndarray:
+def host_array(x: Any, copy: bool) -> np.ndarray:
+    """``x`` as a C-ordered numpy array: a fresh copy, or (copy=False) a view where one exists."""
     a = np.asarray(x)
     return np.array(a, order="C", copy=True) if copy else np.asarray(a, order="C")
 
 
 def _host_into(spare: dict, key: tuple[Any, Box], x: Any, copy: bool) -> np.ndarray:
-    """``_host(x, copy)``, copying into the spare buffer of the same key, shape and dtype if there is one
+    """``host_array(x, copy)``, copying into the spare buffer of the same key, shape and dtype if there is one
     (already-faulted memory: several times cheaper to fill than a fresh allocation)."""
     buf = spare.get(key)
     if buf is None:
-        return _host(x, copy)
+        return host_array(x, copy)
     a = np.asarray(x)
     if buf.shape != a.shape or buf.dtype != a.dtype:
-        return _host(a, copy)
+        return host_array(a, copy)
     np.copyto(buf, a)
     return buf
 
@@ -110,18 +107,17 @@ def _array_plan(path, x: Any, kind: str, copy: bool, spare: dict | None = None) 
     if kind == "prng_key":
         rec["key_impl"] = str(jax.random.key_impl(x))
         x = jax.random.key_data(x)
-        rec["key_shape"] = list(x.shape[x.ndim - len(jax.random.key_data(jax.random.key(0,
-                                impl=rec["key_impl"])).shape):])
+        rec["key_shape"] = list(x.shape[x.ndim - len(_known_key_shape(rec["key_impl"])):])
     shape = tuple(int(d) for d in x.shape)
     rec.update(dtype=dtype_name(x.dtype), shape=list(shape))
     if isinstance(x, jax.Array):
         rec["sharding"] = describe_sharding(x.sharding)
         on_cpu = all(d.platform == "cpu" for d in x.sharding.device_set)
-        boxes = [(s, _box(s.index, shape)) for s in x.addressable_shards if s.replica_id == 0]
+        boxes = [(s, box_of(s.index, shape)) for s in x.addressable_shards if s.replica_id == 0]
         # A CPU array's host view is already a snapshot: jax arrays are immutable, the view keeps the
         # buffer alive through x.delete(), and XLA never donates a buffer that has host views (it
         # allocates the output instead). So CPU arrays are not copied; other devices' are.
-        shards = tuple(Shard(b, _host(s.data, False) if on_cpu else _host_into(spare, (path, b), s.data, True))
+        shards = tuple(Shard(b, host_array(s.data, False) if on_cpu else _host_into(spare, (path, b), s.data, True))
                        for s, b in boxes)
     else:
         rec["sharding"] = None
@@ -481,10 +477,10 @@ class Reader:
         """Reads only the boxes this process's devices hold; when they tile one bounding box (the usual
         case), that box is read once and sliced, so no stored byte is read twice."""
         shape = tuple(rec["shape"])
-        boxes = {dev: _box(index, shape) for dev, index in sharding.addressable_devices_indices_map(shape).items()}
+        boxes = {dev: box_of(index, shape) for dev, index in sharding.addressable_devices_indices_map(shape).items()}
         unique = set(boxes.values())
         bbox = tuple((min(b[d][0] for b in unique), max(b[d][1] for b in unique)) for d in range(len(shape)))
-        if len(unique) > 1 and sum(_volume(b) for b in unique) == _volume(bbox) and _disjoint(unique):
+        if len(unique) > 1 and sum(_volume(b) for b in unique) == _volume(bbox) and boxes_disjoint(unique):
             whole = self.host(rec, bbox)
             cache = {b: whole[tuple(slice(s - o, e - o) for (s, e), (o, _) in zip(b, bbox))] for b in unique}
         else:
@@ -550,12 +546,6 @@ def _stored_bytes(storage: Storage) -> int | None:
 
 def _volume(box: tuple[tuple[int, int], ...]) -> int:
     return math.prod(e - s for s, e in box)
-
-
-def _disjoint(boxes: set) -> bool:
-    items = list(boxes)
-    return all(any(a[d][1] <= b[d][0] or b[d][1] <= a[d][0] for d in range(len(a)))
-               for i, a in enumerate(items) for b in items[i + 1:])
 
 
 def leaf_name(rec: dict[str, Any]) -> str:

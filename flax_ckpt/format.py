@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import math
 import posixpath
-from typing import Any
+from typing import Any, Iterable, Sequence
 
 import crc32c
 import ml_dtypes
@@ -204,11 +204,12 @@ def validate_array(leaf: dict, f: str, c: _Check) -> None:
                     or not 0 <= b[0] <= b[1] <= shape[k]):
                 c.fail(f"{f}.chunks[{j}].index", f"{b!r} is not inside dimension {k} of {shape}")
         volume += math.prod(b - a for a, b in index)
-    if volume != math.prod(shape) or not _disjoint([ch["index"] for ch in chunks]):
+    if volume != math.prod(shape) or not boxes_disjoint([ch["index"] for ch in chunks]):
         c.fail(f + ".chunks", f"chunks do not tile the array of shape {shape} exactly")
 
 
-def _disjoint(boxes: list[list[list[int]]]) -> bool:
+def boxes_disjoint(boxes: Iterable[Sequence[Sequence[int]]]) -> bool:
+    """Whether no two non-empty boxes overlap."""
     nonempty = [b for b in boxes if all(s < e for s, e in b)]
     if len(nonempty) < 2:
         return True

@@ -54,13 +54,13 @@ import numpy as np
 import tensorstore as ts
 
 from . import tree as tree_mod
-from .checkpoint import CheckpointInfo, LeafInfo, _flat_shardings, _jsonable, split_path
+from .checkpoint import CheckpointInfo, LeafInfo, _flat_shardings, _jsonable, host_array, split_path
 from .commit import is_temporary, rename_into_place
 from .errors import (CheckpointError, CheckpointExistsError, CheckpointNotCommittedError,
                      CheckpointNotFoundError, CorruptCheckpointError, InvalidManifestError,
                      LeafMismatchError, StructureMismatchError, UnsupportedLeafError, format_list)
 from .format import MANIFEST, check_relpath
-from .serializers import Shard
+from .serializers import Shard, box_of
 from .errors import UnsupportedOrbaxCheckpointError
 from .storage import KvStorage, LocalStorage, Storage
 
@@ -508,10 +508,6 @@ def _describe_target(t: Any) -> str:
                                                                           type(t).__name__)
 
 
-def _box(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
-    return tuple(tuple(sl.indices(d)[:2]) for sl, d in zip(index, shape))
-
-
 def _slices(box: tuple[tuple[int, int], ...]) -> tuple[slice, ...]:
     return tuple(slice(a, b) for a, b in box)
 
@@ -543,7 +539,7 @@ class _Job:
             self.reads[None] = s.store.read()
             return
         for index in self.sharding.addressable_devices_indices_map(s.shape).values():
-            box = _box(index, s.shape)
+            box = box_of(index, s.shape)
             if box not in self.reads:
                 self.reads[box] = s.store[_slices(box)].read()
 
@@ -576,7 +572,7 @@ class _Job:
 
     def _assemble(self) -> jax.Array:
         shape = self.saved.shape
-        arrays = [jax.device_put(self.data(_box(index, shape)), dev)
+        arrays = [jax.device_put(self.data(box_of(index, shape)), dev)
                   for dev, index in self.sharding.addressable_devices_indices_map(shape).items()]
         return jax.make_array_from_single_device_arrays(shape, self.sharding, arrays)
 
@@ -770,14 +766,9 @@ def _orbax_sharding(s: jax.sharding.Sharding) -> dict[str, Any] | None:
     return None  # other shardings: Orbax writes none either; restore needs a target for them
 
 
-def _host(x: Any, copy: bool) -> np.ndarray:
-    a = np.asarray(x)
-    return np.array(a, order="C", copy=True) if copy else np.asarray(a, order="C")
-
-
 def _array_leaf(path: tree_mod.KeyPath, x: Any, kind: str, copy: bool) -> HostLeaf:
     if kind == "numpy" or kind == "scalar":
-        a = _host(x, copy)
+        a = host_array(x, copy)
         if a.dtype.hasobject:
             raise UnsupportedLeafError(f"{tree_mod.keystr(path)}: {x!r} does not fit int64/uint64; Orbax "
                                        "stores Python scalars as fixed-width arrays")
@@ -786,7 +777,7 @@ def _array_leaf(path: tree_mod.KeyPath, x: Any, kind: str, copy: bool) -> HostLe
     impl = str(jax.random.key_impl(x)) if kind == "prng_key" else None
     data = jax.random.key_data(x) if impl else x
     shape = tuple(int(d) for d in data.shape)
-    shards = tuple(Shard(_box(s.index, shape), _host(s.data, copy)) for s in data.addressable_shards
+    shards = tuple(Shard(box_of(s.index, shape), host_array(s.data, copy)) for s in data.addressable_shards
                    if s.replica_id == 0)
     return HostLeaf(path, "jax.Array", shape, np.dtype(data.dtype), shards,
                     tuple(int(d) for d in data.sharding.shard_shape(data.shape)),

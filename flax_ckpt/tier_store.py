@@ -39,7 +39,7 @@ from . import commit as commit_mod
 from . import tree as tree_mod
 from .errors import CorruptCheckpointError
 from .format import dtype_from_name
-from .serializers import Box, Shard
+from .serializers import Box, Shard, box_of
 from .storage import LocalStorage, fsync_dir
 
 CHUNK = 1 << 20
@@ -156,12 +156,8 @@ class TierSnapshot:
                                                      f"mismatch in leaf {sh.leaf} box {list(sh.box)}")
 
 
-def _box(index: tuple[slice, ...], shape: tuple[int, ...]) -> Box:
-    return tuple(tuple(sl.indices(d)[:2]) for sl, d in zip(index, shape))
-
-
 def _boxes(x: jax.Array) -> set[Box]:
-    return {_box(s.index, tuple(x.shape)) for s in x.addressable_shards}
+    return {box_of(s.index, tuple(x.shape)) for s in x.addressable_shards}
 
 
 Seen = dict[str, tuple[Any, int]]  # leaf name -> (weak reference to the jax.Array saved, first step seen)
@@ -214,7 +210,7 @@ def _replicas(i: int, x: Any, plan: ckpt.LeafPlan) -> list[HostShard]:
     x = jax.random.key_data(x) if plan.record["kind"] == "prng_key" else x
     have, out = {s.box for s in plan.shards}, []
     for s in x.addressable_shards:
-        box = _box(s.index, tuple(x.shape))
+        box = box_of(s.index, tuple(x.shape))
         if box not in have:
             have.add(box)
             out.append(HostShard(i, box, np.array(s.data, order="C", copy=True), False))

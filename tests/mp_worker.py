@@ -30,6 +30,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSh
 import flax_ckpt as fc  # noqa: E402
 from flax_ckpt import checkpoint as ckpt  # noqa: E402
 from flax_ckpt import distributed  # noqa: E402
+from flax_ckpt.serializers import box_of  # noqa: E402
 from flax_ckpt.serializers.raw import RawSerializer  # noqa: E402
 from flax_ckpt.storage import LocalStorage  # noqa: E402
 
@@ -132,7 +133,7 @@ def needed_bytes(body: dict, shard_tree: Any) -> int:
             continue
         rec = by_name[ckpt.tree_mod.keystr(path)]
         shape = tuple(rec["shape"])
-        boxes = {ckpt._box(i, shape) for i in sharding.addressable_devices_indices_map(shape).values()}
+        boxes = {box_of(i, shape) for i in sharding.addressable_devices_indices_map(shape).values()}
         for ch in rec["chunks"]:
             if any(all(max(a0, b0) < min(a1, b1) for (a0, a1), (b0, b1) in zip(ch["index"], box))
                    for box in boxes):

@@ -61,6 +61,11 @@ class Serializer(Protocol):
         """Checks this serializer's fields in a manifest leaf (InvalidManifestError otherwise)."""
 
 
+def box_of(index: tuple[slice, ...], shape: tuple[int, ...]) -> Box:
+    """A jax shard index (slices, possibly open-ended) as a box in an array of ``shape``."""
+    return tuple(tuple(sl.indices(d)[:2]) for sl, d in zip(index, shape))
+
+
 def intersect(a: Box, b: Box) -> Box | None:
     out = tuple((max(x0, y0), min(x1, y1)) for (x0, x1), (y0, y1) in zip(a, b))
     return out if all(s < e for s, e in out) or not out else None
@@ -95,4 +100,4 @@ def get_serializer(spec: "str | Serializer | None") -> Serializer:
     return spec
 
 
-__all__ = ["ArrayItem", "Box", "Serializer", "Shard", "Written", "get_serializer"]
+__all__ = ["ArrayItem", "Box", "Serializer", "Shard", "Written", "box_of", "get_serializer"]
