@@ -380,7 +380,8 @@ def _describe(rec: dict[str, Any]) -> str:
     return {"none": "None", "dict": "{}", "list": "[]", "tuple": "()"}[rec["empty"]]
 
 
-def _describe_target(t: Any) -> str:
+def describe_target(t: Any) -> str:
+    """A restore target leaf as error messages show it: float32[4,6], key<threefry2x32>[2], Python int."""
     if tree_mod.is_prng_key(t):
         return f"key<{jax.random.key_impl(t) if isinstance(t, jax.Array) else t.dtype}>{list(t.shape)}".replace(" ", "")
     if hasattr(t, "shape") and hasattr(t, "dtype"):
@@ -592,7 +593,7 @@ def restore_body(storage: Storage, body: dict[str, Any], target: Any = None, *, 
             + (f"In the checkpoint but not the target: {format_list(unexpected)} "
                "(pass partial=True to restore only the target's sub-tree). " if unexpected else "")
             + f"Checkpoint: {where}")
-    bad = [f"{k!r}: expected {_describe_target(t)} (target), found {_describe(saved[k])}"
+    bad = [f"{k!r}: expected {describe_target(t)} (target), found {_describe(saved[k])}"
            for k, (_, t) in zip(keys, flat) if not _compatible(t, saved[k])]
     if bad:
         raise LeafMismatchError(f"restore of {len(bad)} leaves does not match the target: " + "; ".join(bad)

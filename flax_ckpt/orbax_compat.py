@@ -54,7 +54,8 @@ import numpy as np
 import tensorstore as ts
 
 from . import tree as tree_mod
-from .checkpoint import CheckpointInfo, LeafInfo, _flat_shardings, _jsonable, host_array, split_path
+from .checkpoint import (CheckpointInfo, LeafInfo, _flat_shardings, _jsonable, describe_target, host_array,
+                         split_path)
 from .commit import is_temporary, rename_into_place
 from .errors import (CheckpointError, CheckpointExistsError, CheckpointNotCommittedError,
                      CheckpointNotFoundError, CorruptCheckpointError, InvalidManifestError,
@@ -497,17 +498,6 @@ def _scalar_kinds(t: Any) -> str | None:
     return None
 
 
-def _describe_target(t: Any) -> str:
-    if tree_mod.is_prng_key(t):
-        return f"key<{_target_impl(t) or t.dtype}>{list(t.shape)}".replace(" ", "")
-    if hasattr(t, "shape") and hasattr(t, "dtype"):
-        return f"{np.dtype(t.dtype).name}{list(t.shape)}".replace(" ", "")
-    if isinstance(t, (bool, int, float, complex, str)):
-        return f"Python {type(t).__name__}"
-    return {"none": "None", "dict": "{}", "list": "[]", "tuple": "()"}.get(tree_mod.empty_kind(t) or "",
-                                                                          type(t).__name__)
-
-
 def _slices(box: tuple[tuple[int, int], ...]) -> tuple[slice, ...]:
     return tuple(slice(a, b) for a, b in box)
 
@@ -611,7 +601,7 @@ def restore(path: Any, target: Any = None, *, shardings: Any = None, partial: bo
     chosen = _match(located, leaves, flat, partial)
     saved = _saved(chosen)
     where = chosen[0].item.where if chosen else located.storage.url
-    bad = [f"{tree_mod.keystr(p)!r}: expected {_describe_target(t)} (target), found {s.describe()}"
+    bad = [f"{tree_mod.keystr(p)!r}: expected {describe_target(t)} (target), found {s.describe()}"
            for (p, t), s in zip(flat, saved) if not _compatible(t, s)]
     if bad:
         raise LeafMismatchError(f"restore of {len(bad)} leaves does not match the target: " + "; ".join(bad)
