@@ -17,8 +17,11 @@ Each contender saves its own, freshly created arrays of equal values (a jax CPU 
 copy on first use, which would make the second contender's snapshot free); the frozen backbone is one
 array shared by both and by every step.
 Per save: ``blocked`` (time ``save`` held the caller) and ``to tier`` (from the ``save`` call to the
-commit: durable on disk, resp. committed in local memory); the memory tier's bytes written. The first
-memory save is a full base and is reported apart.
+commit: durable on disk, resp. committed in local memory); the memory tier's bytes written. Each
+state's arrays are ready before ``save`` is called (block_until_ready). Three warm-up saves per
+contender come first: the first saves of a run write into freshly allocated memory (page cache for
+the disk, tmpfs pages for the memory tier, which from the third save on writes into the pages of the
+copies retention removed); the first memory save, a full base, is reported apart.
 
 Restore (the fine-tuning state's newest step, into jax CPU arrays): from local memory; from disk cold
 (the step's files evicted from the page cache with posix_fadvise(DONTNEED) after fsync) and warm. The
@@ -54,6 +57,7 @@ SHM = Path(os.environ.get("FLAX_CKPT_BENCH_SHM", "/dev/shm/flax_ckpt_bench"))
 
 
 KINDS = ("fine-tuning", "fine-tuning, frozen re-created", "full change")
+WARMUP = 3  # saves per contender before the timed ones: until the memory tier reuses retired files
 
 
 def base_state(size: int, trained_frac: float, seed: int) -> dict:
@@ -65,19 +69,43 @@ def base_state(size: int, trained_frac: float, seed: int) -> dict:
 
 
 def step_state(kind: str, base: dict, step: int) -> dict:
+    """The state saved at ``step``, its arrays ready (jax.device_put returns before the copy is done;
+    a save waiting for it would be timing the benchmark's own transfer)."""
     rng = np.random.default_rng(1000 + step)
     new = {k: jax.device_put(rng.standard_normal(v.shape, dtype=np.float32)) for k, v in base.items()}
     if kind == "fine-tuning":
-        return {"backbone": base["backbone"], "head": new["head"], "step": step}
-    if kind == "fine-tuning, frozen re-created":
-        return {"backbone": jax.device_put(np.array(base["backbone"])), "head": new["head"], "step": step}
-    return {"backbone": new["backbone"], "head": new["head"], "step": step}
+        state = {"backbone": base["backbone"], "head": new["head"], "step": step}
+    elif kind == "fine-tuning, frozen re-created":
+        state = {"backbone": jax.device_put(np.array(base["backbone"])), "head": new["head"], "step": step}
+    else:
+        state = {"backbone": new["backbone"], "head": new["head"], "step": step}
+    return jax.block_until_ready(state)
 
 
 def abstract(state: dict) -> dict:
     cpu = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     return {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=cpu) if hasattr(v, "shape") else v
             for k, v in state.items()}
+
+
+class Floor:
+    """The memcpy floor of a full-change memory checkpoint: every array's bytes copied into buffers
+    allocated and touched beforehand, split over the same thread pool the memory tier uses, with no
+    checksum, file or commit (what any copy of the state into host memory costs at least)."""
+
+    def __init__(self, state: dict):
+        self.bufs = {k: np.ones(v.shape, v.dtype) for k, v in state.items() if hasattr(v, "shape")}
+
+    def run(self, state: dict) -> float:
+        from flax_ckpt import tier_files
+        jobs = []
+        for k, dst in self.bufs.items():
+            src, d = np.asarray(state[k]).reshape(-1), dst.reshape(-1)
+            step = max(1, len(d) // 8)
+            jobs += [(d[a:a + step], src[a:a + step]) for a in range(0, len(d), step)]
+        pool = tier_files.pool()
+        t, _ = C.timed(lambda: [f.result() for f in [pool.submit(np.copyto, a, b) for a, b in jobs]])
+        return t
 
 
 def bench_saves(kind: str, base: dict, rounds: int, res: C.Results, extra: dict[str, Any]) -> dict:
@@ -87,13 +115,20 @@ def bench_saves(kind: str, base: dict, rounds: int, res: C.Results, extra: dict[
     plain = fc.CheckpointManager(disk, max_to_keep=2)
     tiered = fc.CheckpointManager(C.SCRATCH / f"{slug}-tiered", max_to_keep=2, tiers=fc.Tiers(
         local_dir=str(shm), persist_interval_steps=None, max_to_keep=2, cleanup=True))
-    for mgr in (plain, tiered):  # step 0: warm-up, and the memory tier's base
-        mgr.save(0, step_state(kind, base, 0))
-        mgr.wait_until_finished()
+    for step in range(WARMUP):  # warm-up: the first saves allocate fresh memory (page cache, tmpfs)
+        for mgr in (plain, tiered):
+            mgr.save(step, step_state(kind, base, step))
+            mgr.wait_until_finished()
     first = tiered._tiers.stats[0]
-    extra[kind] = {"base_save_s": first.memory_s, "base_written": first.written, "written": [], "reused": []}
-    for r in range(1, rounds + 1):
-        for name in C.rotated(["persistent", "memory"], r):
+    extra[kind] = {"base_save_s": first.memory_s, "base_written": first.written, "written": [], "reused": [],
+                   "warmup_memory_s": [t.memory_s for t in tiered._tiers.stats],
+                   "warmup_persistent_s": [t.durable_s for t in plain.stats]}
+    floor = Floor(step_state(kind, base, 0)) if kind == "full change" else None
+    for r in range(WARMUP, WARMUP + rounds):
+        for name in C.rotated(["persistent", "memory"] + (["memcpy"] if floor else []), r):
+            if name == "memcpy":
+                res.add(f"{kind}/memcpy", "to tier", floor.run(step_state(kind, base, r)))
+                continue
             mgr = plain if name == "persistent" else tiered
             state = step_state(kind, base, r)  # fresh arrays per contender: a jax CPU array caches its
             mgr.save(r, state)                 # host copy, which would make the second save free
@@ -108,7 +143,7 @@ def bench_saves(kind: str, base: dict, rounds: int, res: C.Results, extra: dict[
                 res.add(f"{kind}/memory", "to tier", t.memory_s)
                 extra[kind]["written"].append(t.written)
                 extra[kind]["reused"].append(t.reused)
-    return {"plain": plain, "tiered": tiered, "disk": disk, "last": rounds}
+    return {"plain": plain, "tiered": tiered, "disk": disk, "last": WARMUP + rounds - 1}
 
 
 def bench_restores(run: dict, rounds: int, res: C.Results) -> None:
@@ -203,7 +238,7 @@ states_cache: dict[str, Any] = {}
 def report(args: argparse.Namespace, res: C.Results, extra: dict[str, Any], info: dict[str, Any]) -> str:
     size = args.size_mb
     lines = [f"State: {size} MiB (fine-tuning: trained head {args.trained_frac:.1%} of it, the rest frozen), "
-             f"{args.rounds} interleaved rounds after a warm-up save; medians. Machine: {info['cpus']} CPUs, "
+             f"{args.rounds} interleaved rounds after {WARMUP} warm-up saves; medians. Machine: {info['cpus']} CPUs, "
              f"load {info['loadavg_start'][0]:.1f}; disk: {info['filesystem']}; memory tier: {SHM} (tmpfs).", "",
              "| state | contender | blocked (s) | to tier (s) | bytes written per save |", "|---|---|---:|---:|---:|"]
     for kind in KINDS:
@@ -214,6 +249,9 @@ def report(args: argparse.Namespace, res: C.Results, extra: dict[str, Any], info
                          f"{C.fmt(res.median(f'{kind}/{name}', 'to tier'))} | {nb} |")
         lines.append(f"| {kind} | memory, first save (full base) | - | {C.fmt(extra[kind]['base_save_s'])} | "
                      f"{extra[kind]['base_written'] / C.MB:.1f} MiB |")
+        if res.median(f"{kind}/memcpy", "to tier") is not None:
+            lines.append(f"| {kind} | memcpy floor (no checksum, no file) | - | "
+                         f"{C.fmt(res.median(f'{kind}/memcpy', 'to tier'))} | - |")
     lines += ["", "| restore from | seconds |", "|---|---:|"]
     for name in ("local memory", "disk cold", "disk warm"):
         lines.append(f"| {name} | {C.fmt(res.median(name, 'restore'))} |")
@@ -231,6 +269,10 @@ def report(args: argparse.Namespace, res: C.Results, extra: dict[str, Any], info
               "- checkpoint into memory vs persistent save: " + ", ".join(
                   f"{k} {C.fmt(v)}x ({'met' if v and v >= 5 else 'MISSED'})" for k, v in ratios.items())
               + " (target >= 5x)",
+              "- full change, memory tier / memcpy floor: "
+              f"{C.fmt(res.paired_ratio('full change/memcpy', 'full change/memory', 'to tier'))}x (a full copy "
+              "cannot be faster than the floor; persistent / floor: "
+              f"{C.fmt(res.paired_ratio('full change/memcpy', 'full change/persistent', 'to tier'))}x)",
               f"- restore from local memory vs disk: cold {C.fmt(cold)}x (target >= 3x: "
               f"{'met' if cold and cold >= 3 else 'MISSED'}), warm page cache {C.fmt(warm)}x"]
     return "\n".join(lines) + "\n"

@@ -445,11 +445,18 @@ class Reader:
         stored = _stored_bytes(self.storage)
         self.budget = None if stored is None else 2 * stored + _BUDGET_SLACK
 
-    def host(self, rec: dict[str, Any], box=None) -> np.ndarray:
+    def host(self, rec: dict[str, Any], box=None, *, device: bool = False) -> np.ndarray:
+        """A box of a leaf in host memory. ``device``: it only goes on to jax.device_put, so a
+        serializer's read-only view of bytes it holds in memory will do (``view``, optional in the
+        protocol: the memory tiers' copies), where one exists."""
         shape = tuple(rec["shape"])
         box = box or tuple((0, d) for d in shape)
         where = f"{self.where} leaf {leaf_name(rec)!r}"
         extents, dt = tuple(e - s for s, e in box), dtype_from_name(rec["dtype"])
+        if device and hasattr(self.serializer, "view"):
+            v = self.serializer.view(self.storage, rec, box, where)
+            if v is not None:
+                return v
         try:
             self._reserve(math.prod(extents) * dt.itemsize, where)
             out = _aligned_empty(extents, dt)
@@ -482,10 +489,10 @@ class Reader:
         unique = set(boxes.values())
         bbox = tuple((min(b[d][0] for b in unique), max(b[d][1] for b in unique)) for d in range(len(shape)))
         if len(unique) > 1 and sum(_volume(b) for b in unique) == _volume(bbox) and boxes_disjoint(unique):
-            whole = self.host(rec, bbox)
+            whole = self.host(rec, bbox, device=True)
             cache = {b: whole[tuple(slice(s - o, e - o) for (s, e), (o, _) in zip(b, bbox))] for b in unique}
         else:
-            cache = {b: self.host(rec, b) for b in unique}
+            cache = {b: self.host(rec, b, device=True) for b in unique}
         arrays = [jax.device_put(cache[box], dev) for dev, box in boxes.items()]
         return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
 
@@ -499,17 +506,17 @@ class Reader:
         if kind == "scalar":
             return _scalar(rec)
         if kind == "prng_key":
-            data = self.host(rec)
+            data = self.host(rec, device=True)
             key = jax.random.wrap_key_data(data, impl=rec["key_impl"])
             sharding = sharding or getattr(target, "sharding", None)
             return jax.device_put(key, sharding) if sharding is not None else key
         if isinstance(target, (bool, int, float, complex)) and sharding is None:  # a 0-d array as saved
-            return jax.device_put(self.host(rec)) if kind == "jax" else self.host(rec)
+            return jax.device_put(self.host(rec, device=True)) if kind == "jax" else self.host(rec)
         if sharding is None and target is not None:
             sharding = getattr(target, "sharding", None)
         if sharding is None:
             if target is not None and isinstance(target, (jax.Array, jax.ShapeDtypeStruct)):
-                return jax.device_put(self.host(rec))
+                return jax.device_put(self.host(rec, device=True))
             arr = self.host(rec)
             return arr[()] if isinstance(target, np.generic) else arr
         return self.sharded(rec, sharding)

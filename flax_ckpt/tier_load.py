@@ -1,19 +1,22 @@
-"""Reading memory-tier copies back: chunks decoded and verified into the caller's buffers.
+"""Reading memory-tier copies back: verified views of the copy's pages, or chunks decoded into buffers.
 
 Scope: restoring a tree from one copy (through the engine's restore_body, which checks the target leaf
-by leaf) and turning a copy into a persistent-storage snapshot (migration at close). Every chunk is
-read straight into its place in the output buffer (one kernel copy from tmpfs, or from the bytes a
-peer sent), delta chunks are decompressed and XORed with the base there, and its crc32c is checked
-while it is still in cache. The chunks of a large shard are read on a small shared pool. The format
-is tier_store.py's; which copy to read is tiers.py's decision.
+by leaf) and turning a copy into a persistent-storage snapshot (migration at close). A shard whose
+bytes lie back to back in one data file (every shard of a base; in a differential copy, one that
+changed entirely or not at all) goes to jax.device_put as a read-only view of the mapped file, each
+chunk's crc32c checked first: on a CPU device that view becomes the restored array without a copy
+(tier_files.py guarantees those pages are never written again). Any other shard is read chunk by
+chunk into its place in a fresh buffer (one kernel copy from tmpfs, or from the bytes a peer sent),
+delta chunks decompressed and XORed with the base there, each crc32c checked while still in cache.
+Large shards are checked and read on tier_files.pool(). The format is tier_store.py's; which copy to
+read is tiers.py's decision.
 """
 
 from __future__ import annotations
 
 import math
-import threading
 import zlib
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import wait
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,20 +28,10 @@ from . import tree as tree_mod
 from .errors import CheckpointError, CorruptCheckpointError
 from .format import dtype_from_name
 from .serializers import Box, Shard, for_each_overlap, local
+from . import tier_files
 from .tier_store import Copy
 
 _PARALLEL_MIN = 16 << 20
-_pool: ThreadPoolExecutor | None = None
-_pool_lock = threading.Lock()
-
-
-def _read_pool() -> ThreadPoolExecutor:
-    """Shared by all restores in this process; its tasks never wait on each other."""
-    global _pool
-    with _pool_lock:
-        if _pool is None:
-            _pool = ThreadPoolExecutor(4, thread_name_prefix="flax_ckpt-tier-read")
-        return _pool
 
 
 def _u8(buf: Any) -> np.ndarray:
@@ -83,10 +76,45 @@ def read_shard(copy: Copy, s: dict[str, Any], dst: memoryview) -> None:
         for e, d in jobs:
             _fill(copy, e, d, itemsize, where)
         return
-    futures = [_read_pool().submit(_fill, copy, e, d, itemsize, where) for e, d in jobs]
+    futures = [tier_files.pool().submit(_fill, copy, e, d, itemsize, where) for e, d in jobs]
     wait(futures)  # every chunk has stopped writing into dst before anything is raised
     for f in futures:
         f.result()
+
+
+def _verify(mv: memoryview, entries: list[list], size: int, where: str) -> None:
+    bad = [e for k, e in enumerate(entries) if crc32c.crc32c(mv[k * size:(k + 1) * size]) != e[1]]
+    if bad:
+        raise CorruptCheckpointError(f"{where}: checksum mismatch in a chunk stored as {bad[0][0]!r} (crc32c "
+                                     f"expected {bad[0][1]}); the memory copy is damaged")
+
+
+def view_shard(copy: Copy, s: dict[str, Any]) -> np.ndarray | None:
+    """Shard ``s`` as a read-only array over the copy's own pages, every chunk verified, when its
+    bytes lie back to back in one data file (a base's shards; in a differential copy, a shard that
+    changed entirely or not at all); else None. Given to jax.device_put, such an array becomes a
+    CPU device's buffer without a copy (and it is the one host copy for other devices)."""
+    rec, size, entries = copy.body["leaves"][s["leaf"]], copy.body["chunk"], s["chunks"]
+    kinds = {e[0] for e in entries}
+    if not entries or len(kinds) != 1 or kinds == {"x"}:
+        return None
+    start = entries[0][2]
+    if any(e[2] != start + k * size for k, e in enumerate(entries)):
+        return None
+    data = copy.data if kinds == {"r"} else copy.base.data
+    mv = data.view(start, start + s["nbytes"])
+    where = f"{copy.where}: leaf {ckpt.leaf_name(rec)!r} box {list(s['box'])}"
+    step = max(1, _PARALLEL_MIN // size)
+    if len(mv) < _PARALLEL_MIN:
+        _verify(mv, entries, size, where)
+    else:
+        futures = [tier_files.pool().submit(_verify, mv[k * size:], entries[k:k + step], size, where)
+                   for k in range(0, len(entries), step)]
+        for f in futures:
+            f.result()
+    out = np.frombuffer(mv, dtype_from_name(rec["dtype"])).reshape(tuple(e - a for a, e in s["box"]))
+    out.flags.writeable = False  # restored arrays may be these very pages: nothing writes into them
+    return out
 
 
 def _flat_bytes(a: np.ndarray) -> memoryview:
@@ -122,6 +150,14 @@ class _Held:
         if covered != math.prod(e - a for a, e in box):
             raise CheckpointError(f"{where}: this process's memory copy does not hold box {list(box)} (the "
                                   "target's layout differs from the one saved); restore from persistent storage")
+
+    def view(self, storage: Any, leaf: dict[str, Any], box: Box, where: str) -> np.ndarray | None:
+        """The box as a verified read-only view of the copy (see view_shard), when one stored shard is
+        exactly that box; else None (the engine then reads into a buffer of its own)."""
+        hits = list(for_each_overlap(leaf, box))
+        if len(hits) != 1 or not hits[0][1] == hits[0][2] == box:
+            return None
+        return view_shard(self.copy, self.copy.body["shards"][hits[0][0]["shard"]])
 
     def write(self, *a: Any, **k: Any) -> Any:
         raise NotImplementedError("memory-tier copies are written by tier_store.encode")

@@ -2,8 +2,8 @@
 
 Scope: the host snapshot of a tiered save, encoding it into a copy, writing copies atomically into a
 tier folder, and opening and checking them (from files, or from bytes a peer sent). Reading copies
-back is tier_load.py's; which steps are kept,
-committed or restored, and all communication, belong to tiers.py and tier_sync.py.
+back is tier_load.py's; the files themselves (maps, reuse of removed copies' pages) tier_files.py's;
+which steps are kept, committed or restored, and all communication, tiers.py's and tier_sync.py's.
 
 A copy is a folder ``<tier folder>/<step>/`` with ``data.bin`` and ``index.json`` (the index carries
 a crc32c of its body and is written last; the folder is then renamed into place). Per shard the index
@@ -11,19 +11,21 @@ lists {"leaf", "box", "primary", "nbytes", "chunks"}, one entry per CHUNK bytes:
   ["r", crc, off, n]        raw bytes at ``off`` of this copy's data.bin
   ["b", crc, boff]          the same bytes as the base's data.bin at ``boff`` (costs nothing)
   ["x", crc, off, n, boff]  zlib(shuffle(raw XOR base bytes at boff)), n bytes at ``off``
-``crc`` is the crc32c of the chunk's raw bytes, verified when the chunk is read back, so every stored
-byte is checked. A base has only "r" entries, back to back per shard; a differential copy names its
-base, a sibling folder, so chains are one link long. A chunk is unchanged when its crc32c and its
-bytes equal the base's; a jax.Array leaf that is the very object saved at or before the base step
-(arrays are immutable) is not even copied to host or hashed: its shards are views of the base.
+``crc`` is the crc32c of the chunk's raw bytes (of "r" chunks: computed on the stored bytes as they
+are written), verified when the chunk is read back, so every stored byte is checked. A base has only
+"r" entries, back to back per shard; each shard's stored bytes start on a 64-byte boundary (so that a
+restore can hand them to jax as they lie). A differential copy names its base, a sibling folder, so
+chains are one link long. A chunk is unchanged when its bytes equal the base's (its crc32c is then
+the base's); a jax.Array leaf that is the very object saved at or before the base step (arrays are
+immutable) is not even copied to host or compared: its shards are views of the base.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import mmap
 import os
+import shutil
 import uuid
 import weakref
 import zlib
@@ -40,6 +42,8 @@ from . import tree as tree_mod
 from .errors import CorruptCheckpointError
 from .format import dtype_from_name
 from .serializers import Box, Shard, box_of
+from . import tier_files
+from .tier_files import Spares
 from .storage import LocalStorage, fsync_dir
 
 CHUNK = 1 << 20
@@ -65,9 +69,10 @@ class Data:
 
     def view(self, lo: int, hi: int) -> memoryview:
         if self._buf is None:
-            with open(self.path, "rb") as f:
-                self._buf = memoryview(mmap.mmap(f.fileno(), self.size, access=mmap.ACCESS_READ)) \
-                    if self.size else memoryview(b"")
+            m = tier_files.map_read(self.path)
+            self._buf = memoryview(m if m is not None else b"")
+            if len(self._buf) != self.size:
+                raise CorruptCheckpointError(f"{self.path}: {len(self._buf)} bytes, was {self.size} when opened")
         return self._buf[lo:hi]
 
     def read_into(self, off: int, out: memoryview) -> None:
@@ -221,10 +226,19 @@ def _replicas(i: int, x: Any, plan: ckpt.LeafPlan) -> list[HostShard]:
 
 @dataclass
 class Encoded:
-    body: dict[str, Any]
+    """A copy ready to write: ``pieces`` are data.bin's bytes in order; ``pending`` the entries whose
+    crc32c the writer computes (piece index, entry); ``index`` is final once they are filled in."""
+
+    body: dict[str, Any] | None
     index: bytes
-    pieces: list[memoryview]  # data.bin, in order
+    pieces: list[memoryview]
     data_nbytes: int
+    pending: list[tuple[int, list]] = field(default_factory=list)
+
+    @classmethod
+    def received(cls, index: memoryview, data: memoryview) -> "Encoded":
+        """A copy as a peer sent it (index final, one piece)."""
+        return cls(None, bytes(index), [data], len(data))
 
     @property
     def written(self) -> int:
@@ -250,58 +264,102 @@ def shuffle(x: np.ndarray, itemsize: int) -> np.ndarray:
 def _xor_delta(raw: memoryview, old: memoryview, itemsize: int) -> bytes | None:
     """zlib of the byte-shuffled XOR when it is clearly smaller than the chunk (a sample decides first,
     so an incompressible chunk costs a 64 KiB trial, not a full compression)."""
-    x = np.bitwise_xor(_u8(raw), _u8(old))
-    sample = x[:_SAMPLE - _SAMPLE % max(1, itemsize)]
-    if len(x) > _SAMPLE and len(zlib.compress(shuffle(sample, itemsize), 1)) > 0.75 * len(sample):
-        return None
-    z = zlib.compress(shuffle(x, itemsize), 1)
+    n = _SAMPLE - _SAMPLE % max(1, itemsize)
+    if len(raw) > _SAMPLE:
+        sample = np.bitwise_xor(_u8(raw[:n]), _u8(old[:n]))
+        if len(zlib.compress(shuffle(sample, itemsize), 1)) > 0.75 * len(sample):
+            return None
+    z = zlib.compress(shuffle(np.bitwise_xor(_u8(raw), _u8(old)), itemsize), 1)
     return z if len(z) < 0.9 * len(raw) else None
 
 
+_SEGMENT = 8  # chunks per encoding task: shards are encoded in segments on tier_files.pool()
+_ALIGN = 64  # each shard's stored bytes start on this boundary: a view of them is then used by
+#              jax.device_put on a CPU device without a copy (restore from memory)
+_PREFIX = 4096  # changed chunks are told apart from unchanged ones by this many bytes first
+
+
 def encode(ts: TierSnapshot, ident: dict[str, Any], base: Copy | None, *, delta: bool) -> Encoded:
-    """Encodes a snapshot; against a base, unchanged chunks become references to it."""
+    """Encodes a snapshot; against a base, unchanged chunks become references to it. Shards are
+    encoded in segments of _SEGMENT chunks on a thread pool (checksums, comparisons and zlib release
+    the GIL); ``pieces`` are data.bin's bytes in order, alignment padding included."""
     recs = [p.record for p in ts.snap.leaves]
     lookup = base.lookup() if base is not None else {}
-    pieces: list[memoryview] = []
-    shards, off = [], 0
+    if base is not None:
+        base.data.view(0, 0)  # map it once, before the tasks read it
+    shards, tasks = [], []
     for sh in ts.shards():
         mv, itemsize = _bytes_of(sh.data), sh.data.dtype.itemsize
+        shard = {"leaf": sh.leaf, "box": [list(x) for x in sh.box], "primary": sh.primary, "nbytes": len(mv)}
         if sh.base is not None and base is not None and base.step == ts.base_step:
-            entries = [["b", e[1], e[2]] for e in sh.base["chunks"]]  # the very bytes of the base
+            shard["chunks"] = [["b", e[1], e[2]] for e in sh.base["chunks"]]  # the very bytes of the base
+            tasks.append([])
         else:
             b = lookup.get(_key(recs[sh.leaf], sh.box))
-            entries, stored = _encode_shard(mv, b if b is not None and b["nbytes"] == len(mv) else None,
-                                            base, itemsize, delta, off)
-            pieces += stored
-            off += sum(len(p) for p in stored)
-        shards.append({"leaf": sh.leaf, "box": [list(x) for x in sh.box], "primary": sh.primary,
-                       "nbytes": len(mv), "chunks": entries})
+            b = b if b is not None and b["nbytes"] == len(mv) else None
+            step = _SEGMENT * CHUNK
+            tasks.append([tier_files.pool().submit(_encode_segment, mv, lo, min(lo + step, len(mv)), b, base,
+                                                   itemsize, delta) for lo in range(0, len(mv), step)])
+        shards.append(shard)
+    pieces: list[memoryview] = []
+    pending: list[tuple[int, list]] = []
+    off = 0
+    for shard, futures in zip(shards, tasks):
+        if not futures:
+            continue
+        shard["chunks"] = []
+        for f in futures:
+            for entry, piece in f.result():
+                if piece is not None:
+                    if off % _ALIGN and not any(e[0] != "b" for e in shard["chunks"]):
+                        pad = -off % _ALIGN  # the shard's first stored byte
+                        pieces.append(memoryview(bytes(pad)))
+                        off += pad
+                    entry[2] = off
+                    if entry[1] is None:
+                        pending.append((len(pieces), entry))
+                    pieces.append(piece)
+                    off += len(piece)
+                shard["chunks"].append(entry)
     body = dict(ident, base=base.step if base is not None else None, chunk=CHUNK, data=off, leaves=recs,
                 shards=shards)
-    return Encoded(body, encode_index(body), pieces, off)
+    return Encoded(body, b"" if pending else encode_index(body), pieces, off, pending)
 
 
-def _encode_shard(mv: memoryview, b: dict[str, Any] | None, base: Copy | None, itemsize: int, delta: bool,
-                  off: int) -> tuple[list[list], list[memoryview]]:
-    entries, stored, tries = [], [], _TRIES
-    for lo in range(0, len(mv), CHUNK):
-        raw = mv[lo:lo + CHUNK]
-        crc = crc32c.crc32c(raw)
-        entry, piece = ["r", crc, off, len(raw)], raw
+def _same(a: memoryview, b: memoryview) -> bool:
+    """Byte equality, a short prefix first (a trained chunk differs there already)."""
+    x, y = _u8(a), _u8(b)
+    if not np.array_equal(x[:_PREFIX], y[:_PREFIX]):
+        return False
+    if len(x) % 8 == 0:
+        x, y = x.view(np.uint64), y.view(np.uint64)
+    return bool(np.array_equal(x, y))
+
+
+def _encode_segment(mv: memoryview, lo: int, hi: int, b: dict[str, Any] | None, base: Copy | None,
+                    itemsize: int, delta: bool) -> list[tuple[list, memoryview | None]]:
+    """Entries (offsets left to encode) and stored bytes of the chunks of ``mv[lo:hi]``. A chunk equal
+    to the base's is a reference ("b", the base's crc32c: a damaged base then fails its check at
+    restore); a changed one is stored as a delta when that is clearly smaller, after _TRIES failed
+    trials in a row raw without trying."""
+    out, tries = [], _TRIES
+    for k in range(lo, hi, CHUNK):
+        raw = mv[k:k + CHUNK]
         if b is not None:
-            boff = b["chunks"][lo // CHUNK][2]
-            old = base.data.view(boff, boff + len(raw))
-            if b["chunks"][lo // CHUNK][1] == crc and np.array_equal(_u8(raw), _u8(old)):
-                entry, piece = ["b", crc, boff], None
-            elif delta and tries and (z := _xor_delta(raw, old, itemsize)) is not None:
-                entry, piece, tries = ["x", crc, off, len(z), boff], memoryview(z), _TRIES
-            elif delta and tries:
+            be = b["chunks"][k // CHUNK]
+            old = base.data.view(be[2], be[2] + len(raw))
+            if _same(raw, old):
+                out.append((["b", be[1], be[2]], None))
+                continue
+            if delta and tries:
+                z = _xor_delta(raw, old, itemsize)
+                if z is not None:
+                    out.append((["x", crc32c.crc32c(raw), None, len(z), be[2]], memoryview(z)))
+                    tries = _TRIES
+                    continue
                 tries -= 1
-        if piece is not None:
-            stored.append(piece)
-            off += len(piece)
-        entries.append(entry)
-    return entries, stored
+        out.append((["r", None, None, len(raw)], raw))  # its crc32c: computed as it is written
+    return out
 
 
 def _key(rec: dict[str, Any], box: Any) -> str:
@@ -378,23 +436,49 @@ def copy_parts(folder: str) -> list[list[memoryview]]:
     return parts
 
 
-def write_copy(tier_dir: str, step: int, index: bytes, pieces: Sequence[Any]) -> None:
+def write_copy(tier_dir: str, step: int, enc: Encoded, spares: Spares | None = None) -> None:
     """Writes ``tier_dir/<step>`` atomically (staging folder, then rename), replacing a copy of that
-    step left by an earlier run; a crash leaves only a staging folder, removed at the next start."""
+    step left by an earlier run; a crash leaves only a staging folder, removed at the next start.
+    data.bin goes into a spare's pages when ``spares`` has one; the pending checksums are computed
+    on the stored bytes as they are written, then the index (written last) is made."""
     parent = LocalStorage(tier_dir)
     os.makedirs(tier_dir, exist_ok=True)
     staging = f"{step}{commit_mod.TMP_MARK}{uuid.uuid4().hex}"
     try:
-        parent.sub(staging).write(DATA, pieces)
-        parent.sub(staging).write(INDEX, [index])
+        os.makedirs(os.path.join(tier_dir, staging))
+        flags = [False] * len(enc.pieces)
+        for j, _ in enc.pending:
+            flags[j] = True
+        crcs = (spares or Spares("", keep=0)).write(os.path.join(tier_dir, staging, DATA),
+                                                    [_u8(p) for p in enc.pieces], flags)
+        if enc.pending:
+            for j, entry in enc.pending:
+                entry[1] = crcs[j]
+            enc.pending = []
+            enc.index = encode_index(enc.body)
+        parent.sub(staging).write(INDEX, [enc.index])
         fsync_dir(os.path.join(tier_dir, staging))
         if os.path.lexists(os.path.join(tier_dir, str(step))):
-            commit_mod.remove(parent, str(step))
+            remove_copy(tier_dir, step, spares)
         parent.rename(staging, str(step))
         fsync_dir(tier_dir)
     except BaseException:
         parent.delete(staging)
         raise
+
+
+def remove_copy(tier_dir: str, step: int, spares: tier_files.Spares | None = None) -> None:
+    """Deletes ``tier_dir/<step>`` (renamed away first, so it is never half-read); its data.bin
+    becomes a spare when ``spares`` takes it."""
+    gone = f"{step}{commit_mod.DELETING_MARK}{uuid.uuid4().hex}"
+    try:
+        os.rename(os.path.join(tier_dir, str(step)), os.path.join(tier_dir, gone))
+    except FileNotFoundError:
+        return
+    fsync_dir(tier_dir)
+    if spares is not None:
+        spares.retire(os.path.join(tier_dir, gone, DATA))
+    shutil.rmtree(os.path.join(tier_dir, gone), ignore_errors=True)
 
 
 def mark_committed(folder: str, record: dict[str, Any]) -> None:

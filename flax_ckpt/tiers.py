@@ -18,8 +18,9 @@ lands in its own failure domain (host name + local_dir); with one domain, or one
 tier is off (logged). The replica of step s travels over a JAX collective at the next ``save`` (or
 ``wait_until_finished``/``close``), on the caller's thread, so the peer tier trails the local one by
 one save. Memory per process and tier is at most max_to_keep copies plus two bases, each at most the
-size of the process's shards (a differential copy above half that size makes the next copy a base),
-plus the copy being written.
+size of the process's shards (a differential copy above half that size makes the next rebase_interval
+copies full ones), plus one data file more: the copy being written, which reuses the pages of the
+last removed copy, kept between saves as a spare (tier_files.py).
 """
 
 from __future__ import annotations
@@ -107,11 +108,12 @@ class TierSet:
         self.i, self.n = self.group.index, self.group.count
         self.root = os.path.join(os.path.abspath(cfg.local_dir), digest, f"p{self.i}")
         self.local_dir = os.path.join(self.root, "local")
+        self._spares: dict[str, store.Spares] = {}  # tier folder -> its retired data files
         self._kept: dict[str, dict[int, int | None]] = {"local": {}, "peer": {}}  # step -> its base
         self._mutex = threading.Lock()  # _kept: written by the writer thread, read by the caller's
         self._base: store.Copy | None = None
         self._seen: store.Seen = {}  # since when each jax.Array leaf has been the same object
-        self._since_base, self._last_ratio = 0, 0.0
+        self._since_base, self._poor = 0, 0  # _poor: copies still to store in full (see _save_local)
         self._outbox: tuple[int, list[memoryview]] | None = None
         self._inbox: tuple[int, Any] | None = None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="flax_ckpt-migrate")
@@ -125,6 +127,11 @@ class TierSet:
 
     def _peer_dir(self, k: int) -> str:
         return os.path.join(self.root, f"peer-p{k}")
+
+    def _spare(self, folder: str) -> store.Spares:
+        if folder not in self._spares:
+            self._spares[folder] = store.Spares(os.path.join(self.root, "spare-" + os.path.basename(folder)))
+        return self._spares[folder]
 
     def _folders(self) -> dict[str, str]:
         names = os.listdir(self.root) if os.path.isdir(self.root) else []
@@ -147,6 +154,9 @@ class TierSet:
         return inv
 
     def _start(self, persistent: set[int]) -> None:
+        for name in os.listdir(self.root) if os.path.isdir(self.root) else []:
+            if name.startswith("spare-"):  # an earlier run's retired files: memory nobody will reuse soon
+                shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
         for folder in self._folders().values():
             for e in os.listdir(folder) if os.path.isdir(folder) else []:
                 if commit_mod.is_temporary(e):
@@ -230,27 +240,32 @@ class TierSet:
         t1 = time.perf_counter()
         enc, err = None, None
         try:
-            rebase = (not self.cfg.differential or self._base is None or self._last_ratio > 0.5
+            rebase = (not self.cfg.differential or self._base is None or self._poor > 0
                       or self._since_base >= self.cfg.rebase_interval)
             enc = store.encode(ts, dict(self._ident(step), metrics=metrics), None if rebase else self._base,
                                delta=self.cfg.differential)
             t2 = time.perf_counter()
-            store.write_copy(self.local_dir, step, enc.index, enc.pieces)
+            store.write_copy(self.local_dir, step, enc, self._spare(self.local_dir))
         except Exception as e:  # every process votes, so that none waits for a failed one
             err = e
         t3 = time.perf_counter()
         self._commit("local", step, self.local_dir, err, enc.body["base"] if enc else None)
-        if enc.full:
-            self._base, self._since_base = store.open_copy(os.path.join(self.local_dir, str(step))), 0
-        else:
-            self._since_base += 1
-        self._last_ratio = enc.data_nbytes / max(1, ts.nbytes) if not enc.full else 0.0
-        if self.peer_dst is not None:
-            self._outbox = (step, tier_sync.frame([[enc.index], enc.pieces]))
         now = time.perf_counter()
         reused = sum(sh.data.nbytes for sh in ts.shards() if sh.base is not None)
         self.stats.append(TierStats(step, ts.nbytes, enc.written, reused, enc.full, blocked, t2 - t1, t3 - t2,
                                     now - t3, now - t0))
+        if enc.full:
+            self._base, self._since_base = store.open_copy(os.path.join(self.local_dir, str(step))), 0
+            self._poor = max(0, self._poor - 1)
+        else:
+            self._since_base += 1
+            if enc.data_nbytes > ts.nbytes / 2:  # most of the state changes: comparing costs more than
+                self._poor = self.cfg.rebase_interval  # it saves, so the next copies are full ones
+        if self.peer_dst is not None:
+            self._outbox = (step, tier_sync.frame([[enc.index], enc.pieces]))
+        self._prune("local", self.local_dir)
+        full = (not self.cfg.differential or self._poor > 0 or self._since_base >= self.cfg.rebase_interval)
+        self._spare(self.local_dir).prepare(len(self._base.data) if full else enc.data_nbytes)
 
     def _commit(self, tier: str, step: int, folder: str, err: Exception | None, base: int | None) -> None:
         """Commits ``step`` in ``tier`` once every process voted that it holds its copy there."""
@@ -266,12 +281,17 @@ class TierSet:
             self._kept[tier][step] = base
             keep = sorted(self._kept[tier])[-self.cfg.max_to_keep:]
             self._kept[tier] = {s: self._kept[tier][s] for s in keep}
-        needed = set(keep) | {b for b in self._kept[tier].values() if b is not None}
+
+    def _prune(self, tier: str, folder: str) -> None:
+        """Retention in ``tier`` after a commit: removes what no kept step needs."""
+        with self._mutex:
+            keep = set(self._kept[tier])
+            needed = keep | {b for b in self._kept[tier].values() if b is not None}
         if tier == "local" and self._base is not None:
             needed.add(self._base.step)
         for s in set(store.steps_in(folder)) - needed:  # older steps, and copies of earlier runs
-            commit_mod.remove(LocalStorage(folder), str(s))
-        for s in needed - set(keep):  # kept only as a base: no longer a committed step of this tier
+            store.remove_copy(folder, s, self._spare(folder))
+        for s in needed - keep:  # kept only as a base: no longer a committed step of this tier
             store.unmark(os.path.join(folder, str(s)))
 
     def _exchange(self) -> None:
@@ -290,7 +310,7 @@ class TierSet:
         folder, err, base = self._peer_dir(self.peer_src), None, None
         try:
             parts = tier_sync.unframe(buf, f"step {step} from process {self.peer_src}")
-            store.write_copy(folder, step, parts[0], [parts[1]])
+            store.write_copy(folder, step, store.Encoded.received(parts[0], parts[1]), self._spare(folder))
             body = store.open_copy(os.path.join(folder, str(step))).body
             if (body["step"], body["process"], body["session"]) != (step, self.peer_src, self.session):
                 raise DistributedError(f"process {self.peer_src} sent a copy of another step or run")
@@ -298,6 +318,7 @@ class TierSet:
         except Exception as e:
             err = e
         self._commit("peer", step, folder, err, base)
+        self._prune("peer", folder)
 
     # ------------------------------------------------------------------------------- migration
 
@@ -343,6 +364,15 @@ class TierSet:
                 log.info("removed the memory tiers of %s from %s", self.directory, self.root)
         finally:
             self._pool.shutdown(wait=True)
+            self._drop_spares()
+
+    def _drop_spares(self) -> None:
+        """Spare data files are memory kept for the next save, not checkpoints: with no next save they
+        go, whatever ``cleanup`` says (their pages are freed once unmapped)."""
+        for spares in self._spares.values():
+            spares.close()
+            shutil.rmtree(spares.folder, ignore_errors=True)
+        self._spares.clear()
 
     # --------------------------------------------------------------------------------- restore
 

@@ -84,7 +84,7 @@ def write_memory_copies(directory, local_dir: str) -> None:
         snap = tier_store.take_snapshot({"w": np.full(4, float(step))}, copy=True, force=False, step=step, seen={},
                                         base=None)
         enc = tier_store.encode(snap, ident, None, delta=False)
-        tier_store.write_copy(os.path.join(root, "p0", folder), step, enc.index, enc.pieces)
+        tier_store.write_copy(os.path.join(root, "p0", folder), step, enc)
         if commit:
             tier_store.mark_committed(os.path.join(root, "p0", folder, str(step)), {"tier": folder, **ident})
     os.makedirs(os.path.join(root, "p0", "local", "8.tmp-dead"))

@@ -9,13 +9,16 @@ only) and skip, saying why, where mounting is refused.
 
 from __future__ import annotations
 
+import os
 import random
 
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import flax_ckpt as fc
 from reliability_trials import (DAMAGE_CLASSES, DAMAGE_MODES, MountRefused, damage, damage_trial, disk_full_trial,
-                                small_state, tmpfs)
+                                is_enospc, small_state, tmpfs)
 
 CASES = [(ser, cls, mode) for ser, classes in DAMAGE_CLASSES.items() for cls in classes for mode in DAMAGE_MODES]
 
@@ -35,6 +38,30 @@ def test_full_disk_fails_the_save_clearly_keeps_older_steps_and_recovers(small_t
     for seed in range(2):  # two amounts of room left: the failing write differs
         outcome = disk_full_trial(small_tmpfs, serializer, random.Random(seed))
         assert outcome.ok, f"{outcome.kind}: {outcome.detail}"
+
+
+@pytest.mark.timeout(120)
+def test_full_tmpfs_fails_a_memory_tier_save_clearly_and_keeps_the_older_copy(small_tmpfs, tmp_path):
+    """The memory tier writes through maps: a full tmpfs must be an error naming the file (pages are
+    reserved before they are mapped), never a SIGBUS, and the copy before it must still restore."""
+    def state(step: int, mib: int) -> dict:
+        return {"w": jnp.asarray(np.random.default_rng(step).standard_normal(mib << 18, np.float32))}
+    tiers = fc.Tiers(local_dir=os.path.join(small_tmpfs, "tiers"), persist_interval_steps=None, max_to_keep=1,
+                     cleanup=False)
+    with fc.CheckpointManager(tmp_path / "ckpt", tiers=tiers) as mgr:
+        for step in (1, 2):  # 2 MiB copies: the second is written into the spare the first left
+            mgr.save(step, state(step, 2))
+            mgr.wait_until_finished()
+        with pytest.raises(fc.SaveFailedError) as info:  # 6 MiB: more than the 8 MiB tmpfs has left
+            mgr.save(3, state(3, 6))
+            mgr.wait_until_finished()
+        assert is_enospc(info.value) and "data.bin" in repr(info.value.__cause__), repr(info.value.__cause__)
+        target = {"w": jnp.zeros(2 << 18, jnp.float32)}
+        assert np.asarray(mgr.restore(target=target)["w"]).tobytes() == np.asarray(state(2, 2)["w"]).tobytes()
+        assert mgr.restore_stats[-1].tier == "local"
+        mgr.save(4, state(4, 2))  # the tier goes on once a copy fits again
+        mgr.wait_until_finished()
+        assert np.asarray(mgr.restore(target=target)["w"]).tobytes() == np.asarray(state(4, 2)["w"]).tobytes()
 
 
 @pytest.mark.timeout(60)

@@ -147,6 +147,70 @@ def test_damaged_memory_copy_falls_back_with_a_warning(tmp_path, frozen, caplog)
             mgr.restore(target=tuned(0, frozen))
 
 
+def _mapping_of(address: int) -> str:
+    """The file (as /proc/self/maps names it) whose pages hold ``address`` in this process."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split(maxsplit=5)
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            if lo <= address < hi:
+                return fields[5].strip() if len(fields) > 5 else ""
+    return ""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads /proc/self/maps (Linux)")
+def test_memory_restore_maps_the_copy_and_reused_pages_never_change_it(tmp_path):
+    """A restore from local memory hands out the copy's own pages (no copy), and the tier, which writes
+    new copies into the pages of removed ones, never writes into pages a restored array still uses."""
+    def state(step: int) -> dict[str, Any]:  # every leaf changes: every copy is a full one
+        return {"w": jnp.asarray(np.random.default_rng(step).standard_normal((1024, 1024), np.float32))}
+    tiers = fc.Tiers(local_dir=str(tmp_path / "shm"), persist_interval_steps=None, max_to_keep=1, cleanup=False)
+    target = {"w": jax.ShapeDtypeStruct((1024, 1024), np.float32, sharding=state(0)["w"].sharding)}
+    with fc.CheckpointManager(tmp_path / "ckpt", tiers=tiers) as mgr:
+        for step in range(1, 4):
+            mgr.save(step, state(step))
+        got = mgr.restore(3, target=target)
+        local = mgr._tiers.local_dir
+        assert _mapping_of(got["w"].unsafe_buffer_pointer()) == os.path.join(local, "3", tier_store.DATA)
+        spares = os.path.join(os.path.dirname(local), "spare-local")
+        for step in range(4, 10):
+            listed = os.listdir(spares) if os.path.isdir(spares) else []
+            assert len(listed) <= 1  # memory stays bounded: one spare file at most
+            spare_inode = os.stat(os.path.join(spares, listed[0])).st_ino if listed else None
+            mgr.save(step, state(step))
+            mgr.wait_until_finished()
+            if spare_inode is not None:  # the new copy was written into the spare: the same file
+                assert os.stat(os.path.join(local, str(step), tier_store.DATA)).st_ino == spare_inode
+        assert spare_inode is not None  # files were reused
+        assert np.asarray(got["w"]).tobytes() == np.asarray(state(3)["w"]).tobytes()  # untouched
+        assert _mapping_of(got["w"].unsafe_buffer_pointer()).endswith("(deleted)")  # deleted, not reused
+        assert_same(mgr.restore(target=target), state(9))
+        numpy_target = mgr.restore(target={"w": np.zeros((1024, 1024), np.float32)})["w"]
+        assert numpy_target.flags.writeable and numpy_target.tobytes() == np.asarray(state(9)["w"]).tobytes()
+    assert not os.path.exists(spares)  # spare pages are freed at close, even with cleanup=False
+    assert tier_store.steps_in(local) == [9]  # the copies themselves stay (cleanup=False)
+
+
+def test_a_training_step_that_donates_restored_arrays_leaves_the_memory_copy_intact(tmp_path):
+    """Restored arrays are the copy's read-only pages; a jitted step that donates them (as training
+    loops do) must neither crash nor write into the copy: the next restore is still the saved step."""
+    state = {"w": jnp.asarray(np.random.default_rng(7).standard_normal((512, 1024), np.float32))}
+    tiers = fc.Tiers(local_dir=str(tmp_path / "shm"), persist_interval_steps=None, cleanup=False)
+    step_fn = jax.jit(lambda s: jax.tree.map(lambda x: x.at[0, 0].set(42.0) * 2, s), donate_argnums=0)
+    with fc.CheckpointManager(tmp_path / "ckpt", tiers=tiers) as mgr:
+        mgr.save(1, state)
+        mgr.wait_until_finished()
+        got = mgr.restore(1, target=jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                                                  sharding=x.sharding), state))
+        assert _mapping_of(got["w"].unsafe_buffer_pointer()).endswith(os.path.join("1", tier_store.DATA))
+        for _ in range(3):
+            got = step_fn(got)
+        assert float(got["w"][0, 0]) == 42.0 * 2
+        assert_same(mgr.restore(1, target=state), state)
+    with fc.CheckpointManager(tmp_path / "ckpt", tiers=tiers) as mgr:  # and from the files themselves
+        assert_same(mgr.restore(1, target=state), state)
+
+
 def test_failed_migration_is_raised_and_memory_still_serves(tmp_path):
     from flax_ckpt.serializers.raw import RawSerializer
 

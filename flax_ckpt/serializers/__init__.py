@@ -60,6 +60,11 @@ class Serializer(Protocol):
     def validate(self, leaf: dict[str, Any], files: dict[str, int], where: str) -> None:
         """Checks this serializer's fields in a manifest leaf (InvalidManifestError otherwise)."""
 
+    # Optional: ``view(storage, leaf, box, where) -> np.ndarray | None``, the box as a read-only,
+    # verified array over bytes the serializer holds in memory that are never written again (the
+    # memory tiers' copies: tier_load.py), or None. Restore gives it to jax.device_put unchanged; the
+    # raw and zarr3 serializers have none (a file on disk may change under a map).
+
 
 def box_of(index: tuple[slice, ...], shape: tuple[int, ...]) -> Box:
     """A jax shard index (slices, possibly open-ended) as a box in an array of ``shape``."""

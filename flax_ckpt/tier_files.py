@@ -1,0 +1,247 @@
+"""The memory tiers' files in tmpfs: read maps, and data files written into reused pages.
+
+Scope: mapping a copy's data file read-only (every map is registered, so that a file is never written
+again while anything maps it: a restore hands such pages out as the restored arrays themselves),
+writing a new data file through a shared map, into the pages of a retired one when there is one, and
+retiring data files. Which copies exist, and what their bytes mean, is tier_store.py's business.
+
+Why reuse: in tmpfs, writing into pages that a file already has costs a memcpy; a new file's pages
+must first be allocated and zeroed by the kernel, which here costs about three times the copy. So a
+data file whose copy was removed by retention is kept (at most ``Spares.keep`` of them per tier
+folder) and becomes the next copy's data file. A retired file that some map still shows (a restored
+array made of its pages, a snapshot viewing a base) is deleted instead: its pages stay with their
+readers and are freed with them. Pages are reserved with posix_fallocate before they are mapped, so a
+full tmpfs is an OSError (ENOSPC) naming the file, never a SIGBUS.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+import uuid
+import weakref
+from concurrent.futures import ThreadPoolExecutor, wait
+from typing import Callable, Sequence
+
+import crc32c
+import numpy as np
+
+_lock = threading.Lock()  # orders map_read against Spares.retire (check for maps, then move)
+_readers: dict[tuple[int, int], list[weakref.ref]] = {}
+_pool: ThreadPoolExecutor | None = None
+
+
+def pool() -> ThreadPoolExecutor:
+    """Threads for chunk work (checksums, comparisons, copies) shared by the memory tiers' encoding,
+    writing and reading; its tasks never wait on each other."""
+    global _pool
+    with _lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(min(4, os.cpu_count() or 1), thread_name_prefix="flax_ckpt-tier")
+        return _pool
+
+
+def map_read(path: str) -> mmap.mmap | None:
+    """A read-only shared map of ``path`` (None for an empty file), registered until it is freed."""
+    with _lock:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            st = os.fstat(fd)
+            if st.st_size == 0:
+                return None
+            m = mmap.mmap(fd, st.st_size, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        key = (st.st_dev, st.st_ino)
+        _readers[key] = [r for r in _readers.get(key, []) if r() is not None] + [weakref.ref(m)]
+        return m
+
+
+def _mapped(st: os.stat_result) -> bool:
+    key = (st.st_dev, st.st_ino)
+    alive = [r for r in _readers.get(key, []) if r() is not None]
+    if alive:
+        _readers[key] = alive
+    else:
+        _readers.pop(key, None)
+    return bool(alive)
+
+
+class Spares:
+    """Retired data files of one tier folder, kept for the next copies to write into. The shared map
+    each file was written through is kept with it (mapping 256 MiB again costs about half a copy)."""
+
+    def __init__(self, folder: str, keep: int = 1):
+        self.folder, self.keep = folder, keep
+        self._mutex = threading.Lock()
+        self._maps: dict[tuple[int, int], mmap.mmap] = {}  # the files this writer mapped, by inode
+
+    def _files(self) -> list[tuple[int, str]]:
+        try:
+            names = os.listdir(self.folder)
+        except FileNotFoundError:
+            return []
+        out = []
+        for n in names:
+            try:
+                out.append((os.stat(os.path.join(self.folder, n)).st_size, os.path.join(self.folder, n)))
+            except FileNotFoundError:
+                pass
+        return sorted(out)
+
+    def _drop(self, key: tuple[int, int]) -> None:
+        m = self._maps.pop(key, None)
+        try:
+            if m is not None:
+                m.close()
+        except BufferError:  # a failed write's traceback still holds a view: unmapped when it goes
+            pass
+
+    def retire(self, path: str) -> None:
+        """``path`` (a data file no copy of the tier uses any more) becomes a spare, or is deleted if
+        enough are kept or something maps it."""
+        with self._mutex, _lock:
+            try:
+                st = os.stat(path)
+            except FileNotFoundError:
+                return
+            if self.keep < 1 or _mapped(st) or len(self._files()) >= self.keep:
+                self._drop((st.st_dev, st.st_ino))
+                os.unlink(path)
+                return
+            os.makedirs(self.folder, exist_ok=True)
+            spare = os.path.join(self.folder, uuid.uuid4().hex)
+            os.rename(path, spare)
+            key = (st.st_dev, st.st_ino)
+            if key not in self._maps and st.st_size:  # map it now, between saves, not in the next one
+                fd = os.open(spare, os.O_RDWR)
+                try:
+                    self._maps[key] = mmap.mmap(fd, st.st_size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+                finally:
+                    os.close(fd)
+
+    def write(self, path: str, pieces: Sequence[np.ndarray], checksum: Sequence[bool]) -> list[int | None]:
+        """Creates ``path`` holding ``pieces`` (uint8 arrays) back to back; returns the crc32c of each
+        piece whose ``checksum`` is set, computed on the bytes as stored, right after copying them
+        (still in cache). Into the spare whose size is closest above theirs (else the largest),
+        through its map; without a spare, written to a new file (where a map would fault each new
+        page in one by one, write() is about twice as fast)."""
+        size = sum(len(p) for p in pieces)
+        with self._mutex:
+            files = self._files()
+            fit = next((f for f in files if f[0] >= size), files[-1] if files else None)
+            if fit is not None:
+                os.rename(fit[1], path)
+        crcs: list[int | None] = [None] * len(pieces)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            st = os.fstat(fd)
+            key = (st.st_dev, st.st_ino)
+            if fit is not None and size == 0:
+                with self._mutex:
+                    self._drop(key)
+                os.ftruncate(fd, 0)
+            if fit is None or size == 0:
+                _parts(pieces, lambda a, b: _checksum(pieces, checksum, crcs, a, b))
+                _write_all(fd, path, pieces)
+                return crcs
+            m = self._maps.get(key)
+            if m is None or len(m) != size:
+                with self._mutex:
+                    self._drop(key)
+                os.ftruncate(fd, size)  # shrinking frees the tail; growing leaves a hole for fallocate
+                try:
+                    os.posix_fallocate(fd, 0, size)
+                except OSError as e:
+                    raise OSError(e.errno, f"{e.strerror} (reserving {size} bytes for {path})", path) from None
+                m = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+                with self._mutex:
+                    self._maps[key] = m
+        finally:
+            os.close(fd)
+        out = np.frombuffer(m, np.uint8)
+        offs = np.cumsum([0] + [len(v) for v in pieces]).tolist()
+
+        def copy(a: int, b: int) -> None:
+            for j in range(a, b):
+                out[offs[j]:offs[j + 1]] = pieces[j]
+                if checksum[j]:
+                    crcs[j] = crc32c.crc32c(out[offs[j]:offs[j + 1]])
+        try:
+            _parts(pieces, copy)
+        finally:
+            del out
+        return crcs
+
+    def prepare(self, size: int) -> None:
+        """Makes sure a spare of at least ``size`` bytes exists, its pages allocated and mapped: done
+        between saves (the writer's idle time), so the next copy writes into pages that exist."""
+        with self._mutex:
+            files = self._files()
+            if size <= 0 or self.keep < 1 or (files and files[-1][0] >= size):
+                return
+            os.makedirs(self.folder, exist_ok=True)
+            path = files[-1][1] if files else os.path.join(self.folder, uuid.uuid4().hex)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                st = os.fstat(fd)
+                self._drop((st.st_dev, st.st_ino))
+                os.ftruncate(fd, size)
+                try:
+                    os.posix_fallocate(fd, 0, size)
+                except OSError:  # no room for a spare: the next copy is written without one
+                    os.unlink(path)
+                    return
+                self._maps[(st.st_dev, st.st_ino)] = mmap.mmap(
+                    fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+            finally:
+                os.close(fd)
+
+    def close(self) -> None:
+        """Unmaps every file (a deleted file's pages are freed only once nothing maps them)."""
+        with self._mutex:
+            for key in list(self._maps):
+                self._drop(key)
+
+
+def _checksum(pieces: Sequence[np.ndarray], checksum: Sequence[bool], crcs: list, a: int, b: int) -> None:
+    for j in range(a, b):
+        if checksum[j]:
+            crcs[j] = crc32c.crc32c(pieces[j])
+
+
+def _parts(pieces: Sequence[np.ndarray], work: Callable[[int, int], None]) -> None:
+    """Runs ``work(a, b)`` over ranges of ``pieces`` of about equal bytes on pool(), and waits for all
+    of them (none may still write into a map when it is closed) before raising the first failure."""
+    sizes = [len(p) for p in pieces]
+    total = sum(sizes)
+    n = max(1, min(len(pieces), 2 * (os.cpu_count() or 1), total // (4 << 20)))
+    if n == 1:
+        return work(0, len(pieces))
+    bounds, acc, k = [0], 0, 1
+    for j, sz in enumerate(sizes):
+        acc += sz
+        if acc >= k * total / n and len(bounds) < n:
+            bounds.append(j + 1)
+            k += 1
+    bounds.append(len(pieces))
+    futures = [pool().submit(work, a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
+    wait(futures)
+    for f in futures:
+        f.result()
+
+
+def _write_all(fd: int, path: str, pieces: Sequence[np.ndarray]) -> None:
+    try:
+        for k in range(0, len(pieces), 512):
+            batch = [memoryview(p) for p in pieces[k:k + 512] if len(p)]
+            while batch:
+                n = os.writev(fd, batch)
+                while batch and n >= len(batch[0]):
+                    n -= len(batch[0])
+                    batch.pop(0)
+                if batch:
+                    batch[0] = batch[0][n:]
+    except OSError as e:
+        raise OSError(e.errno, f"{e.strerror} (writing {path})", path) from None
