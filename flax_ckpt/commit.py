@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import uuid
+from typing import Callable
 
 from .errors import CheckpointExistsError, StorageError
 from .format import MANIFEST
@@ -96,13 +98,17 @@ def _commit_object(parent: Storage, step: Storage, name: str, manifest: bytes) -
                                     "and save again)")
 
 
-def remove(parent: Storage, name: str) -> None:
-    """Deletes a committed checkpoint, un-committing it first (atomically) so it is never half-read."""
+def remove(parent: Storage, name: str, *, salvage: Callable[[str], None] | None = None) -> None:
+    """Deletes a committed checkpoint, un-committing it first (atomically) so it is never half-read.
+    ``salvage`` (local file systems): called with the un-committed folder's path before it is deleted,
+    to take files out of it (the memory tiers keep a data file's pages for the next copy)."""
     if parent.supports_rename:
         assert isinstance(parent, LocalStorage)
         gone = f"{name}{DELETING_MARK}{uuid.uuid4().hex}"
         parent.rename(name, gone)
         fsync_dir(parent.root)
+        if salvage is not None:
+            salvage(os.path.join(parent.root, gone))
         parent.delete(gone)
     else:
         parent.sub(name).delete(MANIFEST)

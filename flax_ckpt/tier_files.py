@@ -117,7 +117,7 @@ class Spares:
             if key not in self._maps and st.st_size:  # map it now, between saves, not in the next one
                 fd = os.open(spare, os.O_RDWR)
                 try:
-                    self._maps[key] = mmap.mmap(fd, st.st_size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+                    self._maps[key] = _map_shared(fd, st.st_size)
                 finally:
                     os.close(fd)
 
@@ -150,12 +150,7 @@ class Spares:
             if m is None or len(m) != size:
                 with self._mutex:
                     self._drop(key)
-                os.ftruncate(fd, size)  # shrinking frees the tail; growing leaves a hole for fallocate
-                try:
-                    os.posix_fallocate(fd, 0, size)
-                except OSError as e:
-                    raise OSError(e.errno, f"{e.strerror} (reserving {size} bytes for {path})", path) from None
-                m = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+                m = _reserve(fd, size, path)
                 with self._mutex:
                     self._maps[key] = m
         finally:
@@ -187,14 +182,11 @@ class Spares:
             try:
                 st = os.fstat(fd)
                 self._drop((st.st_dev, st.st_ino))
-                os.ftruncate(fd, size)
                 try:
-                    os.posix_fallocate(fd, 0, size)
+                    self._maps[(st.st_dev, st.st_ino)] = _reserve(fd, size, path)
                 except OSError:  # no room for a spare: the next copy is written without one
                     os.unlink(path)
                     return
-                self._maps[(st.st_dev, st.st_ino)] = mmap.mmap(
-                    fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
             finally:
                 os.close(fd)
 
@@ -203,6 +195,22 @@ class Spares:
         with self._mutex:
             for key in list(self._maps):
                 self._drop(key)
+
+
+def _map_shared(fd: int, size: int) -> mmap.mmap:
+    """A writable shared map of the whole file, its page tables filled at once."""
+    return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+
+
+def _reserve(fd: int, size: int, path: str) -> mmap.mmap:
+    """Sizes the file to ``size`` bytes, reserves its pages (a full tmpfs is an OSError naming
+    ``path`` here, never a SIGBUS at a write through the map) and maps it."""
+    os.ftruncate(fd, size)  # shrinking frees the tail; growing leaves a hole for fallocate
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        raise OSError(e.errno, f"{e.strerror} (reserving {size} bytes for {path})", path) from None
+    return _map_shared(fd, size)
 
 
 def _checksum(pieces: Sequence[np.ndarray], checksum: Sequence[bool], crcs: list, a: int, b: int) -> None:

@@ -61,7 +61,11 @@ def _fill(copy: Copy, e: list, dst: memoryview, itemsize: int, where: str) -> No
             raise CorruptCheckpointError(f"{where}: a delta chunk does not decompress to {n} bytes")
         copy.base.data.read_into(e[4], dst)
         np.bitwise_xor(_u8(dst), _unshuffle(_u8(x), itemsize), out=_u8(dst))
-    if crc32c.crc32c(dst) != e[1]:
+    _check_chunk(dst, e, where)
+
+
+def _check_chunk(buf: memoryview, e: list, where: str) -> None:
+    if crc32c.crc32c(buf) != e[1]:
         raise CorruptCheckpointError(f"{where}: checksum mismatch in a chunk stored as {e[0]!r} (crc32c "
                                      f"expected {e[1]}); the memory copy is damaged")
 
@@ -83,10 +87,8 @@ def read_shard(copy: Copy, s: dict[str, Any], dst: memoryview) -> None:
 
 
 def _verify(mv: memoryview, entries: list[list], size: int, where: str) -> None:
-    bad = [e for k, e in enumerate(entries) if crc32c.crc32c(mv[k * size:(k + 1) * size]) != e[1]]
-    if bad:
-        raise CorruptCheckpointError(f"{where}: checksum mismatch in a chunk stored as {bad[0][0]!r} (crc32c "
-                                     f"expected {bad[0][1]}); the memory copy is damaged")
+    for k, e in enumerate(entries):
+        _check_chunk(mv[k * size:(k + 1) * size], e, where)
 
 
 def view_shard(copy: Copy, s: dict[str, Any]) -> np.ndarray | None:

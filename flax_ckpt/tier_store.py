@@ -25,7 +25,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 import uuid
 import weakref
 import zlib
@@ -468,17 +467,13 @@ def write_copy(tier_dir: str, step: int, enc: Encoded, spares: Spares | None = N
 
 
 def remove_copy(tier_dir: str, step: int, spares: tier_files.Spares | None = None) -> None:
-    """Deletes ``tier_dir/<step>`` (renamed away first, so it is never half-read); its data.bin
+    """Deletes ``tier_dir/<step>`` (un-committed first, so it is never half-read); its data.bin
     becomes a spare when ``spares`` takes it."""
-    gone = f"{step}{commit_mod.DELETING_MARK}{uuid.uuid4().hex}"
+    salvage = (lambda gone: spares.retire(os.path.join(gone, DATA))) if spares is not None else None
     try:
-        os.rename(os.path.join(tier_dir, str(step)), os.path.join(tier_dir, gone))
-    except FileNotFoundError:
-        return
-    fsync_dir(tier_dir)
-    if spares is not None:
-        spares.retire(os.path.join(tier_dir, gone, DATA))
-    shutil.rmtree(os.path.join(tier_dir, gone), ignore_errors=True)
+        commit_mod.remove(LocalStorage(tier_dir), str(step), salvage=salvage)
+    except FileNotFoundError:  # no such copy
+        pass
 
 
 def mark_committed(folder: str, record: dict[str, Any]) -> None:

@@ -240,10 +240,8 @@ class TierSet:
         t1 = time.perf_counter()
         enc, err = None, None
         try:
-            rebase = (not self.cfg.differential or self._base is None or self._poor > 0
-                      or self._since_base >= self.cfg.rebase_interval)
-            enc = store.encode(ts, dict(self._ident(step), metrics=metrics), None if rebase else self._base,
-                               delta=self.cfg.differential)
+            base = None if self._next_full() else self._base
+            enc = store.encode(ts, dict(self._ident(step), metrics=metrics), base, delta=self.cfg.differential)
             t2 = time.perf_counter()
             store.write_copy(self.local_dir, step, enc, self._spare(self.local_dir))
         except Exception as e:  # every process votes, so that none waits for a failed one
@@ -264,8 +262,12 @@ class TierSet:
         if self.peer_dst is not None:
             self._outbox = (step, tier_sync.frame([[enc.index], enc.pieces]))
         self._prune("local", self.local_dir)
-        full = (not self.cfg.differential or self._poor > 0 or self._since_base >= self.cfg.rebase_interval)
-        self._spare(self.local_dir).prepare(len(self._base.data) if full else enc.data_nbytes)
+        self._spare(self.local_dir).prepare(len(self._base.data) if self._next_full() else enc.data_nbytes)
+
+    def _next_full(self) -> bool:
+        """Whether the next local copy is stored in full (a new base) rather than against the base."""
+        return (not self.cfg.differential or self._base is None or self._poor > 0
+                or self._since_base >= self.cfg.rebase_interval)
 
     def _commit(self, tier: str, step: int, folder: str, err: Exception | None, base: int | None) -> None:
         """Commits ``step`` in ``tier`` once every process voted that it holds its copy there."""
