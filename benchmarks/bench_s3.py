@@ -53,7 +53,7 @@ def point_env_at(server: MotoS3, concurrency: int) -> None:
 
 def one_round(flat: dict, tree: Any, where: str, ser: str, loc: str, r: int, res: C.Results, check: bool) -> str:
     import flax_ckpt as fc
-    from flax_ckpt.storage import open_storage
+    from flax_ckpt._src.storage import open_storage
 
     key = f"{where}/{ser}"
     path = f"{loc}/{ser}-{r}"

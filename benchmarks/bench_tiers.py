@@ -97,7 +97,7 @@ class Floor:
         self.bufs = {k: np.ones(v.shape, v.dtype) for k, v in state.items() if hasattr(v, "shape")}
 
     def run(self, state: dict) -> float:
-        from flax_ckpt import tier_files
+        from flax_ckpt._src.tiers import files as tier_files
         jobs = []
         for k, dst in self.bufs.items():
             src, d = np.asarray(state[k]).reshape(-1), dst.reshape(-1)

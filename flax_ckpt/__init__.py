@@ -3,31 +3,32 @@
 The public API is what this module re-exports; every other module is an implementation detail.
 """
 
-from .checkpoint import CheckpointInfo as CheckpointInfo
-from .checkpoint import LeafInfo as LeafInfo
-from .checkpoint import metadata as metadata
-from .checkpoint import restore as restore
-from .checkpoint import save as save
-from .errors import CheckpointError as CheckpointError
-from .errors import CheckpointExistsError as CheckpointExistsError
-from .errors import CheckpointLockedError as CheckpointLockedError
-from .errors import CheckpointNotCommittedError as CheckpointNotCommittedError
-from .errors import CheckpointNotFoundError as CheckpointNotFoundError
-from .errors import CorruptCheckpointError as CorruptCheckpointError
-from .errors import DistributedError as DistributedError
-from .errors import InvalidManifestError as InvalidManifestError
-from .errors import LeafMismatchError as LeafMismatchError
-from .errors import SaveFailedError as SaveFailedError
-from .errors import StorageError as StorageError
-from .errors import StructureMismatchError as StructureMismatchError
-from .errors import TargetMismatchError as TargetMismatchError
-from .errors import UnsupportedLeafError as UnsupportedLeafError
-from .errors import UnsupportedOrbaxCheckpointError as UnsupportedOrbaxCheckpointError
-from .manager import CheckpointManager as CheckpointManager
-from .manager import RestoreStats as RestoreStats
-from .manager import SaveStats as SaveStats
-from .serializers import Serializer as Serializer
-from .tiers import Tiers as Tiers
+from flax_ckpt._src.engine.checkpoint import CheckpointInfo as CheckpointInfo
+from flax_ckpt._src.engine.checkpoint import LeafInfo as LeafInfo
+from flax_ckpt._src.engine.checkpoint import metadata as metadata
+from flax_ckpt._src.engine.checkpoint import restore as restore
+from flax_ckpt._src.engine.checkpoint import save as save
+from flax_ckpt._src.errors import CheckpointError as CheckpointError
+from flax_ckpt._src.errors import CheckpointExistsError as CheckpointExistsError
+from flax_ckpt._src.errors import CheckpointLockedError as CheckpointLockedError
+from flax_ckpt._src.errors import CheckpointNotCommittedError as CheckpointNotCommittedError
+from flax_ckpt._src.errors import CheckpointNotFoundError as CheckpointNotFoundError
+from flax_ckpt._src.errors import CorruptCheckpointError as CorruptCheckpointError
+from flax_ckpt._src.errors import DistributedError as DistributedError
+from flax_ckpt._src.errors import InvalidManifestError as InvalidManifestError
+from flax_ckpt._src.errors import LeafMismatchError as LeafMismatchError
+from flax_ckpt._src.errors import SaveFailedError as SaveFailedError
+from flax_ckpt._src.errors import StorageError as StorageError
+from flax_ckpt._src.errors import StructureMismatchError as StructureMismatchError
+from flax_ckpt._src.errors import TargetMismatchError as TargetMismatchError
+from flax_ckpt._src.errors import UnsupportedLeafError as UnsupportedLeafError
+from flax_ckpt._src.errors import UnsupportedOrbaxCheckpointError as UnsupportedOrbaxCheckpointError
+from flax_ckpt._src.manager import CheckpointManager as CheckpointManager
+from flax_ckpt._src.manager import RestoreStats as RestoreStats
+from flax_ckpt._src.manager import SaveStats as SaveStats
+from flax_ckpt._src.plot import plot_timeline as plot_timeline
+from flax_ckpt._src.serializers import Serializer as Serializer
+from flax_ckpt._src.tiers import Tiers as Tiers
 
 __version__ = "0.1.0"
 
@@ -55,6 +56,7 @@ __all__ = [
     "UnsupportedLeafError",
     "UnsupportedOrbaxCheckpointError",
     "metadata",
+    "plot_timeline",
     "restore",
     "save",
 ]

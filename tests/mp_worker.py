@@ -28,11 +28,11 @@ from flax.training import train_state  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSharding  # noqa: E402
 
 import flax_ckpt as fc  # noqa: E402
-from flax_ckpt import checkpoint as ckpt  # noqa: E402
-from flax_ckpt import distributed  # noqa: E402
-from flax_ckpt.serializers import box_of  # noqa: E402
-from flax_ckpt.serializers.raw import RawSerializer  # noqa: E402
-from flax_ckpt.storage import LocalStorage  # noqa: E402
+from flax_ckpt._src.engine import checkpoint as ckpt  # noqa: E402
+from flax_ckpt._src import distributed as distributed  # noqa: E402
+from flax_ckpt._src.serializers import box_of  # noqa: E402
+from flax_ckpt._src.serializers.raw import RawSerializer  # noqa: E402
+from flax_ckpt._src.storage import LocalStorage  # noqa: E402
 
 # ------------------------------------------------------------------------------------------ the state
 

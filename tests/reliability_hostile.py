@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 import flax_ckpt as fc
-from flax_ckpt import format as fmt
+from flax_ckpt._src import format as fmt
 from reliability_trials import EXACT, Outcome, Tally, restore_exact, warnings_of
 from trees import as_bytes
 

@@ -31,9 +31,9 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 import flax_ckpt as fc
-from flax_ckpt import commit as commit_mod
-from flax_ckpt.format import MANIFEST
-from flax_ckpt.manager import LOCK_FILE
+from flax_ckpt._src import commit as commit_mod
+from flax_ckpt._src.format import MANIFEST
+from flax_ckpt._src.manager import LOCK_FILE
 from reliability_worker import CRASH_KEEP, Zygote, big_state, crash_tiers, small_state, spawn, state_for, stop
 from trees import assert_bit_exact
 

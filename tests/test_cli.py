@@ -1,5 +1,5 @@
 """The flax-ckpt command, run as a real subprocess on real checkpoints (sound, damaged, Orbax), and the
-library functions behind it (flax_ckpt.inspect) in-process.
+library functions behind it (flax_ckpt._src.tools) in-process.
 
 Each subprocess imports jax (seconds on a shared CPU), so checkpoints are built once per module and
 the subprocess count is kept small; finer cases run the same code in-process through inspect.py.
@@ -20,10 +20,10 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import flax_ckpt as fc
-from flax_ckpt import inspect as fi
-from flax_ckpt import orbax_compat
-from flax_ckpt.cli import build_parser
-from flax_ckpt.manager import CheckpointManager
+from flax_ckpt._src import tools as fi
+from flax_ckpt._src.orbax import compat as orbax_compat
+from flax_ckpt._src.cli import build_parser
+from flax_ckpt._src.manager import CheckpointManager
 
 SCRIPT = os.path.join(os.path.dirname(sys.executable), "flax-ckpt")
 ORBAX_READY = hasattr(orbax_compat, "save") and hasattr(orbax_compat, "restore")
@@ -32,9 +32,9 @@ needs_orbax = pytest.mark.skipif(not ORBAX_READY, reason="flax_ckpt.orbax_compat
 
 
 def run(*args: str, module: bool = False) -> subprocess.CompletedProcess:
-    """Runs the installed console script (or ``python -m flax_ckpt.cli``) and captures its output."""
+    """Runs the installed console script (or ``python -m flax_ckpt``) and captures its output."""
     module = module or not os.path.exists(SCRIPT)  # not installed with `pip install -e`: the same code
-    cmd = [sys.executable, "-m", "flax_ckpt.cli", *args] if module else [SCRIPT, *args]
+    cmd = [sys.executable, "-m", "flax_ckpt", *args] if module else [SCRIPT, *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
 
 
@@ -76,7 +76,7 @@ def write_memory_copies(directory, local_dir: str) -> None:
     """What a tiered manager of ``directory`` leaves in its memory tiers (tier_store's format): process
     0 holds step 3 committed locally, step 7 written but not yet committed, and a replica of process
     1's step 3 in its peer tier; plus a crashed write."""
-    from flax_ckpt import tier_store
+    from flax_ckpt._src.tiers import store as tier_store
 
     root = fi.memory_tier_root(directory, local_dir)
     for folder, step, process, commit in [("local", 3, 0, True), ("local", 7, 0, False), ("peer-p1", 3, 1, True)]:

@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 import flax_ckpt as fc
-from flax_ckpt import checkpoint as ckpt
+from flax_ckpt._src.engine import checkpoint as ckpt
 
 WORKER = str(Path(__file__).with_name("mp_worker.py"))
 JOB_TIMEOUT_S = 100

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import flax_ckpt as fc
-from flax_ckpt import format as fmt
+from flax_ckpt._src import format as fmt
 
 TREE = {"params": {"dense": {"kernel": np.arange(24, dtype=np.float32).reshape(4, 6), "bias": np.zeros(6)}},
         "step": 3}

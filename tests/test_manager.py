@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import flax_ckpt as fc
-from flax_ckpt.manager import steps_to_delete
+from flax_ckpt._src.manager import steps_to_delete
 
 
 def state(step: int) -> dict:

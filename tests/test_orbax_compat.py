@@ -21,7 +21,7 @@ from flax.training import train_state
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import flax_ckpt as fc
-from flax_ckpt import orbax_compat as oc
+from flax_ckpt._src.orbax import compat as oc
 
 ocp = pytest.importorskip("orbax.checkpoint")
 

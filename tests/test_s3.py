@@ -18,12 +18,12 @@ import tensorstore as ts
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import flax_ckpt as fc
-from flax_ckpt import checkpoint as ckpt
-from flax_ckpt import commit as commit_mod
-from flax_ckpt import storage as storage_mod
-from flax_ckpt.format import MANIFEST
-from flax_ckpt.serializers import get_serializer
-from flax_ckpt.storage import KvStorage, LocalStorage, ObjectStoreOptions, open_storage, split_location
+from flax_ckpt._src.engine import checkpoint as ckpt
+from flax_ckpt._src import commit as commit_mod
+from flax_ckpt._src import storage as storage_mod
+from flax_ckpt._src.format import MANIFEST
+from flax_ckpt._src.serializers import get_serializer
+from flax_ckpt._src.storage import KvStorage, LocalStorage, ObjectStoreOptions, open_storage, split_location
 
 from conftest_s3 import S3Place, point_env_at, s3, s3_bucket, s3_faulty, s3_server  # noqa: F401
 from s3_server import Faults

@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 
 import flax_ckpt as fc
-from flax_ckpt import tier_store
+from flax_ckpt._src.tiers import store as tier_store
 
 WORKER = str(Path(__file__).with_name("tier_worker.py"))
 JOB_TIMEOUT_S = 90
@@ -212,7 +212,7 @@ def test_a_training_step_that_donates_restored_arrays_leaves_the_memory_copy_int
 
 
 def test_failed_migration_is_raised_and_memory_still_serves(tmp_path):
-    from flax_ckpt.serializers.raw import RawSerializer
+    from flax_ckpt._src.serializers.raw import RawSerializer
 
     class DiskFull(RawSerializer):
         def write(self, storage, items, *, tag):
@@ -229,7 +229,7 @@ def test_failed_migration_is_raised_and_memory_still_serves(tmp_path):
 
 
 def test_plan_never_mixes_steps_or_runs():
-    from flax_ckpt.tier_plan import choose, peer_shift
+    from flax_ckpt._src.tiers.plan import choose, peer_shift
 
     def inv(local, peer=None):
         return {"local": {str(s): v for s, v in local.items()}, "peer": {

@@ -32,8 +32,9 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import flax_ckpt as fc  # noqa: E402
-from flax_ckpt import distributed, tier_store  # noqa: E402
-from flax_ckpt.serializers.raw import RawSerializer  # noqa: E402
+from flax_ckpt._src import distributed as distributed
+from flax_ckpt._src.tiers import store as tier_store  # noqa: E402
+from flax_ckpt._src.serializers.raw import RawSerializer  # noqa: E402
 
 
 def host_state(step: int) -> dict[str, Any]:

@@ -28,10 +28,10 @@ from typing import Any, Callable
 import crc32c
 import jax
 
-from .errors import DistributedError
-from .format import MAX_MANIFEST_BYTES
-from .serializers import Written, intersect
-from .storage import Storage
+from flax_ckpt._src.errors import DistributedError
+from flax_ckpt._src.format import MAX_MANIFEST_BYTES
+from flax_ckpt._src.serializers import Written, intersect
+from flax_ckpt._src.storage import Storage
 
 PARTS = "parts"
 _ROOT = "flax_ckpt"

@@ -20,15 +20,15 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from . import checkpoint as ckpt
-from . import commit as commit_mod
-from . import orbax_compat
-from . import tree as tree_mod
-from .errors import (CheckpointError, CheckpointExistsError, CheckpointNotFoundError,
+from flax_ckpt._src.engine import checkpoint as ckpt
+from flax_ckpt._src import commit as commit_mod
+from flax_ckpt._src.orbax import compat as orbax_compat
+from flax_ckpt._src import tree as tree_mod
+from flax_ckpt._src.errors import (CheckpointError, CheckpointExistsError, CheckpointNotFoundError,
                      CorruptCheckpointError, InvalidManifestError, StorageError, format_list)
-from .format import MANIFEST, dtype_from_name
-from .manager import steps_to_delete
-from .storage import LocalStorage, Storage, open_storage
+from flax_ckpt._src.format import MANIFEST, dtype_from_name
+from flax_ckpt._src.manager import steps_to_delete
+from flax_ckpt._src.storage import LocalStorage, Storage, open_storage
 
 Format = Literal["native", "orbax", "safetensors"]
 
@@ -515,7 +515,7 @@ def list_memory_tiers(directory: Any, local_dir: str) -> list[StepEntry]:
 
 
 def _memory_entry(folder: str, name: str, tier: str) -> StepEntry:
-    from . import tier_store
+    from flax_ckpt._src.tiers import store as tier_store
 
     path, step = os.path.join(folder, name), _step_of(name)
     size = _disk_size(LocalStorage(path), None)
@@ -579,7 +579,7 @@ def prune(directory: Any, *, keep: int | None, keep_period: int | None = None, b
 
 def _lock(root: Storage) -> Any:
     """The manager's directory lock (local folders; object stores have none to take)."""
-    from .manager import DirectoryLock
+    from flax_ckpt._src.manager import DirectoryLock
 
     if not isinstance(root, LocalStorage):
         return None

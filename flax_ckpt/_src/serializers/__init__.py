@@ -15,7 +15,7 @@ from typing import Any, Protocol, Sequence
 
 import numpy as np
 
-from ..storage import Storage
+from flax_ckpt._src.storage import Storage
 
 Box = tuple[tuple[int, int], ...]  # per dimension [start, stop) in global coordinates
 
@@ -93,8 +93,8 @@ def for_each_overlap(leaf: dict[str, Any], box: Box):
 
 
 def get_serializer(spec: "str | Serializer | None") -> Serializer:
-    from .raw import RawSerializer
-    from .zarr3 import Zarr3Serializer
+    from flax_ckpt._src.serializers.raw import RawSerializer
+    from flax_ckpt._src.serializers.zarr3 import Zarr3Serializer
 
     if spec is None or spec == "raw":
         return RawSerializer()

@@ -16,9 +16,9 @@ import os
 import uuid
 from typing import Callable
 
-from .errors import CheckpointExistsError, StorageError
-from .format import MANIFEST
-from .storage import LocalStorage, Storage, fsync_dir
+from flax_ckpt._src.errors import CheckpointExistsError, StorageError
+from flax_ckpt._src.format import MANIFEST
+from flax_ckpt._src.storage import LocalStorage, Storage, fsync_dir
 
 log = logging.getLogger(__name__)
 TMP_MARK = ".tmp-"

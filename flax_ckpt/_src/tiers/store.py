@@ -35,15 +35,15 @@ import crc32c
 import jax
 import numpy as np
 
-from . import checkpoint as ckpt
-from . import commit as commit_mod
-from . import tree as tree_mod
-from .errors import CorruptCheckpointError
-from .format import dtype_from_name
-from .serializers import Box, Shard, box_of
-from . import tier_files
-from .tier_files import Spares
-from .storage import LocalStorage, fsync_dir
+from flax_ckpt._src.engine import checkpoint as ckpt
+from flax_ckpt._src import commit as commit_mod
+from flax_ckpt._src import tree as tree_mod
+from flax_ckpt._src.errors import CorruptCheckpointError
+from flax_ckpt._src.format import dtype_from_name
+from flax_ckpt._src.serializers import Box, Shard, box_of
+from flax_ckpt._src.tiers import files as tier_files
+from flax_ckpt._src.tiers.files import Spares
+from flax_ckpt._src.storage import LocalStorage, fsync_dir
 
 CHUNK = 1 << 20
 INDEX, DATA, COMMIT = "index.json", "data.bin", "commit.json"

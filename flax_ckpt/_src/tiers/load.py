@@ -23,13 +23,13 @@ from typing import Any
 import crc32c
 import numpy as np
 
-from . import checkpoint as ckpt
-from . import tree as tree_mod
-from .errors import CheckpointError, CorruptCheckpointError
-from .format import dtype_from_name
-from .serializers import Box, Shard, for_each_overlap, local
-from . import tier_files
-from .tier_store import Copy
+from flax_ckpt._src.engine import checkpoint as ckpt
+from flax_ckpt._src import tree as tree_mod
+from flax_ckpt._src.errors import CheckpointError, CorruptCheckpointError
+from flax_ckpt._src.format import dtype_from_name
+from flax_ckpt._src.serializers import Box, Shard, for_each_overlap, local
+from flax_ckpt._src.tiers import files as tier_files
+from flax_ckpt._src.tiers.store import Copy
 
 _PARALLEL_MIN = 16 << 20
 

@@ -151,7 +151,7 @@ def _ls_note(e: Any) -> str:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    from . import inspect as fi
+    from flax_ckpt._src import tools as fi
 
     entries = fi.list_steps(args.directory)
     if args.local_dir:
@@ -194,7 +194,7 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from . import inspect as fi
+    from flax_ckpt._src import tools as fi
 
     problems = fi.verify(args.path, progress=not args.quiet)
     doc = {"path": os.fspath(args.path), "ok": not problems,
@@ -213,7 +213,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
-    from . import inspect as fi
+    from flax_ckpt._src import tools as fi
 
     r = fi.diff(args.a, args.b, progress=not args.quiet)
     doc = {"a": args.a, "b": args.b, "identical": r.identical, "only_in_a": r.only_in_a, "only_in_b": r.only_in_b,
@@ -229,7 +229,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from . import inspect as fi
+    from flax_ckpt._src import tools as fi
 
     to: fi.Format | None = args.to or ("safetensors" if str(args.dst).endswith(".safetensors") else None)
     r = fi.convert(args.src, args.dst, to=to, serializer=args.serializer, subtree=args.subtree,
@@ -242,7 +242,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 def cmd_prune(args: argparse.Namespace) -> int:
-    from . import inspect as fi
+    from flax_ckpt._src import tools as fi
 
     r = fi.prune(args.directory, keep=args.keep, keep_period=args.keep_period, best_metric=args.best_metric,
                  best_mode=args.best_mode, keep_best=args.keep_best, dry_run=args.dry_run)
@@ -263,7 +263,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "JAX_PLATFORMS" not in os.environ:  # inspecting a checkpoint must not take a training job's GPUs
         import jax
         jax.config.update("jax_platforms", "cpu")
-    from .errors import CheckpointError
+    from flax_ckpt._src.errors import CheckpointError
 
     try:
         return COMMANDS[args.command](args)
@@ -281,7 +281,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _hint(args: argparse.Namespace) -> str:
     """For a checkpoint command given a manager's directory instead of one step: say so."""
-    from . import inspect as fi
+    from flax_ckpt._src import tools as fi
 
     path = getattr(args, "path", None) or getattr(args, "src", None)
     if path is None or not os.path.isdir(path) or os.path.exists(os.path.join(path, "manifest.json")):

@@ -18,7 +18,7 @@ import crc32c
 import ml_dtypes
 import numpy as np
 
-from .errors import CheckpointError, InvalidManifestError
+from flax_ckpt._src.errors import CheckpointError, InvalidManifestError
 
 MANIFEST = "manifest.json"
 FORMAT_NAME = "flax_ckpt"

@@ -18,10 +18,10 @@ from typing import Any, Sequence
 import crc32c
 import numpy as np
 
-from ..errors import CorruptCheckpointError, InvalidManifestError
-from ..format import check_relpath
-from ..storage import Storage
-from . import ArrayItem, Box, Written, for_each_overlap, local
+from flax_ckpt._src.errors import CorruptCheckpointError, InvalidManifestError
+from flax_ckpt._src.format import check_relpath
+from flax_ckpt._src.storage import Storage
+from flax_ckpt._src.serializers import ArrayItem, Box, Written, for_each_overlap, local
 
 BLOCK = 8 << 20
 SUBCHUNK = 64 << 20
@@ -172,5 +172,5 @@ class RawSerializer:
 
 
 def _dtype(leaf: dict[str, Any]):
-    from ..format import dtype_from_name
+    from flax_ckpt._src.format import dtype_from_name
     return dtype_from_name(leaf["dtype"])

@@ -19,17 +19,18 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any, Iterable, Literal
 
-from . import checkpoint as ckpt
-from . import commit as commit_mod
-from . import distributed, orbax_compat
-from .errors import (CheckpointError, CheckpointLockedError, CheckpointNotFoundError, CorruptCheckpointError,
+from flax_ckpt._src.engine import checkpoint as ckpt
+from flax_ckpt._src import commit as commit_mod
+from flax_ckpt._src import distributed as distributed
+from flax_ckpt._src.orbax import compat as orbax_compat
+from flax_ckpt._src.errors import (CheckpointError, CheckpointLockedError, CheckpointNotFoundError, CorruptCheckpointError,
                      InvalidManifestError, StorageError)
-from .serializers import Serializer, get_serializer
-from .storage import LocalStorage, Storage, open_storage
-from .tier_store import TierSnapshot
-from .tiers import TierSet, Tiers
-from .interval import AutoInterval
-from .writer import AsyncWriter
+from flax_ckpt._src.serializers import Serializer, get_serializer
+from flax_ckpt._src.storage import LocalStorage, Storage, open_storage
+from flax_ckpt._src.tiers.store import TierSnapshot
+from flax_ckpt._src.tiers import TierSet, Tiers
+from flax_ckpt._src.interval import AutoInterval
+from flax_ckpt._src.writer import AsyncWriter
 
 log = logging.getLogger("flax_ckpt")
 LOCK_FILE = ".flax_ckpt.lock"

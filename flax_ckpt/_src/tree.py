@@ -13,7 +13,7 @@ from typing import Any, Iterable, Sequence
 import jax
 import numpy as np
 
-from .errors import UnsupportedLeafError, format_list
+from flax_ckpt._src.errors import UnsupportedLeafError, format_list
 
 # A key path: a tuple of (kind, key) with kind "key" (a dict key), "attr" (an attribute or namedtuple /
 # dataclass field) or "idx" (a sequence index).
@@ -82,7 +82,7 @@ def classify(x: Any) -> str:
     if isinstance(x, jax.Array):
         return "prng_key" if is_prng_key(x) else "jax"
     if isinstance(x, (np.ndarray, np.generic)):
-        from .format import dtype_from_name  # format depends on nothing of ours but errors
+        from flax_ckpt._src.format import dtype_from_name  # format depends on nothing of ours but errors
         try:
             dtype_from_name(x.dtype.name)
         except (TypeError, ValueError):

@@ -14,10 +14,10 @@ from typing import Any, Sequence
 import numpy as np
 import tensorstore as ts
 
-from ..errors import CorruptCheckpointError, InvalidManifestError, StorageError
-from ..format import check_relpath, dtype_from_name
-from ..storage import Storage, explain
-from . import ArrayItem, Box, Written, for_each_overlap, local
+from flax_ckpt._src.errors import CorruptCheckpointError, InvalidManifestError, StorageError
+from flax_ckpt._src.format import check_relpath, dtype_from_name
+from flax_ckpt._src.storage import Storage, explain
+from flax_ckpt._src.serializers import ArrayItem, Box, Written, for_each_overlap, local
 
 CODECS = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]
 _UNSUPPORTED = {"uint4", "uint2"}

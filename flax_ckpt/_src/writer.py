@@ -13,7 +13,7 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
-from .errors import SaveFailedError
+from flax_ckpt._src.errors import SaveFailedError
 
 
 class AsyncWriter:

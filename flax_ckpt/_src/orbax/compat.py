@@ -53,17 +53,17 @@ import jax
 import numpy as np
 import tensorstore as ts
 
-from . import tree as tree_mod
-from .checkpoint import (CheckpointInfo, LeafInfo, _flat_shardings, _jsonable, describe_target, host_array,
+from flax_ckpt._src import tree as tree_mod
+from flax_ckpt._src.engine.checkpoint import (CheckpointInfo, LeafInfo, _flat_shardings, _jsonable, describe_target, host_array,
                          split_path)
-from .commit import is_temporary, rename_into_place
-from .errors import (CheckpointError, CheckpointExistsError, CheckpointNotCommittedError,
+from flax_ckpt._src.commit import is_temporary, rename_into_place
+from flax_ckpt._src.errors import (CheckpointError, CheckpointExistsError, CheckpointNotCommittedError,
                      CheckpointNotFoundError, CorruptCheckpointError, InvalidManifestError,
                      LeafMismatchError, StructureMismatchError, UnsupportedLeafError, format_list)
-from .format import MANIFEST, check_relpath
-from .serializers import Shard, box_of
-from .errors import UnsupportedOrbaxCheckpointError
-from .storage import KvStorage, LocalStorage, Storage
+from flax_ckpt._src.format import MANIFEST, check_relpath
+from flax_ckpt._src.serializers import Shard, box_of
+from flax_ckpt._src.errors import UnsupportedOrbaxCheckpointError
+from flax_ckpt._src.storage import KvStorage, LocalStorage, Storage
 
 TESTED_ORBAX_VERSION = "0.12.8"
 TREE_METADATA = "_METADATA"

@@ -21,15 +21,15 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import commit as commit_mod
-from . import distributed
-from . import tree as tree_mod
-from .errors import (CheckpointError, CheckpointNotCommittedError, CheckpointNotFoundError,
+from flax_ckpt._src import commit as commit_mod
+from flax_ckpt._src import distributed as distributed
+from flax_ckpt._src import tree as tree_mod
+from flax_ckpt._src.errors import (CheckpointError, CheckpointNotCommittedError, CheckpointNotFoundError,
                      CorruptCheckpointError, InvalidManifestError, LeafMismatchError, StructureMismatchError,
                      format_list)
-from .format import MANIFEST, MAX_MANIFEST_BYTES, boxes_disjoint, decode, dtype_from_name, dtype_name, encode
-from .serializers import ArrayItem, Box, Serializer, Shard, Written, box_of, get_serializer
-from .storage import LocalStorage, Storage, split_location
+from flax_ckpt._src.format import MANIFEST, MAX_MANIFEST_BYTES, boxes_disjoint, decode, dtype_from_name, dtype_name, encode
+from flax_ckpt._src.serializers import ArrayItem, Box, Serializer, Shard, Written, box_of, get_serializer
+from flax_ckpt._src.storage import LocalStorage, Storage, split_location
 
 _IO_THREADS = 8
 _REMOTE_THREADS = 32  # object stores: reads in flight at once
@@ -230,7 +230,7 @@ def save(path: Any, tree: Any, *, metadata: Any = None, serializer: "str | Seria
 
     ``format="orbax"`` writes Orbax's layout (restorable by orbax-checkpoint; see orbax_compat)."""
     if format == "orbax":
-        from . import orbax_compat
+        from flax_ckpt._src.orbax import compat as orbax_compat
         return orbax_compat.save(path, tree, metadata=metadata)
     if format != "flax_ckpt":
         raise ValueError(f"unknown format {format!r}; use 'flax_ckpt' or 'orbax'")
@@ -573,7 +573,7 @@ def _flat_shardings(shardings: Any, keys: list[str]) -> dict[str, Any]:
 def restore(path: Any, target: Any = None, *, shardings: Any = None, partial: bool = False) -> Any:
     """Restores ``path`` into ``target``'s structure (or plain containers of numpy arrays)."""
     if _is_orbax(path):
-        from . import orbax_compat
+        from flax_ckpt._src.orbax import compat as orbax_compat
         return orbax_compat.restore(path, target, shardings=shardings, partial=partial)
     storage, body = open_checkpoint(path)
     return restore_body(storage, body, target, shardings=shardings, partial=partial)
@@ -705,13 +705,13 @@ def _is_orbax(path: Any) -> bool:
     parent, name = split_path(path)
     if parent.sub(name).exists(MANIFEST):
         return False
-    from . import orbax_compat
+    from flax_ckpt._src.orbax import compat as orbax_compat
     return orbax_compat.is_orbax(path)
 
 
 def metadata(path: Any) -> CheckpointInfo:
     if _is_orbax(path):
-        from . import orbax_compat
+        from flax_ckpt._src.orbax import compat as orbax_compat
         return orbax_compat.metadata(path)
     storage, body = open_checkpoint(path)
     return info_from_body(storage.url, body)

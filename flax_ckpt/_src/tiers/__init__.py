@@ -37,15 +37,15 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from . import checkpoint as ckpt
-from . import commit as commit_mod
-from . import tier_load as load
-from . import tier_store as store
-from . import tier_sync
-from .errors import CheckpointError, CheckpointNotFoundError, DistributedError, SaveFailedError
-from .storage import LocalStorage
-from .tier_plan import TIER_NAMES, Plan, choose, peer_shift
-from .tier_sync import Group
+from flax_ckpt._src.engine import checkpoint as ckpt
+from flax_ckpt._src import commit as commit_mod
+from flax_ckpt._src.tiers import load as load
+from flax_ckpt._src.tiers import store as store
+from flax_ckpt._src.tiers import sync as tier_sync
+from flax_ckpt._src.errors import CheckpointError, CheckpointNotFoundError, DistributedError, SaveFailedError
+from flax_ckpt._src.storage import LocalStorage
+from flax_ckpt._src.tiers.plan import TIER_NAMES, Plan, choose, peer_shift
+from flax_ckpt._src.tiers.sync import Group
 
 log = logging.getLogger("flax_ckpt")
 

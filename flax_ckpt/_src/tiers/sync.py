@@ -29,8 +29,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from . import distributed
-from .errors import CorruptCheckpointError, DistributedError
+from flax_ckpt._src import distributed as distributed
+from flax_ckpt._src.errors import CorruptCheckpointError, DistributedError
 
 _MAX_PIECE = 32 << 20
 _MIN_PIECE = 4 << 10

@@ -23,7 +23,7 @@ from urllib.parse import urlparse
 
 import tensorstore as ts
 
-from .errors import CorruptCheckpointError, StorageError
+from flax_ckpt._src.errors import CorruptCheckpointError, StorageError
 
 Buffer = Any  # anything with the buffer protocol (bytes, memoryview, C-contiguous numpy array)
 _WRITE_STEP = 1 << 30

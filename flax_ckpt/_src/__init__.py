@@ -1,0 +1,1 @@
+"""Implementation of flax_ckpt; import ``flax_ckpt`` for the public API."""
