@@ -130,7 +130,7 @@ class SnapshotReuse(Async):
     name = "flax_ckpt-numpy-snapshot-reuse"
 
     def __init__(self, state: Any):
-        from flax_ckpt._src.engine import checkpoint as checkpoint
+        from flax_ckpt._src.engine import snapshot as checkpoint
 
         self.snapshot, self.state = checkpoint.snapshot, state
         self.prev = checkpoint.snapshot(state, copy=True)

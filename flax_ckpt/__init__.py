@@ -1,13 +1,14 @@
 """flax_ckpt: preemption-safe, asynchronous, sharded, tiered checkpoints for Flax/Optax training.
 
-The public API is what this module re-exports; every other module is an implementation detail.
+The public API is what this module re-exports; everything under ``flax_ckpt._src`` is an
+implementation detail. Training-loop hooks: ``flax_ckpt.callbacks`` (also importable as ``callbacks``).
 """
 
-from flax_ckpt._src.engine.checkpoint import CheckpointInfo as CheckpointInfo
-from flax_ckpt._src.engine.checkpoint import LeafInfo as LeafInfo
-from flax_ckpt._src.engine.checkpoint import metadata as metadata
-from flax_ckpt._src.engine.checkpoint import restore as restore
-from flax_ckpt._src.engine.checkpoint import save as save
+from flax_ckpt._src.api import metadata as metadata
+from flax_ckpt._src.api import restore as restore
+from flax_ckpt._src.api import save as save
+from flax_ckpt._src.engine.leaves import CheckpointInfo as CheckpointInfo
+from flax_ckpt._src.engine.leaves import LeafInfo as LeafInfo
 from flax_ckpt._src.errors import CheckpointError as CheckpointError
 from flax_ckpt._src.errors import CheckpointExistsError as CheckpointExistsError
 from flax_ckpt._src.errors import CheckpointLockedError as CheckpointLockedError
@@ -28,6 +29,7 @@ from flax_ckpt._src.manager import RestoreStats as RestoreStats
 from flax_ckpt._src.manager import SaveStats as SaveStats
 from flax_ckpt._src.plot import plot_timeline as plot_timeline
 from flax_ckpt._src.serializers import Serializer as Serializer
+from flax_ckpt._src.storage import ObjectStoreOptions as ObjectStoreOptions
 from flax_ckpt._src.tiers import Tiers as Tiers
 
 __version__ = "0.1.0"
@@ -45,6 +47,7 @@ __all__ = [
     "InvalidManifestError",
     "LeafInfo",
     "LeafMismatchError",
+    "ObjectStoreOptions",
     "RestoreStats",
     "SaveFailedError",
     "SaveStats",
@@ -60,3 +63,7 @@ __all__ = [
     "restore",
     "save",
 ]
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__ + ["__version__"])

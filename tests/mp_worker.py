@@ -28,7 +28,10 @@ from flax.training import train_state  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSharding  # noqa: E402
 
 import flax_ckpt as fc  # noqa: E402
-from flax_ckpt._src.engine import checkpoint as ckpt  # noqa: E402
+from flax_ckpt._src import tree as tree_mod  # noqa: E402
+from flax_ckpt._src.engine import restore as engine  # noqa: E402
+from flax_ckpt._src.engine.native import open_native  # noqa: E402
+from flax_ckpt._src.format import leaf_name  # noqa: E402
 from flax_ckpt._src import distributed as distributed  # noqa: E402
 from flax_ckpt._src.serializers import box_of  # noqa: E402
 from flax_ckpt._src.serializers.raw import RawSerializer  # noqa: E402
@@ -126,12 +129,12 @@ def needed_bytes(body: dict, shard_tree: Any) -> int:
     """Bytes the raw reader must read for this process's boxes: each stored chunk that overlaps a box
     a local device needs, once (boxes that tile one bounding box are read together; tiny chunks lie in
     one crc block, so they are read whole)."""
-    by_name = {ckpt.leaf_name(r): r for r in body["leaves"]}
+    by_name = {leaf_name(r): r for r in body["leaves"]}
     total = 0
-    for path, sharding in ckpt.tree_mod.flatten(shard_tree)[0]:
+    for path, sharding in tree_mod.flatten(shard_tree)[0]:
         if not isinstance(sharding, jax.sharding.Sharding):
             continue
-        rec = by_name[ckpt.tree_mod.keystr(path)]
+        rec = by_name[tree_mod.keystr(path)]
         shape = tuple(rec["shape"])
         boxes = {box_of(i, shape) for i in sharding.addressable_devices_indices_map(shape).values()}
         for ch in rec["chunks"]:
@@ -184,8 +187,9 @@ def mode_restore(cfg: dict) -> dict:
     for layout in cfg["layouts"]:
         sh = shardings(host, layout)
         storage = CountingStorage(os.path.join(cfg["dir"], "ts"))
-        body = ckpt.read_manifest(storage)
-        got = ckpt.restore_body(storage, body, abstract(host, sh))
+        source = open_native(storage)
+        body = source.body
+        got = engine.restore(source, abstract(host, sh))
         check_bit_exact(got, host, sh)
         stored = sum(ch["nbytes"] for r in body["leaves"] for ch in r.get("chunks", []))
         out[layout] = {"read": storage.counter[0], "needed": needed_bytes(body, sh), "stored": stored}

@@ -21,14 +21,14 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import flax_ckpt as fc
 from flax_ckpt._src import tools as fi
-from flax_ckpt._src.orbax import compat as orbax_compat
+from flax_ckpt._src.commit import ORBAX_TMP_MARK
+from flax_ckpt._src.engine.snapshot import snapshot
+from flax_ckpt._src.orbax import locate, write
+from flax_ckpt._src.storage import open_storage
 from flax_ckpt._src.cli import build_parser
 from flax_ckpt._src.manager import CheckpointManager
 
 SCRIPT = os.path.join(os.path.dirname(sys.executable), "flax-ckpt")
-ORBAX_READY = hasattr(orbax_compat, "save") and hasattr(orbax_compat, "restore")
-needs_orbax = pytest.mark.skipif(not ORBAX_READY, reason="flax_ckpt.orbax_compat (issue 7) is not written yet: "
-                                 "it has no save/restore, and is_orbax always answers False")
 
 
 def run(*args: str, module: bool = False) -> subprocess.CompletedProcess:
@@ -312,7 +312,6 @@ def test_convert_library_native_to_zarr3_and_safetensors_errors(ck, tmp_path):
 
 # ------------------------------------------------------------------------------------------ orbax
 
-@needs_orbax
 def test_orbax_layout_info_convert_both_ways_and_diff(ck, tmp_path):
     ob = str(tmp_path / "orbax")
     assert run_json("convert", ck["s3"], ob, "--to", "orbax")["to"] == "orbax"
@@ -327,7 +326,6 @@ def test_orbax_layout_info_convert_both_ways_and_diff(ck, tmp_path):
     assert fi.diff(ck["s3"], ob).identical and fi.diff(ob, back).identical
 
 
-@needs_orbax
 def test_checkpoint_written_by_orbax_itself_and_a_damaged_one(tmp_path):
     ocp = pytest.importorskip("orbax.checkpoint")
     ob = str(tmp_path / "real")
@@ -350,18 +348,17 @@ def test_checkpoint_written_by_orbax_itself_and_a_damaged_one(tmp_path):
     assert damaged.returncode == 1 and "DAMAGED" in damaged.stdout
 
 
-@needs_orbax
 def test_ls_and_prune_an_orbax_manager_directory(tmp_path):
     d = tmp_path / "om"
     for s in (1, 2, 3):
-        orbax_compat.save_step(d, s, {"w": np.full(3, float(s))}, metrics={"loss": 1.0 / s})
-    os.makedirs(d / f"4{orbax_compat.TMP_SUFFIX}-123")
+        write.save_step(open_storage(d), s, snapshot({"w": np.full(3, float(s))}), metrics={"loss": 1.0 / s})
+    os.makedirs(d / f"4{ORBAX_TMP_MARK}-123")
     entries = fi.list_steps(d)
     assert [(e.step, e.state, e.format) for e in entries] == [
         (1, "committed", "orbax"), (2, "committed", "orbax"), (3, "committed", "orbax"), (4, "in-flight", None)]
     assert entries[1].metrics == {"loss": 0.5}
     r = fi.prune(d, keep=2)
-    assert (r.deleted, r.kept) == ([1], [2, 3]) and sorted(orbax_compat.list_steps(d)) == [2, 3]
+    assert (r.deleted, r.kept) == ([1], [2, 3]) and sorted(locate.step_dirs(open_storage(d))) == [2, 3]
 
 
 # --------------------------------------------------------------------------------------- prune

@@ -25,7 +25,9 @@ import numpy as np
 import pytest
 
 import flax_ckpt as fc
-from flax_ckpt._src.engine import checkpoint as ckpt
+from flax_ckpt._src.engine.native import open_native
+from flax_ckpt._src.format import dtype_from_name, leaf_name
+from flax_ckpt._src.storage import LocalStorage
 
 WORKER = str(Path(__file__).with_name("mp_worker.py"))
 JOB_TIMEOUT_S = 100
@@ -129,20 +131,20 @@ def restored(saved) -> dict[str, list[dict]]:
 @pytest.mark.timeout(150)
 def test_two_processes_write_their_own_shards_once(saved):
     d, _ = saved
-    _, body = ckpt.open_checkpoint(str(d / "ts"))
+    body = open_native(LocalStorage(d / "ts")).body
     assert body["process_count"] == 2 and body["step"] == 1
     tags = {name.split("/")[1].split(".")[0] for name in body["files"]}
     assert tags == {"p0", "p1"}  # each process wrote its own files
     arrays = [r for r in body["leaves"] if "chunks" in r]
-    array_bytes = sum(int(np.prod(r["shape"])) * np.dtype(ckpt.dtype_from_name(r["dtype"])).itemsize
+    array_bytes = sum(int(np.prod(r["shape"])) * np.dtype(dtype_from_name(r["dtype"])).itemsize
                       for r in arrays)
     assert sum(body["files"].values()) == array_bytes  # replicated shards were written exactly once
     # bias is P("model"): both halves live on process 0's devices (mesh row data=0, replica 0) and
     # again on process 1's (data=1, replica 1); only process 0 writes them
-    bias = next(r for r in arrays if ckpt.leaf_name(r) == "params/dense/bias")
+    bias = next(r for r in arrays if leaf_name(r) == "params/dense/bias")
     assert sorted(tuple(map(tuple, c["index"])) for c in bias["chunks"]) == [((0, 4),), ((4, 8),)]
     assert sorted(c["file"].split(".")[0] for c in bias["chunks"]) == ["data/p0", "data/p0"]
-    kernel = next(r for r in arrays if ckpt.leaf_name(r) == "params/dense/kernel")  # P("data", "model")
+    kernel = next(r for r in arrays if leaf_name(r) == "params/dense/kernel")  # P("data", "model")
     assert sorted(c["file"].split(".")[0] for c in kernel["chunks"]) == ["data/p0"] * 2 + ["data/p1"] * 2
     assert not [e for e in os.listdir(d) if ".tmp-" in e]
 

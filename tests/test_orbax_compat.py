@@ -21,13 +21,68 @@ from flax.training import train_state
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import flax_ckpt as fc
-from flax_ckpt._src.orbax import compat as oc
+from flax_ckpt._src import commit
+from flax_ckpt._src.engine.snapshot import snapshot
+from flax_ckpt._src.orbax import OrbaxLayout, locate, write
+from flax_ckpt._src.storage import open_storage, split_location
 
 ocp = pytest.importorskip("orbax.checkpoint")
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # orbax: "Sharding info not provided"
 
 VARIANTS = [(True, True), (True, False), (False, True), (False, False)]  # (use_ocdbt, use_zarr3)
+
+
+def _folder(path):
+    parent, name = split_location(path)
+    return parent.sub(name)
+
+
+class oc:
+    """The Orbax-layout internals these tests exercise, by path."""
+
+    UnsupportedOrbaxCheckpointError = fc.UnsupportedOrbaxCheckpointError
+    is_temporary_name = staticmethod(commit.is_temporary)
+
+    @staticmethod
+    def is_orbax(path):
+        return locate.is_orbax(_folder(path))
+
+    @staticmethod
+    def list_steps(root):
+        return sorted(locate.step_dirs(open_storage(root)))
+
+    @staticmethod
+    def step_path(root, step):
+        return locate.step_folder(open_storage(root), step).url
+
+    @staticmethod
+    def read_step_metrics(root, step):
+        return locate.step_metrics(locate.locate(locate.step_folder(open_storage(root), step)))
+
+    @staticmethod
+    def step_item_path(root, step):
+        """The folder to restore for ``step``: its one pytree item, or the step folder with several."""
+        located = locate.locate(locate.step_folder(open_storage(root), step))
+        return next(iter(located.items.values())).url if len(located.items) == 1 else located.storage.url
+
+    @staticmethod
+    def json_items(path):
+        return locate.json_items(locate.locate(_folder(path)))
+
+    @staticmethod
+    def snapshot(tree):
+        return OrbaxLayout().snapshot(tree, copy=True)
+
+    @staticmethod
+    def save(path, tree, **options):
+        parent, name = split_location(path)
+        write.save_item(parent, name, snapshot(tree, copy=False), **options)
+
+    @staticmethod
+    def save_step(root, step, tree, **options):
+        snap = tree if hasattr(tree, "leaves") and hasattr(tree, "nbytes") else oc.snapshot(tree)
+        return write.save_step(open_storage(root), step, snap, **options)
 
 
 # ----------------------------------------------------------------------------------------- helpers

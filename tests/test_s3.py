@@ -18,9 +18,11 @@ import tensorstore as ts
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import flax_ckpt as fc
-from flax_ckpt._src.engine import checkpoint as ckpt
+from flax_ckpt._src.engine import restore as engine
+from flax_ckpt._src.engine.native import NativeLayout, open_native
+from flax_ckpt._src.engine.snapshot import snapshot
 from flax_ckpt._src import commit as commit_mod
-from flax_ckpt._src import storage as storage_mod
+from flax_ckpt._src.storage import kv as storage_mod
 from flax_ckpt._src.format import MANIFEST
 from flax_ckpt._src.serializers import get_serializer
 from flax_ckpt._src.storage import KvStorage, LocalStorage, ObjectStoreOptions, open_storage, split_location
@@ -101,9 +103,9 @@ def test_kvstore_spec_and_explicit_options_without_credentials_in_env(s3: S3Plac
     parent = open_storage({"driver": "s3", "bucket": s3.bucket, "path": s3.prefix}, options=opts)
     assert parent.url == s3.url and parent.spec["aws_region"] == "us-east-1"
     tree = small_tree(2)
-    ckpt.persist(ckpt.snapshot(tree), parent, "ck", get_serializer("raw"), step=None, metrics=None, metadata=None)
+    NativeLayout(get_serializer("raw")).persist(snapshot(tree), parent, "ck", step=None, metrics=None, metadata=None)
     folder = parent.sub("ck")
-    assert_bit_exact(ckpt.restore_body(folder, ckpt.read_manifest(folder), tree), tree)
+    assert_bit_exact(engine.restore(open_native(folder), tree), tree)
     again, name = split_location(folder)
     assert (again.url, name) == (s3.url, "ck") and again.exists(f"ck/{MANIFEST}")
 
@@ -140,7 +142,7 @@ def test_commit_refuses_a_commit_object_written_meanwhile(s3: S3Place):
     parent.sub("ck").write("data/x.bin", [b"x"])
     s3.server.put(s3.bucket, f"{s3.prefix}/ck/{MANIFEST}", b"another writer's commit")
     with pytest.raises(fc.CheckpointExistsError, match="committed by another writer"):
-        commit_mod.commit(parent, "ck", "ck", b"ours")
+        commit_mod.commit(parent, "ck", "ck", MANIFEST, b"ours")
     assert s3.server.get(s3.bucket, f"{s3.prefix}/ck/{MANIFEST}") == b"another writer's commit"
 
 
@@ -152,12 +154,12 @@ def test_delete_removes_the_commit_object_first(s3_faulty: S3Place):
                                     and MANIFEST not in p)
     s3_faulty.proxy.reset_stats()
     with pytest.raises(fc.StorageError, match=f"{s3_faulty.url}/ck"):
-        commit_mod.remove(parent, "ck")
+        commit_mod.remove(parent, "ck", MANIFEST)
     deletes = [e for e in s3_faulty.proxy.log if e[0] == "begin" and e[1] in ("DELETE", "POST")]
     assert MANIFEST in deletes[0][2]
-    assert not commit_mod.is_committed(parent, "ck") and any(k.startswith("ck/data/") for k in s3_faulty.keys())
+    assert not commit_mod.is_committed(parent, "ck", MANIFEST) and any(k.startswith("ck/data/") for k in s3_faulty.keys())
     s3_faulty.proxy.faults = Faults()
-    commit_mod.remove(parent, "ck")  # a retry finishes the job
+    commit_mod.remove(parent, "ck", MANIFEST)  # a retry finishes the job
     assert s3_faulty.keys() == []
 
 
@@ -205,7 +207,7 @@ def test_random_faults_never_commit_a_corrupt_checkpoint(s3_faulty: S3Place, mon
             assert s3_faulty.url in str(e)
             outcomes.append("failed")
         s3_faulty.proxy.faults = Faults()
-        if commit_mod.is_committed(open_storage(s3_faulty.url), str(i)):
+        if commit_mod.is_committed(open_storage(s3_faulty.url), str(i), MANIFEST):
             assert_bit_exact(fc.restore(path, tree), tree)  # committed => complete and correct
         else:
             assert outcomes[-1] == "failed"
@@ -300,7 +302,7 @@ def test_two_process_sharded_save_and_manager_over_s3(s3: S3Place, tmp_path):
     finally:
         job.kill()
     assert [r["steps"] for r in results] == [[2, 3], [2, 3]]
-    _, body = ckpt.open_checkpoint(f"{s3.url}/ts")
+    body = open_native(open_storage(f"{s3.url}/ts")).body
     assert body["process_count"] == 2
     assert {name.split("/")[1].split(".")[0] for name in body["files"]} == {"p0", "p1"}
     assert not [k for k in s3.keys("ts") if k.startswith("ts/parts/")]  # the per-process parts are merged

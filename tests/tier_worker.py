@@ -33,7 +33,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import flax_ckpt as fc  # noqa: E402
 from flax_ckpt._src import distributed as distributed
-from flax_ckpt._src.tiers import store as tier_store  # noqa: E402
+from flax_ckpt._src.storage import local as storage_local  # noqa: E402
 from flax_ckpt._src.serializers.raw import RawSerializer  # noqa: E402
 
 
@@ -97,13 +97,13 @@ def install_crash(cfg: dict[str, Any]) -> Any:
         return None
     if crash["at"] == "migrate":
         return KillInWrite(crash["write"])
-    real = tier_store.fsync_dir
+    real = storage_local.fsync_dir
 
     def fsync_dir(path: str) -> None:
         if f"{os.sep}local{os.sep}{crash['step']}{'.tmp-'}" in path:
             os.kill(os.getpid(), signal.SIGKILL)
         real(path)
-    tier_store.fsync_dir = fsync_dir
+    storage_local.fsync_dir = fsync_dir  # what LocalStorage.sync calls before the commit's rename
     return None
 
 

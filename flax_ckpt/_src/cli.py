@@ -170,9 +170,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    import flax_ckpt as fc
+    from flax_ckpt._src import api
 
-    info = fc.metadata(args.path)
+    info = api.metadata(args.path)
     leaves = [{"key": k, "kind": v.kind, "dtype": None if v.dtype is None else v.dtype.name,
                "shape": None if v.shape is None else list(v.shape), "nbytes": v.nbytes, "sharding": v.sharding}
               for k, v in info.leaves.items()]

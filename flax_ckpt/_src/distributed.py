@@ -41,19 +41,14 @@ _rounds: dict[str, int] = {}  # key prefix -> how many rounds this process has r
 _unacked: list[str] = []      # process 0: rounds whose keys are deleted once every peer has acked
 
 
-def _started() -> bool:
-    """Whether asking jax for processes is free: never initializes backends (which would make a later
-    jax.distributed.initialize fail, and costs time in a single-process job that has none yet)."""
-    from jax._src import distributed as jd, xla_bridge
-    return jd.global_state.client is not None or xla_bridge.backends_are_initialized()
-
-
 def process_index() -> int:
-    return jax.process_index() if _started() else 0
+    """This process's index; 0 unless jax.distributed is initialized (asking jax would otherwise
+    initialize its backends, which a later jax.distributed.initialize refuses)."""
+    return jax.process_index() if jax.distributed.is_initialized() else 0
 
 
 def process_count() -> int:
-    return jax.process_count() if _started() else 1
+    return jax.process_count() if jax.distributed.is_initialized() else 1
 
 
 def set_timeout(seconds: float) -> None:
@@ -71,7 +66,9 @@ def timeout_s() -> float:
 
 
 def _client() -> Any:
-    from jax._src.distributed import global_state
+    """The jax.distributed key-value client. jax has no public accessor for it (multihost_utils uses
+    this same private attribute); this function is the only place flax_ckpt touches ``jax._src``."""
+    from jax._src.distributed import global_state  # no public accessor (jax 0.10)
     if global_state.client is None:
         raise DistributedError(f"{process_count()} processes but jax.distributed is not initialized; call "
                                "jax.distributed.initialize() in every process before saving")
@@ -115,11 +112,45 @@ def _present(prefix: str) -> set[str]:
         return set()
 
 
+def allgather(prefix: str, what: str, value: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every process's ``value`` (JSON), in process order, for the next round under ``prefix``; every
+    process must call it for the same rounds in the same order. DistributedError naming the process
+    that did not answer within the timeout, or that is at another point (``what``) of the protocol."""
+    count, index = process_count(), process_index()
+    if count == 1:
+        return [value]
+    key = _next_round(prefix)
+    client = _client()
+    client.key_value_set(f"{key}/p{index}", json.dumps({"what": what, "value": value}))
+    out = []
+    for j in range(count):
+        try:
+            raw = client.blocking_key_value_get(f"{key}/p{j}", int(_timeout_s * 1000))
+        except Exception as e:
+            raise DistributedError(f"{prefix} ({what}, round {key.rsplit('/', 1)[-1]}): process {j} of {count} "
+                                   f"did not answer within {_timeout_s:g} s (dead, hung, or not running the same "
+                                   f"saves and restores?): {e}") from None
+        msg = json.loads(raw)
+        if msg["what"] != what:
+            raise DistributedError(f"{prefix} round {key.rsplit('/', 1)[-1]}: process {j} is at {msg['what']!r}, "
+                                   f"this process at {what!r}; every process must save and restore the same steps")
+        out.append(msg["value"])
+    n = int(key.rsplit("/", 1)[-1])
+    if index == 0 and n > 0:  # everyone has published round n, so all have read round n-1
+        try:
+            client.key_value_delete(f"{prefix}/{n - 1}/")
+        except Exception:
+            pass
+    return out
+
+
 # ------------------------------------------------------------------------------------------- saves
 
-def tree_digest(leaves: list[dict[str, Any]]) -> str:
-    """Structure of a snapshot (paths, kinds, dtypes, shapes): every process must save the same tree."""
-    rows = [[r["path"], r["kind"], r.get("dtype"), r.get("shape")] for r in leaves]
+def tree_digest(leaves: list[Any]) -> str:
+    """Structure of a snapshot (key paths, kinds, dtypes, shapes of its LeafRecords): every process must
+    save the same tree."""
+    rows = [[[list(e) for e in r.path], r.kind, r.dtype.name if r.dtype is not None else None,
+             list(r.shape) if r.shape is not None else None] for r in leaves]
     return f"{crc32c.crc32c(json.dumps(rows).encode()):08x}"
 
 

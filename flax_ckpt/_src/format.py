@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import posixpath
+from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
 import crc32c
@@ -53,45 +54,85 @@ def dtype_name(dt: np.dtype) -> str:
     return np.dtype(dt).name
 
 
-def encode(body: dict[str, Any], *, check: bool = False) -> bytes:
-    """The manifest file's bytes: a header with the crc32c of the canonical body, then the body.
+def seal(body: dict[str, Any], *, name: str, version: int) -> bytes:
+    """A JSON document whose body is covered by a crc32c: ``{"format", "version", "crc32c", "body"}``,
+    the body written canonically (sorted keys, no spaces) last, so that a reader finds and checks its
+    bytes without parsing twice. One codec for every checksummed JSON file flax_ckpt writes (the
+    manifest, the memory tiers' indexes)."""
+    canon = json.dumps(body, sort_keys=True, separators=(",", ":"))
+    head = {"format": name, "version": version, "crc32c": crc32c.crc32c(canon.encode())}
+    return (json.dumps(head)[:-1] + _BODY + canon + "}\n").encode()
 
-    ``check`` (saves): first validate ``body`` as restore will, so that nothing is committed that
-    could not be read back (a tree nested deeper than MAX_PATH_DEPTH, metadata deeper than
-    MAX_JSON_DEPTH, ...)."""
+
+_BODY = ', "body": '
+
+
+def unseal(raw: bytes | memoryview, *, name: str, version: int, where: str, what: str = "manifest",
+           error: type[CheckpointError] = InvalidManifestError, max_bytes: int = 256 << 20) -> dict[str, Any]:
+    """The verified body of a sealed document; ``error`` (naming ``where``) when it is not valid JSON,
+    not of format ``name``/``version``, or its body's checksum does not match."""
+    raw = bytes(raw)
+    if len(raw) > max_bytes:
+        raise error(f"{where}: {what} of {len(raw)} bytes exceeds {max_bytes}")
+    doc, crc = _fast_parse(raw)
+    if doc is None:
+        try:
+            doc = json.loads(raw)
+        except (ValueError, RecursionError) as e:
+            raise error(f"{where}: not valid JSON ({e}); the checkpoint is damaged") from None
+    if not isinstance(doc, dict) or doc.get("format") != name:
+        raise error(f"{where}: not a {name} {what} (no \"format\": \"{name}\")")
+    found = doc.get("version")
+    if type(found) is not int or found != version:  # not True or 1.0
+        raise error(f"{where}: unknown format version {found!r}; this flax_ckpt reads version {version}. "
+                    "Upgrade flax_ckpt to read it.")
+    body = doc.get("body")
+    if not isinstance(body, dict):
+        raise error(f"{where}: {what} has no body object")
+    if crc is None:
+        crc = crc32c.crc32c(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
+    if crc != doc.get("crc32c"):
+        raise error(f"{where}: {what} checksum mismatch (expected {doc.get('crc32c')!r}, found {crc}); "
+                    f"the {what} was modified or damaged")
+    return body
+
+
+def _fast_parse(raw: bytes) -> tuple[dict[str, Any] | None, int | None]:
+    """As ``seal`` writes it: the head and the body parsed apart, the body's crc32c taken over its own
+    bytes (they are the canonical form). (None, None) for anything else: the caller parses it whole."""
+    at = raw.find(_BODY.encode())
+    if at < 0 or not raw.endswith(b"}\n"):
+        return None, None
+    body_bytes = raw[at + len(_BODY):-2]
+    try:
+        head = json.loads(raw[:at] + b"}")
+        if not isinstance(head, dict) or set(head) != {"format", "version", "crc32c"}:
+            return None, None
+        crc = crc32c.crc32c(body_bytes)
+        if crc != head["crc32c"]:
+            return None, None  # the slow path reports the mismatch (or finds another layout fine)
+        body = json.loads(body_bytes)
+    except (ValueError, RecursionError):
+        return None, None
+    return dict(head, body=body), crc
+
+
+def encode(body: dict[str, Any], *, check: bool = False) -> bytes:
+    """The manifest file's bytes (``seal``ed). ``check`` (saves): first validate ``body`` as restore
+    will, so that nothing is committed that could not be read back (a tree nested deeper than
+    MAX_PATH_DEPTH, metadata deeper than MAX_JSON_DEPTH, ...)."""
     if check:
         try:
             validate_body(body, "the manifest being written")
         except InvalidManifestError as e:
             raise CheckpointError(f"cannot save: restore would refuse this checkpoint ({e}); "
                                   "nothing was committed") from None
-    canon = json.dumps(body, sort_keys=True, separators=(",", ":"))
-    head = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "crc32c": crc32c.crc32c(canon.encode())}
-    return (json.dumps(head)[:-1] + ', "body": ' + canon + "}\n").encode()
+    return seal(body, name=FORMAT_NAME, version=FORMAT_VERSION)
 
 
 def decode(raw: bytes, where: str) -> dict[str, Any]:
     """Parses and verifies a manifest file; returns its validated body."""
-    if len(raw) > MAX_MANIFEST_BYTES:
-        raise InvalidManifestError(f"{where}: manifest of {len(raw)} bytes exceeds {MAX_MANIFEST_BYTES}")
-    try:
-        doc = json.loads(raw)
-    except (ValueError, RecursionError) as e:
-        raise InvalidManifestError(f"{where}: not valid JSON ({e}); the checkpoint is damaged") from None
-    if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
-        raise InvalidManifestError(f"{where}: not a flax_ckpt manifest (no \"format\": \"{FORMAT_NAME}\")")
-    version = doc.get("version")
-    if type(version) is not int or version != FORMAT_VERSION:  # not True or 1.0
-        raise InvalidManifestError(
-            f"{where}: unknown format version {version!r}; this flax_ckpt reads version {FORMAT_VERSION}. "
-            "Upgrade flax_ckpt to read it.")
-    body = doc.get("body")
-    if not isinstance(body, dict):
-        raise InvalidManifestError(f"{where}: manifest has no body object")
-    canon = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
-    if crc32c.crc32c(canon) != doc.get("crc32c"):
-        raise InvalidManifestError(f"{where}: manifest checksum mismatch (expected {doc.get('crc32c')!r}, "
-                                   f"found {crc32c.crc32c(canon)}); the manifest was modified or damaged")
+    body = unseal(raw, name=FORMAT_NAME, version=FORMAT_VERSION, where=where, max_bytes=MAX_MANIFEST_BYTES)
     validate_body(body, where)
     return body
 
@@ -302,3 +343,125 @@ def check_tree(paths: list[list], c: _Check) -> None:
             node = child
     if sum(n.top + 1 for n in lists) > len(paths) + MAX_LIST_GAPS:
         c.fail("leaves", "sequence indices leave more gaps than any saved tree has")
+
+
+# ------------------------------------------------------------------------------------------ records
+
+@dataclass(frozen=True, eq=False)
+class LeafRecord:
+    """One leaf as a checkpoint holds it, whatever the layout (native manifest, Orbax ``_METADATA``,
+    memory-tier index): the typed form the engine checks targets against and reads from.
+
+    ``kind`` is one of LEAF_KINDS. Arrays ("jax", "numpy", "prng_key") have ``dtype`` and the stored
+    ``shape`` (for PRNG keys including the trailing ``key_shape`` of the key data, with ``key_impl``),
+    their ``sharding`` description and ``chunks``, the records of whoever stores their bytes (a
+    serializer; validated by it). ``python``: an array that is a Python number stored as a 0-d array
+    (Orbax's "scalar"), given back as a number. Other kinds carry ``value``: the Python number
+    ("scalar"), the text ("string") or the empty container's kind ("empty": one of EMPTY_KINDS)."""
+
+    path: tuple[tuple[str, Any], ...]
+    kind: str
+    dtype: np.dtype | None = None
+    shape: tuple[int, ...] | None = None
+    key_impl: str | None = None
+    key_shape: tuple[int, ...] | None = None
+    sharding: dict[str, Any] | None = None
+    chunks: tuple[dict[str, Any], ...] = ()
+    value: Any = None
+    python: bool = False
+
+    @property
+    def name(self) -> str:
+        """The key path as a string ('params/dense/kernel'): what leaves are matched and named by."""
+        n = self.__dict__.get("_name")
+        if n is None:
+            n = keystr(self.path)
+            object.__setattr__(self, "_name", n)
+        return n
+
+    @property
+    def is_array(self) -> bool:
+        return self.kind in ARRAY_KINDS
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize if self.is_array else 0
+
+    @property
+    def logical_shape(self) -> tuple[int, ...] | None:
+        """The shape a user sees: for a PRNG key array, without the key data's trailing dimensions."""
+        if self.kind == "prng_key":
+            return self.shape[:len(self.shape) - len(self.key_shape)]
+        return self.shape
+
+    def with_chunks(self, chunks: Sequence[dict[str, Any]]) -> "LeafRecord":
+        return LeafRecord(self.path, self.kind, self.dtype, self.shape, self.key_impl, self.key_shape, self.sharding,
+                          tuple(chunks), self.value, self.python)
+
+    def describe(self) -> str:
+        """As error messages show it: float32[4,6], key<threefry2x32>[2], Python int, str, None, {}."""
+        if self.kind in ("jax", "numpy"):
+            text = f"{self.dtype.name}{list(self.shape)}".replace(" ", "")
+            return f"Python scalar ({text})" if self.python else text
+        if self.kind == "prng_key":
+            return f"key<{self.key_impl}>{list(self.logical_shape)}".replace(" ", "")
+        if self.kind == "scalar":
+            return f"Python {type(self.value).__name__}"
+        if self.kind == "string":
+            return "str"
+        return {"none": "None", "dict": "{}", "list": "[]", "tuple": "()"}[self.value]
+
+    # The manifest's JSON form (see validate_leaf for its schema).
+
+    def to_json(self) -> dict[str, Any]:
+        rec: dict[str, Any] = {"path": [[k, v] for k, v in self.path], "kind": self.kind}
+        if self.kind == "empty":
+            rec["empty"] = self.value
+        elif self.kind == "string":
+            rec["value"] = self.value
+        elif self.kind == "scalar":  # ints and bools exactly in JSON, floats as their bytes (NaN payloads, -0.0)
+            py = type(self.value).__name__
+            rec["py_type"] = py
+            rec["value"] = self.value if py in ("bool", "int") else \
+                np.asarray(self.value, np.float64 if py == "float" else np.complex128).tobytes().hex()
+        else:
+            if self.kind == "prng_key":
+                rec["key_impl"], rec["key_shape"] = self.key_impl, list(self.key_shape)
+            rec.update(dtype=self.dtype.name, shape=list(self.shape), sharding=self.sharding,
+                       chunks=list(self.chunks))
+        return rec
+
+    @staticmethod
+    def from_json(rec: dict[str, Any]) -> "LeafRecord":
+        """The record of a validated manifest leaf (validate_leaf)."""
+        path = tuple((k, v) for k, v in rec["path"])
+        kind = rec["kind"]
+        if kind == "empty":
+            return LeafRecord(path, kind, value=rec["empty"])
+        if kind == "string":
+            return LeafRecord(path, kind, value=rec["value"])
+        if kind == "scalar":
+            py, v = rec["py_type"], rec["value"]
+            if py in ("bool", "int"):
+                return LeafRecord(path, kind, value=v)
+            dt = np.float64 if py == "float" else np.complex128
+            return LeafRecord(path, kind, value={"float": float, "complex": complex}[py](
+                np.frombuffer(bytes.fromhex(v), dt)[0]))
+        key_shape = tuple(rec["key_shape"]) if kind == "prng_key" else None
+        return LeafRecord(path, kind, dtype_from_name(rec["dtype"]), tuple(rec["shape"]), rec.get("key_impl"),
+                          key_shape, rec.get("sharding"), tuple(rec.get("chunks", ())))
+
+
+ARRAY_KINDS = ("jax", "numpy", "prng_key")  # leaf kinds with a dtype, a shape and chunks
+
+
+def leaf_name(rec: dict[str, Any]) -> str:
+    """The key path string of a leaf record in its JSON form (a manifest's or a memory-tier index's)."""
+    return keystr([tuple(e) for e in rec["path"]])
+
+
+def keystr(path: Sequence[tuple[str, Any]]) -> str:
+    """'params/dense/kernel'; '/' and '%' inside keys are escaped so the string identifies the leaf."""
+    if not path:
+        return "<root>"
+    return "/".join(str(k).replace("%", "%25").replace("/", "%2F") for _, k in path)

@@ -1,65 +1,42 @@
 """CheckpointManager: when to save, what to keep, and which step to restore.
 
-Scope: scheduling (``save_interval_steps``, ``force``), retention (``steps_to_delete``, a pure function
+Scope: scheduling (``save_interval_steps``, ``force``), retention (retention.py's ``steps_to_delete``,
 shared with the CLI's prune), latest/best bookkeeping rebuilt from the directory, the directory lock,
-cleanup of crashed saves, per-save statistics, and restore with fallback to an older good step. The
-path of a save: ``save`` -> checkpoint.snapshot (caller's thread) -> AsyncWriter.submit -> ``_persist``
--> checkpoint.persist -> serializer.write -> storage.write.
+cleanup of crashed saves, per-save statistics, and restore with fallback to an older good step. Steps
+are written in one format (formats.Layout) and read in whichever format each step folder has. The path
+of a save: ``save`` (snapshot, caller's thread) -> AsyncWriter.submit -> ``_persist`` -> Layout.persist
+-> serializer.write -> storage.write.
 """
 
 from __future__ import annotations
 
 import fcntl
+import functools
 import logging
-import math
 import os
 import threading
 import uuid
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Iterable, Literal
+from typing import Any, Literal
 
-from flax_ckpt._src.engine import checkpoint as ckpt
 from flax_ckpt._src import commit as commit_mod
-from flax_ckpt._src import distributed as distributed
-from flax_ckpt._src.orbax import compat as orbax_compat
+from flax_ckpt._src import distributed, formats
+from flax_ckpt._src.engine import restore as engine
+from flax_ckpt._src.engine.leaves import CheckpointInfo
+from flax_ckpt._src.engine.snapshot import Snapshot, jsonable
 from flax_ckpt._src.errors import (CheckpointError, CheckpointLockedError, CheckpointNotFoundError, CorruptCheckpointError,
-                     InvalidManifestError, StorageError)
-from flax_ckpt._src.serializers import Serializer, get_serializer
-from flax_ckpt._src.storage import LocalStorage, Storage, open_storage
-from flax_ckpt._src.tiers.store import TierSnapshot
-from flax_ckpt._src.tiers import TierSet, Tiers
+                                   InvalidManifestError, StorageError)
 from flax_ckpt._src.interval import AutoInterval
+from flax_ckpt._src.retention import finite, steps_to_delete
+from flax_ckpt._src.serializers import Serializer
+from flax_ckpt._src.storage import ObjectStoreOptions, Storage, open_storage
+from flax_ckpt._src.tiers import TierSet, Tiers
+from flax_ckpt._src.tiers.store import TierSnapshot
 from flax_ckpt._src.writer import AsyncWriter
 
 log = logging.getLogger("flax_ckpt")
 LOCK_FILE = ".flax_ckpt.lock"
-
-
-def steps_to_delete(steps: Iterable[int], *, max_to_keep: int | None = None, keep_period: int | None = None,
-                    metrics: dict[int, float | None] | None = None, best_mode: Literal["min", "max"] = "min",
-                    keep_best: int | None = None) -> list[int]:
-    """The committed steps that retention removes, oldest first.
-
-    Kept: the newest step always; the newest ``max_to_keep`` (all, when None); every step divisible by
-    ``keep_period``; the ``keep_best`` best steps by ``metrics`` (steps without a value never count).
-    """
-    steps = sorted(set(steps))
-    if not steps or max_to_keep is None:
-        return []
-    keep = set(steps[-max(1, max_to_keep):]) if max_to_keep > 0 else {steps[-1]}
-    keep.add(steps[-1])
-    if keep_period:
-        keep.update(s for s in steps if s % keep_period == 0)
-    if keep_best and metrics:
-        scored = [(v, s) for s, v in metrics.items() if s in steps and _finite(v)]
-        scored.sort(key=lambda vs: (vs[0] if best_mode == "min" else -vs[0], -vs[1]))
-        keep.update(s for _, s in scored[:keep_best])
-    return [s for s in steps if s not in keep]
-
-
-def _finite(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 @dataclass(frozen=True)
@@ -124,11 +101,13 @@ class DirectoryLock:
 class CheckpointManager:
     """Periodic, asynchronous, retained checkpoints of a training run in ``directory``.
 
-    Each option has one meaning: ``save_interval_steps`` (save steps divisible by it), ``max_to_keep``
-    (newest N kept; None keeps all), ``keep_period`` (steps divisible by it kept forever),
-    ``best_metric``/``best_mode``/``keep_best`` (the best N by that metric also kept), ``async_save``,
-    ``serializer`` ('raw', 'zarr3' or an instance), ``strict`` (restore(step=None) raises on a damaged
-    newest step instead of falling back to an older one with a warning).
+    Each option has one meaning: ``save_interval_steps`` (save steps divisible by it; "auto": see
+    interval.py), ``max_to_keep`` (newest N kept; None keeps all), ``keep_period`` (steps divisible by
+    it kept forever), ``best_metric``/``best_mode``/``keep_best`` (the best N by that metric also kept),
+    ``async_save``, ``serializer`` ('raw', 'zarr3' or an instance), ``strict`` (restore(step=None)
+    raises on a damaged newest step instead of falling back to an older one with a warning),
+    ``format`` ("native" or "orbax": the layout new steps are written in), ``tiers`` (memory tiers,
+    fc.Tiers), ``storage_options`` (fc.ObjectStoreOptions: how to reach s3:// and gs://).
     """
 
     def __init__(self, directory: Any, *, save_interval_steps: "int | Literal['auto']" = 1,
@@ -136,9 +115,9 @@ class CheckpointManager:
                  keep_period: int | None = None, best_metric: str | None = None,
                  best_mode: Literal["min", "max"] = "min", keep_best: int | None = None,
                  async_save: bool = True, serializer: "str | Serializer | None" = None, tiers: Any = None,
-                 strict: bool = False, metadata: Any = None, format: Literal["flax_ckpt", "orbax"] = "flax_ckpt",
-                 overhead_budget: float = 0.01,
-                 mtbf_s: float | None = None, metric_writer: Any = None):
+                 strict: bool = False, metadata: Any = None, format: Literal["native", "orbax"] = "native",
+                 overhead_budget: float = 0.01, mtbf_s: float | None = None, metric_writer: Any = None,
+                 storage_options: "ObjectStoreOptions | dict[str, Any] | None" = None):
         self._auto = AutoInterval(overhead_budget, mtbf_s) if save_interval_steps == "auto" else None
         if self._auto is not None and distributed.process_count() > 1:
             raise ValueError("save_interval_steps='auto' measures one process's timings, so processes of a "
@@ -150,35 +129,33 @@ class CheckpointManager:
             raise ValueError(f"max_to_keep must be >= 1 or None, got {max_to_keep!r}")
         if best_mode not in ("min", "max"):
             raise ValueError(f"best_mode must be 'min' or 'max', got {best_mode!r}")
-        if format not in ("flax_ckpt", "orbax"):
-            raise ValueError(f"format must be 'flax_ckpt' or 'orbax', got {format!r}")
-        self.format = format
+        self.layout: formats.Layout = formats.layout(format, serializer)
+        self.format = self.layout.name
         if keep_best is not None and best_metric is None:
             raise ValueError("keep_best needs best_metric (the metric name to rank steps by)")
         if tiers is not None and not isinstance(tiers, Tiers):
             raise TypeError(f"tiers must be a flax_ckpt.Tiers, got {type(tiers).__name__}")
-        if tiers is not None and format != "flax_ckpt":
-            raise ValueError("tiers= needs format='flax_ckpt' (the memory tiers migrate native checkpoints)")
+        if tiers is not None and self.format != "native":
+            raise ValueError("tiers= needs format='native' (the memory tiers migrate native checkpoints)")
         self._tiers: TierSet | None = None
-        self.storage: Storage = open_storage(directory)
+        self.storage: Storage = open_storage(directory, options=storage_options)
         self.directory = self.storage.url
         self.save_interval_steps, self.max_to_keep, self.keep_period = save_interval_steps, max_to_keep, keep_period
         self.best_metric, self.best_mode, self.keep_best = best_metric, best_mode, keep_best
         self.async_save, self.strict, self.metadata = async_save, strict, metadata
         self.metric_writer = metric_writer  # anything with write_scalars(step, dict), e.g. a clu MetricWriter
         self._last_call_end: float | None = None
-        self._spare: ckpt.Snapshot | None = None  # the last durable snapshot, refilled by the next save
+        self._spare: Snapshot | None = None  # the last durable snapshot, refilled by the next save
         self._created = time.perf_counter()
         self._last_saved: int | None = None
-        self.serializer = get_serializer(serializer)
         self._lock: DirectoryLock | None = None
-        if isinstance(self.storage, LocalStorage):
-            os.makedirs(self.storage.root, exist_ok=True)
-            if distributed.process_index() == 0:  # one lock per job: its other processes share it
-                self._lock = DirectoryLock(self.storage.root)
+        self.storage.makedirs()
+        if self.storage.local_path is not None and distributed.process_index() == 0:
+            self._lock = DirectoryLock(self.storage.local_path)  # one lock per job: its other processes share it
         self._mutex = threading.Lock()
         self._metrics: dict[int, dict[str, Any] | None] = {}
-        self._damaged: dict[int, Exception] = {}  # step folders whose manifest fails validation
+        self._folders: dict[int, formats.StepFolder] = {}  # committed steps: folder name and format
+        self._damaged: dict[int, tuple[Exception, formats.StepFolder]] = {}  # step folders that fail to open
         self.stats: list[SaveStats] = []
         self.restore_stats: list[RestoreStats] = []
         self._writer = AsyncWriter()
@@ -193,32 +170,25 @@ class CheckpointManager:
         """Rebuilds the view of committed steps from the directory and removes leftovers of crashes.
         With several processes, process 0 alone removes, and every process adopts its list of steps."""
         lead = distributed.process_index() == 0
-        self._orbax = set(orbax_compat.list_steps(self.storage))
-        for entry in self.storage.list():
-            if commit_mod.is_temporary(entry) or orbax_compat.is_temporary_name(entry):
-                if lead:
-                    log.warning("removing %s/%s, left by an interrupted save or deletion",
-                                self.directory, entry)
-                    self.storage.delete(entry)
-                continue
-            if not entry.isdigit() or int(entry) in self._orbax:
-                continue
-            step = int(entry)
+        folders, temporary = formats.step_folders(self.storage)
+        for entry in temporary:
+            if lead:
+                log.warning("removing %s/%s, left by an interrupted save or deletion", self.directory, entry)
+                self.storage.delete(entry)
+        for f in folders:
             try:
-                body = ckpt.read_manifest(self.storage.sub(entry))
+                metrics = f.layout.metrics(self.storage.sub(f.name))
             except StorageError:
                 raise  # the store failed (after its retries): say so rather than hide a committed step
             except (CheckpointError, OSError) as e:
-                if not commit_mod.is_committed(self.storage, entry) and not self.storage.supports_rename:
+                if not self.storage.supports_rename and not self.storage.sub(f.name).exists(f.layout.record):
                     if lead:  # an uncommitted object-store step: its commit object never came
-                        self.storage.delete(entry)
+                        self.storage.delete(f.name)
                 else:
-                    log.warning("ignoring damaged step %d in %s: %s", step, self.directory, e)
-                    self._damaged[step] = e
+                    log.warning("ignoring damaged step %d in %s: %s", f.step, self.directory, e)
+                    self._damaged[f.step] = (e, f)
                 continue
-            self._metrics[step] = body.get("metrics")
-        for step in self._orbax:  # steps written by Orbax (or by format="orbax"): resumed like ours
-            self._metrics[step] = orbax_compat.read_step_metrics(self.storage, step)
+            self._metrics[f.step], self._folders[f.step] = metrics, f
         if distributed.process_count() > 1:
             steps = distributed.agree_steps(self.directory, list(self._metrics))
             self._metrics = {s: self._metrics.get(s) for s in steps}
@@ -245,7 +215,7 @@ class CheckpointManager:
         if self.best_metric is None:
             return None
         with self._mutex:
-            scored = [(v, s) for s, v in self._metric_values().items() if _finite(v)]
+            scored = [(v, s) for s, v in self._metric_values().items() if finite(v)]
         if not scored:
             return None
         return min(scored, key=lambda vs: (vs[0] if self.best_mode == "min" else -vs[0], -vs[1]))[1]
@@ -273,7 +243,9 @@ class CheckpointManager:
         """Saves ``state`` as ``step`` if the schedule says so (or ``force``); False when skipped.
 
         Returns once the state is copied to host memory (async) or committed (sync). Raises a previous
-        background failure as SaveFailedError."""
+        background failure as SaveFailedError. The path of a save: this method (snapshot on the
+        caller's thread) -> AsyncWriter.submit -> ``_persist`` (background) -> Layout.persist ->
+        serializer.write -> storage.write."""
         if self._closed:
             raise CheckpointError(f"CheckpointManager({self.directory}) is closed")
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
@@ -282,70 +254,61 @@ class CheckpointManager:
         if self._auto is not None and self._last_call_end is not None:
             self._auto.observe_step(t0 - self._last_call_end)
         try:
-            return self._save(step, state, metrics, force, t0)
+            if not self._writer.busy:
+                self._writer.wait()  # raise a finished save's failure now
+            if step in self._metrics or (self._writer.busy and step == self._last_saved):
+                log.info("step %d already saved in %s; skipped", step, self.directory)
+                return False
+            if not force and not self.should_save(step):
+                return False
+            metrics = jsonable(metrics, "metrics")
+            self._writer.wait()  # back-pressure: one save in flight
+            if self._tiers is not None:  # first sends the previous step's copy to its peer (a collective)
+                snap = self._tiers.snapshot(step, state, copy=self.async_save, force=force)
+            else:  # refill the previous durable snapshot's buffers: no page faults of fresh memory
+                snap, self._spare = self.layout.snapshot(state, copy=self.async_save, reuse=self._spare), None
+            blocked = time.perf_counter() - t0
+            self._last_saved = step
+            if self._auto is not None:
+                self._auto.observe_save(blocked)
+            self._writer.submit(functools.partial(self._persist, step, snap, metrics, t0, blocked),
+                                f"step {step} in {self.directory}")
+            if not self.async_save:
+                self._writer.wait()
+            return True
         finally:
             self._last_call_end = time.perf_counter()
-
-    def _save(self, step: int, state: Any, metrics: dict | None, force: bool, t0: float) -> bool:
-        if not self._writer.busy:
-            self._writer.wait()  # raise a finished save's failure now
-        if step in self._metrics or (self._writer.busy and step == self._last_saved):
-            log.info("step %d already saved in %s; skipped", step, self.directory)
-            return False
-        if not force and not self.should_save(step):
-            return False
-        metrics = ckpt._jsonable(metrics, "metrics")
-        self._writer.wait()  # back-pressure: one save in flight
-        if self._tiers is not None:  # first sends the previous step's copy to its peer (a collective)
-            snap = self._tiers.snapshot(step, state, copy=self.async_save, force=force)
-        elif self.format == "orbax":
-            snap = orbax_compat.snapshot(state, copy=self.async_save)
-        else:  # refill the previous durable snapshot's buffers: no page faults of fresh memory
-            snap, self._spare = ckpt.snapshot(state, copy=self.async_save, reuse=self._spare), None
-        blocked = time.perf_counter() - t0
-        self._last_saved = step
-        if self._auto is not None:
-            self._auto.observe_save(blocked)
-        self._writer.submit(lambda: self._persist(step, snap, metrics, t0, blocked), f"step {step} in {self.directory}")
-        if not self.async_save:
-            self._writer.wait()
-        return True
 
     def _persist(self, step: int, snap: Any, metrics: dict | None, t0: float, blocked: float) -> None:
         if isinstance(snap, TierSnapshot):  # memory tiers; migration comes back here with a plain Snapshot
             return self._tiers.save(step, snap, metrics, lambda s: self._persist(step, s, metrics, t0, blocked),
                                     t0, blocked)
-        if self.format == "orbax":
-            t1 = time.perf_counter()
-            orbax_compat.save_step(self.storage, step, snap, metrics=metrics, metadata=self.metadata)
-            times = ckpt.PersistTimes(write=time.perf_counter() - t1)
-            self._orbax.add(step)
-        else:
-            self._set_aside_damaged(step)
-            times = ckpt.persist(snap, self.storage, str(step), self.serializer, step=step, metrics=metrics,
-                                 metadata=self.metadata)
+        self._set_aside_damaged(step)
+        times = self.layout.persist(snap, self.storage, str(step), step=step, metrics=metrics, metadata=self.metadata)
         with self._mutex:
             self._metrics[step] = metrics
-        stats = SaveStats(step, snap.nbytes, blocked, getattr(snap, "seconds", 0.0), times.write, times.commit,
+            self._folders[step] = formats.StepFolder(step, str(step), self.layout)
+        stats = SaveStats(step, snap.nbytes, blocked, snap.seconds, times.write, times.commit,
                           time.perf_counter() - t0, fsync_s=times.fsync, start_s=t0 - self._created,
                           serialize_s=times.serialize, written_bytes=times.written,
                           migrate_s=times.write + times.commit if self._tiers is not None else 0.0)
         self._record(stats)
         self._apply_retention()
-        if self._tiers is None and self.format == "flax_ckpt" and self.async_save:
+        if self._tiers is None and self.async_save:
             self._spare = snap  # durable now: the next snapshot may overwrite its buffers
 
     def _set_aside_damaged(self, step: int) -> None:
         """A new save of a step whose old folder is damaged moves the old one aside (never deletes it on a
         file system: ``<step>.damaged-<uuid>``; an object store has no rename, so there it is removed)."""
-        if self._damaged.pop(step, None) is None or distributed.process_index() != 0:
+        damaged = self._damaged.pop(step, None)
+        if damaged is None or distributed.process_index() != 0:
             return
-        if isinstance(self.storage, LocalStorage):
+        if self.storage.supports_rename:
             aside = f"{step}.damaged-{uuid.uuid4().hex[:8]}"
             self.storage.rename(str(step), aside)
             log.warning("step %d in %s was damaged; moved to %s before saving it again", step, self.directory, aside)
         else:
-            commit_mod.remove(self.storage, str(step))
+            commit_mod.remove(self.storage, damaged[1].name, damaged[1].layout.record)
             log.warning("step %d in %s was damaged; removed before saving it again", step, self.directory)
 
     def _record(self, stats: SaveStats) -> None:
@@ -363,11 +326,11 @@ class CheckpointManager:
                                      metrics=self._metric_values(), best_mode=self.best_mode,
                                      keep_best=self.keep_best)
         for step in doomed:
-            if distributed.process_index() == 0:  # every process drops the step; process 0 deletes it
-                commit_mod.remove(self.storage, self._folder_name(step))
-            self._orbax.discard(step)
             with self._mutex:
+                folder = self._folders.pop(step, None)
                 self._metrics.pop(step, None)
+            if folder is not None and distributed.process_index() == 0:  # every process drops it; process 0 deletes
+                commit_mod.remove(self.storage, folder.name, folder.layout.record)
             log.info("retention removed step %d from %s", step, self.directory)
 
     def wait_until_finished(self) -> None:
@@ -393,7 +356,7 @@ class CheckpointManager:
         steps = self.all_steps()
         damaged = max(self._damaged, default=None)
         if self.strict and damaged is not None and (not steps or damaged > steps[-1]):
-            raise self._damaged[damaged]  # strict: a damaged newest step is an error, not a fallback
+            raise self._damaged[damaged][0]  # strict: a damaged newest step is an error, not a fallback
         if not steps:
             raise CheckpointNotFoundError(f"no committed checkpoint in {self.directory}")
         for i, s in enumerate(reversed(steps)):
@@ -421,39 +384,26 @@ class CheckpointManager:
             self.restore_stats.append(RestoreStats(plan.step, tier, nbytes, time.perf_counter() - t0))
         return out
 
-    def _folder_name(self, step: int) -> str:
-        if step in self._orbax:
-            return orbax_compat.step_path(self.storage, step).rstrip("/").rsplit("/", 1)[-1]
-        return str(step)
+    def _open(self, step: int) -> engine.Source:
+        folder = self._folders.get(step) or formats.StepFolder(step, str(step), self.layout)
+        return folder.layout.open(self.storage.sub(folder.name))
 
     def _restore_step(self, step: int, target: Any, shardings: Any, partial: bool) -> Any:
         t0 = time.perf_counter()
-        if step in self._orbax:
-            path = orbax_compat.step_item_path(self.storage, step)
-            out = ckpt.restore(path, target, shardings=shardings, partial=partial)
-            nbytes = ckpt.metadata(path).nbytes
-        else:
-            folder, body = self._open(step)
-            out = ckpt.restore_body(folder, body, target, shardings=shardings, partial=partial)
-            nbytes = ckpt.restored_nbytes(body, target, partial)
-        stats = RestoreStats(step, "persistent", nbytes, time.perf_counter() - t0)
+        source = self._open(step)
+        out = engine.restore(source, target, shardings=shardings, partial=partial)
+        stats = RestoreStats(step, "persistent", engine.restored_nbytes(source, target, partial),
+                             time.perf_counter() - t0)
         self.restore_stats.append(stats)
         log.info("restored step %d from %s (%s tier): %.1f MB in %.2f s", step, self.directory, stats.tier,
                  stats.nbytes / 1e6, stats.seconds)
         return out
 
-    def _open(self, step: int) -> tuple[Storage, dict[str, Any]]:
-        folder = self.storage.sub(str(step))
-        return folder, ckpt.read_manifest(folder)
-
-    def item_metadata(self, step: int | None = None) -> ckpt.CheckpointInfo:
+    def item_metadata(self, step: int | None = None) -> CheckpointInfo:
         step = self.latest_step() if step is None else step
         if step is None:
             raise CheckpointNotFoundError(f"no committed checkpoint in {self.directory}")
-        if step in self._orbax:
-            return ckpt.metadata(orbax_compat.step_item_path(self.storage, step))
-        folder, body = self._open(step)
-        return ckpt.info_from_body(folder.url, body)
+        return self._open(step).info()
 
     # ---------------------------------------------------------------------------------------- close
 

@@ -13,7 +13,8 @@ from typing import Any, Iterable, Sequence
 import jax
 import numpy as np
 
-from flax_ckpt._src.errors import UnsupportedLeafError, format_list
+from flax_ckpt._src.errors import UnsupportedLeafError
+from flax_ckpt._src.format import dtype_from_name, keystr
 
 # A key path: a tuple of (kind, key) with kind "key" (a dict key), "attr" (an attribute or namedtuple /
 # dataclass field) or "idx" (a sequence index).
@@ -28,7 +29,8 @@ def _is_leaf(x: Any) -> bool:
     return False
 
 
-def _entry(k: Any) -> KeyEntry:
+def entry(k: Any) -> KeyEntry:
+    """A jax key (DictKey, GetAttrKey, SequenceKey, FlattenedIndexKey) as a key-path entry."""
     if isinstance(k, jax.tree_util.DictKey):
         key = k.key
         if isinstance(key, (bool, np.bool_)) or not isinstance(key, (str, int, np.integer)):
@@ -44,17 +46,10 @@ def _entry(k: Any) -> KeyEntry:
     raise UnsupportedLeafError(f"unknown pytree key {k!r}")
 
 
-def keystr(path: KeyPath) -> str:
-    """'params/dense/kernel'; '/' and '%' inside keys are escaped so the string identifies the leaf."""
-    if not path:
-        return "<root>"
-    return "/".join(str(k).replace("%", "%25").replace("/", "%2F") for _, k in path)
-
-
 def flatten(tree: Any) -> tuple[list[tuple[KeyPath, Any]], Any]:
     """Returns [(key path, leaf)] in jax's canonical order, and the treedef to rebuild ``tree``."""
     flat, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_leaf)
-    return [(tuple(_entry(k) for k in path), leaf) for path, leaf in flat], treedef
+    return [(tuple(entry(k) for k in path), leaf) for path, leaf in flat], treedef
 
 
 def empty_kind(x: Any) -> str | None:
@@ -82,7 +77,6 @@ def classify(x: Any) -> str:
     if isinstance(x, jax.Array):
         return "prng_key" if is_prng_key(x) else "jax"
     if isinstance(x, (np.ndarray, np.generic)):
-        from flax_ckpt._src.format import dtype_from_name  # format depends on nothing of ours but errors
         try:
             dtype_from_name(x.dtype.name)
         except (TypeError, ValueError):
@@ -142,4 +136,4 @@ def path_from_json(obj: Any) -> KeyPath:
     return tuple((kind, key) for kind, key in obj)
 
 
-__all__ = ["KeyPath", "flatten", "keystr", "classify", "classify_all", "nest", "empty_kind", "is_prng_key"]
+__all__ = ["KeyPath", "classify", "classify_all", "empty_kind", "entry", "flatten", "is_prng_key", "keystr", "nest"]

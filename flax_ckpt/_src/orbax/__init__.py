@@ -1,1 +1,52 @@
-"""Implementation of flax_ckpt; import ``flax_ckpt`` for the public API."""
+"""Orbax's on-disk layout, read and written without importing orbax (numpy, JSON and tensorstore only).
+
+Orbax is a format beside the native one: ``OrbaxLayout`` is its formats.Layout. Finding checkpoints
+and steps is locate.py's, reading arrays read.py's (as a restore Source of the engine), writing
+write.py's. Versions: the layout was read in orbax-checkpoint 0.12.8's source, and every feature is
+tested against 0.12.8 (tests/test_orbax_compat.py); older releases whose items have a ``_METADATA``
+with ``tree_metadata``/``key_metadata`` use the same layout but are not tested. Not covered: Orbax's
+emergency / multi-tier checkpoint layouts and ``_ROOT_METADATA`` (ignored), legacy msgpack
+checkpoints, handlers other than PyTree/Standard/JSON (UnsupportedOrbaxCheckpointError).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from flax_ckpt._src.engine.native import PersistTimes
+from flax_ckpt._src.engine.snapshot import Snapshot, snapshot
+from flax_ckpt._src.orbax import locate, write
+from flax_ckpt._src.orbax.read import OrbaxSource
+from flax_ckpt._src.storage import Storage
+
+
+class OrbaxLayout:
+    """Orbax's layout as formats.Layout: a StandardCheckpointer folder (``fc.save``, ``step=None``) or a
+    CheckpointManager step (a manager's saves: item ``default`` plus a ``metrics`` JSON item)."""
+
+    name, record = "orbax", locate.COMMIT_SUCCESS
+
+    def snapshot(self, tree: Any, *, copy: bool, reuse: Snapshot | None = None) -> Snapshot:
+        write.single_process()
+        snap = snapshot(tree, copy=copy, reuse=reuse)
+        write.check(snap)
+        return snap
+
+    def persist(self, snap: Snapshot, parent: Storage, name: str, *, step: int | None, metrics: Any,
+                metadata: Any) -> PersistTimes:
+        t0 = time.perf_counter()
+        if step is None:
+            write.save_item(parent, name, snap, metadata=metadata)
+        else:
+            write.save_step(parent, step, snap, metrics=metrics, metadata=metadata)
+        return PersistTimes(write=time.perf_counter() - t0)
+
+    def open(self, folder: Storage) -> OrbaxSource:
+        return OrbaxSource(locate.locate(folder))
+
+    def metrics(self, folder: Storage) -> dict[str, Any] | None:
+        return locate.step_metrics(locate.locate(folder))
+
+
+__all__ = ["OrbaxLayout"]

@@ -15,6 +15,7 @@ from typing import Any, Protocol, Sequence
 
 import numpy as np
 
+from flax_ckpt._src.format import LeafRecord
 from flax_ckpt._src.storage import Storage
 
 Box = tuple[tuple[int, int], ...]  # per dimension [start, stop) in global coordinates
@@ -49,21 +50,25 @@ class Written:
 
 
 class Serializer(Protocol):
+    """Turns shards of arrays into stored chunks and back. ``leaf`` is the engine's typed record of one
+    array; its ``chunks`` are this serializer's own records (what ``write`` returned for it)."""
+
     name: str
 
     def write(self, storage: Storage, items: Sequence[ArrayItem], *, tag: str) -> Written:
         """Writes every shard of ``items`` durably; ``tag`` makes file names unique per process."""
 
-    def read(self, storage: Storage, leaf: dict[str, Any], box: Box, out: np.ndarray, where: str) -> None:
-        """Fills ``out`` (shape = extents of ``box``, leaf's dtype) with the leaf's data in ``box``."""
+    def read(self, storage: Storage, leaf: LeafRecord, box: Box, out: np.ndarray, where: str) -> None:
+        """Fills ``out`` (shape = extents of ``box``, leaf's dtype) with the leaf's data in ``box``,
+        verifying checksums (CorruptCheckpointError naming ``where`` and the file)."""
 
-    def validate(self, leaf: dict[str, Any], files: dict[str, int], where: str) -> None:
-        """Checks this serializer's fields in a manifest leaf (InvalidManifestError otherwise)."""
+    def view(self, storage: Storage, leaf: LeafRecord, box: Box, where: str) -> np.ndarray | None:
+        """The box as a read-only, verified array over bytes that are never written again, or None (read
+        instead). Restore hands it to jax.device_put unchanged (on a CPU device: no copy). Only the
+        memory tiers' copies have such bytes (tiers/load.py); a file on disk may change under a map."""
 
-    # Optional: ``view(storage, leaf, box, where) -> np.ndarray | None``, the box as a read-only,
-    # verified array over bytes the serializer holds in memory that are never written again (the
-    # memory tiers' copies: tier_load.py), or None. Restore gives it to jax.device_put unchanged; the
-    # raw and zarr3 serializers have none (a file on disk may change under a map).
+    def validate(self, leaf: LeafRecord, files: dict[str, int], where: str) -> None:
+        """Checks this serializer's chunk records of a manifest leaf (InvalidManifestError otherwise)."""
 
 
 def box_of(index: tuple[slice, ...], shape: tuple[int, ...]) -> Box:
@@ -83,9 +88,9 @@ def local(box: Box, origin: Box) -> tuple[slice, ...]:
     return tuple(slice(s - o, e - o) for (s, e), (o, _) in zip(box, origin))
 
 
-def for_each_overlap(leaf: dict[str, Any], box: Box):
-    """Yields (chunk record, overlap box) for every chunk of ``leaf`` that intersects ``box``."""
-    for chunk in leaf["chunks"]:
+def for_each_overlap(leaf: LeafRecord, box: Box):
+    """Yields (chunk record, chunk box, overlap box) for every chunk of ``leaf`` that intersects ``box``."""
+    for chunk in leaf.chunks:
         cbox = tuple(tuple(b) for b in chunk["index"])
         ov = intersect(cbox, box)
         if ov is not None:

@@ -19,7 +19,7 @@ import crc32c
 import numpy as np
 
 from flax_ckpt._src.errors import CorruptCheckpointError, InvalidManifestError
-from flax_ckpt._src.format import check_relpath
+from flax_ckpt._src.format import LeafRecord, check_relpath
 from flax_ckpt._src.storage import Storage
 from flax_ckpt._src.serializers import ArrayItem, Box, Written, for_each_overlap, local
 
@@ -85,9 +85,7 @@ class RawSerializer:
                                      "nbytes": len(mv), "block": BLOCK, "crc32c": _crcs(mv)})
                 bufs.append(mv)
                 offset += len(mv)
-            clock = getattr(storage, "clock", None)
-            if clock is not None:
-                clock.add_serialize(time.perf_counter() - t0)
+            storage.clock.add_serialize(time.perf_counter() - t0)
             storage.write(names[i], bufs)
 
         if nfiles == 1:
@@ -97,9 +95,12 @@ class RawSerializer:
                 list(pool.map(write_file, range(nfiles)))
         return Written(chunks, dict(zip(names, load)))
 
-    def validate(self, leaf: dict[str, Any], files: dict[str, int], where: str) -> None:
-        itemsize = np.dtype(_dtype(leaf)).itemsize
-        for j, ch in enumerate(leaf["chunks"]):
+    def view(self, storage: Storage, leaf: LeafRecord, box: Box, where: str) -> None:
+        return None  # files on disk: read, never mapped
+
+    def validate(self, leaf: LeafRecord, files: dict[str, int], where: str) -> None:
+        itemsize = leaf.dtype.itemsize
+        for j, ch in enumerate(leaf.chunks):
             f = f"chunks[{j}]"
             name = check_relpath(ch.get("file"), f + ".file", where)
             ints = [ch.get(k) for k in ("offset", "nbytes", "block")]
@@ -116,7 +117,7 @@ class RawSerializer:
                     isinstance(c, int) and not isinstance(c, bool) for c in crcs):
                 raise InvalidManifestError(f"{where}: leaf chunk {f}: wrong number of checksums")
 
-    def read(self, storage: Storage, leaf: dict[str, Any], box: Box, out: np.ndarray, where: str) -> None:
+    def read(self, storage: Storage, leaf: LeafRecord, box: Box, out: np.ndarray, where: str) -> None:
         parts = list(for_each_overlap(leaf, box))
         if len(parts) < 2 or out.nbytes < PARALLEL_READ_MIN:
             for chunk, cbox, ov in parts:
@@ -170,7 +171,3 @@ class RawSerializer:
         if not aligned:
             out[:] = buf[lo - s: hi - s]
 
-
-def _dtype(leaf: dict[str, Any]):
-    from flax_ckpt._src.format import dtype_from_name
-    return dtype_from_name(leaf["dtype"])

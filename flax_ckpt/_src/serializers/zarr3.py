@@ -15,7 +15,7 @@ import numpy as np
 import tensorstore as ts
 
 from flax_ckpt._src.errors import CorruptCheckpointError, InvalidManifestError, StorageError
-from flax_ckpt._src.format import check_relpath, dtype_from_name
+from flax_ckpt._src.format import LeafRecord, check_relpath
 from flax_ckpt._src.storage import Storage, explain
 from flax_ckpt._src.serializers import ArrayItem, Box, Written, for_each_overlap, local
 
@@ -36,8 +36,7 @@ def _spec(storage: Storage, name: str, dtype: np.dtype, shape, chunk) -> dict[st
 
 def _context(storage: Storage) -> dict[str, Any]:
     """The storage's tensorstore context (shared memory kvstore, s3 settings), if it has one."""
-    ctx = getattr(storage, "context", None)
-    return {"context": ctx} if ctx is not None else {}
+    return {"context": storage.context} if storage.context is not None else {}
 
 
 class Zarr3Serializer:
@@ -69,25 +68,28 @@ class Zarr3Serializer:
             f.result()
         return Written(chunks, {})
 
-    def validate(self, leaf: dict[str, Any], files: dict[str, int], where: str) -> None:
-        for j, ch in enumerate(leaf["chunks"]):
+    def view(self, storage: Storage, leaf: LeafRecord, box: Box, where: str) -> None:
+        return None  # files on disk: read, never mapped
+
+    def validate(self, leaf: LeafRecord, files: dict[str, int], where: str) -> None:
+        for j, ch in enumerate(leaf.chunks):
             check_relpath(ch.get("array"), f"chunks[{j}].array", where)
             check_relpath(ch.get("key"), f"chunks[{j}].key", where)
             if not isinstance(ch.get("stored_dtype"), str):
                 raise InvalidManifestError(f"{where}: leaf chunk {j}: missing stored_dtype")
-            expected = _stored(dtype_from_name(leaf["dtype"])).name  # what write() stores for the dtype
+            expected = _stored(leaf.dtype).name  # what write() stores for the dtype
             if ch["stored_dtype"] != expected:
                 raise InvalidManifestError(f"{where}: leaf chunk {j}: stored_dtype {ch['stored_dtype']!r} is not "
-                                           f"{expected!r}, the storage of {leaf['dtype']}")
+                                           f"{expected!r}, the storage of {leaf.dtype.name}")
 
-    def read(self, storage: Storage, leaf: dict[str, Any], box: Box, out: np.ndarray, where: str) -> None:
+    def read(self, storage: Storage, leaf: LeafRecord, box: Box, out: np.ndarray, where: str) -> None:
         handles: dict[str, Any] = {}
         for chunk, _, ov in for_each_overlap(leaf, box):
             name = chunk["array"]
             if name not in handles:
                 try:
                     handles[name] = ts.open({"driver": "zarr3", "kvstore": storage.kvstore_spec(name)},
-                                            open=True, dtype=chunk["stored_dtype"], shape=leaf["shape"],
+                                            open=True, dtype=chunk["stored_dtype"], shape=leaf.shape,
                                             **_context(storage)).result()
                 except Exception as e:
                     raise _read_error(storage, f"{where}: cannot open zarr3 array {name}", e) from e
@@ -100,7 +102,7 @@ class Zarr3Serializer:
             dst[...] = data.view(out.dtype) if data.dtype != out.dtype else data
 
 
-def _check_chunk_present(storage: Storage, leaf: dict[str, Any], chunk: dict[str, Any], where: str) -> None:
+def _check_chunk_present(storage: Storage, leaf: LeafRecord, chunk: dict[str, Any], where: str) -> None:
     """tensorstore reads a missing chunk as fill value; a chunk we wrote must exist, so check."""
     box = chunk["index"]
     if any(s >= e for s, e in box):

@@ -1,570 +1,56 @@
 """Where bytes go: a local folder (plain os calls, fsync) or any tensorstore kvstore (memory, s3, gcs).
 
-Scope: named byte objects under a root, and nothing about checkpoints. Names are '/'-separated paths
-relative to the root, already validated by format.check_relpath where they come from a manifest. The
-serializers and the commit protocol sit on top of this module; it imports neither.
+Scope: named byte objects under a root, and nothing about checkpoints. The protocol is base.py's, the
+two implementations are local.py (folders) and kv.py (tensorstore kvstores: memory://, s3://, gs://);
+this module turns a user's location (path, URL, kvstore spec) into one. The serializers and the commit
+protocol sit on top of this package; it imports neither.
 """
 
 from __future__ import annotations
 
-import atexit
-import errno
-import json
 import os
-import re
-import shutil
-import stat
-import tempfile
-import threading
-import time
-from dataclasses import dataclass, field
-from typing import Any, Protocol, Sequence
+from typing import Any
 from urllib.parse import urlparse
 
-import tensorstore as ts
+from flax_ckpt._src.errors import StorageError
+from flax_ckpt._src.storage.base import Buffer, IoClock, Storage
+from flax_ckpt._src.storage.kv import KvStorage, ObjectStoreOptions, explain, kv_storage, options_of
+from flax_ckpt._src.storage.local import LocalStorage, fsync_dir
 
-from flax_ckpt._src.errors import CorruptCheckpointError, StorageError
+__all__ = ["Buffer", "IoClock", "KvStorage", "LocalStorage", "ObjectStoreOptions", "Storage", "explain",
+           "fsync_dir", "open_storage", "split_location"]
 
-Buffer = Any  # anything with the buffer protocol (bytes, memoryview, C-contiguous numpy array)
-_WRITE_STEP = 1 << 30
 
-
-class Storage(Protocol):
-    """A root under which named objects are written whole and read by byte range."""
-
-    url: str
-    supports_rename: bool  # True: a folder can be renamed atomically (local file systems)
-
-    def sub(self, name: str) -> "Storage": ...
-    def write(self, name: str, buffers: Sequence[Buffer]) -> None: ...
-    def read(self, name: str, max_bytes: int) -> bytes: ...
-    def read_into(self, name: str, offset: int, out: memoryview) -> None: ...
-    def check_size(self, name: str, expected: int) -> None: ...
-    def exists(self, name: str) -> bool: ...
-    def list(self) -> list[str]: ...
-    def delete(self, name: str = "") -> None: ...
-    def kvstore_spec(self, name: str) -> dict[str, Any]: ...
-
-
-class IoClock:
-    """Seconds spent in writes and fsyncs through a storage and its sub-folders, summed over threads."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.write_s = self.fsync_s = self.serialize_s = 0.0
-        self.nbytes = 0
-
-    def add_serialize(self, seconds: float) -> None:
-        """Time a serializer spent encoding (checksums) before handing bytes to this storage."""
-        with self._lock:
-            self.serialize_s += seconds
-
-    def add(self, write_s: float, fsync_s: float, nbytes: int) -> None:
-        with self._lock:
-            self.write_s += write_s
-            self.fsync_s += fsync_s
-            self.nbytes += nbytes
-
-
-class LocalStorage:
-    """A folder on a local (or network) file system. Writes are fsynced before they return."""
-
-    supports_rename = True
-
-    def __init__(self, root: str | os.PathLike, clock: IoClock | None = None):
-        self.root = os.path.abspath(os.fspath(root))
-        self.url = self.root
-        self.clock = clock if clock is not None else IoClock()
-
-    def _p(self, name: str) -> str:
-        return os.path.join(self.root, *name.split("/")) if name else self.root
-
-    def sub(self, name: str) -> "LocalStorage":
-        """The folder ``name`` below this one, with a clock of its own."""
-        return LocalStorage(self._p(name))
-
-    def write(self, name: str, buffers: Sequence[Buffer]) -> None:
-        path = self._p(name)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        t0, nbytes = time.perf_counter(), 0
-        try:
-            for buf in buffers:
-                mv = memoryview(buf).cast("B")
-                nbytes += len(mv)
-                while len(mv):
-                    n = os.write(fd, mv[:_WRITE_STEP])
-                    mv = mv[n:]
-            t1 = time.perf_counter()
-            os.fsync(fd)
-            self.clock.add(t1 - t0, time.perf_counter() - t1, nbytes)
-        except OSError as e:
-            if e.filename is None:  # os.write/fsync name no file: a full disk should say which
-                raise type(e)(e.errno, f"{e.strerror} (writing {path})", path) from e
-            raise
-        finally:
-            os.close(fd)
-
-    def _inside(self, path: str) -> str:
-        real = os.path.realpath(path)
-        root = os.path.realpath(self.root)
-        if real != root and not real.startswith(root + os.sep):
-            raise CorruptCheckpointError(f"{path} resolves to {real}, outside the checkpoint folder {root}; "
-                                         "refusing to read it")
-        return real
-
-    def _open_regular(self, name: str) -> tuple[int, str]:
-        """A read-only fd of the regular file ``name``, and its path. FileNotFoundError and
-        NotADirectoryError pass through; a FIFO, device, folder, over-long name or symlink loop is a
-        CorruptCheckpointError (opened O_NONBLOCK, so a FIFO cannot block the open)."""
-        path = self._inside(self._p(name))
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-        except (FileNotFoundError, NotADirectoryError):
-            raise
-        except OSError as e:
-            raise CorruptCheckpointError(f"{path}: cannot be read ({e.strerror})") from None
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            os.close(fd)
-            raise CorruptCheckpointError(f"{path} is not a regular file; refusing to read it")
-        return fd, path
-
-    def read(self, name: str, max_bytes: int) -> bytes:
-        fd, path = self._open_regular(name)
-        with os.fdopen(fd, "rb") as f:
-            size = os.fstat(fd).st_size
-            if size > max_bytes:
-                raise CorruptCheckpointError(f"{path} holds {size} bytes, more than the {max_bytes} it may; "
-                                             "refusing to read it")
-            data = f.read(max_bytes + 1)
-        return data
-
-    def read_into(self, name: str, offset: int, out: memoryview) -> None:
-        fd, path = self._open_regular(name)
-        try:
-            mv, pos = memoryview(out).cast("B"), offset
-            while len(mv):
-                n = os.preadv(fd, [mv[:_WRITE_STEP]], pos)
-                if n == 0:
-                    raise CorruptCheckpointError(f"{path}: truncated (needed bytes {offset}..{offset + len(out)}, "
-                                                 f"file ends at {pos})")
-                mv, pos = mv[n:], pos + n
-        finally:
-            os.close(fd)
-
-    def size(self, name: str) -> int | None:
-        try:
-            return os.stat(self._p(name)).st_size
-        except FileNotFoundError:
-            return None
-
-    def exists(self, name: str) -> bool:
-        return os.path.isfile(self._p(name))
-
-    def check_size(self, name: str, expected: int) -> None:
-        """Raises CorruptCheckpointError unless the file exists with exactly ``expected`` bytes."""
-        found = self.size(name)
-        if found != expected:
-            raise CorruptCheckpointError(
-                f"{self._p(name)}: " + ("missing" if found is None else f"truncated or extended: expected "
-                                        f"{expected} bytes, found {found}"))
-
-    def isdir(self) -> bool:
-        return os.path.isdir(self.root)
-
-    def list(self) -> list[str]:
-        try:
-            return sorted(os.listdir(self.root))
-        except (FileNotFoundError, NotADirectoryError):
-            return []
-
-    def delete(self, name: str = "") -> None:
-        path = self._p(name)
-        if os.path.isdir(path) and not os.path.islink(path):
-            shutil.rmtree(path, ignore_errors=False)
-        elif os.path.lexists(path):
-            os.unlink(path)
-
-    def rename(self, src: str, dst: str) -> None:
-        """Atomic rename; refuses (CheckpointExistsError from the caller) when dst exists and is not empty."""
-        os.rename(self._p(src), self._p(dst))
-
-    def fsync_tree(self, name: str = "") -> None:
-        """fsyncs every folder under name (files are fsynced when written)."""
-        for dirpath, _, _ in os.walk(self._p(name)):
-            fsync_dir(dirpath)
-
-    def kvstore_spec(self, name: str) -> dict[str, Any]:
-        return {"driver": "file", "path": self._p(name) + "/"}
-
-
-def fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    except OSError as e:  # some file systems refuse fsync on folders
-        if e.errno not in (errno.EINVAL, errno.ENOTSUP):
-            raise
-    finally:
-        os.close(fd)
-
-
-# ------------------------------------------------------------------------------------------ kvstores
-# Object stores (s3, gcs) and the in-memory store, all through tensorstore's kvstore drivers. Retries
-# with exponential backoff on transient errors (HTTP 5xx and 429, dropped, reset or truncated
-# connections) are tensorstore's own (its s3_request_retries / gcs_request_retries resources); a
-# permanent error (403, missing bucket) or one that outlasts every retry becomes a StorageError naming
-# the URL. Requests run concurrently up to ObjectStoreOptions.concurrency; reads of large byte ranges
-# are split into parts fetched in parallel.
-
-_MEMORY_CONTEXT = ts.Context()  # one in-process memory kvstore shared by every memory:// path
-_open_lock = threading.Lock()
-_contexts: dict[str, Any] = {}  # one tensorstore context per resolved set of options
-_PART = 16 << 20  # a read_into of more bytes than this is split into parallel ranged requests
-_ENV = {"max_attempts": ("FLAX_CKPT_STORAGE_MAX_ATTEMPTS", int, 10),
-        "retry_delay_s": ("FLAX_CKPT_STORAGE_RETRY_DELAY", float, 0.5),
-        "concurrency": ("FLAX_CKPT_STORAGE_CONCURRENCY", int, 64)}
-_S3_ONLY = ("endpoint", "region", "profile", "access_key_id", "secret_access_key", "session_token")
-
-
-@dataclass(frozen=True)
-class ObjectStoreOptions:
-    """How to reach an object store. A field left None comes from the environment variable named
-    beside it, else the default. S3 credentials, in order: explicit keys, a profile, the
-    AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY/AWS_SESSION_TOKEN variables, the AWS default chain
-    (config files, ECS, EC2 metadata). gs:// takes only the last three fields (credentials: Google's
-    application default credentials)."""
-
-    endpoint: str | None = None  # FLAX_CKPT_S3_ENDPOINT, AWS_ENDPOINT_URL_S3, AWS_ENDPOINT_URL
-    region: str | None = None  # AWS_REGION, AWS_DEFAULT_REGION; us-east-1 when an endpoint is set
-    profile: str | None = None  # AWS_PROFILE
-    access_key_id: str | None = None
-    secret_access_key: str | None = field(default=None, repr=False)
-    session_token: str | None = field(default=None, repr=False)
-    max_attempts: int | None = None  # FLAX_CKPT_STORAGE_MAX_ATTEMPTS (10): tries per request
-    retry_delay_s: float | None = None  # FLAX_CKPT_STORAGE_RETRY_DELAY (0.5): first backoff; doubles, to 32x
-    concurrency: int | None = None  # FLAX_CKPT_STORAGE_CONCURRENCY (64): requests in flight
-
-    def __post_init__(self) -> None:
-        if (self.access_key_id is None) != (self.secret_access_key is None):
-            raise ValueError("ObjectStoreOptions: give access_key_id and secret_access_key together")
-        for name in ("max_attempts", "concurrency"):
-            v = getattr(self, name)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-                raise ValueError(f"ObjectStoreOptions.{name} must be an int >= 1, got {v!r}")
-        if self.retry_delay_s is not None and not self.retry_delay_s > 0:
-            raise ValueError(f"ObjectStoreOptions.retry_delay_s must be > 0, got {self.retry_delay_s!r}")
-
-
-def _options(options: "ObjectStoreOptions | dict[str, Any] | None") -> ObjectStoreOptions:
-    if options is None or isinstance(options, ObjectStoreOptions):
-        return options or ObjectStoreOptions()
-    return ObjectStoreOptions(**options)
-
-
-def _env_or(value: Any, name: str) -> Any:
-    if value is not None:
-        return value
-    var, kind, default = _ENV[name]
-    raw = os.environ.get(var)
-    try:
-        return kind(raw) if raw else default
-    except ValueError:
-        raise ValueError(f"environment variable {var}={raw!r} is not a valid {kind.__name__}") from None
-
-
-def _first_env(*names: str) -> str | None:
-    return next((os.environ[n] for n in names if os.environ.get(n)), None)
-
-
-def _request_resources(prefix: str, o: ObjectStoreOptions) -> dict[str, Any]:
-    delay = float(_env_or(o.retry_delay_s, "retry_delay_s"))
-    return {f"{prefix}_request_retries": {"max_retries": int(_env_or(o.max_attempts, "max_attempts")),
-                                          "initial_delay": f"{round(delay * 1e6)}us",
-                                          "max_delay": f"{round(32 * delay * 1e6)}us"},
-            f"{prefix}_request_concurrency": {"limit": int(_env_or(o.concurrency, "concurrency"))}}
-
-
-_key_files: dict[tuple[str, str, str], str] = {}
-
-
-def _profile_for_keys(key_id: str, secret: str, token: str | None) -> dict[str, Any]:
-    """tensorstore has no inline-key credentials, so explicit keys go to a private (0600) AWS
-    credentials file for this process, removed at exit, and are read through a profile."""
-    ident = (key_id, secret, token or "")
-    if ident not in _key_files:
-        folder = tempfile.mkdtemp(prefix="flax_ckpt-aws-")
-        atexit.register(shutil.rmtree, folder, True)
-        lines = ["[flax_ckpt]", f"aws_access_key_id = {key_id}", f"aws_secret_access_key = {secret}"]
-        lines += [f"aws_session_token = {token}"] if token else []
-        for name, text in (("credentials", "\n".join(lines)), ("config", "[profile flax_ckpt]")):
-            fd = os.open(os.path.join(folder, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            with os.fdopen(fd, "w") as f:
-                f.write(text + "\n")
-        _key_files[ident] = folder
-    folder = _key_files[ident]
-    return {"type": "profile", "profile": "flax_ckpt", "credentials_file": os.path.join(folder, "credentials"),
-            "config_file": os.path.join(folder, "config")}
-
-
-def _aws_credentials(o: ObjectStoreOptions) -> tuple[dict[str, Any], str]:
-    """The aws_credentials resource, and what distinguishes it for the context cache."""
-    if o.access_key_id is not None:
-        return _profile_for_keys(o.access_key_id, o.secret_access_key or "", o.session_token), ""
-    profile = o.profile or os.environ.get("AWS_PROFILE")
-    if profile:
-        return {"type": "profile", "profile": profile}, ""
-    if os.environ.get("AWS_ACCESS_KEY_ID"):  # read by tensorstore when the context is first used
-        ident = "|".join(os.environ.get(v, "") for v in
-                         ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"))
-        return {"type": "environment"}, ident
-    return {"type": "default"}, ""
-
-
-def _context_for(resources: dict[str, Any], ident: str = "") -> Any:
-    key = json.dumps(resources, sort_keys=True) + "\0" + ident
-    with _open_lock:
-        if key not in _contexts:
-            _contexts[key] = ts.Context(resources)
-        return _contexts[key]
-
-
-def _s3_setup(spec: dict[str, Any], o: ObjectStoreOptions) -> tuple[dict[str, Any], Any]:
-    """Fills endpoint and region from options/environment (never over what a spec already says);
-    returns the spec and the context holding credentials, retries and concurrency."""
-    spec = dict(spec)
-    endpoint = o.endpoint or _first_env("FLAX_CKPT_S3_ENDPOINT", "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
-    if endpoint and "endpoint" not in spec:
-        spec["endpoint"] = endpoint
-    region = o.region or _first_env("AWS_REGION", "AWS_DEFAULT_REGION")
-    if "aws_region" not in spec and (region or "endpoint" in spec):
-        spec["aws_region"] = region or "us-east-1"  # with an endpoint, tensorstore cannot discover it
-    credentials, ident = _aws_credentials(o)
-    return spec, _context_for({"aws_credentials": credentials, **_request_resources("s3", o)}, ident)
-
-
-def _gcs_setup(spec: dict[str, Any], o: ObjectStoreOptions) -> tuple[dict[str, Any], Any]:
-    given = [f for f in _S3_ONLY if getattr(o, f) is not None]
-    if given:
-        raise ValueError(f"ObjectStoreOptions fields {given} apply to s3:// only, not gs:// "
-                         f"(gs uses Google application default credentials)")
-    return dict(spec), _context_for(_request_resources("gcs", o))
-
-
-def _short(e: Exception) -> str:
-    """tensorstore's message without the HTTP response body it appends."""
-    msg = re.sub(r" \[http_response_body='.*?'\](?= \[|$)", "", str(e), flags=re.S)
-    return msg if len(msg) <= 600 else msg[:600] + "..."
-
-
-def explain(e: Exception) -> str:
-    """What a tensorstore failure means for the user: permanent (with the fix) or transient (gave up)."""
-    msg = str(e)
-    if "NoSuchBucket" in msg:
-        why = "the bucket does not exist (create it, or fix the URL)"
-    elif "PERMISSION_DENIED" in msg or "http_response_code='403'" in msg:
-        why = ("permission denied (HTTP 403): check the credentials (ObjectStoreOptions, AWS_ACCESS_KEY_ID/"
-               "AWS_SECRET_ACCESS_KEY or AWS_PROFILE) and the bucket's policy; not retried")
-    elif "UNAUTHENTICATED" in msg or "http_response_code='401'" in msg:
-        why = "not authenticated (HTTP 401): no valid credentials were found; not retried"
-    elif re.search(r"All \d+ retry attempts failed", msg):
-        why = ("transient errors outlasted every retry (the store is unreachable or overloaded; raise "
-               "ObjectStoreOptions.max_attempts / FLAX_CKPT_STORAGE_MAX_ATTEMPTS, or check the endpoint)")
-    else:
-        return _short(e)
-    return f"{why}: {_short(e)}"
-
-
-class KvStorage:
-    """Any tensorstore kvstore (memory://, s3://, gs://, or an explicit spec). No rename: the commit
-    protocol writes the commit record last instead (``write_if_absent``)."""
-
-    supports_rename = False
-
-    def __init__(self, spec: dict[str, Any], url: str, context: Any = None):
-        spec = dict(spec)
-        path = spec.get("path", "")
-        spec["path"] = path if not path or path.endswith("/") else path + "/"
-        self.spec, self.url = spec, url if url.endswith("://") else url.rstrip("/")
-        self.context = context if context is not None else (
-            _MEMORY_CONTEXT if spec["driver"] == "memory" else None)
-        self._kv = None
-
-    @property
-    def kv(self):
-        if self._kv is None:
-            try:
-                self._kv = ts.KvStore.open(self.spec, context=self.context).result()
-            except Exception as e:
-                raise StorageError(f"{self.url}: cannot open kvstore {self.spec}: {explain(e)}") from e
-        return self._kv
-
-    def sub(self, name: str) -> "KvStorage":
-        spec = dict(self.spec, path=self.spec["path"] + name)
-        return KvStorage(spec, self.url + name if self.url.endswith("/") else f"{self.url}/{name}", self.context)
-
-    def parent(self) -> tuple["KvStorage", str]:
-        """(the storage one level up, this one's last path component)."""
-        head, _, name = self.spec["path"].rstrip("/").rpartition("/")
-        if not name:
-            raise ValueError(f"{self.url} is the root of its store; a checkpoint needs a name below it")
-        up = self.url.rsplit("/", 1)[0]
-        parent = KvStorage(dict(self.spec, path=head), up + "/" if up.endswith(":/") else up, self.context)
-        return parent, name
-
-    def _err(self, op: str, name: str, e: Exception) -> StorageError:
-        return StorageError(f"{op} {self.url}/{name} failed: {explain(e)}")
-
-    def write(self, name: str, buffers: Sequence[Buffer]) -> None:
-        try:
-            self.kv.write(name, _join(buffers)).result()
-        except Exception as e:
-            raise self._err("write of", name, e) from e
-
-    def write_if_absent(self, name: str, data: bytes) -> bool:
-        """Writes ``name`` unless it exists; False if another writer's object is there. A retried
-        request whose first try landed finds its own bytes, which counts as written."""
-        try:
-            found = self.kv.read(name, byte_range=slice(0, 0)).result()
-            if found.state == "value":
-                return self.read(name, len(data)) == data
-            stamp = self.kv.write(name, data, if_equal=found.stamp.generation).result()
-        except Exception as e:
-            raise self._err("write of", name, e) from e
-        return bool(stamp.generation) or self.read(name, len(data)) == data
-
-    def read(self, name: str, max_bytes: int) -> bytes:
-        try:
-            r = self.kv.read(name).result()
-        except Exception as e:
-            raise self._err("read of", name, e) from e
-        if r.state != "value":
-            raise FileNotFoundError(f"{self.url}/{name}")
-        return bytes(r.value)
-
-    def read_into(self, name: str, offset: int, out: memoryview) -> None:
-        out = memoryview(out).cast("B")
-        parts = [(s, min(s + _PART, len(out))) for s in range(0, len(out), _PART)]
-        futures = [self.kv.read(name, byte_range=slice(offset + s, offset + e)) for s, e in parts]
-        try:
-            for (s, e), f in zip(parts, futures):
-                self._fill(name, offset + s, out[s:e], f)
-        finally:
-            for f in futures:
-                f.cancel()
-
-    def _fill(self, name: str, offset: int, out: memoryview, future: Any) -> None:
-        try:
-            r = future.result()
-        except Exception as e:
-            if "OUT_OF_RANGE" in str(e):
-                raise CorruptCheckpointError(f"{self.url}/{name}: truncated (needed bytes {offset}.."
-                                             f"{offset + len(out)})") from None
-            raise self._err("read of", name, e) from e
-        if r.state != "value":
-            raise CorruptCheckpointError(f"{self.url}/{name}: missing data object")
-        if len(r.value) != len(out):
-            raise CorruptCheckpointError(f"{self.url}/{name}: truncated (needed {len(out)} bytes at {offset}, "
-                                         f"got {len(r.value)})")
-        out[:] = r.value
-
-    def exists(self, name: str) -> bool:
-        try:
-            return self.kv.read(name, byte_range=slice(0, 0)).result().state == "value"
-        except Exception as e:
-            raise self._err("read of", name, e) from e
-
-    def check_size(self, name: str, expected: int) -> None:
-        """Raises CorruptCheckpointError unless the object exists with at least ``expected`` bytes
-        (object stores report no size without a read; this reads one byte)."""
-        if expected == 0:
-            if not self.exists(name):
-                raise CorruptCheckpointError(f"{self.url}/{name}: missing data object")
-            return
-        self.read_into(name, expected - 1, memoryview(bytearray(1)))
-
-    def list(self) -> list[str]:
-        return sorted({k.split("/")[0] for k in self.list_all()})
-
-    def list_all(self) -> list[str]:
-        try:
-            return sorted(k.decode() for k in self.kv.list().result())
-        except Exception as e:
-            raise self._err("list of", "", e) from e
-
-    def delete(self, name: str = "") -> None:
-        """Deletes the object ``name`` and everything under ``name/`` (everything, for "")."""
-        try:
-            if not name:
-                self.kv.delete_range(ts.KvStore.KeyRange()).result()
-                return
-            self.kv.write(name, None).result()
-            self.kv.delete_range(ts.KvStore.KeyRange(name + "/", name + "0")).result()
-        except Exception as e:
-            raise self._err("delete of", name, e) from e
-
-    def kvstore_spec(self, name: str) -> dict[str, Any]:
-        return dict(self.spec, path=self.spec["path"] + name + "/")
-
-
-def _join(buffers: Sequence[Buffer]) -> bytes:
-    if len(buffers) == 1:
-        return memoryview(buffers[0]).cast("B").tobytes()
-    return b"".join(memoryview(b).cast("B") for b in buffers)
-
-
-def _url_of(spec: dict[str, Any]) -> str:
-    driver, path = spec.get("driver"), str(spec.get("path", "")).strip("/")
-    scheme = {"s3": "s3", "gcs": "gs"}.get(driver)
-    if scheme:
-        return f"{scheme}://{spec.get('bucket', '')}/{path}".rstrip("/")
-    return f"{driver}://{path}"
-
-
-def _kv_storage(spec: dict[str, Any], url: str, options: ObjectStoreOptions) -> KvStorage:
-    driver = spec.get("driver")
-    if driver == "s3":
-        spec, context = _s3_setup(spec, options)
-    elif driver == "gcs":
-        spec, context = _gcs_setup(spec, options)
-    elif options != ObjectStoreOptions():
-        raise ValueError(f"{url}: ObjectStoreOptions apply to s3:// and gs:// only")
-    else:
-        context = None
-    return KvStorage(spec, url, context)
-
-
-def open_storage(path: Any, *, options: "ObjectStoreOptions | dict[str, Any] | None" = None
-                 ) -> LocalStorage | KvStorage:
+def open_storage(path: Any, *, options: "ObjectStoreOptions | dict[str, Any] | None" = None) -> Storage:
     """A path, 'file://...', 'memory://...', 's3://bucket/prefix', 'gs://bucket/prefix', a tensorstore
     kvstore spec (dict), or a Storage (returned as is). ``options`` (or the environment) say how to
     reach an object store: endpoint, region, credentials, retries, concurrency."""
-    if isinstance(path, (LocalStorage, KvStorage)):
+    if isinstance(path, Storage):
         return path
-    opts = _options(options)
+    opts = options_of(options)
     if isinstance(path, dict):
         if path.get("driver") == "file":
             return LocalStorage(path.get("path", ""))
         if not isinstance(path.get("driver"), str):
             raise StorageError(f"{path!r}: a kvstore spec needs a 'driver' (s3, gcs, memory, file, ...)")
-        return _kv_storage(path, _url_of(path), opts)
+        return kv_storage(path, None, opts)
     path = os.fspath(path)
     u = urlparse(path)
     if u.scheme in ("", "file"):
         return LocalStorage(u.path if u.scheme else path)
     prefix = u.path.lstrip("/")
     if u.scheme == "memory":
-        return _kv_storage({"driver": "memory", "path": (u.netloc + "/" + prefix).strip("/")}, path, opts)
+        return kv_storage({"driver": "memory", "path": (u.netloc + "/" + prefix).strip("/")}, path, opts)
     if u.scheme in ("s3", "gs"):
         if not u.netloc:
             raise StorageError(f"{path}: no bucket; write {u.scheme}://<bucket>/<prefix>")
         driver = "s3" if u.scheme == "s3" else "gcs"
-        return _kv_storage({"driver": driver, "bucket": u.netloc, "path": prefix}, path.rstrip("/"), opts)
+        return kv_storage({"driver": driver, "bucket": u.netloc, "path": prefix}, path.rstrip("/"), opts)
     raise StorageError(f"{path}: unsupported scheme {u.scheme!r}; use a local path, memory://, s3:// or gs://")
 
 
 def split_location(location: Any, *, options: "ObjectStoreOptions | dict[str, Any] | None" = None
-                   ) -> tuple[LocalStorage | KvStorage, str]:
+                   ) -> tuple[Storage, str]:
     """(parent storage, final name) of a checkpoint location: a path, URL, kvstore spec or Storage."""
     if isinstance(location, (str, os.PathLike)) and "://" not in os.fspath(location):
         s = os.path.abspath(os.fspath(location))
@@ -576,7 +62,4 @@ def split_location(location: Any, *, options: "ObjectStoreOptions | dict[str, An
         if head.endswith(":/") and head != "memory:/":  # s3://bucket alone
             raise StorageError(f"{location}: a checkpoint location needs a name below the bucket")
         return open_storage(head + "/" if head == "memory:/" else head, options=options), name
-    storage = open_storage(location, options=options)
-    if isinstance(storage, LocalStorage):
-        return LocalStorage(os.path.dirname(storage.root)), os.path.basename(storage.root)
-    return storage.parent()
+    return open_storage(location, options=options).parent()

@@ -4,7 +4,7 @@ Scope: the ``Tiers`` configuration and ``TierSet``, which a CheckpointManager cr
 drives: every save goes to the memory tiers, every ``persist_interval_steps``-th is migrated to the
 manager's directory in the background; restore picks the newest step complete across all processes in
 any combination of tiers. The copy format is tier_store.py's, agreement and transfer tier_sync.py's;
-persistent writes and reads are the engine's (checkpoint.persist via the manager, restore_body).
+persistent writes and reads are the engine's (the manager's layout, engine/restore.py).
 
 Per process, under ``<local_dir>/<digest of the manager's directory>/p<i>/``:
   local/<step>/          this process's shards of a step (the local-memory tier)
@@ -37,7 +37,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from flax_ckpt._src.engine import checkpoint as ckpt
+from flax_ckpt._src.engine.snapshot import Snapshot
 from flax_ckpt._src import commit as commit_mod
 from flax_ckpt._src.tiers import load as load
 from flax_ckpt._src.tiers import store as store
@@ -187,7 +187,7 @@ class TierSet:
             keep = {int(s) for s, (x, _) in listed.items() if good.get(int(s)) == x}
             keep |= {self._base_step(folder, s) for s in keep} - {None}
             for s in set(store.steps_in(folder)) - keep:
-                commit_mod.remove(LocalStorage(folder), str(s))
+                commit_mod.remove(LocalStorage(folder), str(s), store.INDEX)
         return good
 
     @staticmethod
@@ -218,7 +218,7 @@ class TierSet:
         return store.take_snapshot(state, copy=copy, force=force, step=step, seen=self._seen, base=base)
 
     def save(self, step: int, ts: store.TierSnapshot, metrics: dict | None,
-             migrate: Callable[[ckpt.Snapshot], None], t0: float, blocked: float) -> None:
+             migrate: Callable[[Snapshot], None], t0: float, blocked: float) -> None:
         """Background: stores the received replica, then this step's local copy; commits both tiers;
         starts the migration when it is due (after the previous one: its failure is raised there, a
         point every process reaches, as are wait_until_finished and close)."""
@@ -347,7 +347,7 @@ class TierSet:
         self._check_migration()
 
     def close(self, persistent: Callable[[], set[int]],
-              migrate: Callable[[int, ckpt.Snapshot, dict | None], None]) -> None:
+              migrate: Callable[[int, Snapshot, dict | None], None]) -> None:
         try:
             self.flush()
             if self.cfg.cleanup:

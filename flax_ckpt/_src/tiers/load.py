@@ -17,16 +17,15 @@ from __future__ import annotations
 import math
 import zlib
 from concurrent.futures import wait
-from dataclasses import dataclass
 from typing import Any
 
 import crc32c
 import numpy as np
 
-from flax_ckpt._src.engine import checkpoint as ckpt
-from flax_ckpt._src import tree as tree_mod
+from flax_ckpt._src.engine import restore as engine
+from flax_ckpt._src.engine.snapshot import HostLeaf, Snapshot
 from flax_ckpt._src.errors import CheckpointError, CorruptCheckpointError
-from flax_ckpt._src.format import dtype_from_name
+from flax_ckpt._src.format import LeafRecord, dtype_from_name, leaf_name
 from flax_ckpt._src.serializers import Box, Shard, for_each_overlap, local
 from flax_ckpt._src.tiers import files as tier_files
 from flax_ckpt._src.tiers.store import Copy
@@ -73,7 +72,7 @@ def _check_chunk(buf: memoryview, e: list, where: str) -> None:
 def read_shard(copy: Copy, s: dict[str, Any], dst: memoryview) -> None:
     """Fills ``dst`` (the shard's nbytes) with shard ``s`` of the copy, every chunk verified."""
     rec, size = copy.body["leaves"][s["leaf"]], copy.body["chunk"]
-    where = f"{copy.where}: leaf {ckpt.leaf_name(rec)!r} box {list(s['box'])}"
+    where = f"{copy.where}: leaf {leaf_name(rec)!r} box {list(s['box'])}"
     itemsize = dtype_from_name(rec["dtype"]).itemsize
     jobs = [(e, dst[k * size:(k + 1) * size]) for k, e in enumerate(s["chunks"])]
     if len(dst) < _PARALLEL_MIN:
@@ -105,7 +104,7 @@ def view_shard(copy: Copy, s: dict[str, Any]) -> np.ndarray | None:
         return None
     data = copy.data if kinds == {"r"} else copy.base.data
     mv = data.view(start, start + s["nbytes"])
-    where = f"{copy.where}: leaf {ckpt.leaf_name(rec)!r} box {list(s['box'])}"
+    where = f"{copy.where}: leaf {leaf_name(rec)!r} box {list(s['box'])}"
     step = max(1, _PARALLEL_MIN // size)
     if len(mv) < _PARALLEL_MIN:
         _verify(mv, entries, size, where)
@@ -130,16 +129,26 @@ def shard_array(copy: Copy, s: dict[str, Any]) -> np.ndarray:
     return out
 
 
-class _Held:
-    """A serializer over one copy: fills a box from the copy's shards that overlap it, and refuses a
-    box the copy does not hold (a target laid out differently from the save)."""
+class CopySource:
+    """One memory-tier copy as a restore Source: a box is filled from the copy's shards that overlap
+    it (refusing a box the copy does not hold: a target laid out differently from the save), or
+    handed out as a verified view of the copy's pages (view_shard) when one stored shard is exactly
+    that box. No size budget comes from a folder (a differential copy stores fewer bytes than it
+    restores; its index was bounds-checked against the bytes present when opened)."""
 
-    name = "memory-tier"
+    remote = False
+    budget = None
+    hint = ""
 
     def __init__(self, copy: Copy):
-        self.copy = copy
+        self.copy, self.url, self.where = copy, copy.where, copy.where
+        chunks: dict[int, list[dict[str, Any]]] = {}
+        for j, s in enumerate(copy.body["shards"]):
+            chunks.setdefault(s["leaf"], []).append({"index": s["box"], "shard": j})
+        self.leaves = [LeafRecord.from_json(r).with_chunks(chunks.get(i, ())) if "dtype" in r else
+                       LeafRecord.from_json(r) for i, r in enumerate(copy.body["leaves"])]
 
-    def read(self, storage: Any, leaf: dict[str, Any], box: Box, out: np.ndarray, where: str) -> None:
+    def read(self, leaf: LeafRecord, box: Box, out: np.ndarray) -> None:
         covered = 0
         for chunk, cbox, ov in for_each_overlap(leaf, box):
             s = self.copy.body["shards"][chunk["shard"]]
@@ -150,54 +159,29 @@ class _Held:
                 dst[...] = shard_array(self.copy, s)[local(ov, cbox)]
             covered += math.prod(e - a for a, e in ov)
         if covered != math.prod(e - a for a, e in box):
-            raise CheckpointError(f"{where}: this process's memory copy does not hold box {list(box)} (the "
-                                  "target's layout differs from the one saved); restore from persistent storage")
+            raise CheckpointError(f"{self.where} leaf {leaf.name!r}: this process's memory copy does not hold box "
+                                  f"{list(box)} (the target's layout differs from the one saved); restore from "
+                                  "persistent storage")
 
-    def view(self, storage: Any, leaf: dict[str, Any], box: Box, where: str) -> np.ndarray | None:
-        """The box as a verified read-only view of the copy (see view_shard), when one stored shard is
-        exactly that box; else None (the engine then reads into a buffer of its own)."""
+    def view(self, leaf: LeafRecord, box: Box) -> np.ndarray | None:
         hits = list(for_each_overlap(leaf, box))
         if len(hits) != 1 or not hits[0][1] == hits[0][2] == box:
             return None
         return view_shard(self.copy, self.copy.body["shards"][hits[0][0]["shard"]])
 
-    def write(self, *a: Any, **k: Any) -> Any:
-        raise NotImplementedError("memory-tier copies are written by tier_store.encode")
-
-    def validate(self, *a: Any, **k: Any) -> None:
-        return None
-
-
-@dataclass(frozen=True)
-class _Place:
-    """Stands for the storage in the engine's restore: reads go through _Held, and no size budget
-    comes from a folder (a differential copy stores fewer bytes than it restores)."""
-
-    url: str
-    supports_rename: bool = True  # local: the engine's thread layout for local files
-
-    def exists(self, name: str) -> bool:
-        return True
-
 
 def restore_copy(copy: Copy, target: Any, *, shardings: Any, partial: bool) -> tuple[Any, int]:
     """Restores the copy's tree into ``target`` (checked per leaf); returns it and the array bytes."""
-    chunks: dict[int, list[dict[str, Any]]] = {}
-    for j, s in enumerate(copy.body["shards"]):
-        chunks.setdefault(s["leaf"], []).append({"index": s["box"], "shard": j})
-    leaves = [dict(r, chunks=chunks.get(i, [])) if "dtype" in r else r for i, r in enumerate(copy.body["leaves"])]
-    body = {"step": copy.step, "serializer": _Held(copy), "leaves": leaves}
-    value = ckpt.restore_body(_Place(copy.where), body, target, shardings=shardings, partial=partial)
-    return value, ckpt.restored_nbytes(body, target, partial)
+    source = CopySource(copy)
+    value = engine.restore(source, target, shardings=shardings, partial=partial)
+    return value, engine.restored_nbytes(source, target, partial)
 
 
-def to_snapshot(copy: Copy) -> ckpt.Snapshot:
+def to_snapshot(copy: Copy) -> Snapshot:
     """The persistent-storage snapshot of a copy (its primary shards): migration from the memory tier."""
-    plans = [ckpt.LeafPlan(tree_mod.path_from_json(r["path"]), r) for r in copy.body["leaves"]]
     shards: dict[int, list[Shard]] = {}
     for s in copy.body["shards"]:
         if s["primary"]:
             shards.setdefault(s["leaf"], []).append(Shard(tuple(map(tuple, s["box"])), shard_array(copy, s)))
-    for i, p in enumerate(plans):
-        p.shards = tuple(shards.get(i, ()))
-    return ckpt.Snapshot(plans, sum(s.data.nbytes for p in plans for s in p.shards))
+    leaves = [HostLeaf(LeafRecord.from_json(r), tuple(shards.get(i, ()))) for i, r in enumerate(copy.body["leaves"])]
+    return Snapshot(leaves, sum(sh.data.nbytes for lf in leaves for sh in lf.shards))

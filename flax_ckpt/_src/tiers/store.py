@@ -22,6 +22,7 @@ immutable) is not even copied to host or compared: its shards are views of the b
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -35,15 +36,15 @@ import crc32c
 import jax
 import numpy as np
 
-from flax_ckpt._src.engine import checkpoint as ckpt
 from flax_ckpt._src import commit as commit_mod
 from flax_ckpt._src import tree as tree_mod
+from flax_ckpt._src.engine.snapshot import HostLeaf, Snapshot, snapshot
 from flax_ckpt._src.errors import CorruptCheckpointError
-from flax_ckpt._src.format import dtype_from_name
+from flax_ckpt._src.format import LeafRecord, dtype_from_name, leaf_name, seal, unseal
 from flax_ckpt._src.serializers import Box, Shard, box_of
+from flax_ckpt._src.storage import LocalStorage
 from flax_ckpt._src.tiers import files as tier_files
 from flax_ckpt._src.tiers.files import Spares
-from flax_ckpt._src.storage import LocalStorage, fsync_dir
 
 CHUNK = 1 << 20
 INDEX, DATA, COMMIT = "index.json", "data.bin", "commit.json"
@@ -106,7 +107,7 @@ class Copy:
         out: dict[str, tuple[dict[str, Any], list[dict[str, Any]]]] = {}
         for s in self.body["shards"]:
             rec = self.body["leaves"][s["leaf"]]
-            out.setdefault(ckpt.leaf_name(rec), (rec, []))[1].append(s)
+            out.setdefault(leaf_name(rec), (rec, []))[1].append(s)
         return out
 
     def array(self, s: dict[str, Any]) -> np.ndarray:
@@ -134,7 +135,7 @@ class TierSnapshot:
     distinct box on this process's devices, so that each process can restore its devices alone.
     ``origin``: shards that are views of the base copy ``base_step`` (unchanged leaves)."""
 
-    snap: ckpt.Snapshot
+    snap: Snapshot
     extra: list[HostShard]
     force: bool = False
     base_step: int | None = None
@@ -189,15 +190,16 @@ def take_snapshot(state: Any, *, copy: bool, force: bool, step: int, seen: Seen,
         fresh.append(i)
     seen.clear()
     seen.update(now)
-    part = ckpt.snapshot([flat[i][1] for i in fresh], copy=copy) if fresh else ckpt.Snapshot([], 0)
+    part = snapshot([flat[i][1] for i in fresh], copy=copy) if fresh else Snapshot([], 0)
     plans: list[Any] = [None] * len(flat)
     for i, p in zip(fresh, part.leaves):
-        p.path, p.record["path"] = flat[i][0], tree_mod.path_to_json(flat[i][0])
+        p.record = dataclasses.replace(p.record, path=flat[i][0])
         plans[i] = p
-    ts = TierSnapshot(ckpt.Snapshot(plans, 0), [], force, base.step if reuse else None)
+    ts = TierSnapshot(Snapshot(plans, 0), [], force, base.step if reuse else None)
     for i, (rec, shards) in reuse.items():
         views = [(tuple(map(tuple, s["box"])), base.array(s), s) for s in shards]
-        plans[i] = ckpt.LeafPlan(flat[i][0], dict(rec), tuple(Shard(b, a) for b, a, s in views if s["primary"]))
+        record = dataclasses.replace(LeafRecord.from_json(rec), path=flat[i][0])
+        plans[i] = HostLeaf(record, tuple(Shard(b, a) for b, a, s in views if s["primary"]))
         ts.extra += [HostShard(i, b, a, False, s) for b, a, s in views if not s["primary"]]
         ts.origin.update({(i, b): s for b, _, s in views})
     for i in fresh:
@@ -207,11 +209,11 @@ def take_snapshot(state: Any, *, copy: bool, force: bool, step: int, seen: Seen,
     return ts
 
 
-def _replicas(i: int, x: Any, plan: ckpt.LeafPlan) -> list[HostShard]:
+def _replicas(i: int, x: Any, plan: HostLeaf) -> list[HostShard]:
     """The boxes on this process's devices that another process writes to persistent storage."""
-    if not isinstance(x, jax.Array) or "dtype" not in plan.record:
+    if not isinstance(x, jax.Array) or not plan.record.is_array:
         return []
-    x = jax.random.key_data(x) if plan.record["kind"] == "prng_key" else x
+    x = jax.random.key_data(x) if plan.record.kind == "prng_key" else x
     have, out = {s.box for s in plan.shards}, []
     for s in x.addressable_shards:
         box = box_of(s.index, tuple(x.shape))
@@ -282,7 +284,7 @@ def encode(ts: TierSnapshot, ident: dict[str, Any], base: Copy | None, *, delta:
     """Encodes a snapshot; against a base, unchanged chunks become references to it. Shards are
     encoded in segments of _SEGMENT chunks on a thread pool (checksums, comparisons and zlib release
     the GIL); ``pieces`` are data.bin's bytes in order, alignment padding included."""
-    recs = [p.record for p in ts.snap.leaves]
+    recs = [lf.record.to_json() for lf in ts.snap.leaves]
     lookup = base.lookup() if base is not None else {}
     if base is not None:
         base.data.view(0, 0)  # map it once, before the tasks read it
@@ -366,25 +368,13 @@ def _key(rec: dict[str, Any], box: Any) -> str:
 
 
 def encode_index(body: dict[str, Any]) -> bytes:
-    canon = json.dumps(body, sort_keys=True, separators=(",", ":"))
-    return json.dumps({"format": _FORMAT, "version": _VERSION, "crc32c": crc32c.crc32c(canon.encode()),
-                       "body": body}, sort_keys=True, separators=(",", ":")).encode()
+    return seal(body, name=_FORMAT, version=_VERSION)
 
 
 def decode_index(raw: bytes | memoryview, where: str) -> dict[str, Any]:
-    try:
-        doc = json.loads(bytes(raw))
-        body = doc["body"]
-        ok = doc.get("format") == _FORMAT and doc.get("version") == _VERSION and crc32c.crc32c(
-            json.dumps(body, sort_keys=True, separators=(",", ":")).encode()) == doc.get("crc32c")
-    except (ValueError, TypeError, KeyError, AttributeError):
-        ok = False
-    if not ok:
-        raise CorruptCheckpointError(f"{where}/{INDEX}: not a valid memory-tier index (damaged or truncated)")
-    return body
+    return unseal(raw, name=_FORMAT, version=_VERSION, where=f"{where}/{INDEX}", what="memory-tier index",
+                  error=CorruptCheckpointError, max_bytes=_MAX_INDEX)
 
-
-# ------------------------------------------------------------------------------------------ copies
 
 def _check(copy: Copy) -> Copy:
     """Bounds of every entry against the bytes present: a damaged index never reads out of range."""
@@ -398,7 +388,7 @@ def _check(copy: Copy) -> Copy:
         rec = b["leaves"][s["leaf"]]
         size = math.prod(e - a for a, e in s["box"]) * dtype_from_name(rec["dtype"]).itemsize
         if size != s["nbytes"] or len(s["chunks"]) != math.ceil(size / b["chunk"]):
-            raise CorruptCheckpointError(f"{copy.where}/{INDEX}: shard {s['box']} of {ckpt.leaf_name(rec)!r} is inconsistent")
+            raise CorruptCheckpointError(f"{copy.where}/{INDEX}: shard {s['box']} of {leaf_name(rec)!r} is inconsistent")
         for k, e in enumerate(s["chunks"]):
             span = min(b["chunk"], size - k * b["chunk"])
             if (e[0] not in ("r", "b", "x") or (e[0] == "r" and e[3] != span) or (e[0] != "b" and e[2] + e[3] > n)
@@ -436,10 +426,11 @@ def copy_parts(folder: str) -> list[list[memoryview]]:
 
 
 def write_copy(tier_dir: str, step: int, enc: Encoded, spares: Spares | None = None) -> None:
-    """Writes ``tier_dir/<step>`` atomically (staging folder, then rename), replacing a copy of that
-    step left by an earlier run; a crash leaves only a staging folder, removed at the next start.
-    data.bin goes into a spare's pages when ``spares`` has one; the pending checksums are computed
-    on the stored bytes as they are written, then the index (written last) is made."""
+    """Writes ``tier_dir/<step>`` atomically with the engine's commit (staging folder, the index as the
+    commit record, rename), replacing a copy of that step left by an earlier run; a crash leaves only a
+    staging folder, removed at the next start. data.bin goes into a spare's pages when ``spares`` has
+    one; the pending checksums are computed on the stored bytes as they are written, then the index
+    (written last) is made."""
     parent = LocalStorage(tier_dir)
     os.makedirs(tier_dir, exist_ok=True)
     staging = f"{step}{commit_mod.TMP_MARK}{uuid.uuid4().hex}"
@@ -455,12 +446,9 @@ def write_copy(tier_dir: str, step: int, enc: Encoded, spares: Spares | None = N
                 entry[1] = crcs[j]
             enc.pending = []
             enc.index = encode_index(enc.body)
-        parent.sub(staging).write(INDEX, [enc.index])
-        fsync_dir(os.path.join(tier_dir, staging))
         if os.path.lexists(os.path.join(tier_dir, str(step))):
             remove_copy(tier_dir, step, spares)
-        parent.rename(staging, str(step))
-        fsync_dir(tier_dir)
+        commit_mod.commit(parent, staging, str(step), INDEX, enc.index)
     except BaseException:
         parent.delete(staging)
         raise
@@ -471,16 +459,17 @@ def remove_copy(tier_dir: str, step: int, spares: tier_files.Spares | None = Non
     becomes a spare when ``spares`` takes it."""
     salvage = (lambda gone: spares.retire(os.path.join(gone, DATA))) if spares is not None else None
     try:
-        commit_mod.remove(LocalStorage(tier_dir), str(step), salvage=salvage)
+        commit_mod.remove(LocalStorage(tier_dir), str(step), INDEX, salvage=salvage)
     except FileNotFoundError:  # no such copy
         pass
 
 
 def mark_committed(folder: str, record: dict[str, Any]) -> None:
     """The tier's commit record of this copy: written once every process holds the step there."""
-    tmp = f"{COMMIT}{commit_mod.TMP_MARK}{uuid.uuid4().hex}"
-    LocalStorage(folder).write(tmp, [json.dumps(record).encode()])
-    os.rename(os.path.join(folder, tmp), os.path.join(folder, COMMIT))
+    def write(path: str) -> None:
+        with open(path, "wb") as f:
+            f.write(json.dumps(record).encode())
+    commit_mod.commit_file(LocalStorage(folder), COMMIT, write, replace=True)
 
 
 def unmark(folder: str) -> None:

@@ -1,7 +1,7 @@
 """How the processes of a tiered job agree, and how copies travel between them.
 
-Scope: small all-gathers of JSON over the jax.distributed key-value store (inventories, commit votes,
-payload sizes; every wait has distributed.timeout_s()), the framing of several byte parts into one
+Scope: small all-gathers of JSON (distributed.allgather: inventories, commit votes, payload sizes;
+every wait has distributed.timeout_s()), the framing of several byte parts into one
 payload (sizes and a crc32c-checked header), and the transfer of bytes between processes
 with a JAX collective: a jitted ``ppermute`` over a mesh of one device per process, in pieces of at
 most 32 MiB (uint8 arrays), so device memory stays bounded whatever the payload. Nothing here knows
@@ -18,10 +18,8 @@ round of the others (every process runs the same rounds in the same order, as SP
 from __future__ import annotations
 
 import functools
-import json
 import math
 import struct
-import threading
 from typing import Any, Sequence
 
 import crc32c
@@ -35,16 +33,6 @@ from flax_ckpt._src.errors import CorruptCheckpointError, DistributedError
 _MAX_PIECE = 32 << 20
 _MIN_PIECE = 4 << 10
 _MAGIC = b"FCT1"
-_lock = threading.Lock()
-_rounds: dict[str, int] = {}
-
-
-def _client() -> Any:
-    from jax._src.distributed import global_state  # as distributed.py does; no public accessor exists
-    if global_state.client is None:
-        raise DistributedError("several processes but jax.distributed is not initialized; call "
-                               "jax.distributed.initialize() in every process first")
-    return global_state.client
 
 
 class Group:
@@ -56,32 +44,7 @@ class Group:
 
     def allgather(self, what: str, value: dict[str, Any]) -> list[dict[str, Any]]:
         """Every process's ``value``, in process order; DistributedError if one does not answer."""
-        if self.count == 1:
-            return [value]
-        with _lock:
-            n = _rounds.get(self.prefix, 0)
-            _rounds[self.prefix] = n + 1
-        base, client = f"{self.prefix}/{n}", _client()
-        client.key_value_set(f"{base}/p{self.index}", json.dumps({"what": what, "value": value}))
-        out = []
-        for j in range(self.count):
-            try:
-                raw = client.blocking_key_value_get(f"{base}/p{j}", int(distributed.timeout_s() * 1000))
-            except Exception as e:
-                raise DistributedError(f"tiers ({what}, round {n}): process {j} of {self.count} did not answer "
-                                       f"within {distributed.timeout_s():g} s (dead, hung, or not running the "
-                                       f"same saves and restores?): {e}") from None
-            msg = json.loads(raw)
-            if msg["what"] != what:
-                raise DistributedError(f"tiers round {n}: process {j} is at {msg['what']!r}, this process at "
-                                       f"{what!r}; every process must save and restore the same steps")
-            out.append(msg["value"])
-        if self.index == 0 and n > 0:  # everyone has published round n, so all have read round n-1
-            try:
-                client.key_value_delete(f"{self.prefix}/{n - 1}/")
-            except Exception:
-                pass
-        return out
+        return distributed.allgather(self.prefix, what, value)
 
     def transfer(self, perm: Sequence[tuple[int, int]], mine: Sequence[memoryview] | None,
                  sizes: Sequence[int]) -> np.ndarray | None:

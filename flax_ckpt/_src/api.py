@@ -1,0 +1,51 @@
+"""The public one-checkpoint functions: ``fc.save``, ``fc.restore``, ``fc.metadata``.
+
+Scope: turning a user's location into a folder, picking the format (formats.py decides, once) and
+calling the engine. Runs of many steps are the manager's (manager.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flax_ckpt._src import formats
+from flax_ckpt._src.engine import restore as engine
+from flax_ckpt._src.engine.leaves import CheckpointInfo
+from flax_ckpt._src.engine.snapshot import jsonable
+from flax_ckpt._src.serializers import Serializer
+from flax_ckpt._src.storage import split_location
+
+
+def save(path: Any, tree: Any, *, metadata: Any = None, serializer: "str | Serializer | None" = None,
+         step: int | None = None, metrics: dict | None = None, format: str = "native") -> None:
+    """Synchronous, atomic save of ``tree`` to ``path`` (which must not exist: CheckpointExistsError).
+
+    ``format``: "native" (flax_ckpt's layout, with ``serializer`` "raw" (default) or "zarr3") or
+    "orbax" (Orbax's StandardCheckpointer layout, restorable by orbax-checkpoint). ``metadata``: any
+    JSON, given back by ``fc.metadata``; ``step`` and ``metrics`` are recorded with it."""
+    fmt = formats.layout(format, serializer)
+    parent, name = split_location(path)
+    jsonable(metadata, "metadata")
+    snap = fmt.snapshot(tree, copy=False)
+    fmt.persist(snap, parent, name, step=step if fmt.name == "native" else None, metrics=metrics,
+                metadata=metadata)
+
+
+def _folder(path: Any):
+    parent, name = split_location(path)
+    return parent.sub(name)
+
+
+def restore(path: Any, target: Any = None, *, shardings: Any = None, partial: bool = False) -> Any:
+    """Restores the checkpoint at ``path`` (either format) into ``target``'s structure, checked leaf by
+    leaf (a pytree of arrays or jax.ShapeDtypeStruct giving structure, dtypes and placement), or without
+    a target into nested dicts/lists of numpy arrays. ``shardings`` (one, or a tree) overrides the
+    target's placement; ``partial`` restores a sub-tree of what was saved, reading only its bytes."""
+    source = formats.open_checkpoint(_folder(path))
+    return engine.restore(source, target, shardings=shardings, partial=partial)
+
+
+def metadata(path: Any) -> CheckpointInfo:
+    """What the checkpoint at ``path`` holds (tree of shapes, dtypes, shardings; step, metrics, user
+    metadata), read without any array bytes."""
+    return formats.open_checkpoint(_folder(path)).info()

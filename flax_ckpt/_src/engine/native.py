@@ -1,0 +1,229 @@
+"""flax_ckpt's own layout: a step folder with ``manifest.json`` (the commit record) and the serializer's data.
+
+Scope: the native format as a formats.Layout (``NativeLayout``): writing a snapshot as one
+checkpoint folder (``persist``: serializer, manifest, commit; with several processes, the agreement
+of distributed.SaveRound), and opening one (``open_native``: the
+manifest read, verified and validated before anything it names is read, as a restore ``Source``).
+The manifest's schema is format.py's; the bytes of arrays the serializers'; the target check and
+placement engine/restore.py's.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from flax_ckpt._src import commit as commit_mod
+from flax_ckpt._src import distributed
+from flax_ckpt._src.engine.leaves import CheckpointInfo, checkpoint_info, key_data_shape
+from flax_ckpt._src.engine.snapshot import Snapshot, jsonable, snapshot
+from flax_ckpt._src.errors import (CheckpointNotCommittedError, CheckpointNotFoundError, CorruptCheckpointError,
+                                   InvalidManifestError)
+from flax_ckpt._src.format import MANIFEST, MAX_MANIFEST_BYTES, LeafRecord, decode, encode
+from flax_ckpt._src.serializers import Box, Serializer, Written, get_serializer
+from flax_ckpt._src.storage import Storage
+
+_BUDGET_SLACK = 64 << 20  # see NativeSource.budget
+
+
+# ---------------------------------------------------------------------------------------------- save
+
+@dataclass
+class PersistTimes:
+    """Seconds spent in each background phase of one save."""
+
+    write: float = 0.0
+    commit: float = 0.0
+    fsync: float = 0.0  # part of write: summed over writer threads (local file systems)
+    serialize: float = 0.0  # part of write: checksums, summed over writer threads
+    written: int = 0  # bytes handed to storage (data files)
+
+    def add_clock(self, stage: Storage) -> None:
+        clock = stage.clock
+        self.fsync, self.serialize, self.written = clock.fsync_s, clock.serialize_s, clock.nbytes
+
+
+def manifest_bytes(snap: Snapshot, written: list[Written], serializer: Serializer, *, step: int | None,
+                   metrics: dict | None, metadata: Any, process_count: int = 1) -> bytes:
+    chunks: dict[int, list] = {}
+    for w in written:
+        for i, recs in w.chunks.items():
+            chunks.setdefault(i, []).extend(recs)
+    leaves = [(lf.record.with_chunks(chunks.get(i, ())) if lf.record.is_array else lf.record).to_json()
+              for i, lf in enumerate(snap.leaves)]
+    files = {name: size for w in written for name, size in w.files.items()}
+    body = {"step": step, "metrics": jsonable(metrics, "metrics"), "metadata": jsonable(metadata, "metadata"),
+            "created": time.time(), "process_count": process_count, "serializer": serializer.name,
+            "files": files, "leaves": leaves}
+    return encode(body, check=True)
+
+
+class NativeLayout:
+    """flax_ckpt's own format as formats.Layout: ``serializer`` stores the arrays ("raw" by default)."""
+
+    name, record = "native", MANIFEST
+
+    def __init__(self, serializer: "str | Serializer | None" = None):
+        self.serializer = get_serializer(serializer)
+
+    def snapshot(self, tree: Any, *, copy: bool, reuse: Snapshot | None = None) -> Snapshot:
+        return snapshot(tree, copy=copy, reuse=reuse)
+
+    def persist(self, snap: Snapshot, parent: Storage, name: str, *, step: int | None, metrics: dict | None,
+                metadata: Any) -> PersistTimes:
+        """Writes a snapshot under ``parent/name`` and commits it atomically; on any failure removes what
+        it wrote and re-raises. This is the whole path from a snapshot to durable bytes. With several
+        processes (jax.distributed), every process calls it with its own snapshot; see _persist_shared."""
+        serializer = self.serializer
+        if distributed.process_count() > 1:
+            return _persist_shared(snap, parent, name, serializer, step=step, metrics=metrics, metadata=metadata)
+        times = PersistTimes()
+        staging = commit_mod.staging_name(parent, name, record=MANIFEST)
+        stage = parent.sub(staging)
+        try:
+            t0 = time.perf_counter()
+            written = serializer.write(stage, snap.items(), tag="p0")
+            t1 = time.perf_counter()
+            data = manifest_bytes(snap, [written], serializer, step=step, metrics=metrics, metadata=metadata)
+            commit_mod.commit(parent, staging, name, MANIFEST, data)
+            times.write, times.commit = t1 - t0, time.perf_counter() - t1
+            times.add_clock(stage)
+        except BaseException:
+            commit_mod.abort(parent, staging, MANIFEST)
+            raise
+        return times
+
+    def open(self, folder: Storage) -> "NativeSource":
+        return open_native(folder)
+
+    def metrics(self, folder: Storage) -> dict[str, Any] | None:
+        return open_native(folder).metrics
+
+
+def _persist_shared(snap: Snapshot, parent: Storage, name: str, serializer: Serializer, *, step: int | None,
+                    metrics: dict | None, metadata: Any) -> PersistTimes:
+    """persist() across processes: process 0 names the staging folder, each process writes its own
+    shards there (files tagged p<i>) and publishes its chunk records, process 0 merges them into the
+    manifest and commits; the others return once the commit is announced (distributed.SaveRound).
+    Leaves a process holds no shard of are skipped; host values (numpy leaves) are written by process
+    0 alone."""
+    times, rnd = PersistTimes(), distributed.SaveRound.begin(parent, name)
+    staging = rnd.agree_staging(lambda: commit_mod.staging_name(parent, name, record=MANIFEST))
+    stage, digest = parent.sub(staging), distributed.tree_digest([lf.record for lf in snap.leaves])
+    items = [it for it in snap.items() if it.shards and (
+        rnd.index == 0 or snap.leaves[it.leaf].record.sharding is not None)]
+    try:
+        t0 = time.perf_counter()
+        written = serializer.write(stage, items, tag=f"p{rnd.index}")
+        t1 = time.perf_counter()
+        if rnd.index:
+            rnd.publish(stage, written, digest)
+            rnd.await_commit()
+        else:
+            parts = rnd.gather(stage, written, digest)
+            data = manifest_bytes(snap, parts, serializer, step=step, metrics=metrics, metadata=metadata,
+                                  process_count=rnd.count)
+            decode(data, f"{stage.url}/{MANIFEST}")  # the merged chunks must tile every array exactly
+            commit_mod.commit(parent, staging, name, MANIFEST, data)
+            rnd.announce()
+        times.write, times.commit = t1 - t0, time.perf_counter() - t1
+        times.add_clock(stage)
+    except BaseException as e:
+        rnd.fail(e)
+        if rnd.index == 0:
+            commit_mod.abort(parent, staging, MANIFEST)
+        raise
+    return times
+
+
+# ------------------------------------------------------------------------------------------- restore
+
+class NativeSource:
+    """One committed native checkpoint folder, its manifest verified and validated: a restore Source."""
+
+    hint = ""
+
+    def __init__(self, storage: Storage, body: dict[str, Any], leaves: list[LeafRecord], serializer: Serializer):
+        self.storage, self.body, self.leaves, self.serializer = storage, body, leaves, serializer
+        self.url, self.where = storage.url, f"{storage.url}/{MANIFEST}"
+        self.remote = not storage.supports_rename
+
+    @property
+    def budget(self) -> int | None:
+        """A restore allocates at most twice the bytes the folder stores (plus _BUDGET_SLACK, so that a
+        merely truncated file reaches the serializer, whose error names it). Asking walks the folder
+        once, refusing links out of it and special files before anything is read."""
+        stored = self.storage.stored_bytes()
+        return None if stored is None else 2 * stored + _BUDGET_SLACK
+
+    def read(self, leaf: LeafRecord, box: Box, out: np.ndarray) -> None:
+        try:
+            self.serializer.read(self.storage, leaf, box, out, f"{self.where} leaf {leaf.name!r}")
+        except CorruptCheckpointError as e:
+            if not self.storage.exists(MANIFEST):
+                raise CheckpointNotFoundError(f"{self.storage.url} was deleted while it was being read (by the "
+                                              "retention of a running CheckpointManager?)") from e
+            raise
+
+    def view(self, leaf: LeafRecord, box: Box) -> np.ndarray | None:
+        return self.serializer.view(self.storage, leaf, box, f"{self.where} leaf {leaf.name!r}")
+
+    @property
+    def step(self) -> int | None:
+        return self.body.get("step")
+
+    @property
+    def metrics(self) -> dict[str, Any] | None:
+        return self.body.get("metrics")
+
+    def info(self) -> CheckpointInfo:
+        b = self.body
+        return checkpoint_info(self.storage.url, self.leaves, step=b.get("step"), metrics=b.get("metrics"),
+                               metadata=b.get("metadata"), created=b["created"], process_count=b["process_count"],
+                               serializer=b["serializer"], format="native")
+
+
+def open_native(storage: Storage) -> NativeSource:
+    """The committed native checkpoint in folder ``storage``: CheckpointNotFoundError when there is none,
+    CheckpointNotCommittedError for a folder without a manifest (a save in flight, or one that
+    crashed), InvalidManifestError for a manifest that fails verification or validation."""
+    if commit_mod.is_temporary(storage.url.rstrip("/").rsplit("/", 1)[-1]):
+        raise CheckpointNotCommittedError(f"{storage.url} is the folder of a save in flight or one that "
+                                          "crashed; it is never read")
+    where = f"{storage.url}/{MANIFEST}"
+    try:
+        raw = storage.read(MANIFEST, MAX_MANIFEST_BYTES)
+    except (FileNotFoundError, NotADirectoryError):
+        kind = storage.kind()
+        if kind == "missing":
+            raise CheckpointNotFoundError(f"no checkpoint at {storage.url}"
+                                          + (" (the path does not exist)" if storage.supports_rename else "")) from None
+        if kind == "file":
+            raise CheckpointNotFoundError(f"{storage.url} is a file, not a checkpoint folder") from None
+        raise CheckpointNotCommittedError(
+            f"{storage.url} holds no committed checkpoint (no {MANIFEST}: a save in flight or one that "
+            "crashed); it is never read") from None
+    body = decode(raw, where)
+    try:
+        serializer = get_serializer(body["serializer"])
+    except ValueError as e:
+        raise InvalidManifestError(f"{where}: field body.serializer: {e}") from None
+    leaves = [LeafRecord.from_json(r) for r in body["leaves"]]
+    for i, leaf in enumerate(leaves):
+        if leaf.is_array:
+            serializer.validate(leaf, body["files"], f"{where}: leaves[{i}] ({leaf.name})")
+        if leaf.kind == "prng_key":
+            shape = key_data_shape(leaf.key_impl)
+            if shape is None:
+                raise InvalidManifestError(f"{where}: field leaves[{i}].key_impl: unknown PRNG implementation "
+                                           f"{leaf.key_impl!r}")
+            if leaf.key_shape != shape:
+                raise InvalidManifestError(f"{where}: field leaves[{i}].key_shape: {list(leaf.key_shape)} is not "
+                                           f"the key data shape of {leaf.key_impl!r}")
+    return NativeSource(storage, body, leaves, serializer)
+
+
+__all__ = ["NativeLayout", "NativeSource", "PersistTimes", "manifest_bytes", "open_native"]

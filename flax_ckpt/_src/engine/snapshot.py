@@ -1,0 +1,189 @@
+"""The blocking half of every save: a host copy of a tree that later mutation or donation cannot change.
+
+Scope: one snapshot for every layout (native steps, Orbax items, memory-tier copies). It classifies
+the leaves, starts every device-to-host transfer, and holds per leaf its typed record (what the
+checkpoint will say of it) and this process's shards (arrays only: one per distinct box whose
+replica_id is 0, so a replicated shard has exactly one writer). How the shards are stored is a
+layout's business (engine/native.py, orbax/write.py, tiers/store.py).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+
+from flax_ckpt._src import tree as tree_mod
+from flax_ckpt._src.engine.leaves import key_data_shape
+from flax_ckpt._src.errors import CheckpointError
+from flax_ckpt._src.format import LeafRecord
+from flax_ckpt._src.serializers import ArrayItem, Box, Shard, box_of
+
+_BIG = 1 << 20  # leaves of more bytes are copied on a small pool
+
+
+@dataclass
+class HostLeaf:
+    """One leaf of a snapshot: its record (without chunks), this process's host shards, the
+    jax.Array's sharding (of its key data, for PRNG keys), and for non-array leaves the object."""
+
+    record: LeafRecord
+    shards: tuple[Shard, ...] = ()
+    sharding: jax.sharding.Sharding | None = None
+    obj: Any = None
+
+    @property
+    def path(self) -> tree_mod.KeyPath:
+        return self.record.path
+
+
+@dataclass
+class Snapshot:
+    """A host copy of a tree: nothing in it changes when the caller's arrays are mutated or donated."""
+
+    leaves: list[HostLeaf]
+    nbytes: int  # bytes of this process's shards
+    seconds: float = 0.0
+    owned: bool = False  # every shard buffer was allocated by the snapshot (copy=True): reusable
+
+    def spare_buffers(self) -> dict[tuple[Any, Box], np.ndarray]:
+        """This snapshot's buffers by (key path, box), for ``snapshot(reuse=...)``; none unless owned.
+        Read-only views (of CPU jax arrays) are never handed out."""
+        if not self.owned:
+            return {}
+        return {(lf.path, s.box): s.data for lf in self.leaves for s in lf.shards if s.data.flags.writeable}
+
+    def items(self) -> list[ArrayItem]:
+        """The arrays as a serializer takes them (``leaf``: the index in ``leaves``)."""
+        return [ArrayItem(i, lf.record.name, lf.record.dtype, lf.record.shape, lf.shards)
+                for i, lf in enumerate(self.leaves) if lf.record.is_array]
+
+
+def describe_sharding(s: Any) -> dict[str, Any] | None:
+    """What a checkpoint records of a jax sharding (for ``fc.metadata``; restore takes the target's)."""
+    if s is None:
+        return None
+    if isinstance(s, jax.sharding.NamedSharding):
+        spec = [None if p is None else (p if isinstance(p, str) else list(p)) for p in s.spec]
+        return {"type": "NamedSharding", "axis_names": list(s.mesh.axis_names),
+                "mesh_shape": [int(n) for n in s.mesh.devices.shape], "spec": spec}
+    return {"type": type(s).__name__, "num_devices": len(s.device_set)}
+
+
+def host_array(x: Any, copy: bool) -> np.ndarray:
+    """``x`` as a C-ordered numpy array: a fresh copy, or (copy=False) a view where one exists."""
+    a = np.asarray(x)
+    return np.array(a, order="C", copy=True) if copy else np.asarray(a, order="C")
+
+
+def _host_into(spare: dict, key: tuple[Any, Box], x: Any, copy: bool) -> np.ndarray:
+    """``host_array(x, copy)``, copying into the spare buffer of the same key, shape and dtype if there is
+    one (already-faulted memory: several times cheaper to fill than a fresh allocation)."""
+    buf = spare.get(key)
+    if buf is None:
+        return host_array(x, copy)
+    a = np.asarray(x)
+    if buf.shape != a.shape or buf.dtype != a.dtype:
+        return host_array(a, copy)
+    np.copyto(buf, a)
+    return buf
+
+
+def _on_cpu(x: jax.Array) -> bool:
+    return all(d.platform == "cpu" for d in x.sharding.device_set)
+
+
+def _array_leaf(path: tree_mod.KeyPath, x: Any, kind: str, copy: bool, spare: dict) -> HostLeaf:
+    key_impl = key_shape = None
+    if kind == "prng_key":
+        key_impl = str(jax.random.key_impl(x))
+        x = jax.random.key_data(x)
+        key_shape = tuple(x.shape[x.ndim - len(key_data_shape(key_impl)):])
+    shape = tuple(int(d) for d in x.shape)
+    if isinstance(x, jax.Array):
+        boxes = [(s, box_of(s.index, shape)) for s in x.addressable_shards if s.replica_id == 0]
+        # A CPU array's host view is already a snapshot: jax arrays are immutable, the view keeps the
+        # buffer alive through x.delete(), and XLA never donates a buffer that has host views (it
+        # allocates the output instead). So CPU arrays are not copied; other devices' are.
+        cpu = _on_cpu(x)
+        shards = tuple(Shard(b, host_array(s.data, False) if cpu else _host_into(spare, (path, b), s.data, True))
+                       for s, b in boxes)
+        sharding, desc = x.sharding, describe_sharding(x.sharding)
+    else:
+        box = tuple((0, d) for d in shape)
+        shards, sharding, desc = (Shard(box, _host_into(spare, (path, box), x, copy)),), None, None
+    rec = LeafRecord(path, kind, np.dtype(x.dtype), shape, key_impl, key_shape, desc)
+    return HostLeaf(rec, shards, sharding)
+
+
+_PY = (bool, int, float, complex)
+
+
+def _value_leaf(path: tree_mod.KeyPath, x: Any, kind: str) -> HostLeaf:
+    if kind == "empty":
+        return HostLeaf(LeafRecord(path, kind, value=tree_mod.empty_kind(x)), obj=x)
+    if kind == "string":
+        return HostLeaf(LeafRecord(path, kind, value=str(x)), obj=x)
+    py = next(t for t in _PY if isinstance(x, t))  # bool before int: a bool is an int too
+    return HostLeaf(LeafRecord(path, kind, value=py(x)), obj=x)
+
+
+def snapshot(tree: Any, *, copy: bool = True, reuse: Snapshot | None = None) -> Snapshot:
+    """Copies every array shard this process writes to host memory (``copy=False`` reuses host buffers
+    where possible: for synchronous saves, where nothing can change them meanwhile).
+
+    ``reuse``: an earlier snapshot (copy=True) that nothing reads any more, e.g. the previous save's
+    once it is durable; its buffers are overwritten where key path, box, shape and dtype match, which
+    saves the page faults of fresh memory (most of a snapshot's time on a CPU host)."""
+    t0 = time.perf_counter()
+    spare = reuse.spare_buffers() if (copy and reuse is not None) else {}
+    flat, _ = tree_mod.flatten(tree)
+    kinds = tree_mod.classify_all(flat)
+    for (_, x), kind in zip(flat, kinds):  # start every device-to-host transfer before waiting on any
+        if kind == "jax" and not _on_cpu(x):
+            x.copy_to_host_async()
+
+    def leaf(i: int) -> HostLeaf:
+        (path, x), kind = flat[i], kinds[i]
+        if kind in ("jax", "numpy", "prng_key"):
+            return _array_leaf(path, x, kind, copy, spare)
+        return _value_leaf(path, x, kind)
+
+    big = [i for i, (_, x) in enumerate(flat) if getattr(x, "nbytes", 0) > _BIG]
+    leaves: list[Any] = [None] * len(flat)
+    if len(big) > 1:
+        with ThreadPoolExecutor(min(4, len(big))) as pool:
+            for i, hl in zip(big, pool.map(leaf, big)):
+                leaves[i] = hl
+    for i in range(len(flat)):
+        if leaves[i] is None:
+            leaves[i] = leaf(i)
+    nbytes = sum(s.data.nbytes for hl in leaves for s in hl.shards)
+    return Snapshot(leaves, nbytes, time.perf_counter() - t0, owned=copy)
+
+
+def jsonable(obj: Any, what: str) -> Any:
+    """``obj`` as the JSON it is stored as (metrics, user metadata); CheckpointError when it is not
+    JSON (no pickle is used). 0-d arrays become numbers."""
+    if obj is None:
+        return None
+    try:
+        return json.loads(json.dumps(obj, default=_json_default))
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{what} must be JSON-serializable (no pickle is used): {e}") from None
+    except RecursionError:
+        raise CheckpointError(f"{what} is nested too deeply to store as JSON") from None
+
+
+def _json_default(x: Any) -> Any:
+    if isinstance(x, (np.generic, np.ndarray, jax.Array)) and np.ndim(x) == 0:
+        return np.asarray(x).item()
+    raise TypeError(f"{type(x).__name__} is not JSON-serializable")
+
+
+__all__ = ["HostLeaf", "Snapshot", "describe_sharding", "host_array", "jsonable", "snapshot"]

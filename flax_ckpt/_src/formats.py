@@ -1,0 +1,100 @@
+"""The two checkpoint formats behind one interface, and the one place a folder's format is decided.
+
+Scope: ``Layout``, what the public functions and the manager need of a format (its snapshot, its
+write and commit, opening one of its folders as a restore Source, its commit record), with the two
+implementations: "native" (flax_ckpt's own layout, engine/native.py) and "orbax" (Orbax's, orbax/);
+``detect`` (which format a folder holds) and ``step_folders`` (the steps of a run directory in either
+format), which the manager and the flax-ckpt command both use. The memory tiers keep their own copy
+format (tiers/store.py) and migrate native steps through the native layout.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from flax_ckpt._src import commit as commit_mod
+from flax_ckpt._src.engine.native import NativeLayout, PersistTimes
+from flax_ckpt._src.engine.restore import Source
+from flax_ckpt._src.engine.snapshot import Snapshot
+from flax_ckpt._src.format import MANIFEST
+from flax_ckpt._src.orbax import OrbaxLayout
+from flax_ckpt._src.orbax import locate as orbax_locate
+from flax_ckpt._src.serializers import Serializer
+from flax_ckpt._src.storage import Storage
+
+FORMATS = ("native", "orbax")
+
+
+class Layout(Protocol):
+    """A checkpoint format. ``record``: the file whose presence commits one of its folders."""
+
+    name: str
+    record: str
+
+    def snapshot(self, tree: Any, *, copy: bool, reuse: Snapshot | None = None) -> Snapshot:
+        """The blocking half of a save (caller's thread); refuses what the format cannot store."""
+
+    def persist(self, snap: Snapshot, parent: Storage, name: str, *, step: int | None, metrics: Any,
+                metadata: Any) -> PersistTimes:
+        """Writes and commits ``snap`` as ``parent/name`` (background thread)."""
+
+    def open(self, folder: Storage) -> Source:
+        """A committed folder of this format as a restore Source (with ``info()``, ``step``, ``metrics``)."""
+
+    def metrics(self, folder: Storage) -> dict[str, Any] | None:
+        """The metrics saved with a committed step folder, read cheaply (a manager's scan); raises a
+        CheckpointError for a damaged one."""
+
+
+def layout(name: str, serializer: "str | Serializer | None" = None) -> Layout:
+    """The layout called ``name`` ("native" or "orbax"); ``serializer`` is the native layout's."""
+    if name == "flax_ckpt":
+        warnings.warn("format='flax_ckpt' is now called format='native'", DeprecationWarning, stacklevel=3)
+        name = "native"
+    if name == "native":
+        return NativeLayout(serializer)
+    if name == "orbax":
+        if serializer is not None:
+            raise ValueError("serializer= applies to format='native'; Orbax's layout is always tensorstore zarr")
+        return OrbaxLayout()
+    raise ValueError(f"unknown format {name!r}; use 'native' or 'orbax'")
+
+
+def detect(folder: Storage) -> Layout:
+    """The format of the checkpoint in ``folder``: native when it has a manifest, Orbax when it has
+    Orbax's metadata files, else native (whose open then says what is missing). One listing or less."""
+    if folder.exists(MANIFEST):
+        return NativeLayout(None)
+    return OrbaxLayout() if orbax_locate.is_orbax(folder) else NativeLayout(None)
+
+
+def open_checkpoint(folder: Storage) -> Source:
+    """The committed checkpoint in ``folder``, in whichever format it has, as a restore Source."""
+    return detect(folder).open(folder)
+
+
+@dataclass(frozen=True)
+class StepFolder:
+    """One step folder of a run directory: its step, folder name and format."""
+
+    step: int
+    name: str
+    layout: Layout
+
+
+def step_folders(root: Storage) -> tuple[list[StepFolder], list[str]]:
+    """The step folders of a run directory in either format, by step (committed Orbax steps, named
+    ``<step>`` or ``<prefix>_<step>``; every other folder named by an integer is a native step, to be
+    opened to know whether it is committed), and the names of temporary folders (saves in flight or
+    crashed, interrupted deletions: never read)."""
+    orbax = orbax_locate.step_dirs(root)
+    found = [StepFolder(s, n, OrbaxLayout()) for s, n in orbax.items()]
+    temporary = []
+    for entry in root.list():
+        if commit_mod.is_temporary(entry):
+            temporary.append(entry)
+        elif entry.isdigit() and int(entry) not in orbax:
+            found.append(StepFolder(int(entry), entry, NativeLayout(None)))
+    return sorted(found, key=lambda f: f.step), temporary

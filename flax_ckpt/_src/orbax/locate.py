@@ -1,0 +1,236 @@
+"""Finding Orbax checkpoints: which folder is an Orbax step or item, its items, and a run's steps.
+
+Scope: Orbax's on-disk layout above the arrays (facts from orbax-checkpoint 0.12.8's source, tested
+against it): ``_CHECKPOINT_METADATA`` (item handlers, metrics, timestamps), an item's ``_METADATA``,
+``commit_success.txt``, JSON items, step folders ``<step>`` or ``<prefix>_<step>`` and in-flight
+``*.orbax-checkpoint-tmp*`` folders. Everything here reads folder listings and small JSON files, never
+array bytes; reading arrays is read.py's, writing write.py's.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from flax_ckpt._src import commit as commit_mod
+from flax_ckpt._src.errors import (CheckpointNotCommittedError, CheckpointNotFoundError, CorruptCheckpointError,
+                                   InvalidManifestError, UnsupportedOrbaxCheckpointError, format_list)
+from flax_ckpt._src.format import MANIFEST
+from flax_ckpt._src.storage import Storage
+
+TESTED_ORBAX_VERSION = "0.12.8"
+TREE_METADATA = "_METADATA"
+CHECKPOINT_METADATA = "_CHECKPOINT_METADATA"
+COMMIT_SUCCESS = "commit_success.txt"
+SHARDING = "_sharding"
+STRINGS = "_strings.json"
+OCDBT_MANIFEST = "manifest.ocdbt"
+TMP_SUFFIX = commit_mod.ORBAX_TMP_MARK
+JSON_FILES = ("metadata", "data.json")
+PYTREE_HANDLER = "orbax.checkpoint._src.handlers.pytree_checkpoint_handler.PyTreeCheckpointHandler"
+STANDARD_HANDLER = "orbax.checkpoint._src.handlers.standard_checkpoint_handler.StandardCheckpointHandler"
+JSON_HANDLER = "orbax.checkpoint._src.handlers.json_checkpoint_handler.JsonCheckpointHandler"
+_PYTREE_CLASSES = frozenset({"PyTreeCheckpointHandler", "StandardCheckpointHandler", "PyTreeHandler"})
+_JSON_CLASSES = frozenset({"JsonCheckpointHandler", "JsonHandler"})
+_STEP_NAME = re.compile(r"(?:(.+)_)?(\d+)")
+MAX_JSON = 256 << 20
+
+
+def name_of(storage: Storage) -> str:
+    return storage.url.rstrip("/").rsplit("/", 1)[-1]
+
+
+def read_json(storage: Storage, name: str) -> Any:
+    """The parsed JSON file ``name`` in ``storage``; None when it does not exist."""
+    try:
+        raw = storage.read(name, MAX_JSON)
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+        return None
+    if len(raw) > MAX_JSON:
+        raise InvalidManifestError(f"{storage.url}/{name}: larger than {MAX_JSON} bytes; not Orbax metadata")
+    try:
+        return json.loads(raw)
+    except ValueError as e:
+        raise InvalidManifestError(f"{storage.url}/{name}: not valid JSON ({e}); the Orbax checkpoint is "
+                                   "damaged") from None
+
+
+def is_orbax(folder: Storage) -> bool:
+    """True when ``folder`` holds an Orbax layout (no flax_ckpt manifest; ``_METADATA`` or
+    ``_CHECKPOINT_METADATA``). Reads one folder listing, no file."""
+    try:
+        entries = set(folder.list())
+    except Exception:
+        return False
+    return MANIFEST not in entries and bool(entries & {TREE_METADATA, CHECKPOINT_METADATA})
+
+
+def handler_kind(handler: Any) -> str:
+    cls = handler.rsplit(".", 1)[-1] if isinstance(handler, str) and handler.startswith("orbax.") else None
+    return "pytree" if cls in _PYTREE_CLASSES else "json" if cls in _JSON_CLASSES else "unknown"
+
+
+@dataclass(frozen=True)
+class Located:
+    """A committed Orbax folder: its pytree items (key None: the folder is the item), JSON items,
+    step metadata and step number."""
+
+    storage: Storage
+    items: dict[str | None, Storage]
+    json_items: dict[str, Storage]
+    meta: dict[str, Any]
+    step: int | None
+
+
+def _refuse_msgpack(storage: Storage) -> None:
+    if "checkpoint" in storage.list():
+        raise UnsupportedOrbaxCheckpointError(
+            f"{storage.url} is a legacy msgpack Orbax checkpoint (a 'checkpoint' file, no {TREE_METADATA}); "
+            "flax_ckpt reads only the tensorstore layout. Restore it with orbax-checkpoint and re-save it.")
+
+
+def _items_from_handlers(storage: Storage, handlers: dict[str, Any]) -> tuple[dict, dict]:
+    items, json_items, refused = {}, {}, []
+    for name, handler in handlers.items():
+        kind = handler_kind(handler)
+        if kind == "pytree":
+            items[name] = storage.sub(name)
+        elif kind == "json":
+            json_items[name] = storage.sub(name)
+        else:
+            refused.append(f"{name!r} ({handler})")
+    if not items and refused:
+        raise UnsupportedOrbaxCheckpointError(
+            f"{storage.url}: no item flax_ckpt can read; item handlers {', '.join(refused)} are not "
+            "supported (only PyTreeCheckpointHandler, StandardCheckpointHandler, PyTreeHandler and JSON "
+            "items are). Restore it with orbax-checkpoint.")
+    return items, json_items
+
+
+def _items_by_listing(storage: Storage, entries: set[str]) -> tuple[dict, dict]:
+    items, json_items = {}, {}
+    for name in sorted(entries):
+        inner = set(storage.sub(name).list())
+        if TREE_METADATA in inner:
+            items[name] = storage.sub(name)
+        elif inner & {name, *JSON_FILES}:
+            json_items[name] = storage.sub(name)
+    return items, json_items
+
+
+def step_number(name: str) -> int | None:
+    """The step of an Orbax step folder name (``<step>`` or ``<prefix>_<step>``), or None."""
+    m = _STEP_NAME.fullmatch(name)
+    return int(m.group(2)) if m else None
+
+
+def _as_item_of_step(storage: Storage, meta: dict[str, Any]) -> Located:
+    """A pytree item folder; inside a CheckpointManager step, with that step's metadata and metrics."""
+    parent, name = storage.parent()
+    step_meta = {} if meta else read_json(parent, CHECKPOINT_METADATA)
+    handlers = step_meta.get("item_handlers") if isinstance(step_meta, dict) else None
+    if not isinstance(handlers, dict) or handler_kind(handlers.get(name)) != "pytree":
+        return Located(storage, {None: storage}, {}, meta, None)
+    json_items = {n: parent.sub(n) for n, h in handlers.items() if handler_kind(h) == "json"}
+    return Located(storage, {None: storage}, json_items, step_meta, step_number(name_of(parent)))
+
+
+def locate(storage: Storage) -> Located:
+    """The committed Orbax checkpoint in folder ``storage``: a StandardCheckpointer/PyTreeCheckpointer
+    folder, a CheckpointManager step folder, or an item folder inside one."""
+    entries = set(storage.list())
+    if not entries:
+        raise CheckpointNotFoundError(f"no checkpoint at {storage.url} (the folder is missing or empty)")
+    if commit_mod.is_temporary(name_of(storage)):
+        raise CheckpointNotCommittedError(f"{storage.url} is the folder of an Orbax save in flight or one "
+                                          "that crashed; it is never read")
+    meta = read_json(storage, CHECKPOINT_METADATA)
+    meta = meta if isinstance(meta, dict) else {}
+    if not storage.supports_rename and COMMIT_SUCCESS not in entries:
+        raise CheckpointNotCommittedError(f"{storage.url} has no {COMMIT_SUCCESS}: on an object store an "
+                                          "Orbax checkpoint without it is uncommitted and never read")
+    handlers = meta.get("item_handlers")
+    if TREE_METADATA in entries:
+        if isinstance(handlers, str) and handler_kind(handlers) != "pytree":
+            raise UnsupportedOrbaxCheckpointError(
+                f"{storage.url}: written by {handlers}, which flax_ckpt does not read (only PyTree and "
+                "Standard checkpoint handlers). Restore it with orbax-checkpoint.")
+        return _as_item_of_step(storage, meta)
+    if isinstance(handlers, dict):
+        items, json_items = _items_from_handlers(storage, handlers)
+    else:
+        _refuse_msgpack(storage)
+        items, json_items = _items_by_listing(storage, entries)
+    for item in items.values():
+        if TREE_METADATA not in item.list():
+            _refuse_msgpack(item)
+            raise CorruptCheckpointError(f"{item.url}: the pytree item has no {TREE_METADATA}; the Orbax "
+                                         "checkpoint is incomplete")
+    if not items:
+        raise UnsupportedOrbaxCheckpointError(f"{storage.url}: an Orbax folder without any pytree item "
+                                              f"(items: {format_list(sorted(json_items))}); nothing to restore")
+    return Located(storage, items, json_items, meta, step_number(name_of(storage)))
+
+
+# ------------------------------------------------------------------- an Orbax CheckpointManager dir
+
+def step_dirs(root: Storage) -> dict[int, str]:
+    """{step: folder name} of the committed Orbax steps under a run directory ``root`` (``<step>`` or
+    ``<prefix>_<step>`` folders, e.g. Orbax's ``step_prefix="ckpt"`` with a fixed length:
+    ``ckpt_000010``); in-flight folders and flax_ckpt steps are ignored."""
+    found: dict[int, str] = {}
+    for entry in root.list():
+        m = _STEP_NAME.fullmatch(entry)
+        if m is None or commit_mod.is_temporary(entry) or not committed_step(root.sub(entry)):
+            continue
+        step = int(m.group(2))
+        if step not in found or m.group(1) is None:
+            found[step] = entry
+    return found
+
+
+def step_folder(root: Storage, step: int) -> Storage:
+    """The folder of committed Orbax step ``step`` of a run directory (CheckpointNotFoundError if none)."""
+    dirs = step_dirs(root)
+    if step not in dirs:
+        raise CheckpointNotFoundError(f"no committed Orbax step {step} in {root.url} (steps: {sorted(dirs) or 'none'})")
+    return root.sub(dirs[step])
+
+
+def committed_step(folder: Storage) -> bool:
+    """An Orbax step folder that is committed: ``commit_success.txt`` (required on object stores), or on
+    a local file system (where the rename commits) ``_CHECKPOINT_METADATA`` or an item's ``_METADATA``."""
+    inner = set(folder.list())
+    if MANIFEST in inner:
+        return False  # a flax_ckpt step
+    if COMMIT_SUCCESS in inner:
+        return True
+    return folder.supports_rename and (CHECKPOINT_METADATA in inner
+                                       or any(TREE_METADATA in folder.sub(n).list() for n in sorted(inner)))
+
+
+def read_json_item(storage: Storage, item: str) -> Any:
+    """A JSON item's value: the file named like the item (a manager's ``metrics/metrics``), else
+    JsonCheckpointHandler's ``metadata`` or the v1 JsonHandler's ``data.json``."""
+    for name in (item, *JSON_FILES):
+        found = read_json(storage, name)
+        if found is not None:
+            return found
+    return None
+
+
+def step_metrics(located: Located) -> dict[str, Any] | None:
+    """The metrics saved with a step (the ``metrics`` item, else ``_CHECKPOINT_METADATA``), or None."""
+    if "metrics" in located.json_items:
+        found = read_json_item(located.json_items["metrics"], "metrics")
+        if isinstance(found, dict):
+            return found
+    m = located.meta.get("metrics")
+    return m if isinstance(m, dict) and m else None
+
+
+def json_items(located: Located) -> dict[str, Any]:
+    """The JSON items of an Orbax step (composite checkpoints), ``{item name: value}``."""
+    return {name: read_json_item(s, name) for name, s in located.json_items.items()}

@@ -1,0 +1,295 @@
+"""Writing Orbax's layout without orbax: one pytree item, or a CheckpointManager step.
+
+Scope: turning the engine's snapshot (engine/snapshot.py) into an Orbax item (zarr3 or zarr v2
+arrays in OCDBT or not, zstd, with ``_METADATA``, ``_sharding``, ``_strings.json`` and
+``array_metadatas/process_0``), and committing a folder of them with the engine's commit
+(commit.py; the commit record is ``commit_success.txt``, written last; staging folders are named as
+Orbax names them, ``<name>.orbax-checkpoint-tmp-<ns>``). orbax-checkpoint's StandardCheckpointer,
+PyTreeCheckpointer and CheckpointManager restore what is written here (tests/test_orbax_compat.py).
+Refused: several processes (Orbax merges per-process OCDBT databases; flax_ckpt does not), keys
+holding '/' or colliding once joined with '.', dtypes tensorstore lacks, Python ints beyond 64 bits.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+import time
+from typing import Any, Callable
+
+import jax
+import numpy as np
+import tensorstore as ts
+
+from flax_ckpt._src import commit as commit_mod
+from flax_ckpt._src import distributed
+from flax_ckpt._src.engine.snapshot import HostLeaf, Snapshot, jsonable
+from flax_ckpt._src.errors import CheckpointError, UnsupportedLeafError, UnsupportedOrbaxCheckpointError, format_list
+from flax_ckpt._src.orbax.locate import (CHECKPOINT_METADATA, COMMIT_SUCCESS, JSON_HANDLER, PYTREE_HANDLER, SHARDING,
+                                         STANDARD_HANDLER, STRINGS, TMP_SUFFIX, TREE_METADATA)
+from flax_ckpt._src.orbax.read import OCDBT_FILE_SIZE, array_kvstore, context_for
+from flax_ckpt._src.storage import Storage
+
+_EMPTY_VALUE_TYPES = {"none": "None", "dict": "Dict", "list": "List", "tuple": "Tuple"}
+
+
+def param(lf: HostLeaf) -> str:
+    """Orbax's parameter name: the key path joined with '.'."""
+    return ".".join(str(k) for _, k in lf.path)
+
+
+def value_type(lf: HostLeaf) -> str:
+    kind = lf.record.kind
+    if kind in ("jax", "prng_key"):
+        return "jax.Array"
+    if kind in ("numpy", "scalar"):
+        return "np.ndarray" if kind == "numpy" else "scalar"
+    if kind == "string":
+        return "string"
+    namedtuple = isinstance(lf.obj, tuple) and hasattr(lf.obj, "_fields")
+    return "None" if namedtuple else _EMPTY_VALUE_TYPES[lf.record.value]
+
+
+def _array(lf: HostLeaf) -> tuple[tuple[int, ...], np.dtype, list[tuple[tuple, np.ndarray]]] | None:
+    """Shape, dtype and (box, data) shards of an array leaf; a Python scalar as the 0-d array Orbax
+    stores it as; None for other leaves."""
+    if lf.record.kind == "scalar":
+        a = np.asarray(lf.record.value)
+        return (), a.dtype, [((), a)]
+    if not lf.record.is_array:
+        return None
+    return lf.record.shape, lf.record.dtype, [(s.box, s.data) for s in lf.shards]
+
+
+def write_shape(lf: HostLeaf) -> tuple[int, ...] | None:
+    """The per-device shard shape of a jax.Array (what Orbax chunks by); None for host values."""
+    if lf.sharding is None:
+        return None
+    return tuple(int(d) for d in lf.sharding.shard_shape(lf.record.shape))
+
+
+def check(snap: Snapshot) -> None:
+    """Refuses, before anything is written, a tree Orbax's layout cannot hold (UnsupportedLeafError)."""
+    slash = [lf.record.name for lf in snap.leaves if any("/" in str(k) for _, k in lf.path)]
+    seen: dict[str, str] = {}
+    clash = []
+    for lf in snap.leaves:
+        other = seen.setdefault(param(lf), lf.record.name)
+        if other != lf.record.name:
+            clash.append(f"{other!r} and {lf.record.name!r} (both {param(lf)!r})")
+    dtypes = []
+    for lf in snap.leaves:
+        arr = _array(lf)
+        if arr is not None and arr[1].hasobject:
+            raise UnsupportedLeafError(f"{lf.record.name}: {lf.record.value!r} does not fit int64/uint64; Orbax "
+                                       "stores Python scalars as fixed-width arrays")
+        if arr is not None and not _ts_dtype_ok(arr[1]):
+            dtypes.append(f"{lf.record.name} ({arr[1].name})")
+    if slash or clash or dtypes:
+        raise UnsupportedLeafError(
+            "cannot save in Orbax's layout (nothing was written): "
+            + (f"keys holding '/': {format_list(slash)}; " if slash else "")
+            + (f"key paths that Orbax's '.'-joined parameter names confuse: {'; '.join(clash)}; " if clash else "")
+            + (f"dtypes tensorstore (hence Orbax) cannot store: {', '.join(dtypes)}; " if dtypes else "")
+            + "rename those keys or cast those leaves, or save in flax_ckpt's own format.")
+
+
+def _ts_dtype_ok(dtype: np.dtype) -> bool:
+    try:
+        ts.dtype(dtype.name)
+        return True
+    except (ValueError, TypeError):
+        return False
+
+
+def single_process() -> None:
+    if distributed.process_count() > 1:
+        raise UnsupportedOrbaxCheckpointError(
+            "saving in Orbax's layout from several processes is not supported (it needs Orbax's "
+            "per-process OCDBT merge); save in flax_ckpt's format, which any process count restores")
+
+
+def _chunk_shape(shape: tuple[int, ...], dtype: np.dtype, ws: tuple[int, ...] | None) -> list[int]:
+    """The shard shape, halved along even dimensions while a chunk exceeds OCDBT's target file size
+    (so chunks still tile each shard exactly and no two shards write one chunk)."""
+    chunk = [max(1, d) for d in (ws if ws is not None else shape)]
+    while math.prod(chunk) * dtype.itemsize > OCDBT_FILE_SIZE:
+        even = [i for i, d in enumerate(chunk) if d % 2 == 0]
+        if not even:
+            break
+        i = max(even, key=lambda j: chunk[j])
+        chunk[i] //= 2
+    return chunk
+
+
+def _zarr_metadata(shape: tuple[int, ...], chunk: list[int], use_zarr3: bool, compression: bool) -> dict[str, Any]:
+    if not use_zarr3:
+        return {"shape": list(shape), "chunks": chunk,
+                "compressor": {"id": "zstd", "level": 1} if compression else None}
+    inner = [{"name": "bytes", "configuration": {"endian": "little"}}]
+    if compression:
+        inner.append({"name": "zstd", "configuration": {"level": 3}})
+    codec = {"name": "sharding_indexed", "configuration": {
+        "chunk_shape": chunk, "codecs": inner, "index_location": "end",
+        "index_codecs": [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]}}
+    return {"shape": list(shape), "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": chunk}},
+            "codecs": [codec]}
+
+
+def _write_arrays(storage: Storage, arrays: list[HostLeaf], use_ocdbt: bool, use_zarr3: bool,
+                  compression: bool) -> None:
+    context = context_for(storage)
+    opened = []
+    for lf in arrays:
+        shape, dtype, shards = _array(lf)
+        spec = {"driver": "zarr3" if use_zarr3 else "zarr", "dtype": dtype.name,
+                "kvstore": array_kvstore(storage, param(lf), use_ocdbt, write=True),
+                "metadata": _zarr_metadata(shape, _chunk_shape(shape, dtype, write_shape(lf)), use_zarr3, compression),
+                "store_data_equal_to_fill_value": True, "recheck_cached_data": False,
+                "recheck_cached_metadata": False}
+        opened.append((lf, shape, dtype, shards, ts.open(spec, create=True, open=True, context=context)))
+    writes, failure = [], None
+    for lf, shape, dtype, shards, fut in opened:
+        try:
+            store = fut.result()
+        except Exception as e:
+            failure = failure or UnsupportedLeafError(
+                f"{lf.record.name}: tensorstore cannot store {dtype}{list(shape)} in Orbax's layout: {e}")
+            continue
+        writes += [(lf, store[tuple(slice(a, b) for a, b in box)].write(data)) for box, data in shards if data.size]
+    for lf, w in writes:  # wait for every write, even after a failure, before anyone deletes the folder
+        try:
+            w.result()
+        except Exception as e:
+            failure = failure or CheckpointError(f"{storage.url}: writing {lf.record.name!r} failed: {e}")
+    if failure is not None:
+        raise failure
+
+
+def _json_bytes(obj: Any) -> bytes:
+    return json.dumps(obj).encode()
+
+
+def _tree_metadata(snap: Snapshot, use_ocdbt: bool, use_zarr3: bool) -> dict[str, Any]:
+    entries = {}
+    for lf in snap.leaves:
+        vt = value_type(lf)
+        value: dict[str, Any] = {"value_type": vt, "skip_deserialize": vt in ("None", "Dict", "List", "Tuple")}
+        ws = write_shape(lf)
+        if ws is not None:
+            value["write_shape"] = list(ws)
+        keys = [{"key": str(k), "key_type": 1 if kind == "idx" else 2} for kind, k in lf.path]
+        entries[str(tuple(str(k) for _, k in lf.path))] = {"key_metadata": keys, "value_metadata": value}
+    return {"tree_metadata": entries, "use_ocdbt": use_ocdbt, "use_zarr3": use_zarr3,
+            "store_array_data_equal_to_fill_value": True, "custom_metadata": None}
+
+
+def _sharding_of(s: jax.sharding.Sharding | None) -> dict[str, Any] | None:
+    """Orbax's ``_sharding`` description of a jax sharding (None: Orbax writes none either)."""
+    if isinstance(s, jax.sharding.NamedSharding):
+        ids = np.vectorize(lambda d: {"id": int(d.id)}, otypes=[object])(s.mesh.devices).tolist()
+        spec = [p if p is None or isinstance(p, str) else list(p) for p in s.spec]
+        return {"sharding_type": "NamedSharding", "shape": [int(n) for n in s.mesh.devices.shape],
+                "axis_names": [str(a) for a in s.mesh.axis_names],
+                "axis_types": [str(a) for a in s.mesh.axis_types], "partition_spec": spec,
+                "device_mesh": {"mesh": ids}}
+    if isinstance(s, jax.sharding.SingleDeviceSharding):
+        return {"sharding_type": "SingleDeviceSharding", "device_str": str(next(iter(s.device_set)))}
+    return None
+
+
+def _array_metadatas(arrays: list[HostLeaf]) -> dict[str, Any]:
+    return {"array_metadatas": [
+        {"array_metadata": {"param_name": param(lf), "write_shape": list(write_shape(lf)),
+                            "chunk_shape": _chunk_shape(lf.record.shape, lf.record.dtype, write_shape(lf)),
+                            "ext_metadata": {"random_key_impl": lf.record.key_impl} if lf.record.key_impl else None}}
+        for lf in arrays if value_type(lf) == "jax.Array"]}
+
+
+def write_item(storage: Storage, snap: Snapshot, *, use_ocdbt: bool = True, use_zarr3: bool = True,
+               compression: bool = True) -> None:
+    """Writes one Orbax pytree item (arrays, ``_METADATA`` and side files) into ``storage``."""
+    arrays = [lf for lf in snap.leaves if _array(lf) is not None]
+    _write_arrays(storage, arrays, use_ocdbt, use_zarr3, compression)
+    shardings = {base64.urlsafe_b64encode(param(lf).encode()).decode(): json.dumps(_sharding_of(lf.sharding))
+                 for lf in arrays if _sharding_of(lf.sharding) is not None}
+    strings = {param(lf): lf.record.value for lf in snap.leaves if lf.record.kind == "string"}
+    if shardings:
+        storage.write(SHARDING, [_json_bytes(shardings)])
+    if strings:
+        storage.write(STRINGS, [_json_bytes(strings)])
+    if any(value_type(lf) == "jax.Array" for lf in arrays):
+        storage.write("array_metadatas/process_0", [_json_bytes(_array_metadatas(arrays))])
+    storage.write(TREE_METADATA, [_json_bytes(_tree_metadata(snap, use_ocdbt, use_zarr3))])
+
+
+def _handler_for(snap: Snapshot) -> str:
+    """StandardCheckpointHandler where orbax's would accept the tree (no strings), else PyTree's."""
+    return PYTREE_HANDLER if any(lf.record.kind == "string" for lf in snap.leaves) else STANDARD_HANDLER
+
+
+def _success(storage: Storage) -> bytes:
+    return f"Checkpoint commit was successful to {storage.url}".encode()
+
+
+def _commit_folder(parent: Storage, name: str, write: Callable[[Storage], Any], meta: dict[str, Any]) -> None:
+    """Writes ``name`` atomically with the engine's commit: ``_CHECKPOINT_METADATA``, then
+    ``commit_success.txt`` as the commit record. Refuses an existing checkpoint."""
+    staging = commit_mod.staging_name(parent, name, record=COMMIT_SUCCESS, mark=TMP_SUFFIX + "-",
+                                      nonce=str(time.time_ns()))
+    folder = parent.sub(staging)
+    try:
+        write(folder)
+        meta = dict(meta, commit_timestamp_nsecs=time.time_ns())
+        commit_mod.commit(parent, staging, name, COMMIT_SUCCESS, _success(folder),
+                          before=[(CHECKPOINT_METADATA, _json_bytes(meta))])
+    except BaseException:
+        commit_mod.abort(parent, staging, COMMIT_SUCCESS)
+        raise
+
+
+def _step_meta(handlers: str | dict[str, str], custom: Any) -> dict[str, Any]:
+    """``_CHECKPOINT_METADATA`` as orbax 0.12.8 writes it (metrics live in the ``metrics`` item)."""
+    return {"item_handlers": handlers, "metrics": {}, "performance_metrics": {},
+            "init_timestamp_nsecs": time.time_ns(), "commit_timestamp_nsecs": None,
+            "custom_metadata": custom if custom is not None else {}}
+
+
+def save_item(parent: Storage, name: str, snap: Snapshot, *, metadata: Any = None, use_ocdbt: bool = True,
+              use_zarr3: bool = True, compression: bool = True) -> None:
+    """A StandardCheckpointer-style folder ``parent/name`` that ``ocp.StandardCheckpointer().restore(path,
+    abstract_tree)`` and ``ocp.PyTreeCheckpointer().restore`` read. ``metadata`` goes to
+    ``_CHECKPOINT_METADATA``'s custom_metadata."""
+    single_process()
+    custom = jsonable(metadata, "metadata")
+    _commit_folder(parent, name, lambda f: write_item(f, snap, use_ocdbt=use_ocdbt, use_zarr3=use_zarr3,
+                                                      compression=compression),
+                   _step_meta(_handler_for(snap), custom))
+
+
+def save_step(root: Storage, step: int, snap: Snapshot, *, metrics: dict[str, Any] | None = None,
+              metadata: Any = None, use_ocdbt: bool = True, use_zarr3: bool = True) -> str:
+    """Writes ``<root>/<step>`` as an Orbax CheckpointManager step: item ``default``, plus a ``metrics``
+    JSON item; returns its URL."""
+    single_process()
+    metrics = jsonable(metrics, "metrics")
+    custom = jsonable(metadata, "metadata")
+    root.makedirs()
+    handlers = {"default": _handler_for(snap)}
+    if metrics is not None:
+        handlers["metrics"] = JSON_HANDLER
+
+    def write(folder: Storage) -> None:
+        item = folder.sub("default")
+        write_item(item, snap, use_ocdbt=use_ocdbt, use_zarr3=use_zarr3)
+        item.write(COMMIT_SUCCESS, [_success(item)])
+        if metrics is not None:
+            folder.sub("metrics").write("metrics", [_json_bytes(metrics)])
+            folder.sub("metrics").write(COMMIT_SUCCESS, [_success(folder.sub("metrics"))])
+
+    _commit_folder(root, str(int(step)), write, _step_meta(handlers, custom))
+    return root.sub(str(int(step))).url
+
+
+__all__ = ["check", "save_item", "save_step", "single_process", "write_item"]

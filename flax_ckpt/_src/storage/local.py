@@ -1,0 +1,218 @@
+"""A folder on a local (or network) file system: plain os calls, every write fsynced.
+
+Scope: LocalStorage, the Storage protocol (base.py) over a folder. Reads never leave the folder
+(symlinks are resolved and refused when they point outside) and never block (special files are
+refused before they are opened for reading).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import stat
+import time
+from typing import Any, Literal, Sequence
+
+from flax_ckpt._src.errors import CorruptCheckpointError
+from flax_ckpt._src.storage.base import Buffer, IoClock
+
+_IO_STEP = 1 << 30  # bytes per os.write / preadv call
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    except OSError as e:  # some file systems refuse fsync on folders
+        if e.errno not in (errno.EINVAL, errno.ENOTSUP):
+            raise
+    finally:
+        os.close(fd)
+
+
+class LocalStorage:
+    """A folder on a local (or network) file system. Writes are fsynced before they return."""
+
+    supports_rename = True
+    context = None
+
+    def __init__(self, root: str | os.PathLike, clock: IoClock | None = None):
+        self.root = os.path.abspath(os.fspath(root))
+        self.url = self.root
+        self.local_path = self.root
+        self.clock = clock if clock is not None else IoClock()
+
+    def _p(self, name: str) -> str:
+        return os.path.join(self.root, *name.split("/")) if name else self.root
+
+    def sub(self, name: str) -> "LocalStorage":
+        """The folder ``name`` below this one, with a clock of its own."""
+        return LocalStorage(self._p(name))
+
+    def parent(self) -> "tuple[LocalStorage, str]":
+        return LocalStorage(os.path.dirname(self.root)), os.path.basename(self.root)
+
+    def write(self, name: str, buffers: Sequence[Buffer]) -> None:
+        path = self._p(name)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        t0, nbytes = time.perf_counter(), 0
+        try:
+            for buf in buffers:
+                mv = memoryview(buf).cast("B")
+                nbytes += len(mv)
+                while len(mv):
+                    n = os.write(fd, mv[:_IO_STEP])
+                    mv = mv[n:]
+            t1 = time.perf_counter()
+            os.fsync(fd)
+            self.clock.add(t1 - t0, time.perf_counter() - t1, nbytes)
+        except OSError as e:
+            if e.filename is None:  # os.write/fsync name no file: a full disk should say which
+                raise type(e)(e.errno, f"{e.strerror} (writing {path})", path) from e
+            raise
+        finally:
+            os.close(fd)
+
+    def write_if_absent(self, name: str, data: bytes) -> bool:
+        """Writes ``name`` unless it exists (False then); the file appears whole or not at all."""
+        path = self._p(name)
+        if os.path.lexists(path):
+            return False
+        tmp = f"{name}.tmp-{os.getpid()}-{time.monotonic_ns()}"
+        try:
+            self.write(tmp, [data])
+            os.link(self._p(tmp), path)
+        except FileExistsError:
+            return False
+        finally:
+            if os.path.lexists(self._p(tmp)):
+                os.unlink(self._p(tmp))
+        fsync_dir(os.path.dirname(path))
+        return True
+
+    def _inside(self, path: str) -> str:
+        real = os.path.realpath(path)
+        root = os.path.realpath(self.root)
+        if real != root and not real.startswith(root + os.sep):
+            raise CorruptCheckpointError(f"{path} resolves to {real}, outside the checkpoint folder {root}; "
+                                         "refusing to read it")
+        return real
+
+    def _open_regular(self, name: str) -> tuple[int, str]:
+        """A read-only fd of the regular file ``name``, and its path. FileNotFoundError and
+        NotADirectoryError pass through; a FIFO, device, folder, over-long name or symlink loop is a
+        CorruptCheckpointError (opened O_NONBLOCK, so a FIFO cannot block the open)."""
+        path = self._inside(self._p(name))
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        except (FileNotFoundError, NotADirectoryError):
+            raise
+        except OSError as e:
+            raise CorruptCheckpointError(f"{path}: cannot be read ({e.strerror})") from None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise CorruptCheckpointError(f"{path} is not a regular file; refusing to read it")
+        return fd, path
+
+    def read(self, name: str, max_bytes: int) -> bytes:
+        fd, path = self._open_regular(name)
+        with os.fdopen(fd, "rb") as f:
+            size = os.fstat(fd).st_size
+            if size > max_bytes:
+                raise CorruptCheckpointError(f"{path} holds {size} bytes, more than the {max_bytes} it may; "
+                                             "refusing to read it")
+            data = f.read(max_bytes + 1)
+        return data
+
+    def read_into(self, name: str, offset: int, out: memoryview) -> None:
+        fd, path = self._open_regular(name)
+        try:
+            mv, pos = memoryview(out).cast("B"), offset
+            while len(mv):
+                n = os.preadv(fd, [mv[:_IO_STEP]], pos)
+                if n == 0:
+                    raise CorruptCheckpointError(f"{path}: truncated (needed bytes {offset}..{offset + len(out)}, "
+                                                 f"file ends at {pos})")
+                mv, pos = mv[n:], pos + n
+        finally:
+            os.close(fd)
+
+    def _size(self, name: str) -> int | None:
+        try:
+            return os.stat(self._p(name)).st_size
+        except FileNotFoundError:
+            return None
+
+    def exists(self, name: str) -> bool:
+        return os.path.isfile(self._p(name))
+
+    def kind(self) -> Literal["missing", "file", "folder"]:
+        return "folder" if os.path.isdir(self.root) else "file" if os.path.lexists(self.root) else "missing"
+
+    def check_size(self, name: str, expected: int) -> None:
+        """Raises CorruptCheckpointError unless the file exists with exactly ``expected`` bytes."""
+        found = self._size(name)
+        if found != expected:
+            raise CorruptCheckpointError(
+                f"{self._p(name)}: " + ("missing" if found is None else f"truncated or extended: expected "
+                                        f"{expected} bytes, found {found}"))
+
+    def list(self) -> list[str]:
+        try:
+            return sorted(os.listdir(self.root))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+
+    def delete(self, name: str = "") -> None:
+        path = self._p(name)
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=False)
+        elif os.path.lexists(path):
+            os.unlink(path)
+
+    def rename(self, src: str, dst: str) -> None:
+        """Atomic rename; fails (EEXIST/ENOTEMPTY) when dst exists and is not empty."""
+        os.rename(self._p(src), self._p(dst))
+
+    def sync(self, name: str = "", *, tree: bool = True) -> None:
+        """fsyncs the folder ``name`` and (``tree``) every folder below it (files are fsynced when written)."""
+        if not tree:
+            fsync_dir(self._p(name))
+            return
+        for dirpath, _, _ in os.walk(self._p(name)):
+            fsync_dir(dirpath)
+
+    def makedirs(self) -> None:
+        os.makedirs(self.root, exist_ok=True)
+
+    def stored_bytes(self) -> int:
+        """The bytes in the regular files under this folder. Refuses (CorruptCheckpointError) symlinks
+        that leave the folder and special files (FIFOs, devices, sockets), before any data is read:
+        nothing outside a checkpoint is read, and no read blocks. One walk per folder."""
+        root, total = os.path.realpath(self.root), 0
+        for dirpath, dirnames, filenames in os.walk(self.root):
+            for name in dirnames + filenames:
+                path = os.path.join(dirpath, name)
+                try:
+                    st = os.lstat(path)
+                    if stat.S_ISLNK(st.st_mode):
+                        real = os.path.realpath(path)
+                        if real != root and not real.startswith(root + os.sep):
+                            raise CorruptCheckpointError(f"{path} resolves to {real}, outside the checkpoint "
+                                                         f"folder {root}; refusing to read the checkpoint")
+                        st = os.stat(path)
+                except FileNotFoundError:
+                    continue  # deleted meanwhile; reads will say so
+                except OSError as e:
+                    raise CorruptCheckpointError(f"{path}: {e.strerror}; refusing to read the checkpoint") from None
+                if stat.S_ISREG(st.st_mode):
+                    total += st.st_size
+                elif not stat.S_ISDIR(st.st_mode):
+                    raise CorruptCheckpointError(f"{path} is not a regular file (a FIFO, device or socket); "
+                                                 "refusing to read the checkpoint")
+        return total
+
+    def kvstore_spec(self, name: str = "") -> dict[str, Any]:
+        return {"driver": "file", "path": self._p(name) + "/"}

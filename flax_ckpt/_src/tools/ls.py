@@ -1,0 +1,127 @@
+"""``flax-ckpt ls``: the step folders of a run directory, in either format, and a host's memory-tier copies.
+
+Scope: listing with state (committed, in-flight, deleting, invalid, uncommitted), format, size and
+metrics. Which folders are steps is formats.step_folders', the same discovery the manager uses.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from flax_ckpt._src import commit as commit_mod
+from flax_ckpt._src import formats
+from flax_ckpt._src.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, InvalidManifestError
+from flax_ckpt._src.orbax.locate import step_number
+from flax_ckpt._src.storage import LocalStorage, Storage, open_storage
+from flax_ckpt._src.tiers import store as tier_store
+
+
+@dataclass(frozen=True)
+class StepEntry:
+    """One entry of a checkpoint directory. ``state``: "committed" (a valid manifest, or an Orbax
+    step), "in-flight" (a save in flight or one that crashed), "deleting" (an interrupted deletion),
+    "invalid" (a manifest or Orbax metadata that fails validation) or "uncommitted" (no manifest).
+    ``format``: "native", "orbax", "memory (...)" or None when unknown."""
+
+    name: str
+    step: int | None
+    state: str
+    tier: str
+    format: str | None
+    nbytes: int | None
+    metrics: dict[str, Any] | None = None
+    created: float | None = None
+    problem: str | None = None
+
+    @property
+    def committed(self) -> bool:
+        return self.state == "committed"
+
+
+def _disk_size(storage: Storage) -> int | None:
+    """Bytes of the files under a local folder (None on object stores, which report sizes per request)."""
+    if storage.local_path is None:
+        return None
+    total = 0
+    for dirpath, _, names in os.walk(storage.local_path):
+        total += sum(os.lstat(os.path.join(dirpath, f)).st_size for f in names)
+    return total
+
+
+def _step_of(name: str) -> int | None:
+    head = commit_mod.base_name(name)
+    return int(head) if head.isdigit() else None
+
+
+def list_steps(directory: Any, *, tier: str = "persistent") -> list[StepEntry]:
+    """Every step folder of a manager's ``directory`` (committed or not), ordered by step."""
+    root = open_storage(directory)
+    if root.kind() == "file" or (root.supports_rename and root.kind() == "missing"):
+        raise CheckpointNotFoundError(f"{root.url} is not a folder of checkpoints")
+    folders, temporary = formats.step_folders(root)
+    entries = [_entry(root, f, tier) for f in folders]
+    for name in temporary:
+        head = commit_mod.base_name(name)
+        step = int(head) if head.isdigit() else step_number(head)
+        state = "deleting" if commit_mod.DELETING_MARK in name else "in-flight"
+        entries.append(StepEntry(name, step, state, tier, None, _disk_size(root.sub(name))))
+    return sorted(entries, key=lambda e: (e.step if e.step is not None else -1, e.name))
+
+
+def _entry(root: Storage, f: formats.StepFolder, tier: str) -> StepEntry:
+    folder = root.sub(f.name)
+    try:
+        source = f.layout.open(folder)
+        info = source.info()
+    except (InvalidManifestError, CorruptCheckpointError) as e:
+        return StepEntry(f.name, f.step, "invalid", tier, f.layout.name if f.layout.name == "orbax" else None,
+                         _disk_size(folder), problem=str(e))
+    except (CheckpointError, OSError, ValueError) as e:
+        if f.layout.name == "orbax":
+            return StepEntry(f.name, f.step, "invalid", tier, "orbax", _disk_size(folder), problem=str(e))
+        return StepEntry(f.name, f.step, "uncommitted", tier, None, _disk_size(folder), problem=str(e))
+    size = _disk_size(folder) if folder.local_path is not None else info.nbytes
+    return StepEntry(f.name, f.step, "committed", tier, f.layout.name, size, info.metrics, info.created)
+
+
+def memory_tier_root(directory: Any, local_dir: str) -> str:
+    """Where a tiered CheckpointManager of ``directory`` keeps its memory tiers under ``Tiers.local_dir``
+    (the scheme of tiers.TierSet: ``<local_dir>/<sha256 of the directory's URL, 16 hex>/``)."""
+    url = open_storage(directory).url
+    return os.path.join(os.path.abspath(local_dir), hashlib.sha256(url.encode()).hexdigest()[:16])
+
+
+def list_memory_tiers(directory: Any, local_dir: str) -> list[StepEntry]:
+    """The memory-tier copies (tier_store format) this host holds for the manager of ``directory``: one
+    entry per process, tier and step; tier "local-memory p<i>" or "peer-memory p<i> (of p<k>)". A copy
+    is committed in its tier iff it has a valid index and its commit record."""
+    root = memory_tier_root(directory, local_dir)
+    entries = []
+    for proc in sorted(os.listdir(root)) if os.path.isdir(root) else []:
+        subs = sorted(os.listdir(os.path.join(root, proc))) if os.path.isdir(os.path.join(root, proc)) else []
+        for sub in subs:
+            if sub != "local" and not sub.startswith("peer-p"):
+                continue
+            label = f"local-memory {proc}" if sub == "local" else f"peer-memory {proc} (of p{sub[len('peer-p'):]})"
+            folder = os.path.join(root, proc, sub)
+            entries += [_memory_entry(folder, n, label) for n in os.listdir(folder) if _step_of(n) is not None]
+    return sorted(entries, key=lambda e: (e.step, e.tier, e.name))
+
+
+def _memory_entry(folder: str, name: str, tier: str) -> StepEntry:
+    path, step = os.path.join(folder, name), _step_of(name)
+    size = _disk_size(LocalStorage(path))
+    if commit_mod.is_temporary(name):
+        return StepEntry(name, step, "in-flight", tier, None, size)
+    try:
+        body = tier_store.open_copy(path).body
+    except (CheckpointError, OSError, ValueError, KeyError, TypeError) as e:
+        return StepEntry(name, step, "invalid", tier, "memory", size, problem=str(e))
+    fmt = "memory (full)" if body.get("base") is None else f"memory (diff of {body['base']})"
+    record = os.path.join(path, tier_store.COMMIT)
+    if not os.path.exists(record):
+        return StepEntry(name, step, "uncommitted", tier, fmt, size)
+    return StepEntry(name, step, "committed", tier, fmt, size, created=os.stat(record).st_mtime)
