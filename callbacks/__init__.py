@@ -19,3 +19,7 @@ __all__ = [
     "from_tree",
     "to_tree",
 ]
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

@@ -1,0 +1,127 @@
+"""The architecture as the code shows it: public faces, layers, no import circle, a short save path."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import threading
+import traceback
+
+import numpy as np
+
+import callbacks
+import flax_ckpt as fc
+import flax_ckpt.callbacks
+from flax_ckpt._src.storage.local import LocalStorage
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+# Lower layers never import higher ones (a module may import its own rank and below).
+RANKS = {
+    "flax_ckpt._src.errors": 0,
+    "flax_ckpt._src.format": 1, "flax_ckpt._src.tree": 1, "flax_ckpt._src.storage": 1,
+    "flax_ckpt._src.serializers": 2,
+    "flax_ckpt._src.commit": 3, "flax_ckpt._src.distributed": 3,
+    "flax_ckpt._src.engine": 4,
+    "flax_ckpt._src.orbax": 5, "flax_ckpt._src.tiers": 5,
+    "flax_ckpt._src.formats": 6, "flax_ckpt._src.api": 6, "flax_ckpt._src.writer": 6,
+    "flax_ckpt._src.interval": 6, "flax_ckpt._src.retention": 6, "flax_ckpt._src.plot": 6,
+    "flax_ckpt._src.manager": 7,
+    "flax_ckpt._src.tools": 8,
+    "flax_ckpt._src.cli": 9,
+    "flax_ckpt": 10, "flax_ckpt.__main__": 10,
+    "callbacks": 11,
+    "flax_ckpt.callbacks": 12,
+}
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    out = {}
+    for package in ("flax_ckpt", "callbacks"):
+        for path in (ROOT / package).rglob("*.py"):
+            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            out[".".join(parts)] = path
+    return out
+
+
+def _imports(path: pathlib.Path, name: str, modules: dict[str, pathlib.Path]) -> set[str]:
+    """Every module of ours that ``path`` imports, at any depth (function-level imports included)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join(up + ([base] if base else []))
+            for a in node.names:
+                found.add(f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base)
+    return {m for m in found if m in modules}
+
+
+def _rank(module: str) -> int:
+    best = max((k for k in RANKS if module == k or module.startswith(k + ".")), key=len)
+    return RANKS[best]
+
+
+def test_public_faces_list_only_the_api():
+    assert dir(fc) == sorted(fc.__all__ + ["__version__"])
+    assert not any(name.startswith("_") and name != "__version__" for name in dir(fc))
+    assert dir(callbacks) == sorted(callbacks.__all__)
+    for name in flax_ckpt.callbacks.__all__:  # the same objects under both names
+        assert getattr(flax_ckpt.callbacks, name) is getattr(callbacks, name)
+
+
+def test_layers_and_no_import_circle():
+    modules = _modules()
+    graph = {m: _imports(p, m, modules) - {m} for m, p in modules.items()}
+    upward = [f"{m} (layer {_rank(m)}) imports {d} (layer {_rank(d)})"
+              for m, deps in graph.items() for d in deps if _rank(d) > _rank(m)]
+    assert not upward, upward
+    private = [m for m, deps in graph.items() if m.startswith("callbacks") for d in deps if d.startswith("flax_ckpt._src")]
+    assert not private, f"callbacks must use flax_ckpt's public API only: {private}"
+    state: dict[str, int] = {}  # 1: on the path, 2: done
+
+    def visit(m: str, path: list[str]) -> None:
+        state[m] = 1
+        for d in sorted(graph[m]):
+            if d.startswith(m + "."):  # a package importing its own submodules is not a circle
+                continue
+            assert state.get(d) != 1, "import circle: " + " -> ".join(path + [m, d])
+            if d not in state:
+                visit(d, path + [m])
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [])
+
+
+def test_jax_private_api_is_touched_in_one_function():
+    hits = [(p.relative_to(ROOT), i) for p in (ROOT / "flax_ckpt").rglob("*.py")
+            for i, line in enumerate(p.read_text().splitlines(), 1)
+            if "jax._src" in line and not line.lstrip().startswith(("#", '"', "this"))]
+    assert [str(p) for p, _ in hits] == [str(pathlib.Path("flax_ckpt/_src/distributed.py"))], hits
+
+
+def test_save_path_from_manager_to_file_write_is_six_calls(tmp_path, monkeypatch):
+    stacks = []
+    real = LocalStorage.write
+
+    def write(self, name, buffers):
+        if name.startswith("data/"):
+            stacks.append((threading.current_thread().name, traceback.extract_stack()))
+        return real(self, name, buffers)
+
+    monkeypatch.setattr(LocalStorage, "write", write)
+    with fc.CheckpointManager(tmp_path / "run", async_save=True) as mgr:
+        mgr.save(1, {"w": np.ones(4, np.float32)})
+    (_, stack), = stacks
+    ours = [f.name for f in stack if "flax_ckpt" in f.filename and "/tests/" not in f.filename]
+    # on the background writer: CheckpointManager._persist -> NativeLayout.persist -> RawSerializer.write
+    # -> its per-file write -> LocalStorage.write; save and AsyncWriter.submit ran on the caller's thread
+    assert ours == ["_persist", "persist", "write", "write_file"], ours
