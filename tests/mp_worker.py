@@ -119,10 +119,10 @@ class CountingStorage(LocalStorage):
     def sub(self, name: str) -> "CountingStorage":
         return CountingStorage(self._p(name), self.counter)
 
-    def read_into(self, name: str, offset: int, out: memoryview) -> None:
-        super().read_into(name, offset, out)
+    def read_ranges(self, name: str, parts) -> None:  # every read of a LocalStorage comes through here
+        super().read_ranges(name, parts)
         with self._lock:
-            self.counter[0] += memoryview(out).nbytes
+            self.counter[0] += sum(memoryview(b).nbytes for _, buffers in parts for b in buffers)
 
 
 def needed_bytes(body: dict, shard_tree: Any) -> int:

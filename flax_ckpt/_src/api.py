@@ -11,6 +11,7 @@ from typing import Any
 from flax_ckpt._src import formats
 from flax_ckpt._src.engine import restore as engine
 from flax_ckpt._src.engine.leaves import CheckpointInfo
+from flax_ckpt._src.engine.pause import gc_paused
 from flax_ckpt._src.engine.snapshot import jsonable
 from flax_ckpt._src.serializers import Serializer
 from flax_ckpt._src.storage import split_location
@@ -26,9 +27,10 @@ def save(path: Any, tree: Any, *, metadata: Any = None, serializer: "str | Seria
     fmt = formats.layout(format, serializer)
     parent, name = split_location(path)
     jsonable(metadata, "metadata")
-    snap = fmt.snapshot(tree, copy=False)
-    fmt.persist(snap, parent, name, step=step if fmt.name == "native" else None, metrics=metrics,
-                metadata=metadata)
+    with gc_paused():  # the caller's thread, as a snapshot's (see engine/pause.py)
+        snap = fmt.snapshot(tree, copy=False)
+        fmt.persist(snap, parent, name, step=step if fmt.name == "native" else None, metrics=metrics,
+                    metadata=metadata)
 
 
 def _folder(path: Any):
@@ -48,4 +50,5 @@ def restore(path: Any, target: Any = None, *, shardings: Any = None, partial: bo
 def metadata(path: Any) -> CheckpointInfo:
     """What the checkpoint at ``path`` holds (tree of shapes, dtypes, shardings; step, metrics, user
     metadata), read without any array bytes."""
-    return formats.open_checkpoint(_folder(path)).info()
+    with gc_paused():
+        return formats.open_checkpoint(_folder(path)).info()

@@ -9,6 +9,7 @@ Nothing here touches array bytes; storage access goes through a Storage.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import posixpath
@@ -41,6 +42,11 @@ def dtype_from_name(name: str) -> np.dtype:
     """numpy dtype names plus ml_dtypes ones (bfloat16, float8_e4m3fn, int4, ...)."""
     if not isinstance(name, str) or not name.isidentifier():
         raise ValueError(f"not a dtype name: {name!r}")
+    return _dtype_named(name)
+
+
+@functools.lru_cache(maxsize=256)
+def _dtype_named(name: str) -> np.dtype:
     ml = getattr(ml_dtypes, name, None)
     if isinstance(ml, type) and issubclass(ml, np.generic):  # not ml_dtypes.finfo: np.dtype(class) is object
         return np.dtype(ml)

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
 from flax_ckpt._src import commit as commit_mod
 from flax_ckpt._src import distributed
 from flax_ckpt._src.engine.leaves import CheckpointInfo, checkpoint_info, key_data_shape
+from flax_ckpt._src.engine.pause import gc_paused
 from flax_ckpt._src.engine.snapshot import Snapshot, jsonable, snapshot
 from flax_ckpt._src.errors import (CheckpointNotCommittedError, CheckpointNotFoundError, CorruptCheckpointError,
                                    InvalidManifestError)
@@ -168,6 +169,15 @@ class NativeSource:
                                               "retention of a running CheckpointManager?)") from e
             raise
 
+    def read_many(self, requests: Sequence[tuple[LeafRecord, Box, np.ndarray]]) -> None:
+        try:
+            self.serializer.read_many(self.storage, requests, self.where)
+        except CorruptCheckpointError as e:
+            if not self.storage.exists(MANIFEST):
+                raise CheckpointNotFoundError(f"{self.storage.url} was deleted while it was being read (by the "
+                                              "retention of a running CheckpointManager?)") from e
+            raise
+
     def view(self, leaf: LeafRecord, box: Box) -> np.ndarray | None:
         return self.serializer.view(self.storage, leaf, box, f"{self.where} leaf {leaf.name!r}")
 
@@ -190,6 +200,11 @@ def open_native(storage: Storage) -> NativeSource:
     """The committed native checkpoint in folder ``storage``: CheckpointNotFoundError when there is none,
     CheckpointNotCommittedError for a folder without a manifest (a save in flight, or one that
     crashed), InvalidManifestError for a manifest that fails verification or validation."""
+    with gc_paused():
+        return _open_native(storage)
+
+
+def _open_native(storage: Storage) -> NativeSource:
     if commit_mod.is_temporary(storage.url.rstrip("/").rsplit("/", 1)[-1]):
         raise CheckpointNotCommittedError(f"{storage.url} is the folder of a save in flight or one that "
                                           "crashed; it is never read")

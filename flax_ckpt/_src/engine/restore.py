@@ -20,6 +20,7 @@ import numpy as np
 
 from flax_ckpt._src import tree as tree_mod
 from flax_ckpt._src.engine.leaves import match_target, python_scalar_kinds
+from flax_ckpt._src.engine.pause import gc_paused
 from flax_ckpt._src.errors import CorruptCheckpointError
 from flax_ckpt._src.format import LeafRecord, boxes_disjoint
 from flax_ckpt._src.serializers import Box, box_of
@@ -49,6 +50,9 @@ class Source(Protocol):
     def read(self, leaf: LeafRecord, box: Box, out: np.ndarray) -> None:
         """Fills ``out`` (the extents of ``box``, the leaf's dtype) with verified bytes."""
 
+    def read_many(self, requests: Sequence[tuple[LeafRecord, Box, np.ndarray]]) -> None:
+        """``read`` for many boxes at once; a source may batch them (one read per file region)."""
+
     def view(self, leaf: LeafRecord, box: Box) -> np.ndarray | None:
         """The box as a verified read-only array over bytes never written again, or None."""
 
@@ -66,28 +70,57 @@ def _volume(box: Box) -> int:
     return math.prod(e - s for s, e in box)
 
 
+class _Pending:
+    """A leaf whose host array waits for the batched jax.device_put (read_all)."""
+
+    __slots__ = ("k",)
+
+    def __init__(self, k: int):
+        self.k = k
+
+
 class Reader:
     """Reads leaves of one source: ``host`` (a box into numpy), ``value`` (a leaf as restore gives it),
-    with allocation bounded by the source's budget."""
+    with allocation bounded by the source's budget. ``prefetch`` reads many boxes in one batch first."""
 
     def __init__(self, source: Source):
         self.source = source
         self._budget: int | None | bool = False  # False: not asked yet (a local source walks its folder)
         self._mutex = threading.Lock()
+        self._ready: dict[tuple[str, Box], np.ndarray] = {}  # prefetched boxes
+        self._boxes: dict[tuple[Any, tuple[int, ...]], tuple[dict[Any, Box], Box | None]] = {}
 
     def host(self, leaf: LeafRecord, box: Box | None = None, *, device: bool = False) -> np.ndarray:
         """A box of a leaf in host memory. ``device``: it only goes on to jax.device_put, so a verified
         read-only view of bytes the source holds in memory will do (``Source.view``), where one exists."""
         box = box or tuple((0, d) for d in leaf.shape)
+        ready = self._ready.pop((leaf.name, box), None)
+        if ready is not None:
+            return ready
         if device:
             v = self.source.view(leaf, box)
             if v is not None:
                 return v
-        extents = tuple(e - s for s, e in box)
-        self._reserve(math.prod(extents) * leaf.dtype.itemsize, leaf)
-        out = aligned_empty(extents, leaf.dtype)
+        out = self._allocate(leaf, box)
         self.source.read(leaf, box, out)
         return out
+
+    def _allocate(self, leaf: LeafRecord, box: Box) -> np.ndarray:
+        extents = tuple(e - s for s, e in box)
+        self._reserve(math.prod(extents) * leaf.dtype.itemsize, leaf)
+        return aligned_empty(extents, leaf.dtype)
+
+    def prefetch(self, wanted: Sequence[tuple[LeafRecord, Box]]) -> None:
+        """Reads these boxes in one batch (``Source.read_many``); ``host`` then hands them out."""
+        requests = []
+        for leaf, box in wanted:
+            v = self.source.view(leaf, box)
+            if v is not None:
+                self._ready[(leaf.name, box)] = v
+            else:
+                requests.append((leaf, box, self._allocate(leaf, box)))
+        self.source.read_many(requests)
+        self._ready.update({(leaf.name, box): out for leaf, box, out in requests})
 
     def _reserve(self, nbytes: int, leaf: LeafRecord) -> None:
         """Memory stays bounded by what is stored: a restore allocates at most the source's budget,
@@ -103,23 +136,65 @@ class Reader:
             if self._budget is not None:
                 self._budget -= nbytes
 
-    def sharded(self, leaf: LeafRecord, sharding: jax.sharding.Sharding) -> jax.Array:
-        """Reads only the boxes this process's devices hold; when they tile one bounding box (the usual
-        case), that box is read once and sliced, so no stored byte is read twice."""
-        shape = leaf.shape
+    def _device_boxes(self, leaf: LeafRecord, sharding: jax.sharding.Sharding
+                      ) -> tuple[dict[Any, Box], Box | None]:
+        """Each local device's box, and the one box to read for all of them when they tile one bounding
+        box (the usual case: no stored byte is then read twice), else None (read each box). Computed
+        once per sharding and shape (a large tree has many leaves of few layouts)."""
+        key = (sharding, leaf.shape)
+        found = self._boxes.get(key)
+        if found is None:
+            found = self._boxes[key] = self._layout(leaf.shape, sharding)
+        return found
+
+    @staticmethod
+    def _layout(shape: tuple[int, ...], sharding: jax.sharding.Sharding) -> tuple[dict[Any, Box], Box | None]:
         boxes = {dev: box_of(index, shape) for dev, index in sharding.addressable_devices_indices_map(shape).items()}
         unique = set(boxes.values())
+        if len(unique) == 1:
+            return boxes, next(iter(unique))
         bbox = tuple((min(b[d][0] for b in unique), max(b[d][1] for b in unique)) for d in range(len(shape)))
-        if len(unique) > 1 and sum(_volume(b) for b in unique) == _volume(bbox) and boxes_disjoint(unique):
-            whole = self.host(leaf, bbox, device=True)
-            cache = {b: whole[tuple(slice(s - o, e - o) for (s, e), (o, _) in zip(b, bbox))] for b in unique}
+        if sum(_volume(b) for b in unique) == _volume(bbox) and boxes_disjoint(unique):
+            return boxes, bbox
+        return boxes, None
+
+    def host_box(self, leaf: LeafRecord, target: Any, sharding: Any) -> Box | None:
+        """The one box ``value`` reads of an array leaf for ``target``/``sharding`` (None: several)."""
+        if leaf.python or python_scalar_kinds(target) is not None or leaf.kind == "prng_key":
+            return tuple((0, d) for d in leaf.shape)
+        if sharding is None and target is not None:
+            sharding = getattr(target, "sharding", None)
+        if sharding is None:
+            return tuple((0, d) for d in leaf.shape)
+        return self._device_boxes(leaf, sharding)[1]
+
+    def sharded(self, leaf: LeafRecord, sharding: jax.sharding.Sharding, puts: list | None = None) -> Any:
+        """Reads only the boxes this process's devices hold (see _device_boxes). A sharding of this
+        process's devices alone is placed with one jax.device_put of the array (several times cheaper
+        than a device_put per device); one spanning processes gets its local shards one by one."""
+        boxes, whole = self._device_boxes(leaf, sharding)
+        unique = set(boxes.values())
+        if whole is not None and sharding.is_fully_addressable:  # then ``whole`` is the whole array:
+            return self._put(self.host(leaf, whole, device=True), sharding, puts)  # jax slices it per device
+        if whole is not None:
+            arr = self.host(leaf, whole, device=True)
+            cache = {b: arr[tuple(slice(s - o, e - o) for (s, e), (o, _) in zip(b, whole))] for b in unique}
         else:
             cache = {b: self.host(leaf, b, device=True) for b in unique}
         arrays = [jax.device_put(cache[box], dev) for dev, box in boxes.items()]
-        return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
+        return jax.make_array_from_single_device_arrays(leaf.shape, sharding, arrays)
 
-    def value(self, leaf: LeafRecord, target: Any, sharding: Any) -> Any:
-        """The leaf as restore gives it for ``target`` (None: no target) and ``sharding``."""
+    @staticmethod
+    def _put(host: np.ndarray, sharding: Any, puts: list | None) -> Any:
+        if puts is None:
+            return jax.device_put(host, sharding)
+        puts.append((host, sharding))
+        return _Pending(len(puts) - 1)
+
+    def value(self, leaf: LeafRecord, target: Any, sharding: Any, puts: list | None = None) -> Any:
+        """The leaf as restore gives it for ``target`` (None: no target) and ``sharding``. ``puts``: a
+        list collecting (host array, sharding) placements for one batched jax.device_put, returning
+        _Pending markers for them (read_all)."""
         kind = leaf.kind
         if kind == "empty":
             if target is not None or leaf.value == "none":
@@ -136,15 +211,15 @@ class Reader:
             number = self.host(leaf)[()].item()  # a Python number stored as a 0-d array
             return type(target)(number) if target is not None else number
         if python_scalar_kinds(target) is not None and sharding is None:  # a 0-d array, as saved
-            return jax.device_put(self.host(leaf, device=True)) if kind == "jax" else self.host(leaf)
+            return self._put(self.host(leaf, device=True), None, puts) if kind == "jax" else self.host(leaf)
         if sharding is None and target is not None:
             sharding = getattr(target, "sharding", None)
         if sharding is None:
             if isinstance(target, (jax.Array, jax.ShapeDtypeStruct)):
-                return jax.device_put(self.host(leaf, device=True))
+                return self._put(self.host(leaf, device=True), None, puts)
             arr = self.host(leaf)
             return arr[()] if isinstance(target, np.generic) else arr
-        return self.sharded(leaf, sharding)
+        return self.sharded(leaf, sharding, puts)
 
 
 def flat_shardings(shardings: Any, names: Sequence[str]) -> dict[str, Any]:
@@ -161,6 +236,11 @@ def flat_shardings(shardings: Any, names: Sequence[str]) -> dict[str, Any]:
 def restore(source: Source, target: Any = None, *, shardings: Any = None, partial: bool = False) -> Any:
     """Restores ``source`` into ``target``'s structure (checked leaf by leaf), or without a target into
     nested dicts/lists of numpy arrays, Python scalars and strings (PRNG keys as key arrays)."""
+    with gc_paused():
+        return _restore(source, target, shardings, partial)
+
+
+def _restore(source: Source, target: Any, shardings: Any, partial: bool) -> Any:
     reader = Reader(source)
     if target is None:
         leaves = list(source.leaves)
@@ -184,24 +264,48 @@ def restored_nbytes(source: Source, target: Any, partial: bool) -> int:
 
 
 def read_all(reader: Reader, jobs: list[tuple[LeafRecord, Any, Any]]) -> list[Any]:
-    """Reads every leaf: the large ones on a pool, the small ones meanwhile on this thread (a pool task
-    per small leaf costs more in thread hand-offs than the read itself). Where every read is a
-    request round trip (object stores), all leaves go to a wide pool."""
+    """Reads every leaf: the small ones in one batch (Source.read_many) and placed with one
+    jax.device_put per sharding, the large ones on a pool meanwhile. Where every read is a request
+    round trip (object stores, tensorstore drivers), all leaves go to a wide pool."""
     if reader.source.remote:
         with ThreadPoolExecutor(_REMOTE_THREADS) as pool:
             return list(pool.map(lambda j: reader.value(*j), jobs))
     big = [i for i, (leaf, _, _) in enumerate(jobs) if leaf.nbytes >= _BIG_LEAF]
-    if len(big) < 2:
-        return [reader.value(*j) for j in jobs]
+    small = [i for i, (leaf, _, _) in enumerate(jobs) if leaf.is_array and leaf.nbytes < _BIG_LEAF]
+    wanted = [(jobs[i][0], reader.host_box(*jobs[i])) for i in small]
+    reader.prefetch([(leaf, box) for leaf, box in wanted if box is not None])
     values: list[Any] = [None] * len(jobs)
-    with ThreadPoolExecutor(min(_IO_THREADS, len(big))) as pool:
-        futures = {i: pool.submit(reader.value, *jobs[i]) for i in big}
+    puts: list[tuple[np.ndarray, Any]] = []
+    pool = ThreadPoolExecutor(min(_IO_THREADS, len(big))) if len(big) > 1 else None
+    try:
+        futures = {i: pool.submit(reader.value, *jobs[i]) for i in big} if pool is not None else {}
         for i, j in enumerate(jobs):
             if i not in futures:
-                values[i] = reader.value(*j)
+                values[i] = reader.value(*j, puts=puts)
+        placed = _place(puts)
+        for i, v in enumerate(values):
+            if isinstance(v, _Pending):
+                values[i] = placed[v.k]
         for i, f in futures.items():
             values[i] = f.result()
+    finally:
+        if pool is not None:
+            pool.shutdown(wait=True)
     return values
+
+
+def _place(puts: list[tuple[np.ndarray, Any]]) -> list[Any]:
+    """jax.device_put of many host arrays: one call per distinct sharding (None: the default device)."""
+    groups: dict[Any, list[int]] = {}
+    for k, (_, sharding) in enumerate(puts):
+        groups.setdefault(sharding, []).append(k)
+    out: list[Any] = [None] * len(puts)
+    for sharding, ks in groups.items():
+        placed = jax.device_put([puts[k][0] for k in ks], sharding) if sharding is not None else \
+            jax.device_put([puts[k][0] for k in ks])
+        for k, arr in zip(ks, placed):
+            out[k] = arr
+    return out
 
 
 __all__ = ["Reader", "Source", "aligned_empty", "flat_shardings", "read_all", "restore", "restored_nbytes"]

@@ -20,6 +20,7 @@ import numpy as np
 
 from flax_ckpt._src import tree as tree_mod
 from flax_ckpt._src.engine.leaves import key_data_shape
+from flax_ckpt._src.engine.pause import gc_paused
 from flax_ckpt._src.errors import CheckpointError
 from flax_ckpt._src.format import LeafRecord
 from flax_ckpt._src.serializers import ArrayItem, Box, Shard, box_of
@@ -140,6 +141,11 @@ def snapshot(tree: Any, *, copy: bool = True, reuse: Snapshot | None = None) -> 
     ``reuse``: an earlier snapshot (copy=True) that nothing reads any more, e.g. the previous save's
     once it is durable; its buffers are overwritten where key path, box, shape and dtype match, which
     saves the page faults of fresh memory (most of a snapshot's time on a CPU host)."""
+    with gc_paused():
+        return _snapshot(tree, copy, reuse)
+
+
+def _snapshot(tree: Any, copy: bool, reuse: Snapshot | None) -> Snapshot:
     t0 = time.perf_counter()
     spare = reuse.spare_buffers() if (copy and reuse is not None) else {}
     flat, _ = tree_mod.flatten(tree)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import base64
 import json
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 import tensorstore as ts
@@ -220,6 +220,10 @@ class OrbaxSource:
             raise CorruptCheckpointError(f"{item.storage.url}: reading {leaf.name!r} (parameter {param!r}) "
                                          f"failed: {e}") from None
         out[...] = data
+
+    def read_many(self, requests: Sequence[tuple[LeafRecord, Box, np.ndarray]]) -> None:
+        for leaf, box, out in requests:
+            self.read(leaf, box, out)
 
     def view(self, leaf: LeafRecord, box: Box) -> None:
         return None

@@ -62,6 +62,10 @@ class Serializer(Protocol):
         """Fills ``out`` (shape = extents of ``box``, leaf's dtype) with the leaf's data in ``box``,
         verifying checksums (CorruptCheckpointError naming ``where`` and the file)."""
 
+    def read_many(self, storage: Storage, requests: Sequence[tuple[LeafRecord, Box, np.ndarray]], where: str) -> None:
+        """``read`` for many (leaf, box, out) at once (``where``: the manifest, for messages); a
+        serializer may batch them (raw: one ranged read per run of adjacent chunks)."""
+
     def view(self, storage: Storage, leaf: LeafRecord, box: Box, where: str) -> np.ndarray | None:
         """The box as a read-only, verified array over bytes that are never written again, or None (read
         instead). Restore hands it to jax.device_put unchanged (on a CPU device: no copy). Only the

@@ -47,6 +47,11 @@ def _crcs(buf: memoryview) -> list[int]:
     return [crc32c.crc32c(buf[i:i + BLOCK]) for i in range(0, len(buf), BLOCK)] or [0]
 
 
+def _blocks_ok(chunk: dict, buf: memoryview) -> bool:
+    block, crcs = chunk["block"], chunk["crc32c"]
+    return all(crc32c.crc32c(buf[k * block:(k + 1) * block]) == crcs[k] for k in range(len(crcs)))
+
+
 def _split(box: Box, data: np.ndarray) -> list[tuple[Box, np.ndarray]]:
     """Splits a shard along axis 0 into pieces of about SUBCHUNK bytes."""
     if data.ndim == 0 or data.nbytes <= SUBCHUNK or data.shape[0] < 2:
@@ -102,7 +107,9 @@ class RawSerializer:
         itemsize = leaf.dtype.itemsize
         for j, ch in enumerate(leaf.chunks):
             f = f"chunks[{j}]"
-            name = check_relpath(ch.get("file"), f + ".file", where)
+            name = ch.get("file")
+            if not isinstance(name, str) or name not in files:  # the names in files are checked already
+                name = check_relpath(name, f + ".file", where)
             ints = [ch.get(k) for k in ("offset", "nbytes", "block")]
             crcs = ch.get("crc32c")
             if (name not in files or any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in ints)
@@ -128,6 +135,42 @@ class RawSerializer:
         wait(futures)  # every read has stopped writing into out before anything is raised
         for f in futures:
             f.result()
+
+    def read_many(self, storage: Storage, requests: Sequence[tuple[LeafRecord, Box, np.ndarray]], where: str) -> None:
+        """Fills every (leaf, box, out) of ``requests``. Boxes that are one whole chunk each (the small
+        leaves of a large tree) are read in batches: per data file, chunks that lie back to back become
+        one ranged read into their outputs (one open per file, one preadv per run of chunks), then every
+        chunk's blocks are checked. Anything else, and any request whose batch fails (so that its error
+        names the file and the leaf), goes through ``read``."""
+        runs: dict[str, list[tuple[int, int, LeafRecord, Box, np.ndarray, dict]]] = {}
+        rest = []
+        for leaf, box, out in requests:
+            parts = list(for_each_overlap(leaf, box))
+            chunk = parts[0][0] if len(parts) == 1 else None
+            if chunk is None or parts[0][1] != box or not out.flags.c_contiguous or out.nbytes != chunk["nbytes"]:
+                rest.append((leaf, box, out))
+                continue
+            runs.setdefault(chunk["file"], []).append((chunk["offset"], chunk["nbytes"], leaf, box, out, chunk))
+        for name, items in runs.items():
+            items.sort(key=lambda it: it[0])
+            parts: list[tuple[int, list[memoryview]]] = []
+            end = None
+            for offset, nbytes, _, _, out, _ in items:
+                view = memoryview(out.reshape(-1).view(np.uint8)) if out.size else memoryview(bytearray(0))
+                if offset != end:
+                    parts.append((offset, []))
+                parts[-1][1].append(view)
+                end = offset + nbytes
+            try:
+                storage.read_ranges(name, parts)
+            except (OSError, CorruptCheckpointError):
+                rest += [(leaf, box, out) for _, _, leaf, box, out, _ in items]
+                continue
+            for _, _, leaf, box, out, chunk in items:
+                if not _blocks_ok(chunk, memoryview(out.reshape(-1).view(np.uint8)) if out.size else memoryview(b"")):
+                    rest.append((leaf, box, out))
+        for leaf, box, out in rest:
+            self.read(storage, leaf, box, out, f"{where} leaf {leaf.name!r}")
 
     def _read_chunk(self, storage: Storage, chunk: dict, cbox: Box, ov: Box, box: Box, out: np.ndarray,
                     where: str) -> None:

@@ -71,6 +71,10 @@ class Zarr3Serializer:
     def view(self, storage: Storage, leaf: LeafRecord, box: Box, where: str) -> None:
         return None  # files on disk: read, never mapped
 
+    def read_many(self, storage: Storage, requests: Sequence[tuple[LeafRecord, Box, np.ndarray]], where: str) -> None:
+        for leaf, box, out in requests:
+            self.read(storage, leaf, box, out, f"{where} leaf {leaf.name!r}")
+
     def validate(self, leaf: LeafRecord, files: dict[str, int], where: str) -> None:
         for j, ch in enumerate(leaf.chunks):
             check_relpath(ch.get("array"), f"chunks[{j}].array", where)

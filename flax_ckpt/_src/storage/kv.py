@@ -258,12 +258,21 @@ class KvStorage:
         return bytes(r.value)
 
     def read_into(self, name: str, offset: int, out: memoryview) -> None:
-        out = memoryview(out).cast("B")
-        parts = [(s, min(s + _PART, len(out))) for s in range(0, len(out), _PART)]
-        futures = [self.kv.read(name, byte_range=slice(offset + s, offset + e)) for s, e in parts]
+        self.read_ranges(name, [(offset, [out])])
+
+    def read_ranges(self, name: str, parts: Sequence[tuple[int, Sequence[memoryview]]]) -> None:
+        """Fills, for each (offset, buffers), the buffers with the bytes from ``offset`` on: every ranged
+        request (large buffers split into parts of _PART bytes) in flight at once."""
+        jobs = []
+        for offset, buffers in parts:
+            for buf in buffers:
+                out = memoryview(buf).cast("B")
+                jobs += [(offset + a, out[a:min(a + _PART, len(out))]) for a in range(0, len(out), _PART)]
+                offset += len(out)
+        futures = [self.kv.read(name, byte_range=slice(at, at + len(out))) for at, out in jobs]
         try:
-            for (s, e), f in zip(parts, futures):
-                self._fill(name, offset + s, out[s:e], f)
+            for (at, out), f in zip(jobs, futures):
+                self._fill(name, at, out, f)
         finally:
             for f in futures:
                 f.cancel()

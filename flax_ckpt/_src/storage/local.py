@@ -18,6 +18,7 @@ from flax_ckpt._src.errors import CorruptCheckpointError
 from flax_ckpt._src.storage.base import Buffer, IoClock
 
 _IO_STEP = 1 << 30  # bytes per os.write / preadv call
+_IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)  # buffers per writev/preadv
 
 
 def fsync_dir(path: str) -> None:
@@ -42,6 +43,7 @@ class LocalStorage:
         self.url = self.root
         self.local_path = self.root
         self.clock = clock if clock is not None else IoClock()
+        self._resolved: dict[str, str] = {}  # name -> checked real path (symlinks resolved once per file)
 
     def _p(self, name: str) -> str:
         return os.path.join(self.root, *name.split("/")) if name else self.root
@@ -57,14 +59,11 @@ class LocalStorage:
         path = self._p(name)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        t0, nbytes = time.perf_counter(), 0
+        t0 = time.perf_counter()
+        views = [memoryview(b).cast("B") for b in buffers]
+        nbytes = sum(len(v) for v in views)
         try:
-            for buf in buffers:
-                mv = memoryview(buf).cast("B")
-                nbytes += len(mv)
-                while len(mv):
-                    n = os.write(fd, mv[:_IO_STEP])
-                    mv = mv[n:]
+            _write_all(fd, [v for v in views if len(v)])
             t1 = time.perf_counter()
             os.fsync(fd)
             self.clock.add(t1 - t0, time.perf_counter() - t1, nbytes)
@@ -92,19 +91,29 @@ class LocalStorage:
         fsync_dir(os.path.dirname(path))
         return True
 
-    def _inside(self, path: str) -> str:
+    def _inside(self, name: str) -> str:
+        """The real path of ``name``, refused (CorruptCheckpointError) when a symlink takes it out of the
+        folder; resolved once per name and storage object (a restore reads many leaves from one file)."""
+        real = self._resolved.get(name)
+        if real is not None:
+            return real
+        path = self._p(name)
         real = os.path.realpath(path)
-        root = os.path.realpath(self.root)
+        root = self._resolved.get("")
+        if root is None:
+            root = self._resolved[""] = os.path.realpath(self.root)
         if real != root and not real.startswith(root + os.sep):
             raise CorruptCheckpointError(f"{path} resolves to {real}, outside the checkpoint folder {root}; "
                                          "refusing to read it")
+        if name:
+            self._resolved[name] = real
         return real
 
     def _open_regular(self, name: str) -> tuple[int, str]:
         """A read-only fd of the regular file ``name``, and its path. FileNotFoundError and
         NotADirectoryError pass through; a FIFO, device, folder, over-long name or symlink loop is a
         CorruptCheckpointError (opened O_NONBLOCK, so a FIFO cannot block the open)."""
-        path = self._inside(self._p(name))
+        path = self._inside(name)
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
         except (FileNotFoundError, NotADirectoryError):
@@ -127,15 +136,16 @@ class LocalStorage:
         return data
 
     def read_into(self, name: str, offset: int, out: memoryview) -> None:
+        self.read_ranges(name, [(offset, [out])])
+
+    def read_ranges(self, name: str, parts: Sequence[tuple[int, Sequence[memoryview]]]) -> None:
+        """Fills, for each (offset, buffers) of ``parts``, the buffers with the bytes from ``offset`` on,
+        back to back: one open of the file, one preadv per part (in batches of IOV_MAX buffers)."""
         fd, path = self._open_regular(name)
         try:
-            mv, pos = memoryview(out).cast("B"), offset
-            while len(mv):
-                n = os.preadv(fd, [mv[:_IO_STEP]], pos)
-                if n == 0:
-                    raise CorruptCheckpointError(f"{path}: truncated (needed bytes {offset}..{offset + len(out)}, "
-                                                 f"file ends at {pos})")
-                mv, pos = mv[n:], pos + n
+            for offset, buffers in parts:
+                views = [memoryview(b).cast("B") for b in buffers]
+                _pread_all(fd, path, offset, [v for v in views if len(v)], sum(len(v) for v in views))
         finally:
             os.close(fd)
 
@@ -216,3 +226,33 @@ class LocalStorage:
 
     def kvstore_spec(self, name: str = "") -> dict[str, Any]:
         return {"driver": "file", "path": self._p(name) + "/"}
+
+
+def _pread_all(fd: int, path: str, offset: int, views: list[memoryview], total: int) -> None:
+    pos, i = offset, 0
+    while i < len(views):
+        batch = views[i:i + _IOV_MAX]
+        n = os.preadv(fd, batch, pos)
+        if n == 0:
+            raise CorruptCheckpointError(f"{path}: truncated (needed bytes {offset}..{offset + total}, "
+                                         f"file ends at {pos})")
+        pos += n
+        while n and i < len(views):  # drop the buffers filled, shorten a partly filled one
+            if n >= len(views[i]):
+                n -= len(views[i])
+                i += 1
+            else:
+                views[i], n = views[i][n:], 0
+
+
+def _write_all(fd: int, views: list[memoryview]) -> None:
+    """Writes the buffers back to back with writev, in batches of IOV_MAX (one syscall for many small leaves)."""
+    i = 0
+    while i < len(views):
+        n = os.writev(fd, [v[:_IO_STEP] for v in views[i:i + _IOV_MAX]])
+        while n and i < len(views):
+            if n >= len(views[i]):
+                n -= len(views[i])
+                i += 1
+            else:
+                views[i], n = views[i][n:], 0

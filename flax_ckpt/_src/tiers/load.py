@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import zlib
 from concurrent.futures import wait
-from typing import Any
+from typing import Any, Sequence
 
 import crc32c
 import numpy as np
@@ -162,6 +162,10 @@ class CopySource:
             raise CheckpointError(f"{self.where} leaf {leaf.name!r}: this process's memory copy does not hold box "
                                   f"{list(box)} (the target's layout differs from the one saved); restore from "
                                   "persistent storage")
+
+    def read_many(self, requests: Sequence[tuple[LeafRecord, Box, np.ndarray]]) -> None:
+        for leaf, box, out in requests:
+            self.read(leaf, box, out)
 
     def view(self, leaf: LeafRecord, box: Box) -> np.ndarray | None:
         hits = list(for_each_overlap(leaf, box))
