@@ -95,7 +95,8 @@ def _export_safetensors(leaves: Leaves, dst: Any, subtree: str | None, progress:
         raise CheckpointExistsError(f"{dst} exists; exports are never overwritten (choose another name)")
     keys, prefix = _select(leaves.keys(), subtree)
     arrays = [k for k in keys if leaves.info.leaves[k].kind in ("jax", "numpy")]
-    skipped = [k for k in keys if k not in set(arrays)]
+    exported = set(arrays)
+    skipped = [k for k in keys if k not in exported]
     names = {k: ".".join(k[len(prefix):].split("/")) or "<root>" for k in arrays}
     _check_exportable(leaves, arrays, names)
     tensors, nbytes = {}, 0

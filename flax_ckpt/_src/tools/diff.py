@@ -48,7 +48,8 @@ def diff(a: Any, b: Any, *, progress: bool = False) -> DiffResult:
     of the same shape but different dtypes are compared as float64 and reported as differing."""
     la, lb = Leaves(a), Leaves(b)
     ka, kb = la.keys(), lb.keys()
-    common = [k for k in ka if k in set(kb)]
+    sa, sb = set(ka), set(kb)
+    common = [k for k in ka if k in sb]
     differing, same = [], 0
     with bar(sum(la.nbytes(k) + lb.nbytes(k) for k in common), "diff", progress) as b:
         for k in common:
@@ -58,7 +59,7 @@ def diff(a: Any, b: Any, *, progress: bool = False) -> DiffResult:
                 same += 1
             else:
                 differing.append(d)
-    return DiffResult([k for k in ka if k not in set(kb)], [k for k in kb if k not in set(ka)], differing, same)
+    return DiffResult([k for k in ka if k not in sb], [k for k in kb if k not in sa], differing, same)
 
 
 def _diff_leaf(key: str, la: Leaves, lb: Leaves) -> LeafDiff | None:
