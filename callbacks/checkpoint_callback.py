@@ -34,7 +34,6 @@ from .state import from_tree, match_saved_scalars, to_tree
 log = logging.getLogger("callbacks")
 
 Metrics = Mapping[str, Any] | Callable[[], Mapping[str, Any]] | None
-_DAMAGED = (fc.CorruptCheckpointError, fc.InvalidManifestError)
 
 
 class CheckpointCallback:
@@ -82,19 +81,15 @@ class CheckpointCallback:
 
         ``state`` is the freshly initialised state: it gives the structure, dtypes and placement. nnx
         objects and stateful iterators in it are updated in place."""
+        if not self.manager.all_steps():
+            log.info("no checkpoint in %s; starting from step 0", self.manager.directory)
+            return state, 0
         target = to_tree(state)
-        for step in reversed(self.manager.all_steps()):
-            try:
-                restored = self.manager.restore(
-                    step, target=match_saved_scalars(target, self.manager.item_metadata(step)))
-            except _DAMAGED as e:
-                log.warning("step %d in %s is damaged (%s); trying an older one", step,
-                            self.manager.directory, e)
-                continue
-            log.info("resumed from step %d of %s", step, self.manager.directory)
-            return from_tree(state, restored), step
-        log.info("no checkpoint in %s; starting from step 0", self.manager.directory)
-        return state, 0
+        # the manager decides the step: the newest that restores, alike on every process of a job
+        restored = self.manager.restore(target_for=lambda info: match_saved_scalars(target, info))
+        step = self.manager.restore_stats[-1].step
+        log.info("resumed from step %d of %s", step, self.manager.directory)
+        return from_tree(state, restored), step
 
     # ------------------------------------------------------------------------------------------ saving
 

@@ -47,8 +47,8 @@ def _die_with_parent() -> None:
 class Job:
     """N worker processes of one jax.distributed job; ``join`` returns each one's findings."""
 
-    def __init__(self, tmp: Path, tag: str, mode: str, n: int, devices: int, **cfg: Any):
-        self.tmp, self.tag, self.n = tmp, tag, n
+    def __init__(self, tmp: Path, tag: str, mode: str, n: int, devices: int, worker: str = WORKER, **cfg: Any):
+        self.tmp, self.tag, self.n, self.worker = tmp, tag, n, worker
         self.cfg = dict(cfg, mode=mode, out=str(tmp), tag=tag, num_processes=n,
                         port=_free_port() if n > 1 else 0)
         self.env = dict(os.environ, JAX_PLATFORMS="cpu",
@@ -59,7 +59,7 @@ class Job:
         for i in range(self.n):
             log = open(self.tmp / f"{self.tag}.p{i}.log", "w")
             self.procs.append(subprocess.Popen(
-                [sys.executable, WORKER, json.dumps(dict(self.cfg, process_id=i))], env=self.env,
+                [sys.executable, self.worker, json.dumps(dict(self.cfg, process_id=i))], env=self.env,
                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent))
             log.close()
         return self

@@ -5,7 +5,8 @@ job agree on a save: process 0 names the staging folder, every process writes it
 and publishes its chunk records (``parts/p<i>.json`` in the staging folder, announced with its crc32c
 through the key-value store), process 0 waits for all of them, merges them into the one manifest's
 inputs, commits and announces the commit; the other processes' saves finish when they see it. Also
-the manager's shared view of committed steps (process 0's scan, adopted by all).
+``allgather``, the round by which processes agree on anything else (the manager's view of committed
+steps, the step a restore gives, an automatic interval; the tiers' votes).
 
 Every wait runs on the caller's thread (for the manager: the background writer, never the training
 thread) and has a timeout (``set_timeout``): a dead or hung peer gives a DistributedError naming the
@@ -312,15 +313,7 @@ def _cleanup_acked(count: int) -> None:
 
 # ----------------------------------------------------------------------------------------- manager
 
-def agree_steps(directory: str, steps: list[int]) -> list[int]:
-    """The committed steps of ``directory`` as process 0 sees them, adopted by every process so that
-    all restore and retain the same steps."""
-    key = _next_round(f"{_ROOT}/scan/{_digest(directory)}")
-    if process_index() == 0:
-        _set(key, {"steps": sorted(steps)}, directory)
-        return sorted(steps)
-    try:
-        return _get(key, _timeout_s, directory)["steps"]
-    except TimeoutError:
-        raise DistributedError(f"CheckpointManager({directory}): process 0 did not publish its committed steps "
-                               f"within {_timeout_s:g} s; create the manager on every process") from None
+def job_prefix(kind: str, where: str) -> str:
+    """The key prefix of one manager's (or tier set's) agreement rounds: ``kind`` and a digest of its
+    directory, so that managers of different directories in one job never meet."""
+    return f"{_ROOT}/{kind}/{_digest(where)}"

@@ -96,3 +96,12 @@ def format_list(items: list[str], limit: int = 20) -> str:
     """Formats a list of names for an error message, eliding past ``limit`` entries."""
     shown = ", ".join(repr(i) for i in items[:limit])
     return shown + (f", ... ({len(items) - limit} more)" if len(items) > limit else "")
+
+
+def error_class(name: str) -> type[CheckpointError]:
+    """The CheckpointError subclass called ``name`` (another process's error, re-raised here under its
+    own class); CorruptCheckpointError for a missing file, CheckpointError for anything else."""
+    found = globals().get(name)
+    if isinstance(found, type) and issubclass(found, CheckpointError):
+        return found
+    return CorruptCheckpointError if name in ("FileNotFoundError", "NotADirectoryError") else CheckpointError

@@ -18,7 +18,7 @@ import threading
 import uuid
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 from flax_ckpt._src import commit as commit_mod
 from flax_ckpt._src import distributed, formats
@@ -26,7 +26,7 @@ from flax_ckpt._src.engine import restore as engine
 from flax_ckpt._src.engine.leaves import CheckpointInfo
 from flax_ckpt._src.engine.snapshot import Snapshot, jsonable
 from flax_ckpt._src.errors import (CheckpointError, CheckpointLockedError, CheckpointNotFoundError, CorruptCheckpointError,
-                                   InvalidManifestError, StorageError)
+                                   DistributedError, InvalidManifestError, StorageError, error_class)
 from flax_ckpt._src.interval import AutoInterval
 from flax_ckpt._src.retention import finite, steps_to_delete
 from flax_ckpt._src.serializers import Serializer
@@ -36,6 +36,8 @@ from flax_ckpt._src.tiers.store import TierSnapshot
 from flax_ckpt._src.writer import AsyncWriter
 
 log = logging.getLogger("flax_ckpt")
+_DAMAGE = ("CorruptCheckpointError", "InvalidManifestError", "FileNotFoundError", "CheckpointNotFoundError",
+           "NotADirectoryError")  # a step that cannot be read: restore falls back past it
 LOCK_FILE = ".flax_ckpt.lock"
 
 
@@ -119,9 +121,7 @@ class CheckpointManager:
                  overhead_budget: float = 0.01, mtbf_s: float | None = None, metric_writer: Any = None,
                  storage_options: "ObjectStoreOptions | dict[str, Any] | None" = None):
         self._auto = AutoInterval(overhead_budget, mtbf_s) if save_interval_steps == "auto" else None
-        if self._auto is not None and distributed.process_count() > 1:
-            raise ValueError("save_interval_steps='auto' measures one process's timings, so processes of a "
-                             "multi-process job could pick different steps; pass an int interval there")
+        self._agreed_interval = 1  # "auto" with several processes: the interval all of them use (see save)
         if self._auto is None and (isinstance(save_interval_steps, bool) or not isinstance(save_interval_steps, int)
                                    or save_interval_steps < 1):
             raise ValueError(f"save_interval_steps must be a positive int or 'auto', got {save_interval_steps!r}")
@@ -140,6 +140,7 @@ class CheckpointManager:
         self._tiers: TierSet | None = None
         self.storage: Storage = open_storage(directory, options=storage_options)
         self.directory = self.storage.url
+        self._prefix = distributed.job_prefix("manager", self.directory)  # this run's agreement rounds
         self.save_interval_steps, self.max_to_keep, self.keep_period = save_interval_steps, max_to_keep, keep_period
         self.best_metric, self.best_mode, self.keep_best = best_metric, best_mode, keep_best
         self.async_save, self.strict, self.metadata = async_save, strict, metadata
@@ -168,13 +169,15 @@ class CheckpointManager:
 
     def _scan(self) -> None:
         """Rebuilds the view of committed steps from the directory and removes leftovers of crashes.
-        With several processes, process 0 alone removes, and every process adopts its list of steps."""
-        lead = distributed.process_index() == 0
+        With several processes, process 0 alone scans and removes, and every process adopts its view
+        (steps, their folders and metrics, damaged steps): all restore and retain the same steps."""
+        if distributed.process_count() > 1 and distributed.process_index() != 0:
+            self._agree_view()
+            return
         folders, temporary = formats.step_folders(self.storage)
         for entry in temporary:
-            if lead:
-                log.warning("removing %s/%s, left by an interrupted save or deletion", self.directory, entry)
-                self.storage.delete(entry)
+            log.warning("removing %s/%s, left by an interrupted save or deletion", self.directory, entry)
+            self.storage.delete(entry)
         for f in folders:
             try:
                 metrics = f.layout.metrics(self.storage.sub(f.name))
@@ -182,16 +185,33 @@ class CheckpointManager:
                 raise  # the store failed (after its retries): say so rather than hide a committed step
             except (CheckpointError, OSError) as e:
                 if not self.storage.supports_rename and not self.storage.sub(f.name).exists(f.layout.record):
-                    if lead:  # an uncommitted object-store step: its commit object never came
-                        self.storage.delete(f.name)
+                    self.storage.delete(f.name)  # an uncommitted object-store step: its commit object never came
                 else:
                     log.warning("ignoring damaged step %d in %s: %s", f.step, self.directory, e)
                     self._damaged[f.step] = (e, f)
                 continue
             self._metrics[f.step], self._folders[f.step] = metrics, f
         if distributed.process_count() > 1:
-            steps = distributed.agree_steps(self.directory, list(self._metrics))
-            self._metrics = {s: self._metrics.get(s) for s in steps}
+            self._agree_view()
+
+    def _agree_view(self) -> None:
+        """Every process adopts process 0's view of the directory (a collective: at open and at each
+        restore). Process 0 commits every step, so its view is the one that is right when another
+        process's listing lags (object stores) or missed the end of a save that failed there."""
+        with self._mutex:
+            mine = {"steps": {str(s): [self._folders[s].name, self._folders[s].layout.name, self._metrics.get(s)]
+                              for s in self._metrics if s in self._folders},
+                    "damaged": {str(s): [type(e).__name__, str(e), f.name, f.layout.name]
+                                for s, (e, f) in self._damaged.items()}}
+        lead = distributed.allgather(self._prefix, "view", mine)[0]
+        if distributed.process_index() == 0:
+            return
+        with self._mutex:
+            self._metrics = {int(s): m for s, (_, _, m) in lead["steps"].items()}
+            self._folders = {int(s): formats.StepFolder(int(s), name, formats.layout(fmt))
+                             for s, (name, fmt, _) in lead["steps"].items()}
+            self._damaged = {int(s): (error_class(kind)(msg), formats.StepFolder(int(s), name, formats.layout(fmt)))
+                             for s, (kind, msg, name, fmt) in lead["damaged"].items()}
 
     def all_steps(self) -> list[int]:
         with self._mutex:
@@ -229,13 +249,16 @@ class CheckpointManager:
         if step in self._metrics:
             return False
         if self._auto is not None:
-            return self._last_saved is None or step - self._last_saved >= self._auto.interval()
+            return self._last_saved is None or step - self._last_saved >= self.interval
         return step % self.save_interval_steps == 0
 
     @property
     def interval(self) -> int:
-        """The steps between saves now in force (re-tuned continuously in "auto" mode)."""
-        return self._auto.interval() if self._auto is not None else self.save_interval_steps
+        """The steps between saves now in force (re-tuned continuously in "auto" mode; with several
+        processes, the largest of their intervals, agreed at each save)."""
+        if self._auto is None:
+            return self.save_interval_steps
+        return self._auto.interval() if distributed.process_count() == 1 else self._agreed_interval
 
     # ----------------------------------------------------------------------------------------- save
 
@@ -271,6 +294,9 @@ class CheckpointManager:
             self._last_saved = step
             if self._auto is not None:
                 self._auto.observe_save(blocked)
+                if distributed.process_count() > 1:  # each process measures its own costs: all take the max
+                    votes = distributed.allgather(self._prefix, "interval", {"step": step, "k": self._auto.interval()})
+                    self._agreed_interval = max(v["k"] for v in votes)
             self._writer.submit(functools.partial(self._persist, step, snap, metrics, t0, blocked),
                                 f"step {step} in {self.directory}")
             if not self.async_save:
@@ -342,32 +368,74 @@ class CheckpointManager:
     # -------------------------------------------------------------------------------------- restore
 
     def restore(self, step: int | None = None, target: Any = None, *, shardings: Any = None,
-                partial: bool = False) -> Any:
+                partial: bool = False, target_for: Callable[[CheckpointInfo], Any] | None = None) -> Any:
         """Restores ``step`` (default: the newest committed step; if it is damaged and the manager is not
-        strict, the newest older one that is good, with a warning)."""
+        strict, the newest older one that is good, with a warning). ``target_for``: instead of
+        ``target``, a function giving the target from the step's CheckpointInfo (called for each step
+        tried).
+
+        With several processes (every process calls it), the step is decided once for all: each process
+        restores what it must read, checking every checksum as it reads, then they compare; all return
+        the same step, or all fall back together to an older one (each discarding what it read), or all
+        raise the same CheckpointError naming the process and file that failed."""
         self._writer.wait()
         if self._tiers is not None:
             return self._restore_tiered(step, target, shardings, partial)
-        if step is not None:
-            if step not in self.all_steps():
-                raise CheckpointNotFoundError(f"no committed step {step} in {self.directory} "
-                                              f"(steps: {self.all_steps()})")
-            return self._restore_step(step, target, shardings, partial)
+        if distributed.process_count() > 1:
+            self._agree_view()
         steps = self.all_steps()
+        if step is not None:
+            if step not in steps:
+                raise CheckpointNotFoundError(f"no committed step {step} in {self.directory} (steps: {steps})")
+            return self._restore_agreed([step], target, target_for, shardings, partial, fallback=False)
         damaged = max(self._damaged, default=None)
         if self.strict and damaged is not None and (not steps or damaged > steps[-1]):
             raise self._damaged[damaged][0]  # strict: a damaged newest step is an error, not a fallback
         if not steps:
             raise CheckpointNotFoundError(f"no committed checkpoint in {self.directory}")
-        for i, s in enumerate(reversed(steps)):
+        return self._restore_agreed(steps[::-1], target, target_for, shardings, partial, fallback=not self.strict)
+
+    def _restore_agreed(self, candidates: list[int], target: Any, target_for: Any, shardings: Any, partial: bool,
+                        fallback: bool) -> Any:
+        """Tries ``candidates`` in order until one restores on every process (see ``restore``)."""
+        for i, s in enumerate(candidates):
             try:
-                return self._restore_step(s, target, shardings, partial)
-            except (CorruptCheckpointError, InvalidManifestError, FileNotFoundError) as e:
-                if self.strict or i == len(steps) - 1:
-                    raise
-                log.warning("step %d in %s is damaged (%s); falling back to an older step", s,
-                            self.directory, e)
+                t = target_for(self.item_metadata(s)) if target_for is not None else target
+                out, err = self._restore_step(s, t, shardings, partial), None
+            except (CheckpointError, OSError) as e:
+                out, err = None, e
+            failures = self._vote(s, err)
+            if not failures:
+                return out
+            out = None  # discard what this process read
+            damage = all(kind in _DAMAGE for kind, _ in failures.values())
+            if not damage or not fallback or i == len(candidates) - 1:
+                if distributed.process_count() == 1:
+                    raise err
+                raise self._shared_error(s, failures) from err
+            for j, (kind, msg) in sorted(failures.items()):
+                log.warning("step %d in %s is damaged on process %d (%s: %s); falling back to an older step",
+                            s, self.directory, j, kind, msg)
         raise AssertionError("unreachable")
+
+    def _vote(self, step: int, err: BaseException | None) -> dict[int, tuple[str, str]]:
+        """{process: (error type, message)} of every process that could not restore ``step``."""
+        mine = {"step": step, "error": None if err is None else [type(err).__name__, str(err)]}
+        if distributed.process_count() == 1:
+            return {} if err is None else {0: tuple(mine["error"])}
+        votes = distributed.allgather(self._prefix, "restore", mine)
+        if any(v["step"] != step for v in votes):
+            raise DistributedError(f"restore of {self.directory}: processes tried different steps "
+                                   f"({[v['step'] for v in votes]}); every process must restore the same step")
+        return {j: tuple(v["error"]) for j, v in enumerate(votes) if v["error"] is not None}
+
+    def _shared_error(self, step: int, failures: dict[int, tuple[str, str]]) -> CheckpointError:
+        """The one error every process raises when ``step`` cannot be restored on some process."""
+        first = failures[min(failures)][0]
+        detail = "; ".join(f"process {j}: {kind}: {msg}" for j, (kind, msg) in sorted(failures.items()))
+        return error_class(first)(f"restore of step {step} of {self.directory} failed on "
+                                  f"{'process' if len(failures) == 1 else 'processes'} "
+                                  f"{', '.join(map(str, sorted(failures)))} (so on every process): {detail}")
 
     def _restore_tiered(self, step: int | None, target: Any, shardings: Any, partial: bool) -> Any:
         """With tiers= (every process calls it): the newest step complete across processes in some

@@ -1,0 +1,223 @@
+"""Global consistency across processes: every process restores the same step, whatever fails where.
+
+Real jax.distributed jobs on 127.0.0.1 (gloo), one CPU device per process, 2 and 4 processes
+(tests/multihost_worker.py); damage is done to real files between the jobs; processes are really
+SIGKILLed, hung and sent SIGTERM. A coordinator that dies (or freezes whole, SIGSTOP) ends every
+process of a jax.distributed job at once: JAX's runtime terminates them from its own threads when
+the coordination service stops answering (jax 0.10.2), so there is no Python error to give them;
+what is tested then is that nothing hangs, nothing half-written is committed, and the restart resumes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import flax_ckpt as fc
+from test_distributed import Job
+
+WORKER = str(Path(__file__).with_name("multihost_worker.py"))
+TIMEOUT_S = 150
+
+
+def job(tmp: Path, tag: str, mode: str, n: int, **cfg) -> Job:
+    return Job(tmp, tag, mode, n, 1, worker=WORKER, dir=str(tmp / "run"), **cfg).start()
+
+
+def run(tmp: Path, tag: str, mode: str, n: int, **cfg) -> list[dict]:
+    j = job(tmp, tag, mode, n, **cfg)
+    return j.check_ok(j.join(TIMEOUT_S))
+
+
+def flip(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+def damage_one_process(run_dir: Path, serializer: str, process: int) -> str:
+    """Flips a byte of what ``process`` alone wrote of step 2 (its data file, or its zarr3 chunk)."""
+    step = run_dir / "2"
+    if serializer == "raw":
+        victim = next((step / "data").glob(f"p{process}.*.bin"))
+    else:
+        body = json.loads((step / "manifest.json").read_text())["body"]
+        w = next(r for r in body["leaves"] if r["path"] == [["key", "w"]])
+        chunk = next(c for c in w["chunks"] if c["index"][0][0] == 8 * process)
+        victim = step / chunk["array"] / chunk["key"]
+    flip(victim)
+    return victim.name
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("serializer,n", [("raw", 2), ("raw", 4), ("zarr3", 2)])
+def test_damage_on_one_process_makes_all_fall_back_together(tmp_path, serializer, n):
+    assert [r["steps"] for r in run(tmp_path, "save", "save", n, serializer=serializer)] == [[1, 2]] * n
+    damage_one_process(tmp_path / "run", serializer, n - 1)
+    results = run(tmp_path, "restore", "restore", n)
+    assert [(r["step"], r["exact"]) for r in results] == [(1, True)] * n  # never a mix of steps
+    assert all(r["steps"] == [1, 2] for r in results)
+
+
+@pytest.mark.timeout(300)
+def test_strict_raises_the_same_error_on_every_process(tmp_path):
+    run(tmp_path, "save", "save", 2, serializer="raw")
+    victim = damage_one_process(tmp_path / "run", "raw", 1)
+    results = run(tmp_path, "strict", "restore", 2, strict=True)
+    assert {r["error"] for r in results} == {"CorruptCheckpointError"}
+    assert results[0]["message"] == results[1]["message"]
+    assert "step 2" in results[0]["message"] and "process 1:" in results[0]["message"]
+    assert victim in results[0]["message"]
+
+
+@pytest.mark.timeout(300)
+def test_a_damaged_part_record_leaves_the_step_uncommitted_everywhere(tmp_path):
+    results = run(tmp_path, "part", "part", 2)
+    assert all("DistributedError" in r["save2"] and "damaged" in r["save2"] for r in results), results
+    assert [(r["steps"], r["step"], r["exact"]) for r in results] == [([1], 1, True)] * 2
+    assert sorted(os.listdir(tmp_path / "run")) == [".flax_ckpt.lock", "1"]
+
+
+@pytest.mark.timeout(300)
+def test_a_lagging_listing_still_sees_the_step_process_0_committed(tmp_path):
+    run(tmp_path, "save", "save", 2)
+    results = run(tmp_path, "lag", "lagging", 2)
+    assert [(r["latest"], r["steps"], r["step"], r["exact"]) for r in results] == [(2, [1, 2], 2, True)] * 2
+
+
+@pytest.mark.timeout(300)
+def test_auto_interval_is_agreed_by_every_process(tmp_path):
+    results = run(tmp_path, "auto", "auto", 2)
+    assert results[0]["saved"] == results[1]["saved"] and len(results[0]["saved"]) >= 2, results
+    assert results[0]["interval"] == results[1]["interval"]
+
+
+def _finished(j: Job) -> list[int]:
+    statuses = []
+    for p in j.procs:
+        try:
+            statuses.append(p.wait(timeout=TIMEOUT_S))
+        except subprocess.TimeoutExpired:
+            j.kill()
+            pytest.fail(f"a process hung after the coordinator died\n{j.logs()}")
+    return statuses
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("phase", ["save", "restore"])
+def test_coordinator_killed_nothing_half_written_and_the_restart_resumes(tmp_path, phase):
+    j = job(tmp_path, "kill", f"kill-{phase}", 2, timeout_s=10)
+    try:
+        statuses = _finished(j)  # JAX's runtime ends every process at once when the coordinator dies
+    finally:
+        j.kill()
+    assert statuses[0] == -signal.SIGKILL and statuses[1] != 0, j.logs()
+    run_dir = tmp_path / "run"
+    assert not (run_dir / "2" / "manifest.json").exists()  # step 2 was never committed
+    results = run(tmp_path, "again", "restore", 2)
+    assert [(r["step"], r["exact"], r["steps"]) for r in results] == [(1, True, [1])] * 2
+    assert sorted(os.listdir(run_dir)) == [".flax_ckpt.lock", "1"]  # the staging folder is gone
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("phase", ["save", "restore"])
+def test_hung_coordinator_gives_a_distributed_error_within_the_timeout(tmp_path, phase):
+    j = job(tmp_path, "hang", f"hang-{phase}", 2, timeout_s=4)
+    try:
+        j.procs[1].wait(timeout=TIMEOUT_S)
+    finally:
+        j.kill()  # process 0 hangs: it never exits by itself
+    r = j.result(1)
+    assert r["ok"] and r["cause"] == "DistributedError", j.logs()
+    assert r["error"] == ("SaveFailedError" if phase == "save" else "DistributedError")
+    assert r["after_s"] < 3 * 4 + 10, r  # the timeout (twice it for a commit), not a hang
+    assert not (tmp_path / "run" / "2" / "manifest.json").exists()
+    results = run(tmp_path, "again", "restore", 2)
+    assert [(r["step"], r["exact"]) for r in results] == [(1, True)] * 2
+
+
+MULTI_CHILD = textwrap.dedent('''
+    import sys, time
+    import jax
+    process_id, port, directory, n = int(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4])
+    jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=n, process_id=process_id)
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from callbacks import CheckpointCallback
+
+    sh = NamedSharding(Mesh(np.array(jax.devices()), ("x",)), P("x"))
+    step_fn = jax.jit(lambda w: w * 1.0001 + 0.5, out_shardings=sh)
+    state = {"w": jax.make_array_from_callback((4 * n, 3), sh,
+                                                lambda idx: np.arange(12 * n, dtype=np.float32).reshape(-1, 3)[idx])}
+    ckpt = CheckpointCallback(directory, every_steps=100)
+    state, start = ckpt.restore_or(state)
+    print("start", start, flush=True)
+    for step in range(start, 400):
+        state = {"w": step_fn(state["w"])}
+        time.sleep(0.01)
+        print("step", step + 1, flush=True)
+        ckpt(step + 1, state)
+    ckpt.close()
+    print("final", process_id, np.asarray(state["w"].addressable_shards[0].data).tobytes().hex(), flush=True)
+''')
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_children(tmp: Path, tag: str, n: int, directory: Path, signal_to: int | None = None) -> list[tuple[int, str]]:
+    script = tmp / "multi.py"
+    script.write_text(MULTI_CHILD)
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"JAX_PLATFORMS": "cpu"}
+    port = str(_free_port())
+    logs = [tmp / f"{tag}.p{i}.log" for i in range(n)]
+    procs = [subprocess.Popen([sys.executable, str(script), str(i), port, str(directory), str(n)], env=env,
+                              stdout=logs[i].open("w"), stderr=subprocess.STDOUT) for i in range(n)]
+    watchdog = threading.Timer(TIMEOUT_S, lambda: [p.kill() for p in procs])
+    watchdog.start()
+    try:
+        if signal_to is not None:
+            while "step 60\n" not in logs[signal_to].read_text() and procs[signal_to].poll() is None:
+                threading.Event().wait(0.05)
+            procs[signal_to].send_signal(signal.SIGTERM)
+        statuses = [p.wait() for p in procs]
+    finally:
+        watchdog.cancel()
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+    return [(s, log.read_text()) for s, log in zip(statuses, logs)]
+
+
+@pytest.mark.timeout(400)
+def test_sigterm_to_one_of_four_processes_all_stop_at_one_step_and_resume_bit_identical(tmp_path):
+    n, directory = 4, tmp_path / "ckpts"
+    first = _run_children(tmp_path, "first", n, directory, signal_to=2)
+    assert [s for s, _ in first] == [143] * n, [o[-2000:] for _, o in first]
+    stops = {re.search(r"preemption: step (\d+) is saved", o)[1] for _, o in first}
+    assert len(stops) == 1, stops  # every process saved the same step
+    stop = int(stops.pop())
+    resumed = _run_children(tmp_path, "resumed", n, directory)
+    assert [s for s, _ in resumed] == [0] * n, [o[-2000:] for _, o in resumed]
+    assert all(f"start {stop}\n" in o for _, o in resumed)
+    reference = _run_children(tmp_path, "reference", n, tmp_path / "uninterrupted")
+    final = lambda outs: sorted(re.search(r"final \d+ (\w+)", o)[0] for _, o in outs)  # noqa: E731
+    assert final(resumed) == final(reference)  # every process's shard, bit for bit
+    with fc.CheckpointManager(directory) as mgr:
+        assert mgr.all_steps() == [200, 300, 400]  # max_to_keep=3 removed the preemption step afterwards
+        assert np.asarray(mgr.restore(400)["w"]).shape == (4 * n, 3)
