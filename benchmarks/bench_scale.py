@@ -239,7 +239,7 @@ def size_part(sizes: list[float], rounds: int, scratch: Path, with_orbax: bool) 
         if with_orbax:
             row["flax_ckpt_faster_x"] = {m: res.paired_ratio("flax_ckpt", "orbax", m) for m in ("save", "restore")}
         out[str(gb)] = row
-        del state, target
+        state = target = None  # free the state before the next size
         gc.collect()
     return out
 

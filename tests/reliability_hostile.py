@@ -3,7 +3,7 @@
 Scope: building bad input and judging that restore refuses it (a CheckpointError), reads nothing
 outside the checkpoint folder (files outside hold valid copies of the data, so reading them would be
 seen as a successful restore), writes nothing anywhere, and stays within bounded memory. A crafted
-manifest gets a valid checksum (flax_ckpt.format.encode), so validation itself is what is tested.
+manifest gets a valid checksum (helpers.write_manifest_body), so validation itself is what is tested.
 Shared by tests/test_reliability_hostile.py and benchmarks/faults.py.
 """
 
@@ -22,8 +22,8 @@ import numpy as np
 
 import flax_ckpt as fc
 from flax_ckpt._src import format as fmt
+from helpers import as_bytes, edit_manifest, encode_manifest, leaf_of, manifest_body, write_manifest_raw
 from reliability_trials import EXACT, Outcome, Tally, restore_exact, warnings_of
-from trees import as_bytes
 
 SKIP = "skip"  # a case this machine cannot build (mknod without privilege)
 
@@ -38,35 +38,10 @@ def hostile_tree(step: int) -> dict:
         "e": [], "k": jax.random.key(step), "l": [np.ones(2, np.float64), 2]}
 
 
-def body_of(ck: str) -> dict:
-    return json.loads(open(os.path.join(ck, fmt.MANIFEST), "rb").read())["body"]
-
-
-def write_body(ck: str, body: dict) -> None:
-    """Writes a crafted manifest with a valid checksum, so only what was crafted is wrong."""
-    with open(os.path.join(ck, fmt.MANIFEST), "wb") as f:
-        f.write(fmt.encode(body))
-
-
-def write_raw(ck: str, data: bytes) -> None:
-    with open(os.path.join(ck, fmt.MANIFEST), "wb") as f:
-        f.write(data)
-
-
-def leaf(body: dict, name: str) -> dict:
-    return next(lf for lf in body["leaves"] if lf["path"] and lf["path"][-1][1] == name)
-
-
-def edit(ck: str, change: Callable[[dict], Any]) -> None:
-    body = body_of(ck)
-    change(body)
-    write_body(ck, body)
-
-
 # --------------------------------------------------------------------------------- crafted folders
 
 def _data_file(ck: str) -> str:
-    return next(iter(body_of(ck)["files"]))
+    return next(iter(manifest_body(ck)["files"]))
 
 
 def _retarget(ck: str, name: str) -> None:
@@ -78,7 +53,7 @@ def _retarget(ck: str, name: str) -> None:
             for ch in lf.get("chunks", []):
                 if ch.get("file") == old:
                     ch["file"] = name
-    edit(ck, change)
+    edit_manifest(ck, change)
 
 
 def _outside_copy(ck: str, name: str, out: str) -> str:
@@ -122,9 +97,10 @@ def symlink_zarr_array(ck: str, out: str) -> None:
 
 
 def zarr_key_traversal(ck: str, out: str) -> None:
-    name = leaf(body_of(ck), "a")["chunks"][0]["array"]
+    name = leaf_of(manifest_body(ck), "a")["chunks"][0]["array"]
     shutil.copytree(os.path.join(ck, name), os.path.join(out, "arr"))
-    edit(ck, lambda b: leaf(b, "a")["chunks"][0].update(array=os.path.relpath(os.path.join(out, "arr"), ck)))
+    outside = os.path.relpath(os.path.join(out, "arr"), ck)
+    edit_manifest(ck, lambda b: leaf_of(b, "a")["chunks"][0].update(array=outside))
 
 
 def zarr_narrow_stored_dtype(ck: str, out: str) -> None:
@@ -132,7 +108,7 @@ def zarr_narrow_stored_dtype(ck: str, out: str) -> None:
     manifest's stored_dtype: the bytes cannot fill a float32 leaf."""
     import tensorstore as ts
 
-    name = leaf(body_of(ck), "a")["chunks"][0]["array"]
+    name = leaf_of(manifest_body(ck), "a")["chunks"][0]["array"]
     shutil.rmtree(os.path.join(ck, name))
     arr = ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": os.path.join(ck, name) + "/"},
                    "metadata": {"shape": [4, 6], "data_type": "uint8", "codecs": [
@@ -140,7 +116,7 @@ def zarr_narrow_stored_dtype(ck: str, out: str) -> None:
                        "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [4, 6]}}}},
                   create=True).result()
     arr.write(np.arange(24, dtype=np.uint8).reshape(4, 6)).result()
-    edit(ck, lambda b: leaf(b, "a")["chunks"][0].update(stored_dtype="uint8"))
+    edit_manifest(ck, lambda b: leaf_of(b, "a")["chunks"][0].update(stored_dtype="uint8"))
 
 
 def _special(ck: str, name: str, make: Callable[[str], None]) -> str | None:
@@ -174,41 +150,41 @@ def data_is_folder(ck: str, out: str) -> None:
 
 
 def overflowing_shape(ck: str, out: str) -> None:
-    edit(ck, lambda b: leaf(b, "a").update(shape=[2**40, 2**40]))
+    edit_manifest(ck, lambda b: leaf_of(b, "a").update(shape=[2**40, 2**40]))
 
 
 def beyond_memory(ck: str, out: str) -> None:
     """A consistent manifest (sizes, chunk, checksum count) claiming a 4 TiB leaf."""
     def change(body: dict) -> None:
-        lf, n = leaf(body, "a"), 4 << 40
+        lf, n = leaf_of(body, "a"), 4 << 40
         name = lf["chunks"][0]["file"]
         body["files"][name] = n
         lf.update(shape=[1 << 20, 1 << 20], chunks=[{"index": [[0, 1 << 20], [0, 1 << 20]], "file": name,
                                                      "offset": 0, "nbytes": n, "block": n, "crc32c": [0]}])
-    edit(ck, change)
+    edit_manifest(ck, change)
 
 
 def aliased_chunks(ck: str, out: str) -> None:
     """100 chunk records that all point at the same valid 1 MiB (checksums right): a 100 MiB leaf."""
     def change(body: dict) -> None:
-        lf = leaf(body, "big")
+        lf = leaf_of(body, "big")
         (ch,) = lf["chunks"]
         lf["shape"] = [512 * 100, 512]
         lf["chunks"] = [dict(ch, index=[[512 * i, 512 * (i + 1)], [0, 512]]) for i in range(100)]
-    edit(ck, change)
+    edit_manifest(ck, change)
 
 
 def deep_path(ck: str, out: str) -> None:
-    edit(ck, lambda b: leaf(b, "s").update(path=[["key", "d"]] * 10_000))
+    edit_manifest(ck, lambda b: leaf_of(b, "s").update(path=[["key", "d"]] * 10_000))
 
 
 def deep_metadata(ck: str, out: str) -> None:
-    edit(ck, lambda b: b.update(metadata=json.loads("[" * 100 + "]" * 100)))
+    edit_manifest(ck, lambda b: b.update(metadata=json.loads("[" * 100 + "]" * 100)))
 
 
 def deeper_than_json(ck: str, out: str) -> None:
     raw = open(os.path.join(ck, fmt.MANIFEST), "rb").read()
-    write_raw(ck, raw.replace(b'"metadata":null', b'"metadata":' + b"[" * 200_000 + b"]" * 200_000))
+    write_manifest_raw(ck, raw.replace(b'"metadata":null', b'"metadata":' + b"[" * 200_000 + b"]" * 200_000))
 
 
 def huge_manifest(ck: str, out: str) -> None:
@@ -219,27 +195,27 @@ def huge_manifest(ck: str, out: str) -> None:
 
 def version_true(ck: str, out: str) -> None:
     raw = open(os.path.join(ck, fmt.MANIFEST), "rb").read()
-    write_raw(ck, raw.replace(b'"version": 1', b'"version": true'))
+    write_manifest_raw(ck, raw.replace(b'"version": 1', b'"version": true'))
 
 
 def leaf_in_leaf(ck: str, out: str) -> None:
-    edit(ck, lambda b: b["leaves"].append(dict(leaf(b, "t"), path=[["key", "s"], ["key", "x"]])))
+    edit_manifest(ck, lambda b: b["leaves"].append(dict(leaf_of(b, "t"), path=[["key", "s"], ["key", "x"]])))
 
 
 def duplicate_key(ck: str, out: str) -> None:
-    edit(ck, lambda b: b["leaves"].append(dict(leaf(b, "t"), path=[["attr", "t"]])))
+    edit_manifest(ck, lambda b: b["leaves"].append(dict(leaf_of(b, "t"), path=[["attr", "t"]])))
 
 
 def mixed_node(ck: str, out: str) -> None:
-    edit(ck, lambda b: leaf(b, "t").update(path=[["idx", 0]]))
+    edit_manifest(ck, lambda b: leaf_of(b, "t").update(path=[["idx", 0]]))
 
 
 def list_gap(ck: str, out: str) -> None:
-    edit(ck, lambda b: leaf(b, "t").update(path=[["key", "g"], ["idx", 2**31 - 1]]))
+    edit_manifest(ck, lambda b: leaf_of(b, "t").update(path=[["key", "g"], ["idx", 2**31 - 1]]))
 
 
 def chunk_past_file(ck: str, out: str) -> None:
-    edit(ck, lambda b: leaf(b, "a")["chunks"][0].update(offset=10**9))
+    edit_manifest(ck, lambda b: leaf_of(b, "a")["chunks"][0].update(offset=10**9))
 
 
 CASES: dict[str, tuple[tuple[str, ...], Callable[[str, str], Any]]] = {
@@ -269,9 +245,11 @@ CASES: dict[str, tuple[tuple[str, ...], Callable[[str, str], Any]]] = {
     "list and dict in one node": (("raw",), mixed_node),
     "list index 2^31": (("raw",), list_gap),
     "chunk past the end of its file": (("raw",), chunk_past_file),
-    "unknown serializer": (("raw",), lambda ck, out: edit(ck, lambda b: b.update(serializer="pickle"))),
-    "object dtype": (("raw", "zarr3"), lambda ck, out: edit(ck, lambda b: leaf(b, "a").update(dtype="finfo"))),
-    "unknown PRNG impl": (("raw",), lambda ck, out: edit(ck, lambda b: leaf(b, "k").update(key_impl="nope"))),
+    "unknown serializer": (("raw",), lambda ck, out: edit_manifest(ck, lambda b: b.update(serializer="pickle"))),
+    "object dtype": (("raw", "zarr3"),
+                     lambda ck, out: edit_manifest(ck, lambda b: leaf_of(b, "a").update(dtype="finfo"))),
+    "unknown PRNG impl": (("raw",),
+                          lambda ck, out: edit_manifest(ck, lambda b: leaf_of(b, "k").update(key_impl="nope"))),
 }
 
 
@@ -396,7 +374,7 @@ def _walk(tree: Any, at: str = "") -> Iterator[tuple[str, tuple]]:
 def judge_manifest(ck: str, data: bytes, original: Any, what: str) -> Outcome:
     """Writes manifest bytes into ``ck``: restore must refuse them with a CheckpointError, or return
     a tree consistent with what is stored."""
-    write_raw(ck, data)
+    write_manifest_raw(ck, data)
     try:
         fc.metadata(ck)
     except fc.CheckpointError:
@@ -418,19 +396,11 @@ def wrong_types_trial(base: str, serializer: str, tally: Tally) -> None:
     d, out = pair(base, "wrong-types", serializer)
     ck, original = os.path.join(d, "2"), hostile_tree(2)
     try:
-        for what, body in wrong_type_mutants(body_of(ck)):
-            tally.add(judge_manifest(ck, _encode(body), original, f"{serializer}: {what}"))
+        for what, body in wrong_type_mutants(manifest_body(ck)):
+            tally.add(judge_manifest(ck, encode_manifest(body), original, f"{serializer}: {what}"))
     finally:
         shutil.rmtree(d, ignore_errors=True)
         shutil.rmtree(out, ignore_errors=True)
-
-
-def _encode(body: dict) -> bytes:
-    try:
-        return fmt.encode(body)
-    except (ValueError, TypeError):  # keys json cannot sort (an int beside strings): no valid checksum
-        return json.dumps({"format": fmt.FORMAT_NAME, "version": fmt.FORMAT_VERSION, "crc32c": 0,
-                           "body": body}).encode()
 
 
 def fuzz_trial(base: str, serializer: str, examples: int, tally: Tally, *, derandomize: bool = True) -> None:
@@ -442,7 +412,7 @@ def fuzz_trial(base: str, serializer: str, examples: int, tally: Tally, *, deran
 
     d, out = pair(base, "fuzz", serializer)
     ck, original = os.path.join(d, "2"), hostile_tree(2)
-    body0 = body_of(ck)
+    body0 = manifest_body(ck)
     raw0 = open(os.path.join(ck, fmt.MANIFEST), "rb").read()
     spots = list(positions(body0))
     folders = [()] + [p for p in spots if isinstance(_at(body0, p), dict)]  # where "add" puts a field
@@ -476,7 +446,7 @@ def fuzz_trial(base: str, serializer: str, examples: int, tally: Tally, *, deran
             body = body0
             for op, pos, arg in edits:
                 body = _apply(body, op, pos, arg) or body
-            outcome = judge_manifest(ck, _encode(body), original, f"body edits {edits}"[:2000])
+            outcome = judge_manifest(ck, encode_manifest(body), original, f"body edits {edits}"[:2000])
         tally.add(outcome)
         assert outcome.ok, outcome.detail
 

@@ -20,7 +20,8 @@ from typing import Iterator
 import numpy as np
 
 import flax_ckpt as fc
-from reliability_trials import EXACT, Outcome, bit_exact, restore_exact
+from helpers import bit_exact, step_state
+from reliability_trials import EXACT, Outcome, restore_exact
 from s3_server import FaultProxy, Faults, MotoS3
 
 RETRY_ENV = {"FLAX_CKPT_STORAGE_MAX_ATTEMPTS": "3", "FLAX_CKPT_STORAGE_RETRY_DELAY": "0.005"}  # some fail for good
@@ -28,9 +29,7 @@ RETRY_ENV = {"FLAX_CKPT_STORAGE_MAX_ATTEMPTS": "3", "FLAX_CKPT_STORAGE_RETRY_DEL
 
 def s3_state(step: int) -> dict:
     """Two data objects' worth (raw) and a few zarr3 chunks: enough requests to fault."""
-    rng = np.random.default_rng(50_000 + step)
-    return {"w": rng.standard_normal((128, 1024)).astype(np.float32), "b": np.full((64,), step, np.int32),
-            "step": step}
+    return {**step_state(step, (128, 1024), 50_000), "b": np.full((64,), step, np.int32)}
 
 
 @dataclass

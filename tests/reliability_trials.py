@@ -2,7 +2,7 @@
 
 Scope: the faults (SIGKILL, SIGTERM, a full tmpfs, damaged and crafted files, a concurrent reader)
 and the judgement, shared by tests/test_reliability_*.py (a few trials each) and benchmarks/faults.py
-(many). Processes live in reliability_worker.py; crafted manifests in reliability_hostile.py. Every
+(many). Processes live in workers/reliability_worker.py; crafted manifests in reliability_hostile.py. Every
 trial returns an Outcome:
 
 - "exact": the newest good state restores bit for bit, and the fault was detected or was harmless;
@@ -34,8 +34,8 @@ import flax_ckpt as fc
 from flax_ckpt._src import commit as commit_mod
 from flax_ckpt._src.format import MANIFEST
 from flax_ckpt._src.manager import LOCK_FILE
-from reliability_worker import CRASH_KEEP, Zygote, big_state, crash_tiers, small_state, spawn, state_for, stop
-from trees import assert_bit_exact
+from helpers import bit_exact, crash_state, step_state
+from workers.reliability_worker import CRASH_KEEP, Zygote, big_state, crash_tiers, small_state, spawn, stop
 
 KINDS = ("exact", "lost", "corrupt", "error")
 
@@ -73,14 +73,6 @@ class Tally:
     @property
     def trials(self) -> int:
         return sum(self.counts.values())
-
-
-def bit_exact(got: Any, expected: Any) -> bool:
-    try:
-        assert_bit_exact(got, expected)
-    except AssertionError:
-        return False
-    return True
 
 
 def restore_exact(restore: Callable[[], Any], expected: Any, what: str) -> Outcome:
@@ -174,7 +166,7 @@ def judge_crash(run: CrashRun) -> Outcome:
     for s in steps:
         if s in run.verified and s != steps[-1]:
             continue
-        out = restore_exact(lambda: fc.restore(os.path.join(d, str(s))), state_for(s), f"step {s}")
+        out = restore_exact(lambda: fc.restore(os.path.join(d, str(s))), crash_state(s), f"step {s}")
         if not out.ok:
             return out if out.kind != "lost" else Outcome("corrupt", f"visible step folder {s}: {out.detail}")
         run.verified.add(s)
@@ -185,7 +177,7 @@ def judge_crash(run: CrashRun) -> Outcome:
         if not run.tiers and latest != (steps[-1] if steps else None):
             return Outcome("error", f"a new manager sees latest {latest}, the folder {steps[-1:]}")
         if latest is not None:
-            return restore_exact(mgr.restore, state_for(latest), f"manager restore of step {latest}")
+            return restore_exact(mgr.restore, crash_state(latest), f"manager restore of step {latest}")
     return EXACT
 
 
@@ -310,8 +302,7 @@ LAST_DISK_ERROR: dict[str, str] = {}  # the message of the latest ENOSPC failure
 
 def disk_state(step: int) -> dict:
     """1 MiB and change: an 8 MiB tmpfs holds a few."""
-    rng = np.random.default_rng(30_000 + step)
-    return {"w": rng.standard_normal((256, 1024)).astype(np.float32), "step": step}
+    return step_state(step, (256, 1024), 30_000)
 
 
 def _free(path: str) -> int:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import http.client
 import json
 import os
@@ -32,30 +33,18 @@ from typing import Callable
 
 import boto3
 
-HOST = "127.0.0.1"
+from helpers import HOST, die_with_parent, free_port
+
 REGION = "us-east-1"
 MODES = ("503", "500", "drop", "reset", "truncate", "lost_reply")
 _NO_AUTH_ACTIONS = 3  # create_user, put_user_policy, create_access_key (the admin's bootstrap)
 _live: set[subprocess.Popen] = set()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
-
-
 @dataclass(frozen=True)
 class Keys:
     access_key_id: str
     secret_access_key: str
-
-
-def _die_with_parent() -> None:
-    """Child-side: ask Linux to SIGTERM the server if the test process dies (even by SIGKILL)."""
-    with contextlib.suppress(Exception):
-        import ctypes
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -95,7 +84,8 @@ class MotoS3:
         env = dict(os.environ, INITIAL_NO_AUTH_ACTION_COUNT=str(_NO_AUTH_ACTIONS), MOTO_PORT=str(self.port))
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "moto.server", "-H", HOST, "-p", str(self.port)], env=env,
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            preexec_fn=functools.partial(die_with_parent, signal.SIGTERM))  # SIGTERM: moto shuts down
         _live.add(self.proc)
         try:
             self._wait_ready(timeout)

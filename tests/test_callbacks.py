@@ -26,20 +26,9 @@ from flax.training import train_state
 
 import flax_ckpt as fc
 from callbacks import CheckpointCallback, PreemptionGuard, to_tree
+from helpers import Job, leaf_bytes, worker_env
 
 TIMEOUT_S = 120
-
-
-def leaf_bytes(tree: Any) -> dict[str, tuple[str, tuple[int, ...], bytes]]:
-    """Every leaf as (type name, dtype, shape, raw bytes): equal means bit-identical, same types."""
-    out = {}
-    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        kind = type(leaf).__name__ if isinstance(leaf, (bool, int, float, str)) else "array"
-        if isinstance(leaf, jax.Array) and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
-            kind, leaf = f"key<{jax.random.key_impl(leaf)}>", jax.random.key_data(leaf)
-        a = np.asarray(leaf)
-        out[jax.tree_util.keystr(path)] = (kind, a.dtype.str, a.shape, a.tobytes())
-    return out
 
 
 def small_state(seed: int = 0) -> dict[str, Any]:
@@ -371,7 +360,7 @@ def test_signals_during_the_first_compile_in_a_real_process(tmp_path):
     that step, saves it, exits 143; restarted, it resumes from step 1 and finishes."""
     script = tmp_path / "child.py"
     script.write_text(CHILD)
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"JAX_PLATFORMS": "cpu"}
+    env = worker_env(devices=1)  # one CPU device, as a user has
     cmd = [sys.executable, str(script), str(tmp_path / "ckpts")]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
@@ -394,14 +383,14 @@ def test_signals_during_the_first_compile_in_a_real_process(tmp_path):
 
 
 MULTI_CHILD = textwrap.dedent('''
-    import sys, time
-    import jax
-    process_id, port, directory = int(sys.argv[1]), sys.argv[2], sys.argv[3]
-    jax.distributed.initialize(f"localhost:{port}", num_processes=2, process_id=process_id)
+    import json, sys, time
+    from helpers import start_worker
+    cfg = json.loads(sys.argv[1])
+    start_worker(cfg)
     import jax.numpy as jnp
     from callbacks import CheckpointCallback
 
-    ckpt = CheckpointCallback(directory, every_steps=1000)
+    ckpt = CheckpointCallback(cfg["dir"], every_steps=1000)
     state, start = ckpt.restore_or({"w": jnp.zeros(4)})
     for step in range(start, 5000):
         state = {"w": state["w"] + 1}
@@ -411,36 +400,21 @@ MULTI_CHILD = textwrap.dedent('''
 ''')
 
 
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
-
 def test_two_processes_stop_at_the_same_step_when_one_gets_sigterm(tmp_path):
     """jax.distributed with 2 CPU processes: SIGTERM to process 1 only; JAX's preemption sync point makes
     both save the same step and exit 143."""
     script = tmp_path / "multi.py"
     script.write_text(MULTI_CHILD)
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"JAX_PLATFORMS": "cpu"}
-    port, directory = str(_free_port()), tmp_path / "ckpts"
-    logs = [tmp_path / f"p{i}.log" for i in range(2)]
-    procs = [subprocess.Popen([sys.executable, str(script), str(i), port, str(directory)], env=env,
-                              stdout=logs[i].open("w"), stderr=subprocess.STDOUT) for i in range(2)]
-    watchdog = threading.Timer(TIMEOUT_S, lambda: [p.kill() for p in procs])
-    watchdog.start()
+    directory = tmp_path / "ckpts"
+    job = Job(script, tmp_path, "multi", 2, devices=1, timeout=TIMEOUT_S, dir=str(directory)).start()
+    logs = [job.path(i, ".log") for i in range(2)]
     try:
-        while "step 50\n" not in logs[1].read_text() and procs[1].poll() is None:
-            threading.Event().wait(0.05)
-        procs[1].send_signal(signal.SIGTERM)
-        statuses = [p.wait() for p in procs]
+        job.wait(lambda: "step 50\n" in logs[1].read_text() or job.procs[1].poll() is not None)
+        job.procs[1].send_signal(signal.SIGTERM)
+        job.join()  # until both have exited
     finally:
-        watchdog.cancel()
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
+        job.kill()
+    statuses = [p.returncode for p in job.procs]
     outs = [log.read_text() for log in logs]
     assert statuses == [143, 143], outs
     steps = [re.search(r"preemption: step (\d+) is saved", out) for out in outs]

@@ -27,6 +27,7 @@ from flax_ckpt._src.orbax import locate, write
 from flax_ckpt._src.storage import open_storage
 from flax_ckpt._src.cli import build_parser
 from flax_ckpt._src.manager import CheckpointManager
+from helpers import leaf_chunks
 
 SCRIPT = os.path.join(os.path.dirname(sys.executable), "flax-ckpt")
 
@@ -53,15 +54,9 @@ def state(scale: float = 1.0) -> dict:
             "step": 3, "name": "run-a", "none": None}
 
 
-def chunks(ckpt: str) -> dict[str, list[dict]]:
-    """The stored chunks of every array leaf (raw serializer: file, offset, nbytes), from the manifest."""
-    with open(os.path.join(ckpt, "manifest.json")) as f:
-        body = json.load(f)["body"]
-    return {"/".join(str(k) for _, k in leaf["path"]): leaf["chunks"] for leaf in body["leaves"] if "chunks" in leaf}
-
-
 def chunk(ckpt: str, key: str) -> dict:
-    return chunks(ckpt)[key][0]
+    """The first stored chunk of leaf ``key`` (raw serializer: file, offset, nbytes)."""
+    return leaf_chunks(ckpt)[key][0]
 
 
 def flip(path: str, offset: int) -> None:
@@ -216,7 +211,7 @@ def test_verify_truncated_file_names_the_file_and_the_leaves_past_its_end(ck):
     assert not doc["ok"]
     assert any(p["leaf"] is None and "truncated" in p["message"] for p in doc["problems"])
     cut = chunk(ck["s3"], "params/dense/bias")
-    past_end = {k for k, cs in chunks(ck["s3"]).items()
+    past_end = {k for k, cs in leaf_chunks(ck["s3"]).items()
                 if any(c["file"] == cut["file"] and c["offset"] + c["nbytes"] > cut["offset"] + 2 for c in cs)}
     assert "params/dense/bias" in past_end and len(past_end) < 4  # the fixture cut inside the file
     assert {p["leaf"] for p in doc["problems"] if p["leaf"]} == past_end
@@ -234,7 +229,7 @@ def test_verify_library_reports_missing_file_and_zarr3_damage(ck, tmp_path):
     gone = chunk(ck["s3"], "opt/mu")["file"]
     assert any(p.leaf is None and "missing" in p.message for p in problems)
     assert all(p.file == gone for p in problems)
-    assert {p.leaf for p in problems if p.leaf} == {k for k, cs in chunks(ck["s3"]).items()
+    assert {p.leaf for p in problems if p.leaf} == {k for k, cs in leaf_chunks(ck["s3"]).items()
                                                     if any(c["file"] == gone for c in cs)}
     z = str(tmp_path / "zarr")
     shutil.copytree(ck["zarr"], z)

@@ -13,19 +13,16 @@ import numpy as np
 import pytest
 
 import flax_ckpt as fc
-from crash_worker import state_for
-from trees import assert_bit_exact
+from helpers import WORKERS, assert_bit_exact, crash_state, worker_env
 
-HERE = os.path.dirname(__file__)
 KILLS = int(os.environ.get("FLAX_CKPT_CRASH_KILLS", "6"))
 
 
 def run_and_kill(directory: str, mode: str, delay: float, start: int = 1) -> int:
     """Starts the worker, kills it with SIGKILL ``delay`` s after it is ready; returns the newest step
     it had reported committed (0 if none)."""
-    env = dict(os.environ, PYTHONPATH=HERE + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.Popen([sys.executable, os.path.join(HERE, "crash_worker.py"), directory, mode, str(start)],
-                            stdout=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen([sys.executable, str(WORKERS / "crash_worker.py"), directory, mode, str(start)],
+                            stdout=subprocess.PIPE, text=True, env=worker_env())
     try:
         assert proc.stdout.readline().strip() == "ready"
         time.sleep(delay)
@@ -53,7 +50,7 @@ def test_sigkill_during_plain_saves_never_leaves_a_readable_partial(tmp_path):
         steps = committed_steps(directory)
         assert reported <= (steps[-1] if steps else 0)  # what the worker saw committed is there
         for s in steps:  # every visible step restores bit-exact: the old ones and the new one
-            assert_bit_exact(fc.restore(os.path.join(directory, str(s))), state_for(s))
+            assert_bit_exact(fc.restore(os.path.join(directory, str(s))), crash_state(s))
         for e in os.listdir(directory):  # anything else is a tmp folder, refused as a checkpoint
             if not e.isdigit():
                 assert ".tmp-" in e
@@ -78,7 +75,7 @@ def test_sigkill_during_async_manager_saves_restores_newest_committed(tmp_path):
                 assert steps and steps[-1] >= newest_reported
             if steps:
                 latest = mgr.latest_step()
-                assert_bit_exact(mgr.restore(), state_for(latest))
+                assert_bit_exact(mgr.restore(), crash_state(latest))
                 recent = [s for s in steps if s % 5]
                 assert len(recent) <= 4  # max_to_keep (3), plus one whose deletion the kill interrupted
-                np.testing.assert_array_equal(mgr.restore(steps[0])["w"], state_for(steps[0])["w"])
+                np.testing.assert_array_equal(mgr.restore(steps[0])["w"], crash_state(steps[0])["w"])

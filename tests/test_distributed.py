@@ -1,23 +1,17 @@
 """Multi-process saves and resharding restores on a real jax.distributed job (issue 5).
 
-Real processes on this machine (tests/mp_worker.py): a coordinator on 127.0.0.1 at a free port, CPU
-devices, gloo collectives; no mock of JAX's runtime. One 2-process x 2-device job saves a TrainState
-(params, Adam state, step) with fc.save and with an async CheckpointManager; restore jobs on 4x1, 1x4
-and 1x1 read it back bit-exact, counting the bytes each process reads; a 3-process job loses a process
-to SIGKILL in the middle of a save. Every process group is killed when its job ends, also on failure,
-and every wait has a timeout.
+Real processes on this machine (tests/workers/mp_worker.py, started by helpers.Job): a coordinator on
+127.0.0.1 at a free port, CPU devices, gloo collectives; no mock of JAX's runtime. One 2-process x
+2-device job saves a TrainState (params, Adam state, step) with fc.save and with an async
+CheckpointManager; restore jobs on 4x1, 1x4 and 1x1 read it back bit-exact, counting the bytes each
+process reads; a 3-process job loses a process to SIGKILL in the middle of a save. Every process group
+is killed when its job ends, also on failure, and every wait has a timeout.
 """
 
 from __future__ import annotations
 
-import ctypes
-import json
 import os
 import signal
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -28,82 +22,22 @@ import flax_ckpt as fc
 from flax_ckpt._src.engine.native import open_native
 from flax_ckpt._src.format import dtype_from_name, leaf_name
 from flax_ckpt._src.storage import LocalStorage
+from helpers import WORKERS, Job
 
-WORKER = str(Path(__file__).with_name("mp_worker.py"))
+WORKER = WORKERS / "mp_worker.py"
 JOB_TIMEOUT_S = 100
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _die_with_parent() -> None:
-    """In the child: SIGKILL when the test process dies (Linux prctl PR_SET_PDEATHSIG)."""
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
-
-
-class Job:
-    """N worker processes of one jax.distributed job; ``join`` returns each one's findings."""
-
-    def __init__(self, tmp: Path, tag: str, mode: str, n: int, devices: int, worker: str = WORKER, **cfg: Any):
-        self.tmp, self.tag, self.n, self.worker = tmp, tag, n, worker
-        self.cfg = dict(cfg, mode=mode, out=str(tmp), tag=tag, num_processes=n,
-                        port=_free_port() if n > 1 else 0)
-        self.env = dict(os.environ, JAX_PLATFORMS="cpu",
-                        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
-        self.procs: list[subprocess.Popen] = []
-
-    def start(self) -> "Job":
-        for i in range(self.n):
-            log = open(self.tmp / f"{self.tag}.p{i}.log", "w")
-            self.procs.append(subprocess.Popen(
-                [sys.executable, self.worker, json.dumps(dict(self.cfg, process_id=i))], env=self.env,
-                stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent))
-            log.close()
-        return self
-
-    def join(self, timeout: float = JOB_TIMEOUT_S) -> list[dict[str, Any]]:
-        deadline = time.monotonic() + timeout
-        try:
-            for p in self.procs:
-                p.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            self.kill()
-            pytest.fail(f"job {self.tag} did not finish within {timeout} s\n{self.logs()}")
-        finally:
-            self.kill()
-        return [self.result(i) for i in range(self.n)]
-
-    def result(self, i: int) -> dict[str, Any]:
-        path = self.tmp / f"{self.tag}.p{i}.json"
-        return json.loads(path.read_text()) if path.exists() else {"ok": False, "missing": True}
-
-    def logs(self) -> str:
-        return "\n".join(f"--- {self.tag} p{i} (rc {p.returncode}):\n"
-                         + (self.tmp / f"{self.tag}.p{i}.log").read_text()[-4000:]
-                         for i, p in enumerate(self.procs))
-
-    def kill(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                p.wait()
-
-    def check_ok(self, results: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        assert all(r["ok"] for r in results), self.logs()
-        return results
+def mp_job(tmp: Path, tag: str, mode: str, n: int, devices: int, **cfg: Any) -> Job:
+    """N mp_worker processes (``devices`` CPU devices each) of one jax.distributed job, not started."""
+    return Job(WORKER, tmp, tag, n, devices=devices, timeout=JOB_TIMEOUT_S, mode=mode, **cfg)
 
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory) -> tuple[Path, list[dict]]:
     """The 2-process x 2-device job: fc.save (raw, zarr3) and an async manager, on a 2-D mesh."""
     tmp = tmp_path_factory.mktemp("mp")
-    job = Job(tmp, "save", "save", 2, 2, dir=str(tmp / "ck")).start()
+    job = mp_job(tmp, "save", "save", 2, 2, dir=str(tmp / "ck")).start()
     try:
         return tmp / "ck", job.check_ok(job.join())
     finally:
@@ -114,9 +48,9 @@ def saved(tmp_path_factory) -> tuple[Path, list[dict]]:
 def restored(saved) -> dict[str, list[dict]]:
     """Restore jobs, run concurrently: 4 processes x 1 device, 1 x 4 and 1 x 1."""
     d, _ = saved
-    jobs = {"4x1": Job(d.parent, "r41", "restore", 4, 1, dir=str(d), layouts=["x4"]),
-            "1x4": Job(d.parent, "r14", "restore", 1, 4, dir=str(d), layouts=["m14"], plain=True),
-            "1x1": Job(d.parent, "r11", "restore", 1, 1, dir=str(d), layouts=["one"])}
+    jobs = {"4x1": mp_job(d.parent, "r41", "restore", 4, 1, dir=str(d), layouts=["x4"]),
+            "1x4": mp_job(d.parent, "r14", "restore", 1, 4, dir=str(d), layouts=["m14"], plain=True),
+            "1x1": mp_job(d.parent, "r11", "restore", 1, 1, dir=str(d), layouts=["one"])}
     try:
         for job in jobs.values():
             job.start()
@@ -200,7 +134,7 @@ def test_restore_on_one_process_four_devices_and_one_device(restored):
 @pytest.mark.timeout(150)
 def test_process_killed_during_a_save_leaves_no_partial_step(tmp_path):
     d = tmp_path / "ck"
-    job = Job(tmp_path, "kill", "kill", 3, 1, dir=str(d), timeout_s=4).start()
+    job = mp_job(tmp_path, "kill", "kill", 3, 1, dir=str(d), timeout_s=4).start()
     try:
         results = job.join()
     finally:

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import flax_ckpt as fc
-from flax_ckpt._src import format as fmt
+from helpers import leaf_of, manifest_body, write_manifest_body
 
 TREE = {"params": {"dense": {"kernel": np.arange(24, dtype=np.float32).reshape(4, 6), "bias": np.zeros(6)}},
         "step": 3}
@@ -20,15 +20,6 @@ def saved(tmp_path, serializer="raw"):
     path = tmp_path / f"ck-{serializer}"
     fc.save(path, TREE, serializer=serializer)
     return path
-
-
-def body_of(path):
-    return json.loads((path / "manifest.json").read_text())["body"]
-
-
-def write_body(path, body):
-    """Writes a crafted manifest with a valid checksum, so only the crafted field is wrong."""
-    (path / "manifest.json").write_bytes(fmt.encode(body))
 
 
 def test_all_errors_share_one_base():
@@ -135,13 +126,13 @@ def test_unknown_format_version(tmp_path):
 @pytest.mark.parametrize("location", ["../../etc/passwd", "/etc/passwd", "data/../../x", "data//x", "./data/x"])
 def test_locations_outside_the_folder_are_refused(tmp_path, location):
     path = saved(tmp_path)
-    body = body_of(path)
+    body = manifest_body(path)
     old = body["leaves"][0]["chunks"][0]["file"]
     body["files"][location] = body["files"].pop(old)
     for leaf in body["leaves"]:
         for ch in leaf.get("chunks", []):
             ch["file"] = location
-    write_body(path, body)
+    write_manifest_body(path, body)
     with pytest.raises(fc.InvalidManifestError, match="not a relative path inside"):
         fc.restore(path)
 
@@ -160,20 +151,20 @@ def test_symlink_out_of_the_folder_is_not_followed(tmp_path):
 @pytest.mark.parametrize("shape", [[2**40, 2**40], [-1, 6], [10**30], ["4", 6], [1] * 100])
 def test_absurd_shapes_are_refused_before_allocating(tmp_path, shape):
     path = saved(tmp_path)
-    body = body_of(path)
-    leaf = next(lf for lf in body["leaves"] if lf["path"][-1][1] == "kernel")
+    body = manifest_body(path)
+    leaf = leaf_of(body, "kernel")
     leaf["shape"] = shape
-    write_body(path, body)
+    write_manifest_body(path, body)
     with pytest.raises(fc.InvalidManifestError, match="leaves"):
         fc.restore(path)
 
 
 def test_chunks_that_do_not_tile_the_array_are_refused(tmp_path):
     path = saved(tmp_path)
-    body = body_of(path)
-    leaf = next(lf for lf in body["leaves"] if lf["path"][-1][1] == "kernel")
+    body = manifest_body(path)
+    leaf = leaf_of(body, "kernel")
     leaf["chunks"].append(dict(leaf["chunks"][0]))
-    write_body(path, body)
+    write_manifest_body(path, body)
     with pytest.raises(fc.InvalidManifestError, match="tile"):
         fc.restore(path)
 

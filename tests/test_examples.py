@@ -10,7 +10,6 @@ uninterrupted run's. The random step is in the failure message, so a failure can
 from __future__ import annotations
 
 import logging
-import os
 import random
 import re
 import signal
@@ -18,24 +17,16 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
-from typing import Any
 
-import jax
-import numpy as np
 import pytest
 
 import flax_ckpt as fc
+from helpers import leaf_bytes, worker_env
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
 STEPS, EVERY = 600, 50  # ~0.3 ms a step: the margin between the signal and the end of the run
 TIMEOUT_S = 120
-
-
-def child_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device, as a user has
-    env["JAX_PLATFORMS"] = "cpu"
-    return env
 
 
 def train_cmd(script: str, directory: Path) -> list[str]:
@@ -45,7 +36,8 @@ def train_cmd(script: str, directory: Path) -> list[str]:
 
 def run(cmd: list[str], *, signal_at: int | None = None, sig: int = signal.SIGTERM) -> tuple[int, str]:
     """Runs ``cmd``; sends ``sig`` once it prints ``step <signal_at>``. Returns (status, output)."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env())
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=worker_env(devices=1))  # one CPU device, as a user has
     watchdog = threading.Timer(TIMEOUT_S, proc.kill)
     watchdog.start()
     lines = []
@@ -63,18 +55,8 @@ def run(cmd: list[str], *, signal_at: int | None = None, sig: int = signal.SIGTE
         proc.wait()
 
 
-def leaf_bytes(tree: Any) -> dict[str, tuple[str, tuple[int, ...], bytes]]:
-    """Every leaf as (dtype, shape, raw bytes), keyed by its path: equal means bit-identical."""
-    out = {}
-    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        if isinstance(leaf, jax.Array) and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
-            leaf = jax.random.key_data(leaf)
-        a = np.asarray(leaf)
-        out[jax.tree_util.keystr(path)] = (a.dtype.str, a.shape, a.tobytes())
-    return out
-
-
-def checkpoints(directory: Path) -> dict[int, dict[str, tuple[str, tuple[int, ...], bytes]]]:
+def checkpoints(directory: Path) -> dict[int, dict[str, tuple]]:
+    """Every step of a run's directory, restored, as leaf_bytes (equal means bit-identical)."""
     with fc.CheckpointManager(directory) as mgr:
         return {step: leaf_bytes(mgr.restore(step)) for step in mgr.all_steps()}
 
@@ -139,7 +121,7 @@ def test_linen_sigterm_at_a_random_step_via_the_preemption_demo_is_bit_identical
     context = f"preemption_demo.py: SIGTERM after step {at}"
     cmd = [sys.executable, str(EXAMPLES / "preemption_demo.py"), "--directory", str(tmp_path), "--steps",
            str(STEPS), "--every", str(EVERY), "--at", str(at)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=2 * TIMEOUT_S, env=child_env())
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=2 * TIMEOUT_S, env=worker_env(devices=1))
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"{context}\n{out[-3000:]}"
     saved = re.search(r"run 1 saved step (\d+) and exited with status 143", out)

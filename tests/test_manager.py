@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import resource
@@ -16,7 +15,8 @@ import numpy as np
 import pytest
 
 import flax_ckpt as fc
-from flax_ckpt._src.manager import steps_to_delete
+from flax_ckpt._src.retention import steps_to_delete
+from helpers import manifest_body
 
 
 def state(step: int) -> dict:
@@ -254,7 +254,7 @@ def test_saves_from_a_thread_while_main_thread_works(ckpt_dir):
         t.join(timeout=60)
         mgr.wait_until_finished()
         assert total > 0 and mgr.all_steps() == [4, 5]
-        assert json.loads((ckpt_dir / "5" / "manifest.json").read_text())["body"]["step"] == 5
+        assert manifest_body(ckpt_dir / "5")["step"] == 5
 
 
 def test_saving_a_step_whose_folder_is_damaged_sets_the_old_one_aside(ckpt_dir):

@@ -24,19 +24,19 @@ import numpy as np
 import pytest
 
 import flax_ckpt as fc
-from test_distributed import Job
+from helpers import WORKERS, Job, free_port, worker_env
 
-WORKER = str(Path(__file__).with_name("multihost_worker.py"))
+WORKER = WORKERS / "multihost_worker.py"
 TIMEOUT_S = 150
 
 
 def job(tmp: Path, tag: str, mode: str, n: int, **cfg) -> Job:
-    return Job(tmp, tag, mode, n, 1, worker=WORKER, dir=str(tmp / "run"), **cfg).start()
+    return Job(WORKER, tmp, tag, n, devices=1, timeout=TIMEOUT_S, mode=mode, dir=str(tmp / "run"), **cfg).start()
 
 
 def run(tmp: Path, tag: str, mode: str, n: int, **cfg) -> list[dict]:
     j = job(tmp, tag, mode, n, **cfg)
-    return j.check_ok(j.join(TIMEOUT_S))
+    return j.check_ok(j.join())
 
 
 def flip(path: Path) -> None:
@@ -134,7 +134,7 @@ def test_coordinator_killed_nothing_half_written_and_the_restart_resumes(tmp_pat
 def test_hung_coordinator_gives_a_distributed_error_within_the_timeout(tmp_path, phase):
     j = job(tmp_path, "hang", f"hang-{phase}", 2, timeout_s=4)
     try:
-        j.procs[1].wait(timeout=TIMEOUT_S)
+        j.wait(lambda: j.path(1, ".json").exists())
     finally:
         j.kill()  # process 0 hangs: it never exits by itself
     r = j.result(1)
@@ -172,18 +172,11 @@ MULTI_CHILD = textwrap.dedent('''
 ''')
 
 
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_children(tmp: Path, tag: str, n: int, directory: Path, signal_to: int | None = None) -> list[tuple[int, str]]:
     script = tmp / "multi.py"
     script.write_text(MULTI_CHILD)
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"JAX_PLATFORMS": "cpu"}
-    port = str(_free_port())
+    env = worker_env(1)
+    port = str(free_port())
     logs = [tmp / f"{tag}.p{i}.log" for i in range(n)]
     procs = [subprocess.Popen([sys.executable, str(script), str(i), port, str(directory), str(n)], env=env,
                               stdout=logs[i].open("w"), stderr=subprocess.STDOUT) for i in range(n)]

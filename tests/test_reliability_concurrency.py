@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from reliability_trials import Tally, reader_trial, thread_saves_trial
-from reliability_worker import Zygote
+from workers.reliability_worker import Zygote
 
 
 @pytest.mark.timeout(120)

@@ -28,8 +28,9 @@ from flax_ckpt._src.serializers import get_serializer
 from flax_ckpt._src.storage import KvStorage, LocalStorage, ObjectStoreOptions, open_storage, split_location
 
 from conftest_s3 import S3Place, point_env_at, s3, s3_bucket, s3_faulty, s3_server  # noqa: F401
+from helpers import assert_bit_exact
 from s3_server import Faults
-from trees import assert_bit_exact, mixed_tree
+from trees import mixed_tree
 
 SERIALIZERS = ["raw", "zarr3"]
 
@@ -294,9 +295,9 @@ def test_s3_and_gs_urls_map_to_tensorstore_specs(monkeypatch):
 def test_two_process_sharded_save_and_manager_over_s3(s3: S3Place, tmp_path):
     """A real 2-process jax.distributed job (gloo, 127.0.0.1) saving sharded state to the S3 server:
     each process uploads its own shards, process 0 writes the one manifest last; retention deletes."""
-    from test_distributed import Job
+    from test_distributed import mp_job
 
-    job = Job(tmp_path, "s3", "s3", 2, 2, dir=s3.url).start()
+    job = mp_job(tmp_path, "s3", "s3", 2, 2, dir=s3.url).start()
     try:
         results = job.check_ok(job.join())
     finally:

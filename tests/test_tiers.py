@@ -1,23 +1,19 @@
 """Tiered checkpoints (issue 6): local memory, peer memory, persistent storage; differential copies.
 
 Single-process tests drive a CheckpointManager with ``tiers=`` in this process. Multi-process tests run
-real jobs (tests/tier_worker.py): N processes on a jax.distributed coordinator at 127.0.0.1, CPU devices,
-gloo collectives, each process with its own local_dir standing for its host; processes are killed with
-SIGKILL, folders deleted, jobs restarted, and every restore is checked bit-exact on every process
-against the state of the step it reports. Every wait has a timeout; every process group is killed.
+real jobs (tests/workers/tier_worker.py, started by helpers.Job): N processes on a jax.distributed
+coordinator at 127.0.0.1, CPU devices, gloo collectives, each process with its own local_dir standing for
+its host; processes are killed with SIGKILL, folders deleted, jobs restarted, and every restore is
+checked bit-exact on every process against the state of the step it reports. Every wait has a timeout;
+every process group is killed.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
 import signal
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -28,8 +24,9 @@ import pytest
 
 import flax_ckpt as fc
 from flax_ckpt._src.tiers import store as tier_store
+from helpers import WORKERS, Job, assert_bit_exact
 
-WORKER = str(Path(__file__).with_name("tier_worker.py"))
+WORKER = WORKERS / "tier_worker.py"
 JOB_TIMEOUT_S = 90
 
 
@@ -41,13 +38,6 @@ def tuned(step: int, frozen: np.ndarray) -> dict[str, Any]:
     return {"backbone": {"w": frozen}, "head": {"w": jnp.asarray(rng.standard_normal((256, 256), np.float32)),
                                                 "b": rng.standard_normal((256,)).astype(np.float32)},
             "step": step, "key": jax.random.key(step)}
-
-
-def assert_same(got: dict[str, Any], want: dict[str, Any]) -> None:
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-        a = jax.random.key_data(a) if jnp.issubdtype(jnp.result_type(a), jax.dtypes.prng_key) else a
-        b = jax.random.key_data(b) if jnp.issubdtype(jnp.result_type(b), jax.dtypes.prng_key) else b
-        assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
 
 
 @pytest.fixture
@@ -70,9 +60,9 @@ def test_differential_copy_costs_only_the_trained_part(tmp_path, frozen, caplog)
         assert not s.base and s.written <= 1.05 * trained, (s.step, s.written, trained)
     with fc.CheckpointManager(tmp_path / "ckpt", tiers=tiers) as mgr:  # a restarted process
         assert mgr.all_steps() == [4, 5]
-        assert_same(mgr.restore(target=tuned(0, frozen)), tuned(5, frozen))
+        assert_bit_exact(mgr.restore(target=tuned(0, frozen)), tuned(5, frozen), types=False)
         assert mgr.restore_stats[-1].tier == "local"
-        assert_same(mgr.restore(4, target=tuned(0, frozen)), tuned(4, frozen))
+        assert_bit_exact(mgr.restore(4, target=tuned(0, frozen)), tuned(4, frozen), types=False)
 
 
 def test_unchanged_jax_leaves_are_neither_copied_nor_hashed(tmp_path):
@@ -89,9 +79,9 @@ def test_unchanged_jax_leaves_are_neither_copied_nor_hashed(tmp_path):
     assert all(stats[s].written < 64 * 64 * 4 + 4096 for s in (2, 3, 5, 6))
     with fc.CheckpointManager(tmp_path / "ckpt", tiers=tiers) as mgr:
         for step in (5, 6):  # memory, then the migrated steps (3 and 6 were migrated from views)
-            assert_same(mgr.restore(step, target=states[1]), states[step])
-    assert_same(fc.restore(tmp_path / "ckpt" / "3", target=states[1]), states[3])
-    assert_same(fc.restore(tmp_path / "ckpt" / "6", target=states[1]), states[6])
+            assert_bit_exact(mgr.restore(step, target=states[1]), states[step], types=False)
+    assert_bit_exact(fc.restore(tmp_path / "ckpt" / "3", target=states[1]), states[3], types=False)
+    assert_bit_exact(fc.restore(tmp_path / "ckpt" / "6", target=states[1]), states[6], types=False)
 
 
 def test_small_changes_are_stored_as_compressed_xor_deltas(tmp_path):
@@ -123,7 +113,7 @@ def test_retention_rebase_cleanup_and_final_migration(tmp_path, frozen):
     assert os.listdir(tmp_path / "shm") == []
     with fc.CheckpointManager(tmp_path / "ckpt", tiers=tiers) as again:
         assert again.all_steps() == [4, 8, 10]
-        assert_same(again.restore(target=tuned(0, frozen)), tuned(10, frozen))
+        assert_bit_exact(again.restore(target=tuned(0, frozen)), tuned(10, frozen), types=False)
         assert again.restore_stats[-1].tier == "persistent"
 
 
@@ -140,7 +130,8 @@ def test_damaged_memory_copy_falls_back_with_a_warning(tmp_path, frozen, caplog)
         f.seek(100)
         f.write(bytes([byte[0] ^ 1]))
     with fc.CheckpointManager(tmp_path / "ckpt", tiers=tiers) as mgr:
-        assert_same(mgr.restore(target=tuned(0, frozen)), tuned(2, frozen))  # step 2: memory and persistent
+        assert_bit_exact(mgr.restore(target=tuned(0, frozen)), tuned(2, frozen),
+                         types=False)  # step 2: memory and persistent
     assert "could not restore from local memory" in caplog.text and "checksum mismatch" in caplog.text
     with fc.CheckpointManager(tmp_path / "ckpt", tiers=tiers, strict=True) as mgr:
         with pytest.raises(fc.CheckpointError, match="strict"):
@@ -184,7 +175,7 @@ def test_memory_restore_maps_the_copy_and_reused_pages_never_change_it(tmp_path)
         assert spare_inode is not None  # files were reused
         assert np.asarray(got["w"]).tobytes() == np.asarray(state(3)["w"]).tobytes()  # untouched
         assert _mapping_of(got["w"].unsafe_buffer_pointer()).endswith("(deleted)")  # deleted, not reused
-        assert_same(mgr.restore(target=target), state(9))
+        assert_bit_exact(mgr.restore(target=target), state(9), types=False)
         numpy_target = mgr.restore(target={"w": np.zeros((1024, 1024), np.float32)})["w"]
         assert numpy_target.flags.writeable and numpy_target.tobytes() == np.asarray(state(9)["w"]).tobytes()
     assert not os.path.exists(spares)  # spare pages are freed at close, even with cleanup=False
@@ -206,9 +197,9 @@ def test_a_training_step_that_donates_restored_arrays_leaves_the_memory_copy_int
         for _ in range(3):
             got = step_fn(got)
         assert float(got["w"][0, 0]) == 42.0 * 2
-        assert_same(mgr.restore(1, target=state), state)
+        assert_bit_exact(mgr.restore(1, target=state), state, types=False)
     with fc.CheckpointManager(tmp_path / "ckpt", tiers=tiers) as mgr:  # and from the files themselves
-        assert_same(mgr.restore(1, target=state), state)
+        assert_bit_exact(mgr.restore(1, target=state), state, types=False)
 
 
 def test_failed_migration_is_raised_and_memory_still_serves(tmp_path):
@@ -262,71 +253,27 @@ def test_tiers_config_is_validated(tmp_path):
 
 # ----------------------------------------------------------------------------------- multi-process
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def tier_job(tmp: Path, tag: str, mode: str, n: int = 2, **cfg: Any) -> Job:
+    """N tier_worker processes of one jax.distributed job, started; process i's local_dir is <tmp>/host<i>."""
+    return Job(WORKER, tmp, tag, n, devices=2, timeout=JOB_TIMEOUT_S, mode=mode, dir=str(tmp / "ckpt"),
+               per_process=lambda i: {"local": str(tmp / f"host{i}")}, **cfg).start()
 
 
-class Job:
-    """N tier_worker processes of one jax.distributed job; process i's local_dir is <tmp>/host<i>."""
-
-    def __init__(self, tmp: Path, tag: str, mode: str, n: int = 2, **cfg: Any):
-        self.tmp, self.tag, self.n = tmp, tag, n
-        self.cfg = dict(cfg, mode=mode, out=str(tmp), tag=tag, num_processes=n, port=_free_port(),
-                        dir=str(tmp / "ckpt"))
-        self.env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
-        self.procs = [subprocess.Popen(
-            [sys.executable, WORKER, json.dumps(dict(self.cfg, process_id=i, local=str(tmp / f"host{i}")))],
-            env=self.env, stdout=open(tmp / f"{tag}.p{i}.log", "w"), stderr=subprocess.STDOUT,
-            start_new_session=True) for i in range(n)]
-
-    def result(self, i: int, kind: str = "") -> dict[str, Any]:
-        path = self.tmp / f"{self.tag}.p{i}{kind}.json"
-        return json.loads(path.read_text()) if path.exists() else {"ok": False, "missing": True}
-
-    def progress(self, i: int) -> list[dict[str, Any]]:
-        path = self.tmp / f"{self.tag}.p{i}.progress"
-        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-    def wait(self, done, timeout: float = JOB_TIMEOUT_S) -> None:
-        deadline = time.monotonic() + timeout
-        while not done():
-            if time.monotonic() > deadline:
-                self.kill()
-                pytest.fail(f"job {self.tag}: timed out\n{self.logs()}")
-            time.sleep(0.1)
-
-    def join(self) -> list[dict[str, Any]]:
-        """Waits for the results (a train or loop job then keeps running: it is killed here)."""
-        try:
-            self.wait(lambda: all((self.tmp / f"{self.tag}.p{i}.json").exists() for i in range(self.n)))
-        finally:
-            self.kill()
-        results = [self.result(i) for i in range(self.n)]
-        assert all(r["ok"] for r in results), f"{results}\n{self.logs()}"
-        return results
-
-    def kill(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-        for p in self.procs:
-            p.wait(timeout=30)
-
-    def logs(self) -> str:
-        return "\n".join(f"--- p{i} (rc {p.poll()}):\n" + (self.tmp / f"{self.tag}.p{i}.log").read_text()[-3000:]
-                         for i, p in enumerate(self.procs))
+def tier_results(tmp: Path, tag: str, mode: str, **cfg: Any) -> list[dict[str, Any]]:
+    """Runs a tier job until every process has reported (a train or loop job then keeps running, like
+    hosts: it is killed here); every one's findings, all ok."""
+    job = tier_job(tmp, tag, mode, **cfg)
+    return job.check_ok(job.join(running=True))
 
 
 @pytest.mark.timeout(300)
 def test_three_failure_classes_restore_the_newest_surviving_step(tmp_path):
-    train = Job(tmp_path, "train", "train", steps=7, persist=3).join()
+    train = tier_results(tmp_path, "train", "train", steps=7, persist=3)
     assert train[0]["local"] == train[0]["peer"] == [6, 7] and train[0]["peer_dst"] == 1
     assert all(not b for _, _, _, b in train[0]["written"][1:])  # differential after the first save
 
     def restore(tag: str) -> list[dict[str, Any]]:
-        res = Job(tmp_path, tag, "restore", persist=3).join()
+        res = tier_results(tmp_path, tag, "restore", persist=3)
         assert res[0]["restored"] == res[1]["restored"] and res[0]["sources"] == res[1]["sources"]
         return res
 
@@ -350,26 +297,27 @@ def test_three_failure_classes_restore_the_newest_surviving_step(tmp_path):
 def test_crash_in_a_memory_save_or_a_migration_never_mixes_steps(tmp_path):
     # process 1 dies in its local-tier save of step 5 (written, not renamed); process 0 has committed
     # nothing of step 5: the vote never completed
-    job = Job(tmp_path, "crash-local", "loop", persist=2, until=9, flush_at=[4],
-              crash={"process": 1, "at": "local", "step": 5})
+    job = tier_job(tmp_path, "crash-local", "loop", persist=2, until=9, flush_at=[4],
+                   crash={"process": 1, "at": "local", "step": 5})
     job.wait(lambda: job.procs[1].poll() is not None)
     job.kill()
     assert job.procs[1].returncode == -signal.SIGKILL
     assert max(p["local"] for p in job.progress(0)) == 4
     assert any(".tmp-" in e for e in os.listdir(next((tmp_path / "host1").rglob("local"))))
     # restart: step 4 from local memory everywhere; then process 1 dies inside the migration of step 6
-    job = Job(tmp_path, "crash-migrate", "loop", persist=2, until=9, crash={"process": 1, "at": "migrate", "write": 1})
+    job = tier_job(tmp_path, "crash-migrate", "loop", persist=2, until=9,
+                   crash={"process": 1, "at": "migrate", "write": 1})
     job.wait(lambda: job.procs[1].poll() is not None)
     job.kill()
     first = job.result(0, ".restored")
     assert first["restored"] == 4 and first["sources"] == [["local", 0], ["local", 1]]
     reported = max(p["local"] for p in job.progress(0))
     # restart: the newest step committed in memory (step 6 was, before its migration began), bit-exact
-    r = Job(tmp_path, "after-migrate", "restore", persist=2).join()
+    r = tier_results(tmp_path, "after-migrate", "restore", persist=2)
     assert r[0]["restored"] >= max(6, reported) and r[0]["sources"][0][0] == "local"
     # memory lost: persistent storage holds step 4 (the migration of step 6 never committed)
     for host in tmp_path.glob("host[0-9]"):
         shutil.rmtree(host)
-    r = Job(tmp_path, "persistent-only", "restore", persist=2).join()
+    r = tier_results(tmp_path, "persistent-only", "restore", persist=2)
     assert r[0]["restored"] == 4 and r[0]["sources"] == [["persistent", None]] * 2
     assert sorted(e for e in os.listdir(tmp_path / "ckpt") if e.isdigit()) == ["2", "4"]

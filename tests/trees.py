@@ -1,4 +1,4 @@
-"""Pytrees used by several test modules, and a bit-exact comparison."""
+"""Pytree builders used by several test modules (compare them with helpers.assert_bit_exact)."""
 
 from __future__ import annotations
 
@@ -62,23 +62,3 @@ def mixed_tree() -> dict:
         "int_keys": {3: "three", 10: np.ones(1)},
     }
 
-
-def as_bytes(x):
-    if isinstance(x, (jax.Array, jax.ShapeDtypeStruct)) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-        return ("key", str(jax.random.key_impl(x)), np.asarray(jax.random.key_data(x)).tobytes())
-    if isinstance(x, (jax.Array, np.ndarray, np.generic)):
-        a = np.asarray(x)
-        return (a.dtype.name, a.shape, a.tobytes())
-    if isinstance(x, float):
-        return ("float", np.float64(x).tobytes())
-    return (type(x).__name__, x)
-
-
-def assert_bit_exact(a, b) -> None:
-    """Same structure, same leaf types, same bytes (NaN payloads and -0.0 included)."""
-    la, ta = jax.tree_util.tree_flatten(a, is_leaf=lambda x: x is None)
-    lb, tb = jax.tree_util.tree_flatten(b, is_leaf=lambda x: x is None)
-    assert ta == tb, f"structure differs:\n{ta}\n{tb}"
-    for x, y in zip(la, lb):
-        assert type(x) is type(y) or (isinstance(x, jax.Array) and isinstance(y, jax.Array)), (type(x), type(y))
-        assert as_bytes(x) == as_bytes(y), (x, y)

@@ -25,8 +25,8 @@ from flax_ckpt._src import distributed, formats
 from flax_ckpt._src.engine import restore as engine
 from flax_ckpt._src.engine.leaves import CheckpointInfo
 from flax_ckpt._src.engine.snapshot import Snapshot, jsonable
-from flax_ckpt._src.errors import (CheckpointError, CheckpointLockedError, CheckpointNotFoundError, CorruptCheckpointError,
-                                   DistributedError, InvalidManifestError, StorageError, error_class)
+from flax_ckpt._src.errors import (CheckpointError, CheckpointLockedError, CheckpointNotFoundError, DistributedError,
+                                   StorageError, error_class)
 from flax_ckpt._src.interval import AutoInterval
 from flax_ckpt._src.retention import finite, steps_to_delete
 from flax_ckpt._src.serializers import Serializer

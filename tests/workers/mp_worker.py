@@ -1,9 +1,11 @@
-"""One process of a multi-process test job (tests/test_distributed.py starts N of these).
+"""One process of a multi-process test job (tests/test_distributed.py starts N of these, through
+helpers.Job).
 
-Usage: mp_worker.py '<json config>' with keys mode, dir, out, process_id, num_processes, port. The
-launcher sets XLA_FLAGS (CPU device count) and JAX_PLATFORMS=cpu; with num_processes > 1 the worker
-joins a real jax.distributed job on 127.0.0.1 with gloo collectives. It writes its findings to
-<out>/<mode>.p<i>.json and leaves with os._exit (no shutdown barrier that a killed peer would hang).
+Usage: tests/workers/mp_worker.py '<json config>' with keys mode, dir, out, tag, process_id,
+num_processes, port. The launcher sets XLA_FLAGS (CPU device count) and JAX_PLATFORMS=cpu; with
+num_processes > 1 the worker joins a real jax.distributed job on 127.0.0.1 with gloo collectives
+(helpers.start_worker). It writes its findings to <out>/<tag>.p<i>.json (helpers.report) and leaves with
+os._exit (no shutdown barrier that a killed peer would hang).
 """
 
 from __future__ import annotations
@@ -14,13 +16,13 @@ import signal
 import sys
 import threading
 import time
-import traceback
 from typing import Any
 
-import jax
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if TESTS not in sys.path:
+    sys.path.insert(0, TESTS)  # tests/: helpers
 
-jax.config.update("jax_cpu_collectives_implementation", "gloo")
-
+import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
@@ -36,6 +38,7 @@ from flax_ckpt._src import distributed as distributed  # noqa: E402
 from flax_ckpt._src.serializers import box_of  # noqa: E402
 from flax_ckpt._src.serializers.raw import RawSerializer  # noqa: E402
 from flax_ckpt._src.storage import LocalStorage  # noqa: E402
+from helpers import assert_bit_exact, report, start_worker  # noqa: E402
 
 # ------------------------------------------------------------------------------------------ the state
 
@@ -89,23 +92,6 @@ def place(host: Any, shard_tree: Any) -> Any:
 
 def abstract(host: Any, shard_tree: Any) -> Any:
     return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), host, shard_tree)
-
-
-def check_bit_exact(got: Any, want: Any, shard_tree: Any | None) -> int:
-    """Every addressable shard of every leaf equals the expected bytes; returns the leaves checked."""
-    g, gdef = jax.tree_util.tree_flatten(got)
-    w, wdef = jax.tree_util.tree_flatten(want)
-    assert gdef == wdef, (gdef, wdef)
-    s = jax.tree_util.tree_leaves(shard_tree) if shard_tree is not None else [None] * len(w)
-    for x, a, sh in zip(g, w, s):
-        assert x.shape == a.shape and np.dtype(x.dtype) == a.dtype, (x.shape, x.dtype, a.shape, a.dtype)
-        if sh is None:
-            assert np.asarray(x).tobytes() == a.tobytes()
-            continue
-        assert x.sharding == sh, (x.sharding, sh)
-        for shard in x.addressable_shards:
-            assert np.asarray(shard.data).tobytes() == np.ascontiguousarray(a[shard.index]).tobytes()
-    return len(w)
 
 
 class CountingStorage(LocalStorage):
@@ -172,11 +158,11 @@ def mode_save(cfg: dict) -> dict:
     out["save3_wait_s"] = time.perf_counter() - t1
     out["save3_blocked_s"] = mgr.stats[-1].blocked_s
     out["steps"] = mgr.all_steps()
-    check_bit_exact(mgr.restore(target=abstract(host, sh)), host_state(3), sh)
+    assert_bit_exact(mgr.restore(target=abstract(host, sh)), host_state(3), sh, types=False)
     mgr.close()
     with fc.CheckpointManager(mgr_dir, max_to_keep=2) as again:  # a fresh scan agrees on every process
         out["steps_rescanned"] = again.all_steps()
-        check_bit_exact(again.restore(2, target=abstract(host, sh)), host_state(2), sh)
+        assert_bit_exact(again.restore(2, target=abstract(host, sh)), host_state(2), sh, types=False)
     return out
 
 
@@ -190,11 +176,11 @@ def mode_restore(cfg: dict) -> dict:
         source = open_native(storage)
         body = source.body
         got = engine.restore(source, abstract(host, sh))
-        check_bit_exact(got, host, sh)
+        assert_bit_exact(got, host, sh, types=False)
         stored = sum(ch["nbytes"] for r in body["leaves"] for ch in r.get("chunks", []))
         out[layout] = {"read": storage.counter[0], "needed": needed_bytes(body, sh), "stored": stored}
         zarr = fc.restore(os.path.join(cfg["dir"], "ts_zarr"), abstract(host, sh))
-        check_bit_exact(zarr, host, sh)
+        assert_bit_exact(zarr, host, sh, types=False)
         kernel = got.params["dense"]["kernel"]  # a cross-process reduction (gloo when N > 1)
         bits = jax.jit(lambda x: (jax.lax.bitcast_convert_type(x, jnp.int32) & 0xFFFF).sum())(kernel)
         want = int((host.params["dense"]["kernel"].view(np.int32) & 0xFFFF).sum())
@@ -202,13 +188,13 @@ def mode_restore(cfg: dict) -> dict:
     if cfg.get("plain"):
         plain = fc.restore(os.path.join(cfg["dir"], "ts"))  # no target: numpy arrays in nested dicts
         adam = host.opt_state[0]
-        out["plain_leaves"] = check_bit_exact(
+        out["plain_leaves"] = assert_bit_exact(
             [plain["params"], plain["step"], plain["opt_state"][0]],
-            [host.params, host.step, {"count": adam.count, "mu": adam.mu, "nu": adam.nu}], None)
+            [host.params, host.step, {"count": adam.count, "mu": adam.mu, "nu": adam.nu}], None, types=False)
         with fc.CheckpointManager(os.path.join(cfg["dir"], "mgr")) as mgr:
             out["mgr_steps"] = mgr.all_steps()
             sh = shardings(host, cfg["layouts"][0])
-            check_bit_exact(mgr.restore(target=abstract(host, sh)), host_state(3), sh)
+            assert_bit_exact(mgr.restore(target=abstract(host, sh)), host_state(3), sh, types=False)
     return out
 
 
@@ -268,31 +254,19 @@ def mode_s3(cfg: dict) -> dict:
             mgr.save(step, place(host_state(step), sh), metrics={"loss": 1.0 / step})
         mgr.wait_until_finished()
         steps = mgr.all_steps()
-        check_bit_exact(mgr.restore(target=abstract(host, sh)), host_state(3), sh)
-    check_bit_exact(fc.restore(d + "/ts", abstract(host, sh)), host, sh)
+        assert_bit_exact(mgr.restore(target=abstract(host, sh)), host_state(3), sh, types=False)
+    assert_bit_exact(fc.restore(d + "/ts", abstract(host, sh)), host, sh, types=False)
     return {"steps": steps}
 
 
 def main() -> None:
     cfg = json.loads(sys.argv[1])
-    n, i = cfg["num_processes"], cfg["process_id"]
     signal.alarm(cfg.get("alarm_s", 120))  # a worker never outlives a stuck job, even an orphaned one
     distributed.set_timeout(cfg.get("timeout_s", 30))
-    if n > 1:
-        jax.distributed.initialize(coordinator_address=f"127.0.0.1:{cfg['port']}", num_processes=n,
-                                   process_id=i, coordinator_bind_address=f"127.0.0.1:{cfg['port']}",
-                                   initialization_timeout=60)
-    result: dict[str, Any]
-    try:
-        result = {"ok": True, **{"save": mode_save, "restore": mode_restore, "kill": mode_kill, "s3": mode_s3}[cfg["mode"]](cfg)}
-        code = 0
-    except BaseException:
-        result, code = {"ok": False, "traceback": traceback.format_exc()}, 1
-        print(result["traceback"], file=sys.stderr, flush=True)
-    with open(os.path.join(cfg["out"], f"{cfg['tag']}.p{i}.json"), "w") as f:
-        json.dump(result, f)
-    sys.stdout.flush()
-    sys.stderr.flush()
+    start_worker(cfg)
+    code = report(cfg, {"save": mode_save, "restore": mode_restore, "kill": mode_kill, "s3": mode_s3})
+    if code == 0 and cfg["num_processes"] > 1 and cfg["mode"] != "kill":  # kill: a peer is gone
+        jax.distributed.shutdown()  # a barrier: process 0, which hosts the coordinator, leaves last
     os._exit(code)
 
 

@@ -1,7 +1,8 @@
 """Child process for the crash tests: saves deterministic checkpoints in a loop until it is killed.
 
-Usage: python crash_worker.py DIR MODE [START]   (MODE: "save" = fc.save per step, "manager" = async
-CheckpointManager with retention). Prints "ready" once, then "committed <step>" after each durable save.
+Usage: python tests/workers/crash_worker.py DIR MODE [START]   (MODE: "save" = fc.save per step,
+"manager" = async CheckpointManager with retention). Prints "ready" once, then "committed <step>" after
+each durable save. The state of a step is helpers.crash_state(step).
 """
 
 from __future__ import annotations
@@ -9,15 +10,12 @@ from __future__ import annotations
 import os
 import sys
 
-import numpy as np
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if TESTS not in sys.path:
+    sys.path.insert(0, TESTS)  # tests/: helpers
 
-import flax_ckpt as fc
-
-
-def state_for(step: int) -> dict:
-    rng = np.random.default_rng(step)
-    return {"w": rng.standard_normal((1024, 1024)).astype(np.float32),
-            "b": {"x": rng.integers(0, 255, (3000,), dtype=np.uint8), "step": step}}
+import flax_ckpt as fc  # noqa: E402
+from helpers import crash_state  # noqa: E402
 
 
 def main() -> None:
@@ -26,13 +24,13 @@ def main() -> None:
     print("ready", flush=True)
     if mode == "save":
         while True:
-            fc.save(os.path.join(directory, str(step)), state_for(step))
+            fc.save(os.path.join(directory, str(step)), crash_state(step))
             print(f"committed {step}", flush=True)
             step += 1
     with fc.CheckpointManager(directory, max_to_keep=3, keep_period=5) as mgr:
         step = (mgr.latest_step() or 0) + 1
         while True:
-            mgr.save(step, state_for(step))
+            mgr.save(step, crash_state(step))
             if step > 1:
                 print(f"committed {step - 1}", flush=True)  # the previous save is durable once this one starts
             step += 1

@@ -1,6 +1,6 @@
 """One process of a multi-host consistency job (tests/test_multihost.py starts N of these).
 
-Usage: python tests/multihost_worker.py '<json config>'. Every process has one CPU device and joins a
+Usage: python tests/workers/multihost_worker.py '<json config>'. Every process has one CPU device and joins a
 jax.distributed job on 127.0.0.1 (gloo collectives); it writes what it saw to
 ``<out>/<tag>.p<i>.json`` and exits. Modes:
   save      saves steps 1 and 2 of a state sharded over the processes (``serializer``)
@@ -20,11 +20,11 @@ import os
 import signal
 import sys
 import time
-import traceback
 from typing import Any
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if TESTS not in sys.path:
+    sys.path.insert(0, TESTS)  # tests/: helpers
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -34,6 +34,7 @@ import flax_ckpt as fc  # noqa: E402
 from flax_ckpt._src import distributed  # noqa: E402
 from flax_ckpt._src.serializers.raw import RawSerializer  # noqa: E402
 from flax_ckpt._src.storage import LocalStorage  # noqa: E402
+from helpers import report, start_worker  # noqa: E402
 
 ROWS = 8  # rows per process
 
@@ -218,20 +219,12 @@ MODES = {"save": mode_save, "restore": mode_restore, "part": mode_part, "lagging
 
 def main() -> None:
     cfg = json.loads(sys.argv[1])
-    n, i = cfg["num_processes"], cfg["process_id"]
     signal.alarm(cfg.get("alarm_s", 120))  # a worker never outlives a stuck job
     distributed.set_timeout(cfg.get("timeout_s", 30))
-    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{cfg['port']}", num_processes=n, process_id=i,
-                               coordinator_bind_address=f"127.0.0.1:{cfg['port']}", initialization_timeout=60)
-    try:
-        result, code = {"ok": True, **MODES[cfg["mode"]](cfg, n)}, 0
-    except BaseException:
-        result, code = {"ok": False, "traceback": traceback.format_exc()}, 1
-        print(result["traceback"], file=sys.stderr, flush=True)
-    with open(os.path.join(cfg["out"], f"{cfg['tag']}.p{i}.json"), "w") as f:
-        json.dump(result, f)
-    sys.stdout.flush()
-    if code == 0:
+    start_worker(cfg)
+    n = cfg["num_processes"]
+    code = report(cfg, {mode: (lambda c, f=f: f(c, n)) for mode, f in MODES.items()})
+    if code == 0 and not cfg["mode"].startswith(("kill", "hang")):  # there process 0 is gone or hung
         jax.distributed.shutdown()  # a barrier: process 0, which hosts the coordinator, leaves last
     os._exit(code)
 

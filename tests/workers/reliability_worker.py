@@ -1,13 +1,13 @@
 """Child processes of the reliability suite, and the parent's handle on them.
 
 Scope: processes that save, restore or churn checkpoints until a test faults them (SIGKILL, SIGTERM),
-and nothing that judges the result (reliability_trials.py does). Two ways to start one:
+and nothing that judges the result (tests/reliability_trials.py does). Two ways to start one:
 
 - ``Zygote``: one long-lived process that has paid the imports (jax, flax_ckpt) once and forks a child
   per trial, so hundreds of SIGKILL trials cost the save loop, not the interpreter start. Used for
   children that die by SIGKILL, whose exit path never runs.
-- ``spawn``: a fresh interpreter (``python reliability_worker.py SCENARIO DIR ...``), for children whose
-  exit path is under test (SIGTERM handlers, interpreter shutdown joining the writer thread).
+- ``spawn``: a fresh interpreter (``python tests/workers/reliability_worker.py SCENARIO DIR ...``), for
+  children whose exit path is under test (SIGTERM handlers, interpreter shutdown joining the writer thread).
 
 A child prints protocol lines on stdout: "started", "committed <step>" once a step is durable,
 "inflight <step>" once ``save`` returned with the step in flight, "restoring", "handled" (its SIGTERM
@@ -29,44 +29,31 @@ from typing import Callable
 
 import numpy as np
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if TESTS not in sys.path:
+    sys.path.insert(0, TESTS)  # tests/: helpers
+
+from helpers import crash_state, die_with_parent, step_state, worker_env  # noqa: E402
+
 CRASH_KEEP = {"max_to_keep": 3, "keep_period": 5}  # retention of the crash children
-
-
-def state_for(step: int) -> dict:
-    """The crash tests' state (crash_worker.py's, 4 MB): one big float leaf and small ones."""
-    from crash_worker import state_for as crash_state
-    return crash_state(step)
 
 
 def small_state(step: int) -> dict:
     """A 256 KiB state for fast churn (many commits and deletions per second)."""
-    rng = np.random.default_rng(10_000 + step)
-    return {"w": rng.standard_normal((256, 256)).astype(np.float32), "step": step,
-            "tag": np.full((7,), step % 251, np.uint8)}
+    return {**step_state(step, (256, 256), 10_000), "tag": np.full((7,), step % 251, np.uint8)}
 
 
 def big_state(step: int) -> dict:
     """A 32 MiB state, so a save stays in flight long enough for a signal to land in it."""
-    rng = np.random.default_rng(20_000 + step)
-    return {"w": rng.standard_normal((2048, 4096)).astype(np.float32), "step": step}
+    return step_state(step, (2048, 4096), 20_000)
 
 
-STATES: dict[str, Callable[[int], dict]] = {"crash": state_for, "small": small_state, "big": big_state}
+STATES: dict[str, Callable[[int], dict]] = {"crash": crash_state, "small": small_state, "big": big_state}
 
 
 def say(line: str) -> None:
     """One protocol line, in one write() (atomic on a pipe: a zygote and its child share stdout)."""
     os.write(1, (line + "\n").encode())
-
-
-def die_with_parent() -> None:
-    """Linux: SIGKILL this process when its parent dies, so no child outlives a killed test run."""
-    try:
-        import ctypes
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
 
 
 # ------------------------------------------------------------------------------------ child scenarios
@@ -167,12 +154,6 @@ def _run_child(args: list[str]) -> None:
         os._exit(code)
 
 
-def child_env() -> dict[str, str]:
-    """The environment of every child: CPU jax, and this folder importable (crash_worker)."""
-    return dict(os.environ, JAX_PLATFORMS="cpu",
-                PYTHONPATH=HERE + os.pathsep + os.environ.get("PYTHONPATH", ""))
-
-
 class Lines:
     """The stdout of a child process, line by line, with timeouts (a reader thread feeds a queue)."""
 
@@ -217,7 +198,7 @@ class Zygote:
 
     def __init__(self):
         self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "zygote"], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True, env=child_env())
+                                     stdout=subprocess.PIPE, text=True, env=worker_env())
         self.lines = Lines(self.proc)
         try:
             self.lines.until(lambda s: s == "ready", 120, [])
@@ -270,12 +251,11 @@ class Zygote:
 def spawn(*args: str) -> tuple[subprocess.Popen, Lines]:
     """A fresh interpreter running SCENARIOS[args[0]](*args[1:]) (see the module docstring)."""
     proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), *args], stdout=subprocess.PIPE, text=True,
-                            env=child_env())
+                            env=worker_env())
     return proc, Lines(proc)
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, HERE)
     die_with_parent()
     if sys.argv[1] == "zygote":
         zygote_main()

@@ -1,13 +1,15 @@
-"""One process of a tiered-checkpoint test job (tests/test_tiers.py starts N of these).
+"""One process of a tiered-checkpoint test job (tests/test_tiers.py starts N of these, through
+helpers.Job).
 
-Usage: tier_worker.py '<json config>' with keys mode, dir (the manager's directory, shared), local (this
-process's local_dir: each process stands for a host), out, tag, process_id, num_processes, port,
-persist, and per mode: steps (train), until (loop), crash ({"process", "at": "local"|"migrate", "step"}).
-The launcher sets XLA_FLAGS (2 CPU devices) and JAX_PLATFORMS=cpu; the worker joins a real
-jax.distributed job on 127.0.0.1 with gloo collectives. Findings go to <out>/<tag>.p<i>.json (a loop's
-restore to <tag>.p<i>.restored.json), progress lines to <out>/<tag>.p<i>.progress. A worker that
-succeeded leaves through jax.distributed.shutdown (a barrier); one that failed with os._exit (no barrier
-that a dead peer would hang).
+Usage: tests/workers/tier_worker.py '<json config>' with keys mode, dir (the manager's directory,
+shared), local (this process's local_dir: each process stands for a host), out, tag, process_id,
+num_processes, port, persist, and per mode: steps (train), until (loop), crash ({"process", "at":
+"local"|"migrate", "step"}). The launcher sets XLA_FLAGS (2 CPU devices) and JAX_PLATFORMS=cpu; the
+worker joins a real jax.distributed job on 127.0.0.1 with gloo collectives (helpers.start_worker).
+Findings go to <out>/<tag>.p<i>.json (helpers.report; a loop's restore to <tag>.p<i>.restored.json),
+progress lines to <out>/<tag>.p<i>.progress. A worker that succeeded leaves through
+jax.distributed.shutdown (a barrier); one that failed with os._exit (no barrier that a dead peer would
+hang).
 
 Modes: "train" saves steps 1..steps, waits until finished, reports, and waits to be killed; "restore"
 restores the newest step and checks every local shard bit-exact; "loop" restores if there is anything
@@ -21,13 +23,13 @@ import os
 import signal
 import sys
 import time
-import traceback
 from typing import Any
 
-import jax
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if TESTS not in sys.path:
+    sys.path.insert(0, TESTS)  # tests/: helpers
 
-jax.config.update("jax_cpu_collectives_implementation", "gloo")
-
+import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
@@ -35,6 +37,7 @@ import flax_ckpt as fc  # noqa: E402
 from flax_ckpt._src import distributed as distributed
 from flax_ckpt._src.storage import local as storage_local  # noqa: E402
 from flax_ckpt._src.serializers.raw import RawSerializer  # noqa: E402
+from helpers import assert_bit_exact, report, start_worker  # noqa: E402
 
 
 def host_state(step: int) -> dict[str, Any]:
@@ -67,11 +70,10 @@ def target() -> dict[str, Any]:
 
 
 def check_bit_exact(got: dict[str, Any], step: int) -> None:
+    """Every local shard of the sharded leaves, and the host values, are the state of ``step``."""
+    sh = shardings()
     want = host_state(step)
-    assert got["step"] == step and got["host"].tobytes() == want["host"].tobytes(), (got["step"], step)
-    for k in shardings():
-        for shard in got[k].addressable_shards:
-            assert np.asarray(shard.data).tobytes() == np.ascontiguousarray(want[k][shard.index]).tobytes(), k
+    assert_bit_exact(got, want, {k: sh.get(k) for k in want}, types=False)
 
 
 class KillInWrite(RawSerializer):
@@ -168,20 +170,9 @@ def mode_loop(cfg: dict[str, Any]) -> dict[str, Any]:
 
 def main() -> None:
     cfg = json.loads(sys.argv[1])
-    n, i = cfg["num_processes"], cfg["process_id"]
-    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{cfg['port']}", num_processes=n, process_id=i,
-                               coordinator_bind_address=f"127.0.0.1:{cfg['port']}", initialization_timeout=60)
+    start_worker(cfg)
     distributed.set_timeout(cfg.get("timeout_s", 30))
-    try:
-        result, code = {"ok": True, **{"train": mode_train, "restore": mode_restore,
-                                       "loop": mode_loop}[cfg["mode"]](cfg)}, 0
-    except BaseException:
-        result, code = {"ok": False, "traceback": traceback.format_exc()}, 1
-        print(result["traceback"], file=sys.stderr, flush=True)
-    with open(os.path.join(cfg["out"], f"{cfg['tag']}.p{i}.json"), "w") as f:
-        json.dump(result, f)
-    sys.stdout.flush()
-    sys.stderr.flush()
+    code = report(cfg, {"train": mode_train, "restore": mode_restore, "loop": mode_loop})
     if code == 0 and cfg["mode"] in ("train", "loop"):
         time.sleep(600)  # a host that keeps running until the test kills it
     if code == 0:
