@@ -19,7 +19,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 # Lower layers never import higher ones (a module may import its own rank and below).
 RANKS = {
     "flax_ckpt._src.errors": 0,
-    "flax_ckpt._src.format": 1, "flax_ckpt._src.tree": 1, "flax_ckpt._src.storage": 1,
+    "flax_ckpt._src.records": 1, "flax_ckpt._src.format": 1, "flax_ckpt._src.tree": 1, "flax_ckpt._src.storage": 1,
     "flax_ckpt._src.serializers": 2,
     "flax_ckpt._src.commit": 3, "flax_ckpt._src.distributed": 3,
     "flax_ckpt._src.engine": 4,

@@ -14,7 +14,7 @@ import jax
 import numpy as np
 
 from flax_ckpt._src.errors import UnsupportedLeafError
-from flax_ckpt._src.format import dtype_from_name, keystr
+from flax_ckpt._src.records import dtype_from_name, keystr
 
 # A key path: a tuple of (kind, key) with kind "key" (a dict key), "attr" (an attribute or namedtuple /
 # dataclass field) or "idx" (a sequence index).

@@ -33,7 +33,7 @@ import flax_ckpt as fc  # noqa: E402
 from flax_ckpt._src import tree as tree_mod  # noqa: E402
 from flax_ckpt._src.engine import restore as engine  # noqa: E402
 from flax_ckpt._src.engine.native import open_native  # noqa: E402
-from flax_ckpt._src.format import leaf_name  # noqa: E402
+from flax_ckpt._src.records import leaf_name  # noqa: E402
 from flax_ckpt._src import distributed as distributed  # noqa: E402
 from flax_ckpt._src.serializers import box_of  # noqa: E402
 from flax_ckpt._src.serializers.raw import RawSerializer  # noqa: E402

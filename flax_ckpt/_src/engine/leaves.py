@@ -18,7 +18,7 @@ import numpy as np
 
 from flax_ckpt._src import tree as tree_mod
 from flax_ckpt._src.errors import LeafMismatchError, StructureMismatchError, format_list
-from flax_ckpt._src.format import LeafRecord
+from flax_ckpt._src.records import LeafRecord
 
 
 @functools.lru_cache(maxsize=64)

@@ -23,7 +23,8 @@ from flax_ckpt._src.engine.pause import gc_paused
 from flax_ckpt._src.engine.snapshot import Snapshot, jsonable, snapshot
 from flax_ckpt._src.errors import (CheckpointNotCommittedError, CheckpointNotFoundError, CorruptCheckpointError,
                                    InvalidManifestError)
-from flax_ckpt._src.format import MANIFEST, MAX_MANIFEST_BYTES, LeafRecord, decode, encode
+from flax_ckpt._src.format import MANIFEST, MAX_MANIFEST_BYTES, decode, encode
+from flax_ckpt._src.records import LeafRecord
 from flax_ckpt._src.serializers import Box, Serializer, Written, get_serializer
 from flax_ckpt._src.storage import Storage
 

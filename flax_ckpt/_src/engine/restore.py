@@ -22,7 +22,8 @@ from flax_ckpt._src import tree as tree_mod
 from flax_ckpt._src.engine.leaves import match_target, python_scalar_kinds
 from flax_ckpt._src.engine.pause import gc_paused
 from flax_ckpt._src.errors import CorruptCheckpointError
-from flax_ckpt._src.format import LeafRecord, boxes_disjoint
+from flax_ckpt._src.format import boxes_disjoint
+from flax_ckpt._src.records import LeafRecord
 from flax_ckpt._src.serializers import Box, box_of
 
 _IO_THREADS = 8

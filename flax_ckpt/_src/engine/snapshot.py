@@ -22,7 +22,7 @@ from flax_ckpt._src import tree as tree_mod
 from flax_ckpt._src.engine.leaves import key_data_shape
 from flax_ckpt._src.engine.pause import gc_paused
 from flax_ckpt._src.errors import CheckpointError
-from flax_ckpt._src.format import LeafRecord
+from flax_ckpt._src.records import LeafRecord
 from flax_ckpt._src.serializers import ArrayItem, Box, Shard, box_of
 
 _BIG = 1 << 20  # leaves of more bytes are copied on a small pool

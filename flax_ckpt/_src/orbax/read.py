@@ -22,7 +22,8 @@ from flax_ckpt._src import tree as tree_mod
 from flax_ckpt._src.engine.leaves import CheckpointInfo, checkpoint_info, key_data_shape
 from flax_ckpt._src.errors import (CorruptCheckpointError, InvalidManifestError, UnsupportedOrbaxCheckpointError,
                                    format_list)
-from flax_ckpt._src.format import LeafRecord, check_relpath
+from flax_ckpt._src.format import check_relpath
+from flax_ckpt._src.records import LeafRecord
 from flax_ckpt._src.orbax.locate import (OCDBT_MANIFEST, SHARDING, STRINGS, TESTED_ORBAX_VERSION, TREE_METADATA,
                                          Located, read_json, step_metrics)
 from flax_ckpt._src.serializers import Box

@@ -15,7 +15,7 @@ from typing import Any, Protocol, Sequence
 
 import numpy as np
 
-from flax_ckpt._src.format import LeafRecord
+from flax_ckpt._src.records import LeafRecord
 from flax_ckpt._src.storage import Storage
 
 Box = tuple[tuple[int, int], ...]  # per dimension [start, stop) in global coordinates

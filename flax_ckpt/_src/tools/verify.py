@@ -16,7 +16,8 @@ from flax_ckpt._src import formats
 from flax_ckpt._src.engine.native import NativeSource
 from flax_ckpt._src.engine.restore import Reader, Source
 from flax_ckpt._src.errors import CheckpointError, CorruptCheckpointError, InvalidManifestError, StorageError
-from flax_ckpt._src.format import MANIFEST, LeafRecord
+from flax_ckpt._src.format import MANIFEST
+from flax_ckpt._src.records import LeafRecord
 from flax_ckpt._src.tools.common import bar, folder_of
 
 _READ_ERRORS = (CheckpointError, OSError, ValueError)

@@ -1,0 +1,157 @@
+"""The typed record of one saved leaf, whatever the layout, and the names it is matched by.
+
+Scope: ``LeafRecord`` (what a native manifest, an Orbax ``_METADATA`` or a memory-tier index holds of
+one leaf, as the engine checks targets against and reads from), dtype names (numpy's and ml_dtypes'),
+and key-path strings. No I/O; the manifest's schema and validation are format.py's.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import ml_dtypes
+import numpy as np
+
+ARRAY_KINDS = ("jax", "numpy", "prng_key")  # leaf kinds with a dtype, a shape and chunks
+
+
+def dtype_from_name(name: str) -> np.dtype:
+    """numpy dtype names plus ml_dtypes ones (bfloat16, float8_e4m3fn, int4, ...)."""
+    if not isinstance(name, str) or not name.isidentifier():
+        raise ValueError(f"not a dtype name: {name!r}")
+    return _dtype_named(name)
+
+
+@functools.lru_cache(maxsize=256)
+def _dtype_named(name: str) -> np.dtype:
+    ml = getattr(ml_dtypes, name, None)
+    if isinstance(ml, type) and issubclass(ml, np.generic):  # not ml_dtypes.finfo: np.dtype(class) is object
+        return np.dtype(ml)
+    dt = np.dtype(name)
+    if dt.kind not in "biufc":
+        raise ValueError(f"unsupported dtype {name!r}")
+    return dt
+
+
+def dtype_name(dt: np.dtype) -> str:
+    return np.dtype(dt).name
+
+
+@dataclass(frozen=True, eq=False)
+class LeafRecord:
+    """One leaf as a checkpoint holds it, whatever the layout (native manifest, Orbax ``_METADATA``,
+    memory-tier index): the typed form the engine checks targets against and reads from.
+
+    ``kind`` is one of LEAF_KINDS. Arrays ("jax", "numpy", "prng_key") have ``dtype`` and the stored
+    ``shape`` (for PRNG keys including the trailing ``key_shape`` of the key data, with ``key_impl``),
+    their ``sharding`` description and ``chunks``, the records of whoever stores their bytes (a
+    serializer; validated by it). ``python``: an array that is a Python number stored as a 0-d array
+    (Orbax's "scalar"), given back as a number. Other kinds carry ``value``: the Python number
+    ("scalar"), the text ("string") or the empty container's kind ("empty": one of EMPTY_KINDS)."""
+
+    path: tuple[tuple[str, Any], ...]
+    kind: str
+    dtype: np.dtype | None = None
+    shape: tuple[int, ...] | None = None
+    key_impl: str | None = None
+    key_shape: tuple[int, ...] | None = None
+    sharding: dict[str, Any] | None = None
+    chunks: tuple[dict[str, Any], ...] = ()
+    value: Any = None
+    python: bool = False
+
+    @property
+    def name(self) -> str:
+        """The key path as a string ('params/dense/kernel'): what leaves are matched and named by."""
+        n = self.__dict__.get("_name")
+        if n is None:
+            n = keystr(self.path)
+            object.__setattr__(self, "_name", n)
+        return n
+
+    @property
+    def is_array(self) -> bool:
+        return self.kind in ARRAY_KINDS
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize if self.is_array else 0
+
+    @property
+    def logical_shape(self) -> tuple[int, ...] | None:
+        """The shape a user sees: for a PRNG key array, without the key data's trailing dimensions."""
+        if self.kind == "prng_key":
+            return self.shape[:len(self.shape) - len(self.key_shape)]
+        return self.shape
+
+    def with_chunks(self, chunks: Sequence[dict[str, Any]]) -> "LeafRecord":
+        return LeafRecord(self.path, self.kind, self.dtype, self.shape, self.key_impl, self.key_shape, self.sharding,
+                          tuple(chunks), self.value, self.python)
+
+    def describe(self) -> str:
+        """As error messages show it: float32[4,6], key<threefry2x32>[2], Python int, str, None, {}."""
+        if self.kind in ("jax", "numpy"):
+            text = f"{self.dtype.name}{list(self.shape)}".replace(" ", "")
+            return f"Python scalar ({text})" if self.python else text
+        if self.kind == "prng_key":
+            return f"key<{self.key_impl}>{list(self.logical_shape)}".replace(" ", "")
+        if self.kind == "scalar":
+            return f"Python {type(self.value).__name__}"
+        if self.kind == "string":
+            return "str"
+        return {"none": "None", "dict": "{}", "list": "[]", "tuple": "()"}[self.value]
+
+    # The manifest's JSON form (see validate_leaf for its schema).
+
+    def to_json(self) -> dict[str, Any]:
+        rec: dict[str, Any] = {"path": [[k, v] for k, v in self.path], "kind": self.kind}
+        if self.kind == "empty":
+            rec["empty"] = self.value
+        elif self.kind == "string":
+            rec["value"] = self.value
+        elif self.kind == "scalar":  # ints and bools exactly in JSON, floats as their bytes (NaN payloads, -0.0)
+            py = type(self.value).__name__
+            rec["py_type"] = py
+            rec["value"] = self.value if py in ("bool", "int") else \
+                np.asarray(self.value, np.float64 if py == "float" else np.complex128).tobytes().hex()
+        else:
+            if self.kind == "prng_key":
+                rec["key_impl"], rec["key_shape"] = self.key_impl, list(self.key_shape)
+            rec.update(dtype=self.dtype.name, shape=list(self.shape), sharding=self.sharding,
+                       chunks=list(self.chunks))
+        return rec
+
+    @staticmethod
+    def from_json(rec: dict[str, Any]) -> "LeafRecord":
+        """The record of a validated manifest leaf (validate_leaf)."""
+        path = tuple((k, v) for k, v in rec["path"])
+        kind = rec["kind"]
+        if kind == "empty":
+            return LeafRecord(path, kind, value=rec["empty"])
+        if kind == "string":
+            return LeafRecord(path, kind, value=rec["value"])
+        if kind == "scalar":
+            py, v = rec["py_type"], rec["value"]
+            if py in ("bool", "int"):
+                return LeafRecord(path, kind, value=v)
+            dt = np.float64 if py == "float" else np.complex128
+            return LeafRecord(path, kind, value={"float": float, "complex": complex}[py](
+                np.frombuffer(bytes.fromhex(v), dt)[0]))
+        key_shape = tuple(rec["key_shape"]) if kind == "prng_key" else None
+        return LeafRecord(path, kind, dtype_from_name(rec["dtype"]), tuple(rec["shape"]), rec.get("key_impl"),
+                          key_shape, rec.get("sharding"), tuple(rec.get("chunks", ())))
+
+
+def leaf_name(rec: dict[str, Any]) -> str:
+    """The key path string of a leaf record in its JSON form (a manifest's or a memory-tier index's)."""
+    return keystr([tuple(e) for e in rec["path"]])
+
+
+def keystr(path: Sequence[tuple[str, Any]]) -> str:
+    """'params/dense/kernel'; '/' and '%' inside keys are escaped so the string identifies the leaf."""
+    if not path:
+        return "<root>"
+    return "/".join(str(k).replace("%", "%25").replace("/", "%2F") for _, k in path)
