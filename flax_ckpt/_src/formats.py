@@ -128,8 +128,9 @@ def run_format(requested: str | None, committed: list[StepFolder], directory: st
             f"open it with format={newest!r} (or format=None, which follows the directory), or give the "
             f"{requested} run a directory of its own")
     mixed = all(by_format[name] for name in FORMATS)
-    warning = (f"{directory} holds both native steps ({_steps_text(by_format['native'])}) and Orbax steps "
-               f"({_steps_text(by_format['orbax'])}); new steps follow the newest, in the {newest} format") if mixed else None
+    warning = None if not mixed else (
+        f"{directory} holds both native steps ({_steps_text(by_format['native'])}) and Orbax steps "
+        f"({_steps_text(by_format['orbax'])}); new steps follow the newest, in the {newest} format")
     return newest, warning
 
 

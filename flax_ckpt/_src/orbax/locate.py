@@ -313,8 +313,8 @@ def json_value(storage: Storage, item: str) -> Any:
     for name in (item, *JSON_FILES):
         if storage.exists(name):
             return read_json(storage, name)
-    raise CorruptCheckpointError(f"{storage.url}: the JSON item {item!r} has no file ({format_list([item, *JSON_FILES])});"
-                                 " the Orbax checkpoint is incomplete")
+    raise CorruptCheckpointError(f"{storage.url}: the JSON item {item!r} has no file "
+                                 f"({format_list([item, *JSON_FILES])}); the Orbax checkpoint is incomplete")
 
 
 def step_metrics(located: Located) -> dict[str, Any] | None:
