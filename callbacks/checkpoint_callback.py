@@ -9,12 +9,15 @@ user's state becomes a pytree lives in state.py, signals in preemption.py.
     for step in range(start_step, num_steps):
         state, metrics = train_step(state, batch(step))
         ckpt(step + 1, state, metrics)
-    ckpt.close()  # optional: an open callback closes itself when collected or at interpreter exit
+    ckpt.close()  # saves the last step if the schedule skipped it, waits until it is durable
 
-On SIGTERM or SIGINT the step in progress finishes; at its boundary the callback saves that step (off
-schedule), waits until it is durable and exits (``SystemExit``, status ``128 + signal`` unless
-``exit_code`` says otherwise), or, with ``exit_on_preemption=False``, sets ``ckpt.preempted`` and returns
-so the loop can break.
+``close()`` (also run at interpreter exit for a callback still open) saves the state of the last call
+when that step was not saved, so a run whose length is not a multiple of ``every_steps`` keeps its
+last steps; ``finish(step, state)`` does the same for an explicit step and state. On SIGTERM or SIGINT
+the step in progress finishes; at its boundary the callback saves that step (off schedule), waits
+until it is durable and exits (``SystemExit``, status ``128 + signal`` unless ``exit_code`` says
+otherwise), or, with ``exit_on_preemption=False``, sets ``ckpt.preempted`` and returns so the loop can
+break.
 """
 
 from __future__ import annotations
@@ -23,8 +26,11 @@ import atexit
 import logging
 import os
 import signal
+import sys
 import weakref
 from typing import Any, Callable, Mapping, Sequence
+
+import jax
 
 import flax_ckpt as fc
 
@@ -71,6 +77,7 @@ class CheckpointCallback:
             self.manager.close()
             raise
         self._closed = False
+        self._pending: tuple[int, Any, Metrics] | None = None  # the last call's step, state, metrics: unsaved
         self._close_at_exit = _CloseAtExit(weakref.ref(self))
         atexit.register(self._close_at_exit)
 
@@ -82,23 +89,26 @@ class CheckpointCallback:
         ``state`` is the freshly initialised state: it gives the structure, dtypes and placement. nnx
         objects and stateful iterators in it are updated in place."""
         if not self.manager.all_steps():
-            log.info("no checkpoint in %s; starting from step 0", self.manager.directory)
+            _announce("no checkpoint in %s; starting from step 0", self.manager.directory)
             return state, 0
         target = to_tree(state)
         # the manager decides the step: the newest that restores, alike on every process of a job
         restored = self.manager.restore(target_for=lambda info: match_saved_scalars(target, info))
         step = self.manager.restore_stats[-1].step
-        log.info("resumed from step %d of %s", step, self.manager.directory)
+        _announce("resumed from step %d of %s", step, self.manager.directory)
         return from_tree(state, restored), step
 
     # ------------------------------------------------------------------------------------------ saving
 
     def __call__(self, step: int, state: Any, metrics: Metrics = None, *, force: bool = False) -> bool:
-        """Call at each step boundary with the state after ``step`` steps. Saves when the schedule says so
-        (or ``force``); on preemption saves this step, waits for it, and stops. Returns whether it saved.
+        """Call at each step boundary with the state after ``step`` steps. Saves when the schedule says so,
+        or off schedule with ``force=True`` (e.g. after an evaluation worth keeping); on preemption saves
+        this step, waits for it, and stops. Returns whether it saved. The last state given is saved by
+        ``close()`` if its step was not.
 
-        ``metrics`` (JSON-serialisable scalars, or a function returning them, called only when saving)
-        are stored with the checkpoint and rank it for ``best_metric``."""
+        ``metrics`` (JSON scalars, or a function returning them, called only when saving; an array with
+        one element counts as its number) are stored with the checkpoint and rank it for
+        ``best_metric``."""
         if self._closed:
             raise fc.CheckpointError("CheckpointCallback is closed")
         stop = not self.preempted and self._guard.reached(step)
@@ -106,6 +116,7 @@ class CheckpointCallback:
         if force or stop or self.manager.should_save(step):
             values = metrics() if callable(metrics) else metrics
             saved = self.manager.save(step, to_tree(state), metrics=values, force=force or stop)
+        self._pending = None if saved else (step, state, metrics)
         if saved and not stop and not self.preempted and self._guard.requested:
             stop = True  # a signal arrived while this step was being saved: it is the one to stop at
         if stop:
@@ -127,10 +138,26 @@ class CheckpointCallback:
         self.close()
         raise SystemExit(code)
 
+    def finish(self, step: int, state: Any, metrics: Metrics = None) -> bool:
+        """Saves ``step`` (off schedule if need be) unless it is saved already, and waits until every save
+        is durable: the end of a run whose length is not a multiple of ``every_steps``, or whose final
+        state is not the one the loop last passed. Returns whether it saved."""
+        if self._closed:
+            raise fc.CheckpointError("CheckpointCallback is closed")
+        self._pending = None
+        saved = step not in self.manager.all_steps() and self.manager.save(
+            step, to_tree(state), metrics=metrics() if callable(metrics) else metrics, force=True)
+        self.manager.wait_until_finished()
+        return saved
+
     # ------------------------------------------------------------------------------------------- close
 
     def close(self) -> None:
-        """Waits for the save in flight, releases the directory and puts back the signal handlers."""
+        """Saves the state of the last call if its step was not saved (not after a preemption save),
+        waits for the save in flight, releases the directory and puts back the signal handlers."""
+        self._close(final_save=True, at_exit=False)
+
+    def _close(self, *, final_save: bool, at_exit: bool) -> None:
         if self._closed:
             return
         self._closed = True
@@ -138,9 +165,37 @@ class CheckpointCallback:
         if self._guard.requested and not self.preempted:
             log.warning("preemption: a signal arrived after the last step boundary; nothing was left to save")
         try:
+            if final_save:
+                self._save_pending(at_exit)
+            elif self._pending is not None and not self.preempted:
+                log.warning("CheckpointCallback was garbage-collected without close(): step %d was not saved; "
+                            "call ckpt.close() (or ckpt.finish(step, state)) after the training loop",
+                            self._pending[0])
             self.manager.close()
         finally:
             self._guard.close()
+
+    def _save_pending(self, at_exit: bool) -> None:
+        """The final save of close(): the last call's step, unless saved, preempted or its arrays gone."""
+        pending, self._pending = self._pending, None
+        if pending is None or self.preempted or pending[0] in self.manager.all_steps():
+            return
+        step, state, metrics = pending
+        tree = to_tree(state)
+        if any(isinstance(x, jax.Array) and x.is_deleted() for x in jax.tree_util.tree_leaves(tree)):
+            log.warning("not saving step %d at close: its arrays were deleted or donated after ckpt(%d, ...) (a "
+                        "jitted step with donate_argnums?); call ckpt.finish(step, state) with the live state "
+                        "after the loop", step, step)
+            return
+        try:
+            self.manager.save(step, tree, metrics=metrics() if callable(metrics) else metrics, force=True)
+            self.manager.wait_until_finished()
+        except Exception as e:
+            if not at_exit:
+                raise
+            log.warning("could not save the last step %d at interpreter exit: %s: %s", step, type(e).__name__, e)
+            return
+        _announce("saved the last step %d in %s at close", step, self.manager.directory)
 
     def __enter__(self) -> "CheckpointCallback":
         return self
@@ -148,9 +203,19 @@ class CheckpointCallback:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def __del__(self) -> None:
+    def __del__(self) -> None:  # no final save: garbage collection may run anywhere, on any thread
         if not getattr(self, "_closed", True):
-            self.close()
+            self._close(final_save=False, at_exit=False)
+
+
+def _announce(message: str, *args: Any) -> None:
+    """An INFO line a user should see, logged through ``callbacks`` when logging is set up (a handler
+    anywhere up to the root), else written to stderr the way Python's last-resort handler writes
+    warnings (which drops INFO lines)."""
+    if log.hasHandlers():
+        log.info(message, *args)
+    else:
+        print(message % args, file=sys.stderr, flush=True)
 
 
 class _CloseAtExit:
@@ -162,4 +227,4 @@ class _CloseAtExit:
     def __call__(self) -> None:
         cb = self._ref()
         if cb is not None:
-            cb.close()
+            cb._close(final_save=True, at_exit=True)

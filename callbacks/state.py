@@ -12,7 +12,9 @@ Two kinds of leaf are mutable objects that are not stored as themselves:
   ``get_state()``, restored with ``set_state``.
 
 ``match_saved_scalars`` reconciles one common difference between a fresh state and a saved one:
-``TrainState.create`` starts ``step`` as the Python int 0, and after a step it is an int32 array.
+``TrainState.create`` starts ``step`` as the Python int 0, and after a jitted step it is a weak-typed
+int32 array; resuming gives back that weak-typed array, so the next jitted step hits the same compiled
+executable as an uninterrupted run (a strong int32 would compile it again).
 
 What does not belong here: scheduling, signals, anything about the manager.
 """
@@ -22,6 +24,8 @@ from __future__ import annotations
 from typing import Any, Protocol, runtime_checkable
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 import flax_ckpt as fc
@@ -99,13 +103,27 @@ def _saved_leaf(tree: Any, path: tuple[Any, ...]) -> Any:
 
 
 def match_saved_scalars(target: Any, info: fc.CheckpointInfo) -> Any:
-    """``target`` with each Python-scalar leaf that the checkpoint stores as a 0-d array replaced by a
-    ``jax.ShapeDtypeStruct`` of the saved dtype (so it restores as the array the run had when saved)."""
+    """``target`` with each Python-scalar leaf that the checkpoint stores as a 0-d array replaced by the
+    target of what the run had when it saved: for a saved jax array a ``jax.ShapeDtypeStruct`` of the
+    saved dtype, weak-typed where jit makes a weak-typed array of that Python scalar (Python ints and
+    floats of the default dtypes); for a saved numpy array a numpy scalar of its dtype. Other leaves
+    are left alone (a Python scalar target then restores as a Python scalar)."""
     def fix(path: tuple[Any, ...], leaf: Any) -> Any:
         if not isinstance(leaf, _PY_SCALARS):
             return leaf
         saved = _saved_leaf(info.tree, path)
-        if saved is not None and saved.kind in ("jax", "numpy") and saved.shape == ():
-            return jax.ShapeDtypeStruct((), saved.dtype)
-        return leaf
+        if saved is None or saved.kind not in ("jax", "numpy") or saved.shape != ():
+            return leaf
+        if saved.kind == "numpy":
+            return np.dtype(saved.dtype).type(0)
+        return jax.ShapeDtypeStruct((), saved.dtype, weak_type=_jit_sees_weak(leaf, saved.dtype))
     return jax.tree_util.tree_map_with_path(fix, target)
+
+
+def _jit_sees_weak(x: Any, dtype: Any) -> bool:
+    """Whether jit turns the Python scalar ``x`` into a weak-typed array of ``dtype``."""
+    try:
+        seen = jax.eval_shape(lambda: jnp.asarray(x))
+    except (OverflowError, TypeError):
+        return False
+    return bool(seen.weak_type) and np.dtype(seen.dtype) == np.dtype(dtype)

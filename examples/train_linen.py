@@ -4,7 +4,8 @@
 
 Run it again with the same --directory and it resumes where it stopped (a finished run does no more
 steps). SIGTERM or Ctrl-C lets the step finish, saves it, and exits with status 143 / 130; run it
-again to resume. The four lines marked ``# ckpt`` are all that checkpointing adds to the script.
+again to resume. The five lines marked ``# ckpt`` are all that checkpointing adds to the script (the
+last, ``ckpt.close()``, saves the final step when the run's length is not a multiple of ``--every``).
 
 The state is a ``TrainState`` subclass that also carries the dropout PRNG key, and each step's batch
 is a pure function of the step, so a resumed run computes exactly what an uninterrupted one would.
@@ -112,6 +113,7 @@ def main(argv: Sequence[str] | None = None) -> float:
         ckpt(step + 1, state, metrics)  # ckpt
         if (step + 1) % args.log_every == 0:
             print(f"step {step + 1} loss {float(metrics['loss']):.4f}", flush=True)
+    ckpt.close()  # ckpt
     acc = float(accuracy(state, *test))
     print(f"final accuracy {acc:.4f} after {args.steps} steps", flush=True)
     return acc

@@ -6,7 +6,8 @@ The same run as train_linen.py, written with flax.nnx: the checkpointed state is
 parameters and its dropout ``nnx.Rngs``), the ``nnx.Optimizer``, and the data iterator's position. The
 callback restores nnx objects in place (``nnx.state`` / ``nnx.update``) and iterators through their
 ``get_state`` / ``set_state``, so a resumed run computes exactly what an uninterrupted one would. The
-four lines marked ``# ckpt`` are all that checkpointing adds to the script.
+five lines marked ``# ckpt`` are all that checkpointing adds to the script (the last,
+``ckpt.close()``, saves the final step when the run's length is not a multiple of ``--every``).
 """
 
 from __future__ import annotations
@@ -113,6 +114,7 @@ def main(argv: Sequence[str] | None = None) -> float:
         ckpt(step + 1, (model, optimizer, batches), {"loss": loss})  # ckpt
         if (step + 1) % args.log_every == 0:
             print(f"step {step + 1} loss {float(loss):.4f}", flush=True)
+    ckpt.close()  # ckpt
     model.eval()
     acc = float(accuracy(model, *test))
     print(f"final accuracy {acc:.4f} after {args.steps} steps", flush=True)

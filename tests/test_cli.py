@@ -188,9 +188,10 @@ def test_missing_path_exits_2_and_says_so_via_python_m(ck):
 # -------------------------------------------------------------------------------------- verify
 
 def test_verify_sound_checkpoint_exits_0_with_progress_on_stderr_only(ck):
-    r = run("verify", ck["s3"], "--json")
+    r = run("verify", ck["s3"], "--json", "--progress")  # stderr is a pipe here: bars only when asked for
     assert r.returncode == 0, r.stderr
-    assert json.loads(r.stdout) == {"path": ck["s3"], "ok": True, "problems": []}
+    assert json.loads(r.stdout) == {"path": ck["s3"], "ok": True, "problems": [], "verified": True, "leaves": 6,
+                                    "unverified": 0, "unverified_leaves": [], "steps": None, "skipped": []}
     assert "verify" in r.stderr  # the tqdm bar, never in stdout
     quiet = run("verify", ck["zarr"], "-q")
     assert quiet.returncode == 0 and quiet.stdout.startswith("OK ") and quiet.stderr == ""

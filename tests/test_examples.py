@@ -162,15 +162,16 @@ def test_examples_learn_and_a_finished_run_resumes_without_training(reference, c
 
 
 def test_examples_differ_from_a_checkpoint_free_loop_by_the_marked_lines():
-    """The README's claim: delete the lines marked `# ckpt` (the import, the construction, restore_or and
-    the per-step call) and what is left of ``main`` is a plain training loop."""
+    """The README's claim: delete the lines marked `# ckpt` (the import, the construction, restore_or,
+    the per-step call and the final close) and what is left of ``main`` is a plain training loop."""
     for script in ["train_linen.py", "train_nnx.py"]:
         lines = (EXAMPLES / script).read_text().splitlines()
         marked = [line.strip() for line in lines if line.endswith("  # ckpt")]
-        assert len(marked) == 4, marked
+        assert len(marked) == 5, marked
         assert marked[0] == "from callbacks import CheckpointCallback  # ckpt"
         assert marked[1].startswith("ckpt = CheckpointCallback(")
         assert ".restore_or(" in marked[2] and marked[3].startswith("ckpt(step + 1, ")
+        assert marked[4] == "ckpt.close()  # ckpt"
         main = lines[next(i for i, line in enumerate(lines) if line.startswith("def main(")):]
         rest = [line for line in main if not line.endswith("  # ckpt")]
         assert not [line for line in rest if "ckpt" in line or "Checkpoint" in line], script

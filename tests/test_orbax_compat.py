@@ -227,8 +227,11 @@ def test_orbax_composite_step_and_prefixed_names(ckpt_dir):
     assert oc.list_steps(root) == [7]
     step_dir = root / "step_0007"
     assert oc.step_item_path(root, 7) == str(step_dir / "state")
-    assert_bit_exact(state, fc.restore(step_dir, state), types=False)  # the step folder restores its pytree item
-    assert oc.json_items(step_dir) == {"config": {"lr": 0.1, "layers": [2, 3]}}
+    config = {"lr": 0.1, "layers": [2, 3]}  # named items restore as {item: value}, JSON items as their JSON
+    assert_bit_exact({"config": config, "state": state}, fc.restore(step_dir, {"state": state, "config": None}),
+                     types=False)
+    assert_bit_exact(state, fc.restore(step_dir, state, item="state"), types=False)  # one item by itself
+    assert oc.json_items(step_dir) == {"config": config}
     assert fc.metadata(step_dir).step == 7
 
 
@@ -409,7 +412,7 @@ def test_manager_resumes_an_orbax_run(ckpt_dir):
         assert_bit_exact(trees[2], mgr.restore(target=trees[2]), types=False)
         assert mgr.metrics(2) == {"loss": 0.5}
         mgr.save(3, {"w": jnp.full((4,), 3.0, jnp.bfloat16), "step": 3}, metrics={"loss": 0.1})
-        assert mgr.all_steps() == [2, 3]  # the run continues natively; retention removed Orbax's step 1
+        assert mgr.all_steps() == [2, 3]  # the run continues (in Orbax's layout); retention removed step 1
         assert not (root / "1").exists() and (root / "2").exists()
         assert mgr.restore(2, trees[2])["step"] == 2 and mgr.restore()["step"] == 3
 

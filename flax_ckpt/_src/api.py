@@ -38,17 +38,24 @@ def _folder(path: Any):
     return parent.sub(name)
 
 
-def restore(path: Any, target: Any = None, *, shardings: Any = None, partial: bool = False) -> Any:
+def restore(path: Any, target: Any = None, *, shardings: Any = None, partial: bool = False,
+            item: str | None = None) -> Any:
     """Restores the checkpoint at ``path`` (either format) into ``target``'s structure, checked leaf by
     leaf (a pytree of arrays or jax.ShapeDtypeStruct giving structure, dtypes and placement), or without
-    a target into nested dicts/lists of numpy arrays. ``shardings`` (one, or a tree) overrides the
-    target's placement; ``partial`` restores a sub-tree of what was saved, reading only its bytes."""
-    source = formats.open_checkpoint(_folder(path))
+    a target into nested dicts/lists of numpy arrays. Each leaf keeps the target's type: a Python
+    scalar target leaf gets a Python scalar, a weak-typed one a weak-typed array. ``shardings`` (one,
+    or a tree) overrides the target's placement; ``partial`` restores a sub-tree of what was saved,
+    reading only its bytes.
+
+    An Orbax step saved with named items (``args.Composite``) restores as ``{item name: value}``
+    (JSON items as their JSON) and takes a target keyed by item names; ``item="state"`` restores
+    one item by itself (see the orbax package's docstring)."""
+    source = formats.open_checkpoint(_folder(path), item)
     return engine.restore(source, target, shardings=shardings, partial=partial)
 
 
-def metadata(path: Any) -> CheckpointInfo:
+def metadata(path: Any, *, item: str | None = None) -> CheckpointInfo:
     """What the checkpoint at ``path`` holds (tree of shapes, dtypes, shardings; step, metrics, user
-    metadata), read without any array bytes."""
+    metadata), read without any array bytes; ``item``: one named item of an Orbax step."""
     with gc_paused():
-        return formats.open_checkpoint(_folder(path)).info()
+        return formats.open_checkpoint(_folder(path), item).info()

@@ -3,8 +3,9 @@
 Scope: argument parsing, printing (text tables for people, one JSON document on stdout for scripts)
 and exit statuses. The work itself lives in inspect.py and the engine; nothing here reads bytes.
 Exit status: 0 success; 1 verify found damage or diff found differences; 2 usage errors and errors
-(no such checkpoint, a damaged manifest for info, a lock held by a live manager). Progress bars go
-to stderr (never into --json stdout) and are silenced by --quiet.
+(no such checkpoint, a damaged manifest for info, a lock held by a live manager); 3 verify --strict
+found leaves that carry no checksum (unverified). Progress bars go to stderr (never into --json
+stdout), only when stderr is a terminal or with --progress; --quiet silences them.
 """
 
 from __future__ import annotations
@@ -17,20 +18,28 @@ import os
 import sys
 from typing import Any, Callable, Sequence
 
-EXIT_OK, EXIT_FOUND, EXIT_ERROR = 0, 1, 2
+EXIT_OK, EXIT_FOUND, EXIT_ERROR, EXIT_UNVERIFIED = 0, 1, 2, 3
 
 
 def _common() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument("--json", action="store_true", help="print one JSON document on stdout (for scripts)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bars on stderr")
+    p.add_argument("--progress", action="store_true",
+                   help="progress bars on stderr even when it is not a terminal (default: only on a terminal)")
     return p
+
+
+def _progress(args: argparse.Namespace) -> bool:
+    """tqdm bars: on a terminal, or asked for with --progress; never with --quiet."""
+    return not args.quiet and (args.progress or sys.stderr.isatty())
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="flax-ckpt", description="Inspect, verify, compare, convert and prune flax_ckpt checkpoints.",
-        epilog="Exit status: 0 ok; 1 damage (verify) or differences (diff) found; 2 error.")
+        epilog="Exit status: 0 ok; 1 damage (verify) or differences (diff) found; 2 error; 3 leaves without "
+               "checksums (verify --strict).")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     common = [_common()]
     p = sub.add_parser("ls", parents=common, help="list the steps of a checkpoint directory",
@@ -46,9 +55,14 @@ def build_parser() -> argparse.ArgumentParser:
                                    "step, metrics and user metadata. Reads no array bytes.")
     p.add_argument("path", metavar="PATH")
     p = sub.add_parser("verify", parents=common, help="re-read every byte and check every checksum",
-                       description="Re-read every stored byte and check its checksum; name each damaged leaf "
-                                   "and file. Exit status 1 on damage.")
+                       description="Re-read every stored byte of a checkpoint, or of every step of a run "
+                                   "directory, and check its checksum; name each damaged leaf and file. "
+                                   "Leaves stored without a checksum (Orbax's layout) are reported as "
+                                   "UNVERIFIED. Exit status 1 on damage; 3 with --strict when leaves are "
+                                   "unverified.")
     p.add_argument("path", metavar="PATH")
+    p.add_argument("--strict", action="store_true",
+                   help="exit 3 when some leaves carry no checksum, so that damage to them cannot be seen")
     p = sub.add_parser("diff", parents=common, help="compare two checkpoints leaf by leaf",
                        description="List leaves only in one checkpoint and leaves whose dtype, shape or values "
                                    "differ (with the max absolute difference). Exit status 1 if they differ.")
@@ -196,26 +210,37 @@ def cmd_info(args: argparse.Namespace) -> int:
 def cmd_verify(args: argparse.Namespace) -> int:
     from flax_ckpt._src import tools as fi
 
-    problems = fi.verify(args.path, progress=not args.quiet)
+    r = fi.check(args.path, progress=_progress(args))
+    problems = r.problems
     doc = {"path": os.fspath(args.path), "ok": not problems,
-           "problems": [{"leaf": p.leaf, "file": p.file, "message": p.message} for p in problems]}
-    damaged = sorted({p.leaf for p in problems if p.leaf})
+           "problems": [{"leaf": p.leaf, "file": p.file, "message": p.message, "step": p.step} for p in problems],
+           "verified": r.sound, "leaves": r.leaves, "unverified": len(r.unverified),
+           "unverified_leaves": r.unverified, "steps": r.steps, "skipped": r.skipped}
+    damaged = sorted({(p.step, p.leaf) for p in problems if p.leaf})
+    run = "" if r.steps is None else f" ({len(r.steps)} steps" + (
+        f"; skipped {', '.join(r.skipped)}: not committed)" if r.skipped else ")")
     if problems:
-        text = "\n".join([f"DAMAGED {args.path}: {len(problems)} problems"
-                          + (f" in {len(damaged)} leaves" if damaged else "")]
-                         + [f"  leaf {p.leaf or '-'}  file {p.file or '-'}: {p.message}" for p in problems])
-    elif fi.detect_format(args.path) == "orbax":
-        text = f"OK {args.path}: every leaf reads back (Orbax layout: checked where Orbax stores checksums)"
+        bad_steps = sorted({p.step for p in problems if p.step is not None})
+        head = (f"DAMAGED {args.path}: {len(problems)} problems" + (f" in {len(damaged)} leaves" if damaged else "")
+                + (f" of steps {', '.join(map(str, bad_steps))}" if bad_steps else "") + run)
+        text = "\n".join([head] + [f"  {'' if p.step is None else f'step {p.step}  '}leaf {p.leaf or '-'}  "
+                                   f"file {p.file or '-'}: {p.message}" for p in problems])
+    elif r.unverified:
+        text = (f"UNVERIFIED {args.path}: every leaf reads back, but {len(r.unverified)} of {r.leaves} leaves carry "
+                f"no checksum (Orbax's layout stores none for them), so damage to their bytes cannot be detected"
+                + run + ("" if args.strict else "; --strict makes this an error"))
     else:
-        text = f"OK {args.path}: every checksum matches"
+        text = f"OK {args.path}: every checksum matches{run}"
     _emit(args, doc, text)
-    return EXIT_FOUND if problems else EXIT_OK
+    if problems:
+        return EXIT_FOUND
+    return EXIT_UNVERIFIED if r.unverified and args.strict else EXIT_OK
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
     from flax_ckpt._src import tools as fi
 
-    r = fi.diff(args.a, args.b, progress=not args.quiet)
+    r = fi.diff(args.a, args.b, progress=_progress(args))
     doc = {"a": args.a, "b": args.b, "identical": r.identical, "only_in_a": r.only_in_a, "only_in_b": r.only_in_b,
            "differing": [{"key": d.key, "a": d.a, "b": d.b, "max_abs_diff": d.max_abs_diff}
                          for d in r.differing], "same": r.same}
@@ -233,10 +258,13 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
     to: fi.Format | None = args.to or ("safetensors" if str(args.dst).endswith(".safetensors") else None)
     r = fi.convert(args.src, args.dst, to=to, serializer=args.serializer, subtree=args.subtree,
-                   progress=not args.quiet)
-    doc = {"src": args.src, "dst": r.dst, "to": r.to, "leaves": r.leaves, "nbytes": r.nbytes, "skipped": r.skipped}
+                   progress=_progress(args))
+    doc = {"src": args.src, "dst": r.dst, "to": r.to, "leaves": r.leaves, "nbytes": r.nbytes, "skipped": r.skipped,
+           "outside": r.outside, "left_out": len(r.skipped) + len(r.outside)}
+    left = [f"{len(r.outside)} outside --subtree {r.subtree!r}"] if r.outside else []
+    left += [f"{len(r.skipped)} that are not plain arrays ({', '.join(r.skipped)})"] if r.skipped else []
     text = f"wrote {r.dst} ({r.to}): {r.leaves} leaves, {human_bytes(r.nbytes)}" + (
-        f"; skipped {len(r.skipped)} leaves that are not plain arrays: {', '.join(r.skipped)}" if r.skipped else "")
+        f"; left out {len(r.skipped) + len(r.outside)} leaves: {'; '.join(left)}" if left else "")
     _emit(args, doc, text)
     return EXIT_OK
 
@@ -287,11 +315,12 @@ def _hint(args: argparse.Namespace) -> str:
     if path is None or not os.path.isdir(path) or os.path.exists(os.path.join(path, "manifest.json")):
         return ""
     try:
-        steps = [e.step for e in fi.list_steps(path) if e.committed]
+        committed = [e for e in fi.list_steps(path) if e.committed]
     except Exception:  # a hint must never hide the error it is added to
         return ""
-    return (f" ({path} is a directory of steps {steps}: pass one of them, e.g. {os.path.join(path, str(steps[-1]))}, "
-            "or list them with `flax-ckpt ls`)") if steps else ""
+    steps = [e.step for e in committed]
+    return (f" ({path} is a directory of steps {steps}: pass one of them, e.g. "
+            f"{os.path.join(path, committed[-1].name)}, or list them with `flax-ckpt ls`)") if steps else ""
 
 
 if __name__ == "__main__":

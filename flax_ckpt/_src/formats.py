@@ -4,8 +4,9 @@ Scope: ``Layout``, what the public functions and the manager need of a format (i
 write and commit, opening one of its folders as a restore Source, its commit record), with the two
 implementations: "native" (flax_ckpt's own layout, engine/native.py) and "orbax" (Orbax's, orbax/);
 ``detect`` (which format a folder holds) and ``step_folders`` (the steps of a run directory in either
-format), which the manager and the flax-ckpt command both use. The memory tiers keep their own copy
-format (tiers/store.py) and migrate native steps through the native layout.
+format), which the manager and the flax-ckpt command both use; ``run_format`` (the format a manager
+writes a run's new steps in: the run's own) and ``step_name`` (their folder names). The memory tiers
+keep their own copy format (tiers/store.py) and migrate native steps through the native layout.
 """
 
 from __future__ import annotations
@@ -40,8 +41,9 @@ class Layout(Protocol):
                 metadata: Any) -> PersistTimes:
         """Writes and commits ``snap`` as ``parent/name`` (background thread)."""
 
-    def open(self, folder: Storage) -> Source:
-        """A committed folder of this format as a restore Source (with ``info()``, ``step``, ``metrics``)."""
+    def open(self, folder: Storage, item: str | None = None) -> Source:
+        """A committed folder of this format as a restore Source (with ``info()``, ``step``, ``metrics``);
+        ``item``: one named item of an Orbax step (a TargetMismatchError for a format without items)."""
 
     def metrics(self, folder: Storage) -> dict[str, Any] | None:
         """The metrics saved with a committed step folder, read cheaply (a manager's scan); raises a
@@ -50,9 +52,7 @@ class Layout(Protocol):
 
 def layout(name: str, serializer: "str | Serializer | None" = None) -> Layout:
     """The layout called ``name`` ("native" or "orbax"); ``serializer`` is the native layout's."""
-    if name == "flax_ckpt":
-        warnings.warn("format='flax_ckpt' is now called format='native'", DeprecationWarning, stacklevel=3)
-        name = "native"
+    name = _renamed(name)
     if name == "native":
         return NativeLayout(serializer)
     if name == "orbax":
@@ -60,6 +60,13 @@ def layout(name: str, serializer: "str | Serializer | None" = None) -> Layout:
             raise ValueError("serializer= applies to format='native'; Orbax's layout is always tensorstore zarr")
         return OrbaxLayout()
     raise ValueError(f"unknown format {name!r}; use 'native' or 'orbax'")
+
+
+def _renamed(name: str | None) -> str | None:
+    if name == "flax_ckpt":
+        warnings.warn("format='flax_ckpt' is now called format='native'", DeprecationWarning, stacklevel=4)
+        return "native"
+    return name
 
 
 def detect(folder: Storage) -> Layout:
@@ -70,9 +77,10 @@ def detect(folder: Storage) -> Layout:
     return OrbaxLayout() if orbax_locate.is_orbax(folder) else NativeLayout(None)
 
 
-def open_checkpoint(folder: Storage) -> Source:
-    """The committed checkpoint in ``folder``, in whichever format it has, as a restore Source."""
-    return detect(folder).open(folder)
+def open_checkpoint(folder: Storage, item: str | None = None) -> Source:
+    """The committed checkpoint in ``folder``, in whichever format it has, as a restore Source
+    (``item``: only that named item of an Orbax step)."""
+    return detect(folder).open(folder, item)
 
 
 @dataclass(frozen=True)
@@ -98,3 +106,41 @@ def step_folders(root: Storage) -> tuple[list[StepFolder], list[str]]:
         elif entry.isdigit() and int(entry) not in orbax:
             found.append(StepFolder(int(entry), entry, NativeLayout(None)))
     return sorted(found, key=lambda f: f.step), temporary
+
+
+def run_format(requested: str | None, committed: list[StepFolder], directory: str) -> tuple[str, str | None]:
+    """The format a manager writes new steps of the run in ``directory`` in, and a warning (or None).
+
+    A run stays in one format: with ``requested`` None it follows the directory (the newest committed
+    step's format; "native" for an empty directory); an explicit ``requested`` that contradicts it is
+    a ValueError naming the ``format=`` to pass. A directory holding both formats (written by an older
+    flax_ckpt, which continued Orbax runs natively) follows its newest step, with a warning."""
+    requested = _renamed(requested)
+    if requested is not None and requested not in FORMATS:
+        raise ValueError(f"unknown format {requested!r}; use 'native', 'orbax' or None (follow the directory)")
+    if not committed:
+        return requested or "native", None
+    newest = committed[-1].layout.name
+    by_format = {name: [f.step for f in committed if f.layout.name == name] for name in FORMATS}
+    if requested is not None and requested != newest:
+        raise ValueError(
+            f"{directory} holds {newest} steps ({_steps_text(by_format[newest])}); a run stays in one format, so "
+            f"open it with format={newest!r} (or format=None, which follows the directory), or give the "
+            f"{requested} run a directory of its own")
+    mixed = all(by_format[name] for name in FORMATS)
+    warning = None if not mixed else (
+        f"{directory} holds both native steps ({_steps_text(by_format['native'])}) and Orbax steps "
+        f"({_steps_text(by_format['orbax'])}); new steps follow the newest, in the {newest} format")
+    return newest, warning
+
+
+def _steps_text(steps: list[int]) -> str:
+    return ", ".join(map(str, steps[:8])) + (f", ... ({len(steps)} in all)" if len(steps) > 8 else "")
+
+
+def step_name(format: str, step: int, committed: list[StepFolder]) -> str:
+    """The folder name of a new step: ``<step>`` for native steps; for Orbax steps the naming of the
+    run's Orbax steps (``step_prefix``, fixed length), so that Orbax's CheckpointManager lists it."""
+    if format != "orbax":
+        return str(step)
+    return orbax_locate.step_name(step, [f.name for f in committed if f.layout.name == "orbax"])

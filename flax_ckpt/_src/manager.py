@@ -10,10 +10,8 @@ of a save: ``save`` (snapshot, caller's thread) -> AsyncWriter.submit -> ``_pers
 
 from __future__ import annotations
 
-import fcntl
 import functools
 import logging
-import os
 import threading
 import uuid
 import time
@@ -25,12 +23,13 @@ from flax_ckpt._src import distributed, formats
 from flax_ckpt._src.engine import restore as engine
 from flax_ckpt._src.engine.leaves import CheckpointInfo
 from flax_ckpt._src.engine.snapshot import Snapshot, jsonable
-from flax_ckpt._src.errors import (CheckpointError, CheckpointLockedError, CheckpointNotFoundError, DistributedError,
-                                   StorageError, error_class)
+from flax_ckpt._src.errors import (CheckpointError, CheckpointNotFoundError, DistributedError, StorageError,
+                                   error_class)
 from flax_ckpt._src.interval import AutoInterval
 from flax_ckpt._src.retention import finite, steps_to_delete
 from flax_ckpt._src.serializers import Serializer
 from flax_ckpt._src.storage import ObjectStoreOptions, Storage, open_storage
+from flax_ckpt._src.storage.lock import LOCK_FILE, DirectoryLock
 from flax_ckpt._src.tiers import TierSet, Tiers
 from flax_ckpt._src.tiers.store import TierSnapshot
 from flax_ckpt._src.writer import AsyncWriter
@@ -38,7 +37,7 @@ from flax_ckpt._src.writer import AsyncWriter
 log = logging.getLogger("flax_ckpt")
 _DAMAGE = ("CorruptCheckpointError", "InvalidManifestError", "FileNotFoundError", "CheckpointNotFoundError",
            "NotADirectoryError")  # a step that cannot be read: restore falls back past it
-LOCK_FILE = ".flax_ckpt.lock"
+__all__ = ["CheckpointManager", "DirectoryLock", "LOCK_FILE", "RestoreStats", "SaveStats"]
 
 
 @dataclass(frozen=True)
@@ -75,31 +74,6 @@ class RestoreStats:
     seconds: float
 
 
-class DirectoryLock:
-    """An flock on ``<dir>/.flax_ckpt.lock``: exclusive across processes and managers; released by the
-    OS when the holder dies, so a crashed run never leaves it held."""
-
-    def __init__(self, directory: str):
-        self.path = os.path.join(directory, LOCK_FILE)
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(self.fd, 200, 0).decode(errors="replace").strip() or "unknown"
-            os.close(self.fd)
-            raise CheckpointLockedError(
-                f"{directory} is in use by another CheckpointManager ({holder}); close it first. "
-                "A lock held by a process that died is released by the OS.") from None
-        os.ftruncate(self.fd, 0)
-        os.pwrite(self.fd, f"pid {os.getpid()} on {os.uname().nodename}\n".encode(), 0)
-
-    def release(self) -> None:
-        if self.fd >= 0:
-            fcntl.flock(self.fd, fcntl.LOCK_UN)
-            os.close(self.fd)
-            self.fd = -1
-
-
 class CheckpointManager:
     """Periodic, asynchronous, retained checkpoints of a training run in ``directory``.
 
@@ -108,8 +82,16 @@ class CheckpointManager:
     it kept forever), ``best_metric``/``best_mode``/``keep_best`` (the best N by that metric also kept),
     ``async_save``, ``serializer`` ('raw', 'zarr3' or an instance), ``strict`` (restore(step=None)
     raises on a damaged newest step instead of falling back to an older one with a warning),
-    ``format`` ("native" or "orbax": the layout new steps are written in), ``tiers`` (memory tiers,
-    fc.Tiers), ``storage_options`` (fc.ObjectStoreOptions: how to reach s3:// and gs://).
+    ``format`` (the layout new steps are written in: None, the default, follows the directory, so a run
+    stays in one format: "orbax" when its steps are Orbax's, else "native"; an explicit "native" or
+    "orbax" that contradicts the steps there is a ValueError; a directory holding both follows its
+    newest step, with a warning), ``tiers`` (memory tiers, fc.Tiers), ``storage_options``
+    (fc.ObjectStoreOptions: how to reach s3:// and gs://).
+
+    The directory lock (local folders) keeps two live managers from writing one directory. A native
+    run takes it when the manager opens; an Orbax run at its first save (then also removing leftovers
+    of crashed saves), and removes the lock file again at close, so a manager that only restores an
+    Orbax run writes nothing into it.
     """
 
     def __init__(self, directory: Any, *, save_interval_steps: "int | Literal['auto']" = 1,
@@ -117,7 +99,7 @@ class CheckpointManager:
                  keep_period: int | None = None, best_metric: str | None = None,
                  best_mode: Literal["min", "max"] = "min", keep_best: int | None = None,
                  async_save: bool = True, serializer: "str | Serializer | None" = None, tiers: Any = None,
-                 strict: bool = False, metadata: Any = None, format: Literal["native", "orbax"] = "native",
+                 strict: bool = False, metadata: Any = None, format: Literal["native", "orbax"] | None = None,
                  overhead_budget: float = 0.01, mtbf_s: float | None = None, metric_writer: Any = None,
                  storage_options: "ObjectStoreOptions | dict[str, Any] | None" = None):
         self._auto = AutoInterval(overhead_budget, mtbf_s) if save_interval_steps == "auto" else None
@@ -129,18 +111,17 @@ class CheckpointManager:
             raise ValueError(f"max_to_keep must be >= 1 or None, got {max_to_keep!r}")
         if best_mode not in ("min", "max"):
             raise ValueError(f"best_mode must be 'min' or 'max', got {best_mode!r}")
-        self.layout: formats.Layout = formats.layout(format, serializer)
-        self.format = self.layout.name
         if keep_best is not None and best_metric is None:
             raise ValueError("keep_best needs best_metric (the metric name to rank steps by)")
         if tiers is not None and not isinstance(tiers, Tiers):
             raise TypeError(f"tiers must be a flax_ckpt.Tiers, got {type(tiers).__name__}")
-        if tiers is not None and self.format != "native":
-            raise ValueError("tiers= needs format='native' (the memory tiers migrate native checkpoints)")
         self._tiers: TierSet | None = None
         self.storage: Storage = open_storage(directory, options=storage_options)
         self.directory = self.storage.url
         self._prefix = distributed.job_prefix("manager", self.directory)  # this run's agreement rounds
+        self.storage.makedirs()
+        self.format = self._follow(format, serializer, tiers)
+        self.layout: formats.Layout = formats.layout(self.format, serializer)
         self.save_interval_steps, self.max_to_keep, self.keep_period = save_interval_steps, max_to_keep, keep_period
         self.best_metric, self.best_mode, self.keep_best = best_metric, best_mode, keep_best
         self.async_save, self.strict, self.metadata = async_save, strict, metadata
@@ -150,9 +131,8 @@ class CheckpointManager:
         self._created = time.perf_counter()
         self._last_saved: int | None = None
         self._lock: DirectoryLock | None = None
-        self.storage.makedirs()
-        if self.storage.local_path is not None and distributed.process_index() == 0:
-            self._lock = DirectoryLock(self.storage.local_path)  # one lock per job: its other processes share it
+        self._claimed = False
+        self._leftovers: list[str] = []  # folders of crashed saves, removed once the directory is claimed
         self._mutex = threading.Lock()
         self._metrics: dict[int, dict[str, Any] | None] = {}
         self._folders: dict[int, formats.StepFolder] = {}  # committed steps: folder name and format
@@ -161,23 +141,56 @@ class CheckpointManager:
         self.restore_stats: list[RestoreStats] = []
         self._writer = AsyncWriter()
         self._closed = False
+        if self.format == "native":
+            self._claim()
         self._scan()
         if tiers is not None:  # after the scan: the tiers need the persistent steps
             self._tiers = TierSet(tiers, self.directory, set(self._metrics))
 
     # ------------------------------------------------------------------------------------ directory
 
+    def _follow(self, requested: str | None, serializer: Any, tiers: Any) -> str:
+        """The format of new steps: the run's own (formats.run_format), from the committed step folders."""
+        folders, _ = formats.step_folders(self.storage)
+        committed = [f for f in folders
+                     if f.layout.name == "orbax" or commit_mod.is_committed(self.storage, f.name, f.layout.record)]
+        fmt, warning = formats.run_format(requested, committed, self.directory)
+        if warning is not None:
+            log.warning("%s", warning)
+        followed = f"{self.directory} holds Orbax steps, so this run's new steps are Orbax's too, and "
+        if fmt == "orbax" and requested is None and serializer is not None:
+            raise ValueError(followed + "serializer= applies to native steps only; drop serializer= (or give a "
+                             "native run a directory of its own)")
+        if tiers is not None and fmt != "native":
+            raise ValueError((followed if requested is None else "") + "tiers= needs format='native' (the memory "
+                             "tiers migrate native checkpoints)")
+        return fmt
+
+    def _claim(self) -> None:
+        """Before the first write: the directory lock (one per job: its other processes share it) and
+        the removal of crashed saves' leftovers. A native run claims its directory when the manager
+        opens; an Orbax run at its first save (a restore-only manager writes nothing there), with a
+        lock file that is removed again at close."""
+        if self._claimed:
+            return
+        if self.storage.local_path is not None and distributed.process_index() == 0:
+            self._lock = DirectoryLock(self.storage.local_path, tidy=self.format == "orbax")
+        self._claimed = True
+        if self.format != "native":
+            self._scan()  # the view from the open may be stale by now; this scan removes the leftovers
+
     def _scan(self) -> None:
-        """Rebuilds the view of committed steps from the directory and removes leftovers of crashes.
-        With several processes, process 0 alone scans and removes, and every process adopts its view
-        (steps, their folders and metrics, damaged steps): all restore and retain the same steps."""
-        if distributed.process_count() > 1 and distributed.process_index() != 0:
+        """Rebuilds the view of committed steps from the directory and, once the directory is claimed,
+        removes leftovers of crashes. With several processes, process 0 alone scans and removes, and
+        every process adopts its view (steps, their folders and metrics, damaged steps): all restore
+        and retain the same steps."""
+        lead = distributed.process_index() == 0
+        if distributed.process_count() > 1 and not lead:
             self._agree_view()
             return
         folders, temporary = formats.step_folders(self.storage)
-        for entry in temporary:
-            log.warning("removing %s/%s, left by an interrupted save or deletion", self.directory, entry)
-            self.storage.delete(entry)
+        self._metrics, self._folders, self._damaged = {}, {}, {}
+        self._leftovers = list(temporary)
         for f in folders:
             try:
                 metrics = f.layout.metrics(self.storage.sub(f.name))
@@ -185,12 +198,17 @@ class CheckpointManager:
                 raise  # the store failed (after its retries): say so rather than hide a committed step
             except (CheckpointError, OSError) as e:
                 if not self.storage.supports_rename and not self.storage.sub(f.name).exists(f.layout.record):
-                    self.storage.delete(f.name)  # an uncommitted object-store step: its commit object never came
+                    self._leftovers.append(f.name)  # an uncommitted object-store step: its commit object never came
                 else:
                     log.warning("ignoring damaged step %d in %s: %s", f.step, self.directory, e)
                     self._damaged[f.step] = (e, f)
                 continue
             self._metrics[f.step], self._folders[f.step] = metrics, f
+        if self._claimed and lead:
+            for entry in self._leftovers:
+                log.warning("removing %s/%s, left by an interrupted save or deletion", self.directory, entry)
+                self.storage.delete(entry)
+            self._leftovers = []
         if distributed.process_count() > 1:
             self._agree_view()
 
@@ -263,7 +281,9 @@ class CheckpointManager:
     # ----------------------------------------------------------------------------------------- save
 
     def save(self, step: int, state: Any, *, metrics: dict[str, Any] | None = None, force: bool = False) -> bool:
-        """Saves ``state`` as ``step`` if the schedule says so (or ``force``); False when skipped.
+        """Saves ``state`` as ``step`` if the schedule says so, or off schedule with ``force=True`` (e.g. the
+        last step of a run whose length is not a multiple of ``save_interval_steps``); False when skipped
+        (off schedule without ``force``, or a step that is saved already, which is never overwritten).
 
         Returns once the state is copied to host memory (async) or committed (sync). Raises a previous
         background failure as SaveFailedError. The path of a save: this method (snapshot on the
@@ -284,6 +304,11 @@ class CheckpointManager:
                 return False
             if not force and not self.should_save(step):
                 return False
+            if not self._claimed:
+                self._claim()
+                if step in self._metrics:
+                    log.info("step %d already saved in %s; skipped", step, self.directory)
+                    return False
             metrics = jsonable(metrics, "metrics")
             self._writer.wait()  # back-pressure: one save in flight
             if self._tiers is not None:  # first sends the previous step's copy to its peer (a collective)
@@ -310,10 +335,12 @@ class CheckpointManager:
             return self._tiers.save(step, snap, metrics, lambda s: self._persist(step, s, metrics, t0, blocked),
                                     t0, blocked)
         self._set_aside_damaged(step)
-        times = self.layout.persist(snap, self.storage, str(step), step=step, metrics=metrics, metadata=self.metadata)
+        with self._mutex:
+            name = formats.step_name(self.format, step, sorted(self._folders.values(), key=lambda f: f.step))
+        times = self.layout.persist(snap, self.storage, name, step=step, metrics=metrics, metadata=self.metadata)
         with self._mutex:
             self._metrics[step] = metrics
-            self._folders[step] = formats.StepFolder(step, str(step), self.layout)
+            self._folders[step] = formats.StepFolder(step, name, self.layout)
         stats = SaveStats(step, snap.nbytes, blocked, snap.seconds, times.write, times.commit,
                           time.perf_counter() - t0, fsync_s=times.fsync, start_s=t0 - self._created,
                           serialize_s=times.serialize, written_bytes=times.written,
@@ -330,8 +357,8 @@ class CheckpointManager:
         if damaged is None or distributed.process_index() != 0:
             return
         if self.storage.supports_rename:
-            aside = f"{step}.damaged-{uuid.uuid4().hex[:8]}"
-            self.storage.rename(str(step), aside)
+            aside = f"{damaged[1].name}.damaged-{uuid.uuid4().hex[:8]}"
+            self.storage.rename(damaged[1].name, aside)
             log.warning("step %d in %s was damaged; moved to %s before saving it again", step, self.directory, aside)
         else:
             commit_mod.remove(self.storage, damaged[1].name, damaged[1].layout.record)
@@ -368,11 +395,12 @@ class CheckpointManager:
     # -------------------------------------------------------------------------------------- restore
 
     def restore(self, step: int | None = None, target: Any = None, *, shardings: Any = None,
-                partial: bool = False, target_for: Callable[[CheckpointInfo], Any] | None = None) -> Any:
+                partial: bool = False, item: str | None = None,
+                target_for: Callable[[CheckpointInfo], Any] | None = None) -> Any:
         """Restores ``step`` (default: the newest committed step; if it is damaged and the manager is not
-        strict, the newest older one that is good, with a warning). ``target_for``: instead of
-        ``target``, a function giving the target from the step's CheckpointInfo (called for each step
-        tried).
+        strict, the newest older one that is good, with a warning). ``item``: one named item of an
+        Orbax step (saved with args.Composite), as fc.restore's. ``target_for``: instead of ``target``,
+        a function giving the target from the step's CheckpointInfo (called for each step tried).
 
         With several processes (every process calls it), the step is decided once for all: each process
         restores what it must read, checking every checksum as it reads, then they compare; all return
@@ -380,6 +408,8 @@ class CheckpointManager:
         raise the same CheckpointError naming the process and file that failed."""
         self._writer.wait()
         if self._tiers is not None:
+            if item is not None:
+                raise ValueError("item= selects an item of an Orbax step; a tiered manager holds native steps")
             return self._restore_tiered(step, target, shardings, partial)
         if distributed.process_count() > 1:
             self._agree_view()
@@ -387,21 +417,22 @@ class CheckpointManager:
         if step is not None:
             if step not in steps:
                 raise CheckpointNotFoundError(f"no committed step {step} in {self.directory} (steps: {steps})")
-            return self._restore_agreed([step], target, target_for, shardings, partial, fallback=False)
+            return self._restore_agreed([step], target, target_for, shardings, partial, item, fallback=False)
         damaged = max(self._damaged, default=None)
         if self.strict and damaged is not None and (not steps or damaged > steps[-1]):
             raise self._damaged[damaged][0]  # strict: a damaged newest step is an error, not a fallback
         if not steps:
             raise CheckpointNotFoundError(f"no committed checkpoint in {self.directory}")
-        return self._restore_agreed(steps[::-1], target, target_for, shardings, partial, fallback=not self.strict)
+        return self._restore_agreed(steps[::-1], target, target_for, shardings, partial, item,
+                                    fallback=not self.strict)
 
     def _restore_agreed(self, candidates: list[int], target: Any, target_for: Any, shardings: Any, partial: bool,
-                        fallback: bool) -> Any:
+                        item: str | None, fallback: bool) -> Any:
         """Tries ``candidates`` in order until one restores on every process (see ``restore``)."""
         for i, s in enumerate(candidates):
             try:
-                t = target_for(self.item_metadata(s)) if target_for is not None else target
-                out, err = self._restore_step(s, t, shardings, partial), None
+                t = target_for(self.item_metadata(s, item=item)) if target_for is not None else target
+                out, err = self._restore_step(s, t, shardings, partial, item), None
             except (CheckpointError, OSError) as e:
                 out, err = None, e
             failures = self._vote(s, err)
@@ -452,13 +483,13 @@ class CheckpointManager:
             self.restore_stats.append(RestoreStats(plan.step, tier, nbytes, time.perf_counter() - t0))
         return out
 
-    def _open(self, step: int) -> engine.Source:
+    def _open(self, step: int, item: str | None = None) -> engine.Source:
         folder = self._folders.get(step) or formats.StepFolder(step, str(step), self.layout)
-        return folder.layout.open(self.storage.sub(folder.name))
+        return folder.layout.open(self.storage.sub(folder.name), item)
 
-    def _restore_step(self, step: int, target: Any, shardings: Any, partial: bool) -> Any:
+    def _restore_step(self, step: int, target: Any, shardings: Any, partial: bool, item: str | None = None) -> Any:
         t0 = time.perf_counter()
-        source = self._open(step)
+        source = self._open(step, item)
         out = engine.restore(source, target, shardings=shardings, partial=partial)
         stats = RestoreStats(step, "persistent", engine.restored_nbytes(source, target, partial),
                              time.perf_counter() - t0)
@@ -467,11 +498,12 @@ class CheckpointManager:
                  stats.nbytes / 1e6, stats.seconds)
         return out
 
-    def item_metadata(self, step: int | None = None) -> CheckpointInfo:
+    def item_metadata(self, step: int | None = None, *, item: str | None = None) -> CheckpointInfo:
+        """fc.metadata of ``step`` (default: the newest), or of one named item of an Orbax step."""
         step = self.latest_step() if step is None else step
         if step is None:
             raise CheckpointNotFoundError(f"no committed checkpoint in {self.directory}")
-        return self._open(step).info()
+        return self._open(step, item).info()
 
     # ---------------------------------------------------------------------------------------- close
 

@@ -50,7 +50,9 @@ class LeafRecord:
     their ``sharding`` description and ``chunks``, the records of whoever stores their bytes (a
     serializer; validated by it). ``python``: an array that is a Python number stored as a 0-d array
     (Orbax's "scalar"), given back as a number. Other kinds carry ``value``: the Python number
-    ("scalar"), the text ("string") or the empty container's kind ("empty": one of EMPTY_KINDS)."""
+    ("scalar"), the text ("string"), the empty container's kind ("empty": one of EMPTY_KINDS) or, for
+    the kind "json" that only Orbax sources have (an Orbax JSON item, never in a native manifest), the
+    parsed JSON document."""
 
     path: tuple[tuple[str, Any], ...]
     kind: str
@@ -102,6 +104,8 @@ class LeafRecord:
             return f"Python {type(self.value).__name__}"
         if self.kind == "string":
             return "str"
+        if self.kind == "json":
+            return "JSON item"
         return {"none": "None", "dict": "{}", "list": "[]", "tuple": "()"}[self.value]
 
     # The manifest's JSON form (see validate_leaf for its schema).

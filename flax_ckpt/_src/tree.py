@@ -91,17 +91,22 @@ def classify(x: Any) -> str:
 
 def classify_all(flat: Sequence[tuple[KeyPath, Any]]) -> list[str]:
     """Classifies every leaf; collects every unsupported one into a single UnsupportedLeafError."""
-    kinds, bad = [], []
+    kinds, bad, iterators = [], [], False
     for path, leaf in flat:
         try:
             kinds.append(classify(leaf))
         except TypeError as e:
             bad.append(f"{keystr(path)}: {e}")
+            iterators = iterators or hasattr(leaf, "__next__")
     if bad:
         raise UnsupportedLeafError(
             "cannot save these leaves (nothing was written): " + "; ".join(bad)
             + ". Store arrays, Python scalars, strings and None; rebuild functions and objects in code "
-              "(TrainState's apply_fn and tx are not leaves and need nothing).")
+              "(TrainState's apply_fn and tx are not leaves and need nothing)."
+            + (" A generator or iterator has no state to save: give its class get_state() (returning its "
+               "position as a pytree) and set_state(state) methods (the get_state()/set_state() protocol of "
+               "grain's iterators, callbacks.Stateful), and CheckpointCallback saves and restores its "
+               "position; or rebuild it in code from a saved step or epoch." if iterators else ""))
     return kinds
 
 

@@ -57,6 +57,8 @@ def python_scalar_kinds(t: Any) -> str | None:
 def compatible(t: Any, leaf: LeafRecord) -> bool:
     """Whether target leaf ``t`` can receive ``leaf`` without a cast."""
     kind = leaf.kind
+    if kind == "json":  # an Orbax JSON item is given back as stored, whatever the target says
+        return True
     if tree_mod.empty_kind(t) is not None:  # empty containers hold no data: any saved one will do
         return kind == "empty"
     if tree_mod.is_prng_key(t):

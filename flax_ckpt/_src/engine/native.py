@@ -22,7 +22,7 @@ from flax_ckpt._src.engine.leaves import CheckpointInfo, checkpoint_info, key_da
 from flax_ckpt._src.engine.pause import gc_paused
 from flax_ckpt._src.engine.snapshot import Snapshot, jsonable, snapshot
 from flax_ckpt._src.errors import (CheckpointNotCommittedError, CheckpointNotFoundError, CorruptCheckpointError,
-                                   InvalidManifestError)
+                                   InvalidManifestError, TargetMismatchError)
 from flax_ckpt._src.format import MANIFEST, MAX_MANIFEST_BYTES, decode, encode
 from flax_ckpt._src.records import LeafRecord
 from flax_ckpt._src.serializers import Box, Serializer, Written, get_serializer
@@ -98,7 +98,11 @@ class NativeLayout:
             raise
         return times
 
-    def open(self, folder: Storage) -> "NativeSource":
+    def open(self, folder: Storage, item: str | None = None) -> "NativeSource":
+        if item is not None:
+            raise TargetMismatchError(
+                f"{folder.url} is a native flax_ckpt checkpoint, one tree without items; item={item!r} selects an "
+                "item of an Orbax step saved with named items (args.Composite). Restore it without item=")
         return open_native(folder)
 
     def metrics(self, folder: Storage) -> dict[str, Any] | None:
@@ -181,6 +185,9 @@ class NativeSource:
 
     def view(self, leaf: LeafRecord, box: Box) -> np.ndarray | None:
         return self.serializer.view(self.storage, leaf, box, f"{self.where} leaf {leaf.name!r}")
+
+    def select(self, target: Any) -> tuple["NativeSource", Any]:
+        return self, target
 
     @property
     def step(self) -> int | None:

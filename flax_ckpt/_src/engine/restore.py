@@ -10,6 +10,7 @@ validation and the byte layout belong to the sources.
 
 from __future__ import annotations
 
+import copy
 import math
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -56,6 +57,11 @@ class Source(Protocol):
 
     def view(self, leaf: LeafRecord, box: Box) -> np.ndarray | None:
         """The box as a verified read-only array over bytes never written again, or None."""
+
+    def select(self, target: Any) -> "tuple[Source, Any]":
+        """The part of this checkpoint ``target`` asks for, and the target to check against it: the
+        source itself for most layouts; for an Orbax step of named items, only the items the target (a
+        dict keyed by item names) names. Raises a TargetMismatchError naming what the source holds."""
 
 
 def aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
@@ -193,10 +199,14 @@ class Reader:
         return _Pending(len(puts) - 1)
 
     def value(self, leaf: LeafRecord, target: Any, sharding: Any, puts: list | None = None) -> Any:
-        """The leaf as restore gives it for ``target`` (None: no target) and ``sharding``. ``puts``: a
-        list collecting (host array, sharding) placements for one batched jax.device_put, returning
-        _Pending markers for them (read_all)."""
+        """The leaf as restore gives it for ``target`` (None: no target) and ``sharding``. The target's
+        leaf type is kept: a Python scalar target gets a Python scalar of its type (whatever 0-d array
+        was saved), a weak-typed 0-d jax target a weak-typed array (as jit gives a Python scalar).
+        ``puts``: a list collecting (host array, sharding) placements for one batched jax.device_put,
+        returning _Pending markers for them (read_all)."""
         kind = leaf.kind
+        if kind == "json":
+            return copy.deepcopy(leaf.value)
         if kind == "empty":
             if target is not None or leaf.value == "none":
                 return target
@@ -208,19 +218,32 @@ class Reader:
             key = jax.random.wrap_key_data(data, impl=leaf.key_impl)
             sharding = sharding or getattr(target, "sharding", None)
             return jax.device_put(key, sharding) if sharding is not None else key
-        if leaf.python and (target is None or python_scalar_kinds(target) is not None):
-            number = self.host(leaf)[()].item()  # a Python number stored as a 0-d array
-            return type(target)(number) if target is not None else number
-        if python_scalar_kinds(target) is not None and sharding is None:  # a 0-d array, as saved
-            return self._put(self.host(leaf, device=True), None, puts) if kind == "jax" else self.host(leaf)
+        if leaf.python and target is None:
+            return self.host(leaf)[()].item()  # a Python number stored as a 0-d array
+        if python_scalar_kinds(target) is not None:  # e.g. TrainState.create's step=0: a Python int back
+            return type(target)(self.host(leaf)[()].item())
         if sharding is None and target is not None:
             sharding = getattr(target, "sharding", None)
+        if getattr(target, "weak_type", False) and leaf.shape == ():
+            weak = weak_scalar(self.host(leaf), sharding)
+            if weak is not None:
+                return weak
         if sharding is None:
             if isinstance(target, (jax.Array, jax.ShapeDtypeStruct)):
                 return self._put(self.host(leaf, device=True), None, puts)
             arr = self.host(leaf)
             return arr[()] if isinstance(target, np.generic) else arr
         return self.sharded(leaf, sharding, puts)
+
+
+def weak_scalar(value: np.ndarray, sharding: Any) -> jax.Array | None:
+    """A weak-typed 0-d jax array holding exactly the bits of ``value`` (jax makes one of a Python
+    number), placed by ``sharding``; None where no Python number gives that dtype and those bits
+    (e.g. int8, bfloat16, a NaN payload a float64 round trip would change)."""
+    out = jax.device_put(value[()].item(), sharding)
+    if out.dtype != value.dtype or np.asarray(out).tobytes() != value.tobytes():
+        return None
+    return out
 
 
 def flat_shardings(shardings: Any, names: Sequence[str]) -> dict[str, Any]:
@@ -242,6 +265,7 @@ def restore(source: Source, target: Any = None, *, shardings: Any = None, partia
 
 
 def _restore(source: Source, target: Any, shardings: Any, partial: bool) -> Any:
+    source, target = source.select(target)
     reader = Reader(source)
     if target is None:
         leaves = list(source.leaves)
@@ -258,6 +282,7 @@ def _restore(source: Source, target: Any, shardings: Any, partial: bool) -> Any:
 
 def restored_nbytes(source: Source, target: Any, partial: bool) -> int:
     """Array bytes a restore of ``source`` into ``target`` reads."""
+    source, target = source.select(target)
     wanted = None
     if target is not None and partial:
         wanted = {tree_mod.keystr(p) for p, _ in tree_mod.flatten(target)[0]}
@@ -309,4 +334,5 @@ def _place(puts: list[tuple[np.ndarray, Any]]) -> list[Any]:
     return out
 
 
-__all__ = ["Reader", "Source", "aligned_empty", "flat_shardings", "read_all", "restore", "restored_nbytes"]
+__all__ = ["Reader", "Source", "aligned_empty", "flat_shardings", "read_all", "restore", "restored_nbytes",
+           "weak_scalar"]

@@ -175,20 +175,39 @@ def _snapshot(tree: Any, copy: bool, reuse: Snapshot | None) -> Snapshot:
 
 def jsonable(obj: Any, what: str) -> Any:
     """``obj`` as the JSON it is stored as (metrics, user metadata); CheckpointError when it is not
-    JSON (no pickle is used). 0-d arrays become numbers."""
+    JSON (no pickle is used). An array or numpy scalar with exactly one element (a 0-d array, a pmap's
+    shape-(1,) metric) becomes its Python number; a larger array is an error naming its key path and
+    shape."""
     if obj is None:
         return None
     try:
-        return json.loads(json.dumps(obj, default=_json_default))
+        return json.loads(json.dumps(_plain(obj, what, ()), default=_refuse))
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"{what} must be JSON-serializable (no pickle is used): {e}") from None
     except RecursionError:
         raise CheckpointError(f"{what} is nested too deeply to store as JSON") from None
 
 
-def _json_default(x: Any) -> Any:
-    if isinstance(x, (np.generic, np.ndarray, jax.Array)) and np.ndim(x) == 0:
-        return np.asarray(x).item()
+def _plain(x: Any, what: str, path: tuple[Any, ...]) -> Any:
+    """``x`` with every one-element array replaced by its Python number (containers walked)."""
+    if isinstance(x, dict):
+        return {k: _plain(v, what, path + (k,)) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_plain(v, what, path + (i,)) for i, v in enumerate(x)]
+    if isinstance(x, (np.generic, np.ndarray, jax.Array)):
+        if np.size(x) != 1:
+            where = "/".join(map(str, path)) or "<root>"
+            kind = "jax.Array" if isinstance(x, jax.Array) else "numpy array"
+            raise CheckpointError(
+                f"{what} {where!r}: a {kind} of shape {tuple(np.shape(x))} is not a scalar (stored as a JSON "
+                "number, an array needs exactly one element): reduce it (e.g. .mean()) or take one replica's "
+                "value (x[0] of a pmap's output)")
+        a = np.asarray(x).reshape(())
+        return a.item() if a.dtype.kind in "biufc" else float(a)  # ml_dtypes (bfloat16, float8): a float
+    return x
+
+
+def _refuse(x: Any) -> Any:
     raise TypeError(f"{type(x).__name__} is not JSON-serializable")
 
 

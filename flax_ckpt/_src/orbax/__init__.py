@@ -7,6 +7,20 @@ tested against 0.12.8 (tests/test_orbax_compat.py); older releases whose items h
 with ``tree_metadata``/``key_metadata`` use the same layout but are not tested. Not covered: Orbax's
 emergency / multi-tier checkpoint layouts and ``_ROOT_METADATA`` (ignored), legacy msgpack
 checkpoints, handlers other than PyTree/Standard/JSON (UnsupportedOrbaxCheckpointError).
+
+What a restore gives (one stable shape per kind of folder):
+
+* one unnamed item (``ocp.StandardCheckpointer``/``PyTreeCheckpointer`` folders, a CheckpointManager
+  step of its single ``default`` item, an item folder inside a step): that item's tree;
+* a step saved with named items (``args.Composite(state=..., metadata=...)``, even with one item):
+  ``{item name: value}`` for every item, pytree items as trees and JSON items as their parsed JSON. A
+  target is a dict keyed by item names; only the items it names are read (pytree items checked leaf
+  by leaf, JSON items given back as stored, whatever their target). ``item="state"`` (fc.restore,
+  fc.metadata, CheckpointManager.restore) restores one item by itself;
+* a JSON item's folder (``<step>/metadata``): its JSON.
+
+The ``metrics`` JSON item of a manager step is the step's metrics (``fc.metadata(...).metrics``), not
+an item.
 """
 
 from __future__ import annotations
@@ -39,11 +53,11 @@ class OrbaxLayout:
         if step is None:
             write.save_item(parent, name, snap, metadata=metadata)
         else:
-            write.save_step(parent, step, snap, metrics=metrics, metadata=metadata)
+            write.save_step(parent, step, snap, metrics=metrics, metadata=metadata, name=name)
         return PersistTimes(write=time.perf_counter() - t0)
 
-    def open(self, folder: Storage) -> OrbaxSource:
-        return OrbaxSource(locate.locate(folder))
+    def open(self, folder: Storage, item: str | None = None) -> OrbaxSource:
+        return OrbaxSource(locate.locate(folder, item))
 
     def metrics(self, folder: Storage) -> dict[str, Any] | None:
         return locate.step_metrics(locate.locate(folder))

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from flax_ckpt._src import commit as commit_mod
 from flax_ckpt._src.errors import (CheckpointNotCommittedError, CheckpointNotFoundError, CorruptCheckpointError,
-                                   InvalidManifestError, UnsupportedOrbaxCheckpointError, format_list)
+                                   InvalidManifestError, TargetMismatchError, UnsupportedOrbaxCheckpointError,
+                                   format_list)
 from flax_ckpt._src.format import MANIFEST
 from flax_ckpt._src.storage import Storage
 
@@ -34,6 +35,7 @@ STANDARD_HANDLER = "orbax.checkpoint._src.handlers.standard_checkpoint_handler.S
 JSON_HANDLER = "orbax.checkpoint._src.handlers.json_checkpoint_handler.JsonCheckpointHandler"
 _PYTREE_CLASSES = frozenset({"PyTreeCheckpointHandler", "StandardCheckpointHandler", "PyTreeHandler"})
 _JSON_CLASSES = frozenset({"JsonCheckpointHandler", "JsonHandler"})
+DEFAULT_ITEM, METRICS_ITEM = "default", "metrics"  # a manager's unnamed item; its step metrics
 _STEP_NAME = re.compile(r"(?:(.+)_)?(\d+)")
 MAX_JSON = 256 << 20
 
@@ -59,12 +61,15 @@ def read_json(storage: Storage, name: str) -> Any:
 
 def is_orbax(folder: Storage) -> bool:
     """True when ``folder`` holds an Orbax layout (no flax_ckpt manifest; ``_METADATA`` or
-    ``_CHECKPOINT_METADATA``). Reads one folder listing, no file."""
+    ``_CHECKPOINT_METADATA``, or a committed JSON item's file). Reads one folder listing, no file."""
     try:
         entries = set(folder.list())
     except Exception:
         return False
-    return MANIFEST not in entries and bool(entries & {TREE_METADATA, CHECKPOINT_METADATA})
+    if MANIFEST in entries:
+        return False
+    return bool(entries & {TREE_METADATA, CHECKPOINT_METADATA}) or (
+        COMMIT_SUCCESS in entries and bool(entries & {name_of(folder), *JSON_FILES}))
 
 
 def handler_kind(handler: Any) -> str:
@@ -74,14 +79,26 @@ def handler_kind(handler: Any) -> str:
 
 @dataclass(frozen=True)
 class Located:
-    """A committed Orbax folder: its pytree items (key None: the folder is the item), JSON items,
-    step metadata and step number."""
+    """A committed Orbax folder: its pytree items (key None: the folder is the item), JSON items (the
+    step's ``metrics`` among them), step metadata and step number. ``names``: for a step saved with
+    named items (``args.Composite``: item names other than a manager's single ``default``), the names
+    of the items restore gives back, as ``{name: value}``; None otherwise. ``json_root``: the JSON item
+    that is the whole value (a JSON item's own folder, or ``item=`` naming one). ``refused``: items of
+    handlers flax_ckpt does not read, {name: handler}."""
 
     storage: Storage
     items: dict[str | None, Storage]
     json_items: dict[str, Storage]
     meta: dict[str, Any]
     step: int | None
+    names: tuple[str, ...] | None = None
+    json_root: str | None = None
+    refused: dict[str, str] = field(default_factory=dict)
+
+    def all_names(self) -> list[str]:
+        """The items of this folder one can ask for by name (``item=``)."""
+        names = self.names if self.names is not None else [n for n in self.items if n is not None]
+        return sorted(names)
 
 
 def _refuse_msgpack(storage: Storage) -> None:
@@ -91,8 +108,8 @@ def _refuse_msgpack(storage: Storage) -> None:
             "flax_ckpt reads only the tensorstore layout. Restore it with orbax-checkpoint and re-save it.")
 
 
-def _items_from_handlers(storage: Storage, handlers: dict[str, Any]) -> tuple[dict, dict]:
-    items, json_items, refused = {}, {}, []
+def _items_from_handlers(storage: Storage, handlers: dict[str, Any]) -> tuple[dict, dict, dict]:
+    items, json_items, refused = {}, {}, {}
     for name, handler in handlers.items():
         kind = handler_kind(handler)
         if kind == "pytree":
@@ -100,13 +117,25 @@ def _items_from_handlers(storage: Storage, handlers: dict[str, Any]) -> tuple[di
         elif kind == "json":
             json_items[name] = storage.sub(name)
         else:
-            refused.append(f"{name!r} ({handler})")
+            refused[name] = str(handler)
     if not items and refused:
         raise UnsupportedOrbaxCheckpointError(
-            f"{storage.url}: no item flax_ckpt can read; item handlers {', '.join(refused)} are not "
+            f"{storage.url}: no item flax_ckpt can read; item handlers {_refused_text(refused)} are not "
             "supported (only PyTreeCheckpointHandler, StandardCheckpointHandler, PyTreeHandler and JSON "
             "items are). Restore it with orbax-checkpoint.")
-    return items, json_items
+    return items, json_items, refused
+
+
+def _refused_text(refused: dict[str, str]) -> str:
+    return ", ".join(f"{n!r} ({h})" for n, h in refused.items())
+
+
+def _named(names: set[str], handlers: Any) -> bool:
+    """A step of named items (args.Composite): item names other than a manager's single ``default``
+    or the single ``state`` of the v1 API's ``save_pytree`` (its PyTreeHandler)."""
+    names = names - {METRICS_ITEM}
+    v1_pytree = names == {"state"} and isinstance(handlers, dict) and str(handlers["state"]).endswith(".PyTreeHandler")
+    return bool(names) and names != {DEFAULT_ITEM} and not v1_pytree
 
 
 def _items_by_listing(storage: Storage, entries: set[str]) -> tuple[dict, dict]:
@@ -137,9 +166,48 @@ def _as_item_of_step(storage: Storage, meta: dict[str, Any]) -> Located:
     return Located(storage, {None: storage}, json_items, step_meta, step_number(name_of(parent)))
 
 
-def locate(storage: Storage) -> Located:
+def _as_json_item_of_step(storage: Storage, entries: set[str]) -> Located | None:
+    """A JSON item's own folder inside a CheckpointManager step (its value is the JSON), or None."""
+    parent, name = storage.parent()
+    if not entries & {name, *JSON_FILES}:
+        return None
+    step_meta = read_json(parent, CHECKPOINT_METADATA)
+    handlers = step_meta.get("item_handlers") if isinstance(step_meta, dict) else None
+    if not isinstance(handlers, dict) or handler_kind(handlers.get(name)) != "json":
+        return None
+    json_items = {n: parent.sub(n) for n, h in handlers.items() if handler_kind(h) == "json"}
+    return Located(storage, {}, json_items, step_meta, step_number(name_of(parent)), json_root=name)
+
+
+def only(located: Located, item: str) -> Located:
+    """The one item ``item`` of a located step (``fc.restore(..., item=...)``): a pytree item as its own
+    tree, a JSON item as its JSON. TargetMismatchError naming the items there are."""
+    if item in located.items and item is not None:
+        return Located(located.items[item], {None: located.items[item]}, located.json_items, located.meta,
+                       located.step)
+    if item in located.json_items and item != METRICS_ITEM:
+        return Located(located.json_items[item], {}, located.json_items, located.meta, located.step, json_root=item)
+    names = located.all_names()
+    if item in located.refused:
+        raise UnsupportedOrbaxCheckpointError(
+            f"{located.storage.url}: item {item!r} was written by {located.refused[item]}, which flax_ckpt does "
+            f"not read (items it reads: {format_list(names)}). Restore it with orbax-checkpoint.")
+    if not names or None in located.items:
+        raise TargetMismatchError(
+            f"{located.storage.url} holds one unnamed Orbax item (a StandardCheckpointer folder, or one item of "
+            f"a step), so there is no item {item!r} to choose: restore it without item=")
+    raise TargetMismatchError(f"{located.storage.url} has no item {item!r}; its items are {format_list(names)}")
+
+
+def locate(storage: Storage, item: str | None = None) -> Located:
     """The committed Orbax checkpoint in folder ``storage``: a StandardCheckpointer/PyTreeCheckpointer
-    folder, a CheckpointManager step folder, or an item folder inside one."""
+    folder, a CheckpointManager step folder, or an item folder inside one (a pytree or a JSON item).
+    ``item``: only that item of a step (``only``)."""
+    located = _locate(storage)
+    return located if item is None else only(located, item)
+
+
+def _locate(storage: Storage) -> Located:
     entries = set(storage.list())
     if not entries:
         raise CheckpointNotFoundError(f"no checkpoint at {storage.url} (the folder is missing or empty)")
@@ -158,8 +226,13 @@ def locate(storage: Storage) -> Located:
                 f"{storage.url}: written by {handlers}, which flax_ckpt does not read (only PyTree and "
                 "Standard checkpoint handlers). Restore it with orbax-checkpoint.")
         return _as_item_of_step(storage, meta)
+    if CHECKPOINT_METADATA not in entries:
+        json_item = _as_json_item_of_step(storage, entries)
+        if json_item is not None:
+            return json_item
+    refused: dict[str, str] = {}
     if isinstance(handlers, dict):
-        items, json_items = _items_from_handlers(storage, handlers)
+        items, json_items, refused = _items_from_handlers(storage, handlers)
     else:
         _refuse_msgpack(storage)
         items, json_items = _items_by_listing(storage, entries)
@@ -168,10 +241,14 @@ def locate(storage: Storage) -> Located:
             _refuse_msgpack(item)
             raise CorruptCheckpointError(f"{item.url}: the pytree item has no {TREE_METADATA}; the Orbax "
                                          "checkpoint is incomplete")
-    if not items:
+    found = set(items) | set(json_items) | set(refused)
+    names = tuple(sorted(n for n in found if n in items or (n in json_items and n != METRICS_ITEM)))
+    named = _named(found, handlers)
+    if not items and not (named and names):
         raise UnsupportedOrbaxCheckpointError(f"{storage.url}: an Orbax folder without any pytree item "
                                               f"(items: {format_list(sorted(json_items))}); nothing to restore")
-    return Located(storage, items, json_items, meta, step_number(name_of(storage)))
+    return Located(storage, items, json_items, meta, step_number(name_of(storage)),
+                   names=names if named else None, refused=refused)
 
 
 # ------------------------------------------------------------------- an Orbax CheckpointManager dir
@@ -189,6 +266,16 @@ def step_dirs(root: Storage) -> dict[int, str]:
         if step not in found or m.group(1) is None:
             found[step] = entry
     return found
+
+
+def step_name(step: int, names: list[str]) -> str:
+    """The folder name of a new step of an Orbax run whose step folders are ``names``: the same
+    ``step_prefix`` and zero padding (``step_format_fixed_length``), so that Orbax finds it."""
+    found = [m for m in map(_STEP_NAME.fullmatch, names) if m is not None]
+    prefix = found[-1].group(1) if found else None
+    padded = [len(m.group(2)) for m in found if m.group(2).startswith("0") and len(m.group(2)) > 1]
+    digits = f"{int(step):0{max(padded, default=0)}d}"
+    return f"{prefix}_{digits}" if prefix else digits
 
 
 def step_folder(root: Storage, step: int) -> Storage:
@@ -219,6 +306,15 @@ def read_json_item(storage: Storage, item: str) -> Any:
         if found is not None:
             return found
     return None
+
+
+def json_value(storage: Storage, item: str) -> Any:
+    """A JSON item's value, as read_json_item finds it; CorruptCheckpointError when its file is missing."""
+    for name in (item, *JSON_FILES):
+        if storage.exists(name):
+            return read_json(storage, name)
+    raise CorruptCheckpointError(f"{storage.url}: the JSON item {item!r} has no file "
+                                 f"({format_list([item, *JSON_FILES])}); the Orbax checkpoint is incomplete")
 
 
 def step_metrics(located: Located) -> dict[str, Any] | None:

@@ -12,7 +12,9 @@ numbers stored as 0-d arrays, given back as numbers), ``string`` and the empty `
 from __future__ import annotations
 
 import base64
+import copy
 import json
+from collections.abc import Mapping
 from typing import Any, Sequence
 
 import numpy as np
@@ -20,12 +22,12 @@ import tensorstore as ts
 
 from flax_ckpt._src import tree as tree_mod
 from flax_ckpt._src.engine.leaves import CheckpointInfo, checkpoint_info, key_data_shape
-from flax_ckpt._src.errors import (CorruptCheckpointError, InvalidManifestError, UnsupportedOrbaxCheckpointError,
-                                   format_list)
+from flax_ckpt._src.errors import (CorruptCheckpointError, InvalidManifestError, StructureMismatchError,
+                                   UnsupportedOrbaxCheckpointError, format_list)
 from flax_ckpt._src.format import check_relpath
 from flax_ckpt._src.records import LeafRecord
 from flax_ckpt._src.orbax.locate import (OCDBT_MANIFEST, SHARDING, STRINGS, TESTED_ORBAX_VERSION, TREE_METADATA,
-                                         Located, read_json, step_metrics)
+                                         Located, json_value, read_json, step_metrics)
 from flax_ckpt._src.serializers import Box
 from flax_ckpt._src.storage import Storage
 
@@ -149,9 +151,12 @@ def _flax_sharding(desc: dict[str, Any] | None) -> dict[str, Any] | None:
 
 
 class OrbaxSource:
-    """The pytree items of one located Orbax folder as one restore Source (several items: a tree
-    ``{item name: item tree}``). Opening reads the JSON metadata and every array's zarr metadata
-    (concurrently), never array bytes."""
+    """One located Orbax folder as one restore Source. Its value: the one pytree item of an unnamed
+    folder (a StandardCheckpointer folder, a manager's ``default`` item, an item folder); for a step
+    saved with named items (``args.Composite``), ``{item name: value}`` over every item, pytree items as
+    trees and JSON items as their JSON (leaves of kind "json"), and a target is a dict keyed by item
+    names (``select``); a JSON item alone (its folder, or ``item=``) is its JSON. Opening reads the JSON
+    metadata and every array's zarr metadata (concurrently), never array bytes."""
 
     remote = True  # every read is an asynchronous tensorstore request: read the leaves concurrently
     budget = None  # compressed chunks: no bound from the stored bytes
@@ -161,9 +166,10 @@ class OrbaxSource:
         context = context_for(located.storage)
         items = [(name, _Item(storage, context)) for name, storage in located.items.items()]
         self.items = [item for _, item in items]
-        self.where = self.items[0].where
+        self.where = self.items[0].where if self.items else located.storage.url
+        keyed = located.names is not None or len(items) > 1
         entries = [(item, path, param, vt) for name, item in items
-                   for path, param, vt in item.entries(() if name is None or len(items) == 1 else (("key", name),))]
+                   for path, param, vt in item.entries((("key", name),) if keyed else ())]
         unknown = [f"{tree_mod.keystr(p)!r} ({vt})" for _, p, _, vt in entries
                    if vt not in _ARRAY_TYPES and vt not in _EMPTY_TYPES and vt != "string"]
         if unknown:
@@ -210,7 +216,40 @@ class OrbaxSource:
         if bad_impls:
             raise UnsupportedOrbaxCheckpointError(f"{self.items[0].storage.url}: PRNG key implementations this "
                                                   f"jax does not know: {', '.join(bad_impls)}")
+        if located.json_root is not None:
+            json_leaves = [((), located.json_root)]
+        else:
+            json_leaves = [((("key", n),), n) for n in located.names or () if n in located.json_items]
+        self.leaves += [LeafRecord(path, "json", value=json_value(located.json_items[n], n)) for path, n in json_leaves]
+        if located.names is not None:  # {item name: value} in the order of the names
+            self.leaves.sort(key=lambda leaf: located.names.index(leaf.path[0][1]))
 
+    def select(self, target: Any) -> tuple["OrbaxSource", Any]:
+        """For a step of named items: only the items ``target`` (a dict keyed by item names) names, each
+        JSON item's target replaced by None (a JSON item comes back as stored)."""
+        names = self.located.names
+        if names is None or target is None:
+            return self, target
+        unknown = sorted(map(str, set(target) - set(names))) if isinstance(target, Mapping) else None
+        if unknown is None or unknown:
+            refused = self.located.refused
+            trees = [n for n in names if n in self.located.items]
+            json_names = [n for n in names if n not in self.located.items]
+            example = (trees or json_names)[0]
+            raise StructureMismatchError(
+                f"restore of {self.url}: this Orbax step was saved with named items (args.Composite): "
+                + " and ".join(([f"the pytree items {format_list(trees)}"] if trees else [])
+                               + ([f"the JSON items {format_list(json_names)}"] if json_names else []))
+                + ". The target is a dict keyed by item names, e.g. "
+                f"{{{example!r}: ...}} (only the items it names are read), or pass item={example!r} to "
+                "restore one item by itself. "
+                + (f"Not items of this step: {format_list(unknown)}. " if unknown else
+                   f"The target is a {type(target).__name__}. ")
+                + (f"Items flax_ckpt does not read: {', '.join(map(repr, refused))}." if refused else ""))
+        view = copy.copy(self)
+        view.leaves = [leaf for leaf in self.leaves if leaf.path[0][1] in target]
+        json_items = {n for n in names if n in self.located.json_items}
+        return view, {k: None if k in json_items else v for k, v in target.items()}
     def read(self, leaf: LeafRecord, box: Box, out: np.ndarray) -> None:
         store = self.stores[leaf.name]
         whole = all(s == 0 and e == d for (s, e), d in zip(box, leaf.shape))
@@ -232,21 +271,33 @@ class OrbaxSource:
     def info(self) -> CheckpointInfo:
         """fc.metadata of the Orbax checkpoint: shapes and dtypes from the zarr metadata, shardings from
         ``_sharding``; reads no array bytes."""
-        loc, first = self.located, self.items[0]
-        codec = "zarr3" if first.use_zarr3 else "zarr"
+        loc = self.located
+        first = self.items[0] if self.items else None
         custom = loc.meta.get("custom_metadata")
-        if custom in (None, {}):
+        if custom in (None, {}) and first is not None:
             custom = first.doc.get("custom_metadata")
+        codec = "json" if first is None else (
+            f"{'zarr3' if first.use_zarr3 else 'zarr'}{'+ocdbt' if first.use_ocdbt else ''}")
         return checkpoint_info(loc.storage.url, self.leaves, step=loc.step, metrics=step_metrics(loc),
                                metadata=None if custom == {} else custom, created=_created(loc),
-                               process_count=_process_count(loc),
-                               serializer=f"orbax:{codec}{'+ocdbt' if first.use_ocdbt else ''}", format="orbax")
+                               process_count=_process_count(loc), serializer=f"orbax:{codec}", format="orbax")
+
+    def unchecked(self) -> list[str]:
+        """The leaves whose stored bytes carry no checksum tensorstore verifies on read (verify reports
+        them as unverified): arrays whose codecs have none (zarr v2; Orbax's zarr3 checksums only the
+        shard index, its zstd frames carry none), strings (``_strings.json``) and JSON items."""
+        out = []
+        for leaf in self.leaves:
+            if leaf.kind in ("string", "json") or (leaf.is_array and not data_checksummed(
+                    self.stores[leaf.name].spec().to_json().get("metadata", {}))):
+                out.append(leaf.name)
+        return out
 
     @property
     def hint(self) -> str:
         items = [n for n in self.located.items if n is not None]
         return (f"This step holds the pytree items {format_list(items)}: the target is a dict "
-                "keyed by them. " if len(items) > 1 else "")
+                "keyed by them. " if len(items) > 1 and self.located.names is None else "")
 
     @property
     def step(self) -> int | None:
@@ -255,6 +306,21 @@ class OrbaxSource:
     @property
     def metrics(self) -> dict[str, Any] | None:
         return step_metrics(self.located)
+
+
+def data_checksummed(metadata: dict[str, Any]) -> bool:
+    """Whether a zarr array's chunk data (not just a shard index) is covered by a checksum: a crc32c
+    codec, or zstd frames written with their checksum. zarr v2 compressors carry none."""
+    def chain(codecs: Any) -> bool:
+        for c in codecs if isinstance(codecs, list) else []:
+            conf = c.get("configuration") or {} if isinstance(c, dict) else {}
+            name = c.get("name") if isinstance(c, dict) else None
+            if name == "crc32c" or (name == "zstd" and conf.get("checksum")):
+                return True
+            if name == "sharding_indexed" and chain(conf.get("codecs")):
+                return True
+        return False
+    return metadata.get("zarr_format") != 2 and chain(metadata.get("codecs"))
 
 
 def _process_count(located: Located) -> int:

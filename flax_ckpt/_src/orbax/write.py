@@ -269,9 +269,9 @@ def save_item(parent: Storage, name: str, snap: Snapshot, *, metadata: Any = Non
 
 
 def save_step(root: Storage, step: int, snap: Snapshot, *, metrics: dict[str, Any] | None = None,
-              metadata: Any = None, use_ocdbt: bool = True, use_zarr3: bool = True) -> str:
-    """Writes ``<root>/<step>`` as an Orbax CheckpointManager step: item ``default``, plus a ``metrics``
-    JSON item; returns its URL."""
+              metadata: Any = None, use_ocdbt: bool = True, use_zarr3: bool = True, name: str | None = None) -> str:
+    """Writes ``<root>/<name>`` (default: ``<step>``) as an Orbax CheckpointManager step: item
+    ``default``, plus a ``metrics`` JSON item; returns its URL."""
     single_process()
     metrics = jsonable(metrics, "metrics")
     custom = jsonable(metadata, "metadata")
@@ -288,8 +288,9 @@ def save_step(root: Storage, step: int, snap: Snapshot, *, metrics: dict[str, An
             folder.sub("metrics").write("metrics", [_json_bytes(metrics)])
             folder.sub("metrics").write(COMMIT_SUCCESS, [_success(folder.sub("metrics"))])
 
-    _commit_folder(root, str(int(step)), write, _step_meta(handlers, custom))
-    return root.sub(str(int(step))).url
+    name = str(int(step)) if name is None else name
+    _commit_folder(root, name, write, _step_meta(handlers, custom))
+    return root.sub(name).url
 
 
 __all__ = ["check", "save_item", "save_step", "single_process", "write_item"]

@@ -173,6 +173,9 @@ class CopySource:
             return None
         return view_shard(self.copy, self.copy.body["shards"][hits[0][0]["shard"]])
 
+    def select(self, target: Any) -> tuple["CopySource", Any]:
+        return self, target
+
 
 def restore_copy(copy: Copy, target: Any, *, shardings: Any, partial: bool) -> tuple[Any, int]:
     """Restores the copy's tree into ``target`` (checked per leaf); returns it and the array bytes."""

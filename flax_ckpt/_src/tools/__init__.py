@@ -11,8 +11,8 @@ from flax_ckpt._src.tools.convert import ConvertResult, Format, convert, detect_
 from flax_ckpt._src.tools.diff import DiffResult, LeafDiff, diff, max_abs_diff
 from flax_ckpt._src.tools.ls import StepEntry, list_memory_tiers, list_steps, memory_tier_root
 from flax_ckpt._src.tools.prune import PruneResult, prune
-from flax_ckpt._src.tools.verify import Problem, verify
+from flax_ckpt._src.tools.verify import Problem, Report, check, verify
 
-__all__ = ["ConvertResult", "DiffResult", "Format", "LeafDiff", "Problem", "PruneResult", "StepEntry", "convert",
-           "detect_format", "diff", "list_memory_tiers", "list_steps", "max_abs_diff", "memory_tier_root", "prune",
-           "verify"]
+__all__ = ["ConvertResult", "DiffResult", "Format", "LeafDiff", "Problem", "PruneResult", "Report", "StepEntry",
+           "check", "convert", "detect_format", "diff", "list_memory_tiers", "list_steps", "max_abs_diff",
+           "memory_tier_root", "prune", "verify"]

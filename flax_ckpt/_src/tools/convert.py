@@ -27,6 +27,8 @@ class ConvertResult:
     leaves: int
     nbytes: int
     skipped: list[str] = field(default_factory=list)  # not exported to safetensors: non-arrays, PRNG keys
+    outside: list[str] = field(default_factory=list)  # safetensors: leaves outside the exported sub-tree
+    subtree: str = ""  # safetensors: the key path exported ("" for the whole tree)
 
 
 def detect_format(path: Any) -> Literal["native", "orbax"]:
@@ -94,6 +96,7 @@ def _export_safetensors(leaves: Leaves, dst: Any, subtree: str | None, progress:
     if os.path.lexists(dst):
         raise CheckpointExistsError(f"{dst} exists; exports are never overwritten (choose another name)")
     keys, prefix = _select(leaves.keys(), subtree)
+    outside = [k for k in leaves.keys() if k not in set(keys)]
     arrays = [k for k in keys if leaves.info.leaves[k].kind in ("jax", "numpy")]
     exported = set(arrays)
     skipped = [k for k in keys if k not in exported]
@@ -113,7 +116,7 @@ def _export_safetensors(leaves: Leaves, dst: Any, subtree: str | None, progress:
                                replace=False)
     except CheckpointExistsError:
         raise CheckpointExistsError(f"{dst} appeared while exporting; not overwritten") from None
-    return ConvertResult(dst, "safetensors", len(arrays), nbytes, skipped)
+    return ConvertResult(dst, "safetensors", len(arrays), nbytes, skipped, outside, prefix.rstrip("/"))
 
 
 _SAFETENSORS_DTYPES = {"bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64",

@@ -1,13 +1,17 @@
-"""``flax-ckpt verify``: re-read every stored byte of a checkpoint and check every checksum.
+"""``flax-ckpt verify``: re-read every stored byte of a checkpoint, or of every step of a run, and check
+every checksum.
 
 Scope: native checkpoints chunk by chunk through their serializer (so one damaged leaf or file never
-hides another), Orbax checkpoints leaf by leaf (tensorstore checks what Orbax's codecs checksum).
+hides another), Orbax checkpoints leaf by leaf (tensorstore checks what Orbax's codecs checksum). A
+leaf whose stored bytes carry no checksum (Orbax's zarr v2 and zstd-compressed zarr3 data, strings,
+JSON items) reads back without proving anything: it is reported as unverified, never as sound. A run
+directory (formats.step_folders) has each committed step verified.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 import numpy as np
@@ -15,9 +19,12 @@ import numpy as np
 from flax_ckpt._src import formats
 from flax_ckpt._src.engine.native import NativeSource
 from flax_ckpt._src.engine.restore import Reader, Source
-from flax_ckpt._src.errors import CheckpointError, CorruptCheckpointError, InvalidManifestError, StorageError
+from flax_ckpt._src.errors import (CheckpointError, CheckpointNotCommittedError, CorruptCheckpointError,
+                                   InvalidManifestError, StorageError)
 from flax_ckpt._src.format import MANIFEST
+from flax_ckpt._src.orbax.read import OrbaxSource
 from flax_ckpt._src.records import LeafRecord
+from flax_ckpt._src.storage import Storage
 from flax_ckpt._src.tools.common import bar, folder_of
 
 _READ_ERRORS = (CheckpointError, OSError, ValueError)
@@ -25,34 +32,84 @@ _READ_ERRORS = (CheckpointError, OSError, ValueError)
 
 @dataclass(frozen=True)
 class Problem:
-    """One piece of damage: ``leaf`` (key path) and ``file`` (relative to the checkpoint) where known."""
+    """One piece of damage: ``leaf`` (key path) and ``file`` (relative to the checkpoint) where known;
+    ``step`` when a run directory was verified."""
 
     leaf: str | None
     file: str | None
     message: str
+    step: int | None = None
+
+
+@dataclass(frozen=True)
+class Report:
+    """What ``check`` found. ``problems``: damage (empty: nothing damaged was found). ``unverified``:
+    leaves read back whose bytes carry no checksum ("<step>/<key path>" in a run), so damage there
+    cannot be seen; ``leaves``: how many leaves were checked. ``steps``: the steps verified in a run
+    directory (None for one checkpoint); ``skipped``: step folders of a run that hold no committed
+    checkpoint."""
+
+    problems: list[Problem]
+    unverified: list[str]
+    leaves: int
+    steps: list[int] | None = None
+    skipped: list[str] = field(default_factory=list)
+
+    @property
+    def sound(self) -> bool:
+        """Nothing damaged and every leaf proven by a checksum."""
+        return not self.problems and not self.unverified
 
 
 def verify(path: Any, *, progress: bool = False) -> list[Problem]:
-    """Re-reads every stored byte of ``path`` and checks every checksum; returns what is damaged.
+    """Re-reads every stored byte of ``path`` (a checkpoint, or every step of a run directory) and
+    checks every checksum; returns what is damaged. An empty list means nothing damaged was found;
+    ``check`` also says which leaves carry no checksum to check."""
+    return check(path, progress=progress).problems
 
-    An empty list means sound. A damaged manifest is one problem (nothing it names can be trusted).
-    Raises CheckpointNotFoundError or CheckpointNotCommittedError when there is no committed
-    checkpoint to verify."""
+
+def check(path: Any, *, progress: bool = False) -> Report:
+    """``verify`` with the whole report. A damaged manifest is one problem (nothing it names can be
+    trusted). Raises CheckpointNotFoundError or CheckpointNotCommittedError when there is no committed
+    checkpoint to verify (a folder that is neither a checkpoint nor a run directory)."""
     folder = folder_of(path)
+    if not folder.exists(MANIFEST) and formats.detect(folder).name == "native":
+        steps, _ = formats.step_folders(folder)
+        if steps:
+            return _check_run(folder, steps, progress)
+    return _check_one(folder, progress)
+
+
+def _check_one(folder: Storage, progress: bool) -> Report:
     fmt = formats.detect(folder)
     try:
         source = fmt.open(folder)
     except (InvalidManifestError, CorruptCheckpointError) as e:
-        if fmt.name == "native":
-            return [Problem(None, MANIFEST, str(e))]
-        return [Problem(None, None, str(e))]
+        return Report([Problem(None, MANIFEST if fmt.name == "native" else None, str(e))], [], 0)
     except _READ_ERRORS as e:
         if fmt.name == "native":
             raise
-        return [Problem(None, None, str(e))]
+        return Report([Problem(None, None, str(e))], [], 0)
+    checked = sum(1 for leaf in source.leaves if leaf.kind != "empty")
     if isinstance(source, NativeSource):
-        return _verify_native(source, progress)
-    return _verify_leaves(source, progress)
+        return Report(_verify_native(source, progress), [], checked)
+    unchecked = source.unchecked() if isinstance(source, OrbaxSource) else []
+    return Report(_verify_leaves(source, progress), unchecked, checked)
+
+
+def _check_run(root: Storage, steps: list[formats.StepFolder], progress: bool) -> Report:
+    problems, unverified, verified, skipped, leaves = [], [], [], [], 0
+    for f in steps:
+        try:
+            r = _check_one(root.sub(f.name), progress)
+        except CheckpointNotCommittedError:
+            skipped.append(f.name)
+            continue
+        verified.append(f.step)
+        leaves += r.leaves
+        problems += [Problem(p.leaf, p.file, p.message, f.step) for p in r.problems]
+        unverified += [f"{f.name}/{k}" for k in r.unverified]
+    return Report(problems, unverified, leaves, verified, skipped)
 
 
 def _verify_native(source: NativeSource, progress: bool) -> list[Problem]:
