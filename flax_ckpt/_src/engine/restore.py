@@ -169,8 +169,7 @@ class Reader:
         """The one box ``value`` reads of an array leaf for ``target``/``sharding`` (None: several)."""
         if leaf.python or python_scalar_kinds(target) is not None or leaf.kind == "prng_key":
             return tuple((0, d) for d in leaf.shape)
-        if sharding is None and target is not None:
-            sharding = getattr(target, "sharding", None)
+        sharding = sharding or placement_of(target)
         if sharding is None:
             return tuple((0, d) for d in leaf.shape)
         return self._device_boxes(leaf, sharding)[1]
@@ -216,14 +215,13 @@ class Reader:
         if kind == "prng_key":
             data = self.host(leaf, device=True)
             key = jax.random.wrap_key_data(data, impl=leaf.key_impl)
-            sharding = sharding or getattr(target, "sharding", None)
+            sharding = sharding or placement_of(target)
             return jax.device_put(key, sharding) if sharding is not None else key
         if leaf.python and target is None:
             return self.host(leaf)[()].item()  # a Python number stored as a 0-d array
         if python_scalar_kinds(target) is not None:  # e.g. TrainState.create's step=0: a Python int back
             return type(target)(self.host(leaf)[()].item())
-        if sharding is None and target is not None:
-            sharding = getattr(target, "sharding", None)
+        sharding = sharding or placement_of(target)
         if getattr(target, "weak_type", False) and leaf.shape == ():
             weak = weak_scalar(self.host(leaf), sharding)
             if weak is not None:
@@ -234,6 +232,16 @@ class Reader:
             arr = self.host(leaf)
             return arr[()] if isinstance(target, np.generic) else arr
         return self.sharded(leaf, sharding, puts)
+
+
+def placement_of(target: Any) -> Any:
+    """Where a target leaf asks its restored array to be: its sharding; None for an uncommitted jax.Array
+    (one jax put on the default device by itself, as a fresh TrainState.create's and jit's outputs
+    from them are: restored committed, the next jitted step would compile again) and for anything
+    without a sharding."""
+    if isinstance(target, jax.Array) and not target.committed:
+        return None
+    return getattr(target, "sharding", None)
 
 
 def weak_scalar(value: np.ndarray, sharding: Any) -> jax.Array | None:
