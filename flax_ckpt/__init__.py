@@ -25,10 +25,10 @@ from flax_ckpt._src.errors import TargetMismatchError as TargetMismatchError
 from flax_ckpt._src.errors import UnsupportedLeafError as UnsupportedLeafError
 from flax_ckpt._src.errors import UnsupportedOrbaxCheckpointError as UnsupportedOrbaxCheckpointError
 from flax_ckpt._src.manager import CheckpointManager as CheckpointManager
-from flax_ckpt._src.manager import RestoreStats as RestoreStats
-from flax_ckpt._src.manager import SaveStats as SaveStats
 from flax_ckpt._src.plot import plot_timeline as plot_timeline
 from flax_ckpt._src.serializers import Serializer as Serializer
+from flax_ckpt._src.stats import RestoreStats as RestoreStats
+from flax_ckpt._src.stats import SaveStats as SaveStats
 from flax_ckpt._src.storage import ObjectStoreOptions as ObjectStoreOptions
 from flax_ckpt._src.tiers import Tiers as Tiers
 

@@ -26,6 +26,7 @@ RANKS = {
     "flax_ckpt._src.orbax": 5, "flax_ckpt._src.tiers": 5,
     "flax_ckpt._src.formats": 6, "flax_ckpt._src.api": 6, "flax_ckpt._src.writer": 6,
     "flax_ckpt._src.interval": 6, "flax_ckpt._src.retention": 6, "flax_ckpt._src.plot": 6,
+    "flax_ckpt._src.stats": 6,
     "flax_ckpt._src.manager": 7,
     "flax_ckpt._src.tools": 8,
     "flax_ckpt._src.cli": 9,

@@ -145,6 +145,20 @@ def allgather(prefix: str, what: str, value: dict[str, Any]) -> list[dict[str, A
     return out
 
 
+def vote(prefix: str, what: str, key: int, err: BaseException | None) -> dict[int, tuple[str, str]]:
+    """The outcome of one step everyone tried (``key``): {process: (error type, message)} of every process
+    whose ``err`` was not None, the same on every process. DistributedError if processes tried different
+    keys."""
+    mine = {"key": key, "error": None if err is None else [type(err).__name__, str(err)]}
+    if process_count() == 1:
+        return {} if err is None else {0: tuple(mine["error"])}
+    votes = allgather(prefix, "vote", mine)
+    if any(v["key"] != key for v in votes):
+        raise DistributedError(f"{what}: processes tried different steps ({[v['key'] for v in votes]}); every "
+                               "process must restore the same step")
+    return {j: tuple(v["error"]) for j, v in enumerate(votes) if v["error"] is not None}
+
+
 # ------------------------------------------------------------------------------------------- saves
 
 def tree_digest(leaves: list[Any]) -> str:

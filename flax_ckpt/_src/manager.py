@@ -15,7 +15,7 @@ import logging
 import threading
 import uuid
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any, Callable, Literal
 
 from flax_ckpt._src import commit as commit_mod
@@ -23,10 +23,11 @@ from flax_ckpt._src import distributed, formats
 from flax_ckpt._src.engine import restore as engine
 from flax_ckpt._src.engine.leaves import CheckpointInfo
 from flax_ckpt._src.engine.snapshot import Snapshot, jsonable
-from flax_ckpt._src.errors import (CheckpointError, CheckpointNotFoundError, DistributedError, StorageError,
+from flax_ckpt._src.errors import (CheckpointError, CheckpointNotFoundError, StorageError,
                                    error_class)
 from flax_ckpt._src.interval import AutoInterval
 from flax_ckpt._src.retention import finite, steps_to_delete
+from flax_ckpt._src.stats import RestoreStats, SaveStats
 from flax_ckpt._src.serializers import Serializer
 from flax_ckpt._src.storage import ObjectStoreOptions, Storage, open_storage
 from flax_ckpt._src.storage.lock import LOCK_FILE, DirectoryLock
@@ -38,40 +39,6 @@ log = logging.getLogger("flax_ckpt")
 _DAMAGE = ("CorruptCheckpointError", "InvalidManifestError", "FileNotFoundError", "CheckpointNotFoundError",
            "NotADirectoryError")  # a step that cannot be read: restore falls back past it
 __all__ = ["CheckpointManager", "DirectoryLock", "LOCK_FILE", "RestoreStats", "SaveStats"]
-
-
-@dataclass(frozen=True)
-class SaveStats:
-    """One save's costs. ``blocked_s``: time ``save`` held the caller (waiting for the previous save +
-    snapshot); ``durable_s``: from the ``save`` call to the commit being durable."""
-
-    step: int
-    nbytes: int
-    blocked_s: float
-    snapshot_s: float
-    write_s: float  # serialization (checksums), writes and fsyncs of the data, wall time
-    commit_s: float  # manifest, folder fsyncs, rename
-    durable_s: float
-    fsync_s: float = 0.0  # part of write_s: seconds in fsync, summed over writer threads
-    migrate_s: float = 0.0  # tiers: migration of this step to persistent storage
-    start_s: float = 0.0  # when save was called, seconds since the manager was created
-    serialize_s: float = 0.0  # part of write_s: checksums of the data, summed over writer threads
-    written_bytes: int = 0  # bytes of data files written (local file systems)
-
-    @property
-    def throughput_gbps(self) -> float:
-        return self.nbytes / max(self.write_s + self.commit_s, 1e-9) / 1e9
-
-
-@dataclass(frozen=True)
-class RestoreStats:
-    """One restore: which step, from which tier, how many array bytes, how long (reading, checking
-    checksums and placing on devices)."""
-
-    step: int
-    tier: str
-    nbytes: int
-    seconds: float
 
 
 class CheckpointManager:
@@ -451,14 +418,7 @@ class CheckpointManager:
 
     def _vote(self, step: int, err: BaseException | None) -> dict[int, tuple[str, str]]:
         """{process: (error type, message)} of every process that could not restore ``step``."""
-        mine = {"step": step, "error": None if err is None else [type(err).__name__, str(err)]}
-        if distributed.process_count() == 1:
-            return {} if err is None else {0: tuple(mine["error"])}
-        votes = distributed.allgather(self._prefix, "restore", mine)
-        if any(v["step"] != step for v in votes):
-            raise DistributedError(f"restore of {self.directory}: processes tried different steps "
-                                   f"({[v['step'] for v in votes]}); every process must restore the same step")
-        return {j: tuple(v["error"]) for j, v in enumerate(votes) if v["error"] is not None}
+        return distributed.vote(self._prefix, f"restore of {self.directory}", step, err)
 
     def _shared_error(self, step: int, failures: dict[int, tuple[str, str]]) -> CheckpointError:
         """The one error every process raises when ``step`` cannot be restored on some process."""

@@ -199,7 +199,7 @@ def mode_coordinator(cfg: dict, n: int) -> dict:
                 real = distributed.allgather
 
                 def allgather(prefix, what, value):
-                    if what == "restore":
+                    if what == "vote":  # the restore's vote
                         die_or_hang(kind)
                     return real(prefix, what, value)
                 distributed.allgather = allgather

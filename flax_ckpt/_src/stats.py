@@ -1,0 +1,41 @@
+"""What each save and restore cost: the records a CheckpointManager keeps (``mgr.stats``,
+``mgr.restore_stats``), logs and writes to a metric writer. Values only; plot.py draws them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SaveStats:
+    """One save's costs. ``blocked_s``: time ``save`` held the caller (waiting for the previous save +
+    snapshot); ``durable_s``: from the ``save`` call to the commit being durable."""
+
+    step: int
+    nbytes: int
+    blocked_s: float
+    snapshot_s: float
+    write_s: float  # serialization (checksums), writes and fsyncs of the data, wall time
+    commit_s: float  # manifest, folder fsyncs, rename
+    durable_s: float
+    fsync_s: float = 0.0  # part of write_s: seconds in fsync, summed over writer threads
+    migrate_s: float = 0.0  # tiers: migration of this step to persistent storage
+    start_s: float = 0.0  # when save was called, seconds since the manager was created
+    serialize_s: float = 0.0  # part of write_s: checksums of the data, summed over writer threads
+    written_bytes: int = 0  # bytes of data files written (local file systems)
+
+    @property
+    def throughput_gbps(self) -> float:
+        return self.nbytes / max(self.write_s + self.commit_s, 1e-9) / 1e9
+
+
+@dataclass(frozen=True)
+class RestoreStats:
+    """One restore: which step, from which tier, how many array bytes, how long (reading, checking
+    checksums and placing on devices)."""
+
+    step: int
+    tier: str
+    nbytes: int
+    seconds: float
