@@ -41,7 +41,8 @@ from typing import Any, Callable, Mapping
 import jax
 import numpy as np
 
-from flax_ckpt._src import format as fmt  # the manifest codec (encode, MANIFEST, FORMAT_*): the one internal here
+from flax_ckpt._src import format as fmt  # the manifest codec (encode, MANIFEST, FORMAT_*)
+from flax_ckpt._src.serializers.raw import RawSerializer  # the one serializer the crash hooks wrap
 
 TESTS = Path(__file__).resolve().parent
 WORKERS = TESTS / "workers"
@@ -325,3 +326,23 @@ class Job:
                     pass
         for p in self.procs:
             p.wait(timeout=30)
+
+
+class AfterWrite(RawSerializer):
+    """The raw serializer, but ``then(written)`` runs right after this process wrote its shards of write
+    number ``at`` (before it reports them or commits): how a test kills or hangs a process mid-save."""
+
+    def __init__(self, at: int, then: Callable[[Any], None]):
+        super().__init__()
+        self.at, self.then, self.calls = at, then, 0
+
+    def write(self, storage, items, *, tag):
+        written = super().write(storage, items, tag=tag)
+        self.calls += 1
+        if self.calls == self.at:
+            self.then(written)
+        return written
+
+
+def kill_self(*_: Any) -> None:
+    os.kill(os.getpid(), signal.SIGKILL)

@@ -34,11 +34,10 @@ from flax_ckpt._src import tree as tree_mod  # noqa: E402
 from flax_ckpt._src.engine import restore as engine  # noqa: E402
 from flax_ckpt._src.engine.native import open_native  # noqa: E402
 from flax_ckpt._src.records import leaf_name  # noqa: E402
-from flax_ckpt._src import distributed as distributed  # noqa: E402
+from flax_ckpt._src import distributed  # noqa: E402
 from flax_ckpt._src.serializers import box_of  # noqa: E402
-from flax_ckpt._src.serializers.raw import RawSerializer  # noqa: E402
 from flax_ckpt._src.storage import LocalStorage  # noqa: E402
-from helpers import assert_bit_exact, report, start_worker  # noqa: E402
+from helpers import AfterWrite, assert_bit_exact, kill_self, report, start_worker  # noqa: E402
 
 # ------------------------------------------------------------------------------------------ the state
 
@@ -198,22 +197,13 @@ def mode_restore(cfg: dict) -> dict:
     return out
 
 
-class KillAfterWrite(RawSerializer):
-    """The raw serializer, but the process SIGKILLs itself right after writing its shards of save
-    number ``at`` (before it can report them): a process dying in the middle of a distributed save."""
-
-    def __init__(self, at: int, marker: str):
-        super().__init__()
-        self.at, self.marker, self.calls = at, marker, 0
-
-    def write(self, storage, items, *, tag):
-        written = super().write(storage, items, tag=tag)
-        self.calls += 1
-        if self.calls == self.at:
-            with open(self.marker, "w") as f:
-                json.dump(sorted(written.files), f)
-            os.kill(os.getpid(), signal.SIGKILL)
-        return written
+def record_and_die(marker: str):
+    """After writing its shards: note which files, then SIGKILL (a process dying mid distributed save)."""
+    def then(written) -> None:
+        with open(marker, "w") as f:
+            json.dump(sorted(written.files), f)
+        kill_self()
+    return then
 
 
 def mode_kill(cfg: dict) -> dict:
@@ -222,7 +212,7 @@ def mode_kill(cfg: dict) -> dict:
     host = {"w": np.arange(48, dtype=np.float32).reshape(12, 4), "b": np.ones(4, np.float32)}
     mesh = Mesh(np.array(jax.devices()), ("x",))
     sh = {"w": NamedSharding(mesh, P("x")), "b": NamedSharding(mesh, P())}
-    ser = KillAfterWrite(2, os.path.join(cfg["out"], "killed.json")) if i == 1 else None
+    ser = AfterWrite(2, record_and_die(os.path.join(cfg["out"], "killed.json"))) if i == 1 else None
     mgr = fc.CheckpointManager(os.path.join(cfg["dir"], "mgr"), async_save=True, serializer=ser)
     # process-local values too: a numpy array and an array on this process's device alone, different
     # on each process; the checkpoint keeps process 0's

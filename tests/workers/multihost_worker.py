@@ -32,9 +32,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import flax_ckpt as fc  # noqa: E402
 from flax_ckpt._src import distributed  # noqa: E402
-from flax_ckpt._src.serializers.raw import RawSerializer  # noqa: E402
 from flax_ckpt._src.storage import LocalStorage  # noqa: E402
-from helpers import report, start_worker  # noqa: E402
+from helpers import AfterWrite, report, start_worker  # noqa: E402
 
 ROWS = 8  # rows per process
 
@@ -73,22 +72,6 @@ def die_or_hang(kind: str) -> None:
     if kind == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     time.sleep(10 ** 6)  # a hung program: the coordination service's own threads keep running
-
-
-class Hook(RawSerializer):
-    """The raw serializer, but process 0 dies or hangs right after writing its shards of save number
-    ``at``: before it commits."""
-
-    def __init__(self, at: int, kind: str):
-        super().__init__()
-        self.at, self.kind, self.calls = at, kind, 0
-
-    def write(self, storage, items, *, tag):
-        written = super().write(storage, items, tag=tag)
-        self.calls += 1
-        if self.calls == self.at:
-            die_or_hang(self.kind)
-        return written
 
 
 def manager(cfg: dict, **kw: Any) -> fc.CheckpointManager:
@@ -185,7 +168,7 @@ def mode_coordinator(cfg: dict, n: int) -> dict:
     i = jax.process_index()
     sh = shardings(n)
     out: dict[str, Any] = {}
-    ser = Hook(2, kind) if i == 0 and phase == "save" else None
+    ser = AfterWrite(2, lambda _: die_or_hang(kind)) if i == 0 and phase == "save" else None
     mgr = manager(cfg, serializer=ser)
     mgr.save(1, place(host_state(1, n), sh))
     mgr.wait_until_finished()

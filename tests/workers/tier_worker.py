@@ -34,10 +34,9 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import flax_ckpt as fc  # noqa: E402
-from flax_ckpt._src import distributed as distributed
+from flax_ckpt._src import distributed  # noqa: E402
 from flax_ckpt._src.storage import local as storage_local  # noqa: E402
-from flax_ckpt._src.serializers.raw import RawSerializer  # noqa: E402
-from helpers import assert_bit_exact, report, start_worker  # noqa: E402
+from helpers import AfterWrite, assert_bit_exact, kill_self, report, start_worker  # noqa: E402
 
 
 def host_state(step: int) -> dict[str, Any]:
@@ -76,21 +75,6 @@ def check_bit_exact(got: dict[str, Any], step: int) -> None:
     assert_bit_exact(got, want, {k: sh.get(k) for k in want}, types=False)
 
 
-class KillInWrite(RawSerializer):
-    """The raw serializer; SIGKILLs this process after writing its shards of persistent write ``at``."""
-
-    def __init__(self, at: int):
-        super().__init__()
-        self.at, self.calls = at, 0
-
-    def write(self, storage, items, *, tag):
-        written = super().write(storage, items, tag=tag)
-        self.calls += 1
-        if self.calls == self.at:
-            os.kill(os.getpid(), signal.SIGKILL)
-        return written
-
-
 def install_crash(cfg: dict[str, Any]) -> Any:
     """Where this process dies, if the config says so: in its local-tier save of a step (data and index
     written, folder not yet renamed) or in a migration (its shards written, not yet reported)."""
@@ -98,7 +82,7 @@ def install_crash(cfg: dict[str, Any]) -> Any:
     if not crash or crash["process"] != jax.process_index():
         return None
     if crash["at"] == "migrate":
-        return KillInWrite(crash["write"])
+        return AfterWrite(crash["write"], kill_self)
     real = storage_local.fsync_dir
 
     def fsync_dir(path: str) -> None:
