@@ -33,6 +33,7 @@ class Layout(Protocol):
 
     name: str
     record: str
+    foreign: bool  # a directory of this format is another library's: a manager writes nothing until it saves
 
     def snapshot(self, tree: Any, *, copy: bool, reuse: Snapshot | None = None) -> Snapshot:
         """The blocking half of a save (caller's thread); refuses what the format cannot store."""

@@ -108,7 +108,7 @@ class CheckpointManager:
         self.restore_stats: list[RestoreStats] = []
         self._writer = AsyncWriter()
         self._closed = False
-        if self.format == "native":
+        if not self.layout.foreign:
             self._claim()
         self._scan()
         if tiers is not None:  # after the scan: the tiers need the persistent steps
@@ -141,9 +141,9 @@ class CheckpointManager:
         if self._claimed:
             return
         if self.storage.local_path is not None and distributed.process_index() == 0:
-            self._lock = DirectoryLock(self.storage.local_path, tidy=self.format == "orbax")
+            self._lock = DirectoryLock(self.storage.local_path, tidy=self.layout.foreign)
         self._claimed = True
-        if self.format != "native":
+        if self.layout.foreign:
             self._scan()  # the view from the open may be stale by now; this scan removes the leftovers
 
     def _scan(self) -> None:

@@ -67,6 +67,7 @@ class NativeLayout:
     """flax_ckpt's own format as formats.Layout: ``serializer`` stores the arrays ("raw" by default)."""
 
     name, record = "native", MANIFEST
+    foreign = False  # flax_ckpt's own runs: a manager claims the directory (lock, clean-up) when it opens
 
     def __init__(self, serializer: "str | Serializer | None" = None):
         self.serializer = get_serializer(serializer)

@@ -40,6 +40,7 @@ class OrbaxLayout:
     CheckpointManager step (a manager's saves: item ``default`` plus a ``metrics`` JSON item)."""
 
     name, record = "orbax", locate.COMMIT_SUCCESS
+    foreign = True  # another library's runs: claimed at a manager's first write, no lock file left behind
 
     def snapshot(self, tree: Any, *, copy: bool, reuse: Snapshot | None = None) -> Snapshot:
         write.single_process()
