@@ -27,6 +27,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import weakref
 from typing import Any, Callable, Mapping, Sequence
 
@@ -78,8 +79,7 @@ class CheckpointCallback:
             raise
         self._closed = False
         self._pending: tuple[int, Any, Metrics] | None = None  # the last call's step, state, metrics: unsaved
-        self._close_at_exit = _CloseAtExit(weakref.ref(self))
-        atexit.register(self._close_at_exit)
+        _close_at_exit(self)
 
     # ------------------------------------------------------------------------------------------ resume
 
@@ -161,7 +161,7 @@ class CheckpointCallback:
         if self._closed:
             return
         self._closed = True
-        atexit.unregister(self._close_at_exit)
+        _OPEN.discard(self)
         if self._guard.requested and not self.preempted:
             log.warning("preemption: a signal arrived after the last step boundary; nothing was left to save")
         try:
@@ -181,6 +181,10 @@ class CheckpointCallback:
         if pending is None or self.preempted or pending[0] in self.manager.all_steps():
             return
         step, state, metrics = pending
+        if at_exit and jax.process_count() > 1:  # a collective save that another process may never join
+            log.warning("not saving step %d at interpreter exit in a multi-process job (the other processes may "
+                        "have stopped elsewhere); call ckpt.close() or ckpt.finish(step, state) after the loop", step)
+            return
         tree = to_tree(state)
         if any(isinstance(x, jax.Array) and x.is_deleted() for x in jax.tree_util.tree_leaves(tree)):
             log.warning("not saving step %d at close: its arrays were deleted or donated after ckpt(%d, ...) (a "
@@ -218,13 +222,32 @@ def _announce(message: str, *args: Any) -> None:
         print(message % args, file=sys.stderr, flush=True)
 
 
-class _CloseAtExit:
-    """Closes a callback still open when the interpreter exits, without keeping it alive until then."""
+_OPEN: "weakref.WeakSet[CheckpointCallback]" = weakref.WeakSet()  # callbacks to close at exit
+_HOOKED: list[bool] = []
 
-    def __init__(self, ref: "weakref.ref[CheckpointCallback]"):
-        self._ref = ref
 
-    def __call__(self) -> None:
-        cb = self._ref()
-        if cb is not None:
+def _close_at_exit(cb: CheckpointCallback) -> None:
+    """Has ``cb`` closed (with its final save) when the interpreter exits, without keeping it alive.
+
+    The hook must run before ``concurrent.futures`` stops taking work (the saves use thread pools),
+    which happens before ``atexit`` handlers run: CPython's ``threading._register_atexit`` is the hook
+    concurrent.futures itself uses (called in reverse order of registration, so ours runs first);
+    ``atexit`` where it does not exist."""
+    _OPEN.add(cb)
+    if _HOOKED:
+        return
+    _HOOKED.append(True)
+    register = getattr(threading, "_register_atexit", None)
+    try:
+        (register or atexit.register)(_close_open_callbacks)
+    except RuntimeError:  # already shutting down threads
+        atexit.register(_close_open_callbacks)
+
+
+def _close_open_callbacks() -> None:
+    for cb in list(_OPEN):
+        try:
             cb._close(final_save=True, at_exit=True)
+        except Exception as e:  # never a traceback at interpreter exit: say what happened instead
+            log.warning("closing CheckpointCallback(%s) at interpreter exit failed: %s: %s", cb.manager.directory,
+                        type(e).__name__, e)

@@ -187,3 +187,82 @@ def test_resumed_line_is_visible_without_logging_set_up(tmp_path):
                        env=worker_env(1), timeout=120)
     assert r.returncode == 0, r.stderr
     assert "no checkpoint in" in r.stderr and f"resumed from step 1 of {tmp_path / 'run'}" in r.stderr, r.stderr
+
+
+AT_EXIT_CHILD = textwrap.dedent('''
+    import logging, sys
+    import jax.numpy as jnp
+    from callbacks import CheckpointCallback
+
+    directory, steps = sys.argv[1], int(sys.argv[2])
+    if "--log" in sys.argv:
+        logging.basicConfig(level=logging.INFO)
+    ckpt = CheckpointCallback(directory, every_steps=10)
+    state, start = ckpt.restore_or({"w": jnp.zeros(3)})
+    for step in range(start, steps):
+        state = {"w": state["w"] + 1}
+        ckpt(step + 1, state)
+    print("done", flush=True)  # no close(): the callback is closed at interpreter exit
+''')
+
+
+def test_an_open_callback_saves_its_last_step_at_interpreter_exit(tmp_path):
+    script, directory = tmp_path / "child.py", tmp_path / "ckpts"
+    script.write_text(AT_EXIT_CHILD)
+
+    def child(*args: str) -> subprocess.CompletedProcess:
+        r = subprocess.run([sys.executable, str(script), str(directory), *args], capture_output=True, text=True,
+                           cwd=ROOT, timeout=120, env=worker_env(1))
+        assert r.returncode == 0 and "done" in r.stdout, r.stderr
+        return r
+
+    first = child("7")
+    assert f"saved the last step 7 in {directory} at close" in first.stderr, first.stderr
+    second = child("12")
+    assert second.stderr.count(f"resumed from step 7 of {directory}") == 1, second.stderr
+    third = child("12", "--log")  # with logging set up: through the callbacks logger, once
+    assert third.stderr.count("resumed from step 12 of") == 1
+    assert f"INFO:callbacks:resumed from step 12 of {directory}" in third.stderr, third.stderr
+    with fc.CheckpointManager(directory) as mgr:
+        assert mgr.all_steps() == [7, 10, 12]
+        assert np.asarray(mgr.restore(12)["w"]).tolist() == [12.0] * 3
+
+
+def test_restore_keeps_the_target_leaf_type_and_weak_type(tmp_path):
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    weak = jax.jit(lambda n: n + 1)(3)  # a Python int through jit: a weak-typed int32
+    assert weak.weak_type
+    fc.save(tmp_path / "c", {"step": weak, "count": jnp.int32(9), "lr": np.float32(0.5), "scale": jnp.asarray(1.5)})
+    out = fc.restore(tmp_path / "c", {"step": 0, "count": 0, "lr": 0.0, "scale": 0.0})
+    assert (type(out["step"]), out["step"], type(out["count"]), type(out["lr"])) == (int, 4, int, float)
+    replicated = NamedSharding(Mesh(np.array(jax.devices()[:4]), ("d",)), P())
+    abstract = jax.eval_shape(lambda: {"step": 0, "count": jnp.int32(0), "scale": 0.0})
+    got = fc.restore(tmp_path / "c", {**abstract, "lr": 0.0}, shardings=replicated)
+    assert got["step"].weak_type and got["step"].dtype == jnp.int32 and int(got["step"]) == 4
+    assert got["step"].sharding == replicated and got["scale"].weak_type and float(got["scale"]) == 1.5
+    assert not got["count"].weak_type and type(got["lr"]) is float
+    assert type(fc.restore(tmp_path / "c", {**abstract, "lr": np.float32(0)})["lr"]) is np.float32
+    strong = fc.restore(tmp_path / "c", {"step": jnp.int32(0), "count": weak, "lr": 0.0, "scale": 0.0})
+    assert not strong["step"].weak_type and strong["count"].weak_type  # the target's, not the saved one's
+
+
+def test_which_zarr_codecs_checksum_the_data(tmp_path):
+    import tensorstore as ts
+    from flax_ckpt._src.orbax.read import data_checksummed
+    made = []
+
+    def metadata(codecs, driver="zarr3"):
+        made.append(tmp_path / f"a{len(made)}")
+        spec = {"driver": driver, "kvstore": {"driver": "file", "path": str(made[-1])},
+                "metadata": {"shape": [4], "data_type": "uint8", "codecs": codecs} if driver == "zarr3"
+                else {"shape": [4], "dtype": "|u1", "compressor": {"id": "zstd", "level": 1}}}
+        return ts.open(spec, create=True).result().spec().to_json()["metadata"]
+
+    assert data_checksummed(metadata([{"name": "bytes"}, {"name": "crc32c"}]))
+    assert not data_checksummed(metadata([{"name": "bytes"}, {"name": "zstd", "configuration": {"level": 1}}]))
+    inner = {"name": "sharding_indexed", "configuration": {
+        "chunk_shape": [2], "codecs": [{"name": "bytes"}], "index_codecs": [{"name": "bytes"}, {"name": "crc32c"}]}}
+    assert not data_checksummed(metadata([inner]))  # Orbax's zarr3: only the shard index is checksummed
+    inner["configuration"]["codecs"].append({"name": "crc32c"})
+    assert data_checksummed(metadata([inner]))
+    assert not data_checksummed(metadata([], driver="zarr"))

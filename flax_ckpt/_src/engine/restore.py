@@ -200,7 +200,8 @@ class Reader:
     def value(self, leaf: LeafRecord, target: Any, sharding: Any, puts: list | None = None) -> Any:
         """The leaf as restore gives it for ``target`` (None: no target) and ``sharding``. The target's
         leaf type is kept: a Python scalar target gets a Python scalar of its type (whatever 0-d array
-        was saved), a weak-typed 0-d jax target a weak-typed array (as jit gives a Python scalar).
+        was saved), a weak-typed 0-d jax target a weak-typed array (as jit gives a Python scalar), an
+        uncommitted target an uncommitted array (placement_of), so that jit compiles nothing new.
         ``puts``: a list collecting (host array, sharding) placements for one batched jax.device_put,
         returning _Pending markers for them (read_all)."""
         kind = leaf.kind
