@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -209,6 +210,56 @@ def test_restore_or_skips_a_damaged_newest_step(ckpt_dir, signals_restored):
     with CheckpointCallback(ckpt_dir, every_steps=1) as ckpt:
         got, start = ckpt.restore_or(small_state(3))
     assert start == 1 and leaf_bytes(got) == leaf_bytes(state)
+
+
+def test_restore_or_when_every_step_is_damaged_raises_and_deletes_nothing(ckpt_dir, signals_restored):
+    state = small_state()
+    with CheckpointCallback(ckpt_dir, every_steps=1) as ckpt:
+        ckpt(1, state)
+        ckpt(2, bump(state))
+    for step in (1, 2):  # one flipped byte in every data file: each step reads back damaged
+        for f in (ckpt_dir / str(step) / "data").iterdir():
+            raw = bytearray(f.read_bytes())
+            raw[len(raw) // 2] ^= 0xFF
+            f.write_bytes(bytes(raw))
+    with CheckpointCallback(ckpt_dir, every_steps=1) as ckpt:  # never a silent start from step 0
+        with pytest.raises(fc.CorruptCheckpointError, match="crc32c"):
+            ckpt.restore_or(small_state(3))
+    assert sorted(p.name for p in ckpt_dir.iterdir() if p.name.isdigit()) == ["1", "2"]
+
+
+def test_restore_or_opens_the_step_it_restores_once(ckpt_dir, signals_restored, monkeypatch):
+    from flax_ckpt._src.engine import native
+    with CheckpointCallback(ckpt_dir, every_steps=1) as ckpt:
+        ckpt(1, small_state())
+    opened = []
+    real = native._open_native
+    with CheckpointCallback(ckpt_dir, every_steps=1) as ckpt:  # (its scan opened the step for its metrics)
+        monkeypatch.setattr(native, "_open_native", lambda storage: opened.append(storage.url) or real(storage))
+        got, start = ckpt.restore_or(small_state(3))
+    assert start == 1 and leaf_bytes(got) == leaf_bytes(small_state())
+    assert len(opened) == 1, opened  # its records serve both the target and the read
+
+
+@pytest.mark.parametrize("persist", [None, 1])
+def test_restore_or_with_tiers_gives_the_state_types(tmp_path, signals_restored, persist):
+    """From a memory copy (persist=None) or the persistent step: arrays as jax arrays, the step of a fresh
+    TrainState-like Python int as the weak-typed array a jitted step makes of it."""
+    tiers = lambda: fc.Tiers(local_dir=str(tmp_path / "shm"), persist_interval_steps=persist, cleanup=False)  # noqa: E731
+    fresh = {"w": jnp.zeros(3), "step": 0}
+    step_fn = jax.jit(lambda s: {"w": s["w"] + 1, "step": s["step"] + 1})
+    with CheckpointCallback(tmp_path / "run", every_steps=1, tiers=tiers()) as ckpt:
+        live = step_fn(fresh)
+        ckpt(1, live)
+    if persist is not None:  # the host's memory is gone: the persistent step is the one left
+        shutil.rmtree(tmp_path / "shm")
+    with CheckpointCallback(tmp_path / "run", every_steps=1, tiers=tiers()) as ckpt:
+        got, start = ckpt.restore_or(fresh)
+        tier = ckpt.manager.restore_stats[-1].tier
+    assert start == 1 and tier == ("local" if persist is None else "persistent")
+    assert isinstance(got["w"], jax.Array) and isinstance(got["step"], jax.Array)
+    assert got["step"].weak_type == live["step"].weak_type and got["step"].dtype == live["step"].dtype
+    assert leaf_bytes(got) == leaf_bytes(live)
 
 
 # -------------------------------------------------------------------------------------- preemption

@@ -39,6 +39,15 @@ log = logging.getLogger("flax_ckpt")
 _DAMAGE = ("CorruptCheckpointError", "InvalidManifestError", "FileNotFoundError", "CheckpointNotFoundError",
            "NotADirectoryError")  # a step that cannot be read: restore falls back past it
 __all__ = ["CheckpointManager", "DirectoryLock", "LOCK_FILE", "RestoreStats", "SaveStats"]
+TargetOf = Callable[[engine.Source], Any]  # the restore target for an opened step (restore's target_for)
+
+
+def _target_of(target: Any, target_for: Callable[[CheckpointInfo], Any] | None) -> TargetOf:
+    """restore's ``target`` or ``target_for`` as one function of the opened source: ``target_for`` reads
+    the source's records, so no step is opened twice."""
+    if target_for is None:
+        return lambda source: target
+    return lambda source: target_for(source.info())
 
 
 class CheckpointManager:
@@ -374,32 +383,31 @@ class CheckpointManager:
         the same step, or all fall back together to an older one (each discarding what it read), or all
         raise the same CheckpointError naming the process and file that failed."""
         self._writer.wait()
+        target_of = _target_of(target, target_for)
         if self._tiers is not None:
             if item is not None:
                 raise ValueError("item= selects an item of an Orbax step; a tiered manager holds native steps")
-            return self._restore_tiered(step, target, shardings, partial)
+            return self._restore_tiered(step, target_of, shardings, partial)
         if distributed.process_count() > 1:
             self._agree_view()
         steps = self.all_steps()
         if step is not None:
             if step not in steps:
                 raise CheckpointNotFoundError(f"no committed step {step} in {self.directory} (steps: {steps})")
-            return self._restore_agreed([step], target, target_for, shardings, partial, item, fallback=False)
+            return self._restore_agreed([step], target_of, shardings, partial, item, fallback=False)
         damaged = max(self._damaged, default=None)
         if self.strict and damaged is not None and (not steps or damaged > steps[-1]):
             raise self._damaged[damaged][0]  # strict: a damaged newest step is an error, not a fallback
         if not steps:
             raise CheckpointNotFoundError(f"no committed checkpoint in {self.directory}")
-        return self._restore_agreed(steps[::-1], target, target_for, shardings, partial, item,
-                                    fallback=not self.strict)
+        return self._restore_agreed(steps[::-1], target_of, shardings, partial, item, fallback=not self.strict)
 
-    def _restore_agreed(self, candidates: list[int], target: Any, target_for: Any, shardings: Any, partial: bool,
+    def _restore_agreed(self, candidates: list[int], target_of: TargetOf, shardings: Any, partial: bool,
                         item: str | None, fallback: bool) -> Any:
         """Tries ``candidates`` in order until one restores on every process (see ``restore``)."""
         for i, s in enumerate(candidates):
             try:
-                t = target_for(self.item_metadata(s, item=item)) if target_for is not None else target
-                out, err = self._restore_step(s, t, shardings, partial, item), None
+                out, err = self._restore_step(s, target_of, shardings, partial, item), None
             except (CheckpointError, OSError) as e:
                 out, err = None, e
             failures = self._vote(s, err)
@@ -428,7 +436,7 @@ class CheckpointManager:
                                   f"{'process' if len(failures) == 1 else 'processes'} "
                                   f"{', '.join(map(str, sorted(failures)))} (so on every process): {detail}")
 
-    def _restore_tiered(self, step: int | None, target: Any, shardings: Any, partial: bool) -> Any:
+    def _restore_tiered(self, step: int | None, target_of: TargetOf, shardings: Any, partial: bool) -> Any:
         """With tiers= (every process calls it): the newest step complete across processes in some
         combination of tiers, each process reading from the fastest tier holding its shards."""
         t0 = time.perf_counter()
@@ -436,8 +444,8 @@ class CheckpointManager:
         with self._mutex:
             persistent = set(self._metrics)
         out, plan, nbytes = self._tiers.restore(
-            step, target, shardings=shardings, partial=partial, persistent=persistent, strict=self.strict,
-            restore_persistent=lambda s: self._restore_step(s, target, shardings, partial))
+            step, target_of, shardings=shardings, partial=partial, persistent=persistent, strict=self.strict,
+            restore_persistent=lambda s: self._restore_step(s, target_of, shardings, partial))
         tier = plan.sources[distributed.process_index()][0]
         if tier != "persistent":  # _restore_step recorded the persistent ones
             self.restore_stats.append(RestoreStats(plan.step, tier, nbytes, time.perf_counter() - t0))
@@ -447,9 +455,11 @@ class CheckpointManager:
         folder = self._folders.get(step) or formats.StepFolder(step, str(step), self.layout)
         return folder.layout.open(self.storage.sub(folder.name), item)
 
-    def _restore_step(self, step: int, target: Any, shardings: Any, partial: bool, item: str | None = None) -> Any:
+    def _restore_step(self, step: int, target_of: TargetOf, shardings: Any, partial: bool,
+                      item: str | None = None) -> Any:
         t0 = time.perf_counter()
         source = self._open(step, item)
+        target = target_of(source)
         out = engine.restore(source, target, shardings=shardings, partial=partial)
         stats = RestoreStats(step, "persistent", engine.restored_nbytes(source, target, partial),
                              time.perf_counter() - t0)

@@ -20,7 +20,7 @@ import jax
 import numpy as np
 
 from flax_ckpt._src import tree as tree_mod
-from flax_ckpt._src.engine.leaves import match_target, python_scalar_kinds
+from flax_ckpt._src.engine.leaves import CheckpointInfo, match_target, python_scalar_kinds
 from flax_ckpt._src.engine.pause import gc_paused
 from flax_ckpt._src.errors import CorruptCheckpointError
 from flax_ckpt._src.format import boxes_disjoint
@@ -57,6 +57,9 @@ class Source(Protocol):
 
     def view(self, leaf: LeafRecord, box: Box) -> np.ndarray | None:
         """The box as a verified read-only array over bytes never written again, or None."""
+
+    def info(self) -> CheckpointInfo:
+        """The checkpoint's CheckpointInfo (fc.metadata's answer), from its records alone."""
 
     def select(self, target: Any) -> "tuple[Source, Any]":
         """The part of this checkpoint ``target`` asks for, and the target to check against it: the
@@ -336,8 +339,7 @@ def _place(puts: list[tuple[np.ndarray, Any]]) -> list[Any]:
         groups.setdefault(sharding, []).append(k)
     out: list[Any] = [None] * len(puts)
     for sharding, ks in groups.items():
-        placed = jax.device_put([puts[k][0] for k in ks], sharding) if sharding is not None else \
-            jax.device_put([puts[k][0] for k in ks])
+        placed = jax.device_put([puts[k][0] for k in ks], sharding)  # None: the default device
         for k, arr in zip(ks, placed):
             out[k] = arr
     return out

@@ -241,7 +241,8 @@ class TierSet:
         enc, err = None, None
         try:
             base = None if self._next_full() else self._base
-            enc = store.encode(ts, dict(self._ident(step), metrics=metrics), base, delta=self.cfg.differential)
+            enc = store.encode(ts, dict(self._ident(step), metrics=metrics, created=time.time()), base,
+                               delta=self.cfg.differential)
             t2 = time.perf_counter()
             store.write_copy(self.local_dir, step, enc, self._spare(self.local_dir))
         except Exception as e:  # every process votes, so that none waits for a failed one
@@ -378,10 +379,12 @@ class TierSet:
 
     # --------------------------------------------------------------------------------- restore
 
-    def restore(self, step: int | None, target: Any, *, shardings: Any, partial: bool, persistent: set[int],
-                restore_persistent: Callable[[int], Any], strict: bool) -> tuple[Any, Plan, int]:
+    def restore(self, step: int | None, target_of: Callable[[Any], Any], *, shardings: Any, partial: bool,
+                persistent: set[int], restore_persistent: Callable[[int], Any], strict: bool) -> tuple[Any, Plan, int]:
         """Collective: agrees on a plan, moves replicas to processes that lost their local copy, and
-        restores; a copy that fails (damaged, layout not held) is excluded and the plan re-made."""
+        restores; a copy that fails (damaged, layout not held) is excluded and the plan re-made.
+        ``target_of``: the target for an opened copy (the manager's restore target, or one made from the
+        copy's records)."""
         invs = self.group.allgather("inventory", self._inventory())
         bad: set[tuple[int, str, int]] = set()
         done: tuple[tuple[int, str], Any] | None = None
@@ -393,7 +396,7 @@ class TierSet:
             mine = (plan.step, plan.sources[self.i][0])
             if done is None or done[0] != mine:
                 done = None
-                value, err = self._execute(plan, target, shardings, partial, restore_persistent)
+                value, err = self._execute(plan, target_of, shardings, partial, restore_persistent)
                 if err is None:
                     done = (mine, value)
             else:
@@ -426,7 +429,7 @@ class TierSet:
         sizes = self.group.allgather("serve", {"n": sum(len(p) for p in parts)})
         return self.group.transfer(perm, parts, [v["n"] for v in sizes])
 
-    def _execute(self, plan: Plan, target: Any, shardings: Any, partial: bool,
+    def _execute(self, plan: Plan, target_of: Callable[[Any], Any], shardings: Any, partial: bool,
                  restore_persistent: Callable[[int], Any]) -> tuple[tuple[Any, int] | None, str | None]:
         received = self._execute_transfers(plan)
         tier, holder = plan.sources[self.i]
@@ -440,6 +443,6 @@ class TierSet:
                 copy = store.copy_from_parts(tier_sync.unframe(received, where), where)
             if (copy.step, copy.body["session"], copy.body["process"]) != (plan.step, plan.session, self.i):
                 raise CheckpointError(f"{copy.where} is not the planned copy")
-            return load.restore_copy(copy, target, shardings=shardings, partial=partial), None
+            return load.restore_copy(copy, target_of, shardings=shardings, partial=partial), None
         except (CheckpointError, OSError, ValueError, KeyError) as e:
             return None, f"{type(e).__name__}: {e}"

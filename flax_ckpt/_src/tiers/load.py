@@ -17,12 +17,13 @@ from __future__ import annotations
 import math
 import zlib
 from concurrent.futures import wait
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import crc32c
 import numpy as np
 
 from flax_ckpt._src.engine import restore as engine
+from flax_ckpt._src.engine.leaves import CheckpointInfo, checkpoint_info
 from flax_ckpt._src.engine.snapshot import HostLeaf, Snapshot
 from flax_ckpt._src.errors import CheckpointError, CorruptCheckpointError
 from flax_ckpt._src.records import LeafRecord, dtype_from_name, leaf_name
@@ -176,10 +177,19 @@ class CopySource:
     def select(self, target: Any) -> tuple["CopySource", Any]:
         return self, target
 
+    def info(self) -> CheckpointInfo:
+        """What the copy records (as fc.metadata gives a native step; no user metadata: a tiered save has none)."""
+        b = self.copy.body
+        return checkpoint_info(self.url, self.leaves, step=b["step"], metrics=b.get("metrics"), metadata=None,
+                               created=b.get("created", 0.0), process_count=b["process_count"], serializer="memory",
+                               format="native")
 
-def restore_copy(copy: Copy, target: Any, *, shardings: Any, partial: bool) -> tuple[Any, int]:
-    """Restores the copy's tree into ``target`` (checked per leaf); returns it and the array bytes."""
+
+def restore_copy(copy: Copy, target_of: Callable[[CopySource], Any], *, shardings: Any,
+                 partial: bool) -> tuple[Any, int]:
+    """Restores the copy's tree into ``target_of(source)`` (checked per leaf); returns it and the array bytes."""
     source = CopySource(copy)
+    target = target_of(source)
     value = engine.restore(source, target, shardings=shardings, partial=partial)
     return value, engine.restored_nbytes(source, target, partial)
 
