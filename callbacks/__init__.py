@@ -1,9 +1,9 @@
-"""callbacks: training-loop hooks for flax_ckpt, built only on its public API (``import flax_ckpt as fc``).
+"""flax_ckpt.callbacks: training-loop hooks for flax_ckpt, built only on its public API (``import flax_ckpt as fc``).
 
 ``CheckpointCallback`` gives a Flax/Optax loop periodic checkpoints, automatic resume and preemption
 safety with three lines of code. ``PreemptionGuard`` is its signal handling, usable alone; ``to_tree`` /
 ``from_tree`` map live state (nnx objects, stateful data iterators) to the saved pytree and back. The clu
-adapter lives in ``callbacks.clu_adapter`` and is not imported here (clu is an optional extra).
+adapter lives in ``flax_ckpt.callbacks.clu_adapter`` and is not imported here (clu is an optional extra).
 """
 
 from .checkpoint_callback import CheckpointCallback as CheckpointCallback

@@ -38,7 +38,7 @@ import flax_ckpt as fc
 from .preemption import PreemptionGuard
 from .state import from_tree, match_saved_scalars, to_tree
 
-log = logging.getLogger("callbacks")
+log = logging.getLogger("flax_ckpt.callbacks")
 
 Metrics = Mapping[str, Any] | Callable[[], Mapping[str, Any]] | None
 
@@ -213,7 +213,7 @@ class CheckpointCallback:
 
 
 def _announce(message: str, *args: Any) -> None:
-    """An INFO line a user should see, logged through ``callbacks`` when logging is set up (a handler
+    """An INFO line a user should see, logged through ``flax_ckpt.callbacks`` when logging is set up (a handler
     anywhere up to the root), else written to stderr the way Python's last-resort handler writes
     warnings (which drops INFO lines)."""
     if log.hasHandlers():

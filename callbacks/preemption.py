@@ -26,7 +26,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 
-log = logging.getLogger("callbacks")
+log = logging.getLogger("flax_ckpt.callbacks")
 
 Handler = Callable[[int, FrameType | None], Any] | int | None
 

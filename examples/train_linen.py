@@ -25,7 +25,7 @@ from flax import linen as nn
 from flax.training import train_state
 from sklearn.datasets import load_digits
 
-from callbacks import CheckpointCallback  # ckpt
+from flax_ckpt.callbacks import CheckpointCallback  # ckpt
 
 Data = tuple[np.ndarray, np.ndarray]
 

@@ -24,7 +24,7 @@ from flax import nnx
 
 from train_linen import Data, load_data  # the same digits split (examples/ is on sys.path when run)
 
-from callbacks import CheckpointCallback  # ckpt
+from flax_ckpt.callbacks import CheckpointCallback  # ckpt
 
 
 class MLP(nnx.Module):

@@ -26,7 +26,7 @@ from flax import nnx
 from flax.training import train_state
 
 import flax_ckpt as fc
-from callbacks import CheckpointCallback, PreemptionGuard, to_tree
+from flax_ckpt.callbacks import CheckpointCallback, PreemptionGuard, to_tree
 from helpers import Job, leaf_bytes, worker_env
 
 TIMEOUT_S = 120
@@ -375,7 +375,7 @@ def test_guard_off_the_main_thread_installs_nothing(signals_restored):
 CHILD = textwrap.dedent('''
     import os, sys, time
     import jax, jax.numpy as jnp, optax
-    from callbacks import CheckpointCallback
+    from flax_ckpt.callbacks import CheckpointCallback
 
     tx = optax.adam(1e-2)
     params = {"w": jnp.ones((32, 32)) / 32}
@@ -439,7 +439,7 @@ MULTI_CHILD = textwrap.dedent('''
     cfg = json.loads(sys.argv[1])
     start_worker(cfg)
     import jax.numpy as jnp
-    from callbacks import CheckpointCallback
+    from flax_ckpt.callbacks import CheckpointCallback
 
     ckpt = CheckpointCallback(cfg["dir"], every_steps=1000)
     state, start = ckpt.restore_or({"w": jnp.zeros(4)})
@@ -482,7 +482,7 @@ def test_clu_periodic_action_adapter(ckpt_dir, signals_restored):
                         "tensorboard (pip install clu tensorflow-cpu tensorboard)", exc_type=ImportError)
     from clu import periodic_actions
 
-    from callbacks.clu_adapter import CheckpointAction
+    from flax_ckpt.callbacks.clu_adapter import CheckpointAction
 
     state = small_state()
     with CheckpointCallback(ckpt_dir, every_steps=2, exit_on_preemption=False) as ckpt:

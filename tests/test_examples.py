@@ -154,7 +154,7 @@ def test_examples_learn_and_a_finished_run_resumes_without_training(reference, c
         import train_linen
     finally:
         sys.path.remove(str(EXAMPLES))
-    caplog.set_level(logging.INFO, logger="callbacks")
+    caplog.set_level(logging.INFO, logger="flax_ckpt.callbacks")
     train_linen.main(["--directory", str(finished), "--steps", str(STEPS), "--every", str(EVERY)])
     assert f"resumed from step {STEPS} " in caplog.text
     out = capsys.readouterr().out
@@ -168,7 +168,7 @@ def test_examples_differ_from_a_checkpoint_free_loop_by_the_marked_lines():
         lines = (EXAMPLES / script).read_text().splitlines()
         marked = [line.strip() for line in lines if line.endswith("  # ckpt")]
         assert len(marked) == 5, marked
-        assert marked[0] == "from callbacks import CheckpointCallback  # ckpt"
+        assert marked[0] == "from flax_ckpt.callbacks import CheckpointCallback  # ckpt"
         assert marked[1].startswith("ckpt = CheckpointCallback(")
         assert ".restore_or(" in marked[2] and marked[3].startswith("ckpt(step + 1, ")
         assert marked[4] == "ckpt.close()  # ckpt"

@@ -156,7 +156,7 @@ MULTI_CHILD = textwrap.dedent('''
     jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=n, process_id=process_id)
     import numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-    from callbacks import CheckpointCallback
+    from flax_ckpt.callbacks import CheckpointCallback
 
     sh = NamedSharding(Mesh(np.array(jax.devices()), ("x",)), P("x"))
     step_fn = jax.jit(lambda w: w * 1.0001 + 0.5, out_shardings=sh)

@@ -16,7 +16,7 @@ import pytest
 from flax.training import train_state
 
 import flax_ckpt as fc
-from callbacks import CheckpointCallback
+from flax_ckpt.callbacks import CheckpointCallback
 from helpers import TESTS, assert_bit_exact, worker_env
 from test_cli import run, run_json
 from trees import train_state_tree
@@ -75,7 +75,7 @@ def test_close_skips_a_donated_last_state_with_a_warning(ckpt_dir, caplog):
     for step in range(3):
         ckpt(step + 1, state)
         state = step_fn(state)  # donates what the callback was given
-    with caplog.at_level(logging.WARNING, logger="callbacks"):
+    with caplog.at_level(logging.WARNING, logger="flax_ckpt.callbacks"):
         ckpt.close()  # no exception: the arrays of step 3 are gone
     assert any("not saving step 3 at close" in r.message and "finish" in r.message for r in caplog.records)
     with fc.CheckpointManager(ckpt_dir) as mgr:
@@ -177,7 +177,7 @@ def test_progress_bars_only_on_a_terminal_or_when_asked(tmp_path):
 def test_resumed_line_is_visible_without_logging_set_up(tmp_path):
     script = textwrap.dedent(f'''
         import numpy as np
-        from callbacks import CheckpointCallback
+        from flax_ckpt.callbacks import CheckpointCallback
         for _ in range(2):
             with CheckpointCallback({str(tmp_path / "run")!r}, every_steps=1, preemption_signals=()) as ckpt:
                 state, start = ckpt.restore_or({{"w": np.zeros(2)}})
@@ -192,7 +192,7 @@ def test_resumed_line_is_visible_without_logging_set_up(tmp_path):
 AT_EXIT_CHILD = textwrap.dedent('''
     import logging, sys
     import jax.numpy as jnp
-    from callbacks import CheckpointCallback
+    from flax_ckpt.callbacks import CheckpointCallback
 
     directory, steps = sys.argv[1], int(sys.argv[2])
     if "--log" in sys.argv:
@@ -222,7 +222,7 @@ def test_an_open_callback_saves_its_last_step_at_interpreter_exit(tmp_path):
     assert second.stderr.count(f"resumed from step 7 of {directory}") == 1, second.stderr
     third = child("12", "--log")  # with logging set up: through the callbacks logger, once
     assert third.stderr.count("resumed from step 12 of") == 1
-    assert f"INFO:callbacks:resumed from step 12 of {directory}" in third.stderr, third.stderr
+    assert f"INFO:flax_ckpt.callbacks:resumed from step 12 of {directory}" in third.stderr, third.stderr
     with fc.CheckpointManager(directory) as mgr:
         assert mgr.all_steps() == [7, 10, 12]
         assert np.asarray(mgr.restore(12)["w"]).tolist() == [12.0] * 3
