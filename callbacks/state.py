@@ -5,9 +5,10 @@ Most states are pytrees already (``flax.training.train_state.TrainState`` and it
 params plus optax state, PRNG keys, Python ints such as a data position) and pass through unchanged.
 Two kinds of leaf are mutable objects that are not stored as themselves:
 
-* ``flax.nnx`` objects (modules, ``nnx.Optimizer``, ``nnx.Rngs``; anything ``nnx.Pytree``) and
-  ``nnx.State``: stored as ``nnx.to_pure_dict(nnx.state(obj))``; restored in place with
-  ``nnx.replace_by_pure_dict`` + ``nnx.update``, so the caller's objects hold the restored values.
+* ``flax.nnx`` objects (modules, ``nnx.Optimizer``, ``nnx.Rngs``; anything ``nnx.Pytree``, called
+  ``nnx.Object`` before flax 0.11) and ``nnx.State``: stored as ``nnx.to_pure_dict(nnx.state(obj))``;
+  restored in place with ``nnx.replace_by_pure_dict`` + ``nnx.update``, so the caller's objects hold
+  the restored values.
 * objects with ``get_state()`` / ``set_state(state)`` (the protocol of grain's data iterators): stored as
   ``get_state()``, restored with ``set_state``.
 
@@ -32,6 +33,24 @@ import flax_ckpt as fc
 
 _PY_SCALARS = (bool, int, float, complex)
 
+# flax >= 0.11 names the base of nnx modules, optimizers and Rngs ``nnx.Pytree``; flax 0.10 calls it
+# ``nnx.Object``. ``nnx.to_pure_dict`` / ``nnx.replace_by_pure_dict`` are functions from flax 0.10.4 on;
+# before that they are only methods of ``nnx.State`` (0.10.4 to 0.10.7 keep both; the methods warn).
+_NNX_OBJECT = getattr(nnx, "Pytree", None) or nnx.Object
+
+
+def _to_pure_dict(state: Any) -> Any:
+    fn = getattr(nnx, "to_pure_dict", None)
+    return fn(state) if fn is not None else state.to_pure_dict()
+
+
+def _replace_by_pure_dict(state: Any, pure: Any) -> None:
+    fn = getattr(nnx, "replace_by_pure_dict", None)
+    if fn is not None:
+        fn(state, pure)
+    else:
+        state.replace_by_pure_dict(pure)
+
 
 @runtime_checkable
 class Stateful(Protocol):
@@ -44,7 +63,7 @@ class Stateful(Protocol):
 
 
 def _is_nnx(x: Any) -> bool:
-    return isinstance(x, (nnx.Pytree, nnx.State))
+    return isinstance(x, (_NNX_OBJECT, nnx.State))
 
 
 def _is_object_leaf(x: Any) -> bool:
@@ -53,9 +72,9 @@ def _is_object_leaf(x: Any) -> bool:
 
 def _pure(x: Any) -> Any:
     if isinstance(x, nnx.State):
-        return nnx.to_pure_dict(x)
+        return _to_pure_dict(x)
     if _is_nnx(x):
-        return nnx.to_pure_dict(nnx.state(x))
+        return _to_pure_dict(nnx.state(x))
     if isinstance(x, Stateful) and not isinstance(x, type):
         return x.get_state()
     return x
@@ -69,11 +88,11 @@ def to_tree(state: Any) -> Any:
 
 def _put_back(live: Any, restored: Any) -> Any:
     if isinstance(live, nnx.State):
-        nnx.replace_by_pure_dict(live, restored)
+        _replace_by_pure_dict(live, restored)
         return live
     if _is_nnx(live):
         current = nnx.state(live)
-        nnx.replace_by_pure_dict(current, restored)
+        _replace_by_pure_dict(current, restored)
         nnx.update(live, current)
         return live
     if isinstance(live, Stateful) and not isinstance(live, type):

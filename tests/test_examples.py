@@ -175,3 +175,147 @@ def test_examples_differ_from_a_checkpoint_free_loop_by_the_marked_lines():
         main = lines[next(i for i, line in enumerate(lines) if line.startswith("def main(")):]
         rest = [line for line in main if not line.endswith("  # ckpt")]
         assert not [line for line in rest if "ckpt" in line or "Checkpoint" in line], script
+
+
+# ------------------------------------------------------------------- the README's loop snippets, run
+
+def readme_snippet(marker: str) -> str:
+    """The ```python block of the README's "Add it to a training loop" section that holds ``marker``."""
+    section = (ROOT / "README.md").read_text().split("\n## Add it to a training loop\n", 1)[1].split("\n## ", 1)[0]
+    (code,) = [b for b in re.findall(r"```python\n(.*?)```", section, re.S) if marker in b]
+    return code
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # orbax: "Sharding info not provided"
+def test_readme_snippet_continues_an_orbax_run_of_named_items(tmp_path):
+    """The README's dict-of-items target: an Orbax run of args.Composite(state=..., meta=...) resumes into
+    {"state": ..., "meta": ...}, trains on, and Orbax's own Composite restore reads the step written."""
+    ocp = pytest.importorskip("orbax.checkpoint")
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax_ckpt.callbacks import CheckpointCallback
+
+    @jax.jit
+    def train_step(state, batch):
+        loss, grad = jax.value_and_grad(lambda w: jnp.mean((batch * w - 1.0) ** 2))(state["params"]["w"])
+        return {"params": {"w": state["params"]["w"] - 0.1 * grad, "b": state["params"]["b"] + 1},
+                "count": state["count"] + 1}, {"loss": loss}
+
+    def batch_at(step):
+        return np.random.default_rng(step).standard_normal(4).astype(np.float32)
+
+    rng = np.random.default_rng(0)
+    saved = {"params": {"w": jnp.asarray(rng.standard_normal(4), jnp.float32), "b": jnp.full(2, 3, jnp.bfloat16)},
+             "count": jnp.int32(3)}
+    meta = {"lr": 0.1, "model": "mlp", "data": {"index": 3}}
+    run_dir = tmp_path / "orbax_run"
+    with ocp.CheckpointManager(run_dir, item_names=("state", "meta")) as mgr:
+        mgr.save(3, args=ocp.args.Composite(state=ocp.args.StandardSave(saved), meta=ocp.args.JsonSave(meta)))
+    fresh = jax.tree_util.tree_map(jnp.zeros_like, saved)
+    ns = {"CheckpointCallback": CheckpointCallback, "orbax_run_dir": str(run_dir), "state": fresh,
+          "meta": {"lr": 0.0, "model": "", "data": {"index": 0}}, "num_steps": 7, "train_step": train_step,
+          "batch_at": batch_at}
+    exec(readme_snippet('restore_or({"state": state, "meta": meta})'), ns)
+    assert ns["start"] == 3 and ns["meta"] == meta
+    expected = saved  # the uninterrupted run: Orbax's step 3, then steps 3..6
+    for step in range(3, 7):
+        expected, _ = train_step(expected, batch_at(step))
+    assert leaf_bytes(ns["state"]) == leaf_bytes(expected)
+    abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), saved)
+    with ocp.CheckpointManager(run_dir, item_names=("state", "meta")) as mgr:
+        assert mgr.all_steps() == [3, 7]
+        theirs = mgr.restore(7, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract),
+                                                        meta=ocp.args.JsonRestore()))
+    assert leaf_bytes(theirs.state) == leaf_bytes(expected) and theirs.meta == meta
+
+
+EPOCHS_PREAMBLE = '''
+import hashlib, os, signal, sys
+import jax, jax.numpy as jnp, numpy as np, optax
+from flax_ckpt.callbacks import CheckpointCallback
+
+directory, stop_in = sys.argv[1], int(sys.argv[2])  # stop_in: the step during which SIGTERM comes (0: none)
+steps_per_epoch, num_epochs = 5, 3
+data = np.random.default_rng(0).standard_normal((40, 3)).astype(np.float32)  # 5 batches of 8 an epoch
+
+
+class Batches:
+    """Shuffled batches, epoch after epoch; get_state()/set_state() give its position."""
+
+    def __init__(self, data, batch_size, seed):
+        self.data, self.batch_size, self.seed, self.epoch, self.index = data, batch_size, seed, 0, 0
+        self.order = self.shuffle()
+
+    def shuffle(self):
+        return np.random.default_rng([self.seed, self.epoch]).permutation(len(self.data))
+
+    def __next__(self):
+        if (self.index + 1) * self.batch_size > len(self.data):
+            self.epoch, self.index = self.epoch + 1, 0
+            self.order = self.shuffle()
+        self.index += 1
+        return self.data[self.order[(self.index - 1) * self.batch_size:self.index * self.batch_size]]
+
+    def get_state(self):
+        return {"epoch": self.epoch, "index": self.index}
+
+    def set_state(self, state):
+        self.epoch, self.index = int(state["epoch"]), int(state["index"])
+        self.order = self.shuffle()
+
+
+tx = optax.adam(1e-2)
+
+
+@jax.jit
+def step_fn(state, batch):
+    loss, grads = jax.value_and_grad(lambda p: jnp.mean((batch @ p["w"] - 1.0) ** 2))(state["params"])
+    updates, opt = tx.update(grads, state["opt"], state["params"])
+    return {"params": optax.apply_updates(state["params"], updates), "opt": opt}, {"loss": loss}
+
+
+calls = 0
+
+
+def train_step(state, batch):
+    global calls
+    calls += 1
+    print("batch", hashlib.sha256(np.ascontiguousarray(batch).tobytes()).hexdigest()[:16], flush=True)
+    if calls == stop_in:
+        os.kill(os.getpid(), signal.SIGTERM)  # preempted during this step
+    return step_fn(state, batch)
+
+
+params = {"w": jnp.zeros(3, jnp.float32)}
+state = {"params": params, "opt": tx.init(params)}
+batches = Batches(data, batch_size=8, seed=1)
+'''
+
+
+def test_readme_snippet_resumes_a_loop_of_epochs_mid_epoch_bit_exact(tmp_path):
+    """The README's nested epoch/step loop, as a real program: SIGTERM in a random step inside an
+    epoch, a restart; the batches seen and every checkpoint are those of an uninterrupted run."""
+    script = tmp_path / "epochs.py"
+    script.write_text(EPOCHS_PREAMBLE + readme_snippet("steps_per_epoch") + 'print("done", flush=True)\n')
+    total = 15  # steps_per_epoch * num_epochs
+    at = random.choice([s for s in range(2, total) if s % 5])
+    context = f"SIGTERM in step {at} (epoch {at // 5}, step {at % 5} of it)"
+
+    def child(directory: Path, stop_in: int = 0) -> tuple[int, str]:
+        return run([sys.executable, str(script), str(directory), str(stop_in)])
+
+    def batches(out: str) -> list[str]:
+        return [line.split()[1] for line in out.splitlines() if line.startswith("batch ")]
+
+    status, ref_out = child(tmp_path / "reference")
+    assert status == 0 and "done" in ref_out and len(batches(ref_out)) == total, ref_out[-3000:]
+    status, first = child(tmp_path / "run", stop_in=at)
+    assert status == 128 + signal.SIGTERM and len(batches(first)) == at, f"{context}: {status}\n{first[-3000:]}"
+    status, second = child(tmp_path / "run")
+    assert status == 0 and f"resumed from step {at} of" in second, f"{context}\n{second[-3000:]}"
+    assert batches(first) + batches(second) == batches(ref_out), context  # the same batches, in order
+    ref, got = checkpoints(tmp_path / "reference"), checkpoints(tmp_path / "run")
+    assert sorted(got) == [at, total] and sorted(ref) == [total], (context, sorted(got))
+    assert got[total] == ref[total], f"{context}: the final checkpoint differs from the uninterrupted run's"
+    assert "[1]['epoch']" in got[total] and got[total]["[1]['epoch']"] == ("int", 2), list(got[total])

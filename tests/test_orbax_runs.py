@@ -2,7 +2,9 @@
 ``step_prefix`` and fixed-length step names (listed and pruned by the flax-ckpt command, a real
 subprocess, and continued by fc.CheckpointManager in Orbax's own layout, which Orbax then restores), a
 run of named items (``args.Composite`` with JSON items), and a CheckpointManager that only restores an
-Orbax run and leaves it exactly as it was.
+Orbax run and leaves it exactly as it was. Issue 27: new steps of a run of named items are those items
+(restored by Orbax's own CheckpointManager, OCDBT on and off), refused when the tree does not fit, with
+checksums that verify checks; retention that warns when it deletes steps the manager did not write.
 """
 
 from __future__ import annotations
@@ -205,3 +207,192 @@ def test_flax_ckpt_info_lists_json_items_of_a_step(composite_run):
     r = run("info", str(composite_run / "three" / "5"))
     assert r.returncode == 0, r.stderr
     assert any(line.split()[:2] == ["metadata", "json"] for line in r.stdout.splitlines()), r.stdout
+
+
+# ------------------------------------------------------- issue 27: an Orbax run of named items, continued
+
+ITEMS = ("state", "meta", "dataset")
+
+
+def meta(step: int) -> dict:
+    return {"lr": 0.1 / (step + 1), "model": "resnet18"}
+
+
+def dataset(step: int) -> dict:
+    return {"epoch": step // 2, "index": 17 * step, "files": ["a", "b"]}
+
+
+def items(step: int) -> dict:
+    return {"state": tree(step), "meta": meta(step), "dataset": dataset(step)}
+
+
+def orbax_manager(root, use_ocdbt: bool, **options):
+    """The Orbax job of the run: step_prefix, best_fn on "loss"; with use_ocdbt=False it names its
+    handlers (that is how Orbax turns OCDBT off), with OCDBT on it is told nothing about the items."""
+    opts = ocp.CheckpointManagerOptions(step_prefix="ckpt", best_fn=lambda m: m["loss"], best_mode="min", **options)
+    if use_ocdbt:
+        return ocp.CheckpointManager(root, options=opts)
+    return ocp.CheckpointManager(root, options=opts, item_handlers={
+        "state": ocp.StandardCheckpointHandler(use_ocdbt=False), "meta": ocp.JsonCheckpointHandler(),
+        "dataset": ocp.JsonCheckpointHandler()})
+
+
+def orbax_composite(step: int) -> "ocp.args.Composite":
+    return ocp.args.Composite(state=ocp.args.StandardSave(tree(step)), meta=ocp.args.JsonSave(meta(step)),
+                              dataset=ocp.args.JsonSave(dataset(step)))
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["ocdbt", "no-ocdbt"])
+def items_run(request, tmp_path_factory):
+    """Steps 1 and 2 of an Orbax job saving args.Composite(state=StandardSave, meta=JsonSave,
+    dataset=JsonSave) with metrics, step_prefix="ckpt", OCDBT on or off; step 1 is its best."""
+    root = tmp_path_factory.mktemp("items") / "run"
+    with orbax_manager(root, request.param) as mgr:
+        for s, loss in ((1, 0.2), (2, 0.5)):
+            mgr.save(s, args=orbax_composite(s), metrics={"loss": loss})
+    assert sorted(os.listdir(root)) == ["ckpt_1", "ckpt_2"]
+    return root, request.param
+
+
+@pytest.fixture
+def items_copy(items_run, tmp_path):
+    copy = tmp_path / "run"
+    shutil.copytree(items_run[0], copy)
+    return copy, items_run[1]
+
+
+def test_new_steps_of_a_run_of_named_items_are_those_items_and_orbax_restores_them(items_copy):
+    root, use_ocdbt = items_copy
+    with fc.CheckpointManager(root, async_save=False) as mgr:
+        assert mgr.format == "orbax"
+        for s, loss in ((3, 0.1), (4, 0.3)):  # step 3 becomes the best of Orbax's best_fn
+            assert mgr.save(s, items(s), metrics={"loss": loss})
+    assert sorted(os.listdir(root)) == ["ckpt_1", "ckpt_2", "ckpt_3", "ckpt_4"]
+    assert sorted(os.listdir(root / "ckpt_4")) == ["_CHECKPOINT_METADATA", "commit_success.txt", "dataset", "meta",
+                                                   "metrics", "state"]
+    with orbax_manager(root, use_ocdbt) as omgr:  # the Orbax evaluation job sharing the directory
+        assert omgr.all_steps() == [1, 2, 3, 4] and omgr.best_step() == 3 and omgr.latest_step() == 4
+        for s in (4, 3, 2):
+            got = omgr.restore(s, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract(tree(s))),
+                                                          meta=ocp.args.JsonRestore()))
+            assert_bit_exact(got.state, tree(s))
+            assert got.meta == meta(s)
+        got = omgr.restore(4, args=ocp.args.Composite(dataset=ocp.args.JsonRestore()))
+        assert got.dataset == dataset(4)
+        assert omgr.metrics(4) == {"loss": 0.3}
+    if use_ocdbt:  # the handlers come from our _CHECKPOINT_METADATA: restore(step) alone works too
+        with ocp.CheckpointManager(root, options=ocp.CheckpointManagerOptions(step_prefix="ckpt")) as omgr:
+            got = omgr.restore(4)
+        assert got.meta == meta(4) and got.dataset == dataset(4)
+        assert_bit_exact(jax.tree_util.tree_map(np.asarray, got.state), jax.tree_util.tree_map(np.asarray, tree(4)),
+                         types=False)
+    back = fc.restore(root / "ckpt_4", {"state": tree(4), "meta": None, "dataset": None})
+    assert back["meta"] == meta(4) and back["dataset"] == dataset(4)
+    assert_bit_exact(back["state"], tree(4))
+
+
+def test_callback_continues_a_run_of_named_items(items_copy):
+    from flax_ckpt.callbacks import CheckpointCallback
+
+    root, use_ocdbt = items_copy
+    ckpt = CheckpointCallback(root, every_steps=1, max_to_keep=None)
+    state, start = ckpt.restore_or(items(0))
+    assert start == 2 and state["meta"] == meta(2) and state["dataset"] == dataset(2)
+    for s in (3, 4):
+        ckpt(s, items(s), {"loss": 1.0 / s})
+    ckpt.close()
+    with orbax_manager(root, use_ocdbt) as omgr:
+        got = omgr.restore(4, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract(tree(4))),
+                                                      meta=ocp.args.JsonRestore(),
+                                                      dataset=ocp.args.JsonRestore()))
+    assert_bit_exact(got.state, tree(4))
+    assert got.meta == meta(4) and got.dataset == dataset(4)
+
+
+def test_a_tree_that_does_not_fit_the_runs_items_writes_nothing(items_copy):
+    root, _ = items_copy
+    before = {d: sorted(os.listdir(root / d)) for d in os.listdir(root)}
+    with fc.CheckpointManager(root, async_save=False, max_to_keep=1) as mgr:
+        with pytest.raises(fc.StructureMismatchError) as e:
+            mgr.save(3, {"state": tree(3), "meta": meta(3)})
+        msg = str(e.value)
+        assert "the pytree items 'state' and the JSON items 'dataset', 'meta'" in msg
+        assert "the saved dict has the keys 'meta', 'state' (missing: 'dataset')" in msg
+        assert "Nothing was written" in msg
+        with pytest.raises(fc.StructureMismatchError, match=r"not items of the run: 'opt'"):
+            mgr.save(3, {**items(3), "opt": tree(3)})
+        with pytest.raises(fc.StructureMismatchError, match="not items of the run: 'count', 'params'"):
+            mgr.save(3, tree(3))  # the state alone, not keyed by item
+        with pytest.raises(fc.StructureMismatchError, match="the saved value is a list"):
+            mgr.save(3, [tree(3)])
+        with pytest.raises(fc.UnsupportedLeafError) as e:
+            mgr.save(3, {**items(3), "meta": {"lr": 0.1, "mask": np.ones(3)}})
+        assert "the JSON item 'meta'" in str(e.value) and "nothing was written" in str(e.value)
+        with pytest.raises(fc.UnsupportedLeafError, match="the JSON item 'dataset'.*set is not JSON-serializable"):
+            mgr.save(3, {**items(3), "dataset": {"seen": {1, 2}}})
+        assert {d: sorted(os.listdir(root / d)) for d in os.listdir(root)} == before  # no lock file, no step
+        assert mgr.all_steps() == [1, 2]
+    assert {d: sorted(os.listdir(root / d)) for d in os.listdir(root)} == before
+
+
+def test_steps_written_into_an_orbax_run_carry_checksums_that_verify_checks(items_copy):
+    root, use_ocdbt = items_copy
+    with fc.CheckpointManager(root, async_save=False) as mgr:
+        mgr.save(3, {**items(3), "state": {**tree(3), "name": "resnet"}}, metrics={"loss": 0.1})
+    ours = run("verify", str(root / "ckpt_3"), "-q")
+    assert ours.returncode == 0 and ours.stdout.startswith("OK "), ours.stdout + ours.stderr
+    theirs = run("verify", str(root / "ckpt_2"), "-q")  # Orbax's own step: no checksum to check
+    assert theirs.returncode == 0 and theirs.stdout.startswith("UNVERIFIED"), theirs.stdout
+    with ocp.CheckpointManager(root, options=ocp.CheckpointManagerOptions(step_prefix="ckpt"),
+                               item_handlers={"state": ocp.PyTreeCheckpointHandler(),
+                                              "meta": ocp.JsonCheckpointHandler(),
+                                              "dataset": ocp.JsonCheckpointHandler()}) as omgr:
+        got = omgr.restore(3, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(), meta=ocp.args.JsonRestore()))
+    assert got.state["name"] == "resnet" and got.meta == meta(3)  # strings beside their checksum read by Orbax
+    np.testing.assert_array_equal(got.state["params"]["w"], np.asarray(tree(3)["params"]["w"]))
+    # a JSON item changed after the save (still valid JSON) no longer matches its checksum
+    (root / "ckpt_3" / "meta" / "metadata").write_text('{"lr": 1.0, "model": "resnet18"}')
+    with pytest.raises(fc.CorruptCheckpointError, match="metadata: its crc32c is"):
+        fc.restore(root / "ckpt_3", item="meta")
+    damaged = run("verify", str(root / "ckpt_3"), "-q")
+    assert damaged.returncode == 1 and "crc32c" in damaged.stdout + damaged.stderr
+
+
+def test_steps_of_one_unnamed_item_carry_crc32c_chunks_that_orbax_restores(run_copy, tmp_path):
+    with fc.CheckpointManager(run_copy, async_save=False) as mgr:
+        mgr.save(4, tree(4), metrics={"loss": 0.25})
+    assert run("verify", str(run_copy / "ckpt_000004"), "-q").stdout.startswith("OK ")
+    fc.save(tmp_path / "single", tree(5), format="orbax")
+    assert run("verify", str(tmp_path / "single"), "-q").stdout.startswith("OK ")
+    with ocp.StandardCheckpointer() as c:
+        assert_bit_exact(tree(5), c.restore(tmp_path / "single", abstract(tree(5))))
+    with ocp.CheckpointManager(run_copy, options=orbax_options()) as omgr:
+        assert_bit_exact(tree(4), omgr.restore(4, args=ocp.args.StandardRestore(abstract(tree(4)))))
+
+
+# ---------------------------------------------------------- issue 27: retention that says what it deletes
+
+def test_retention_warns_once_when_it_deletes_steps_it_did_not_write(items_copy, caplog):
+    from flax_ckpt.callbacks import CheckpointCallback
+
+    root, _ = items_copy
+    with caplog.at_level(logging.WARNING, logger="flax_ckpt"):
+        ckpt = CheckpointCallback(root, every_steps=1)  # the callback's default max_to_keep=3
+        for s in (3, 4, 5):
+            ckpt(s, items(s), {"loss": 1.0})
+        ckpt.close()
+    assert sorted(os.listdir(root)) == ["ckpt_3", "ckpt_4", "ckpt_5"]  # Orbax's best step 1 went too
+    warned = [r.getMessage() for r in caplog.records if "retention" in r.getMessage()]
+    assert len(warned) == 1, warned  # once per manager, though steps 1 and 2 went at two saves
+    assert warned[0].startswith(f"retention (max_to_keep=3) deleted step 1 of {root}, which this manager did not write")
+    assert "max_to_keep=None" in warned[0] and "covers every step in its directory" in warned[0]
+    assert caplog.records[[r.getMessage() for r in caplog.records].index(warned[0])].levelno == logging.WARNING
+
+
+def test_retention_of_its_own_steps_says_nothing(tmp_path, caplog):
+    with caplog.at_level(logging.WARNING, logger="flax_ckpt"):
+        with fc.CheckpointManager(tmp_path / "run", max_to_keep=1, async_save=False) as mgr:
+            for s in (1, 2, 3):
+                mgr.save(s, tree(s))
+            assert mgr.all_steps() == [3]
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]

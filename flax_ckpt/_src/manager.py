@@ -61,8 +61,11 @@ class CheckpointManager:
     ``format`` (the layout new steps are written in: None, the default, follows the directory, so a run
     stays in one format: "orbax" when its steps are Orbax's, else "native"; an explicit "native" or
     "orbax" that contradicts the steps there is a ValueError; a directory holding both follows its
-    newest step, with a warning), ``tiers`` (memory tiers, fc.Tiers), ``storage_options``
-    (fc.ObjectStoreOptions: how to reach s3:// and gs://).
+    newest step, with a warning; in an Orbax run of named items, ``args.Composite``'s, a step is a
+    dict keyed by exactly those items), ``tiers`` (memory tiers, fc.Tiers), ``storage_options``
+    (fc.ObjectStoreOptions: how to reach s3:// and gs://). Retention covers every committed step of the
+    directory, also those this manager did not write; its first deletion of such steps logs a warning
+    naming them.
 
     The directory lock (local folders) keeps two live managers from writing one directory. A native
     run takes it when the manager opens; an Orbax run at its first save (then also removing leftovers
@@ -117,11 +120,20 @@ class CheckpointManager:
         self.restore_stats: list[RestoreStats] = []
         self._writer = AsyncWriter()
         self._closed = False
-        if not self.layout.foreign:
-            self._claim()
-        self._scan()
-        if tiers is not None:  # after the scan: the tiers need the persistent steps
-            self._tiers = TierSet(tiers, self.directory, set(self._metrics))
+        self._written: set[int] = set()  # steps this manager wrote: retention of any other step is announced
+        self._retention_warned = False
+        try:
+            if not self.layout.foreign:
+                self._claim()
+            self._scan()
+            if tiers is not None:  # after the scan: the tiers need the persistent steps
+                self._tiers = TierSet(tiers, self.directory, set(self._metrics))
+        except BaseException:  # a manager that failed to open holds nothing: a retry can open the directory
+            self._closed = True
+            self._writer.close()
+            if self._lock is not None:
+                self._lock.release()
+            raise
 
     # ------------------------------------------------------------------------------------ directory
 
@@ -180,6 +192,9 @@ class CheckpointManager:
                     self._damaged[f.step] = (e, f)
                 continue
             self._metrics[f.step], self._folders[f.step] = metrics, f
+        if self.format == "orbax":  # new steps get the items of the run's newest step (args.Composite's names)
+            orbax = [f for f in self._folders.values() if f.layout.name == "orbax"]
+            self.layout.follow(self.storage, max(orbax, key=lambda f: f.step).name if orbax else None)
         if self._claimed and lead:
             for entry in self._leftovers:
                 log.warning("removing %s/%s, left by an interrupted save or deletion", self.directory, entry)
@@ -281,6 +296,8 @@ class CheckpointManager:
             if not force and not self.should_save(step):
                 return False
             if not self._claimed:
+                if self.format == "orbax":  # a tree that does not fit the run's items: nothing written, no lock
+                    self.layout.check_items(state)
                 self._claim()
                 if step in self._metrics:
                     log.info("step %d already saved in %s; skipped", step, self.directory)
@@ -317,6 +334,7 @@ class CheckpointManager:
         with self._mutex:
             self._metrics[step] = metrics
             self._folders[step] = formats.StepFolder(step, name, self.layout)
+            self._written.add(step)
         stats = SaveStats(step, snap.nbytes, blocked, snap.seconds, times.write, times.commit,
                           time.perf_counter() - t0, fsync_s=times.fsync, start_s=t0 - self._created,
                           serialize_s=times.serialize, written_bytes=times.written,
@@ -350,6 +368,9 @@ class CheckpointManager:
             self.metric_writer.write_scalars(stats.step, scalars)
 
     def _apply_retention(self) -> None:
+        """Deletes the steps retention removes: every committed step of the directory counts, also those
+        this manager did not write (an earlier run's, an Orbax job's); the first time some of those go, a
+        warning names them and the option that keeps them."""
         with self._mutex:
             doomed = steps_to_delete(self._metrics, max_to_keep=self.max_to_keep, keep_period=self.keep_period,
                                      metrics=self._metric_values(), best_mode=self.best_mode,
@@ -361,6 +382,16 @@ class CheckpointManager:
             if folder is not None and distributed.process_index() == 0:  # every process drops it; process 0 deletes
                 commit_mod.remove(self.storage, folder.name, folder.layout.record)
             log.info("retention removed step %d from %s", step, self.directory)
+        others = [s for s in doomed if s not in self._written]
+        if others and not self._retention_warned and distributed.process_index() == 0:
+            self._retention_warned = True
+            log.warning(
+                "retention (max_to_keep=%d) deleted step%s %s of %s, which this manager did not write (%s there "
+                "when it opened, e.g. an earlier run's or an Orbax job's): a manager's retention covers every step "
+                "in its directory. To keep them, pass max_to_keep=None (keeps every step)%s, or give this run a "
+                "directory of its own. Said once per manager.", self.max_to_keep, "s" if len(others) > 1 else "",
+                ", ".join(map(str, others)), self.directory, "they were" if len(others) > 1 else "it was",
+                "" if self.keep_best else " or keep_best=N with best_metric=... (keeps the best N as well)")
 
     def wait_until_finished(self) -> None:
         """Blocks until the save in flight is durable; raises its failure as SaveFailedError."""

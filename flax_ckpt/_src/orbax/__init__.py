@@ -21,6 +21,14 @@ What a restore gives (one stable shape per kind of folder):
 
 The ``metrics`` JSON item of a manager step is the step's metrics (``fc.metadata(...).metrics``), not
 an item.
+
+What a manager writes into an Orbax run: steps of the items of the run's newest step, so that Orbax's
+own CheckpointManager restores them as its steps (``restore(step, args=Composite(...))``, best_fn over
+the ``metrics`` item): one ``default`` item, or for a run of named items a dict keyed by exactly those
+names, each item written with the handler the run records for it (pytree items as Standard/PyTree
+items, JSON items as Json items); any other tree is refused before anything is written. Array chunks
+carry a zarr3 ``crc32c`` codec and JSON data files a ``<file>.crc32c`` (Orbax reads past both), so
+``flax-ckpt verify`` checks every byte flax_ckpt wrote.
 """
 
 from __future__ import annotations
@@ -37,16 +45,40 @@ from flax_ckpt._src.storage import Storage
 
 class OrbaxLayout:
     """Orbax's layout as formats.Layout: a StandardCheckpointer folder (``fc.save``, ``step=None``) or a
-    CheckpointManager step (a manager's saves: item ``default`` plus a ``metrics`` JSON item)."""
+    CheckpointManager step (a manager's saves: item ``default``, or the named items of the run it
+    continues (``follow``), plus a ``metrics`` JSON item)."""
 
     name, record = "orbax", locate.COMMIT_SUCCESS
     foreign = True  # another library's runs: claimed at a manager's first write, no lock file left behind
 
+    def __init__(self) -> None:
+        self.items: dict[str, str] | None = None  # the run's named items {name: handler}; None: one unnamed item
+        self.where = "this directory"
+
+    def follow(self, root: Storage, newest: str | None) -> None:
+        """New steps get the items of the run's newest committed step, folder ``newest`` of ``root``: a
+        step of named items (``args.Composite``) makes every new step a dict keyed by those names, each
+        written with the run's handler for it; otherwise new steps are one ``default`` item."""
+        self.where = root.url
+        self.items = locate.run_items(root.sub(newest)) if newest is not None else None
+
+    def check_items(self, tree: Any) -> None:
+        """Refuses, before anything is written, a tree that does not fit the run's named items."""
+        if self.items is not None:
+            write.check_items(tree, self.items, self.where)
+
     def snapshot(self, tree: Any, *, copy: bool, reuse: Snapshot | None = None) -> Snapshot:
         write.single_process()
-        snap = snapshot(tree, copy=copy, reuse=reuse)
+        if self.items is None:
+            snap = snapshot(tree, copy=copy, reuse=reuse)
+            write.check(snap)
+            return snap
+        json_items = write.check_items(tree, self.items, self.where)
+        trees = {n: tree[n] for n in self.items if n not in json_items}
+        snap = snapshot(trees, copy=copy, reuse=reuse)
         write.check(snap)
-        return snap
+        write.check_item_roots(snap)
+        return write.StepSnapshot(**vars(snap), handlers=dict(self.items), json_items=json_items)
 
     def persist(self, snap: Snapshot, parent: Storage, name: str, *, step: int | None, metrics: Any,
                 metadata: Any) -> PersistTimes:

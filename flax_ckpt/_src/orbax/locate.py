@@ -10,9 +10,13 @@ array bytes; reading arrays is read.py's, writing write.py's.
 from __future__ import annotations
 
 import json
+import os
 import re
+import stat
 from dataclasses import dataclass, field
 from typing import Any
+
+import crc32c
 
 from flax_ckpt._src import commit as commit_mod
 from flax_ckpt._src.errors import (CheckpointNotCommittedError, CheckpointNotFoundError, CorruptCheckpointError,
@@ -36,27 +40,48 @@ JSON_HANDLER = "orbax.checkpoint._src.handlers.json_checkpoint_handler.JsonCheck
 _PYTREE_CLASSES = frozenset({"PyTreeCheckpointHandler", "StandardCheckpointHandler", "PyTreeHandler"})
 _JSON_CLASSES = frozenset({"JsonCheckpointHandler", "JsonHandler"})
 DEFAULT_ITEM, METRICS_ITEM = "default", "metrics"  # a manager's unnamed item; its step metrics
-_STEP_NAME = re.compile(r"(?:(.+)_)?(\d+)")
+_STEP_NAME = re.compile(r"(?:(.+)_)?([0-9]+)")  # ASCII digits only: "²", "٣" or "𝟑" are no steps
 MAX_JSON = 256 << 20
+CRC_SUFFIX = ".crc32c"  # beside a JSON data file flax_ckpt wrote (a JSON item's, _strings.json): its crc32c, in
+#                         decimal; Orbax reads only the file itself
 
 
 def name_of(storage: Storage) -> str:
     return storage.url.rstrip("/").rsplit("/", 1)[-1]
 
 
-def read_json(storage: Storage, name: str) -> Any:
-    """The parsed JSON file ``name`` in ``storage``; None when it does not exist."""
+def read_json(storage: Storage, name: str, *, checked: bool = False) -> Any:
+    """The parsed JSON file ``name`` in ``storage``; None when it does not exist. ``checked``: a data
+    file whose ``<name>.crc32c`` (written by flax_ckpt) is checked when there is one."""
     try:
         raw = storage.read(name, MAX_JSON)
     except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
         return None
     if len(raw) > MAX_JSON:
         raise InvalidManifestError(f"{storage.url}/{name}: larger than {MAX_JSON} bytes; not Orbax metadata")
+    if checked:
+        _check_crc(storage, name, raw)
     try:
         return json.loads(raw)
     except ValueError as e:
         raise InvalidManifestError(f"{storage.url}/{name}: not valid JSON ({e}); the Orbax checkpoint is "
                                    "damaged") from None
+
+
+def _check_crc(storage: Storage, name: str, raw: bytes) -> None:
+    try:
+        want = storage.read(name + CRC_SUFFIX, 64).strip()
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+        return  # written by Orbax: no checksum (verify reports it as unverified)
+    got = crc32c.crc32c(raw)
+    if want != str(got).encode():
+        raise CorruptCheckpointError(f"{storage.url}/{name}: its crc32c is {got}, but {name}{CRC_SUFFIX} says "
+                                     f"{want.decode(errors='replace')!r}: the file is damaged")
+
+
+def checksummed(storage: Storage, name: str) -> bool:
+    """Whether the JSON data file ``name`` carries flax_ckpt's checksum (``<name>.crc32c``)."""
+    return storage.exists(name + CRC_SUFFIX)
 
 
 def is_orbax(folder: Storage) -> bool:
@@ -70,6 +95,87 @@ def is_orbax(folder: Storage) -> bool:
         return False
     return bool(entries & {TREE_METADATA, CHECKPOINT_METADATA}) or (
         COMMIT_SUCCESS in entries and bool(entries & {name_of(folder), *JSON_FILES}))
+
+
+def check_folder(located: "Located") -> list[str] | None:
+    """Walks the local folders a located Orbax checkpoint is read from before tensorstore opens anything
+    in them (it follows symlinks and blocks on FIFOs): CorruptCheckpointError for a symlink that leads
+    out of the checkpoint folder (symlinks inside it are followed, as the native layout's walk does),
+    for a FIFO, device or socket, and for an item folder outside the checkpoint. Returns the paths of
+    the regular files found (``stored_size`` sums them for the restore budget), or None on object stores
+    (nothing to walk). Hard links are not refused (a ``cp -al`` backup has them); ``verify`` reports them.
+    One scandir per folder, file types from the listing: no stat per file."""
+    base = located.storage
+    if base.local_path is None:
+        return None
+    roots, parent = [base.local_path], os.path.dirname(base.local_path)
+    an_item = None in located.items or located.json_root is not None  # ``base`` is one item of a step
+    for s in (*located.items.values(), *located.json_items.values()):
+        path = s.local_path
+        if path == base.local_path or path.startswith(base.local_path + os.sep):
+            continue  # walked with the checkpoint folder
+        if not an_item or os.path.dirname(path) != parent or os.path.islink(path):  # an item's sibling items
+            raise CorruptCheckpointError(f"{path}: an item of {base.url} that lies outside its folder"
+                                         + (f" and its step's {parent}" if an_item else "")
+                                         + " (item names in _CHECKPOINT_METADATA leading out); refusing to "
+                                         "read the checkpoint")
+        roots.append(path)
+    files: list[str] = []
+    for root in roots:
+        _walk(root, files)
+    return files
+
+
+def _walk(root: str, files: list[str]) -> None:
+    real_root = os.path.realpath(root)
+    folders = [root]
+    while folders:
+        try:
+            with os.scandir(folders.pop()) as entries:
+                for e in entries:
+                    if e.is_dir(follow_symlinks=False):
+                        folders.append(e.path)
+                    elif e.is_file(follow_symlinks=False):
+                        files.append(e.path)
+                    elif e.is_symlink():
+                        _check_link(e.path, real_root, files)
+                    else:
+                        raise CorruptCheckpointError(f"{e.path} is not a regular file (a FIFO, device or socket); "
+                                                     "refusing to read the checkpoint")
+        except (FileNotFoundError, NotADirectoryError):
+            continue  # removed meanwhile (or an item folder that is not there): reads will say so
+        except OSError as e:
+            raise CorruptCheckpointError(f"{e.filename}: {e.strerror}; refusing to read the checkpoint") from None
+
+
+def _check_link(path: str, real_root: str, files: list[str]) -> None:
+    """A symlink in the folder: it must resolve inside it, to a folder (walked there) or a regular file."""
+    real = os.path.realpath(path)
+    if real != real_root and not real.startswith(real_root + os.sep):
+        raise CorruptCheckpointError(f"{path} resolves to {real}, outside the checkpoint folder {real_root}; "
+                                     "refusing to read the checkpoint")
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return  # dangling: a read of it fails as a missing file
+    except OSError as e:  # a loop
+        raise CorruptCheckpointError(f"{path}: {e.strerror}; refusing to read the checkpoint") from None
+    if stat.S_ISREG(st.st_mode):
+        files.append(real)
+    elif not stat.S_ISDIR(st.st_mode):
+        raise CorruptCheckpointError(f"{path} is not a regular file (a FIFO, device or socket); "
+                                     "refusing to read the checkpoint")
+
+
+def stored_size(files: list[str]) -> int:
+    """The bytes of the files ``check_folder`` found (one lstat each; a file removed meanwhile counts 0)."""
+    total = 0
+    for path in files:
+        try:
+            total += os.lstat(path).st_size
+        except OSError:
+            continue
+    return total
 
 
 def handler_kind(handler: Any) -> str:
@@ -150,7 +256,7 @@ def _items_by_listing(storage: Storage, entries: set[str]) -> tuple[dict, dict]:
 
 
 def step_number(name: str) -> int | None:
-    """The step of an Orbax step folder name (``<step>`` or ``<prefix>_<step>``), or None."""
+    """The step of an Orbax step folder name (``<step>`` or ``<prefix>_<step>``, ASCII digits), or None."""
     m = _STEP_NAME.fullmatch(name)
     return int(m.group(2)) if m else None
 
@@ -251,6 +357,20 @@ def _locate(storage: Storage) -> Located:
                    names=names if named else None, refused=refused)
 
 
+def run_items(step: Storage) -> dict[str, str] | None:
+    """The items a committed step of a run holds, for a step of named items (``args.Composite``):
+    {item name: its handler} (the ``metrics`` item left out; handlers flax_ckpt does not read included,
+    for the writer to refuse); None for a step of one unnamed item. New steps of the run get these."""
+    located = _locate(step)
+    if located.names is None:
+        return None
+    recorded = located.meta.get("item_handlers")
+    recorded = recorded if isinstance(recorded, dict) else {}
+    items = {n: str(recorded.get(n) or (STANDARD_HANDLER if n in located.items else JSON_HANDLER))
+             for n in located.names}
+    return {**items, **located.refused}
+
+
 # ------------------------------------------------------------------- an Orbax CheckpointManager dir
 
 def step_dirs(root: Storage) -> dict[int, str]:
@@ -302,7 +422,7 @@ def read_json_item(storage: Storage, item: str) -> Any:
     """A JSON item's value: the file named like the item (a manager's ``metrics/metrics``), else
     JsonCheckpointHandler's ``metadata`` or the v1 JsonHandler's ``data.json``."""
     for name in (item, *JSON_FILES):
-        found = read_json(storage, name)
+        found = read_json(storage, name, checked=True)
         if found is not None:
             return found
     return None
@@ -312,9 +432,15 @@ def json_value(storage: Storage, item: str) -> Any:
     """A JSON item's value, as read_json_item finds it; CorruptCheckpointError when its file is missing."""
     for name in (item, *JSON_FILES):
         if storage.exists(name):
-            return read_json(storage, name)
+            return read_json(storage, name, checked=True)
     raise CorruptCheckpointError(f"{storage.url}: the JSON item {item!r} has no file "
                                  f"({format_list([item, *JSON_FILES])}); the Orbax checkpoint is incomplete")
+
+
+def json_checksummed(storage: Storage, item: str) -> bool:
+    """Whether a JSON item's file (as json_value finds it) carries flax_ckpt's checksum."""
+    name = next((n for n in (item, *JSON_FILES) if storage.exists(n)), None)
+    return name is not None and checksummed(storage, name)
 
 
 def step_metrics(located: Located) -> dict[str, Any] | None:

@@ -27,7 +27,8 @@ from flax_ckpt._src.errors import (CorruptCheckpointError, InvalidManifestError,
 from flax_ckpt._src.format import check_relpath
 from flax_ckpt._src.records import LeafRecord
 from flax_ckpt._src.orbax.locate import (OCDBT_MANIFEST, SHARDING, STRINGS, TESTED_ORBAX_VERSION, TREE_METADATA,
-                                         Located, json_value, read_json, step_metrics)
+                                         Located, check_folder, checksummed, json_checksummed, json_value, read_json,
+                                         step_metrics, stored_size)
 from flax_ckpt._src.serializers import Box
 from flax_ckpt._src.storage import Storage
 
@@ -35,6 +36,11 @@ _ARRAY_TYPES = {"jax.Array": "jax", "np.ndarray": "numpy", "scalar": "numpy"}
 _EMPTY_TYPES = {"None": "none", "Dict": "dict", "List": "list", "Tuple": "tuple", "NamedTuple": "none"}
 _CONTEXT = {"cache_pool#ocdbt": {"total_bytes_limit": 100_000_000}, "file_io_concurrency": {"limit": 128}}
 OCDBT_FILE_SIZE = 1 << 31
+# The most bytes one stored byte may decode to: a zstd block (at most 128 KiB) takes at least 4 bytes
+# (its 3-byte header and 1 byte of an RLE block); Orbax compresses with zstd alone. Unknown compressors
+# get the same bound, uncompressed arrays the native layout's (see OrbaxSource.budget).
+MAX_EXPANSION = (128 << 10) // 4
+_BUDGET_SLACK = 64 << 20
 
 
 def context_for(storage: Storage) -> ts.Context:
@@ -76,7 +82,7 @@ class _Item:
         self.doc, self.use_ocdbt, self.use_zarr3 = doc, bool(use_ocdbt), bool(doc.get("use_zarr3", False))
 
     def strings(self) -> dict[str, Any]:
-        return read_json(self.storage, STRINGS) or {}
+        return read_json(self.storage, STRINGS, checked=True) or {}
 
     def key_impls(self) -> dict[str, str]:
         """{param name: PRNG key implementation} from array_metadatas/process_*."""
@@ -133,7 +139,7 @@ def _entry_path(key_meta: Any, where: str, key: str) -> tuple[tree_mod.KeyPath, 
         if not isinstance(e, dict) or not isinstance(e.get("key"), (str, int)) or e.get("key_type") not in (1, 2):
             raise InvalidManifestError(f"{where}: entry {key}: bad key entry {e!r}")
         name = str(e["key"])
-        if e["key_type"] == 1 and not name.isdigit():
+        if e["key_type"] == 1 and not (name.isascii() and name.isdigit()):
             raise InvalidManifestError(f"{where}: entry {key}: sequence key {name!r} is not an index")
         path.append(("idx", int(name)) if e["key_type"] == 1 else ("key", name))
     return tuple(path), ".".join(str(k) for _, k in path)
@@ -159,10 +165,9 @@ class OrbaxSource:
     metadata and every array's zarr metadata (concurrently), never array bytes."""
 
     remote = True  # every read is an asynchronous tensorstore request: read the leaves concurrently
-    budget = None  # compressed chunks: no bound from the stored bytes
-
     def __init__(self, located: Located):
         self.located, self.url = located, located.storage.url
+        self._files = check_folder(located)  # before tensorstore opens anything: links out, FIFOs refused
         context = context_for(located.storage)
         items = [(name, _Item(storage, context)) for name, storage in located.items.items()]
         self.items = [item for _, item in items]
@@ -250,6 +255,12 @@ class OrbaxSource:
         view.leaves = [leaf for leaf in self.leaves if leaf.path[0][1] in target]
         json_items = {n for n in names if n in self.located.json_items}
         return view, {k: None if k in json_items else v for k, v in target.items()}
+
+    @property
+    def budget(self) -> int | None:
+        """See _budget; None on object stores (no bound known without every object's size)."""
+        return None if self._files is None else _budget(self._files, self.leaves, self.stores)
+
     def read(self, leaf: LeafRecord, box: Box, out: np.ndarray) -> None:
         store = self.stores[leaf.name]
         whole = all(s == 0 and e == d for (s, e), d in zip(box, leaf.shape))
@@ -283,15 +294,29 @@ class OrbaxSource:
                                process_count=_process_count(loc), serializer=f"orbax:{codec}", format="orbax")
 
     def unchecked(self) -> list[str]:
-        """The leaves whose stored bytes carry no checksum tensorstore verifies on read (verify reports
-        them as unverified): arrays whose codecs have none (zarr v2; Orbax's zarr3 checksums only the
-        shard index, its zstd frames carry none), strings (``_strings.json``) and JSON items."""
-        out = []
+        """The leaves whose stored bytes carry no checksum checked on read (verify reports them as
+        unverified): arrays whose codecs have none (zarr v2; Orbax's zarr3 checksums only the shard
+        index, its zstd frames carry none; flax_ckpt's zarr3 chunks have a crc32c codec), strings and
+        JSON items unless their file has flax_ckpt's ``.crc32c`` beside it (Orbax writes none)."""
+        out, strings = [], {}
         for leaf in self.leaves:
-            if leaf.kind in ("string", "json") or (leaf.is_array and not data_checksummed(
-                    self.stores[leaf.name].spec().to_json().get("metadata", {}))):
+            if leaf.kind == "string":
+                item = self.items[0] if len(self.items) == 1 else self._item_of(leaf)
+                if id(item) not in strings:
+                    strings[id(item)] = checksummed(item.storage, STRINGS)
+                ok = strings[id(item)]
+            elif leaf.kind == "json":
+                name = leaf.path[0][1] if leaf.path else self.located.json_root
+                ok = json_checksummed(self.located.json_items[name], name)
+            else:
+                ok = not leaf.is_array or data_checksummed(self.stores[leaf.name].spec().to_json().get("metadata", {}))
+            if not ok:
                 out.append(leaf.name)
         return out
+
+    def _item_of(self, leaf: LeafRecord) -> "_Item":
+        """The pytree item a leaf of a step of several items belongs to (its first key is the item's name)."""
+        return dict(zip(self.located.items, self.items))[leaf.path[0][1]]
 
     @property
     def hint(self) -> str:
@@ -306,6 +331,36 @@ class OrbaxSource:
     @property
     def metrics(self) -> dict[str, Any] | None:
         return step_metrics(self.located)
+
+
+def _budget(files: list[str], leaves: Sequence[LeafRecord], stores: dict[str, Any]) -> int:
+    """The bytes a restore of an Orbax folder of regular ``files`` may allocate (Reader refuses more
+    with a CorruptCheckpointError before allocating): as the native layout's, twice the stored bytes
+    plus _BUDGET_SLACK when no array is compressed; else MAX_EXPANSION times them (an array of zeros
+    compresses that far, and a folder can claim no more). tensorstore stops decoding a chunk at its
+    declared size, so a chunk that expands further is an error, never a larger allocation. Arrays
+    declaring at most _BUDGET_SLACK in all fit any budget: then no file's size is asked."""
+    if sum(leaf.nbytes for leaf in leaves if leaf.is_array) <= _BUDGET_SLACK:
+        return _BUDGET_SLACK
+    compressed = any(_compressed(s.spec().to_json().get("metadata", {})) for s in stores.values())
+    return (MAX_EXPANSION if compressed else 2) * stored_size(files) + _BUDGET_SLACK
+
+
+def _compressed(metadata: dict[str, Any]) -> bool:
+    """Whether a zarr array's chunks go through a codec other than byte layout and checksums."""
+    if metadata.get("zarr_format") == 2 or "compressor" in metadata:
+        return metadata.get("compressor") is not None or bool(metadata.get("filters"))
+
+    def chain(codecs: Any) -> bool:
+        for c in codecs if isinstance(codecs, list) else [codecs]:
+            name = c.get("name") if isinstance(c, dict) else c
+            if name == "sharding_indexed":
+                if chain((c.get("configuration") or {}).get("codecs")):
+                    return True
+            elif name not in ("bytes", "crc32c", "transpose"):
+                return True
+        return False
+    return chain(metadata.get("codecs", []))
 
 
 def data_checksummed(metadata: dict[str, Any]) -> bool:

@@ -2,7 +2,11 @@
 
 Scope: turning the engine's snapshot (engine/snapshot.py) into an Orbax item (zarr3 or zarr v2
 arrays in OCDBT or not, zstd, with ``_METADATA``, ``_sharding``, ``_strings.json`` and
-``array_metadatas/process_0``), and committing a folder of them with the engine's commit
+``array_metadatas/process_0``; zarr3 chunks carry a ``crc32c`` codec, which tensorstore, hence Orbax,
+checks on every read; JSON data files a ``<file>.crc32c`` beside them, checked by flax_ckpt's reads and
+ignored by Orbax's), a CheckpointManager step of one unnamed ``default`` item or of the named items
+of the run it continues (``StepSnapshot``: an Orbax run saved with ``args.Composite``, pytree and
+JSON items), and committing a folder of them with the engine's commit
 (commit.py; the commit record is ``commit_success.txt``, written last; staging folders are named as
 Orbax names them, ``<name>.orbax-checkpoint-tmp-<ns>``). orbax-checkpoint's StandardCheckpointer,
 PyTreeCheckpointer and CheckpointManager restore what is written here (tests/test_orbax_compat.py).
@@ -13,11 +17,15 @@ holding '/' or colliding once joined with '.', dtypes tensorstore lacks, Python 
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 import math
 import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import crc32c
 import jax
 import numpy as np
 import tensorstore as ts
@@ -25,9 +33,12 @@ import tensorstore as ts
 from flax_ckpt._src import commit as commit_mod
 from flax_ckpt._src import distributed
 from flax_ckpt._src.engine.snapshot import HostLeaf, Snapshot, jsonable
-from flax_ckpt._src.errors import CheckpointError, UnsupportedLeafError, UnsupportedOrbaxCheckpointError, format_list
-from flax_ckpt._src.orbax.locate import (CHECKPOINT_METADATA, COMMIT_SUCCESS, JSON_HANDLER, PYTREE_HANDLER, SHARDING,
-                                         STANDARD_HANDLER, STRINGS, TMP_SUFFIX, TREE_METADATA)
+from flax_ckpt._src.errors import (CheckpointError, StructureMismatchError, UnsupportedLeafError,
+                                   UnsupportedOrbaxCheckpointError, format_list)
+from flax_ckpt._src.orbax.locate import (CHECKPOINT_METADATA, COMMIT_SUCCESS, CRC_SUFFIX, DEFAULT_ITEM, JSON_HANDLER,
+                                         METRICS_ITEM,
+                                         PYTREE_HANDLER, SHARDING, STANDARD_HANDLER, STRINGS, TMP_SUFFIX,
+                                         TREE_METADATA, handler_kind)
 from flax_ckpt._src.orbax.read import OCDBT_FILE_SIZE, array_kvstore, context_for
 from flax_ckpt._src.storage import Storage
 
@@ -130,6 +141,7 @@ def _zarr_metadata(shape: tuple[int, ...], chunk: list[int], use_zarr3: bool, co
     inner = [{"name": "bytes", "configuration": {"endian": "little"}}]
     if compression:
         inner.append({"name": "zstd", "configuration": {"level": 3}})
+    inner.append({"name": "crc32c"})  # each chunk's (compressed) bytes checksummed: verified on every read
     codec = {"name": "sharding_indexed", "configuration": {
         "chunk_shape": chunk, "codecs": inner, "index_location": "end",
         "index_codecs": [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]}}
@@ -169,6 +181,13 @@ def _write_arrays(storage: Storage, arrays: list[HostLeaf], use_ocdbt: bool, use
 
 def _json_bytes(obj: Any) -> bytes:
     return json.dumps(obj).encode()
+
+
+def _write_checked(storage: Storage, name: str, data: bytes) -> None:
+    """A JSON data file (Orbax gives it no checksum) with its crc32c beside it, ``<name>.crc32c``,
+    which flax_ckpt checks on read and verify reports as verified; Orbax reads only ``name``."""
+    storage.write(name, [data])
+    storage.write(name + CRC_SUFFIX, [str(crc32c.crc32c(data)).encode()])
 
 
 def _tree_metadata(snap: Snapshot, use_ocdbt: bool, use_zarr3: bool) -> dict[str, Any]:
@@ -218,7 +237,7 @@ def write_item(storage: Storage, snap: Snapshot, *, use_ocdbt: bool = True, use_
     if shardings:
         storage.write(SHARDING, [_json_bytes(shardings)])
     if strings:
-        storage.write(STRINGS, [_json_bytes(strings)])
+        _write_checked(storage, STRINGS, _json_bytes(strings))
     if any(value_type(lf) == "jax.Array" for lf in arrays):
         storage.write("array_metadatas/process_0", [_json_bytes(_array_metadatas(arrays))])
     storage.write(TREE_METADATA, [_json_bytes(_tree_metadata(snap, use_ocdbt, use_zarr3))])
@@ -268,29 +287,123 @@ def save_item(parent: Storage, name: str, snap: Snapshot, *, metadata: Any = Non
                    _step_meta(_handler_for(snap), custom))
 
 
+@dataclass
+class StepSnapshot(Snapshot):
+    """A snapshot of a step of named items, as the Orbax run it continues has them (``args.Composite``):
+    the pytree items' leaves (key paths starting with the item's name) and each JSON item's JSON.
+    ``handlers``: {item name: the handler the run's newest step records for it}."""
+
+    handlers: dict[str, str] = field(default_factory=dict)
+    json_items: dict[str, Any] = field(default_factory=dict)
+
+
+def check_items(tree: Any, handlers: dict[str, str], where: str) -> dict[str, Any]:
+    """The JSON items' values of ``tree`` (as stored) for a new step of an Orbax run of named items
+    ``handlers`` ({item name: handler}). Refuses, before anything is written, a tree that is not a dict
+    keyed by exactly those names (StructureMismatchError naming both), a JSON item whose value is not
+    JSON and items of handlers flax_ckpt does not write (UnsupportedLeafError /
+    UnsupportedOrbaxCheckpointError)."""
+    names = sorted(handlers)
+    refused = {n: h for n, h in handlers.items() if handler_kind(h) == "unknown"}
+    if refused:
+        raise UnsupportedOrbaxCheckpointError(
+            f"{where} is an Orbax run whose steps hold items of handlers flax_ckpt does not write: "
+            + ", ".join(f"{n!r} ({h})" for n, h in sorted(refused.items()))
+            + "; nothing was written. Continue this run with orbax-checkpoint, or give the flax_ckpt run a "
+            "directory of its own.")
+    pytree = [n for n in names if handler_kind(handlers[n]) == "pytree"]
+    json_names = [n for n in names if handler_kind(handlers[n]) == "json"]
+    keys = list(tree) if isinstance(tree, Mapping) else None
+    if keys is None or sorted(map(str, keys)) != names or not all(isinstance(k, str) for k in keys):
+        kinds = " and ".join(([f"the pytree items {format_list(pytree)}"] if pytree else [])
+                             + ([f"the JSON items {format_list(json_names)}"] if json_names else []))
+        if keys is None:
+            found = f"the saved value is a {type(tree).__name__}"
+        else:
+            missing = sorted(set(names) - set(map(str, keys)))
+            extra = sorted(set(map(str, keys)) - set(names))
+            detail = "; ".join(([f"missing: {format_list(missing)}"] if missing else [])
+                               + ([f"not items of the run: {format_list(extra)}"] if extra else []))
+            found = (f"the saved dict has the keys {', '.join(sorted(map(repr, keys)))}" if keys
+                     else "the saved dict is empty") + (f" ({detail})" if detail else "")
+        example = ", ".join(f"{n!r}: ..." for n in names[:3]) + (", ..." if len(names) > 3 else "")
+        raise StructureMismatchError(
+            f"{where} is an Orbax run of named items (args.Composite): its steps hold {kinds}, so a new step "
+            f"is a dict keyed by exactly those names; {found}. Nothing was written. Save {{{example}}} (pytree "
+            "items as trees of arrays, JSON items as JSON), or give a run of other items a directory of its own.")
+    json_items = {}
+    for n in json_names:
+        try:
+            json_items[n] = jsonable(tree[n], f"the JSON item {n!r}")
+        except CheckpointError as e:
+            raise UnsupportedLeafError(
+                f"{where}: {e}. The run's steps hold {n!r} as a JSON item (Orbax's JsonSave), so its value must be "
+                "JSON: dicts with string keys, lists, strings, numbers, booleans, None; nothing was written. "
+                "Convert it (e.g. int(x), x.tolist()), or keep arrays in a pytree item.") from None
+    return json_items
+
+
+def item_snapshot(snap: Snapshot, name: str) -> Snapshot:
+    """The leaves of pytree item ``name`` of a StepSnapshot, with key paths relative to the item."""
+    leaves = [dataclasses.replace(lf, record=dataclasses.replace(lf.record, path=lf.path[1:]))
+              for lf in snap.leaves if lf.path and lf.path[0][1] == name]
+    return Snapshot(leaves, sum(s.data.nbytes for lf in leaves for s in lf.shards))
+
+
+def check_item_roots(snap: Snapshot) -> None:
+    """Refuses pytree items that are a single leaf (Orbax's items are trees of leaves)."""
+    bare = [f"{lf.path[0][1]!r} ({lf.record.kind})" for lf in snap.leaves if len(lf.path) == 1]
+    if bare:
+        raise UnsupportedLeafError(
+            f"the pytree items {', '.join(bare)} are a single value or an empty container, not a tree of "
+            "leaves, which is what Orbax stores as a pytree item; nothing was written. Wrap the value in a "
+            "dict (e.g. {'value': x}).")
+
+
+def _json_file(handler: str) -> str:
+    """The file a JSON item's value lives in: the v1 API's JsonHandler reads ``data.json``,
+    JsonCheckpointHandler ``metadata``."""
+    return "data.json" if handler.rsplit(".", 1)[-1] == "JsonHandler" else "metadata"
+
+
+def _write_json_item(folder: Storage, filename: str, value: Any) -> None:
+    _write_checked(folder, filename, _json_bytes(value))
+    folder.write(COMMIT_SUCCESS, [_success(folder)])
+
+
 def save_step(root: Storage, step: int, snap: Snapshot, *, metrics: dict[str, Any] | None = None,
               metadata: Any = None, use_ocdbt: bool = True, use_zarr3: bool = True, name: str | None = None) -> str:
     """Writes ``<root>/<name>`` (default: ``<step>``) as an Orbax CheckpointManager step: item
-    ``default``, plus a ``metrics`` JSON item; returns its URL."""
+    ``default`` (or, for a StepSnapshot, the run's named items, each with the handler the run records
+    for it), plus a ``metrics`` JSON item; returns its URL."""
     single_process()
     metrics = jsonable(metrics, "metrics")
     custom = jsonable(metadata, "metadata")
-    root.makedirs()
-    handlers = {"default": _handler_for(snap)}
+    if isinstance(snap, StepSnapshot):
+        trees = {n: item_snapshot(snap, n) for n, h in snap.handlers.items() if handler_kind(h) == "pytree"}
+        handlers = {n: _handler_for(trees[n]) if n in trees and h == STANDARD_HANDLER else h
+                    for n, h in snap.handlers.items()}
+        json_items = {n: snap.json_items[n] for n in snap.handlers if n not in trees}
+    else:
+        trees, handlers, json_items = {DEFAULT_ITEM: snap}, {DEFAULT_ITEM: _handler_for(snap)}, {}
     if metrics is not None:
-        handlers["metrics"] = JSON_HANDLER
+        handlers[METRICS_ITEM] = JSON_HANDLER
+    root.makedirs()
 
     def write(folder: Storage) -> None:
-        item = folder.sub("default")
-        write_item(item, snap, use_ocdbt=use_ocdbt, use_zarr3=use_zarr3)
-        item.write(COMMIT_SUCCESS, [_success(item)])
+        for n, tree in trees.items():
+            item = folder.sub(n)
+            write_item(item, tree, use_ocdbt=use_ocdbt, use_zarr3=use_zarr3)
+            item.write(COMMIT_SUCCESS, [_success(item)])
+        for n, value in json_items.items():
+            _write_json_item(folder.sub(n), _json_file(handlers[n]), value)
         if metrics is not None:
-            folder.sub("metrics").write("metrics", [_json_bytes(metrics)])
-            folder.sub("metrics").write(COMMIT_SUCCESS, [_success(folder.sub("metrics"))])
+            _write_json_item(folder.sub(METRICS_ITEM), METRICS_ITEM, metrics)
 
     name = str(int(step)) if name is None else name
     _commit_folder(root, name, write, _step_meta(handlers, custom))
     return root.sub(name).url
 
 
-__all__ = ["check", "save_item", "save_step", "single_process", "write_item"]
+__all__ = ["StepSnapshot", "check", "check_item_roots", "check_items", "save_item", "save_step", "single_process",
+           "write_item"]
