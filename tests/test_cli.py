@@ -82,7 +82,7 @@ def write_memory_copies(directory, local_dir: str) -> None:
         tier_store.write_copy(os.path.join(root, "p0", folder), step, enc)
         if commit:
             tier_store.mark_committed(os.path.join(root, "p0", folder, str(step)), {"tier": folder, **ident})
-    os.makedirs(os.path.join(root, "p0", "local", "8.tmp-dead"))
+    os.makedirs(os.path.join(root, "p0", "local", "8.tmp-" + "dead" * 8))
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +93,7 @@ def ck(tmp_path_factory) -> dict[str, str]:
     run_dir = root / "run"
     for s in (1, 2, 3):
         fc.save(run_dir / str(s), state(float(s)), step=s, metrics={"loss": 1.0 / s}, metadata={"cfg": "a"})
-    os.makedirs(run_dir / "4.tmp-0123abcd" / "data")
+    os.makedirs(run_dir / "4.tmp-0123abcd0123abcd0123abcd0123abcd" / "data")
     paths = {"run": str(run_dir), "s1": str(run_dir / "1"), "s3": str(run_dir / "3")}
     for name in ("flipped", "truncated", "manifest", "missing"):
         paths[name] = str(root / name)
@@ -144,7 +144,7 @@ def test_ls_shows_steps_state_size_and_metrics(ck):
     memory = [(e["step"], e["tier"], e["state"]) for e in doc["steps"] if e["tier"] != "persistent"]
     assert memory == [(3, "local-memory p0", "committed"), (3, "peer-memory p0 (of p1)", "committed"),
                       (7, "local-memory p0", "uncommitted"), (8, "local-memory p0", "in-flight")]
-    assert [by[n]["state"] for n in ("1", "2", "3", "4.tmp-0123abcd", "5", "6")] == [
+    assert [by[n]["state"] for n in ("1", "2", "3", "4.tmp-0123abcd0123abcd0123abcd0123abcd", "5", "6")] == [
         "committed", "committed", "committed", "in-flight", "invalid", "uncommitted"]
     assert by["3"]["committed"] and not by["5"]["committed"] and by["3"]["tier"] == "persistent"
     assert by["2"]["metrics"] == {"loss": 0.5} and by["3"]["nbytes"] > 400
@@ -153,7 +153,7 @@ def test_ls_shows_steps_state_size_and_metrics(ck):
     assert text.returncode == 0
     line3 = next(ln for ln in text.stdout.splitlines() if ln.startswith("3 "))
     assert "committed" in line3 and "loss=0.333333" in line3 and "KiB" in line3
-    assert "4.tmp-0123abcd" in text.stdout and "in-flight" in text.stdout
+    assert "4.tmp-0123abcd0123abcd0123abcd0123abcd" in text.stdout and "in-flight" in text.stdout
 
 
 # ---------------------------------------------------------------------------------------- info
@@ -191,7 +191,7 @@ def test_verify_sound_checkpoint_exits_0_with_progress_on_stderr_only(ck):
     r = run("verify", ck["s3"], "--json", "--progress")  # stderr is a pipe here: bars only when asked for
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout) == {"path": ck["s3"], "ok": True, "problems": [], "verified": True, "leaves": 6,
-                                    "unverified": 0, "unverified_leaves": [], "steps": None, "skipped": []}
+                                    "unverified": 0, "unverified_leaves": [], "steps": None, "skipped": [], "linked": []}
     assert "verify" in r.stderr  # the tqdm bar, never in stdout
     quiet = run("verify", ck["zarr"], "-q")
     assert quiet.returncode == 0 and quiet.stdout.startswith("OK ") and quiet.stderr == ""
@@ -364,11 +364,11 @@ def test_prune_uses_manager_retention_with_dry_run(ck, tmp_path):
     shutil.copytree(ck["run"], d)
     dry = run_json("prune", str(d), "--keep", "1", "--dry-run")
     assert dry == {"directory": str(d), "dry_run": True, "deleted": [1, 2], "kept": [3]}
-    assert sorted(os.listdir(d)) == ["1", "2", "3", "4.tmp-0123abcd", "5", "6"]
+    assert sorted(os.listdir(d)) == ["1", "2", "3", "4.tmp-0123abcd0123abcd0123abcd0123abcd", "5", "6"]
     r = run("prune", str(d), "--keep", "1", "--best-metric", "loss", "--best-mode", "max", "--keep-best", "1")
     assert r.returncode == 0, r.stderr
     assert "deleted: 2" in r.stdout and "kept: 1, 3" in r.stdout
-    assert [e.name for e in fi.list_steps(d)] == ["1", "3", "4.tmp-0123abcd", "5", "6"]
+    assert [e.name for e in fi.list_steps(d)] == ["1", "3", "4.tmp-0123abcd0123abcd0123abcd0123abcd", "5", "6"]
 
 
 def test_prune_refuses_while_a_manager_holds_the_directory(tmp_path):

@@ -221,7 +221,7 @@ def test_lock_of_a_killed_process_is_released(ckpt_dir):
 
 def test_leftovers_of_crashed_saves_are_removed(ckpt_dir):
     fc.save(ckpt_dir / "1", state(1))
-    for leftover in ("2.tmp-0123abcd", "1.deleting-feed"):
+    for leftover in ("2.tmp-" + "0123abcd" * 4, "1.deleting-" + "feed" * 8):
         (ckpt_dir / leftover / "data").mkdir(parents=True)
     (ckpt_dir / "notes").mkdir()
     with fc.CheckpointManager(ckpt_dir) as mgr:

@@ -49,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("directory", metavar="DIR")
     p.add_argument("--local-dir", metavar="LOCAL_DIR",
                    help="also list the memory-tier copies a tiered manager of DIR keeps on this host under "
-                        "Tiers(local_dir=LOCAL_DIR), e.g. /dev/shm/flax_ckpt")
+                        "Tiers(local_dir=LOCAL_DIR), e.g. /dev/shm/flax_ckpt-1000 (the default is /dev/shm/flax_ckpt-<uid>)")
     p = sub.add_parser("info", parents=common, help="show the tree of one checkpoint",
                        description="Show every leaf (key path, kind, dtype, shape, bytes, sharding), totals, "
                                    "step, metrics and user metadata. Reads no array bytes.")
@@ -215,7 +215,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     doc = {"path": os.fspath(args.path), "ok": not problems,
            "problems": [{"leaf": p.leaf, "file": p.file, "message": p.message, "step": p.step} for p in problems],
            "verified": r.sound, "leaves": r.leaves, "unverified": len(r.unverified),
-           "unverified_leaves": r.unverified, "steps": r.steps, "skipped": r.skipped}
+           "unverified_leaves": r.unverified, "steps": r.steps, "skipped": r.skipped, "linked": r.linked}
     damaged = sorted({(p.step, p.leaf) for p in problems if p.leaf})
     run = "" if r.steps is None else f" ({len(r.steps)} steps" + (
         f"; skipped {', '.join(r.skipped)}: not committed)" if r.skipped else ")")
@@ -231,6 +231,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
                 + run + ("" if args.strict else "; --strict makes this an error"))
     else:
         text = f"OK {args.path}: every checksum matches{run}"
+    if r.linked:
+        text += (f"\nNOTE {len(r.linked)} files have other hard links (another folder shares their bytes, so "
+                 f"writing there changes this checkpoint): " + ", ".join(r.linked[:5])
+                 + (", ..." if len(r.linked) > 5 else ""))
     _emit(args, doc, text)
     if problems:
         return EXIT_FOUND

@@ -17,6 +17,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import re
 import uuid
 from typing import Callable, Sequence
 
@@ -27,12 +28,22 @@ log = logging.getLogger(__name__)
 TMP_MARK = ".tmp-"
 DELETING_MARK = ".deleting-"
 ORBAX_TMP_MARK = ".orbax-checkpoint-tmp"  # Orbax's own in-flight folders: never read, cleaned up alike
-_MARKS = (TMP_MARK, DELETING_MARK, ORBAX_TMP_MARK)
+# The exact names made here (``<name>.tmp-<uuid4 hex>``: staging_name, commit_file, the memory tiers;
+# ``<name>.deleting-<uuid4 hex>``: remove) and by Orbax (0.12.8: ``<name>.orbax-checkpoint-tmp``; older
+# releases and orbax/write.py: ``<name>.orbax-checkpoint-tmp-<timestamp>``). Nothing else is temporary:
+# a user's ``config.yaml.tmp-1`` or ``eval.orbax-checkpoint-tmp-results`` is never read nor removed.
+_TEMPORARY = re.compile(r"(.+?)(?:\.tmp-[0-9a-f]{32}|\.deleting-[0-9a-f]{32}|\.orbax-checkpoint-tmp(?:-[0-9]+)?)")
+
+
+def step_number(name: str) -> int | None:
+    """The step a folder name stands for: ASCII digits only ("²", "٣" or "𝟑" name no step), else None."""
+    return int(name) if name.isascii() and name.isdigit() else None
 
 
 def is_temporary(entry: str) -> bool:
-    """Names of in-flight saves and interrupted deletions: never checkpoints, removable by a manager."""
-    return any(m in entry for m in _MARKS)
+    """Names of in-flight saves and interrupted deletions, exactly as they are made: never
+    checkpoints, never read. A manager removes those of its run's steps (formats.step_folders)."""
+    return _TEMPORARY.fullmatch(entry) is not None
 
 
 def is_committed(parent: Storage, name: str, record: str) -> bool:
@@ -41,10 +52,10 @@ def is_committed(parent: Storage, name: str, record: str) -> bool:
 
 
 def base_name(entry: str) -> str:
-    """The name a temporary folder stands for ("7" for "7.tmp-ab12" or "7.orbax-checkpoint-tmp-123")."""
-    for m in _MARKS:
-        entry = entry.split(m)[0]
-    return entry
+    """The name a temporary folder stands for ("7" for "7.tmp-<hex>" or "7.orbax-checkpoint-tmp-123");
+    any other name unchanged."""
+    m = _TEMPORARY.fullmatch(entry)
+    return entry if m is None else m.group(1)
 
 
 def staging_name(parent: Storage, name: str, *, record: str, mark: str = TMP_MARK, nonce: str | None = None) -> str:

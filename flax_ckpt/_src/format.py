@@ -13,13 +13,13 @@ from __future__ import annotations
 import json
 import math
 import posixpath
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
 import crc32c
 import numpy as np
 
 from flax_ckpt._src.errors import CheckpointError, InvalidManifestError
-from flax_ckpt._src.records import dtype_from_name
+from flax_ckpt._src.records import dtype_from_name, leaf_name
 
 MANIFEST = "manifest.json"
 FORMAT_NAME = "flax_ckpt"
@@ -218,7 +218,6 @@ def validate_array(leaf: dict, f: str, c: _Check) -> None:
     chunks = c.typed(leaf, "chunks", list, f)
     if len(chunks) > MAX_CHUNKS_PER_LEAF:
         c.fail(f + ".chunks", "too many chunks")
-    volume = 0
     for j, ch in enumerate(chunks):
         index = c.typed(ch, "index", list, f"{f}.chunks[{j}]")
         if len(index) != len(shape):
@@ -227,24 +226,103 @@ def validate_array(leaf: dict, f: str, c: _Check) -> None:
             if (not isinstance(b, list) or len(b) != 2 or any(isinstance(x, bool) or not isinstance(x, int) for x in b)
                     or not 0 <= b[0] <= b[1] <= shape[k]):
                 c.fail(f"{f}.chunks[{j}].index", f"{b!r} is not inside dimension {k} of {shape}")
-        volume += math.prod(b - a for a, b in index)
-    if volume != math.prod(shape) or not boxes_disjoint([ch["index"] for ch in chunks]):
-        c.fail(f + ".chunks", f"chunks do not tile the array of shape {shape} exactly")
+    problem = tiling_problem([ch["index"] for ch in chunks], [(0, d) for d in shape])
+    if problem is not None:
+        c.fail(f"{f}.chunks (leaf {leaf_name(leaf)!r})", f"chunks do not tile the array of shape {shape} exactly: "
+                                                        f"{problem}; the manifest is damaged or crafted")
 
 
-def boxes_disjoint(boxes: Iterable[Sequence[Sequence[int]]]) -> bool:
-    """Whether no two non-empty boxes overlap."""
-    nonempty = [b for b in boxes if all(s < e for s, e in b)]
-    if len(nonempty) < 2:
-        return True
-    a = np.asarray(nonempty, dtype=np.int64)  # (n, ndim, 2)
-    if len(a) > 4096:  # volume already matches; pairwise check is quadratic
-        return len({tuple(map(tuple, b)) for b in nonempty}) == len(nonempty)
-    lo = np.maximum(a[:, None, :, 0], a[None, :, :, 0])
-    hi = np.minimum(a[:, None, :, 1], a[None, :, :, 1])
-    overlap = np.all(lo < hi, axis=-1)
-    np.fill_diagonal(overlap, False)
-    return not overlap.any()
+_PAIRWISE_MAX = 32  # up to this many boxes a pure-Python pairwise check is the fastest
+_CORNERS_MAX = 1 << 23  # corner rows the general check may build (see tiling_problem)
+
+
+def tiling_problem(boxes: Sequence[Sequence[Sequence[int]]], bounds: Sequence[Sequence[int]]) -> str | None:
+    """None when ``boxes`` (each [start, stop) per dimension, each inside ``bounds``) cover every
+    element of ``bounds`` exactly once; else what is wrong, naming an element covered twice or never
+    where one is found. Exact at any number of boxes, in O(n log n) for boxes on a grid (any chunk
+    layout a save writes: along each dimension, two boxes' ranges coincide or do not overlap) and in
+    O(n 2^d log n) otherwise, d the dimensions along which the boxes are cut (see _corner_problem); a
+    layout too irregular for that bound is refused, never accepted unchecked."""
+    if len(boxes) == 1 and len(boxes[0]) == len(bounds) and all(
+            s == a and e == b for (s, e), (a, b) in zip(boxes[0], bounds)):
+        return None  # one chunk holding the whole array: most leaves
+    bounds = [(int(a), int(b)) for a, b in bounds]
+    total = math.prod(b - a for a, b in bounds)
+    items = [(j, b) for j, b in enumerate(boxes) if all(s < e for s, e in b)]
+    volume = sum(math.prod(e - s for s, e in b) for _, b in items)
+    if volume == total and len(items) <= 1:
+        return None
+    if not items:
+        return _gap(volume, total, [a for a, _ in bounds])
+    if len(items) <= _PAIRWISE_MAX:
+        for x in range(len(items)):
+            for y in range(x):
+                (i, a), (j, b) = items[x], items[y]
+                if all(max(p[0], q[0]) < min(p[1], q[1]) for p, q in zip(a, b)):
+                    at = [max(p[0], q[0]) for p, q in zip(a, b)]
+                    return f"chunks {j} and {i} both cover element {at}"
+        return None if volume == total else _corner_problem(items, bounds) or _gap(volume, total, None)
+    a = np.asarray([b for _, b in items], dtype=np.int64).reshape(len(items), len(bounds), 2)
+    lo, hi = np.asarray([x for x, _ in bounds], np.int64), np.asarray([y for _, y in bounds], np.int64)
+    cut = ~np.all((a[:, :, 0] == lo) & (a[:, :, 1] == hi), axis=0)  # dimensions some box does not span whole
+    if not cut.any():
+        return f"chunks {items[0][0]} and {items[1][0]} both cover element {lo.tolist()}"
+    # On a grid: the boundaries of every dimension cut it into cells; each box is then one cell,
+    # and the boxes tile exactly when no cell is taken twice and their volumes add up.
+    cells = np.empty((len(items), int(cut.sum())), np.int64)
+    for k, dim in enumerate(np.flatnonzero(cut)):
+        edges = np.unique(a[:, dim, :])
+        first, last = np.searchsorted(edges, a[:, dim, 0]), np.searchsorted(edges, a[:, dim, 1])
+        if np.any(last - first != 1):
+            break  # some box spans several cells: not a grid
+        cells[:, k] = first
+    else:
+        order = np.lexsort(cells.T[::-1])
+        same = np.all(cells[order[1:]] == cells[order[:-1]], axis=1)
+        if same.any():
+            x, y = sorted((int(order[np.argmax(same)]), int(order[np.argmax(same) + 1])))
+            return f"chunks {items[x][0]} and {items[y][0]} both cover element {a[x, :, 0].tolist()}"
+        return None if volume == total else _corner_problem(items, bounds) or _gap(volume, total, None)
+    return _corner_problem(items, bounds) or (
+        None if volume == total else _gap(volume, total, None))
+
+
+def _corner_problem(items: list[tuple[int, Any]], bounds: list[tuple[int, int]]) -> str | None:
+    """The general exact check. A box's indicator is a signed sum of the 2^d orthants at its corners
+    (x >= corner in every dimension); the boxes tile ``bounds`` exactly iff their corner sums minus
+    those of ``bounds`` cancel at every point. Where they do not, the lexicographically first corner
+    left over is an element whose coverage is 1 plus its sum (no other orthant reaches it). Dimensions
+    no box cuts are left out. Returns None (exact), a description, or a refusal for layouts that would
+    need more than _CORNERS_MAX corners."""
+    a = np.asarray([b for _, b in items], dtype=np.int64).reshape(len(items), len(bounds), 2)
+    lo, hi = np.asarray([x for x, _ in bounds], np.int64), np.asarray([y for _, y in bounds], np.int64)
+    dims = np.flatnonzero(~np.all((a[:, :, 0] == lo) & (a[:, :, 1] == hi), axis=0))
+    if (len(items) + 1) << len(dims) > _CORNERS_MAX:
+        return (f"{len(items)} chunks cut {len(dims)} dimensions in a layout that is not a grid; too irregular "
+                "to check, refused")
+    masks = (np.arange(1 << len(dims))[:, None] >> np.arange(len(dims))[None, :]) & 1  # (2^d, d)
+    signs = 1 - 2 * (masks.sum(axis=1) % 2)
+    s, e = a[:, dims, 0], a[:, dims, 1]
+    corners = np.where(masks[None], e[:, None, :], s[:, None, :]).reshape(-1, len(dims))
+    whole = np.where(masks, hi[dims][None], lo[dims][None])
+    points = np.concatenate([corners, whole])
+    weights = np.concatenate([np.tile(signs, len(items)), -signs])
+    order = np.lexsort(points.T[::-1])
+    points, weights = points[order], weights[order]
+    starts = np.flatnonzero(np.r_[True, np.any(points[1:] != points[:-1], axis=1)])
+    sums = np.add.reduceat(weights, starts)
+    left = np.flatnonzero(sums)
+    if not len(left):
+        return None
+    at = lo.copy()
+    at[dims] = points[starts[left[0]]]
+    covered = 1 + int(sums[left[0]])
+    return f"element {at.tolist()} is covered by {'no chunk' if covered == 0 else f'{covered} chunks'}"
+
+
+def _gap(volume: int, total: int, at: list[int] | None) -> str:
+    where = f"element {at} is covered by no chunk; " if at is not None and volume < total else ""
+    return f"{where}the chunks hold {volume} elements, the array {total}"
 
 
 def validate_body(body: dict, where: str) -> None:

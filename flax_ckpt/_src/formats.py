@@ -96,16 +96,17 @@ class StepFolder:
 def step_folders(root: Storage) -> tuple[list[StepFolder], list[str]]:
     """The step folders of a run directory in either format, by step (committed Orbax steps, named
     ``<step>`` or ``<prefix>_<step>``; every other folder named by an integer is a native step, to be
-    opened to know whether it is committed), and the names of temporary folders (saves in flight or
-    crashed, interrupted deletions: never read)."""
+    opened to know whether it is committed, and whose manifest must name that step), and the names of
+    the steps' temporary folders (saves in flight or crashed, interrupted deletions: never read)."""
     orbax = orbax_locate.step_dirs(root)
     found = [StepFolder(s, n, OrbaxLayout()) for s, n in orbax.items()]
     temporary = []
     for entry in root.list():
         if commit_mod.is_temporary(entry):
-            temporary.append(entry)
-        elif entry.isdigit() and int(entry) not in orbax:
-            found.append(StepFolder(int(entry), entry, NativeLayout(None)))
+            if orbax_locate.step_number(commit_mod.base_name(entry)) is not None:
+                temporary.append(entry)  # only a step's: another temporary name there may be a user's
+        elif (step := commit_mod.step_number(entry)) is not None and step not in orbax:
+            found.append(StepFolder(step, entry, NativeLayout(None, step=step)))
     return sorted(found, key=lambda f: f.step), temporary
 
 

@@ -69,8 +69,10 @@ class NativeLayout:
     name, record = "native", MANIFEST
     foreign = False  # flax_ckpt's own runs: a manager claims the directory (lock, clean-up) when it opens
 
-    def __init__(self, serializer: "str | Serializer | None" = None):
-        self.serializer = get_serializer(serializer)
+    def __init__(self, serializer: "str | Serializer | None" = None, *, step: int | None = None):
+        """``step``: the step a run's folder name gives (formats.step_folders); a folder opened through
+        this layout must hold that step (open_native's ``step``)."""
+        self.serializer, self.step = get_serializer(serializer), step
 
     def snapshot(self, tree: Any, *, copy: bool, reuse: Snapshot | None = None) -> Snapshot:
         return snapshot(tree, copy=copy, reuse=reuse)
@@ -104,10 +106,10 @@ class NativeLayout:
             raise TargetMismatchError(
                 f"{folder.url} is a native flax_ckpt checkpoint, one tree without items; item={item!r} selects an "
                 "item of an Orbax step saved with named items (args.Composite). Restore it without item=")
-        return open_native(folder)
+        return open_native(folder, step=self.step)
 
     def metrics(self, folder: Storage) -> dict[str, Any] | None:
-        return open_native(folder).metrics
+        return open_native(folder, step=self.step).metrics
 
 
 def _persist_shared(snap: Snapshot, parent: Storage, name: str, serializer: Serializer, *, step: int | None,
@@ -205,12 +207,22 @@ class NativeSource:
                                serializer=b["serializer"], format="native")
 
 
-def open_native(storage: Storage) -> NativeSource:
+def open_native(storage: Storage, *, step: int | None = None) -> NativeSource:
     """The committed native checkpoint in folder ``storage``: CheckpointNotFoundError when there is none,
     CheckpointNotCommittedError for a folder without a manifest (a save in flight, or one that
-    crashed), InvalidManifestError for a manifest that fails verification or validation."""
+    crashed), InvalidManifestError for a manifest that fails verification or validation. ``step``: a
+    run's step folder, named by its step: a manifest recording another step is InvalidManifestError (a
+    step folder copied or renamed to another step's name). A manifest without a step (``fc.save``
+    without ``step=``) is accepted under any name, and a checkpoint opened alone is never checked."""
     with gc_paused():
-        return _open_native(storage)
+        source = _open_native(storage)
+    found = source.body.get("step")
+    if step is not None and found is not None and found != step:
+        raise InvalidManifestError(
+            f"the folder name says step {step} but its manifest says step {found}: {source.where} (a step folder "
+            f"copied or renamed to another step's name?) is not restored as step {step}. Move it out of the run "
+            f"directory (or rename it {found} if that step is missing); fc.restore reads it alone")
+    return source
 
 
 def _open_native(storage: Storage) -> NativeSource:

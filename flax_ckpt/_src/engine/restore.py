@@ -22,8 +22,8 @@ import numpy as np
 from flax_ckpt._src import tree as tree_mod
 from flax_ckpt._src.engine.leaves import CheckpointInfo, match_target, python_scalar_kinds
 from flax_ckpt._src.engine.pause import gc_paused
-from flax_ckpt._src.errors import CorruptCheckpointError
-from flax_ckpt._src.format import boxes_disjoint
+from flax_ckpt._src.errors import CheckpointError, CorruptCheckpointError
+from flax_ckpt._src.format import tiling_problem
 from flax_ckpt._src.records import LeafRecord
 from flax_ckpt._src.serializers import Box, box_of
 
@@ -76,10 +76,6 @@ def aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     return raw[off:off + n].view(dtype).reshape(shape)
 
 
-def _volume(box: Box) -> int:
-    return math.prod(e - s for s, e in box)
-
-
 class _Pending:
     """A leaf whose host array waits for the batched jax.device_put (read_all)."""
 
@@ -116,9 +112,17 @@ class Reader:
         return out
 
     def _allocate(self, leaf: LeafRecord, box: Box) -> np.ndarray:
+        """An uninitialized buffer for a box, within the budget; the source's read must fill all of it
+        (native chunks and memory-copy shards are checked to tile it exactly: format.tiling_problem)."""
         extents = tuple(e - s for s, e in box)
-        self._reserve(math.prod(extents) * leaf.dtype.itemsize, leaf)
-        return aligned_empty(extents, leaf.dtype)
+        nbytes = math.prod(extents) * leaf.dtype.itemsize
+        self._reserve(nbytes, leaf)
+        try:
+            return aligned_empty(extents, leaf.dtype)
+        except MemoryError:
+            raise CheckpointError(f"{self.source.where} leaf {leaf.name!r}: cannot allocate {nbytes} bytes to "
+                                  "restore it (out of memory); restore on a machine with more memory, or a "
+                                  "sub-tree with partial=True") from None
 
     def prefetch(self, wanted: Sequence[tuple[LeafRecord, Box]]) -> None:
         """Reads these boxes in one batch (``Source.read_many``); ``host`` then hands them out."""
@@ -141,7 +145,7 @@ class Reader:
             if self._budget is not None and nbytes > self._budget:
                 raise CorruptCheckpointError(
                     f"{self.source.where} leaf {leaf.name!r}: needs {nbytes} bytes, more than the checkpoint "
-                    "folder can hold; the manifest claims data that is not there (damaged or crafted); "
+                    "folder can hold; its records claim data that is not there (damaged or crafted); "
                     "nothing was allocated")
             if self._budget is not None:
                 self._budget -= nbytes
@@ -164,7 +168,7 @@ class Reader:
         if len(unique) == 1:
             return boxes, next(iter(unique))
         bbox = tuple((min(b[d][0] for b in unique), max(b[d][1] for b in unique)) for d in range(len(shape)))
-        if sum(_volume(b) for b in unique) == _volume(bbox) and boxes_disjoint(unique):
+        if tiling_problem(list(unique), bbox) is None:
             return boxes, bbox
         return boxes, None
 

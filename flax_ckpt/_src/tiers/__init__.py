@@ -9,6 +9,10 @@ persistent writes and reads are the engine's (the manager's layout, engine/resto
 Per process, under ``<local_dir>/<digest of the manager's directory>/p<i>/``:
   local/<step>/          this process's shards of a step (the local-memory tier)
   peer-p<k>/<step>/      a replica of process k's shards (the peer-memory tier, held for k)
+``local_dir`` defaults to ``/dev/shm/flax_ckpt-<uid>``, one per user. Every folder is created with mode
+0700 and checked (lstat, no link followed) at start, as is every copy and file when it is read: one
+owned by another user or writable by group or others is refused (tier_files.py), so another user of a
+shared host cannot plant a copy that a restore would read (the job folder's name is computable).
 Each copy has its own commit record (``commit.json``), written once every process holds the step in
 that tier (a key-value vote); a tier's commit never waits for another tier. Copies carry the run's
 session id, so a restore never mixes copies of one step number written by different runs.
@@ -34,15 +38,17 @@ import threading
 import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from flax_ckpt._src.engine.snapshot import Snapshot
 from flax_ckpt._src import commit as commit_mod
 from flax_ckpt._src.tiers import load as load
 from flax_ckpt._src.tiers import store as store
+from flax_ckpt._src.tiers import files as tier_files
 from flax_ckpt._src.tiers import sync as tier_sync
-from flax_ckpt._src.errors import CheckpointError, CheckpointNotFoundError, DistributedError, SaveFailedError
+from flax_ckpt._src.errors import (CheckpointError, CheckpointNotFoundError, DistributedError, SaveFailedError,
+                                   StorageError)
 from flax_ckpt._src.storage import LocalStorage
 from flax_ckpt._src.tiers.plan import TIER_NAMES, Plan, choose, peer_shift
 from flax_ckpt._src.tiers.sync import Group
@@ -50,21 +56,29 @@ from flax_ckpt._src.tiers.sync import Group
 log = logging.getLogger("flax_ckpt")
 
 
+def default_local_dir() -> str:
+    """This user's folder of the memory tiers in the host's tmpfs (created with mode 0700)."""
+    return f"/dev/shm/flax_ckpt-{os.geteuid()}"
+
+
 @dataclass(frozen=True)
 class Tiers:
     """Where a CheckpointManager's checkpoints live besides its directory.
 
     ``local_dir``: host tmpfs folder of the memory tiers (one per host; processes whose local_dir or
-    host differ count as different failure domains). ``peer``: replicate each process's copy to
-    another domain. ``persist_interval_steps``: the first saved step at or after each multiple of it
-    is migrated to the manager's directory (None: never; ``save(force=True)`` always is).
+    host differ count as different failure domains); by default ``/dev/shm/flax_ckpt-<uid>``. It must
+    be this user's own folder (created with mode 0700 when missing) or root's sticky one (like
+    /dev/shm); every folder and file the tiers use in it must be this user's, writable by nobody
+    else (tier_files.py). ``peer``: replicate each process's copy to another domain.
+    ``persist_interval_steps``: the first saved step at or after each multiple of it is migrated to
+    the manager's directory (None: never; ``save(force=True)`` always is).
     ``differential``: store only chunks changed since the tier's base. ``max_to_keep``: committed
     steps kept per memory tier. ``rebase_interval``: a new full base after this many differential
     copies. ``cleanup``: at ``close``, migrate the newest step if it is only in memory, then delete
     this job's memory tiers.
     """
 
-    local_dir: str = "/dev/shm/flax_ckpt"
+    local_dir: str = field(default_factory=default_local_dir)
     peer: bool = True
     persist_interval_steps: int | None = 10
     differential: bool = True
@@ -108,6 +122,11 @@ class TierSet:
         self.i, self.n = self.group.index, self.group.count
         self.root = os.path.join(os.path.abspath(cfg.local_dir), digest, f"p{self.i}")
         self.local_dir = os.path.join(self.root, "local")
+        try:
+            self._make_folders()
+            refused = None
+        except CheckpointError as e:  # every process still votes at start, so that none waits for this one
+            refused = e
         self._spares: dict[str, store.Spares] = {}  # tier folder -> its retired data files
         self._kept: dict[str, dict[int, int | None]] = {"local": {}, "peer": {}}  # step -> its base
         self._mutex = threading.Lock()  # _kept: written by the writer thread, read by the caller's
@@ -121,9 +140,26 @@ class TierSet:
         self._last_migrated = max(persistent, default=None)
         self.stats: list[TierStats] = []
         self.last_plan: Plan | None = None
-        self._start(persistent)
+        self._start(persistent, refused)
 
     # ---------------------------------------------------------------------------------- start
+
+    def _make_folders(self) -> None:
+        """Creates (mode 0700) and checks local_dir, the job's folder, this process's and its tier
+        folders: each must be this user's, writable by nobody else, and not a symlink."""
+        top, job = os.path.dirname(os.path.dirname(self.root)), os.path.dirname(self.root)
+        try:
+            os.makedirs(os.path.dirname(top), exist_ok=True)
+            tier_files.private_folder(top, "local_dir", system_ok=True)
+            tier_files.private_folder(job, "job folder")
+            tier_files.private_folder(self.root, "process folder")
+            tier_files.private_folder(self.local_dir, "tier folder")
+            for name in os.listdir(self.root):
+                if name.startswith("peer-p"):
+                    tier_files.check_folder(os.path.join(self.root, name), "tier folder")
+        except OSError as e:
+            raise StorageError(f"memory tiers: cannot create or read {e.filename or self.root}: {e.strerror}. "
+                               "Fix: set Tiers(local_dir=...) to a folder this user can write") from e
 
     def _peer_dir(self, k: int) -> str:
         return os.path.join(self.root, f"peer-p{k}")
@@ -135,7 +171,7 @@ class TierSet:
 
     def _folders(self) -> dict[str, str]:
         names = os.listdir(self.root) if os.path.isdir(self.root) else []
-        return {"local": self.local_dir, **{n[6:]: os.path.join(self.root, n) for n in names if n.startswith("peer-p") and n[6:].isdigit()}}
+        return {"local": self.local_dir, **{n[6:]: os.path.join(self.root, n) for n in names if n.startswith("peer-p") and commit_mod.step_number(n[6:]) is not None}}
 
     def _inventory(self) -> dict[str, Any]:
         """Copies this process holds that this job can use: {"local": {step: session}, "peer": {k: ...}}."""
@@ -153,10 +189,16 @@ class TierSet:
                     (inv["local"] if key == "local" else inv["peer"].setdefault(str(owner), {}))[str(s)] = entry
         return inv
 
-    def _start(self, persistent: set[int]) -> None:
+    def _start(self, persistent: set[int], refused: CheckpointError | None) -> None:
+        if refused is not None:
+            self.group.allgather("start", {"refused": str(refused)})
+            raise refused
         for name in os.listdir(self.root) if os.path.isdir(self.root) else []:
             if name.startswith("spare-"):  # an earlier run's retired files: memory nobody will reuse soon
-                shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
+                try:
+                    LocalStorage(self.root).delete(name)  # a link is removed, never followed
+                except OSError:
+                    pass
         for folder in self._folders().values():
             for e in os.listdir(folder) if os.path.isdir(folder) else []:
                 if commit_mod.is_temporary(e):
@@ -164,6 +206,9 @@ class TierSet:
         mine = dict(self._inventory(), session=uuid.uuid4().hex[:12],
                     domain=f"{socket.gethostname()}:{os.path.realpath(self.cfg.local_dir)}")
         invs = self.group.allgather("start", mine)
+        for j, v in enumerate(invs):
+            if "refused" in v:
+                raise StorageError(f"memory tiers: process {j} refused its folders: {v['refused']}")
         self.session = invs[0]["session"]
         k = peer_shift([v["domain"] for v in invs]) if self.cfg.peer else None
         self.peer_dst = (self.i + k) % self.n if k else None

@@ -12,12 +12,21 @@ folder) and becomes the next copy's data file. A retired file that some map stil
 array made of its pages, a snapshot viewing a base) is deleted instead: its pages stay with their
 readers and are freed with them. Pages are reserved with posix_fallocate before they are mapped, so a
 full tmpfs is an OSError (ENOSPC) naming the file, never a SIGBUS.
+
+Ownership (a shared host's tmpfs is world-writable, and the job folder's name is computable by
+anyone): every folder of the tiers is created with mode 0700 (``private_folder``) and checked with
+lstat, never through a symlink; a folder or file owned by another user, writable by group or others,
+or a symlink, is refused (StorageError naming it, its owner and mode, and the fix) before anything in
+it is read, written into or reused. ``local_dir`` itself may also be a system folder (owned by root,
+sticky, like /dev/shm).
 """
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
+import stat
 import threading
 import uuid
 import weakref
@@ -26,6 +35,8 @@ from typing import Callable, Sequence
 
 import crc32c
 import numpy as np
+
+from flax_ckpt._src.errors import CorruptCheckpointError, StorageError
 
 _lock = threading.Lock()  # orders map_read against Spares.retire (check for maps, then move)
 _readers: dict[tuple[int, int], list[weakref.ref]] = {}
@@ -42,12 +53,98 @@ def pool() -> ThreadPoolExecutor:
         return _pool
 
 
-def map_read(path: str) -> mmap.mmap | None:
-    """A read-only shared map of ``path`` (None for an empty file), registered until it is freed."""
-    with _lock:
-        fd = os.open(path, os.O_RDONLY)
+# ------------------------------------------------------------------------------------- ownership
+
+def _who(uid: int) -> str:
+    try:
+        import pwd
+        return f"uid {uid} ({pwd.getpwuid(uid).pw_name})"
+    except (ImportError, KeyError):
+        return f"uid {uid}"
+
+
+def _problem(path: str, st: os.stat_result, *, folder: bool, system_ok: bool = False) -> str | None:
+    """Why ``st`` (an lstat of ``path``) is not this user's own folder (file), or None."""
+    me, mode = os.geteuid(), stat.S_IMODE(st.st_mode)
+    if stat.S_ISLNK(st.st_mode):
         try:
-            st = os.fstat(fd)
+            to = os.readlink(path)
+        except OSError:
+            to = "?"
+        return f"is a symbolic link (to {to!r}), not a {'folder' if folder else 'file'}; links are never followed"
+    if folder and not stat.S_ISDIR(st.st_mode) or not folder and not stat.S_ISREG(st.st_mode):
+        return f"is not a {'folder' if folder else 'regular file'} (mode {stat.filemode(st.st_mode)})"
+    if system_ok and st.st_uid == 0 and mode & stat.S_ISVTX:  # /dev/shm, /tmp: nobody replaces our entries
+        return None
+    if st.st_uid != me:
+        return f"is owned by {_who(st.st_uid)}, not by this user ({_who(me)}); mode {mode:#o}"
+    if mode & 0o022:
+        return f"is writable by group or others (mode {mode:#o}, owner {_who(st.st_uid)})"
+    return None
+
+
+def _refuse(path: str, what: str, problem: str, *, folder: bool) -> StorageError:
+    fix = ("remove it (as its owner, or root) and let flax_ckpt create it again (mode 0700), or set "
+           "Tiers(local_dir=...) to a folder only you can write" if folder else
+           "remove it (as its owner, or root); the copy holding it is then saved again or ignored")
+    return StorageError(f"memory tiers: {what} {path} {problem}. Another local user could have planted "
+                        f"checkpoints there, so nothing in it is read. Fix: {fix}")
+
+
+def check_folder(path: str, what: str, *, system_ok: bool = False) -> None:
+    """Refuses ``path`` (lstat: a symlink is refused, not followed) unless it is a folder owned by this
+    user and not writable by group or others (``system_ok``: or root's sticky folder, like /dev/shm)."""
+    problem = _problem(path, os.lstat(path), folder=True, system_ok=system_ok)
+    if problem is not None:
+        raise _refuse(path, what, problem, folder=True)
+
+
+def private_folder(path: str, what: str, *, system_ok: bool = False) -> str:
+    """Creates ``path`` with mode 0700 unless it exists (its parent must), then check_folder; returns it."""
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    check_folder(path, what, system_ok=system_ok)
+    return path
+
+
+def check_file(path: str, st: os.stat_result, what: str = "file") -> None:
+    """Refuses a file (``st``: its lstat or fstat) not owned by this user, writable by others, or not
+    a regular file (a symlink, a FIFO)."""
+    problem = _problem(path, st, folder=False)
+    if problem is not None:
+        raise _refuse(path, what, problem, folder=False)
+
+
+def open_own(path: str, what: str = "file") -> tuple[int, os.stat_result]:
+    """Opens ``path`` read-only without following a symlink or blocking on a FIFO, and check_file's
+    it on the open descriptor; returns (fd, its fstat)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            check_file(path, os.lstat(path), what)
+        raise
+    try:
+        st = os.fstat(fd)
+        check_file(path, st, what)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st
+
+
+# ------------------------------------------------------------------------------------------ maps
+
+def map_read(path: str, expect: tuple[int, int] | None = None) -> mmap.mmap | None:
+    """A read-only shared map of ``path`` (None for an empty file), registered until it is freed.
+    ``expect``: the (device, inode) the file had when its copy was opened (a replaced file is refused)."""
+    with _lock:
+        fd, st = open_own(path, "data file")
+        try:
+            if expect is not None and (st.st_dev, st.st_ino) != expect:
+                raise CorruptCheckpointError(f"{path} was replaced since its copy was opened; not read")
             if st.st_size == 0:
                 return None
             m = mmap.mmap(fd, st.st_size, prot=mmap.PROT_READ)
@@ -84,10 +181,13 @@ class Spares:
             return []
         out = []
         for n in names:
+            path = os.path.join(self.folder, n)
             try:
-                out.append((os.stat(os.path.join(self.folder, n)).st_size, os.path.join(self.folder, n)))
+                st = os.lstat(path)
             except FileNotFoundError:
-                pass
+                continue
+            if _problem(path, st, folder=False) is None:  # never reuse a file another user could reach
+                out.append((st.st_size, path))
         return sorted(out)
 
     def _drop(self, key: tuple[int, int]) -> None:
@@ -103,19 +203,20 @@ class Spares:
         enough are kept or something maps it."""
         with self._mutex, _lock:
             try:
-                st = os.stat(path)
+                st = os.lstat(path)
             except FileNotFoundError:
                 return
-            if self.keep < 1 or _mapped(st) or len(self._files()) >= self.keep:
+            if (self.keep < 1 or _mapped(st) or len(self._files()) >= self.keep
+                    or _problem(path, st, folder=False) is not None):  # not our own file: never reused
                 self._drop((st.st_dev, st.st_ino))
                 os.unlink(path)
                 return
-            os.makedirs(self.folder, exist_ok=True)
+            private_folder(self.folder, "spare folder")
             spare = os.path.join(self.folder, uuid.uuid4().hex)
             os.rename(path, spare)
             key = (st.st_dev, st.st_ino)
             if key not in self._maps and st.st_size:  # map it now, between saves, not in the next one
-                fd = os.open(spare, os.O_RDWR)
+                fd = os.open(spare, os.O_RDWR | os.O_NOFOLLOW)
                 try:
                     self._maps[key] = _map_shared(fd, st.st_size)
                 finally:
@@ -134,9 +235,10 @@ class Spares:
             if fit is not None:
                 os.rename(fit[1], path)
         crcs: list[int | None] = [None] * len(pieces)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
         try:
             st = os.fstat(fd)
+            check_file(path, st, "data file")
             key = (st.st_dev, st.st_ino)
             if fit is not None and size == 0:
                 with self._mutex:
@@ -176,11 +278,12 @@ class Spares:
             files = self._files()
             if size <= 0 or self.keep < 1 or (files and files[-1][0] >= size):
                 return
-            os.makedirs(self.folder, exist_ok=True)
+            private_folder(self.folder, "spare folder")
             path = files[-1][1] if files else os.path.join(self.folder, uuid.uuid4().hex)
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
             try:
                 st = os.fstat(fd)
+                check_file(path, st, "spare file")
                 self._drop((st.st_dev, st.st_ino))
                 try:
                     self._maps[(st.st_dev, st.st_ino)] = _reserve(fd, size, path)

@@ -26,6 +26,7 @@ from flax_ckpt._src.engine import restore as engine
 from flax_ckpt._src.engine.leaves import CheckpointInfo, checkpoint_info
 from flax_ckpt._src.engine.snapshot import HostLeaf, Snapshot
 from flax_ckpt._src.errors import CheckpointError, CorruptCheckpointError
+from flax_ckpt._src.format import tiling_problem
 from flax_ckpt._src.records import LeafRecord, dtype_from_name, leaf_name
 from flax_ckpt._src.serializers import Box, Shard, for_each_overlap, local
 from flax_ckpt._src.tiers import files as tier_files
@@ -150,19 +151,23 @@ class CopySource:
                        LeafRecord.from_json(r) for i, r in enumerate(copy.body["leaves"])]
 
     def read(self, leaf: LeafRecord, box: Box, out: np.ndarray) -> None:
-        covered = 0
-        for chunk, cbox, ov in for_each_overlap(leaf, box):
+        parts = list(for_each_overlap(leaf, box))  # they must cover the box exactly: nothing left unwritten
+        problem = tiling_problem([ov for _, _, ov in parts], box)
+        if problem is not None and sum(math.prod(e - a for a, e in ov) for _, _, ov in parts) >= math.prod(
+                e - a for a, e in box):  # shards that overlap: never a layout a save writes
+            raise CorruptCheckpointError(f"{self.where} leaf {leaf.name!r}: the memory copy's shards do not tile box "
+                                         f"{list(box)} ({problem}); the copy is damaged or crafted")
+        if problem is not None:
+            raise CheckpointError(f"{self.where} leaf {leaf.name!r}: this process's memory copy does not hold box "
+                                  f"{list(box)} (the target's layout differs from the one saved); restore from "
+                                  "persistent storage")
+        for chunk, cbox, ov in parts:
             s = self.copy.body["shards"][chunk["shard"]]
             dst = out[local(ov, box)]
             if ov == cbox and dst.flags.c_contiguous:
                 read_shard(self.copy, s, _flat_bytes(dst))
             else:
                 dst[...] = shard_array(self.copy, s)[local(ov, cbox)]
-            covered += math.prod(e - a for a, e in ov)
-        if covered != math.prod(e - a for a, e in box):
-            raise CheckpointError(f"{self.where} leaf {leaf.name!r}: this process's memory copy does not hold box "
-                                  f"{list(box)} (the target's layout differs from the one saved); restore from "
-                                  "persistent storage")
 
     def read_many(self, requests: Sequence[tuple[LeafRecord, Box, np.ndarray]]) -> None:
         for leaf, box, out in requests:

@@ -62,15 +62,20 @@ class Data:
     caller's buffer (restore, one kernel copy), or the same over bytes received from a peer."""
 
     def __init__(self, path: str | None = None, buf: memoryview | None = None):
-        self.path, self._buf = path, buf
-        self.size = os.stat(path).st_size if path is not None else len(buf)
+        self.path, self._buf, self._id = path, buf, None
+        if path is not None:  # this user's regular file, not a link (tier_files.py); read as that very file
+            st = os.lstat(path)
+            tier_files.check_file(path, st, "data file")
+            self.size, self._id = st.st_size, (st.st_dev, st.st_ino)
+        else:
+            self.size = len(buf)
 
     def __len__(self) -> int:
         return self.size
 
     def view(self, lo: int, hi: int) -> memoryview:
         if self._buf is None:
-            m = tier_files.map_read(self.path)
+            m = tier_files.map_read(self.path, self._id)
             self._buf = memoryview(m if m is not None else b"")
             if len(self._buf) != self.size:
                 raise CorruptCheckpointError(f"{self.path}: {len(self._buf)} bytes, was {self.size} when opened")
@@ -80,8 +85,11 @@ class Data:
         if self.path is None or self._buf is not None:
             out[:] = self.view(off, off + len(out))
             return
-        fd = os.open(self.path, os.O_RDONLY)
+        fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW)
         try:
+            st = os.fstat(fd)
+            if (st.st_dev, st.st_ino) != self._id:
+                raise CorruptCheckpointError(f"{self.path} was replaced since its copy was opened; not read")
             if os.preadv(fd, [out], off) != len(out):
                 raise CorruptCheckpointError(f"{self.path}: truncated at {off}..{off + len(out)}")
         finally:
@@ -399,8 +407,11 @@ def _check(copy: Copy) -> Copy:
 
 
 def open_copy(folder: str, *, with_base: bool = True) -> Copy:
-    """Opens ``<tier folder>/<step>`` (and its base, a sibling folder), its index verified."""
-    with open(os.path.join(folder, INDEX), "rb") as f:
+    """Opens ``<tier folder>/<step>`` (and its base, a sibling folder), its index verified. The
+    folder and its files must be this user's own and writable by nobody else (tier_files.py)."""
+    tier_files.check_folder(folder, "memory copy")
+    fd, _ = tier_files.open_own(os.path.join(folder, INDEX), "copy index")
+    with os.fdopen(fd, "rb") as f:
         body = decode_index(f.read(_MAX_INDEX), folder)
     base = None
     if body["base"] is not None and with_base:
@@ -433,10 +444,11 @@ def write_copy(tier_dir: str, step: int, enc: Encoded, spares: Spares | None = N
     one; the pending checksums are computed on the stored bytes as they are written, then the index
     (written last) is made."""
     parent = LocalStorage(tier_dir)
-    os.makedirs(tier_dir, exist_ok=True)
+    os.makedirs(os.path.dirname(tier_dir), exist_ok=True)
+    tier_files.private_folder(tier_dir, "tier folder")
     staging = f"{step}{commit_mod.TMP_MARK}{uuid.uuid4().hex}"
     try:
-        os.makedirs(os.path.join(tier_dir, staging))
+        os.mkdir(os.path.join(tier_dir, staging), 0o700)
         flags = [False] * len(enc.pieces)
         for j, _ in enc.pending:
             flags[j] = True
@@ -482,6 +494,6 @@ def unmark(folder: str) -> None:
 
 def steps_in(tier_dir: str) -> list[int]:
     try:
-        return sorted(int(e) for e in os.listdir(tier_dir) if e.isdigit())
+        return sorted(s for s in map(commit_mod.step_number, os.listdir(tier_dir)) if s is not None)
     except FileNotFoundError:
         return []

@@ -52,8 +52,7 @@ def _disk_size(storage: Storage) -> int | None:
 
 
 def _step_of(name: str) -> int | None:
-    head = commit_mod.base_name(name)
-    return int(head) if head.isdigit() else None
+    return commit_mod.step_number(commit_mod.base_name(name))
 
 
 def list_steps(directory: Any, *, tier: str = "persistent") -> list[StepEntry]:
@@ -64,8 +63,7 @@ def list_steps(directory: Any, *, tier: str = "persistent") -> list[StepEntry]:
     folders, temporary = formats.step_folders(root)
     entries = [_entry(root, f, tier) for f in folders]
     for name in temporary:
-        head = commit_mod.base_name(name)
-        step = int(head) if head.isdigit() else step_number(head)
+        step = step_number(commit_mod.base_name(name))  # "<step>" or Orbax's "<prefix>_<step>"
         state = "deleting" if commit_mod.DELETING_MARK in name else "in-flight"
         entries.append(StepEntry(name, step, state, tier, None, _disk_size(root.sub(name))))
     return sorted(entries, key=lambda e: (e.step if e.step is not None else -1, e.name))

@@ -10,7 +10,10 @@ directory (formats.step_folders) has each committed step verified.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import os
+import stat
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
@@ -47,13 +50,17 @@ class Report:
     leaves read back whose bytes carry no checksum ("<step>/<key path>" in a run), so damage there
     cannot be seen; ``leaves``: how many leaves were checked. ``steps``: the steps verified in a run
     directory (None for one checkpoint); ``skipped``: step folders of a run that hold no committed
-    checkpoint."""
+    checkpoint. ``linked``: files of a local checkpoint that have other hard links (relative paths,
+    "<step folder>/<file>" in a run): the same bytes under another name, maybe outside the checkpoint,
+    where a write changes the checkpoint too. Not damage (``cp -al`` backups make them), so reported
+    only; restores read such files as any other."""
 
     problems: list[Problem]
     unverified: list[str]
     leaves: int
     steps: list[int] | None = None
     skipped: list[str] = field(default_factory=list)
+    linked: list[str] = field(default_factory=list)
 
     @property
     def sound(self) -> bool:
@@ -77,11 +84,11 @@ def check(path: Any, *, progress: bool = False) -> Report:
         steps, _ = formats.step_folders(folder)
         if steps:
             return _check_run(folder, steps, progress)
-    return _check_one(folder, progress)
+    return dataclasses.replace(_check_one(folder, progress), linked=hard_links(folder))
 
 
-def _check_one(folder: Storage, progress: bool) -> Report:
-    fmt = formats.detect(folder)
+def _check_one(folder: Storage, progress: bool, fmt: formats.Layout | None = None) -> Report:
+    fmt = fmt or formats.detect(folder)  # a run's step: its StepFolder's layout, which checks the step
     try:
         source = fmt.open(folder)
     except (InvalidManifestError, CorruptCheckpointError) as e:
@@ -98,10 +105,10 @@ def _check_one(folder: Storage, progress: bool) -> Report:
 
 
 def _check_run(root: Storage, steps: list[formats.StepFolder], progress: bool) -> Report:
-    problems, unverified, verified, skipped, leaves = [], [], [], [], 0
+    problems, unverified, verified, skipped, leaves, linked = [], [], [], [], 0, []
     for f in steps:
         try:
-            r = _check_one(root.sub(f.name), progress)
+            r = _check_one(root.sub(f.name), progress, f.layout)
         except CheckpointNotCommittedError:
             skipped.append(f.name)
             continue
@@ -109,7 +116,26 @@ def _check_run(root: Storage, steps: list[formats.StepFolder], progress: bool) -
         leaves += r.leaves
         problems += [Problem(p.leaf, p.file, p.message, f.step) for p in r.problems]
         unverified += [f"{f.name}/{k}" for k in r.unverified]
-    return Report(problems, unverified, leaves, verified, skipped)
+        linked += [f"{f.name}/{k}" for k in hard_links(root.sub(f.name))]
+    return Report(problems, unverified, leaves, verified, skipped, linked)
+
+
+def hard_links(folder: Storage) -> list[str]:
+    """The regular files under a local checkpoint folder that have more than one hard link (relative
+    paths, sorted); [] on object stores. Symlinks are not followed (restores refuse those leading out)."""
+    if folder.local_path is None:
+        return []
+    found = []
+    for dirpath, _, filenames in os.walk(folder.local_path):
+        for name in filenames:
+            path = os.path.join(dirpath, name)
+            try:
+                st = os.lstat(path)
+            except OSError:
+                continue  # removed meanwhile
+            if stat.S_ISREG(st.st_mode) and st.st_nlink > 1:
+                found.append(os.path.relpath(path, folder.local_path))
+    return sorted(found)
 
 
 def _verify_native(source: NativeSource, progress: bool) -> list[Problem]:
