@@ -65,7 +65,7 @@ def worker(cfg: dict[str, Any]) -> None:
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
     import flax_ckpt as fc
-    from flax_ckpt._src import distributed as distributed
+    from flax_ckpt._src.commit import distributed
 
     def barrier(name: str) -> None:
         if n > 1:

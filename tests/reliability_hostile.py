@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 import flax_ckpt as fc
-from flax_ckpt._src import format as fmt
+from flax_ckpt._src.checks import MANIFEST
 from helpers import as_bytes, edit_manifest, encode_manifest, leaf_of, manifest_body, write_manifest_raw
 from reliability_trials import EXACT, Outcome, Tally, restore_exact, warnings_of
 
@@ -89,7 +89,7 @@ def symlink_folder(ck: str, out: str) -> None:
 
 
 def symlink_manifest(ck: str, out: str) -> None:
-    _replace_with_symlink(ck, fmt.MANIFEST, out)
+    _replace_with_symlink(ck, MANIFEST, out)
 
 
 def symlink_zarr_array(ck: str, out: str) -> None:
@@ -134,7 +134,7 @@ def fifo_data(ck: str, out: str) -> None:
 
 
 def fifo_manifest(ck: str, out: str) -> None:
-    _special(ck, fmt.MANIFEST, os.mkfifo)
+    _special(ck, MANIFEST, os.mkfifo)
 
 
 def device_data(ck: str, out: str) -> str | None:
@@ -183,18 +183,18 @@ def deep_metadata(ck: str, out: str) -> None:
 
 
 def deeper_than_json(ck: str, out: str) -> None:
-    raw = open(os.path.join(ck, fmt.MANIFEST), "rb").read()
+    raw = open(os.path.join(ck, MANIFEST), "rb").read()
     write_manifest_raw(ck, raw.replace(b'"metadata":null', b'"metadata":' + b"[" * 200_000 + b"]" * 200_000))
 
 
 def huge_manifest(ck: str, out: str) -> None:
     """1 GiB (sparse): refused by its size, without reading it."""
-    with open(os.path.join(ck, fmt.MANIFEST), "r+b") as f:
+    with open(os.path.join(ck, MANIFEST), "r+b") as f:
         f.truncate(1 << 30)
 
 
 def version_true(ck: str, out: str) -> None:
-    raw = open(os.path.join(ck, fmt.MANIFEST), "rb").read()
+    raw = open(os.path.join(ck, MANIFEST), "rb").read()
     write_manifest_raw(ck, raw.replace(b'"version": 1', b'"version": true'))
 
 
@@ -413,13 +413,13 @@ def fuzz_trial(base: str, serializer: str, examples: int, tally: Tally, *, deran
     d, out = pair(base, "fuzz", serializer)
     ck, original = os.path.join(d, "2"), hostile_tree(2)
     body0 = manifest_body(ck)
-    raw0 = open(os.path.join(ck, fmt.MANIFEST), "rb").read()
+    raw0 = open(os.path.join(ck, MANIFEST), "rb").read()
     spots = list(positions(body0))
     folders = [()] + [p for p in spots if isinstance(_at(body0, p), dict)]  # where "add" puts a field
     names = st.sampled_from(["path", "kind", "dtype", "shape", "chunks", "value", "py_type", "empty", "key_impl",
                              "key_shape", "index", "file", "offset", "nbytes", "block", "crc32c", "array", "key",
                              "stored_dtype", "sharding", "files", "leaves", "serializer", "step", "metrics"])
-    words = st.sampled_from(["../x", "/etc/passwd", "data/../../x", fmt.MANIFEST, "finfo", "object", "bfloat16",
+    words = st.sampled_from(["../x", "/etc/passwd", "data/../../x", MANIFEST, "finfo", "object", "bfloat16",
                              "int4", "uint2", "float32", "threefry2x32", "rbg", "zarr3", "raw", "idx", "key",
                              "attr", "jax", "numpy", "prng_key", "scalar", "string", "empty", "none", "complex"])
     scalars = (st.none() | st.booleans() | st.integers(-3, 70) | st.integers(-2**70, 2**70) | st.floats()

@@ -32,7 +32,7 @@ import numpy as np
 
 import flax_ckpt as fc
 from flax_ckpt._src import commit as commit_mod
-from flax_ckpt._src.format import MANIFEST
+from flax_ckpt._src.checks import MANIFEST
 from flax_ckpt._src.manager import LOCK_FILE
 from helpers import bit_exact, crash_state, step_state
 from workers.reliability_worker import CRASH_KEEP, Zygote, big_state, crash_tiers, small_state, spawn, stop

@@ -232,7 +232,7 @@ def test_restore_or_when_every_step_is_damaged_raises_and_deletes_nothing(ckpt_d
 
 
 def test_restore_or_opens_the_step_it_restores_once(ckpt_dir, signals_restored, monkeypatch):
-    from flax_ckpt._src.engine import native
+    from flax_ckpt._src.native import layout as native
     with CheckpointCallback(ckpt_dir, every_steps=1) as ckpt:
         ckpt(1, small_state())
     opened = []

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import flax_ckpt as fc
-from flax_ckpt._src.engine.native import open_native
+from flax_ckpt._src.native.layout import open_native
 from flax_ckpt._src.records import dtype_from_name, leaf_name
 from flax_ckpt._src.storage import LocalStorage
 from helpers import WORKERS, Job

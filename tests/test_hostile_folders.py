@@ -22,10 +22,10 @@ import pytest
 
 import flax_ckpt as fc
 from flax_ckpt._src import commit as commit_mod
-from flax_ckpt._src import formats
+from flax_ckpt._src import layouts
 from flax_ckpt._src.cli import main as cli
 from flax_ckpt._src.engine.snapshot import snapshot
-from flax_ckpt._src.format import MANIFEST
+from flax_ckpt._src.checks import MANIFEST
 from flax_ckpt._src.orbax import locate, write
 from flax_ckpt._src.storage import open_storage
 from flax_ckpt._src.storage.local import LocalStorage
@@ -375,7 +375,7 @@ def test_copies_under_other_step_names_never_shadow_the_run(tmp_path, src, dst):
         assert mgr.all_steps() == [1, 2]
         assert_tree(mgr.restore(), 2)
     with pytest.raises(fc.InvalidManifestError, match=f"says step {int(dst)} but its manifest says step {src}"):
-        formats.step_folders(open_storage(d))[0][-1 if int(dst) > 2 else 0].layout.open(open_storage(d).sub(dst))
+        layouts.step_folders(open_storage(d))[0][-1 if int(dst) > 2 else 0].layout.open(open_storage(d).sub(dst))
     assert_tree(fc.restore(d / dst), int(src))
 
 

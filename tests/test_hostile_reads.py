@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 import flax_ckpt as fc
-from flax_ckpt._src import format as fmt
+from flax_ckpt._src import checks as fmt
 from flax_ckpt._src import tools
 from flax_ckpt._src.tiers import store as tier_store
 

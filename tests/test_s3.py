@@ -19,11 +19,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import flax_ckpt as fc
 from flax_ckpt._src.engine import restore as engine
-from flax_ckpt._src.engine.native import NativeLayout, open_native
+from flax_ckpt._src.native.layout import NativeLayout, open_native
 from flax_ckpt._src.engine.snapshot import snapshot
 from flax_ckpt._src import commit as commit_mod
 from flax_ckpt._src.storage import kv as storage_mod
-from flax_ckpt._src.format import MANIFEST
+from flax_ckpt._src.checks import MANIFEST
 from flax_ckpt._src.serializers import get_serializer
 from flax_ckpt._src.storage import KvStorage, LocalStorage, ObjectStoreOptions, open_storage, split_location
 

@@ -1,6 +1,6 @@
 """The public one-checkpoint functions: ``fc.save``, ``fc.restore``, ``fc.metadata``.
 
-Scope: turning a user's location into a folder, picking the format (formats.py decides, once) and
+Scope: turning a user's location into a folder, picking the format (layouts.py decides, once) and
 calling the engine. Runs of many steps are the manager's (manager.py).
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from flax_ckpt._src import formats
+from flax_ckpt._src import layouts
 from flax_ckpt._src.engine import restore as engine
 from flax_ckpt._src.engine.leaves import CheckpointInfo
 from flax_ckpt._src.engine.pause import gc_paused
@@ -24,7 +24,7 @@ def save(path: Any, tree: Any, *, metadata: Any = None, serializer: "str | Seria
     ``format``: "native" (flax_ckpt's layout, with ``serializer`` "raw" (default) or "zarr3") or
     "orbax" (Orbax's StandardCheckpointer layout, restorable by orbax-checkpoint). ``metadata``: any
     JSON, given back by ``fc.metadata``; ``step`` and ``metrics`` are recorded with it."""
-    fmt = formats.layout(format, serializer)
+    fmt = layouts.layout(format, serializer)
     parent, name = split_location(path)
     jsonable(metadata, "metadata")
     with gc_paused():  # the caller's thread, as a snapshot's (see engine/pause.py)
@@ -50,7 +50,7 @@ def restore(path: Any, target: Any = None, *, shardings: Any = None, partial: bo
     An Orbax step saved with named items (``args.Composite``) restores as ``{item name: value}``
     (JSON items as their JSON) and takes a target keyed by item names; ``item="state"`` restores
     one item by itself (see the orbax package's docstring)."""
-    source = formats.open_checkpoint(_folder(path), item)
+    source = layouts.open_checkpoint(_folder(path), item)
     return engine.restore(source, target, shardings=shardings, partial=partial)
 
 
@@ -58,4 +58,4 @@ def metadata(path: Any, *, item: str | None = None) -> CheckpointInfo:
     """What the checkpoint at ``path`` holds (tree of shapes, dtypes, shardings; step, metrics, user
     metadata), read without any array bytes; ``item``: one named item of an Orbax step."""
     with gc_paused():
-        return formats.open_checkpoint(_folder(path), item).info()
+        return layouts.open_checkpoint(_folder(path), item).info()

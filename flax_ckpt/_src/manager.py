@@ -3,7 +3,7 @@
 Scope: scheduling (``save_interval_steps``, ``force``), retention (retention.py's ``steps_to_delete``,
 shared with the CLI's prune), latest/best bookkeeping rebuilt from the directory, the directory lock,
 cleanup of crashed saves, per-save statistics, and restore with fallback to an older good step. Steps
-are written in one format (formats.Layout) and read in whichever format each step folder has. The path
+are written in one format (layouts.Layout) and read in whichever format each step folder has. The path
 of a save: ``save`` (snapshot, caller's thread) -> AsyncWriter.submit -> ``_persist`` -> Layout.persist
 -> serializer.write -> storage.write.
 """
@@ -19,7 +19,8 @@ from dataclasses import asdict
 from typing import Any, Callable, Literal
 
 from flax_ckpt._src import commit as commit_mod
-from flax_ckpt._src import distributed, formats
+from flax_ckpt._src import layouts
+from flax_ckpt._src.commit import distributed
 from flax_ckpt._src.engine import restore as engine
 from flax_ckpt._src.engine.leaves import CheckpointInfo
 from flax_ckpt._src.engine.snapshot import Snapshot, jsonable
@@ -100,7 +101,7 @@ class CheckpointManager:
         self._prefix = distributed.job_prefix("manager", self.directory)  # this run's agreement rounds
         self.storage.makedirs()
         self.format = self._follow(format, serializer, tiers)
-        self.layout: formats.Layout = formats.layout(self.format, serializer)
+        self.layout: layouts.Layout = layouts.layout(self.format, serializer)
         self.save_interval_steps, self.max_to_keep, self.keep_period = save_interval_steps, max_to_keep, keep_period
         self.best_metric, self.best_mode, self.keep_best = best_metric, best_mode, keep_best
         self.async_save, self.strict, self.metadata = async_save, strict, metadata
@@ -114,8 +115,8 @@ class CheckpointManager:
         self._leftovers: list[str] = []  # folders of crashed saves, removed once the directory is claimed
         self._mutex = threading.Lock()
         self._metrics: dict[int, dict[str, Any] | None] = {}
-        self._folders: dict[int, formats.StepFolder] = {}  # committed steps: folder name and format
-        self._damaged: dict[int, tuple[Exception, formats.StepFolder]] = {}  # step folders that fail to open
+        self._folders: dict[int, layouts.StepFolder] = {}  # committed steps: folder name and format
+        self._damaged: dict[int, tuple[Exception, layouts.StepFolder]] = {}  # step folders that fail to open
         self.stats: list[SaveStats] = []
         self.restore_stats: list[RestoreStats] = []
         self._writer = AsyncWriter()
@@ -138,11 +139,11 @@ class CheckpointManager:
     # ------------------------------------------------------------------------------------ directory
 
     def _follow(self, requested: str | None, serializer: Any, tiers: Any) -> str:
-        """The format of new steps: the run's own (formats.run_format), from the committed step folders."""
-        folders, _ = formats.step_folders(self.storage)
+        """The format of new steps: the run's own (layouts.run_format), from the committed step folders."""
+        folders, _ = layouts.step_folders(self.storage)
         committed = [f for f in folders
                      if f.layout.name == "orbax" or commit_mod.is_committed(self.storage, f.name, f.layout.record)]
-        fmt, warning = formats.run_format(requested, committed, self.directory)
+        fmt, warning = layouts.run_format(requested, committed, self.directory)
         if warning is not None:
             log.warning("%s", warning)
         followed = f"{self.directory} holds Orbax steps, so this run's new steps are Orbax's too, and "
@@ -176,7 +177,7 @@ class CheckpointManager:
         if distributed.process_count() > 1 and not lead:
             self._agree_view()
             return
-        folders, temporary = formats.step_folders(self.storage)
+        folders, temporary = layouts.step_folders(self.storage)
         self._metrics, self._folders, self._damaged = {}, {}, {}
         self._leftovers = list(temporary)
         for f in folders:
@@ -217,9 +218,9 @@ class CheckpointManager:
             return
         with self._mutex:
             self._metrics = {int(s): m for s, (_, _, m) in lead["steps"].items()}
-            self._folders = {int(s): formats.StepFolder(int(s), name, formats.layout(fmt))
+            self._folders = {int(s): layouts.StepFolder(int(s), name, layouts.layout(fmt))
                              for s, (name, fmt, _) in lead["steps"].items()}
-            self._damaged = {int(s): (error_class(kind)(msg), formats.StepFolder(int(s), name, formats.layout(fmt)))
+            self._damaged = {int(s): (error_class(kind)(msg), layouts.StepFolder(int(s), name, layouts.layout(fmt)))
                              for s, (kind, msg, name, fmt) in lead["damaged"].items()}
 
     def all_steps(self) -> list[int]:
@@ -329,11 +330,11 @@ class CheckpointManager:
                                     t0, blocked)
         self._set_aside_damaged(step)
         with self._mutex:
-            name = formats.step_name(self.format, step, sorted(self._folders.values(), key=lambda f: f.step))
+            name = layouts.step_name(self.format, step, sorted(self._folders.values(), key=lambda f: f.step))
         times = self.layout.persist(snap, self.storage, name, step=step, metrics=metrics, metadata=self.metadata)
         with self._mutex:
             self._metrics[step] = metrics
-            self._folders[step] = formats.StepFolder(step, name, self.layout)
+            self._folders[step] = layouts.StepFolder(step, name, self.layout)
             self._written.add(step)
         stats = SaveStats(step, snap.nbytes, blocked, snap.seconds, times.write, times.commit,
                           time.perf_counter() - t0, fsync_s=times.fsync, start_s=t0 - self._created,
@@ -483,7 +484,7 @@ class CheckpointManager:
         return out
 
     def _open(self, step: int, item: str | None = None) -> engine.Source:
-        folder = self._folders.get(step) or formats.StepFolder(step, str(step), self.layout)
+        folder = self._folders.get(step) or layouts.StepFolder(step, str(step), self.layout)
         return folder.layout.open(self.storage.sub(folder.name), item)
 
     def _restore_step(self, step: int, target_of: TargetOf, shardings: Any, partial: bool,

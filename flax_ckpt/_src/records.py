@@ -2,7 +2,8 @@
 
 Scope: ``LeafRecord`` (what a native manifest, an Orbax ``_METADATA`` or a memory-tier index holds of
 one leaf, as the engine checks targets against and reads from), dtype names (numpy's and ml_dtypes'),
-and key-path strings. No I/O; the manifest's schema and validation are format.py's.
+key-path strings, and ``PersistTimes`` (what every layout's ``persist`` reports). No I/O; the native
+manifest's schema and validation are native/manifest.py's.
 """
 
 from __future__ import annotations
@@ -10,10 +11,13 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import ml_dtypes
 import numpy as np
+
+if TYPE_CHECKING:
+    from flax_ckpt._src.storage import Storage
 
 ARRAY_KINDS = ("jax", "numpy", "prng_key")  # leaf kinds with a dtype, a shape and chunks
 
@@ -159,3 +163,18 @@ def keystr(path: Sequence[tuple[str, Any]]) -> str:
     if not path:
         return "<root>"
     return "/".join(str(k).replace("%", "%25").replace("/", "%2F") for _, k in path)
+
+
+@dataclass
+class PersistTimes:
+    """Seconds spent in each background phase of one save."""
+
+    write: float = 0.0
+    commit: float = 0.0
+    fsync: float = 0.0  # part of write: summed over writer threads (local file systems)
+    serialize: float = 0.0  # part of write: checksums, summed over writer threads
+    written: int = 0  # bytes handed to storage (data files)
+
+    def add_clock(self, stage: Storage) -> None:
+        clock = stage.clock
+        self.fsync, self.serialize, self.written = clock.fsync_s, clock.serialize_s, clock.nbytes

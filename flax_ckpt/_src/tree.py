@@ -1,7 +1,7 @@
 """Pytree <-> flat list of (key path, leaf), and the classification of leaves.
 
 Scope: structure only. How a leaf's bytes are stored lives in the serializers; what the manifest says
-lives in format.py. Containers jax knows (dict, list, tuple, namedtuple, flax.struct dataclasses such as
+lives in native/manifest.py. Containers jax knows (dict, list, tuple, namedtuple, flax.struct dataclasses such as
 TrainState, optax states, nnx.State) are walked by jax.tree_util; None and empty containers are kept as
 leaves so that a restore without a target gives them back.
 """

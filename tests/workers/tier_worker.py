@@ -34,7 +34,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import flax_ckpt as fc  # noqa: E402
-from flax_ckpt._src import distributed  # noqa: E402
+from flax_ckpt._src.commit import distributed  # noqa: E402
 from flax_ckpt._src.storage import local as storage_local  # noqa: E402
 from helpers import AfterWrite, assert_bit_exact, kill_self, report, start_worker  # noqa: E402
 

@@ -1,6 +1,6 @@
 """The one restore of every layout: saved leaves -> the target's structure, placed on its devices.
 
-Scope: a ``Source`` is one opened checkpoint of any layout (native step: engine/native.py; Orbax
+Scope: a ``Source`` is one opened checkpoint of any layout (native step: native/layout.py; Orbax
 item: orbax/read.py; memory-tier copy: tiers/load.py): its typed leaf records, where it is (for
 messages), and how to fill a box of one leaf with verified bytes. ``restore`` checks the target leaf by
 leaf (engine/leaves.py), reads what each leaf needs (only the boxes this process's devices hold) and
@@ -23,7 +23,7 @@ from flax_ckpt._src import tree as tree_mod
 from flax_ckpt._src.engine.leaves import CheckpointInfo, match_target, python_scalar_kinds
 from flax_ckpt._src.engine.pause import gc_paused
 from flax_ckpt._src.errors import CheckpointError, CorruptCheckpointError
-from flax_ckpt._src.format import tiling_problem
+from flax_ckpt._src.checks import tiling_problem
 from flax_ckpt._src.records import LeafRecord
 from flax_ckpt._src.serializers import Box, box_of
 
@@ -113,7 +113,7 @@ class Reader:
 
     def _allocate(self, leaf: LeafRecord, box: Box) -> np.ndarray:
         """An uninitialized buffer for a box, within the budget; the source's read must fill all of it
-        (native chunks and memory-copy shards are checked to tile it exactly: format.tiling_problem)."""
+        (native chunks and memory-copy shards are checked to tile it exactly: checks.tiling_problem)."""
         extents = tuple(e - s for s, e in box)
         nbytes = math.prod(extents) * leaf.dtype.itemsize
         self._reserve(nbytes, leaf)

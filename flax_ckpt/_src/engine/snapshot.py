@@ -4,7 +4,7 @@ Scope: one snapshot for every layout (native steps, Orbax items, memory-tier cop
 the leaves, starts every device-to-host transfer, and holds per leaf its typed record (what the
 checkpoint will say of it) and this process's shards (arrays only: one per distinct box whose
 replica_id is 0, so a replicated shard has exactly one writer). How the shards are stored is a
-layout's business (engine/native.py, orbax/write.py, tiers/store.py).
+layout's business (native/layout.py, orbax/write.py, tiers/store.py).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Orbax's on-disk layout, read and written without importing orbax (numpy, JSON and tensorstore only).
 
-Orbax is a format beside the native one: ``OrbaxLayout`` is its formats.Layout. Finding checkpoints
+Orbax is a format beside the native one: ``OrbaxLayout`` is its layouts.Layout. Finding checkpoints
 and steps is locate.py's, reading arrays read.py's (as a restore Source of the engine), writing
 write.py's. Versions: the layout was read in orbax-checkpoint 0.12.8's source, and every feature is
 tested against 0.12.8 (tests/test_orbax_compat.py); older releases whose items have a ``_METADATA``
@@ -36,7 +36,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from flax_ckpt._src.engine.native import PersistTimes
+from flax_ckpt._src.records import PersistTimes
 from flax_ckpt._src.engine.snapshot import Snapshot, snapshot
 from flax_ckpt._src.orbax import locate, write
 from flax_ckpt._src.orbax.read import OrbaxSource
@@ -44,7 +44,7 @@ from flax_ckpt._src.storage import Storage
 
 
 class OrbaxLayout:
-    """Orbax's layout as formats.Layout: a StandardCheckpointer folder (``fc.save``, ``step=None``) or a
+    """Orbax's layout as layouts.Layout: a StandardCheckpointer folder (``fc.save``, ``step=None``) or a
     CheckpointManager step (a manager's saves: item ``default``, or the named items of the run it
     continues (``follow``), plus a ``metrics`` JSON item)."""
 

@@ -24,7 +24,7 @@ from flax_ckpt._src import tree as tree_mod
 from flax_ckpt._src.engine.leaves import CheckpointInfo, checkpoint_info, key_data_shape
 from flax_ckpt._src.errors import (CorruptCheckpointError, InvalidManifestError, StructureMismatchError,
                                    UnsupportedOrbaxCheckpointError, format_list)
-from flax_ckpt._src.format import check_relpath
+from flax_ckpt._src.checks import check_relpath
 from flax_ckpt._src.records import LeafRecord
 from flax_ckpt._src.orbax.locate import (OCDBT_MANIFEST, SHARDING, STRINGS, TESTED_ORBAX_VERSION, TREE_METADATA,
                                          Located, check_folder, checksummed, json_checksummed, json_value, read_json,

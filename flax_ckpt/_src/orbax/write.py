@@ -7,7 +7,7 @@ checks on every read; JSON data files a ``<file>.crc32c`` beside them, checked b
 ignored by Orbax's), a CheckpointManager step of one unnamed ``default`` item or of the named items
 of the run it continues (``StepSnapshot``: an Orbax run saved with ``args.Composite``, pytree and
 JSON items), and committing a folder of them with the engine's commit
-(commit.py; the commit record is ``commit_success.txt``, written last; staging folders are named as
+(commit/; the commit record is ``commit_success.txt``, written last; staging folders are named as
 Orbax names them, ``<name>.orbax-checkpoint-tmp-<ns>``). orbax-checkpoint's StandardCheckpointer,
 PyTreeCheckpointer and CheckpointManager restore what is written here (tests/test_orbax_compat.py).
 Refused: several processes (Orbax merges per-process OCDBT databases; flax_ckpt does not), keys
@@ -31,7 +31,7 @@ import numpy as np
 import tensorstore as ts
 
 from flax_ckpt._src import commit as commit_mod
-from flax_ckpt._src import distributed
+from flax_ckpt._src.commit import distributed
 from flax_ckpt._src.engine.snapshot import HostLeaf, Snapshot, jsonable
 from flax_ckpt._src.errors import (CheckpointError, StructureMismatchError, UnsupportedLeafError,
                                    UnsupportedOrbaxCheckpointError, format_list)

@@ -19,7 +19,7 @@ import crc32c
 import numpy as np
 
 from flax_ckpt._src.errors import CorruptCheckpointError, InvalidManifestError
-from flax_ckpt._src.format import check_relpath
+from flax_ckpt._src.checks import check_relpath
 from flax_ckpt._src.records import LeafRecord
 from flax_ckpt._src.storage import Storage
 from flax_ckpt._src.serializers import ArrayItem, Box, Written, for_each_overlap, local

@@ -15,7 +15,7 @@ import numpy as np
 import tensorstore as ts
 
 from flax_ckpt._src.errors import CorruptCheckpointError, InvalidManifestError, StorageError
-from flax_ckpt._src.format import check_relpath
+from flax_ckpt._src.checks import check_relpath
 from flax_ckpt._src.records import LeafRecord
 from flax_ckpt._src.storage import Storage, explain
 from flax_ckpt._src.serializers import ArrayItem, Box, Written, for_each_overlap, local

@@ -38,7 +38,7 @@ class IoClock:
 @runtime_checkable
 class Storage(Protocol):
     """A root under which named objects are written whole and read by byte range. Names are
-    '/'-separated paths relative to the root (validated by format.check_relpath where they come from
+    '/'-separated paths relative to the root (validated by checks.check_relpath where they come from
     a manifest)."""
 
     url: str

@@ -26,7 +26,7 @@ from flax_ckpt._src.engine import restore as engine
 from flax_ckpt._src.engine.leaves import CheckpointInfo, checkpoint_info
 from flax_ckpt._src.engine.snapshot import HostLeaf, Snapshot
 from flax_ckpt._src.errors import CheckpointError, CorruptCheckpointError
-from flax_ckpt._src.format import tiling_problem
+from flax_ckpt._src.checks import tiling_problem
 from flax_ckpt._src.records import LeafRecord, dtype_from_name, leaf_name
 from flax_ckpt._src.serializers import Box, Shard, for_each_overlap, local
 from flax_ckpt._src.tiers import files as tier_files

@@ -40,7 +40,7 @@ from flax_ckpt._src import commit as commit_mod
 from flax_ckpt._src import tree as tree_mod
 from flax_ckpt._src.engine.snapshot import HostLeaf, Snapshot, snapshot
 from flax_ckpt._src.errors import CorruptCheckpointError
-from flax_ckpt._src.format import seal, unseal
+from flax_ckpt._src.checks import seal, unseal
 from flax_ckpt._src.records import LeafRecord, dtype_from_name, leaf_name
 from flax_ckpt._src.serializers import Box, Shard, box_of
 from flax_ckpt._src.storage import LocalStorage

@@ -27,7 +27,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from flax_ckpt._src import distributed as distributed
+from flax_ckpt._src.commit import distributed
 from flax_ckpt._src.errors import CorruptCheckpointError, DistributedError
 
 _MAX_PIECE = 32 << 20

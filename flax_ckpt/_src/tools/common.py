@@ -1,6 +1,6 @@
 """What the tools share: a checkpoint's leaves by key path, read one at a time, and progress bars.
 
-Scope: opening a checkpoint of either format (formats.py decides) and reading single leaves through
+Scope: opening a checkpoint of either format (layouts.py decides) and reading single leaves through
 the engine's Reader, as a restore without a target would give them. No policy, no printing.
 """
 
@@ -12,7 +12,7 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from flax_ckpt._src import formats
+from flax_ckpt._src import layouts
 from flax_ckpt._src.engine.restore import Reader
 from flax_ckpt._src.storage import Storage, split_location
 
@@ -32,7 +32,7 @@ class Leaves:
     """The leaves of one checkpoint (native or Orbax) by key path, read one at a time."""
 
     def __init__(self, path: Any):
-        self.source = formats.open_checkpoint(folder_of(path))
+        self.source = layouts.open_checkpoint(folder_of(path))
         self.info = self.source.info()
         self.records = {leaf.name: leaf for leaf in self.source.leaves}
         self._reader = Reader(self.source)

@@ -10,7 +10,7 @@ from typing import Any, Literal
 import jax
 import numpy as np
 
-from flax_ckpt._src import api, formats
+from flax_ckpt._src import api, layouts
 from flax_ckpt._src import commit as commit_mod
 from flax_ckpt._src import tree as tree_mod
 from flax_ckpt._src.errors import CheckpointError, CheckpointExistsError, format_list
@@ -33,7 +33,7 @@ class ConvertResult:
 
 def detect_format(path: Any) -> Literal["native", "orbax"]:
     """The format of the checkpoint at ``path``."""
-    return formats.detect(folder_of(path)).name
+    return layouts.detect(folder_of(path)).name
 
 
 def convert(src: Any, dst: Any, *, to: Format | None = None, serializer: str | None = None,

@@ -1,7 +1,7 @@
 """``flax-ckpt ls``: the step folders of a run directory, in either format, and a host's memory-tier copies.
 
 Scope: listing with state (committed, in-flight, deleting, invalid, uncommitted), format, size and
-metrics. Which folders are steps is formats.step_folders', the same discovery the manager uses.
+metrics. Which folders are steps is layouts.step_folders', the same discovery the manager uses.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from flax_ckpt._src import commit as commit_mod
-from flax_ckpt._src import formats
+from flax_ckpt._src import layouts
 from flax_ckpt._src.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, InvalidManifestError
 from flax_ckpt._src.orbax.locate import step_number
 from flax_ckpt._src.storage import LocalStorage, Storage, open_storage
@@ -60,7 +60,7 @@ def list_steps(directory: Any, *, tier: str = "persistent") -> list[StepEntry]:
     root = open_storage(directory)
     if root.kind() == "file" or (root.supports_rename and root.kind() == "missing"):
         raise CheckpointNotFoundError(f"{root.url} is not a folder of checkpoints")
-    folders, temporary = formats.step_folders(root)
+    folders, temporary = layouts.step_folders(root)
     entries = [_entry(root, f, tier) for f in folders]
     for name in temporary:
         step = step_number(commit_mod.base_name(name))  # "<step>" or Orbax's "<prefix>_<step>"
@@ -69,7 +69,7 @@ def list_steps(directory: Any, *, tier: str = "persistent") -> list[StepEntry]:
     return sorted(entries, key=lambda e: (e.step if e.step is not None else -1, e.name))
 
 
-def _entry(root: Storage, f: formats.StepFolder, tier: str) -> StepEntry:
+def _entry(root: Storage, f: layouts.StepFolder, tier: str) -> StepEntry:
     folder = root.sub(f.name)
     try:
         source = f.layout.open(folder)

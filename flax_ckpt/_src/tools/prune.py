@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from flax_ckpt._src import commit as commit_mod
-from flax_ckpt._src import formats
+from flax_ckpt._src import layouts
 from flax_ckpt._src.errors import CheckpointNotFoundError
 from flax_ckpt._src.retention import steps_to_delete
 from flax_ckpt._src.storage import Storage, open_storage
@@ -35,7 +35,7 @@ def prune(directory: Any, *, keep: int | None, keep_period: int | None = None, b
     if keep_best is not None and best_metric is None:
         raise ValueError("keep_best needs best_metric (the metric name to rank steps by)")
     root = open_storage(directory)
-    orbax = root.kind() == "folder" and any(f.layout.name == "orbax" for f in formats.step_folders(root)[0])
+    orbax = root.kind() == "folder" and any(f.layout.name == "orbax" for f in layouts.step_folders(root)[0])
     lock = _lock(root, tidy=orbax) if not dry_run else None
     try:
         committed = {e.step: e for e in list_steps(directory) if e.committed and e.step is not None}
@@ -44,7 +44,7 @@ def prune(directory: Any, *, keep: int | None, keep_period: int | None = None, b
                                  best_mode=best_mode, keep_best=keep_best)
         if not dry_run:
             for s in doomed:
-                commit_mod.remove(root, committed[s].name, formats.layout(committed[s].format).record)
+                commit_mod.remove(root, committed[s].name, layouts.layout(committed[s].format).record)
     finally:
         if lock is not None:
             lock.release()

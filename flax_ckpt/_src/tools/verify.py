@@ -5,7 +5,7 @@ Scope: native checkpoints chunk by chunk through their serializer (so one damage
 hides another), Orbax checkpoints leaf by leaf (tensorstore checks what Orbax's codecs checksum). A
 leaf whose stored bytes carry no checksum (Orbax's zarr v2 and zstd-compressed zarr3 data, strings,
 JSON items) reads back without proving anything: it is reported as unverified, never as sound. A run
-directory (formats.step_folders) has each committed step verified.
+directory (layouts.step_folders) has each committed step verified.
 """
 
 from __future__ import annotations
@@ -19,12 +19,12 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from flax_ckpt._src import formats
-from flax_ckpt._src.engine.native import NativeSource
+from flax_ckpt._src import layouts
+from flax_ckpt._src.native.layout import NativeSource
 from flax_ckpt._src.engine.restore import Reader, Source
 from flax_ckpt._src.errors import (CheckpointError, CheckpointNotCommittedError, CorruptCheckpointError,
                                    InvalidManifestError, StorageError)
-from flax_ckpt._src.format import MANIFEST
+from flax_ckpt._src.checks import MANIFEST
 from flax_ckpt._src.orbax.read import OrbaxSource
 from flax_ckpt._src.records import LeafRecord
 from flax_ckpt._src.storage import Storage
@@ -80,15 +80,15 @@ def check(path: Any, *, progress: bool = False) -> Report:
     trusted). Raises CheckpointNotFoundError or CheckpointNotCommittedError when there is no committed
     checkpoint to verify (a folder that is neither a checkpoint nor a run directory)."""
     folder = folder_of(path)
-    if not folder.exists(MANIFEST) and formats.detect(folder).name == "native":
-        steps, _ = formats.step_folders(folder)
+    if not folder.exists(MANIFEST) and layouts.detect(folder).name == "native":
+        steps, _ = layouts.step_folders(folder)
         if steps:
             return _check_run(folder, steps, progress)
     return dataclasses.replace(_check_one(folder, progress), linked=hard_links(folder))
 
 
-def _check_one(folder: Storage, progress: bool, fmt: formats.Layout | None = None) -> Report:
-    fmt = fmt or formats.detect(folder)  # a run's step: its StepFolder's layout, which checks the step
+def _check_one(folder: Storage, progress: bool, fmt: layouts.Layout | None = None) -> Report:
+    fmt = fmt or layouts.detect(folder)  # a run's step: its StepFolder's layout, which checks the step
     try:
         source = fmt.open(folder)
     except (InvalidManifestError, CorruptCheckpointError) as e:
@@ -104,7 +104,7 @@ def _check_one(folder: Storage, progress: bool, fmt: formats.Layout | None = Non
     return Report(_verify_leaves(source, progress), unchecked, checked)
 
 
-def _check_run(root: Storage, steps: list[formats.StepFolder], progress: bool) -> Report:
+def _check_run(root: Storage, steps: list[layouts.StepFolder], progress: bool) -> Report:
     problems, unverified, verified, skipped, leaves, linked = [], [], [], [], 0, []
     for f in steps:
         try:

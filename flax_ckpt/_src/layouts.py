@@ -2,7 +2,7 @@
 
 Scope: ``Layout``, what the public functions and the manager need of a format (its snapshot, its
 write and commit, opening one of its folders as a restore Source, its commit record), with the two
-implementations: "native" (flax_ckpt's own layout, engine/native.py) and "orbax" (Orbax's, orbax/);
+implementations: "native" (flax_ckpt's own layout, native/) and "orbax" (Orbax's, orbax/);
 ``detect`` (which format a folder holds) and ``step_folders`` (the steps of a run directory in either
 format), which the manager and the flax-ckpt command both use; ``run_format`` (the format a manager
 writes a run's new steps in: the run's own) and ``step_name`` (their folder names). The memory tiers
@@ -16,10 +16,11 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from flax_ckpt._src import commit as commit_mod
-from flax_ckpt._src.engine.native import NativeLayout, PersistTimes
+from flax_ckpt._src.native.layout import NativeLayout
+from flax_ckpt._src.records import PersistTimes
 from flax_ckpt._src.engine.restore import Source
 from flax_ckpt._src.engine.snapshot import Snapshot
-from flax_ckpt._src.format import MANIFEST
+from flax_ckpt._src.checks import MANIFEST
 from flax_ckpt._src.orbax import OrbaxLayout
 from flax_ckpt._src.orbax import locate as orbax_locate
 from flax_ckpt._src.serializers import Serializer

@@ -12,9 +12,9 @@ Every wait runs on the caller's thread (for the manager: the background writer, 
 thread) and has a timeout (``set_timeout``): a dead or hung peer gives a DistributedError naming the
 missing processes instead of a hang. No collectives are used, only the coordinator's key-value store.
 
-Not here: which shards a process owns (checkpoint.snapshot keeps each process's addressable shards
+Not here: which shards a process owns (engine/snapshot.py keeps each process's addressable shards
 with replica_id == 0, so a replicated shard has exactly one writer), the byte layout (serializers),
-the commit itself (commit.py), and the orchestration of one save (checkpoint.persist).
+the commit itself (commit/__init__.py), and the orchestration of one save (native/layout.py's persist).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import crc32c
 import jax
 
 from flax_ckpt._src.errors import DistributedError
-from flax_ckpt._src.format import MAX_MANIFEST_BYTES
+from flax_ckpt._src.checks import MAX_MANIFEST_BYTES
 from flax_ckpt._src.serializers import Written, intersect
 from flax_ckpt._src.storage import Storage
 

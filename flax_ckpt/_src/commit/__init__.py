@@ -8,7 +8,7 @@ the storage's declared capability:
 - commit object (object stores, no rename): write data in place, then the commit record last, only if
   absent. Deletion removes the commit record first, so a half-deleted step is never read as committed.
 Each layout names its commit record (native: manifest.json; Orbax: commit_success.txt; a memory
-copy: its index). One process commits, after every process has written (distributed.py arranges the
+copy: its index). One process commits, after every process has written (commit/distributed.py arranges the
 agreement). Also the atomic placement of a single file (``commit_file``).
 """
 

@@ -1,30 +1,25 @@
-"""The on-disk layout of a native checkpoint: the manifest's schema, its versions and its validation.
+"""The native layout's manifest: its schema, its versions and its validation.
 
 A checkpoint is a folder holding ``manifest.json`` plus whatever the serializer wrote. The manifest is
 also the commit record: a folder without a valid manifest is not a checkpoint. Its body is covered by
 a crc32c, and every field is validated before anything it names is read, so a damaged or hostile
 manifest gives an InvalidManifestError and never a read outside the folder or an absurd allocation. The
-typed record of a leaf is records.py's; one checksummed JSON codec (``seal``/``unseal``) serves every file.
+typed record of a leaf is records.py's; the checksummed JSON codec (``seal``/``unseal``) and the
+tiling check are checks.py's, shared with the other layouts.
 Nothing here touches array bytes; storage access goes through a Storage.
 """
 
 from __future__ import annotations
 
-import json
 import math
-import posixpath
-from typing import Any, Sequence
+from typing import Any
 
-import crc32c
-import numpy as np
-
+from flax_ckpt._src.checks import MAX_MANIFEST_BYTES, check_relpath, seal, tiling_problem, unseal
 from flax_ckpt._src.errors import CheckpointError, InvalidManifestError
 from flax_ckpt._src.records import dtype_from_name, leaf_name
 
-MANIFEST = "manifest.json"
 FORMAT_NAME = "flax_ckpt"
 FORMAT_VERSION = 1
-MAX_MANIFEST_BYTES = 256 << 20
 MAX_NDIM = 64
 MAX_DIM = 1 << 48
 MAX_ARRAY_BYTES = 1 << 50
@@ -35,69 +30,6 @@ MAX_LIST_GAPS = 1 << 20  # list slots without a leaf (children with no leaves, e
 LEAF_KINDS = ("jax", "numpy", "prng_key", "scalar", "string", "empty")
 EMPTY_KINDS = ("none", "dict", "list", "tuple")
 PY_TYPES = ("bool", "int", "float", "complex")
-
-
-def seal(body: dict[str, Any], *, name: str, version: int) -> bytes:
-    """A JSON document whose body is covered by a crc32c: ``{"format", "version", "crc32c", "body"}``,
-    the body written canonically (sorted keys, no spaces) last, so that a reader finds and checks its
-    bytes without parsing twice. One codec for every checksummed JSON file flax_ckpt writes (the
-    manifest, the memory tiers' indexes)."""
-    canon = json.dumps(body, sort_keys=True, separators=(",", ":"))
-    head = {"format": name, "version": version, "crc32c": crc32c.crc32c(canon.encode())}
-    return (json.dumps(head)[:-1] + _BODY + canon + "}\n").encode()
-
-
-_BODY = ', "body": '
-
-
-def unseal(raw: bytes | memoryview, *, name: str, version: int, where: str, what: str = "manifest",
-           error: type[CheckpointError] = InvalidManifestError, max_bytes: int = 256 << 20) -> dict[str, Any]:
-    """The verified body of a sealed document; ``error`` (naming ``where``) when it is not valid JSON,
-    not of format ``name``/``version``, or its body's checksum does not match."""
-    raw = bytes(raw)
-    if len(raw) > max_bytes:
-        raise error(f"{where}: {what} of {len(raw)} bytes exceeds {max_bytes}")
-    doc, crc = _fast_parse(raw)
-    if doc is None:
-        try:
-            doc = json.loads(raw)
-        except (ValueError, RecursionError) as e:
-            raise error(f"{where}: not valid JSON ({e}); the checkpoint is damaged") from None
-    if not isinstance(doc, dict) or doc.get("format") != name:
-        raise error(f"{where}: not a {name} {what} (no \"format\": \"{name}\")")
-    found = doc.get("version")
-    if type(found) is not int or found != version:  # not True or 1.0
-        raise error(f"{where}: unknown format version {found!r}; this flax_ckpt reads version {version}. "
-                    "Upgrade flax_ckpt to read it.")
-    body = doc.get("body")
-    if not isinstance(body, dict):
-        raise error(f"{where}: {what} has no body object")
-    if crc is None:
-        crc = crc32c.crc32c(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
-    if crc != doc.get("crc32c"):
-        raise error(f"{where}: {what} checksum mismatch (expected {doc.get('crc32c')!r}, found {crc}); "
-                    f"the {what} was modified or damaged")
-    return body
-
-
-def _fast_parse(raw: bytes) -> tuple[dict[str, Any] | None, int | None]:
-    """As ``seal`` writes it: the head and the body parsed apart, the body's crc32c taken over its own
-    bytes (they are the canonical form). (None, None) for anything else: the caller parses it whole."""
-    at = raw.find(_BODY.encode())
-    if at < 0 or not raw.endswith(b"}\n"):
-        return None, None
-    body_bytes = raw[at + len(_BODY):-2]
-    try:
-        head = json.loads(raw[:at] + b"}")
-        if not isinstance(head, dict) or set(head) != {"format", "version", "crc32c"}:
-            return None, None
-        crc = crc32c.crc32c(body_bytes)
-        if crc != head["crc32c"]:
-            return None, None  # the slow path reports the mismatch (or finds another layout fine)
-        body = json.loads(body_bytes)
-    except (ValueError, RecursionError):
-        return None, None
-    return dict(head, body=body), crc
 
 
 def encode(body: dict[str, Any], *, check: bool = False) -> bytes:
@@ -149,16 +81,6 @@ class _Check:
         if isinstance(v, bool) or not isinstance(v, int) or v < 0 or v > limit:
             self.fail(field, f"expected an integer in [0, {limit}], found {v!r}")
         return v
-
-
-def check_relpath(name: Any, field: str, where: str) -> str:
-    """A stored location must be a plain relative path inside the checkpoint folder."""
-    if (not isinstance(name, str) or not name or name.startswith("/") or "\\" in name or "\0" in name
-            or posixpath.normpath(name) != name or name.split("/")[0] in ("..", ".")
-            or any(p in ("..", ".", "") for p in name.split("/")) or name == MANIFEST):
-        raise InvalidManifestError(f"{where}: field {field}: location {name!r} is not a relative path inside "
-                                   "the checkpoint folder; refusing to read it")
-    return name
 
 
 def validate_leaf(leaf: Any, i: int, c: _Check) -> None:
@@ -230,99 +152,6 @@ def validate_array(leaf: dict, f: str, c: _Check) -> None:
     if problem is not None:
         c.fail(f"{f}.chunks (leaf {leaf_name(leaf)!r})", f"chunks do not tile the array of shape {shape} exactly: "
                                                         f"{problem}; the manifest is damaged or crafted")
-
-
-_PAIRWISE_MAX = 32  # up to this many boxes a pure-Python pairwise check is the fastest
-_CORNERS_MAX = 1 << 23  # corner rows the general check may build (see tiling_problem)
-
-
-def tiling_problem(boxes: Sequence[Sequence[Sequence[int]]], bounds: Sequence[Sequence[int]]) -> str | None:
-    """None when ``boxes`` (each [start, stop) per dimension, each inside ``bounds``) cover every
-    element of ``bounds`` exactly once; else what is wrong, naming an element covered twice or never
-    where one is found. Exact at any number of boxes, in O(n log n) for boxes on a grid (any chunk
-    layout a save writes: along each dimension, two boxes' ranges coincide or do not overlap) and in
-    O(n 2^d log n) otherwise, d the dimensions along which the boxes are cut (see _corner_problem); a
-    layout too irregular for that bound is refused, never accepted unchecked."""
-    if len(boxes) == 1 and len(boxes[0]) == len(bounds) and all(
-            s == a and e == b for (s, e), (a, b) in zip(boxes[0], bounds)):
-        return None  # one chunk holding the whole array: most leaves
-    bounds = [(int(a), int(b)) for a, b in bounds]
-    total = math.prod(b - a for a, b in bounds)
-    items = [(j, b) for j, b in enumerate(boxes) if all(s < e for s, e in b)]
-    volume = sum(math.prod(e - s for s, e in b) for _, b in items)
-    if volume == total and len(items) <= 1:
-        return None
-    if not items:
-        return _gap(volume, total, [a for a, _ in bounds])
-    if len(items) <= _PAIRWISE_MAX:
-        for x in range(len(items)):
-            for y in range(x):
-                (i, a), (j, b) = items[x], items[y]
-                if all(max(p[0], q[0]) < min(p[1], q[1]) for p, q in zip(a, b)):
-                    at = [max(p[0], q[0]) for p, q in zip(a, b)]
-                    return f"chunks {j} and {i} both cover element {at}"
-        return None if volume == total else _corner_problem(items, bounds) or _gap(volume, total, None)
-    a = np.asarray([b for _, b in items], dtype=np.int64).reshape(len(items), len(bounds), 2)
-    lo, hi = np.asarray([x for x, _ in bounds], np.int64), np.asarray([y for _, y in bounds], np.int64)
-    cut = ~np.all((a[:, :, 0] == lo) & (a[:, :, 1] == hi), axis=0)  # dimensions some box does not span whole
-    if not cut.any():
-        return f"chunks {items[0][0]} and {items[1][0]} both cover element {lo.tolist()}"
-    # On a grid: the boundaries of every dimension cut it into cells; each box is then one cell,
-    # and the boxes tile exactly when no cell is taken twice and their volumes add up.
-    cells = np.empty((len(items), int(cut.sum())), np.int64)
-    for k, dim in enumerate(np.flatnonzero(cut)):
-        edges = np.unique(a[:, dim, :])
-        first, last = np.searchsorted(edges, a[:, dim, 0]), np.searchsorted(edges, a[:, dim, 1])
-        if np.any(last - first != 1):
-            break  # some box spans several cells: not a grid
-        cells[:, k] = first
-    else:
-        order = np.lexsort(cells.T[::-1])
-        same = np.all(cells[order[1:]] == cells[order[:-1]], axis=1)
-        if same.any():
-            x, y = sorted((int(order[np.argmax(same)]), int(order[np.argmax(same) + 1])))
-            return f"chunks {items[x][0]} and {items[y][0]} both cover element {a[x, :, 0].tolist()}"
-        return None if volume == total else _corner_problem(items, bounds) or _gap(volume, total, None)
-    return _corner_problem(items, bounds) or (
-        None if volume == total else _gap(volume, total, None))
-
-
-def _corner_problem(items: list[tuple[int, Any]], bounds: list[tuple[int, int]]) -> str | None:
-    """The general exact check. A box's indicator is a signed sum of the 2^d orthants at its corners
-    (x >= corner in every dimension); the boxes tile ``bounds`` exactly iff their corner sums minus
-    those of ``bounds`` cancel at every point. Where they do not, the lexicographically first corner
-    left over is an element whose coverage is 1 plus its sum (no other orthant reaches it). Dimensions
-    no box cuts are left out. Returns None (exact), a description, or a refusal for layouts that would
-    need more than _CORNERS_MAX corners."""
-    a = np.asarray([b for _, b in items], dtype=np.int64).reshape(len(items), len(bounds), 2)
-    lo, hi = np.asarray([x for x, _ in bounds], np.int64), np.asarray([y for _, y in bounds], np.int64)
-    dims = np.flatnonzero(~np.all((a[:, :, 0] == lo) & (a[:, :, 1] == hi), axis=0))
-    if (len(items) + 1) << len(dims) > _CORNERS_MAX:
-        return (f"{len(items)} chunks cut {len(dims)} dimensions in a layout that is not a grid; too irregular "
-                "to check, refused")
-    masks = (np.arange(1 << len(dims))[:, None] >> np.arange(len(dims))[None, :]) & 1  # (2^d, d)
-    signs = 1 - 2 * (masks.sum(axis=1) % 2)
-    s, e = a[:, dims, 0], a[:, dims, 1]
-    corners = np.where(masks[None], e[:, None, :], s[:, None, :]).reshape(-1, len(dims))
-    whole = np.where(masks, hi[dims][None], lo[dims][None])
-    points = np.concatenate([corners, whole])
-    weights = np.concatenate([np.tile(signs, len(items)), -signs])
-    order = np.lexsort(points.T[::-1])
-    points, weights = points[order], weights[order]
-    starts = np.flatnonzero(np.r_[True, np.any(points[1:] != points[:-1], axis=1)])
-    sums = np.add.reduceat(weights, starts)
-    left = np.flatnonzero(sums)
-    if not len(left):
-        return None
-    at = lo.copy()
-    at[dims] = points[starts[left[0]]]
-    covered = 1 + int(sums[left[0]])
-    return f"element {at.tolist()} is covered by {'no chunk' if covered == 0 else f'{covered} chunks'}"
-
-
-def _gap(volume: int, total: int, at: list[int] | None) -> str:
-    where = f"element {at} is covered by no chunk; " if at is not None and volume < total else ""
-    return f"{where}the chunks hold {volume} elements, the array {total}"
 
 
 def validate_body(body: dict, where: str) -> None:

@@ -1,30 +1,30 @@
 """flax_ckpt's own layout: a step folder with ``manifest.json`` (the commit record) and the serializer's data.
 
-Scope: the native format as a formats.Layout (``NativeLayout``): writing a snapshot as one
+Scope: the native format as a layouts.Layout (``NativeLayout``): writing a snapshot as one
 checkpoint folder (``persist``: serializer, manifest, commit; with several processes, the agreement
 of distributed.SaveRound), and opening one (``open_native``: the
 manifest read, verified and validated before anything it names is read, as a restore ``Source``).
-The manifest's schema is format.py's; the bytes of arrays the serializers'; the target check and
+The manifest's schema is native/manifest.py's; the bytes of arrays the serializers'; the target check and
 placement engine/restore.py's.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
 
 from flax_ckpt._src import commit as commit_mod
-from flax_ckpt._src import distributed
+from flax_ckpt._src.commit import distributed
 from flax_ckpt._src.engine.leaves import CheckpointInfo, checkpoint_info, key_data_shape
 from flax_ckpt._src.engine.pause import gc_paused
 from flax_ckpt._src.engine.snapshot import Snapshot, jsonable, snapshot
 from flax_ckpt._src.errors import (CheckpointNotCommittedError, CheckpointNotFoundError, CorruptCheckpointError,
                                    InvalidManifestError, TargetMismatchError)
-from flax_ckpt._src.format import MANIFEST, MAX_MANIFEST_BYTES, decode, encode
-from flax_ckpt._src.records import LeafRecord
+from flax_ckpt._src.checks import MANIFEST, MAX_MANIFEST_BYTES
+from flax_ckpt._src.native.manifest import decode, encode
+from flax_ckpt._src.records import LeafRecord, PersistTimes
 from flax_ckpt._src.serializers import Box, Serializer, Written, get_serializer
 from flax_ckpt._src.storage import Storage
 
@@ -32,21 +32,6 @@ _BUDGET_SLACK = 64 << 20  # see NativeSource.budget
 
 
 # ---------------------------------------------------------------------------------------------- save
-
-@dataclass
-class PersistTimes:
-    """Seconds spent in each background phase of one save."""
-
-    write: float = 0.0
-    commit: float = 0.0
-    fsync: float = 0.0  # part of write: summed over writer threads (local file systems)
-    serialize: float = 0.0  # part of write: checksums, summed over writer threads
-    written: int = 0  # bytes handed to storage (data files)
-
-    def add_clock(self, stage: Storage) -> None:
-        clock = stage.clock
-        self.fsync, self.serialize, self.written = clock.fsync_s, clock.serialize_s, clock.nbytes
-
 
 def manifest_bytes(snap: Snapshot, written: list[Written], serializer: Serializer, *, step: int | None,
                    metrics: dict | None, metadata: Any, process_count: int = 1) -> bytes:
@@ -64,7 +49,7 @@ def manifest_bytes(snap: Snapshot, written: list[Written], serializer: Serialize
 
 
 class NativeLayout:
-    """flax_ckpt's own format as formats.Layout: ``serializer`` stores the arrays ("raw" by default)."""
+    """flax_ckpt's own format as layouts.Layout: ``serializer`` stores the arrays ("raw" by default)."""
 
     name, record = "native", MANIFEST
     foreign = False  # flax_ckpt's own runs: a manager claims the directory (lock, clean-up) when it opens
@@ -262,4 +247,4 @@ def _open_native(storage: Storage) -> NativeSource:
     return NativeSource(storage, body, leaves, serializer)
 
 
-__all__ = ["NativeLayout", "NativeSource", "PersistTimes", "manifest_bytes", "open_native"]
+__all__ = ["NativeLayout", "NativeSource", "manifest_bytes", "open_native"]
