@@ -12,7 +12,7 @@ Part 1, the same ~1 GB state (benchmarks/_common.make_tree) saved asynchronously
 - torch DCP: ``async_save(state_dict, no_dist=True)`` (its default stager), then ``future.result()``;
 - memcpy floor: ``np.copyto`` of every array into buffers allocated and touched beforehand, one thread:
   the least a host snapshot can cost on this machine;
-- flax_ckpt-numpy-snapshot-reuse: ``checkpoint.snapshot(numpy_state, reuse=previous)``, what the
+- flax_ckpt-numpy-snapshot-reuse: ``snapshot(numpy_state, reuse=previous)`` (engine/snapshot.py), what the
   manager would block for on a numpy state if it kept the previous save's host buffers (measured on
   its own; no write).
 One manager per library for all rounds, after one untimed warm-up save (so one-off set-up is not
@@ -125,7 +125,7 @@ class FlaxCkpt(Async):
 
 
 class SnapshotReuse(Async):
-    """checkpoint.snapshot with the previous snapshot's buffers: the blocking part only."""
+    """engine/snapshot.py's snapshot with the previous snapshot's buffers: the blocking part only."""
 
     name = "flax_ckpt-numpy-snapshot-reuse"
 

@@ -119,9 +119,9 @@ def bench_saves(kind: str, base: dict, rounds: int, res: C.Results, extra: dict[
         for mgr in (plain, tiered):
             mgr.save(step, step_state(kind, base, step))
             mgr.wait_until_finished()
-    first = tiered._tiers.stats[0]
+    first = tiered.tier_stats[0]
     extra[kind] = {"base_save_s": first.memory_s, "base_written": first.written, "written": [], "reused": [],
-                   "warmup_memory_s": [t.memory_s for t in tiered._tiers.stats],
+                   "warmup_memory_s": [t.memory_s for t in tiered.tier_stats],
                    "warmup_persistent_s": [t.durable_s for t in plain.stats]}
     floor = Floor(step_state(kind, base, 0)) if kind == "full change" else None
     for r in range(WARMUP, WARMUP + rounds):
@@ -138,7 +138,7 @@ def bench_saves(kind: str, base: dict, rounds: int, res: C.Results, extra: dict[
                 res.add(f"{kind}/persistent", "blocked", s.blocked_s)
                 res.add(f"{kind}/persistent", "to tier", s.durable_s)
             else:
-                t = tiered._tiers.stats[-1]
+                t = tiered.tier_stats[-1]
                 res.add(f"{kind}/memory", "blocked", t.blocked_s)
                 res.add(f"{kind}/memory", "to tier", t.memory_s)
                 extra[kind]["written"].append(t.written)
@@ -195,7 +195,7 @@ def worker(i: int, port: int, root: str, mb: int) -> None:
         assert np.asarray(a.data).tobytes() == np.asarray(b.data).tobytes()
     out["after_loss"] = t
     out["after_loss_again"], _ = C.timed(lambda: jax.block_until_ready(mgr.restore(target=target)))
-    out["sources"] = [list(s) for s in mgr._tiers.last_plan.sources]
+    out["sources"] = [list(s) for s in mgr.memory_tiers.last_plan.sources]
     with open(os.path.join(root, f"peer.p{i}.json"), "w") as f:
         json.dump(out, f)
     jax.distributed.shutdown()  # a barrier: process 0, the coordinator, leaves last

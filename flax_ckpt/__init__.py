@@ -26,15 +26,23 @@ from flax_ckpt._src.errors import UnsupportedLeafError as UnsupportedLeafError
 from flax_ckpt._src.errors import UnsupportedOrbaxCheckpointError as UnsupportedOrbaxCheckpointError
 from flax_ckpt._src.manager import CheckpointManager as CheckpointManager
 from flax_ckpt._src.plot import plot_timeline as plot_timeline
-from flax_ckpt._src.serializers import Serializer as Serializer
+from flax_ckpt._src.serializers.base import ArrayItem as ArrayItem
+from flax_ckpt._src.serializers.base import Box as Box
+from flax_ckpt._src.serializers.base import Serializer as Serializer
+from flax_ckpt._src.serializers.base import Shard as Shard
+from flax_ckpt._src.serializers.base import StoredArray as StoredArray
+from flax_ckpt._src.serializers.base import Written as Written
 from flax_ckpt._src.stats import RestoreStats as RestoreStats
 from flax_ckpt._src.stats import SaveStats as SaveStats
 from flax_ckpt._src.storage import ObjectStoreOptions as ObjectStoreOptions
+from flax_ckpt._src.storage.base import Storage as Storage
 from flax_ckpt._src.tiers import Tiers as Tiers
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "ArrayItem",
+    "Box",
     "CheckpointError",
     "CheckpointExistsError",
     "CheckpointInfo",
@@ -52,12 +60,16 @@ __all__ = [
     "SaveFailedError",
     "SaveStats",
     "Serializer",
+    "Shard",
+    "Storage",
     "StorageError",
+    "StoredArray",
     "StructureMismatchError",
     "TargetMismatchError",
     "Tiers",
     "UnsupportedLeafError",
     "UnsupportedOrbaxCheckpointError",
+    "Written",
     "metadata",
     "plot_timeline",
     "restore",

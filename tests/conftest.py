@@ -7,6 +7,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import pytest  # noqa: E402
 
+pytest_plugins = ["s3_fixtures"]  # the S3 fixtures (s3, s3_faulty, ...), for any test module to ask for
+
 
 @pytest.fixture
 def ckpt_dir(tmp_path):

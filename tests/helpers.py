@@ -5,8 +5,9 @@ Layout of tests/ (two kinds of non-test module, by how they run):
 - ``test_*.py``: the tests. ``conftest.py``: the test process's set-up (8 CPU devices) and fixtures.
 - Support modules, imported in-process as top-level modules (pytest puts tests/ on sys.path, the
   benchmarks insert it): this module; ``trees.py`` (pytree *builders* only: every dtype, mixed
-  containers, a TrainState); ``conftest_s3.py`` and ``s3_server.py`` (fixtures; moto's server, which
-  s3_server starts as ``python -m moto.server``, and a fault proxy that runs in this process);
+  containers, a TrainState); ``s3_fixtures.py`` (fixtures, a plugin that conftest.py loads) and
+  ``s3_server.py`` (moto's server, which s3_server starts as ``python -m moto.server``, and a fault
+  proxy that runs in this process);
   ``reliability_trials.py``, ``reliability_hostile.py``, ``reliability_s3.py`` (fault trials shared with
   benchmarks/faults.py). They stay in tests/ rather than a tests/support/ folder: the tests and
   benchmarks import them by their bare names, and nothing runs them as scripts.

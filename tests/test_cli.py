@@ -2,7 +2,7 @@
 library functions behind it (flax_ckpt._src.tools) in-process.
 
 Each subprocess imports jax (seconds on a shared CPU), so checkpoints are built once per module and
-the subprocess count is kept small; finer cases run the same code in-process through inspect.py.
+the subprocess count is kept small; finer cases run the same code in-process through flax_ckpt._src.tools.
 """
 
 from __future__ import annotations

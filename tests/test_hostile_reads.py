@@ -172,7 +172,7 @@ def test_memory_copy_whose_shards_overlap_falls_back_to_storage(tmp_path, caplog
     with fc.CheckpointManager(tmp_path / "ckpt", tiers=tiers) as mgr:
         mgr.save(1, {"w": w})
         mgr.wait_until_finished()
-        index = os.path.join(mgr._tiers.local_dir, "1", tier_store.INDEX)
+        index = os.path.join(mgr.memory_tiers.local_dir, "1", tier_store.INDEX)
     body = json.loads(open(index, "rb").read())["body"]
     data = w.tobytes()
     body["shards"] = [{"box": [[s, s + 4]], "chunks": [["r", crc32c.crc32c(data[4 * s:4 * s + 16]), 4 * s, 16]],

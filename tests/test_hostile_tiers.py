@@ -53,7 +53,7 @@ def victim_run(tmp_path) -> tuple[str, str, str]:
         mgr.save(1, state(1.0))
         mgr.save(2, state(2.0))
         mgr.wait_until_finished()
-        root = mgr._tiers.root
+        root = mgr.memory_tiers.root
     return d, local, root
 
 
@@ -64,7 +64,7 @@ def planted_copy(tmp_path) -> str:
     with fc.CheckpointManager(tmp_path / "attacker-ckpt", tiers=tiers(local)) as mgr:
         mgr.save(POISON, state(-1e6))
         mgr.wait_until_finished()
-        return os.path.join(mgr._tiers.local_dir, str(POISON))
+        return os.path.join(mgr.memory_tiers.local_dir, str(POISON))
 
 
 def owned_by_me(top: str) -> bool:
@@ -81,7 +81,7 @@ def test_a_job_folder_planted_by_another_user_is_refused_and_nothing_is_restored
     d, local = str(tmp_path / "ckpt"), str(tmp_path / "shm")
     with fc.CheckpointManager(d, tiers=fc.Tiers(local_dir=local, persist_interval_steps=1)) as mgr:
         mgr.save(1, state(1.0))  # persisted; cleanup=True removes the memory tiers at close
-        job = os.path.dirname(mgr._tiers.root)
+        job = os.path.dirname(mgr.memory_tiers.root)
     assert not os.path.exists(job)
     planted = planted_copy(tmp_path)
     os.makedirs(os.path.join(job, "p0", "local"))
@@ -200,7 +200,7 @@ def test_folders_are_made_private_whatever_the_umask(tmp_path):
         with fc.CheckpointManager(tmp_path / "ckpt", tiers=tiers(local)) as mgr:
             mgr.save(1, state(1.0))
             mgr.wait_until_finished()
-            root = mgr._tiers.root
+            root = mgr.memory_tiers.root
     finally:
         os.umask(old)
     for p in (local, os.path.dirname(root), root, os.path.join(root, "local"), os.path.join(root, "local", "1")):
@@ -219,7 +219,7 @@ def test_a_system_sticky_folder_is_accepted_as_local_dir(tmp_path):
     with fc.CheckpointManager(tmp_path / "ckpt", tiers=tiers(str(local))) as mgr:
         mgr.save(1, state(1.0))
         mgr.wait_until_finished()
-        assert stat.S_IMODE(os.lstat(os.path.dirname(mgr._tiers.root)).st_mode) == 0o700
+        assert stat.S_IMODE(os.lstat(os.path.dirname(mgr.memory_tiers.root)).st_mode) == 0o700
     os.chmod(local, 0o777)  # without the sticky bit: refused
     with pytest.raises(fc.StorageError, match="writable by group or others"):
         fc.CheckpointManager(tmp_path / "ckpt", tiers=tiers(str(local)))

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import flax_ckpt as fc
-from flax_ckpt._src.retention import steps_to_delete
+from flax_ckpt._src.retention import Retention, ranked, steps_to_delete
 from helpers import manifest_body
 
 
@@ -54,6 +54,16 @@ def test_all_rules_combined():
     kept = sorted(set(range(1, 21)) - set(gone))
     # best two: 7 (0.0), then 8 over 6 (tie at 1.0: the newer wins); 10 by period; 18-20 newest
     assert kept == [7, 8, 10, 18, 19, 20]
+
+
+def test_best_step_and_keep_best_share_one_ranking(tmp_path):
+    values = {1: 0.2, 2: 0.1, 3: 0.1, 4: float("nan"), 5: None}
+    assert ranked(values) == [3, 2, 1] and ranked(values, "max") == [1, 3, 2]  # a tie: the newer first
+    metrics = {s: {"loss": v} for s, v in values.items()}
+    retention = Retention(max_to_keep=1, best_metric="loss", keep_best=1)
+    assert retention.best_step(metrics) == 3 and retention.doomed(metrics) == [1, 2, 4]
+    with fc.CheckpointManager(tmp_path / "run") as mgr:  # the memory tiers' test hook, without tiers
+        assert mgr.memory_tiers is None and mgr.tier_stats == []
 
 
 # ----------------------------------------------------------------------------------- manager on disk

@@ -1,7 +1,7 @@
 """Global consistency across processes: every process restores the same step, whatever fails where.
 
 Real jax.distributed jobs on 127.0.0.1 (gloo), one CPU device per process, 2 and 4 processes
-(tests/multihost_worker.py); damage is done to real files between the jobs; processes are really
+(tests/workers/multihost_worker.py); damage is done to real files between the jobs; processes are really
 SIGKILLed, hung and sent SIGTERM. A coordinator that dies (or freezes whole, SIGSTOP) ends every
 process of a jax.distributed job at once: JAX's runtime terminates them from its own threads when
 the coordination service stops answering (jax 0.10.2), so there is no Python error to give them;

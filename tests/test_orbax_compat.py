@@ -398,7 +398,7 @@ def test_save_refuses_existing_and_unsupported_names(ckpt_dir, orbax_ckpt):
     assert not any(n.startswith("clash") for n in os.listdir(ckpt_dir))
 
 
-# ------------------------------------------------------------- flax_ckpt's CheckpointManager (manager.py)
+# ------------------------------------------------------ flax_ckpt's CheckpointManager (manager/manager.py)
 
 def test_manager_resumes_an_orbax_run(ckpt_dir):
     root = ckpt_dir / "run"

@@ -27,8 +27,8 @@ from flax_ckpt._src.checks import MANIFEST
 from flax_ckpt._src.serializers import get_serializer
 from flax_ckpt._src.storage import KvStorage, LocalStorage, ObjectStoreOptions, open_storage, split_location
 
-from conftest_s3 import S3Place, point_env_at, s3, s3_bucket, s3_faulty, s3_server  # noqa: F401
 from helpers import assert_bit_exact
+from s3_fixtures import S3Place, point_env_at
 from s3_server import Faults
 from trees import mixed_tree
 

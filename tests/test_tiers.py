@@ -52,7 +52,7 @@ def test_differential_copy_costs_only_the_trained_part(tmp_path, frozen, caplog)
         for step in range(1, 6):
             mgr.save(step, tuned(step, frozen))
         mgr.wait_until_finished()
-        stats = mgr._tiers.stats
+        stats = mgr.tier_stats
     assert "peer-memory tier disabled (a single process" in caplog.text
     trained = tuned(0, frozen)["head"]["w"].nbytes + tuned(0, frozen)["head"]["b"].nbytes
     assert stats[0].base and stats[0].written > frozen.nbytes
@@ -73,7 +73,7 @@ def test_unchanged_jax_leaves_are_neither_copied_nor_hashed(tmp_path):
         for step in range(1, 7):
             mgr.save(step, states[step])
         mgr.wait_until_finished()
-        stats = {s.step: s for s in mgr._tiers.stats}
+        stats = {s.step: s for s in mgr.tier_stats}
     assert [s for s, t in stats.items() if t.base] == [1, 4]  # step 4's base is written from the views
     assert all(stats[s].reused == backbone.nbytes for s in (2, 3, 4, 5, 6))  # the same object since step 1
     assert all(stats[s].written < 64 * 64 * 4 + 4096 for s in (2, 3, 5, 6))
@@ -91,8 +91,8 @@ def test_small_changes_are_stored_as_compressed_xor_deltas(tmp_path):
         mgr.save(1, {"w": base})
         mgr.save(2, {"w": base + np.float32(1e-6) * base})  # every element changes a little
         mgr.wait_until_finished()
-        written = [s.written for s in mgr._tiers.stats]
-        copy = tier_store.open_copy(os.path.join(mgr._tiers.local_dir, "2"))
+        written = [s.written for s in mgr.tier_stats]
+        copy = tier_store.open_copy(os.path.join(mgr.memory_tiers.local_dir, "2"))
     assert {e[0] for s in copy.body["shards"] for e in s["chunks"]} == {"x"}
     assert written[1] < 0.8 * base.nbytes
     with fc.CheckpointManager(tmp_path / "ckpt", tiers=tiers) as mgr:
@@ -105,10 +105,10 @@ def test_retention_rebase_cleanup_and_final_migration(tmp_path, frozen):
     for step in range(1, 11):
         mgr.save(step, tuned(step, frozen))
         mgr.wait_until_finished()
-        folders = tier_store.steps_in(mgr._tiers.local_dir)
+        folders = tier_store.steps_in(mgr.memory_tiers.local_dir)
         assert len(folders) <= tiers.max_to_keep + 2, folders  # kept steps, the bases they need
-    assert [s.step for s in mgr._tiers.stats if s.base] == [1, 5, 9]  # a new base after 3 differential copies
-    assert mgr._tiers.committed("local") == [9, 10] and mgr.all_steps() == [4, 8, 9, 10]
+    assert [s.step for s in mgr.tier_stats if s.base] == [1, 5, 9]  # a new base after 3 differential copies
+    assert mgr.memory_tiers.committed("local") == [9, 10] and mgr.all_steps() == [4, 8, 9, 10]
     mgr.close()  # cleanup: step 10 lived only in memory, so it is migrated first; then the tiers go
     assert os.listdir(tmp_path / "shm") == []
     with fc.CheckpointManager(tmp_path / "ckpt", tiers=tiers) as again:
@@ -122,7 +122,7 @@ def test_damaged_memory_copy_falls_back_with_a_warning(tmp_path, frozen, caplog)
     with fc.CheckpointManager(tmp_path / "ckpt", tiers=tiers) as mgr:
         for step in range(1, 4):
             mgr.save(step, tuned(step, frozen))
-        local = mgr._tiers.local_dir
+        local = mgr.memory_tiers.local_dir
     data = os.path.join(local, "3", tier_store.DATA)  # step 3: only the changed head, stored raw
     with open(data, "r+b") as f:
         f.seek(100)
@@ -161,7 +161,7 @@ def test_memory_restore_maps_the_copy_and_reused_pages_never_change_it(tmp_path)
         for step in range(1, 4):
             mgr.save(step, state(step))
         got = mgr.restore(3, target=target)
-        local = mgr._tiers.local_dir
+        local = mgr.memory_tiers.local_dir
         assert _mapping_of(got["w"].unsafe_buffer_pointer()) == os.path.join(local, "3", tier_store.DATA)
         spares = os.path.join(os.path.dirname(local), "spare-local")
         for step in range(4, 10):

@@ -1,7 +1,7 @@
 """The public one-checkpoint functions: ``fc.save``, ``fc.restore``, ``fc.metadata``.
 
 Scope: turning a user's location into a folder, picking the format (layouts.py decides, once) and
-calling the engine. Runs of many steps are the manager's (manager.py).
+calling the engine. Runs of many steps are the manager's (manager/).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from flax_ckpt._src.engine import restore as engine
 from flax_ckpt._src.engine.leaves import CheckpointInfo
 from flax_ckpt._src.engine.pause import gc_paused
 from flax_ckpt._src.engine.snapshot import jsonable
-from flax_ckpt._src.serializers import Serializer
+from flax_ckpt._src.serializers import Serializer, get_serializer
 from flax_ckpt._src.storage import split_location
 
 
@@ -23,14 +23,17 @@ def save(path: Any, tree: Any, *, metadata: Any = None, serializer: "str | Seria
 
     ``format``: "native" (flax_ckpt's layout, with ``serializer`` "raw" (default) or "zarr3") or
     "orbax" (Orbax's StandardCheckpointer layout, restorable by orbax-checkpoint). ``metadata``: any
-    JSON, given back by ``fc.metadata``; ``step`` and ``metrics`` are recorded with it."""
+    JSON, given back by ``fc.metadata``; ``step`` and ``metrics`` are recorded with it. Orbax's layout
+    records a step only as a CheckpointManager step folder's name: with ``format="orbax"`` and
+    ``step``, ``path`` is named for the step (``.../5`` or ``.../<prefix>_5``; else a ValueError) and
+    becomes such a step (item ``default``, ``metrics`` as its JSON item), which Orbax's
+    CheckpointManager lists."""
     fmt = layouts.layout(format, serializer)
     parent, name = split_location(path)
     jsonable(metadata, "metadata")
     with gc_paused():  # the caller's thread, as a snapshot's (see engine/pause.py)
         snap = fmt.snapshot(tree, copy=False)
-        fmt.persist(snap, parent, name, step=step if fmt.name == "native" else None, metrics=metrics,
-                    metadata=metadata)
+        fmt.persist(snap, parent, name, step=step, metrics=metrics, metadata=metadata)
 
 
 def _folder(path: Any):
@@ -39,7 +42,7 @@ def _folder(path: Any):
 
 
 def restore(path: Any, target: Any = None, *, shardings: Any = None, partial: bool = False,
-            item: str | None = None) -> Any:
+            item: str | None = None, serializer: "str | Serializer | None" = None) -> Any:
     """Restores the checkpoint at ``path`` (either format) into ``target``'s structure, checked leaf by
     leaf (a pytree of arrays or jax.ShapeDtypeStruct giving structure, dtypes and placement), or without
     a target into nested dicts/lists of numpy arrays. Each leaf keeps the target's type: a Python
@@ -49,13 +52,20 @@ def restore(path: Any, target: Any = None, *, shardings: Any = None, partial: bo
 
     An Orbax step saved with named items (``args.Composite``) restores as ``{item name: value}``
     (JSON items as their JSON) and takes a target keyed by item names; ``item="state"`` restores
-    one item by itself (see the orbax package's docstring)."""
-    source = layouts.open_checkpoint(_folder(path), item)
+    one item by itself (see the orbax package's docstring). ``serializer``: the user serializer (an
+    instance) that wrote the checkpoint, when no installed package declares it (README: Writing a
+    serializer); used only when the manifest names it."""
+    source = layouts.open_checkpoint(_folder(path), item, _reader(serializer))
     return engine.restore(source, target, shardings=shardings, partial=partial)
 
 
-def metadata(path: Any, *, item: str | None = None) -> CheckpointInfo:
+def metadata(path: Any, *, item: str | None = None, serializer: "str | Serializer | None" = None) -> CheckpointInfo:
     """What the checkpoint at ``path`` holds (tree of shapes, dtypes, shardings; step, metrics, user
-    metadata), read without any array bytes; ``item``: one named item of an Orbax step."""
+    metadata), read without any array bytes; ``item``: one named item of an Orbax step; ``serializer``:
+    as for restore."""
     with gc_paused():
-        return layouts.open_checkpoint(_folder(path), item).info()
+        return layouts.open_checkpoint(_folder(path), item, _reader(serializer)).info()
+
+
+def _reader(serializer: "str | Serializer | None") -> "Serializer | None":
+    return None if serializer is None else get_serializer(serializer)

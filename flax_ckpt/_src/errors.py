@@ -78,7 +78,7 @@ class SaveFailedError(CheckpointError):
 
 
 class UnsupportedOrbaxCheckpointError(CheckpointError, ValueError):
-    """The Orbax checkpoint uses a feature flax_ckpt does not read or write (see orbax_compat's
+    """The Orbax checkpoint uses a feature flax_ckpt does not read or write (see the orbax package's
     docstring): a handler type other than PyTree/Standard/JSON, a legacy msgpack checkpoint, a custom
     value type. The message names the path and the feature; restore it with orbax-checkpoint, or
     re-save it with a StandardCheckpointer."""

@@ -3,10 +3,11 @@
 Scope: ``Layout``, what the public functions and the manager need of a format (its snapshot, its
 write and commit, opening one of its folders as a restore Source, its commit record), with the two
 implementations: "native" (flax_ckpt's own layout, native/) and "orbax" (Orbax's, orbax/);
-``detect`` (which format a folder holds) and ``step_folders`` (the steps of a run directory in either
-format), which the manager and the flax-ckpt command both use; ``run_format`` (the format a manager
-writes a run's new steps in: the run's own) and ``step_name`` (their folder names). The memory tiers
-keep their own copy format (tiers/store.py) and migrate native steps through the native layout.
+``detect`` and ``recognize`` (which format a folder holds) and ``step_folders`` (the steps of a run
+directory in either format), which the manager and the flax-ckpt command both use; ``run_format``
+(the format a manager writes a run's new steps in: the run's own) and ``step_name`` (their folder
+names). The memory tiers keep their own copy format (tiers/store.py) and migrate native steps through
+the native layout.
 """
 
 from __future__ import annotations
@@ -30,10 +31,16 @@ FORMATS = ("native", "orbax")
 
 
 class Layout(Protocol):
-    """A checkpoint format. ``record``: the file whose presence commits one of its folders."""
+    """A checkpoint format. ``record``: the file whose presence commits one of its folders. ``manifest``:
+    the one file holding all of a checkpoint's records (named when they are damaged), or None where they
+    are spread over several files. ``evident``: its folders are recognized by their files before they
+    are opened, so that one failing to open is damaged; False where opening is what tells (it may hold
+    no committed checkpoint). The tools ask these and the Source, never a format's name."""
 
     name: str
     record: str
+    manifest: str | None
+    evident: bool
     foreign: bool  # a directory of this format is another library's: a manager writes nothing until it saves
 
     def snapshot(self, tree: Any, *, copy: bool, reuse: Snapshot | None = None) -> Snapshot:
@@ -41,7 +48,8 @@ class Layout(Protocol):
 
     def persist(self, snap: Snapshot, parent: Storage, name: str, *, step: int | None, metrics: Any,
                 metadata: Any) -> PersistTimes:
-        """Writes and commits ``snap`` as ``parent/name`` (background thread)."""
+        """Writes and commits ``snap`` as ``parent/name`` (background thread). ``step``: recorded where
+        the format has room; a ValueError, before anything is written, where it cannot be."""
 
     def open(self, folder: Storage, item: str | None = None) -> Source:
         """A committed folder of this format as a restore Source (with ``info()``, ``step``, ``metrics``);
@@ -71,18 +79,25 @@ def _renamed(name: str | None) -> str | None:
     return name
 
 
-def detect(folder: Storage) -> Layout:
+def detect(folder: Storage, serializer: "Serializer | None" = None) -> Layout:
     """The format of the checkpoint in ``folder``: native when it has a manifest, Orbax when it has
-    Orbax's metadata files, else native (whose open then says what is missing). One listing or less."""
+    Orbax's metadata files, else native (whose open then says what is missing). One listing or less.
+    ``serializer``: a native checkpoint's reader when its manifest names it (a user serializer)."""
+    return recognize(folder, serializer) or NativeLayout(serializer)
+
+
+def recognize(folder: Storage, serializer: "Serializer | None" = None) -> Layout | None:
+    """The format whose files ``folder`` holds (a native manifest, Orbax's metadata files), or None: no
+    checkpoint of either format, maybe a run directory of step folders."""
     if folder.exists(MANIFEST):
-        return NativeLayout(None)
-    return OrbaxLayout() if orbax_locate.is_orbax(folder) else NativeLayout(None)
+        return NativeLayout(serializer)
+    return OrbaxLayout() if orbax_locate.is_orbax(folder) else None
 
 
-def open_checkpoint(folder: Storage, item: str | None = None) -> Source:
+def open_checkpoint(folder: Storage, item: str | None = None, serializer: "Serializer | None" = None) -> Source:
     """The committed checkpoint in ``folder``, in whichever format it has, as a restore Source
-    (``item``: only that named item of an Orbax step)."""
-    return detect(folder).open(folder, item)
+    (``item``: only that named item of an Orbax step; ``serializer``: see detect)."""
+    return detect(folder, serializer).open(folder, item)
 
 
 @dataclass(frozen=True)
@@ -94,7 +109,7 @@ class StepFolder:
     layout: Layout
 
 
-def step_folders(root: Storage) -> tuple[list[StepFolder], list[str]]:
+def step_folders(root: Storage, serializer: "Serializer | None" = None) -> tuple[list[StepFolder], list[str]]:
     """The step folders of a run directory in either format, by step (committed Orbax steps, named
     ``<step>`` or ``<prefix>_<step>``; every other folder named by an integer is a native step, to be
     opened to know whether it is committed, and whose manifest must name that step), and the names of
@@ -107,7 +122,7 @@ def step_folders(root: Storage) -> tuple[list[StepFolder], list[str]]:
             if orbax_locate.step_number(commit_mod.base_name(entry)) is not None:
                 temporary.append(entry)  # only a step's: another temporary name there may be a user's
         elif (step := commit_mod.step_number(entry)) is not None and step not in orbax:
-            found.append(StepFolder(step, entry, NativeLayout(None, step=step)))
+            found.append(StepFolder(step, entry, NativeLayout(serializer, step=step)))
     return sorted(found, key=lambda f: f.step), temporary
 
 

@@ -11,13 +11,10 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Sequence
 
 import ml_dtypes
 import numpy as np
-
-if TYPE_CHECKING:
-    from flax_ckpt._src.storage import Storage
 
 ARRAY_KINDS = ("jax", "numpy", "prng_key")  # leaf kinds with a dtype, a shape and chunks
 
@@ -167,14 +164,11 @@ def keystr(path: Sequence[tuple[str, Any]]) -> str:
 
 @dataclass
 class PersistTimes:
-    """Seconds spent in each background phase of one save."""
+    """Seconds spent in each background phase of one save (fsync, serialize and written: as this
+    process's serializer reported them in its ``Written``)."""
 
     write: float = 0.0
     commit: float = 0.0
     fsync: float = 0.0  # part of write: summed over writer threads (local file systems)
     serialize: float = 0.0  # part of write: checksums, summed over writer threads
     written: int = 0  # bytes handed to storage (data files)
-
-    def add_clock(self, stage: Storage) -> None:
-        clock = stage.clock
-        self.fsync, self.serialize, self.written = clock.fsync_s, clock.serialize_s, clock.nbytes

@@ -1,10 +1,15 @@
 """What each save and restore cost: the records a CheckpointManager keeps (``mgr.stats``,
-``mgr.restore_stats``), logs and writes to a metric writer. Values only; plot.py draws them.
+``mgr.restore_stats``), and ``publish``, which logs a save's and writes it to a metric writer. Values
+and their reporting only; plot.py draws them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from dataclasses import asdict, dataclass
+from typing import Any
+
+log = logging.getLogger("flax_ckpt")
 
 
 @dataclass(frozen=True)
@@ -39,3 +44,13 @@ class RestoreStats:
     tier: str
     nbytes: int
     seconds: float
+
+
+def publish(stats: SaveStats, directory: str, metric_writer: Any = None) -> None:
+    """Logs one save's costs (INFO: a line; DEBUG: every field) and writes them to ``metric_writer``
+    (anything with ``write_scalars(step, dict)``, e.g. a clu MetricWriter) as ``checkpoint/<field>``."""
+    log.info("saved step %d to %s: %.1f MB, blocked %.1f ms, durable after %.2f s (%.2f GB/s)", stats.step,
+             directory, stats.nbytes / 1e6, stats.blocked_s * 1e3, stats.durable_s, stats.throughput_gbps)
+    log.debug("save statistics: %s", asdict(stats))
+    if metric_writer is not None:
+        metric_writer.write_scalars(stats.step, {f"checkpoint/{k}": v for k, v in asdict(stats).items() if k != "step"})

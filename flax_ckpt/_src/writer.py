@@ -1,7 +1,7 @@
 """The async writer: one background save at a time, failures re-raised on the caller's next call.
 
 Scope: threading and error propagation only. The caller snapshots the state to host memory first
-(checkpoint.snapshot, on its own thread); the job given to ``submit`` serializes, writes, fsyncs and
+(engine/snapshot.py, on its own thread); the job given to ``submit`` serializes, writes, fsyncs and
 commits. At most one job is in flight: ``submit`` waits for the previous one (back-pressure keeps host
 memory bounded by one snapshot). A job's exception is raised as SaveFailedError (its cause is the
 original exception, with its traceback) from the next ``submit``, ``wait`` or ``close``.

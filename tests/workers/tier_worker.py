@@ -100,17 +100,16 @@ def manager(cfg: dict[str, Any], serializer: Any = None) -> fc.CheckpointManager
 
 def report_restore(mgr: fc.CheckpointManager) -> dict[str, Any]:
     got = mgr.restore(target=target())
-    plan = mgr._tiers.last_plan
+    plan = mgr.memory_tiers.last_plan
     check_bit_exact(got, plan.step)
     return {"restored": plan.step, "sources": [list(s) for s in plan.sources],
             "stats": [s.tier for s in mgr.restore_stats]}
 
 
 def progress(cfg: dict[str, Any], mgr: fc.CheckpointManager, step: int) -> None:
-    with mgr._mutex:
-        persistent = max(mgr._metrics, default=0)
-    line = {"saved": step, "local": max(mgr._tiers.committed("local"), default=0),
-            "peer": max(mgr._tiers.committed("peer"), default=0), "persistent": persistent}
+    tiers = mgr.memory_tiers
+    line = {"saved": step, "local": max(tiers.committed("local"), default=0),
+            "peer": max(tiers.committed("peer"), default=0), "persistent": max(tiers.persistent.steps(), default=0)}
     with open(os.path.join(cfg["out"], f"{cfg['tag']}.p{jax.process_index()}.progress"), "a") as f:
         f.write(json.dumps(line) + "\n")
 
@@ -120,9 +119,9 @@ def mode_train(cfg: dict[str, Any]) -> dict[str, Any]:
     for step in range(1, cfg["steps"] + 1):
         mgr.save(step, place(host_state(step)))
     mgr.wait_until_finished()
-    ts = mgr._tiers
+    ts = mgr.memory_tiers
     return {"local": ts.committed("local"), "peer": ts.committed("peer"), "steps": mgr.all_steps(),
-            "peer_dst": ts.peer_dst, "written": [[s.step, s.written, s.nbytes, s.base] for s in ts.stats]}
+            "peer_dst": ts.peer_dst, "written": [[s.step, s.written, s.nbytes, s.base] for s in mgr.tier_stats]}
 
 
 def mode_restore(cfg: dict[str, Any]) -> dict[str, Any]:

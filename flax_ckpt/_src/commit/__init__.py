@@ -42,7 +42,7 @@ def step_number(name: str) -> int | None:
 
 def is_temporary(entry: str) -> bool:
     """Names of in-flight saves and interrupted deletions, exactly as they are made: never
-    checkpoints, never read. A manager removes those of its run's steps (formats.step_folders)."""
+    checkpoints, never read. A manager removes those of its run's steps (layouts.step_folders)."""
     return _TEMPORARY.fullmatch(entry) is not None
 
 

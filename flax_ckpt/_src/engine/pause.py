@@ -1,6 +1,7 @@
 """A pause of Python's cyclic garbage collector around the engine's per-leaf loops.
 
-Scope: one context manager. Restoring or snapshotting a tree of many leaves allocates many small
+Scope: one context manager, ``with gc_paused():``, which is also a decorator, ``@gc_paused()`` (a
+function paused as a whole). Restoring or snapshotting a tree of many leaves allocates many small
 objects; each allocation burst triggers collections that walk the whole heap, so without a pause the
 cost per leaf grows with the size of the tree (measured: 2x from 2k to 20k leaves). The pause is
 nested and thread-safe (the collector is re-enabled when the last pause ends, and only if it was

@@ -2,7 +2,8 @@
 
 Scope: a ``Source`` is one opened checkpoint of any layout (native step: native/layout.py; Orbax
 item: orbax/read.py; memory-tier copy: tiers/load.py): its typed leaf records, where it is (for
-messages), and how to fill a box of one leaf with verified bytes. ``restore`` checks the target leaf by
+messages), how to fill a box of one leaf with verified bytes, and what a verify of it finds (``verify``,
+``unchecked``: the tools ask, never inspect a source's type). ``restore`` checks the target leaf by
 leaf (engine/leaves.py), reads what each leaf needs (only the boxes this process's devices hold) and
 places it: into the target's sharding, onto a device, or as numpy arrays without a target. Opening,
 validation and the byte layout belong to the sources.
@@ -14,7 +15,7 @@ import copy
 import math
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Protocol, Sequence
+from typing import Any, Callable, NamedTuple, Protocol, Sequence
 
 import jax
 import numpy as np
@@ -65,6 +66,39 @@ class Source(Protocol):
         """The part of this checkpoint ``target`` asks for, and the target to check against it: the
         source itself for most layouts; for an Orbax step of named items, only the items the target (a
         dict keyed by item names) names. Raises a TargetMismatchError naming what the source holds."""
+
+    def unchecked(self) -> list[str]:
+        """The leaves (key paths) whose stored bytes carry no checksum, so that reading them back proves
+        nothing (a verify reports them as unverified); [] where every byte is checksummed."""
+
+    def verify(self, update: Callable[[int], None]) -> "list[Damage]":
+        """Re-reads every stored byte of every array leaf, checking every checksum, and returns the
+        damage found ([]: none). ``update(n)``: called as each ``n`` bytes of leaves are read (a
+        progress bar's). ``read_back`` is the verify of a source read leaf by leaf."""
+
+
+class Damage(NamedTuple):
+    """One damaged part of a checkpoint, as ``Source.verify`` finds it: ``leaf`` (key path) and ``file``
+    (relative to the checkpoint folder) where known, and what is wrong."""
+
+    leaf: str | None
+    file: str | None
+    message: str
+
+
+def read_back(source: Source, update: Callable[[int], None]) -> list[Damage]:
+    """``Source.verify`` of a source read leaf by leaf: reads every array leaf back through a Reader
+    (within the source's budget), one at a time, so that each damaged leaf is named."""
+    reader, found = Reader(source), []
+    for leaf in source.leaves:
+        if not leaf.is_array:
+            continue
+        try:
+            reader.host(leaf)
+        except (CheckpointError, OSError, ValueError) as e:
+            found.append(Damage(leaf.name, None, str(e)))
+        update(leaf.nbytes)
+    return found
 
 
 def aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
@@ -273,14 +307,10 @@ def flat_shardings(shardings: Any, names: Sequence[str]) -> dict[str, Any]:
     return {tree_mod.keystr(tuple(tree_mod.entry(k) for k in p)): s for p, s in flat}
 
 
+@gc_paused()
 def restore(source: Source, target: Any = None, *, shardings: Any = None, partial: bool = False) -> Any:
     """Restores ``source`` into ``target``'s structure (checked leaf by leaf), or without a target into
     nested dicts/lists of numpy arrays, Python scalars and strings (PRNG keys as key arrays)."""
-    with gc_paused():
-        return _restore(source, target, shardings, partial)
-
-
-def _restore(source: Source, target: Any, shardings: Any, partial: bool) -> Any:
     source, target = source.select(target)
     reader = Reader(source)
     if target is None:

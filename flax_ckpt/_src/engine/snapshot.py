@@ -134,6 +134,7 @@ def _value_leaf(path: tree_mod.KeyPath, x: Any, kind: str) -> HostLeaf:
     return HostLeaf(LeafRecord(path, kind, value=py(x)), obj=x)
 
 
+@gc_paused()
 def snapshot(tree: Any, *, copy: bool = True, reuse: Snapshot | None = None) -> Snapshot:
     """Copies every array shard this process writes to host memory (``copy=False`` reuses host buffers
     where possible: for synchronous saves, where nothing can change them meanwhile).
@@ -141,11 +142,6 @@ def snapshot(tree: Any, *, copy: bool = True, reuse: Snapshot | None = None) -> 
     ``reuse``: an earlier snapshot (copy=True) that nothing reads any more, e.g. the previous save's
     once it is durable; its buffers are overwritten where key path, box, shape and dtype match, which
     saves the page faults of fresh memory (most of a snapshot's time on a CPU host)."""
-    with gc_paused():
-        return _snapshot(tree, copy, reuse)
-
-
-def _snapshot(tree: Any, copy: bool, reuse: Snapshot | None) -> Snapshot:
     t0 = time.perf_counter()
     spare = reuse.spare_buffers() if (copy and reuse is not None) else {}
     flat, _ = tree_mod.flatten(tree)

@@ -10,8 +10,9 @@ placement engine/restore.py's.
 
 from __future__ import annotations
 
+import math
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -19,13 +20,14 @@ from flax_ckpt._src import commit as commit_mod
 from flax_ckpt._src.commit import distributed
 from flax_ckpt._src.engine.leaves import CheckpointInfo, checkpoint_info, key_data_shape
 from flax_ckpt._src.engine.pause import gc_paused
+from flax_ckpt._src.engine.restore import Damage
 from flax_ckpt._src.engine.snapshot import Snapshot, jsonable, snapshot
 from flax_ckpt._src.errors import (CheckpointNotCommittedError, CheckpointNotFoundError, CorruptCheckpointError,
-                                   InvalidManifestError, TargetMismatchError)
+                                   InvalidManifestError, StorageError, TargetMismatchError)
 from flax_ckpt._src.checks import MANIFEST, MAX_MANIFEST_BYTES
 from flax_ckpt._src.native.manifest import decode, encode
 from flax_ckpt._src.records import LeafRecord, PersistTimes
-from flax_ckpt._src.serializers import Box, Serializer, Written, get_serializer
+from flax_ckpt._src.serializers import Box, Serializer, Written, get_serializer, serializer_for
 from flax_ckpt._src.storage import Storage
 
 _BUDGET_SLACK = 64 << 20  # see NativeSource.budget
@@ -51,11 +53,12 @@ def manifest_bytes(snap: Snapshot, written: list[Written], serializer: Serialize
 class NativeLayout:
     """flax_ckpt's own format as layouts.Layout: ``serializer`` stores the arrays ("raw" by default)."""
 
-    name, record = "native", MANIFEST
+    name, record, manifest = "native", MANIFEST, MANIFEST
+    evident = False  # a folder is native when its manifest opens: failing that, maybe no committed checkpoint
     foreign = False  # flax_ckpt's own runs: a manager claims the directory (lock, clean-up) when it opens
 
     def __init__(self, serializer: "str | Serializer | None" = None, *, step: int | None = None):
-        """``step``: the step a run's folder name gives (formats.step_folders); a folder opened through
+        """``step``: the step a run's folder name gives (layouts.step_folders); a folder opened through
         this layout must hold that step (open_native's ``step``)."""
         self.serializer, self.step = get_serializer(serializer), step
 
@@ -80,7 +83,7 @@ class NativeLayout:
             data = manifest_bytes(snap, [written], serializer, step=step, metrics=metrics, metadata=metadata)
             commit_mod.commit(parent, staging, name, MANIFEST, data)
             times.write, times.commit = t1 - t0, time.perf_counter() - t1
-            times.add_clock(stage)
+            times.fsync, times.serialize, times.written = written.fsync_s, written.serialize_s, written.nbytes
         except BaseException:
             commit_mod.abort(parent, staging, MANIFEST)
             raise
@@ -91,10 +94,10 @@ class NativeLayout:
             raise TargetMismatchError(
                 f"{folder.url} is a native flax_ckpt checkpoint, one tree without items; item={item!r} selects an "
                 "item of an Orbax step saved with named items (args.Composite). Restore it without item=")
-        return open_native(folder, step=self.step)
+        return open_native(folder, step=self.step, serializer=self.serializer)
 
     def metrics(self, folder: Storage) -> dict[str, Any] | None:
-        return open_native(folder, step=self.step).metrics
+        return open_native(folder, step=self.step, serializer=self.serializer).metrics
 
 
 def _persist_shared(snap: Snapshot, parent: Storage, name: str, serializer: Serializer, *, step: int | None,
@@ -124,7 +127,7 @@ def _persist_shared(snap: Snapshot, parent: Storage, name: str, serializer: Seri
             commit_mod.commit(parent, staging, name, MANIFEST, data)
             rnd.announce()
         times.write, times.commit = t1 - t0, time.perf_counter() - t1
-        times.add_clock(stage)
+        times.fsync, times.serialize, times.written = written.fsync_s, written.serialize_s, written.nbytes
     except BaseException as e:
         rnd.fail(e)
         if rnd.index == 0:
@@ -177,6 +180,54 @@ class NativeSource:
     def select(self, target: Any) -> tuple["NativeSource", Any]:
         return self, target
 
+    def unchecked(self) -> list[str]:
+        return []  # every chunk carries crc32c checksums (the serializers')
+
+    def verify(self, update: Callable[[int], None]) -> list[Damage]:
+        """Checks every file's size against the manifest, then reads every chunk of every array leaf by
+        itself through the serializer, so that one damaged file or chunk never hides another."""
+        found = list(self._check_sizes())
+        for leaf in self.leaves:
+            if leaf.is_array:
+                found += self._verify_leaf(leaf, update)
+        return found
+
+    def _check_sizes(self) -> list[Damage]:
+        found = []
+        for fname, size in sorted(self.body["files"].items()):
+            try:
+                self.storage.check_size(fname, size)
+            except (CorruptCheckpointError, StorageError, OSError) as e:
+                found.append(Damage(None, fname, str(e)))
+        return found
+
+    def _verify_leaf(self, leaf: LeafRecord, update: Callable[[int], None]) -> list[Damage]:
+        """One Damage per damaged file of the leaf (the first failure's message, with the count of
+        damaged chunks when there are several)."""
+        failures: dict[str | None, list[str]] = {}
+        for chunk in leaf.chunks:
+            box = tuple(tuple(x) for x in chunk["index"])
+            extents = tuple(e - s for s, e in box)
+            if math.prod(extents) == 0 and extents:
+                continue
+            out = np.empty(extents, leaf.dtype)
+            try:
+                self.serializer.read(self.storage, leaf.with_chunks([chunk]), box, out,
+                                     f"{self.storage.url} leaf {leaf.name!r}")
+            except (CorruptCheckpointError, StorageError, OSError) as e:
+                failures.setdefault(self.chunk_file(chunk), []).append(str(e))
+            update(out.nbytes)
+        return [Damage(leaf.name, f, msgs[0] + (f" (and {len(msgs) - 1} more damaged chunks of this leaf in {f})"
+                                                if len(msgs) > 1 else "")) for f, msgs in failures.items()]
+
+    @staticmethod
+    def chunk_file(chunk: dict[str, Any]) -> str | None:
+        """The stored object a chunk record names, relative to the folder: the raw serializer's ``file``,
+        a zarr3 cell ``<array>/<key>``; None for a record naming neither."""
+        if "file" in chunk:
+            return chunk["file"]
+        return f"{chunk['array']}/{chunk['key']}" if "array" in chunk and "key" in chunk else None
+
     @property
     def step(self) -> int | None:
         return self.body.get("step")
@@ -192,15 +243,16 @@ class NativeSource:
                                serializer=b["serializer"], format="native")
 
 
-def open_native(storage: Storage, *, step: int | None = None) -> NativeSource:
+def open_native(storage: Storage, *, step: int | None = None, serializer: Serializer | None = None) -> NativeSource:
     """The committed native checkpoint in folder ``storage``: CheckpointNotFoundError when there is none,
     CheckpointNotCommittedError for a folder without a manifest (a save in flight, or one that
     crashed), InvalidManifestError for a manifest that fails verification or validation. ``step``: a
     run's step folder, named by its step: a manifest recording another step is InvalidManifestError (a
     step folder copied or renamed to another step's name). A manifest without a step (``fc.save``
-    without ``step=``) is accepted under any name, and a checkpoint opened alone is never checked."""
-    with gc_paused():
-        source = _open_native(storage)
+    without ``step=``) is accepted under any name, and a checkpoint opened alone is never checked.
+    ``serializer``: the instance to read with when the manifest names it (a user serializer passed to
+    fc.restore or a manager); other names are looked up (serializers.get_serializer)."""
+    source = _open_native(storage, serializer)
     found = source.body.get("step")
     if step is not None and found is not None and found != step:
         raise InvalidManifestError(
@@ -210,7 +262,8 @@ def open_native(storage: Storage, *, step: int | None = None) -> NativeSource:
     return source
 
 
-def _open_native(storage: Storage) -> NativeSource:
+@gc_paused()
+def _open_native(storage: Storage, given: Serializer | None = None) -> NativeSource:
     if commit_mod.is_temporary(storage.url.rstrip("/").rsplit("/", 1)[-1]):
         raise CheckpointNotCommittedError(f"{storage.url} is the folder of a save in flight or one that "
                                           "crashed; it is never read")
@@ -229,7 +282,7 @@ def _open_native(storage: Storage) -> NativeSource:
             "crashed); it is never read") from None
     body = decode(raw, where)
     try:
-        serializer = get_serializer(body["serializer"])
+        serializer = serializer_for(body["serializer"], given)
     except ValueError as e:
         raise InvalidManifestError(f"{where}: field body.serializer: {e}") from None
     leaves = [LeafRecord.from_json(r) for r in body["leaves"]]

@@ -22,6 +22,10 @@ What a restore gives (one stable shape per kind of folder):
 The ``metrics`` JSON item of a manager step is the step's metrics (``fc.metadata(...).metrics``), not
 an item.
 
+What ``fc.save(path, tree, format="orbax")`` writes: a StandardCheckpointer folder; with ``step=``, a
+CheckpointManager step of one ``default`` item (and a ``metrics`` item), whose folder must be named for
+the step (``5``, ``ckpt_5``): Orbax records a step nowhere but in that name (else a ValueError).
+
 What a manager writes into an Orbax run: steps of the items of the run's newest step, so that Orbax's
 own CheckpointManager restores them as its steps (``restore(step, args=Composite(...))``, best_fn over
 the ``metrics`` item): one ``default`` item, or for a run of named items a dict keyed by exactly those
@@ -48,7 +52,8 @@ class OrbaxLayout:
     CheckpointManager step (a manager's saves: item ``default``, or the named items of the run it
     continues (``follow``), plus a ``metrics`` JSON item)."""
 
-    name, record = "orbax", locate.COMMIT_SUCCESS
+    name, record, manifest = "orbax", locate.COMMIT_SUCCESS, None  # records: _METADATA per item, zarr per array
+    evident = True  # its folders are recognized by their files (locate.is_orbax): failing to open one is damage
     foreign = True  # another library's runs: claimed at a manager's first write, no lock file left behind
 
     def __init__(self) -> None:
@@ -82,9 +87,19 @@ class OrbaxLayout:
 
     def persist(self, snap: Snapshot, parent: Storage, name: str, *, step: int | None, metrics: Any,
                 metadata: Any) -> PersistTimes:
+        """``step`` None: a StandardCheckpointer folder (no step; ``metrics`` in its metadata); else a
+        CheckpointManager step, whose step Orbax records only as its folder's name: ``name`` must name
+        it (``<step>`` or ``<prefix>_<step>``), else a ValueError before anything is written."""
+        if step is not None and locate.step_number(name) != step:
+            raise ValueError(
+                f"{parent.url}/{name}: Orbax's layout records a checkpoint's step only as the name of a "
+                f"CheckpointManager step folder, and {name!r} does not name step {step}; nothing was written. "
+                f"Save step {step} as {parent.url}/{step} (or <prefix>_{step}), or use "
+                "fc.CheckpointManager(directory, format='orbax'), which names its steps; or save without "
+                "step= (a StandardCheckpointer folder), or with format='native', whose manifest records it")
         t0 = time.perf_counter()
         if step is None:
-            write.save_item(parent, name, snap, metadata=metadata)
+            write.save_item(parent, name, snap, metadata=metadata, metrics=metrics)
         else:
             write.save_step(parent, step, snap, metrics=metrics, metadata=metadata, name=name)
         return PersistTimes(write=time.perf_counter() - t0)

@@ -15,13 +15,14 @@ import base64
 import copy
 import json
 from collections.abc import Mapping
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import tensorstore as ts
 
 from flax_ckpt._src import tree as tree_mod
 from flax_ckpt._src.engine.leaves import CheckpointInfo, checkpoint_info, key_data_shape
+from flax_ckpt._src.engine.restore import Damage, read_back
 from flax_ckpt._src.errors import (CorruptCheckpointError, InvalidManifestError, StructureMismatchError,
                                    UnsupportedOrbaxCheckpointError, format_list)
 from flax_ckpt._src.checks import check_relpath
@@ -313,6 +314,10 @@ class OrbaxSource:
             if not ok:
                 out.append(leaf.name)
         return out
+
+    def verify(self, update: Callable[[int], None]) -> list[Damage]:
+        """Reads every array leaf back (tensorstore checks what the codecs checksum), one leaf at a time."""
+        return read_back(self, update)
 
     def _item_of(self, leaf: LeafRecord) -> "_Item":
         """The pytree item a leaf of a step of several items belongs to (its first key is the item's name)."""

@@ -268,23 +268,25 @@ def _commit_folder(parent: Storage, name: str, write: Callable[[Storage], Any], 
         raise
 
 
-def _step_meta(handlers: str | dict[str, str], custom: Any) -> dict[str, Any]:
-    """``_CHECKPOINT_METADATA`` as orbax 0.12.8 writes it (metrics live in the ``metrics`` item)."""
-    return {"item_handlers": handlers, "metrics": {}, "performance_metrics": {},
+def _step_meta(handlers: str | dict[str, str], custom: Any, metrics: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``_CHECKPOINT_METADATA`` as orbax 0.12.8 writes it (a step's metrics live in its ``metrics``
+    item; a StandardCheckpointer folder's in the ``metrics`` field, where Orbax's metadata has them)."""
+    return {"item_handlers": handlers, "metrics": metrics or {}, "performance_metrics": {},
             "init_timestamp_nsecs": time.time_ns(), "commit_timestamp_nsecs": None,
             "custom_metadata": custom if custom is not None else {}}
 
 
-def save_item(parent: Storage, name: str, snap: Snapshot, *, metadata: Any = None, use_ocdbt: bool = True,
-              use_zarr3: bool = True, compression: bool = True) -> None:
+def save_item(parent: Storage, name: str, snap: Snapshot, *, metadata: Any = None, metrics: Any = None,
+              use_ocdbt: bool = True, use_zarr3: bool = True, compression: bool = True) -> None:
     """A StandardCheckpointer-style folder ``parent/name`` that ``ocp.StandardCheckpointer().restore(path,
     abstract_tree)`` and ``ocp.PyTreeCheckpointer().restore`` read. ``metadata`` goes to
-    ``_CHECKPOINT_METADATA``'s custom_metadata."""
+    ``_CHECKPOINT_METADATA``'s custom_metadata, ``metrics`` to its metrics."""
     single_process()
     custom = jsonable(metadata, "metadata")
+    metrics = jsonable(metrics, "metrics")
     _commit_folder(parent, name, lambda f: write_item(f, snap, use_ocdbt=use_ocdbt, use_zarr3=use_zarr3,
                                                       compression=compression),
-                   _step_meta(_handler_for(snap), custom))
+                   _step_meta(_handler_for(snap), custom, metrics))
 
 
 @dataclass

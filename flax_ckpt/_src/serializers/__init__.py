@@ -1,78 +1,26 @@
-"""The serializer protocol: shards of arrays -> stored chunks, and back.
+"""The serializers: shards of arrays -> stored chunks, and back; and how one is found by its name.
 
-A serializer is given host shards (numpy arrays with their box in the global array) and a Storage; it
-writes them and returns, per array, the chunk records the manifest keeps. On restore it fills a box of
-one array from those records, verifying checksums. Two implementations live beside this file:
-``raw`` (numpy only: packed raw bytes with crc32c per block; the default, chosen by
-benchmarks/bench_serializers.py) and ``zarr3`` (one tensorstore zarr3 array per leaf, crc32c codec).
-Choosing a serializer is explicit: pass a name or an instance; there is no global registry to extend.
+The protocol and its record types are base.py's (public: ``fc.Serializer``, ``fc.ArrayItem``, ...).
+Beside it: ``raw`` (numpy only: packed raw bytes with crc32c per block; the default, chosen by
+benchmarks/bench_serializers.py), ``zarr3`` (one tensorstore zarr3 array per leaf, crc32c codec) and
+``checked`` (any other serializer, with the library's checksums around it). Here: the box arithmetic
+serializers share, and ``get_serializer``, the one place a name becomes a serializer: built-in names,
+then installed packages' entry points in the group ENTRY_POINTS (explicit: a package
+declares its serializer in its metadata, so every process finds it, ``flax-ckpt verify`` included).
+There is no registry to mutate at run time.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Protocol, Sequence
+import re
+from importlib import metadata as importlib_metadata
 
-import numpy as np
+from flax_ckpt._src.serializers.base import ArrayItem, Box, Serializer, Shard, StoredArray, Written
 
-from flax_ckpt._src.records import LeafRecord
-from flax_ckpt._src.storage import Storage
-
-Box = tuple[tuple[int, int], ...]  # per dimension [start, stop) in global coordinates
-
-
-@dataclass(frozen=True)
-class Shard:
-    """One host copy of a part of an array: ``data`` is C-contiguous with the extents of ``box``."""
-
-    box: Box
-    data: np.ndarray
-
-
-@dataclass(frozen=True)
-class ArrayItem:
-    """Everything a serializer needs to write one array: the manifest leaf number, a name for
-    messages, dtype, global shape, and the shards this process writes."""
-
-    leaf: int
-    name: str
-    dtype: np.dtype
-    shape: tuple[int, ...]
-    shards: tuple[Shard, ...]
-
-
-@dataclass(frozen=True)
-class Written:
-    """What a write produced: chunk records per leaf number, and the sizes of the files it created."""
-
-    chunks: dict[int, list[dict[str, Any]]]
-    files: dict[str, int]
-
-
-class Serializer(Protocol):
-    """Turns shards of arrays into stored chunks and back. ``leaf`` is the engine's typed record of one
-    array; its ``chunks`` are this serializer's own records (what ``write`` returned for it)."""
-
-    name: str
-
-    def write(self, storage: Storage, items: Sequence[ArrayItem], *, tag: str) -> Written:
-        """Writes every shard of ``items`` durably; ``tag`` makes file names unique per process."""
-
-    def read(self, storage: Storage, leaf: LeafRecord, box: Box, out: np.ndarray, where: str) -> None:
-        """Fills ``out`` (shape = extents of ``box``, leaf's dtype) with the leaf's data in ``box``,
-        verifying checksums (CorruptCheckpointError naming ``where`` and the file)."""
-
-    def read_many(self, storage: Storage, requests: Sequence[tuple[LeafRecord, Box, np.ndarray]], where: str) -> None:
-        """``read`` for many (leaf, box, out) at once (``where``: the manifest, for messages); a
-        serializer may batch them (raw: one ranged read per run of adjacent chunks)."""
-
-    def view(self, storage: Storage, leaf: LeafRecord, box: Box, where: str) -> np.ndarray | None:
-        """The box as a read-only, verified array over bytes that are never written again, or None (read
-        instead). Restore hands it to jax.device_put unchanged (on a CPU device: no copy). Only the
-        memory tiers' copies have such bytes (tiers/load.py); a file on disk may change under a map."""
-
-    def validate(self, leaf: LeafRecord, files: dict[str, int], where: str) -> None:
-        """Checks this serializer's chunk records of a manifest leaf (InvalidManifestError otherwise)."""
+ENTRY_POINTS = "flax_ckpt.serializers"  # the entry-point group of installed serializers
+BUILT_IN = ("raw", "zarr3")
+_RESERVED = (*BUILT_IN, "tensorstore")  # no serializer may take these names
+_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_.-]{0,63}")
 
 
 def box_of(index: tuple[slice, ...], shape: tuple[int, ...]) -> Box:
@@ -92,7 +40,7 @@ def local(box: Box, origin: Box) -> tuple[slice, ...]:
     return tuple(slice(s - o, e - o) for (s, e), (o, _) in zip(box, origin))
 
 
-def for_each_overlap(leaf: LeafRecord, box: Box):
+def for_each_overlap(leaf: StoredArray, box: Box):
     """Yields (chunk record, chunk box, overlap box) for every chunk of ``leaf`` that intersects ``box``."""
     for chunk in leaf.chunks:
         cbox = tuple(tuple(b) for b in chunk["index"])
@@ -102,16 +50,71 @@ def for_each_overlap(leaf: LeafRecord, box: Box):
 
 
 def get_serializer(spec: "str | Serializer | None") -> Serializer:
+    """The serializer ``spec`` names or is: None or "raw" (the default), "zarr3", the
+    name of an installed one (an entry point of the group ENTRY_POINTS), or an instance. Any serializer
+    that is not built in comes wrapped in the library's checksums (checked.Checked). A name found
+    nowhere is a ValueError that says how to make it known."""
+    from flax_ckpt._src.serializers.checked import Checked
     from flax_ckpt._src.serializers.raw import RawSerializer
     from flax_ckpt._src.serializers.zarr3 import Zarr3Serializer
 
     if spec is None or spec == "raw":
         return RawSerializer()
-    if spec == "zarr3" or spec == "tensorstore":
+    if spec == "zarr3":
         return Zarr3Serializer()
+    if spec == "tensorstore":
+        raise ValueError("unknown serializer 'tensorstore': the serializer built on tensorstore is called 'zarr3' "
+                         "(pass serializer='zarr3')")
     if isinstance(spec, str):
-        raise ValueError(f"unknown serializer {spec!r}; use 'raw', 'zarr3' or a Serializer instance")
-    return spec
+        return Checked(_installed(spec))
+    if isinstance(spec, (RawSerializer, Zarr3Serializer, Checked)):
+        return spec
+    return Checked(spec)
 
 
-__all__ = ["ArrayItem", "Box", "Serializer", "Shard", "Written", "box_of", "get_serializer"]
+def serializer_for(name: str, given: Serializer | None = None) -> Serializer:
+    """The serializer a manifest's ``name`` calls for: ``given`` (the instance a caller passed, such as
+    a manager's ``serializer=``, already through get_serializer) when it bears that name, else the one
+    get_serializer finds by the name."""
+    return given if given is not None and getattr(given, "name", None) == name else get_serializer(name)
+
+
+def check_name(serializer: object) -> str:
+    """The serializer's ``name``, refused (ValueError) unless it can name it in a manifest: a short
+    word of letters, digits, '_', '.', '-', not one of the built-in names."""
+    name = getattr(serializer, "name", None)
+    if not isinstance(name, str) or not _NAME.fullmatch(name) or name in _RESERVED:
+        raise ValueError(f"{type(serializer).__name__}.name = {name!r}: a serializer's name must be a short word "
+                         f"(letters, digits, '_', '.', '-'; a letter first) other than {', '.join(BUILT_IN)}")
+    return name
+
+
+def _installed(name: str) -> Serializer:
+    """The serializer an installed package declares as entry point ``name`` of ENTRY_POINTS, built
+    with no arguments."""
+    found = importlib_metadata.entry_points(group=ENTRY_POINTS, name=name) if isinstance(name, str) else ()
+    if not found:
+        raise ValueError(
+            f"unknown serializer {name!r:.80}: neither built in (raw, zarr3) nor declared by an installed package "
+            f"(entry-point group {ENTRY_POINTS!r}). Install the package whose serializer wrote it; that package "
+            f'declares it in its pyproject.toml as [project.entry-points."{ENTRY_POINTS}"] {name:.80} = '
+            '"your_module:YourSerializer"; or pass the instance: fc.restore(path, serializer=YourSerializer()), '
+            'fc.CheckpointManager(directory, serializer=YourSerializer()) (README: Writing a serializer)')
+    eps = sorted({(ep.value, ep) for ep in found}, key=lambda p: p[0])
+    if len(eps) > 1:
+        raise ValueError(f"serializer {name!r} is declared by several installed packages "
+                         f"({', '.join(v for v, _ in eps)}); uninstall all but one")
+    ep = eps[0][1]
+    try:
+        made = ep.load()()
+    except Exception as e:  # noqa: BLE001 - a plugin's import or constructor failing, whatever the cause
+        raise ValueError(f"serializer {name!r}: loading entry point {ep.value!r} failed: "
+                         f"{type(e).__name__}: {e}") from e
+    if getattr(made, "name", None) != name:
+        raise ValueError(f"serializer {name!r}: entry point {ep.value!r} built a serializer named "
+                         f"{getattr(made, 'name', None)!r}; the two names must agree")
+    return made
+
+
+__all__ = ["ArrayItem", "BUILT_IN", "Box", "ENTRY_POINTS", "Serializer", "Shard", "StoredArray", "Written",
+           "box_of", "check_name", "for_each_overlap", "get_serializer", "intersect", "local", "serializer_for"]

@@ -22,7 +22,8 @@ from flax_ckpt._src.errors import CorruptCheckpointError, InvalidManifestError
 from flax_ckpt._src.checks import check_relpath
 from flax_ckpt._src.records import LeafRecord
 from flax_ckpt._src.storage import Storage
-from flax_ckpt._src.serializers import ArrayItem, Box, Written, for_each_overlap, local
+from flax_ckpt._src.serializers.base import ArrayItem, Box, Written
+from flax_ckpt._src.serializers import for_each_overlap, local
 
 BLOCK = 8 << 20
 SUBCHUNK = 64 << 20
@@ -83,7 +84,8 @@ class RawSerializer:
         names = [f"data/{tag}.{i}.bin" for i in range(nfiles)]
         chunks: dict[int, list[dict[str, Any]]] = {item.leaf: [] for item in items}
 
-        def write_file(i: int) -> None:
+        def write_file(i: int) -> tuple[float, float]:
+            """Writes file i; returns (seconds of checksums, seconds of fsync)."""
             offset, bufs, t0 = 0, [], time.perf_counter()
             for leaf, box, data in bins[i]:
                 mv = memoryview(data.reshape(-1).view(np.uint8)) if data.size else memoryview(b"")
@@ -91,15 +93,16 @@ class RawSerializer:
                                      "nbytes": len(mv), "block": BLOCK, "crc32c": _crcs(mv)})
                 bufs.append(mv)
                 offset += len(mv)
-            storage.clock.add_serialize(time.perf_counter() - t0)
-            storage.write(names[i], bufs)
+            serialize_s = time.perf_counter() - t0
+            return serialize_s, storage.write(names[i], bufs)
 
         if nfiles == 1:
-            write_file(0)
+            times = [write_file(0)]
         else:
             with ThreadPoolExecutor(nfiles) as pool:
-                list(pool.map(write_file, range(nfiles)))
-        return Written(chunks, dict(zip(names, load)))
+                times = list(pool.map(write_file, range(nfiles)))
+        return Written(chunks, dict(zip(names, load)), fsync_s=sum(f for _, f in times),
+                       serialize_s=sum(s for s, _ in times))
 
     def view(self, storage: Storage, leaf: LeafRecord, box: Box, where: str) -> None:
         return None  # files on disk: read, never mapped

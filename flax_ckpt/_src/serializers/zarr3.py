@@ -3,7 +3,8 @@
 Works over any tensorstore kvstore the Storage can name (file, memory, s3, gcs), so its arrays are
 readable by any zarr3 tool. Chunk records are {"array": <folder of the zarr3 array>} plus the box;
 tensorstore verifies each chunk's crc32c as it reads. dtypes tensorstore lacks are stored as unsigned
-integers of the same width ("stored_dtype" in the record).
+integers of the same width ("stored_dtype" in the record). Its storage is a TensorstoreStorage (the
+storage protocol's tensorstore part: ``context``, ``kvstore_spec``), which both built-in storages are.
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ import tensorstore as ts
 from flax_ckpt._src.errors import CorruptCheckpointError, InvalidManifestError, StorageError
 from flax_ckpt._src.checks import check_relpath
 from flax_ckpt._src.records import LeafRecord
-from flax_ckpt._src.storage import Storage, explain
-from flax_ckpt._src.serializers import ArrayItem, Box, Written, for_each_overlap, local
+from flax_ckpt._src.storage import TensorstoreStorage, explain
+from flax_ckpt._src.serializers.base import ArrayItem, Box, Written
+from flax_ckpt._src.serializers import for_each_overlap, local
 
 CODECS = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]
 _UNSUPPORTED = {"uint4", "uint2"}
@@ -28,14 +30,14 @@ def _stored(dtype: np.dtype) -> np.dtype:
     return np.dtype(f"uint{8 * dtype.itemsize}") if dtype.name in _UNSUPPORTED else dtype
 
 
-def _spec(storage: Storage, name: str, dtype: np.dtype, shape, chunk) -> dict[str, Any]:
+def _spec(storage: TensorstoreStorage, name: str, dtype: np.dtype, shape, chunk) -> dict[str, Any]:
     return {"driver": "zarr3", "kvstore": storage.kvstore_spec(name), "store_data_equal_to_fill_value": True,
             "metadata": {"shape": list(shape), "data_type": _stored(dtype).name,
                          "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(chunk)}},
                          "codecs": CODECS}}
 
 
-def _context(storage: Storage) -> dict[str, Any]:
+def _context(storage: TensorstoreStorage) -> dict[str, Any]:
     """The storage's tensorstore context (shared memory kvstore, s3 settings), if it has one."""
     return {"context": storage.context} if storage.context is not None else {}
 
@@ -43,13 +45,13 @@ def _context(storage: Storage) -> dict[str, Any]:
 class Zarr3Serializer:
     name = "zarr3"
 
-    def write(self, storage: Storage, items: Sequence[ArrayItem], *, tag: str) -> Written:
+    def write(self, storage: TensorstoreStorage, items: Sequence[ArrayItem], *, tag: str) -> Written:
         try:
             return self._write(storage, items)
         except (ValueError, RuntimeError, OSError) as e:  # tensorstore reports I/O failures as ValueError
             raise StorageError(f"write of zarr3 arrays under {storage.url} failed: {explain(e)}") from e
 
-    def _write(self, storage: Storage, items: Sequence[ArrayItem]) -> Written:
+    def _write(self, storage: TensorstoreStorage, items: Sequence[ArrayItem]) -> Written:
         futures, chunks, opened = [], {}, []  # opened: the arrays stay alive until their writes finish
         for item in items:
             name = f"z/{item.leaf}"
@@ -69,10 +71,11 @@ class Zarr3Serializer:
             f.result()
         return Written(chunks, {})
 
-    def view(self, storage: Storage, leaf: LeafRecord, box: Box, where: str) -> None:
+    def view(self, storage: TensorstoreStorage, leaf: LeafRecord, box: Box, where: str) -> None:
         return None  # files on disk: read, never mapped
 
-    def read_many(self, storage: Storage, requests: Sequence[tuple[LeafRecord, Box, np.ndarray]], where: str) -> None:
+    def read_many(self, storage: TensorstoreStorage, requests: Sequence[tuple[LeafRecord, Box, np.ndarray]],
+                  where: str) -> None:
         for leaf, box, out in requests:
             self.read(storage, leaf, box, out, f"{where} leaf {leaf.name!r}")
 
@@ -87,7 +90,7 @@ class Zarr3Serializer:
                 raise InvalidManifestError(f"{where}: leaf chunk {j}: stored_dtype {ch['stored_dtype']!r} is not "
                                            f"{expected!r}, the storage of {leaf.dtype.name}")
 
-    def read(self, storage: Storage, leaf: LeafRecord, box: Box, out: np.ndarray, where: str) -> None:
+    def read(self, storage: TensorstoreStorage, leaf: LeafRecord, box: Box, out: np.ndarray, where: str) -> None:
         handles: dict[str, Any] = {}
         for chunk, _, ov in for_each_overlap(leaf, box):
             name = chunk["array"]
@@ -107,7 +110,7 @@ class Zarr3Serializer:
             dst[...] = data.view(out.dtype) if data.dtype != out.dtype else data
 
 
-def _check_chunk_present(storage: Storage, leaf: LeafRecord, chunk: dict[str, Any], where: str) -> None:
+def _check_chunk_present(storage: TensorstoreStorage, leaf: LeafRecord, chunk: dict[str, Any], where: str) -> None:
     """tensorstore reads a missing chunk as fill value; a chunk we wrote must exist, so check."""
     box = chunk["index"]
     if any(s >= e for s, e in box):
@@ -119,7 +122,7 @@ def _check_chunk_present(storage: Storage, leaf: LeafRecord, chunk: dict[str, An
         raise CorruptCheckpointError(f"{where}: zarr3 chunk {key} is missing ({e})") from None
 
 
-def _read_error(storage: Storage, what: str, e: Exception) -> Exception:
+def _read_error(storage: TensorstoreStorage, what: str, e: Exception) -> Exception:
     """On an object store, a failed request is a StorageError (the data may be fine: retry later, no
     fallback to older steps); anything else, and any checksum failure, is damage."""
     msg = str(e)

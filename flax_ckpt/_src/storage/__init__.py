@@ -2,7 +2,9 @@
 
 Scope: named byte objects under a root, and nothing about checkpoints. The protocol is base.py's, the
 two implementations are local.py (folders) and kv.py (tensorstore kvstores: memory://, s3://, gs://);
-this module turns a user's location (path, URL, kvstore spec) into one. The serializers and the commit
+this module turns a user's location (path, URL, kvstore spec) into one. ``Storage`` is the part every
+storage has (public as ``fc.Storage``: what a serializer writes through); ``TensorstoreStorage`` adds the
+part only tensorstore drivers use (``context``, ``kvstore_spec``). The serializers and the commit
 protocol sit on top of this package; it imports neither.
 """
 
@@ -13,11 +15,11 @@ from typing import Any
 from urllib.parse import urlparse
 
 from flax_ckpt._src.errors import StorageError
-from flax_ckpt._src.storage.base import Buffer, IoClock, Storage
+from flax_ckpt._src.storage.base import Buffer, Storage, TensorstoreStorage
 from flax_ckpt._src.storage.kv import KvStorage, ObjectStoreOptions, explain, kv_storage, options_of
 from flax_ckpt._src.storage.local import LocalStorage, fsync_dir
 
-__all__ = ["Buffer", "IoClock", "KvStorage", "LocalStorage", "ObjectStoreOptions", "Storage", "explain",
+__all__ = ["Buffer", "KvStorage", "LocalStorage", "ObjectStoreOptions", "Storage", "TensorstoreStorage", "explain",
            "fsync_dir", "open_storage", "split_location"]
 
 

@@ -1,59 +1,53 @@
 """The storage protocol: a root under which named byte objects are written whole and read by range.
 
-Scope: the typed interface every storage implements (``LocalStorage`` in local.py, ``KvStorage`` in
-kv.py) and the write clock they share. Nothing here knows about checkpoints. Optional behaviour is a
-declared capability, never a type probe: ``supports_rename`` says whether ``rename`` and ``sync`` are
-available (local file systems: the commit renames a staging folder; object stores: it writes a commit
-object last instead), ``local_path`` whether the root is a folder on this host (locks, memory maps).
+Scope: the typed interfaces every storage implements (``LocalStorage`` in local.py, ``KvStorage`` in
+kv.py), in two parts. ``Storage`` is what every storage has, and all a serializer written from public
+names sees (``fc.Storage``). ``TensorstoreStorage`` adds what only tensorstore drivers need, to open
+their own kvstore over the same root (the zarr3 serializer, Orbax's reader). Nothing here knows about
+checkpoints. Optional behaviour is a declared capability, never a type probe: ``supports_rename`` says
+whether ``rename`` and ``sync`` are available (local file systems: the commit renames a staging folder;
+object stores: it writes a commit object last instead), ``local_path`` whether the root is a folder on
+this host (locks, memory maps). Timings come back as results (``write`` returns its fsync seconds),
+never through shared state.
 """
 
 from __future__ import annotations
 
-import threading
 from typing import Any, Literal, Protocol, Sequence, runtime_checkable
 
 Buffer = Any  # anything with the buffer protocol (bytes, memoryview, C-contiguous numpy array)
-
-
-class IoClock:
-    """Seconds spent in writes and fsyncs through a storage and its sub-folders, summed over threads."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.write_s = self.fsync_s = self.serialize_s = 0.0
-        self.nbytes = 0
-
-    def add_serialize(self, seconds: float) -> None:
-        """Time a serializer spent encoding (checksums) before handing bytes to this storage."""
-        with self._lock:
-            self.serialize_s += seconds
-
-    def add(self, write_s: float, fsync_s: float, nbytes: int) -> None:
-        with self._lock:
-            self.write_s += write_s
-            self.fsync_s += fsync_s
-            self.nbytes += nbytes
 
 
 @runtime_checkable
 class Storage(Protocol):
     """A root under which named objects are written whole and read by byte range. Names are
     '/'-separated paths relative to the root (validated by checks.check_relpath where they come from
-    a manifest)."""
+    a manifest). A serializer uses ``write``, ``read``, ``read_into`` and ``read_ranges``, maybe
+    ``exists`` and ``sub``; the rest is the commit's and the tools'."""
 
     url: str
     supports_rename: bool  # rename() and sync() work: a folder can be renamed atomically (local file systems)
     local_path: str | None  # the root as a folder of this host's file system, or None (object stores)
-    context: Any  # the tensorstore Context of drivers opened over kvstore_spec(), or None for a default one
-    clock: IoClock  # time and bytes written through this storage (and, for a folder, what it was made from)
+
+    def write(self, name: str, buffers: Sequence[Buffer]) -> float:
+        """Writes the buffers back to back as object ``name``, durably once it returns (replacing any
+        object of that name). Returns the seconds of it spent making the bytes durable (fsync; 0.0
+        where a store has no such step)."""
+
+    def read(self, name: str, max_bytes: int) -> bytes:
+        """The whole object ``name`` (FileNotFoundError when missing; CorruptCheckpointError when it
+        holds more than ``max_bytes``)."""
+
+    def read_into(self, name: str, offset: int, out: memoryview) -> None:
+        """Fills ``out`` with the bytes of ``name`` from ``offset`` on (CorruptCheckpointError when the
+        object ends before)."""
+
+    def read_ranges(self, name: str, parts: Sequence[tuple[int, Sequence[memoryview]]]) -> None:
+        """``read_into`` for many (offset, buffers filled back to back) of one object at once."""
 
     def sub(self, name: str) -> "Storage": ...
     def parent(self) -> "tuple[Storage, str]": ...
-    def write(self, name: str, buffers: Sequence[Buffer]) -> None: ...
     def write_if_absent(self, name: str, data: bytes) -> bool: ...
-    def read(self, name: str, max_bytes: int) -> bytes: ...
-    def read_into(self, name: str, offset: int, out: memoryview) -> None: ...
-    def read_ranges(self, name: str, parts: Sequence[tuple[int, Sequence[memoryview]]]) -> None: ...
     def check_size(self, name: str, expected: int) -> None: ...
     def exists(self, name: str) -> bool: ...
     def kind(self) -> Literal["missing", "file", "folder"]: ...
@@ -63,4 +57,15 @@ class Storage(Protocol):
     def sync(self, name: str = "", *, tree: bool = True) -> None: ...
     def makedirs(self) -> None: ...
     def stored_bytes(self) -> int | None: ...
-    def kvstore_spec(self, name: str = "") -> dict[str, Any]: ...
+
+
+@runtime_checkable
+class TensorstoreStorage(Storage, Protocol):
+    """A Storage that tensorstore drivers can also open directly, as a kvstore over the same root (both
+    built-in storages are). What the zarr3 serializer and Orbax's reader need; a serializer written
+    from public names writes through ``Storage`` alone, so the library checksums every byte of it."""
+
+    context: Any  # the tensorstore Context of drivers opened over kvstore_spec(), or None for a default one
+
+    def kvstore_spec(self, name: str = "") -> dict[str, Any]:
+        """The tensorstore kvstore spec of the folder ``name`` below the root (the root for "")."""

@@ -18,14 +18,13 @@ import re
 import shutil
 import tempfile
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import Any, Literal, Sequence
 
 import tensorstore as ts
 
 from flax_ckpt._src.errors import CorruptCheckpointError, StorageError
-from flax_ckpt._src.storage.base import Buffer, IoClock
+from flax_ckpt._src.storage.base import Buffer
 
 _MEMORY_CONTEXT = ts.Context()  # one in-process memory kvstore shared by every memory:// path
 _open_lock = threading.Lock()
@@ -192,14 +191,13 @@ class KvStorage:
     supports_rename = False
     local_path = None
 
-    def __init__(self, spec: dict[str, Any], url: str, context: Any = None, clock: IoClock | None = None):
+    def __init__(self, spec: dict[str, Any], url: str, context: Any = None):
         spec = dict(spec)
         path = spec.get("path", "")
         spec["path"] = path if not path or path.endswith("/") else path + "/"
         self.spec, self.url = spec, url if url.endswith("://") else url.rstrip("/")
         self.context = context if context is not None else (
             _MEMORY_CONTEXT if spec["driver"] == "memory" else None)
-        self.clock = clock if clock is not None else IoClock()
         self._kv = None
 
     @property
@@ -227,14 +225,14 @@ class KvStorage:
     def _err(self, op: str, name: str, e: Exception) -> StorageError:
         return StorageError(f"{op} {self.url}/{name} failed: {explain(e)}")
 
-    def write(self, name: str, buffers: Sequence[Buffer]) -> None:
-        t0 = time.perf_counter()
+    def write(self, name: str, buffers: Sequence[Buffer]) -> float:
+        """Writes the object ``name``; durable once it returns, so no fsync time (0.0)."""
         data = _join(buffers)
         try:
             self.kv.write(name, data).result()
         except Exception as e:
             raise self._err("write of", name, e) from e
-        self.clock.add(time.perf_counter() - t0, 0.0, len(data))
+        return 0.0
 
     def write_if_absent(self, name: str, data: bytes) -> bool:
         """Writes ``name`` unless it exists; False if another writer's object is there. A retried

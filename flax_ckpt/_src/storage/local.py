@@ -15,7 +15,7 @@ import time
 from typing import Any, Literal, Sequence
 
 from flax_ckpt._src.errors import CorruptCheckpointError
-from flax_ckpt._src.storage.base import Buffer, IoClock
+from flax_ckpt._src.storage.base import Buffer
 
 _IO_STEP = 1 << 30  # bytes per os.write / preadv call
 _IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)  # buffers per writev/preadv
@@ -38,35 +38,33 @@ class LocalStorage:
     supports_rename = True
     context = None
 
-    def __init__(self, root: str | os.PathLike, clock: IoClock | None = None):
+    def __init__(self, root: str | os.PathLike):
         self.root = os.path.abspath(os.fspath(root))
         self.url = self.root
         self.local_path = self.root
-        self.clock = clock if clock is not None else IoClock()
         self._resolved: dict[str, str] = {}  # name -> checked real path (symlinks resolved once per file)
 
     def _p(self, name: str) -> str:
         return os.path.join(self.root, *name.split("/")) if name else self.root
 
     def sub(self, name: str) -> "LocalStorage":
-        """The folder ``name`` below this one, with a clock of its own."""
+        """The folder ``name`` below this one."""
         return LocalStorage(self._p(name))
 
     def parent(self) -> "tuple[LocalStorage, str]":
         return LocalStorage(os.path.dirname(self.root)), os.path.basename(self.root)
 
-    def write(self, name: str, buffers: Sequence[Buffer]) -> None:
+    def write(self, name: str, buffers: Sequence[Buffer]) -> float:
+        """Writes and fsyncs the file ``name``; returns the seconds the fsync took."""
         path = self._p(name)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        t0 = time.perf_counter()
         views = [memoryview(b).cast("B") for b in buffers]
-        nbytes = sum(len(v) for v in views)
         try:
             _write_all(fd, [v for v in views if len(v)])
-            t1 = time.perf_counter()
+            t0 = time.perf_counter()
             os.fsync(fd)
-            self.clock.add(t1 - t0, time.perf_counter() - t1, nbytes)
+            return time.perf_counter() - t0
         except OSError as e:
             if e.filename is None:  # os.write/fsync name no file: a full disk should say which
                 raise type(e)(e.errno, f"{e.strerror} (writing {path})", path) from e

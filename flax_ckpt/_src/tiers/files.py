@@ -3,7 +3,7 @@
 Scope: mapping a copy's data file read-only (every map is registered, so that a file is never written
 again while anything maps it: a restore hands such pages out as the restored arrays themselves),
 writing a new data file through a shared map, into the pages of a retired one when there is one, and
-retiring data files. Which copies exist, and what their bytes mean, is tier_store.py's business.
+retiring data files. Which copies exist, and what their bytes mean, is store.py's business.
 
 Why reuse: in tmpfs, writing into pages that a file already has costs a memcpy; a new file's pages
 must first be allocated and zeroed by the kernel, which here costs about three times the copy. So a

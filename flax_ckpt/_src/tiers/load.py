@@ -5,11 +5,11 @@ by leaf) and turning a copy into a persistent-storage snapshot (migration at clo
 bytes lie back to back in one data file (every shard of a base; in a differential copy, one that
 changed entirely or not at all) goes to jax.device_put as a read-only view of the mapped file, each
 chunk's crc32c checked first: on a CPU device that view becomes the restored array without a copy
-(tier_files.py guarantees those pages are never written again). Any other shard is read chunk by
+(files.py guarantees those pages are never written again). Any other shard is read chunk by
 chunk into its place in a fresh buffer (one kernel copy from tmpfs, or from the bytes a peer sent),
 delta chunks decompressed and XORed with the base there, each crc32c checked while still in cache.
-Large shards are checked and read on tier_files.pool(). The format is tier_store.py's; which copy to
-read is tiers.py's decision.
+Large shards are checked and read on files.pool(). The format is store.py's; which copy to
+read is tierset.py's decision.
 """
 
 from __future__ import annotations
@@ -181,6 +181,12 @@ class CopySource:
 
     def select(self, target: Any) -> tuple["CopySource", Any]:
         return self, target
+
+    def unchecked(self) -> list[str]:
+        return []  # every chunk of a copy carries its crc32c
+
+    def verify(self, update: Callable[[int], None]) -> list[engine.Damage]:
+        return engine.read_back(self, update)
 
     def info(self) -> CheckpointInfo:
         """What the copy records (as fc.metadata gives a native step; no user metadata: a tiered save has none)."""

@@ -3,7 +3,7 @@
 Scope: given what each process holds (its local copies, the replicas it holds for others, each with
 its run's session and whether it carries its tier's commit record) and the persistent steps, choose
 the newest step complete across all processes, each process reading from its fastest tier; and the
-placement of replicas (which process holds whose). No I/O, no communication: tiers.py gathers the
+placement of replicas (which process holds whose). No I/O, no communication: tierset.py gathers the
 inventories and carries out the plan.
 """
 

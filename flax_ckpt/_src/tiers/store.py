@@ -2,8 +2,8 @@
 
 Scope: the host snapshot of a tiered save, encoding it into a copy, writing copies atomically into a
 tier folder, and opening and checking them (from files, or from bytes a peer sent). Reading copies
-back is tier_load.py's; the files themselves (maps, reuse of removed copies' pages) tier_files.py's;
-which steps are kept, committed or restored, and all communication, tiers.py's and tier_sync.py's.
+back is load.py's; the files themselves (maps, reuse of removed copies' pages) files.py's;
+which steps are kept, committed or restored, and all communication, tierset.py's and sync.py's.
 
 A copy is a folder ``<tier folder>/<step>/`` with ``data.bin`` and ``index.json`` (the index carries
 a crc32c of its body and is written last; the folder is then renamed into place). Per shard the index
@@ -63,7 +63,7 @@ class Data:
 
     def __init__(self, path: str | None = None, buf: memoryview | None = None):
         self.path, self._buf, self._id = path, buf, None
-        if path is not None:  # this user's regular file, not a link (tier_files.py); read as that very file
+        if path is not None:  # this user's regular file, not a link (files.py); read as that very file
             st = os.lstat(path)
             tier_files.check_file(path, st, "data file")
             self.size, self._id = st.st_size, (st.st_dev, st.st_ino)
@@ -408,7 +408,7 @@ def _check(copy: Copy) -> Copy:
 
 def open_copy(folder: str, *, with_base: bool = True) -> Copy:
     """Opens ``<tier folder>/<step>`` (and its base, a sibling folder), its index verified. The
-    folder and its files must be this user's own and writable by nobody else (tier_files.py)."""
+    folder and its files must be this user's own and writable by nobody else (files.py)."""
     tier_files.check_folder(folder, "memory copy")
     fd, _ = tier_files.open_own(os.path.join(folder, INDEX), "copy index")
     with os.fdopen(fd, "rb") as f:

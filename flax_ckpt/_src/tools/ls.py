@@ -75,11 +75,11 @@ def _entry(root: Storage, f: layouts.StepFolder, tier: str) -> StepEntry:
         source = f.layout.open(folder)
         info = source.info()
     except (InvalidManifestError, CorruptCheckpointError) as e:
-        return StepEntry(f.name, f.step, "invalid", tier, f.layout.name if f.layout.name == "orbax" else None,
+        return StepEntry(f.name, f.step, "invalid", tier, f.layout.name if f.layout.evident else None,
                          _disk_size(folder), problem=str(e))
     except (CheckpointError, OSError, ValueError) as e:
-        if f.layout.name == "orbax":
-            return StepEntry(f.name, f.step, "invalid", tier, "orbax", _disk_size(folder), problem=str(e))
+        if f.layout.evident:  # its files said it is a checkpoint of this format: failing to open, it is damaged
+            return StepEntry(f.name, f.step, "invalid", tier, f.layout.name, _disk_size(folder), problem=str(e))
         return StepEntry(f.name, f.step, "uncommitted", tier, None, _disk_size(folder), problem=str(e))
     size = _disk_size(folder) if folder.local_path is not None else info.nbytes
     return StepEntry(f.name, f.step, "committed", tier, f.layout.name, size, info.metrics, info.created)
@@ -87,7 +87,7 @@ def _entry(root: Storage, f: layouts.StepFolder, tier: str) -> StepEntry:
 
 def memory_tier_root(directory: Any, local_dir: str) -> str:
     """Where a tiered CheckpointManager of ``directory`` keeps its memory tiers under ``Tiers.local_dir``
-    (the scheme of tiers.TierSet: ``<local_dir>/<sha256 of the directory's URL, 16 hex>/``)."""
+    (the scheme of tierset.TierSet: ``<local_dir>/<sha256 of the directory's URL, 16 hex>/``)."""
     url = open_storage(directory).url
     return os.path.join(os.path.abspath(local_dir), hashlib.sha256(url.encode()).hexdigest()[:16])
 

@@ -25,7 +25,7 @@ class PruneResult:
 def prune(directory: Any, *, keep: int | None, keep_period: int | None = None, best_metric: str | None = None,
           best_mode: Literal["min", "max"] = "min", keep_best: int | None = None,
           dry_run: bool = False) -> PruneResult:
-    """Deletes committed steps the manager's retention (``manager.steps_to_delete``) would remove.
+    """Deletes committed steps the manager's retention (``retention.steps_to_delete``) would remove.
 
     Takes the directory's lock, so it never races a live CheckpointManager (CheckpointLockedError); in
     an Orbax run it removes the lock file again. Steps are deleted by their folder names (an Orbax
@@ -35,8 +35,8 @@ def prune(directory: Any, *, keep: int | None, keep_period: int | None = None, b
     if keep_best is not None and best_metric is None:
         raise ValueError("keep_best needs best_metric (the metric name to rank steps by)")
     root = open_storage(directory)
-    orbax = root.kind() == "folder" and any(f.layout.name == "orbax" for f in layouts.step_folders(root)[0])
-    lock = _lock(root, tidy=orbax) if not dry_run else None
+    foreign = root.kind() == "folder" and any(f.layout.foreign for f in layouts.step_folders(root)[0])
+    lock = _lock(root, tidy=foreign) if not dry_run else None  # another library's run: leave no lock file
     try:
         committed = {e.step: e for e in list_steps(directory) if e.committed and e.step is not None}
         metrics = {s: (e.metrics or {}).get(best_metric) for s, e in committed.items()} if best_metric else None

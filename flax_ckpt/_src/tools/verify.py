@@ -1,32 +1,25 @@
 """``flax-ckpt verify``: re-read every stored byte of a checkpoint, or of every step of a run, and check
 every checksum.
 
-Scope: native checkpoints chunk by chunk through their serializer (so one damaged leaf or file never
-hides another), Orbax checkpoints leaf by leaf (tensorstore checks what Orbax's codecs checksum). A
-leaf whose stored bytes carry no checksum (Orbax's zarr v2 and zstd-compressed zarr3 data, strings,
-JSON items) reads back without proving anything: it is reported as unverified, never as sound. A run
-directory (layouts.step_folders) has each committed step verified.
+Scope: asking a checkpoint's Source to verify itself (``Source.verify``: a native checkpoint chunk by
+chunk through its serializer, so one damaged leaf or file never hides another; an Orbax checkpoint
+leaf by leaf, tensorstore checking what Orbax's codecs checksum) and which leaves carry no checksum
+(``Source.unchecked``: Orbax's zarr v2 and zstd-compressed zarr3 data, strings, JSON items), reported
+as unverified, never as sound. A run directory (layouts.step_folders) has each committed step
+verified. How a format stores its bytes is its own (native/, orbax/), never this module's.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import stat
 from dataclasses import dataclass, field
-from typing import Any, Iterator
-
-import numpy as np
+from typing import Any
 
 from flax_ckpt._src import layouts
-from flax_ckpt._src.native.layout import NativeSource
-from flax_ckpt._src.engine.restore import Reader, Source
 from flax_ckpt._src.errors import (CheckpointError, CheckpointNotCommittedError, CorruptCheckpointError,
-                                   InvalidManifestError, StorageError)
-from flax_ckpt._src.checks import MANIFEST
-from flax_ckpt._src.orbax.read import OrbaxSource
-from flax_ckpt._src.records import LeafRecord
+                                   InvalidManifestError)
 from flax_ckpt._src.storage import Storage
 from flax_ckpt._src.tools.common import bar, folder_of
 
@@ -80,7 +73,7 @@ def check(path: Any, *, progress: bool = False) -> Report:
     trusted). Raises CheckpointNotFoundError or CheckpointNotCommittedError when there is no committed
     checkpoint to verify (a folder that is neither a checkpoint nor a run directory)."""
     folder = folder_of(path)
-    if not folder.exists(MANIFEST) and layouts.detect(folder).name == "native":
+    if layouts.recognize(folder) is None:  # no checkpoint's files: maybe a run directory
         steps, _ = layouts.step_folders(folder)
         if steps:
             return _check_run(folder, steps, progress)
@@ -92,16 +85,16 @@ def _check_one(folder: Storage, progress: bool, fmt: layouts.Layout | None = Non
     try:
         source = fmt.open(folder)
     except (InvalidManifestError, CorruptCheckpointError) as e:
-        return Report([Problem(None, MANIFEST if fmt.name == "native" else None, str(e))], [], 0)
+        return Report([Problem(None, fmt.manifest, str(e))], [], 0)
     except _READ_ERRORS as e:
-        if fmt.name == "native":
+        if not fmt.evident:  # maybe no committed checkpoint there: CheckpointNotFoundError and the like
             raise
         return Report([Problem(None, None, str(e))], [], 0)
     checked = sum(1 for leaf in source.leaves if leaf.kind != "empty")
-    if isinstance(source, NativeSource):
-        return Report(_verify_native(source, progress), [], checked)
-    unchecked = source.unchecked() if isinstance(source, OrbaxSource) else []
-    return Report(_verify_leaves(source, progress), unchecked, checked)
+    unchecked = source.unchecked()
+    with bar(sum(leaf.nbytes for leaf in source.leaves if leaf.is_array), "verify", progress) as b:
+        damage = source.verify(b.update)
+    return Report([Problem(*d) for d in damage], unchecked, checked)
 
 
 def _check_run(root: Storage, steps: list[layouts.StepFolder], progress: bool) -> Report:
@@ -137,58 +130,3 @@ def hard_links(folder: Storage) -> list[str]:
                 found.append(os.path.relpath(path, folder.local_path))
     return sorted(found)
 
-
-def _verify_native(source: NativeSource, progress: bool) -> list[Problem]:
-    problems = list(_check_files(source))
-    arrays = [leaf for leaf in source.leaves if leaf.is_array]
-    with bar(sum(leaf.nbytes for leaf in arrays), "verify", progress) as b:
-        for leaf in arrays:
-            problems.extend(_verify_leaf(source, leaf, b))
-    return problems
-
-
-def _check_files(source: NativeSource) -> Iterator[Problem]:
-    for fname, size in sorted(source.body["files"].items()):
-        try:
-            source.storage.check_size(fname, size)
-        except (CorruptCheckpointError, StorageError, OSError) as e:
-            yield Problem(None, fname, str(e))
-
-
-def _chunk_file(chunk: dict[str, Any]) -> str:
-    """The stored object a chunk lives in, relative to the checkpoint folder (raw file or zarr3 cell)."""
-    return chunk["file"] if "file" in chunk else f"{chunk['array']}/{chunk['key']}"
-
-
-def _verify_leaf(source: NativeSource, leaf: LeafRecord, b: Any) -> list[Problem]:
-    """Reads every chunk of one leaf; one Problem per damaged file of the leaf (the first failure's
-    message, with the count of damaged chunks when there are several)."""
-    failures: dict[str, list[str]] = {}
-    for chunk in leaf.chunks:
-        box = tuple(tuple(x) for x in chunk["index"])
-        extents = tuple(e - s for s, e in box)
-        if math.prod(extents) == 0 and extents:
-            continue
-        out = np.empty(extents, leaf.dtype)
-        try:
-            source.serializer.read(source.storage, leaf.with_chunks([chunk]), box, out,
-                                   f"{source.storage.url} leaf {leaf.name!r}")
-        except (CorruptCheckpointError, StorageError, OSError) as e:
-            failures.setdefault(_chunk_file(chunk), []).append(str(e))
-        b.update(out.nbytes)
-    return [Problem(leaf.name, f, msgs[0] + (f" (and {len(msgs) - 1} more damaged chunks of this leaf in {f})"
-                                             if len(msgs) > 1 else "")) for f, msgs in failures.items()]
-
-
-def _verify_leaves(source: Source, progress: bool) -> list[Problem]:
-    """Reads every array leaf back, one at a time, so that each damaged array is named."""
-    reader, problems = Reader(source), []
-    arrays = [leaf for leaf in source.leaves if leaf.is_array]
-    with bar(sum(leaf.nbytes for leaf in arrays), "verify", progress) as b:
-        for leaf in arrays:
-            try:
-                reader.host(leaf)
-            except _READ_ERRORS as e:
-                problems.append(Problem(leaf.name, None, str(e)))
-            b.update(leaf.nbytes)
-    return problems

@@ -1,0 +1,322 @@
+"""CheckpointManager: a run of checkpoints in one directory, composed of named parts.
+
+Scope: the composition, and the two paths through it. The parts: the step index (steps.py: committed
+steps, their folders and metrics, one view across processes), the schedule (schedule.py), retention
+(retention.py: which steps are kept, which is best), the memory tiers (tiers/tierset.py, given this
+manager's directory once as their persistent tier: ``_Directory``, the tiers' ``Persistent``), the
+async writer (writer.py), the statistics (stats.py), the directory lock (storage/lock.py) and the
+agreed restore (agreed.py). Steps
+are written in one format (layouts.Layout) and read in whichever format each step folder has. The path
+of a save, call by call, is stated once: tests/test_layout.py (test_save_path_from_manager_to_file_write_is_six_calls).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from typing import Any, Callable, Literal
+
+from flax_ckpt._src import layouts
+from flax_ckpt._src.commit import distributed
+from flax_ckpt._src.engine.leaves import CheckpointInfo
+from flax_ckpt._src.engine.snapshot import Snapshot, jsonable
+from flax_ckpt._src.errors import CheckpointError, CheckpointNotFoundError
+from flax_ckpt._src.manager.agreed import AgreedRestore, TargetOf, targets
+from flax_ckpt._src.manager.schedule import Schedule
+from flax_ckpt._src.manager.steps import StepIndex, run_format
+from flax_ckpt._src.retention import Retention
+from flax_ckpt._src.serializers import Serializer
+from flax_ckpt._src.stats import RestoreStats, SaveStats, publish
+from flax_ckpt._src.storage import ObjectStoreOptions, Storage, open_storage
+from flax_ckpt._src.storage.lock import DirectoryLock
+from flax_ckpt._src.tiers import Tiers
+from flax_ckpt._src.tiers.tierset import TierSet
+from flax_ckpt._src.writer import AsyncWriter
+
+log = logging.getLogger("flax_ckpt")
+
+
+class CheckpointManager:
+    """Periodic, asynchronous, retained checkpoints of a training run in ``directory``.
+
+    Each option has one meaning: ``save_interval_steps`` (save steps divisible by it; "auto": see
+    interval.py), ``max_to_keep`` (newest N kept; None keeps all), ``keep_period`` (steps divisible by
+    it kept forever), ``best_metric``/``best_mode``/``keep_best`` (the best N by that metric also kept),
+    ``async_save``, ``serializer`` ('raw', 'zarr3' or an instance), ``strict`` (restore(step=None)
+    raises on a damaged newest step instead of falling back to an older one with a warning),
+    ``format`` (the layout new steps are written in: None, the default, follows the directory, so a run
+    stays in one format: "orbax" when its steps are Orbax's, else "native"; an explicit "native" or
+    "orbax" that contradicts the steps there is a ValueError; a directory holding both follows its
+    newest step, with a warning; in an Orbax run of named items, ``args.Composite``'s, a step is a
+    dict keyed by exactly those items), ``tiers`` (memory tiers, fc.Tiers), ``storage_options``
+    (fc.ObjectStoreOptions: how to reach s3:// and gs://). Retention covers every committed step of the
+    directory, also those this manager did not write; its first deletion of such steps logs a warning
+    naming them.
+
+    The directory lock (local folders) keeps two live managers from writing one directory. A native
+    run takes it when the manager opens; an Orbax run at its first save (then also removing leftovers
+    of crashed saves), and removes the lock file again at close, so a manager that only restores an
+    Orbax run writes nothing into it.
+    """
+
+    def __init__(self, directory: Any, *, save_interval_steps: "int | Literal['auto']" = 1,
+                 max_to_keep: int | None = None,
+                 keep_period: int | None = None, best_metric: str | None = None,
+                 best_mode: Literal["min", "max"] = "min", keep_best: int | None = None,
+                 async_save: bool = True, serializer: "str | Serializer | None" = None, tiers: Any = None,
+                 strict: bool = False, metadata: Any = None, format: Literal["native", "orbax"] | None = None,
+                 overhead_budget: float = 0.01, mtbf_s: float | None = None, metric_writer: Any = None,
+                 storage_options: "ObjectStoreOptions | dict[str, Any] | None" = None):
+        self._schedule = Schedule(save_interval_steps, overhead_budget, mtbf_s)
+        self._retention = Retention(max_to_keep, keep_period, best_metric, best_mode, keep_best)
+        if tiers is not None and not isinstance(tiers, Tiers):
+            raise TypeError(f"tiers must be a flax_ckpt.Tiers, got {type(tiers).__name__}")
+        self._tiers: TierSet | None = None
+        self.storage: Storage = open_storage(directory, options=storage_options)
+        self.directory = self.storage.url
+        self._prefix = distributed.job_prefix("manager", self.directory)  # this run's agreement rounds
+        self.storage.makedirs()
+        self.format = run_format(self.storage, format, serializer, tiers)
+        self.layout: layouts.Layout = layouts.layout(self.format, serializer)
+        self._steps = StepIndex(self.storage, self.layout, self._prefix, serializer)
+        self._restore = AgreedRestore(self._steps, self._prefix, strict=strict)
+        self.async_save, self.metadata = async_save, metadata
+        self.metric_writer = metric_writer  # anything with write_scalars(step, dict), e.g. a clu MetricWriter
+        self._spare: Snapshot | None = None  # the last durable snapshot, refilled by the next save
+        self._created = time.perf_counter()
+        self._lock: DirectoryLock | None = None
+        self._claimed = False
+        self.stats: list[SaveStats] = []
+        self.restore_stats: list[RestoreStats] = self._restore.stats
+        self._writer = AsyncWriter()
+        self._closed = False
+        try:
+            if not self.layout.foreign:
+                self._claim()
+            self._steps.scan(tidy=self._claimed)
+            if tiers is not None:  # after the scan: the tiers need the persistent steps
+                self._tiers = TierSet(tiers, self.directory, _Directory(self))
+        except BaseException:  # a manager that failed to open holds nothing: a retry can open the directory
+            self._closed = True
+            self._writer.close()
+            if self._lock is not None:
+                self._lock.release()
+            raise
+
+    # the options as given (each part holds its own)
+    save_interval_steps = property(lambda self: self._schedule.every)
+    max_to_keep = property(lambda self: self._retention.max_to_keep)
+    keep_period = property(lambda self: self._retention.keep_period)
+    best_metric = property(lambda self: self._retention.best_metric)
+    best_mode = property(lambda self: self._retention.best_mode)
+    keep_best = property(lambda self: self._retention.keep_best)
+    strict = property(lambda self: self._restore.strict)
+
+    # ------------------------------------------------------------------------------------ directory
+
+    def _claim(self) -> None:
+        """Before the first write: the directory lock (one per job: its other processes share it) and
+        the removal of crashed saves' leftovers. A native run claims its directory when the manager
+        opens; an Orbax run at its first save (a restore-only manager writes nothing there), with a
+        lock file that is removed again at close."""
+        if self._claimed:
+            return
+        if self.storage.local_path is not None and distributed.process_index() == 0:
+            self._lock = DirectoryLock(self.storage.local_path, tidy=self.layout.foreign)
+        self._claimed = True
+        if self.layout.foreign:
+            self._steps.scan(tidy=True)  # the view from the open may be stale by now; this scan removes the leftovers
+
+    def all_steps(self) -> list[int]:
+        steps = self._steps.steps()
+        return sorted(set(steps) | set(self._tiers.steps())) if self._tiers is not None else steps
+
+    def latest_step(self) -> int | None:
+        steps = self.all_steps()
+        return steps[-1] if steps else None
+
+    def metrics(self, step: int) -> dict[str, Any] | None:
+        return self._steps.metrics(step)
+
+    def best_step(self) -> int | None:
+        return self._retention.best_step(self._steps.all_metrics())
+
+    @property
+    def tier_stats(self) -> list[Any]:
+        """Per-save records of the memory tiers (bytes written, reused, seconds per phase); [] without tiers."""
+        return list(self._tiers.stats) if self._tiers is not None else []
+
+    @property
+    def memory_tiers(self) -> TierSet | None:
+        """For tests and tools, not a stable API: this process's memory tiers (their folders ``root`` and
+        ``local_dir``, ``committed(tier)``, ``last_plan`` of the last restore, ``persistent.steps()``: the
+        steps committed in this directory), or None without ``tiers=``."""
+        return self._tiers
+
+    def should_save(self, step: int) -> bool:
+        return step not in self._steps and self._schedule.due(step)
+
+    @property
+    def interval(self) -> int:
+        """The steps between saves now in force (re-tuned continuously in "auto" mode; with several
+        processes, the largest of their intervals, agreed at each save)."""
+        return self._schedule.interval
+
+    # ----------------------------------------------------------------------------------------- save
+
+    def save(self, step: int, state: Any, *, metrics: dict[str, Any] | None = None, force: bool = False) -> bool:
+        """Saves ``state`` as ``step`` if the schedule says so, or off schedule with ``force=True`` (e.g. the
+        last step of a run whose length is not a multiple of ``save_interval_steps``); False when skipped
+        (off schedule without ``force``, or a step that is saved already, which is never overwritten).
+
+        Returns once the state is copied to host memory (async) or committed (sync). Raises a previous
+        background failure as SaveFailedError. The snapshot is taken on the caller's thread; the write
+        and commit run on the background writer (the path: tests/test_layout.py)."""
+        if self._closed:
+            raise CheckpointError(f"CheckpointManager({self.directory}) is closed")
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be a non-negative int, got {step!r}")
+        t0 = time.perf_counter()
+        self._schedule.call_started(t0)
+        try:
+            if not self._writer.busy:
+                self._writer.wait()  # raise a finished save's failure now
+            if step in self._steps or (self._writer.busy and step == self._schedule.last_saved):
+                log.info("step %d already saved in %s; skipped", step, self.directory)
+                return False
+            if not force and not self.should_save(step):
+                return False
+            if not self._claimed:
+                if self.format == "orbax":  # a tree that does not fit the run's items: nothing written, no lock
+                    self.layout.check_items(state)
+                self._claim()
+                if step in self._steps:
+                    log.info("step %d already saved in %s; skipped", step, self.directory)
+                    return False
+            metrics = jsonable(metrics, "metrics")
+            self._writer.wait()  # back-pressure: one save in flight
+            if self._tiers is not None:  # first sends the previous step's copy to its peer (a collective)
+                snap = self._tiers.snapshot(step, state, copy=self.async_save, force=force)
+            else:  # refill the previous durable snapshot's buffers: no page faults of fresh memory
+                snap, self._spare = self.layout.snapshot(state, copy=self.async_save, reuse=self._spare), None
+            blocked = time.perf_counter() - t0
+            self._schedule.saved(step, blocked, self._prefix)
+            persist = self._tiers.save if self._tiers is not None else self._persist  # tiers migrate via _Directory
+            self._writer.submit(functools.partial(persist, step, snap, metrics, t0, blocked),
+                                f"step {step} in {self.directory}")
+            if not self.async_save:
+                self._writer.wait()
+            return True
+        finally:
+            self._schedule.call_ended()
+
+    def _persist(self, step: int, snap: Snapshot, metrics: dict | None, t0: float, blocked: float) -> None:
+        """Background: writes and commits ``step`` in the directory, records it, applies retention."""
+        name = self._steps.new_folder(step)
+        times = self.layout.persist(snap, self.storage, name, step=step, metrics=metrics, metadata=self.metadata)
+        self._steps.add(step, name, metrics)
+        stats = SaveStats(step, snap.nbytes, blocked, snap.seconds, times.write, times.commit,
+                          time.perf_counter() - t0, fsync_s=times.fsync, start_s=t0 - self._created,
+                          serialize_s=times.serialize, written_bytes=times.written,
+                          migrate_s=times.write + times.commit if self._tiers is not None else 0.0)
+        self.stats.append(stats)
+        publish(stats, self.directory, self.metric_writer)
+        self._steps.retain(self._retention)
+        if self._tiers is None and self.async_save:
+            self._spare = snap  # durable now: the next snapshot may overwrite its buffers
+
+    def wait_until_finished(self) -> None:
+        """Blocks until the save in flight is durable; raises its failure as SaveFailedError."""
+        self._writer.wait()
+        if self._tiers is not None:  # the peer copy of the last save, and the migration in flight
+            self._tiers.flush()
+
+    # -------------------------------------------------------------------------------------- restore
+
+    def restore(self, step: int | None = None, target: Any = None, *, shardings: Any = None,
+                partial: bool = False, item: str | None = None,
+                target_for: Callable[[CheckpointInfo], Any] | None = None) -> Any:
+        """Restores ``step`` (default: the newest committed step; if it is damaged and the manager is not
+        strict, the newest older one that is good, with a warning). ``item``: one named item of an
+        Orbax step (saved with args.Composite), as fc.restore's. ``target_for``: instead of ``target``,
+        a function giving the target from the step's CheckpointInfo (called for each step tried).
+
+        With several processes (every process calls it), the step is decided once for all: each process
+        restores what it must read, checking every checksum as it reads, then they compare; all return
+        the same step, or all fall back together to an older one (each discarding what it read), or all
+        raise the same CheckpointError naming the process and file that failed."""
+        self._writer.wait()
+        target_of = targets(target, target_for)
+        if self._tiers is not None:
+            if item is not None:
+                raise ValueError("item= selects an item of an Orbax step; a tiered manager holds native steps")
+            return self._restore_tiered(step, target_of, shardings, partial)
+        return self._restore.restore(step, target_of, shardings, partial, item)
+
+    def _restore_tiered(self, step: int | None, target_of: TargetOf, shardings: Any, partial: bool) -> Any:
+        """With tiers= (every process calls it): the newest step complete across processes in some
+        combination of tiers, each process reading from the fastest tier holding its shards."""
+        t0 = time.perf_counter()
+        self._tiers.flush()
+        out, plan, nbytes = self._tiers.restore(step, target_of, shardings=shardings, partial=partial,
+                                                strict=self.strict)
+        tier = plan.sources[distributed.process_index()][0]
+        if tier != "persistent":  # AgreedRestore.read recorded the persistent ones
+            self.restore_stats.append(RestoreStats(plan.step, tier, nbytes, time.perf_counter() - t0))
+        return out
+
+    def item_metadata(self, step: int | None = None, *, item: str | None = None) -> CheckpointInfo:
+        """fc.metadata of ``step`` (default: the newest), or of one named item of an Orbax step."""
+        step = self.latest_step() if step is None else step
+        if step is None:
+            raise CheckpointNotFoundError(f"no committed checkpoint in {self.directory}")
+        return self._steps.open(step, item).info()
+
+    # ---------------------------------------------------------------------------------------- close
+
+    def close(self) -> None:
+        """Waits for the save in flight, then releases the directory. Raises a background failure."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._writer.close()
+            if self._tiers is not None:  # may migrate the newest step through _Directory
+                self._tiers.close()
+        finally:
+            if self._lock is not None:
+                self._lock.release()
+
+    def __enter__(self) -> "CheckpointManager":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        lock = getattr(self, "_lock", None)
+        if lock is not None and lock.fd >= 0 and not getattr(self, "_closed", True):
+            try:
+                self._writer.close()
+            except Exception:
+                pass
+            lock.release()
+
+
+class _Directory:
+    """The manager's directory as its memory tiers see it (the one interface between them, tiers'
+    ``Persistent``), given to its TierSet once: the steps committed there, a migration's write, a read
+    of one step."""
+
+    def __init__(self, manager: CheckpointManager):
+        self._manager = manager
+
+    def steps(self) -> set[int]:
+        return set(self._manager._steps.steps())
+
+    def write(self, step: int, snap: Snapshot, metrics: dict | None, t0: float, blocked: float) -> None:
+        self._manager._persist(step, snap, metrics, t0, blocked)
+
+    def read(self, step: int, target_of: TargetOf, shardings: Any, partial: bool) -> Any:
+        return self._manager._restore.read(step, target_of, shardings, partial)

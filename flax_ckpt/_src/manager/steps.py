@@ -1,0 +1,208 @@
+"""The step index: which steps a run's directory holds committed, each step's folder and metrics, and
+which step folders are damaged; one view, agreed across processes.
+
+Scope: the format a run writes (``run_format``: its own), the scan of the directory (and, once the
+manager has claimed it, the removal of crashed saves' leftovers), the view every process adopts from
+process 0, the bookkeeping of steps written and removed (``retain``: retention.py's policy carried
+out), and opening a step's folder as a restore Source. Not here: when to save (schedule.py), which
+steps to keep (retention.py), writing (manager.py) and restoring (agreed.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import uuid
+from typing import Any
+
+from flax_ckpt._src import commit as commit_mod
+from flax_ckpt._src import layouts
+from flax_ckpt._src.commit import distributed
+from flax_ckpt._src.engine import restore as engine
+from flax_ckpt._src.errors import CheckpointError, CheckpointNotFoundError, StorageError, error_class
+from flax_ckpt._src.retention import Retention
+from flax_ckpt._src.storage import Storage
+
+log = logging.getLogger("flax_ckpt")
+
+
+def run_format(storage: Storage, requested: str | None, serializer: Any, tiers: Any) -> str:
+    """The format of a run's new steps: the run's own (layouts.run_format), from the committed step
+    folders of ``storage``; a ValueError for ``serializer=`` or ``tiers=`` that the format has not."""
+    folders, _ = layouts.step_folders(storage)
+    committed = [f for f in folders
+                 if f.layout.name == "orbax" or commit_mod.is_committed(storage, f.name, f.layout.record)]
+    fmt, warning = layouts.run_format(requested, committed, storage.url)
+    if warning is not None:
+        log.warning("%s", warning)
+    followed = f"{storage.url} holds Orbax steps, so this run's new steps are Orbax's too, and "
+    if fmt == "orbax" and requested is None and serializer is not None:
+        raise ValueError(followed + "serializer= applies to native steps only; drop serializer= (or give a "
+                         "native run a directory of its own)")
+    if tiers is not None and fmt != "native":
+        raise ValueError((followed if requested is None else "") + "tiers= needs format='native' (the memory "
+                         "tiers migrate native checkpoints)")
+    return fmt
+
+
+class StepIndex:
+    """The committed steps of ``storage`` (a run directory), as this process knows them.
+
+    Thread-safe: the background writer adds and removes steps while the caller's thread reads them.
+    ``layout``: the run's own layout (new steps' folder names; an Orbax run's items follow its newest step).
+    ``serializer``: the manager's ``serializer=``, which reads native steps whose manifest names it.
+    """
+
+    def __init__(self, storage: Storage, layout: layouts.Layout, prefix: str, serializer: Any = None):
+        self.storage, self.layout, self._prefix, self._serializer = storage, layout, prefix, serializer
+        self.directory = storage.url
+        self._mutex = threading.Lock()
+        self._metrics: dict[int, dict[str, Any] | None] = {}
+        self._folders: dict[int, layouts.StepFolder] = {}  # committed steps: folder name and format
+        self._damaged: dict[int, tuple[Exception, layouts.StepFolder]] = {}  # step folders that fail to open
+        self._leftovers: list[str] = []  # folders of crashed saves, removed once the directory is claimed
+        self._written: set[int] = set()  # steps this index added: retention of any other step is announced
+        self._retention_warned = False
+
+    # ------------------------------------------------------------------------------------- reading
+
+    def steps(self) -> list[int]:
+        with self._mutex:
+            return sorted(self._metrics)
+
+    def __contains__(self, step: int) -> bool:
+        return step in self._metrics
+
+    def metrics(self, step: int) -> dict[str, Any] | None:
+        with self._mutex:
+            if step not in self._metrics:
+                raise CheckpointNotFoundError(f"no committed step {step} in {self.directory}")
+            return self._metrics[step]
+
+    def all_metrics(self) -> dict[int, dict[str, Any] | None]:
+        """{step: its saved metrics} of every committed step (a copy)."""
+        with self._mutex:
+            return dict(self._metrics)
+
+    def newest_damaged(self) -> tuple[int, Exception] | None:
+        """The newest damaged step and why it cannot be opened, or None."""
+        step = max(self._damaged, default=None)
+        return None if step is None else (step, self._damaged[step][0])
+
+    def open(self, step: int, item: str | None = None) -> engine.Source:
+        """Step ``step``'s folder, in its own format, as a restore Source (``item``: one named item)."""
+        folder = self._folders.get(step) or layouts.StepFolder(step, str(step), self.layout)
+        return folder.layout.open(self.storage.sub(folder.name), item)
+
+    # ------------------------------------------------------------------------------------- the view
+
+    def scan(self, *, tidy: bool) -> None:
+        """Rebuilds the view of committed steps from the directory and, with ``tidy`` (the directory is
+        claimed), removes leftovers of crashes. With several processes, process 0 alone scans and
+        removes, and every process adopts its view (steps, their folders and metrics, damaged steps):
+        all restore and retain the same steps."""
+        lead = distributed.process_index() == 0
+        if distributed.process_count() > 1 and not lead:
+            self.agree()
+            return
+        folders, temporary = layouts.step_folders(self.storage, self._serializer)
+        metrics, found, damaged = {}, {}, {}
+        self._leftovers = list(temporary)
+        for f in folders:
+            try:
+                metrics[f.step] = f.layout.metrics(self.storage.sub(f.name))
+            except StorageError:
+                raise  # the store failed (after its retries): say so rather than hide a committed step
+            except (CheckpointError, OSError) as e:
+                if not self.storage.supports_rename and not self.storage.sub(f.name).exists(f.layout.record):
+                    self._leftovers.append(f.name)  # an uncommitted object-store step: its commit object never came
+                else:
+                    log.warning("ignoring damaged step %d in %s: %s", f.step, self.directory, e)
+                    damaged[f.step] = (e, f)
+                continue
+            found[f.step] = f
+        with self._mutex:
+            self._metrics, self._folders, self._damaged = metrics, found, damaged
+        if self.layout.name == "orbax":  # new steps get the items of the run's newest step (args.Composite's names)
+            orbax = [f for f in found.values() if f.layout.name == "orbax"]
+            self.layout.follow(self.storage, max(orbax, key=lambda f: f.step).name if orbax else None)
+        if tidy and lead:
+            for entry in self._leftovers:
+                log.warning("removing %s/%s, left by an interrupted save or deletion", self.directory, entry)
+                self.storage.delete(entry)
+            self._leftovers = []
+        if distributed.process_count() > 1:
+            self.agree()
+
+    def agree(self) -> None:
+        """Every process adopts process 0's view of the directory (a collective: at open and at each
+        restore). Process 0 commits every step, so its view is the one that is right when another
+        process's listing lags (object stores) or missed the end of a save that failed there."""
+        with self._mutex:
+            mine = {"steps": {str(s): [self._folders[s].name, self._folders[s].layout.name, self._metrics.get(s)]
+                              for s in self._metrics if s in self._folders},
+                    "damaged": {str(s): [type(e).__name__, str(e), f.name, f.layout.name]
+                                for s, (e, f) in self._damaged.items()}}
+        lead = distributed.allgather(self._prefix, "view", mine)[0]
+        if distributed.process_index() == 0:
+            return
+
+        def folder(step: str, name: str, fmt: str) -> layouts.StepFolder:
+            serializer = self._serializer if fmt == "native" else None  # Orbax's layout takes none
+            return layouts.StepFolder(int(step), name, layouts.layout(fmt, serializer))
+
+        with self._mutex:
+            self._metrics = {int(s): m for s, (_, _, m) in lead["steps"].items()}
+            self._folders = {int(s): folder(s, name, fmt) for s, (name, fmt, _) in lead["steps"].items()}
+            self._damaged = {int(s): (error_class(kind)(msg), folder(s, name, fmt))
+                             for s, (kind, msg, name, fmt) in lead["damaged"].items()}
+
+    # ------------------------------------------------------------------------------------- writing
+
+    def new_folder(self, step: int) -> str:
+        """The folder name of a new step (background writer): a damaged old folder of the same step is
+        moved aside first (never deleted on a file system: ``<step>.damaged-<uuid>``; an object store
+        has no rename, so there it is removed)."""
+        damaged = self._damaged.pop(step, None)
+        if damaged is not None and distributed.process_index() == 0:
+            if self.storage.supports_rename:
+                aside = f"{damaged[1].name}.damaged-{uuid.uuid4().hex[:8]}"
+                self.storage.rename(damaged[1].name, aside)
+                log.warning("step %d in %s was damaged; moved to %s before saving it again", step, self.directory,
+                            aside)
+            else:
+                commit_mod.remove(self.storage, damaged[1].name, damaged[1].layout.record)
+                log.warning("step %d in %s was damaged; removed before saving it again", step, self.directory)
+        with self._mutex:
+            return layouts.step_name(self.layout.name, step, sorted(self._folders.values(), key=lambda f: f.step))
+
+    def add(self, step: int, name: str, metrics: dict[str, Any] | None) -> None:
+        """Records ``step``, just committed (by this manager) as folder ``name`` in the run's layout."""
+        with self._mutex:
+            self._metrics[step] = metrics
+            self._folders[step] = layouts.StepFolder(step, name, self.layout)
+            self._written.add(step)
+
+    def retain(self, retention: Retention) -> None:
+        """Deletes the steps ``retention`` removes (every process drops them; process 0 deletes the
+        folders). Every committed step of the directory counts, also those this manager did not write
+        (an earlier run's, an Orbax job's); the first time some of those go, a warning names them and
+        the option that keeps them."""
+        doomed = retention.doomed(self.all_metrics())
+        for step in doomed:
+            with self._mutex:
+                folder = self._folders.pop(step, None)
+                self._metrics.pop(step, None)
+            if folder is not None and distributed.process_index() == 0:
+                commit_mod.remove(self.storage, folder.name, folder.layout.record)
+            log.info("retention removed step %d from %s", step, self.directory)
+        others = [s for s in doomed if s not in self._written]
+        if others and not self._retention_warned and distributed.process_index() == 0:
+            self._retention_warned = True
+            log.warning(
+                "retention (max_to_keep=%d) deleted step%s %s of %s, which this manager did not write (%s there "
+                "when it opened, e.g. an earlier run's or an Orbax job's): a manager's retention covers every step "
+                "in its directory. To keep them, pass max_to_keep=None (keeps every step)%s, or give this run a "
+                "directory of its own. Said once per manager.", retention.max_to_keep, "s" if len(others) > 1 else "",
+                ", ".join(map(str, others)), self.directory, "they were" if len(others) > 1 else "it was",
+                "" if retention.keep_best else " or keep_best=N with best_metric=... (keeps the best N as well)")

@@ -1,0 +1,132 @@
+"""What one process holds in the memory tiers of one manager: its folders and the copies in them.
+
+Scope: the folders under ``<local_dir>/<digest>/p<i>/`` (created and checked at start: each this
+user's, writable by nobody else, no symlink; files.py does the checks), the inventory of the copies
+they hold (which step, of which run's session, committed in its tier or not), the removal of what an
+earlier run left that no one can use, the spare data files kept for the next copy, and the removal of
+it all at close. Not here: the copy format (store.py), the agreement (tierset.py, sync.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from typing import Any
+
+from flax_ckpt._src import commit as commit_mod
+from flax_ckpt._src.errors import CheckpointError, StorageError
+from flax_ckpt._src.storage import LocalStorage
+from flax_ckpt._src.tiers import files as tier_files
+from flax_ckpt._src.tiers import store as store
+
+log = logging.getLogger("flax_ckpt")
+
+
+class Holdings:
+    """Process ``i`` of ``n``'s folders of the memory tiers of one manager directory (``digest``) in
+    ``local_dir``: ``root``, ``local_dir`` (the local tier), ``peer(k)`` (replicas held for process k)."""
+
+    def __init__(self, local_dir: str, digest: str, i: int, n: int):
+        self.i, self.n = i, n
+        self.root = os.path.join(os.path.abspath(local_dir), digest, f"p{i}")
+        self.local_dir = os.path.join(self.root, "local")
+        self._spares: dict[str, store.Spares] = {}  # tier folder -> its retired data files
+
+    def make(self) -> None:
+        """Creates (mode 0700) and checks local_dir, the job's folder, this process's and its tier
+        folders: each must be this user's, writable by nobody else, and not a symlink."""
+        top, job = os.path.dirname(os.path.dirname(self.root)), os.path.dirname(self.root)
+        try:
+            os.makedirs(os.path.dirname(top), exist_ok=True)
+            tier_files.private_folder(top, "local_dir", system_ok=True)
+            tier_files.private_folder(job, "job folder")
+            tier_files.private_folder(self.root, "process folder")
+            tier_files.private_folder(self.local_dir, "tier folder")
+            for name in os.listdir(self.root):
+                if name.startswith("peer-p"):
+                    tier_files.check_folder(os.path.join(self.root, name), "tier folder")
+        except OSError as e:
+            raise StorageError(f"memory tiers: cannot create or read {e.filename or self.root}: {e.strerror}. "
+                               "Fix: set Tiers(local_dir=...) to a folder this user can write") from e
+
+    def peer(self, k: int) -> str:
+        """The folder of the replicas this process holds for process ``k``."""
+        return os.path.join(self.root, f"peer-p{k}")
+
+    def spare(self, folder: str) -> store.Spares:
+        """The retired data files of tier folder ``folder``, whose pages the next copy reuses."""
+        if folder not in self._spares:
+            self._spares[folder] = store.Spares(os.path.join(self.root, "spare-" + os.path.basename(folder)))
+        return self._spares[folder]
+
+    def folders(self) -> dict[str, str]:
+        """{"local": the local tier's folder, "<k>": the folder of process k's replicas, ...}."""
+        names = os.listdir(self.root) if os.path.isdir(self.root) else []
+        peers = {n[6:]: os.path.join(self.root, n) for n in names
+                 if n.startswith("peer-p") and commit_mod.step_number(n[6:]) is not None}
+        return {"local": self.local_dir, **peers}
+
+    def inventory(self) -> dict[str, Any]:
+        """Copies this process holds that this job can use: {"local": {step: [session, committed]},
+        "peer": {k: {step: [session, committed]}}} (JSON keys)."""
+        inv: dict[str, Any] = {"local": {}, "peer": {}}
+        for key, folder in self.folders().items():
+            for s in store.steps_in(folder):
+                try:
+                    b = store.open_copy(os.path.join(folder, str(s))).body
+                except (CheckpointError, OSError, ValueError, KeyError, TypeError) as e:
+                    log.warning("ignoring memory copy %s/%d: %s", folder, s, e)
+                    continue
+                owner = self.i if key == "local" else int(key)
+                if b["process"] == owner and b["process_count"] == self.n and b["step"] == s:
+                    entry = [b["session"], os.path.exists(os.path.join(folder, str(s), store.COMMIT))]
+                    (inv["local"] if key == "local" else inv["peer"].setdefault(str(owner), {}))[str(s)] = entry
+        return inv
+
+    def tidy(self) -> None:
+        """At start: removes an earlier run's spare files (memory nobody will reuse soon) and its copies
+        that were never finished (temporary folders)."""
+        for name in os.listdir(self.root) if os.path.isdir(self.root) else []:
+            if name.startswith("spare-"):
+                try:
+                    LocalStorage(self.root).delete(name)  # a link is removed, never followed
+                except OSError:
+                    pass
+        for folder in self.folders().values():
+            for e in os.listdir(folder) if os.path.isdir(folder) else []:
+                if commit_mod.is_temporary(e):
+                    shutil.rmtree(os.path.join(folder, e), ignore_errors=True)
+
+    def keep_only(self, mine: dict[str, Any], good: dict[int, str]) -> None:
+        """Deletes every copy in ``mine`` (this process's inventory) but those of ``good`` ({step: the
+        session restorable}) and the bases they need."""
+        for key, folder in self.folders().items():
+            listed = mine["local"] if key == "local" else mine["peer"].get(key, {})
+            keep = {int(s) for s, (x, _) in listed.items() if good.get(int(s)) == x}
+            keep |= {_base_step(folder, s) for s in keep} - {None}
+            for s in set(store.steps_in(folder)) - keep:
+                commit_mod.remove(LocalStorage(folder), str(s), store.INDEX)
+
+    def remove(self) -> None:
+        """Removes this process's folders, and the job's folder once the last process on this host did."""
+        shutil.rmtree(self.root, ignore_errors=True)
+        try:
+            os.rmdir(os.path.dirname(self.root))
+        except OSError:
+            pass
+
+    def drop_spares(self) -> None:
+        """Spare data files are memory kept for the next save, not checkpoints: with no next save they
+        go, whatever ``cleanup`` says (their pages are freed once unmapped)."""
+        for spares in self._spares.values():
+            spares.close()
+            shutil.rmtree(spares.folder, ignore_errors=True)
+        self._spares.clear()
+
+
+def _base_step(folder: str, step: int) -> int | None:
+    try:
+        return store.open_copy(os.path.join(folder, str(step)), with_base=False).body["base"]
+    except (CheckpointError, OSError):
+        return None
