@@ -40,6 +40,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from flax_ckpt._src.engine.pause import gc_paused
 from flax_ckpt._src.records import PersistTimes
 from flax_ckpt._src.engine.snapshot import Snapshot, snapshot
 from flax_ckpt._src.orbax import locate, write
@@ -104,6 +105,7 @@ class OrbaxLayout:
             write.save_step(parent, step, snap, metrics=metrics, metadata=metadata, name=name)
         return PersistTimes(write=time.perf_counter() - t0)
 
+    @gc_paused()  # as the native open: the walk and the metadata of many leaves allocate in bursts
     def open(self, folder: Storage, item: str | None = None) -> OrbaxSource:
         return OrbaxSource(locate.locate(folder, item))
 

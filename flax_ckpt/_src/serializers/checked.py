@@ -127,12 +127,37 @@ def _block_crcs(views: list[memoryview]) -> list[int]:
     return crcs
 
 
-class _Recorder:
+class _Wrapped:
+    """What both wrappers below pass through unchanged: the look-ups that read no stored bytes."""
+
+    _s: Storage
+
+    def __init__(self, storage: Storage):
+        self._s = storage
+        self.url, self.supports_rename, self.local_path = storage.url, storage.supports_rename, storage.local_path
+
+    def exists(self, name: str) -> bool:
+        return self._s.exists(name)
+
+    def check_size(self, name: str, expected: int) -> None:
+        self._s.check_size(name, expected)
+
+    def kind(self) -> Literal["missing", "file", "folder"]:
+        return self._s.kind()
+
+    def list(self) -> list[str]:
+        return self._s.list()
+
+    def stored_bytes(self) -> int | None:
+        return self._s.stored_bytes()
+
+
+class _Recorder(_Wrapped):
     """The Storage a user's write gets: writes go through, each followed by its checksum file."""
 
     def __init__(self, storage: Storage, log: _Log, prefix: str = ""):
-        self._s, self.log, self._prefix = storage, log, prefix
-        self.url, self.supports_rename, self.local_path = storage.url, storage.supports_rename, storage.local_path
+        super().__init__(storage)
+        self.log, self._prefix = log, prefix
 
     def write(self, name: str, buffers: Sequence[Buffer]) -> float:
         full = self._prefix + name
@@ -161,21 +186,6 @@ class _Recorder:
     def read_ranges(self, name: str, parts: Sequence[tuple[int, Sequence[memoryview]]]) -> None:
         self._s.read_ranges(name, parts)
 
-    def exists(self, name: str) -> bool:
-        return self._s.exists(name)
-
-    def check_size(self, name: str, expected: int) -> None:
-        self._s.check_size(name, expected)
-
-    def kind(self) -> Literal["missing", "file", "folder"]:
-        return self._s.kind()
-
-    def list(self) -> list[str]:
-        return self._s.list()
-
-    def stored_bytes(self) -> int | None:
-        return self._s.stored_bytes()
-
     def makedirs(self) -> None:
         self._s.makedirs()
 
@@ -197,12 +207,12 @@ class _Recorder:
 
 # ------------------------------------------------------------------------------------------------- read
 
-class _Verifier:
+class _Verifier(_Wrapped):
     """The Storage a user's read gets: whole blocks are read and checked before any byte is handed on."""
 
     def __init__(self, storage: Storage, where: str, sums: dict[str, tuple[int, int, list[int]]], prefix: str = ""):
-        self._s, self._where, self._sums, self._prefix = storage, where, sums, prefix
-        self.url, self.supports_rename, self.local_path = storage.url, storage.supports_rename, storage.local_path
+        super().__init__(storage)
+        self._where, self._sums, self._prefix = where, sums, prefix
 
     def _checksums(self, name: str) -> tuple[int, int, list[int]]:
         """(size, block, crc32c per block) of object ``name``, from its checksum file."""
@@ -275,21 +285,6 @@ class _Verifier:
 
     def sub(self, name: str) -> "_Verifier":
         return _Verifier(self._s.sub(name), self._where, self._sums, f"{self._prefix}{name}/")
-
-    def exists(self, name: str) -> bool:
-        return self._s.exists(name)
-
-    def check_size(self, name: str, expected: int) -> None:
-        self._s.check_size(name, expected)
-
-    def kind(self) -> Literal["missing", "file", "folder"]:
-        return self._s.kind()
-
-    def list(self) -> list[str]:
-        return self._s.list()
-
-    def stored_bytes(self) -> int | None:
-        return self._s.stored_bytes()
 
     def _refuse(self, *_: Any, **__: Any) -> Any:
         raise ValueError(f"{self._where}: a serializer's read changes nothing in the checkpoint")
