@@ -184,6 +184,24 @@ def jsonable(obj: Any, what: str) -> Any:
         raise CheckpointError(f"{what} is nested too deeply to store as JSON") from None
 
 
+def metrics_json(metrics: Any) -> dict[str, Any] | None:
+    """``metrics`` as stored: a dict of names to numbers (what ``best_metric``, retention and ``ls``
+    read), each value through ``jsonable``; a CheckpointError naming the key otherwise, before anything
+    is written."""
+    metrics = jsonable(metrics, "metrics")
+    if metrics is None:
+        return None
+    if not isinstance(metrics, dict):
+        raise CheckpointError(f"metrics must be a dict of names to numbers, e.g. {{'loss': 0.25}}; got "
+                              f"{type(metrics).__name__}")
+    bad = [k for k, v in metrics.items() if isinstance(v, bool) or not isinstance(v, (int, float))]
+    if bad:
+        raise CheckpointError("metrics must be numbers (best_metric and retention compare them); not numbers: "
+                              + ", ".join(f"{k!r}: {metrics[k]!r:.40}" for k in bad[:5])
+                              + ". Put other values in metadata=... instead; nothing was written")
+    return metrics
+
+
 def _plain(x: Any, what: str, path: tuple[Any, ...]) -> Any:
     """``x`` with every one-element array replaced by its Python number (containers walked)."""
     if isinstance(x, dict):

@@ -20,7 +20,7 @@ from typing import Any, Callable, Literal
 from flax_ckpt._src import layouts
 from flax_ckpt._src.commit import distributed
 from flax_ckpt._src.engine.leaves import CheckpointInfo
-from flax_ckpt._src.engine.snapshot import Snapshot, jsonable
+from flax_ckpt._src.engine.snapshot import Snapshot, metrics_json
 from flax_ckpt._src.errors import CheckpointError, CheckpointNotFoundError
 from flax_ckpt._src.manager.agreed import AgreedRestore, TargetOf, targets
 from flax_ckpt._src.manager.schedule import Schedule
@@ -194,7 +194,7 @@ class CheckpointManager:
                 if step in self._steps:
                     log.info("step %d already saved in %s; skipped", step, self.directory)
                     return False
-            metrics = jsonable(metrics, "metrics")
+            metrics = metrics_json(metrics)
             self._writer.wait()  # back-pressure: one save in flight
             if self._tiers is not None:  # first sends the previous step's copy to its peer (a collective)
                 snap = self._tiers.snapshot(step, state, copy=self.async_save, force=force)

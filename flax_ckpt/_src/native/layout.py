@@ -21,7 +21,7 @@ from flax_ckpt._src.commit import distributed
 from flax_ckpt._src.engine.leaves import CheckpointInfo, checkpoint_info, key_data_shape
 from flax_ckpt._src.engine.pause import gc_paused
 from flax_ckpt._src.engine.restore import Damage
-from flax_ckpt._src.engine.snapshot import Snapshot, jsonable, snapshot
+from flax_ckpt._src.engine.snapshot import Snapshot, jsonable, metrics_json, snapshot
 from flax_ckpt._src.errors import (CheckpointNotCommittedError, CheckpointNotFoundError, CorruptCheckpointError,
                                    InvalidManifestError, StorageError, TargetMismatchError)
 from flax_ckpt._src.checks import MANIFEST, MAX_MANIFEST_BYTES
@@ -44,7 +44,7 @@ def manifest_bytes(snap: Snapshot, written: list[Written], serializer: Serialize
     leaves = [(lf.record.with_chunks(chunks.get(i, ())) if lf.record.is_array else lf.record).to_json()
               for i, lf in enumerate(snap.leaves)]
     files = {name: size for w in written for name, size in w.files.items()}
-    body = {"step": step, "metrics": jsonable(metrics, "metrics"), "metadata": jsonable(metadata, "metadata"),
+    body = {"step": step, "metrics": metrics_json(metrics), "metadata": jsonable(metadata, "metadata"),
             "created": time.time(), "process_count": process_count, "serializer": serializer.name,
             "files": files, "leaves": leaves}
     return encode(body, check=True)
@@ -277,6 +277,13 @@ def _open_native(storage: Storage, given: Serializer | None = None) -> NativeSou
                                           + (" (the path does not exist)" if storage.supports_rename else "")) from None
         if kind == "file":
             raise CheckpointNotFoundError(f"{storage.url} is a file, not a checkpoint folder") from None
+        steps = sorted(n for n in map(commit_mod.step_number, storage.list()) if n is not None)
+        if steps:
+            shown = ", ".join(map(str, steps[:10])) + (", ..." if len(steps) > 10 else "")
+            raise CheckpointNotFoundError(
+                f"{storage.url} is a directory of steps [{shown}], not one checkpoint: pass one of them (e.g. "
+                f"{storage.url.rstrip('/')}/{steps[-1]}), or restore the newest with "
+                f"fc.CheckpointManager({storage.url!r}).restore(target)") from None
         raise CheckpointNotCommittedError(
             f"{storage.url} holds no committed checkpoint (no {MANIFEST}: a save in flight or one that "
             "crashed); it is never read") from None

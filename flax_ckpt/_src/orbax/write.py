@@ -32,7 +32,7 @@ import tensorstore as ts
 
 from flax_ckpt._src import commit as commit_mod
 from flax_ckpt._src.commit import distributed
-from flax_ckpt._src.engine.snapshot import HostLeaf, Snapshot, jsonable
+from flax_ckpt._src.engine.snapshot import HostLeaf, Snapshot, jsonable, metrics_json
 from flax_ckpt._src.errors import (CheckpointError, StructureMismatchError, UnsupportedLeafError,
                                    UnsupportedOrbaxCheckpointError, format_list)
 from flax_ckpt._src.orbax.locate import (CHECKPOINT_METADATA, COMMIT_SUCCESS, CRC_SUFFIX, DEFAULT_ITEM, JSON_HANDLER,
@@ -283,7 +283,7 @@ def save_item(parent: Storage, name: str, snap: Snapshot, *, metadata: Any = Non
     ``_CHECKPOINT_METADATA``'s custom_metadata, ``metrics`` to its metrics."""
     single_process()
     custom = jsonable(metadata, "metadata")
-    metrics = jsonable(metrics, "metrics")
+    metrics = metrics_json(metrics)
     _commit_folder(parent, name, lambda f: write_item(f, snap, use_ocdbt=use_ocdbt, use_zarr3=use_zarr3,
                                                       compression=compression),
                    _step_meta(_handler_for(snap), custom, metrics))
@@ -379,7 +379,7 @@ def save_step(root: Storage, step: int, snap: Snapshot, *, metrics: dict[str, An
     ``default`` (or, for a StepSnapshot, the run's named items, each with the handler the run records
     for it), plus a ``metrics`` JSON item; returns its URL."""
     single_process()
-    metrics = jsonable(metrics, "metrics")
+    metrics = metrics_json(metrics)
     custom = jsonable(metadata, "metadata")
     if isinstance(snap, StepSnapshot):
         trees = {n: item_snapshot(snap, n) for n, h in snap.handlers.items() if handler_kind(h) == "pytree"}

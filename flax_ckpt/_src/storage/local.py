@@ -14,7 +14,7 @@ import stat
 import time
 from typing import Any, Literal, Sequence
 
-from flax_ckpt._src.errors import CorruptCheckpointError
+from flax_ckpt._src.errors import CorruptCheckpointError, StorageError
 from flax_ckpt._src.storage.base import Buffer
 
 _IO_STEP = 1 << 30  # bytes per os.write / preadv call
@@ -57,7 +57,7 @@ class LocalStorage:
     def write(self, name: str, buffers: Sequence[Buffer]) -> float:
         """Writes and fsyncs the file ``name``; returns the seconds the fsync took."""
         path = self._p(name)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
+        LocalStorage(os.path.dirname(path)).makedirs()
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         views = [memoryview(b).cast("B") for b in buffers]
         try:
@@ -193,7 +193,18 @@ class LocalStorage:
             fsync_dir(dirpath)
 
     def makedirs(self) -> None:
-        os.makedirs(self.root, exist_ok=True)
+        """Creates this folder (and its parents). A file in the way is a StorageError naming it."""
+        try:
+            os.makedirs(self.root, exist_ok=True)
+        except (FileExistsError, NotADirectoryError):
+            blocker = self.root
+            while blocker and not os.path.exists(blocker):  # the deepest part of the path that exists
+                blocker = os.path.dirname(blocker)
+            raise StorageError(f"cannot create the folder {self.root}: {blocker} is a file, not a folder. Give "
+                               "a checkpoint directory that is a folder or does not exist yet (nothing was "
+                               "written)") from None
+        except OSError as e:
+            raise StorageError(f"cannot create the folder {self.root}: {e.strerror}") from None
 
     def stored_bytes(self) -> int:
         """The bytes in the regular files under this folder. Refuses (CorruptCheckpointError) symlinks
