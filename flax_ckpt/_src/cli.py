@@ -278,7 +278,8 @@ def cmd_prune(args: argparse.Namespace) -> int:
 
     r = fi.prune(args.directory, keep=args.keep, keep_period=args.keep_period, best_metric=args.best_metric,
                  best_mode=args.best_mode, keep_best=args.keep_best, dry_run=args.dry_run)
-    doc = {"directory": args.directory, "dry_run": r.dry_run, "deleted": r.deleted, "kept": r.kept}
+    doc = {"directory": args.directory, "dry_run": r.dry_run, "would_delete" if r.dry_run else "deleted": r.deleted,
+           "kept": r.kept}  # a dry run deletes nothing: its list has a name that says so
     verb = "would delete" if r.dry_run else "deleted"
     text = f"{verb}: {', '.join(map(str, r.deleted)) or 'nothing'}\nkept: {', '.join(map(str, r.kept)) or 'nothing'}"
     _emit(args, doc, text)
