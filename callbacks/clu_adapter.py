@@ -1,6 +1,6 @@
 """A clu ``PeriodicAction`` that hands each step to a ``CheckpointCallback`` (clu is an optional extra).
 
-Scope: fitting CheckpointCallback into a clu-style loop, where hooks are called as ``hook(step)``:
+Scope: fitting CheckpointCallback into a clu-style loop, where hooks are called as ``hook(step)``::
 
     ckpt = CheckpointCallback(workdir, every_steps=1000)
     state, start = ckpt.restore_or(state)

@@ -6,6 +6,8 @@ This script plays the cluster scheduler. It starts examples/train_linen.py as a 
 SIGTERM once it reports step --at (as a scheduler does before evicting a job), and watches it finish
 the step in progress, save it, and exit with status 143. Then it starts the same command again: the new
 process resumes from the saved step and completes the run. Only the standard library is imported here.
+Without --directory it works in a new temporary folder, removed when the demo succeeds (named when
+it fails, for a look).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -50,12 +53,25 @@ def run(cmd: list[str], label: str, *, signal_at: int | None = None) -> tuple[in
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--directory", help="checkpoint directory (default: a new temporary one)")
+    p.add_argument("--directory", help="checkpoint directory, kept (default: a new temporary one, removed "
+                                       "after a successful demo)")
     p.add_argument("--steps", type=int, default=600)
     p.add_argument("--every", type=int, default=100)
     p.add_argument("--at", type=int, default=250, help="send SIGTERM once this step is reported")
     args = p.parse_args(argv)
-    directory = args.directory or tempfile.mkdtemp(prefix="preemption_demo_")
+    if args.directory:
+        return demo(args, args.directory)
+    directory = tempfile.mkdtemp(prefix="preemption_demo_")
+    status = demo(args, directory)
+    if status == 0:
+        shutil.rmtree(directory)  # the demo's own folder: nothing in it is worth keeping
+    else:
+        print(f"[demo] its checkpoints are kept for a look in {directory}", flush=True)
+    return status
+
+
+def demo(args: argparse.Namespace, directory: str) -> int:
+    """Run 1 is preempted at step ``args.at``; run 2 must resume at the saved step and finish."""
     cmd = [sys.executable, TRAIN, "--directory", directory, "--steps", str(args.steps),
            "--every", str(args.every), "--log-every", "10"]
     print(f"[demo] run 1: {' '.join(cmd)}", flush=True)

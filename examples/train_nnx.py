@@ -103,7 +103,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> float:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")  # WARNING and up from everyone,
+    logging.getLogger("flax_ckpt").setLevel(logging.INFO)  # and the checkpoint library's INFO lines
     train, test = load_data(args.seed)
     model, optimizer = create(args.seed)
     batches = Batches(train, seed=args.seed)

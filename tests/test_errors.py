@@ -75,6 +75,17 @@ def test_shape_and_dtype_mismatch_show_both_for_every_leaf(tmp_path):
     assert "'params/dense/bias': expected float64[5] (target), found float64[6]" in msg
     assert "'step': expected Python float (target), found Python int" in msg
     assert "manifest.json" in msg
+    assert "Fix: shapes differ, so this checkpoint is from another model or config" in msg
+
+
+def test_a_dtype_only_mismatch_suggests_restoring_the_saved_dtype_and_casting(tmp_path):
+    path = saved(tmp_path)
+    target = {"params": {"dense": {"kernel": jnp.zeros((4, 6), jnp.bfloat16), "bias": np.zeros(6)}}, "step": 0}
+    with pytest.raises(fc.LeafMismatchError) as e:
+        fc.restore(path, target)
+    msg = str(e.value)
+    assert "Fix: only dtypes differ" in msg and "cast after" in msg
+    assert "another model" not in msg
 
 
 @pytest.mark.parametrize("serializer", ["raw", "zarr3"])

@@ -129,6 +129,21 @@ def test_linen_sigterm_at_a_random_step_via_the_preemption_demo_is_bit_identical
     assert_same_run(reference("train_linen.py"), tmp_path, out, context)
 
 
+def test_the_demo_shows_only_the_library_s_log_lines_and_removes_its_temporary_folder(tmp_path):
+    """Without --directory the preemption demo works in a new temporary folder and removes it when it
+    succeeds; the example's logging shows flax_ckpt's INFO lines (the resume), not JAX's (issue 26)."""
+    env = worker_env(devices=1)
+    env.pop("JAX_PLATFORMS")  # as a user runs it: JAX looks for its backends and logs at INFO about it
+    env["TMPDIR"] = str(tmp_path)
+    cmd = [sys.executable, str(EXAMPLES / "preemption_demo.py"), "--steps", "120", "--every", "50", "--at", "60"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=2 * TIMEOUT_S, env=env)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and re.search(r"run 2 resumed from step 6\d ", out), out[-3000:]
+    assert re.search(r"^\[run 2\] INFO flax_ckpt[.\w]*: resumed from step 6\d ", out, re.M), out[-3000:]
+    assert not re.search(r"^\[run \d\] INFO (?!flax_ckpt)", out, re.M), out[-3000:]
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_linen_sigkill_resumes_from_last_scheduled_checkpoint_bit_identical(tmp_path, reference):
     script = "train_linen.py"
     at = random.randint(2 * EVERY + 1, STEPS // 3)

@@ -1,4 +1,5 @@
-"""notebooks/finetune.ipynb runs top to bottom in a fresh kernel, in a temporary folder, so it cannot rot.
+"""notebooks/finetune.ipynb runs top to bottom in a fresh kernel, in a temporary folder, so it cannot rot;
+it writes its checkpoints under a temporary folder of its own and shows only the library's log lines.
 
 The notebook asserts its own claims (frozen layer unchanged, the best checkpoint restores to its stored
 metric); this test only runs it and reports the failing cell.
@@ -18,15 +19,21 @@ NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "finetune.ipyn
 
 def test_finetune_notebook_runs_top_to_bottom(tmp_path, monkeypatch):
     monkeypatch.delenv("XLA_FLAGS", raising=False)  # one CPU device in the kernel, as a user has
-    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    monkeypatch.delenv("JAX_PLATFORMS", raising=False)  # as a user has: JAX looks for its backends
+    (tmp_path / "cwd").mkdir()
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))  # the kernel's tempfile folder
     nb = nbformat.read(NOTEBOOK, as_version=4)
     client = NotebookClient(nb, timeout=120, kernel_name="python3",
-                            resources={"metadata": {"path": str(tmp_path)}})
+                            resources={"metadata": {"path": str(tmp_path / "cwd")}})
     try:
         client.execute()
     except CellExecutionError as e:
         pytest.fail(f"{NOTEBOOK.name} failed:\n{e}")
-    assert (tmp_path / "pretrained" / "300").is_dir() and (tmp_path / "finetune").is_dir()
+    assert list((tmp_path / "cwd").iterdir()) == []  # nothing left beside the notebook (issue 26, item 11)
+    [work] = (tmp_path / "tmp").glob("finetune_notebook_*")
+    assert (work / "pretrained" / "300").is_dir() and (work / "finetune").is_dir()
     outputs = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code"
                       for o in c.get("outputs", []))
     assert "best checkpoint (step" in outputs and "Dense_0 unchanged: True" in outputs
+    assert "INFO flax_ckpt" in outputs and "INFO jax" not in outputs  # only the library's lines (item 12)

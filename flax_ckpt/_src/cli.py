@@ -6,6 +6,9 @@ Exit status: 0 success; 1 verify found damage or diff found differences; 2 usage
 (no such checkpoint, a damaged manifest for info, a lock held by a live manager); 3 verify --strict
 found leaves that carry no checksum (unverified). Progress bars go to stderr (never into --json
 stdout), only when stderr is a terminal or with --progress; --quiet silences them.
+Imports: only the standard library at module level (and ``flax_ckpt``'s own __init__ imports its API on
+first use), so --help and errors in the arguments answer without jax or tensorstore; each command
+imports its tools.
 """
 
 from __future__ import annotations
@@ -65,12 +68,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="exit 3 when some leaves carry no checksum, so that damage to them cannot be seen")
     p = sub.add_parser("diff", parents=common, help="compare two checkpoints leaf by leaf",
                        description="List leaves only in one checkpoint and leaves whose dtype, shape or values "
-                                   "differ (with the max absolute difference). Exit status 1 if they differ.")
+                                   "differ (with the max absolute difference; PRNG keys: whether their key data "
+                                   "differ). Exit status 1 if they differ.")
     p.add_argument("a", metavar="A")
     p.add_argument("b", metavar="B")
     p = sub.add_parser("convert", parents=common, help="convert between native, Orbax and safetensors",
                        description="Convert SRC into DST (never overwritten): native <-> Orbax layout, or an "
-                                   "export of the params to one .safetensors file.")
+                                   "export of the params to one .safetensors file. Step, metrics and metadata "
+                                   "go along; Orbax's layout keeps a step only as a step folder's name (DST "
+                                   "named like .../3). What DST cannot hold is reported as left out.")
     p.add_argument("src", metavar="SRC")
     p.add_argument("dst", metavar="DST")
     p.add_argument("--to", choices=["orbax", "native", "safetensors"],
@@ -249,12 +255,20 @@ def cmd_diff(args: argparse.Namespace) -> int:
            "differing": [{"key": d.key, "a": d.a, "b": d.b, "max_abs_diff": d.max_abs_diff}
                          for d in r.differing], "same": r.same}
     lines = [f"only in A: {k}" for k in r.only_in_a] + [f"only in B: {k}" for k in r.only_in_b]
-    lines += [f"differs: {d.key}  {d.a} vs {d.b}"
-              + ("" if d.max_abs_diff is None else f"  max |a-b| = {d.max_abs_diff:.6g}") for d in r.differing]
+    lines += [f"differs: {d.key}  {d.a} vs {d.b}" + _diff_detail(d) for d in r.differing]
     lines.append(f"{r.same} leaves identical" + ("" if r.identical else
                  f", {len(r.differing)} differ, {len(r.only_in_a)} only in A, {len(r.only_in_b)} only in B"))
     _emit(args, doc, "\n".join(lines))
     return EXIT_OK if r.identical else EXIT_FOUND
+
+
+def _diff_detail(d: Any) -> str:
+    """How a leaf of the same type on both sides differs: by how much, or (PRNG keys) that it does."""
+    if d.max_abs_diff is not None:
+        return f"  max |a-b| = {d.max_abs_diff:.6g}"
+    if d.a == d.b:
+        return "  key data differ" if d.a.startswith("key<") else "  values differ"
+    return ""
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
@@ -264,11 +278,12 @@ def cmd_convert(args: argparse.Namespace) -> int:
     r = fi.convert(args.src, args.dst, to=to, serializer=args.serializer, subtree=args.subtree,
                    progress=_progress(args))
     doc = {"src": args.src, "dst": r.dst, "to": r.to, "leaves": r.leaves, "nbytes": r.nbytes, "skipped": r.skipped,
-           "outside": r.outside, "left_out": len(r.skipped) + len(r.outside)}
+           "outside": r.outside, "fields_left_out": r.fields_left_out, "left_out": r.left_out}
     left = [f"{len(r.outside)} outside --subtree {r.subtree!r}"] if r.outside else []
     left += [f"{len(r.skipped)} that are not plain arrays ({', '.join(r.skipped)})"] if r.skipped else []
     text = f"wrote {r.dst} ({r.to}): {r.leaves} leaves, {human_bytes(r.nbytes)}" + (
-        f"; left out {len(r.skipped) + len(r.outside)} leaves: {'; '.join(left)}" if left else "")
+        f"; left out {len(r.skipped) + len(r.outside)} leaves: {'; '.join(left)}" if left else "") + "".join(
+        f"\nleft out {why}" for why in r.fields_left_out.values())
     _emit(args, doc, text)
     return EXIT_OK
 

@@ -18,7 +18,10 @@ from flax_ckpt._src.errors import SaveFailedError
 
 class AsyncWriter:
     def __init__(self, name: str = "flax_ckpt-writer"):
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix=name)
+        worker: list[int] = []  # the pool thread's ident, once it runs (a list: no reference to self)
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix=name,
+                                        initializer=lambda: worker.append(threading.get_ident()))
+        self._worker = worker
         self._pending: Future | None = None
         self._label = ""
         self._lock = threading.Lock()
@@ -48,8 +51,10 @@ class AsyncWriter:
         return self._pending is not None and not self._pending.done()
 
     def close(self) -> None:
+        """Waits for the job in flight (raising its failure) and stops the thread. Also from the writer's
+        own thread (a manager whose last reference a finished job dropped): that thread is not joined."""
         try:
             self.wait()
         finally:
             self._closed = True
-            self._pool.shutdown(wait=True)
+            self._pool.shutdown(wait=threading.get_ident() not in self._worker)

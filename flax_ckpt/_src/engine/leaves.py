@@ -102,8 +102,25 @@ def match_target(saved: Sequence[LeafRecord], flat: Sequence[tuple[tree_mod.KeyP
            for n, (_, t), leaf in zip(names, flat, chosen) if not compatible(t, leaf)]
     if bad:
         raise LeafMismatchError(f"restore of {len(bad)} leaves does not match the target: " + "; ".join(bad)
-                                + f" in {where}")
+                                + f" in {where}. " + _mismatch_fix(flat, chosen))
     return chosen
+
+
+def _mismatch_fix(flat: Sequence[tuple[tree_mod.KeyPath, Any]], chosen: Sequence[LeafRecord]) -> str:
+    """The fix a LeafMismatchError suggests, from what differs: shapes (another model or config),
+    only dtypes (a cast meant on purpose), or kinds."""
+    pairs = [(t, leaf) for (_, t), leaf in zip(flat, chosen) if not compatible(t, leaf)]
+    arrays = [(t, leaf) for t, leaf in pairs if leaf.is_array and hasattr(t, "shape") and hasattr(t, "dtype")]
+    if any(tuple(t.shape) != leaf.logical_shape for t, leaf in arrays):
+        return ("Fix: shapes differ, so this checkpoint is from another model or config: build the target "
+                "with the config it was saved with (fc.metadata(path).tree shows every saved shape and "
+                "dtype), or restore only the leaves that fit: a target without the others, with partial=True.")
+    if arrays and len(arrays) == len(pairs):
+        return ("Fix: only dtypes differ: if a cast is meant, restore into a target of the saved dtypes "
+                "(fc.metadata(path).tree, or the model built with the saved param_dtype) and cast after, "
+                "e.g. jax.tree.map(lambda x: x.astype(jnp.bfloat16), restored).")
+    return ("Fix: the target's leaf types differ from what was saved (fc.metadata(path).tree shows them): "
+            "build the target the way the saving run did.")
 
 
 # --------------------------------------------------------------------------------------- metadata

@@ -5,16 +5,20 @@ steps, their folders and metrics, one view across processes), the schedule (sche
 (retention.py: which steps are kept, which is best), the memory tiers (tiers/tierset.py, given this
 manager's directory once as their persistent tier: ``_Directory``, the tiers' ``Persistent``), the
 async writer (writer.py), the statistics (stats.py), the directory lock (storage/lock.py) and the
-agreed restore (agreed.py). Steps
+agreed restore (agreed.py); and the end of a manager nobody closed (at interpreter exit or
+garbage collection). Steps
 are written in one format (layouts.Layout) and read in whichever format each step folder has. The path
 of a save, call by call, is stated once: tests/test_layout.py (test_save_path_from_manager_to_file_write_is_six_calls).
 """
 
 from __future__ import annotations
 
+import atexit
 import functools
 import logging
+import threading
 import time
+import weakref
 from typing import Any, Callable, Literal
 
 from flax_ckpt._src import layouts
@@ -58,6 +62,11 @@ class CheckpointManager:
     run takes it when the manager opens; an Orbax run at its first save (then also removing leftovers
     of crashed saves), and removes the lock file again at close, so a manager that only restores an
     Orbax run writes nothing into it.
+
+    A manager left open is closed at interpreter exit, before Python tears its modules down: the save in
+    flight is finished (or its failure logged as a warning naming the step), the lock released, and,
+    in a single-process job, the memory tiers closed as ``close()`` closes them. One that is garbage
+    collected finishes its save in flight and releases the lock. Neither raises nor prints a traceback.
     """
 
     def __init__(self, directory: Any, *, save_interval_steps: "int | Literal['auto']" = 1,
@@ -103,6 +112,7 @@ class CheckpointManager:
             if self._lock is not None:
                 self._lock.release()
             raise
+        _OPEN.add(self)
 
     # the options as given (each part holds its own)
     save_interval_steps = property(lambda self: self._schedule.every)
@@ -186,6 +196,8 @@ class CheckpointManager:
                 log.info("step %d already saved in %s; skipped", step, self.directory)
                 return False
             if not force and not self.should_save(step):
+                log.debug("step %d is off the schedule (every %s steps) in %s: not saved; pass force=True to "
+                          "save it anyway", step, self._schedule.interval, self.directory)
                 return False
             if not self._claimed:
                 if self.format == "orbax":  # a tree that does not fit the run's items: nothing written, no lock
@@ -248,11 +260,16 @@ class CheckpointManager:
         raise the same CheckpointError naming the process and file that failed."""
         self._writer.wait()
         target_of = targets(target, target_for)
+        restores = len(self.restore_stats)
         if self._tiers is not None:
             if item is not None:
                 raise ValueError("item= selects an item of an Orbax step; a tiered manager holds native steps")
-            return self._restore_tiered(step, target_of, shardings, partial)
-        return self._restore.restore(step, target_of, shardings, partial, item)
+            out = self._restore_tiered(step, target_of, shardings, partial)
+        else:
+            out = self._restore.restore(step, target_of, shardings, partial, item)
+        if len(self.restore_stats) > restores:  # resumed the run: its steps up to this one are this run's
+            self._steps.resumed(self.restore_stats[-1].step)
+        return out
 
     def _restore_tiered(self, step: int | None, target_of: TargetOf, shardings: Any, partial: bool) -> Any:
         """With tiers= (every process calls it): the newest step complete across processes in some
@@ -280,6 +297,7 @@ class CheckpointManager:
         if self._closed:
             return
         self._closed = True
+        _OPEN.discard(self)
         try:
             self._writer.close()
             if self._tiers is not None:  # may migrate the newest step through _Directory
@@ -294,14 +312,52 @@ class CheckpointManager:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def __del__(self):
-        lock = getattr(self, "_lock", None)
-        if lock is not None and lock.fd >= 0 and not getattr(self, "_closed", True):
-            try:
-                self._writer.close()
-            except Exception:
-                pass
-            lock.release()
+    def _let_go(self) -> None:
+        """The end of a manager nobody closed, with no collective (another process may never join one):
+        waits for the save and the migration in flight, then releases the lock. Raises their failure.
+        The memory tiers stay, restorable by the next run as after a crash."""
+        if getattr(self, "_closed", True):  # also a manager whose __init__ failed
+            return
+        self._closed = True
+        _OPEN.discard(self)
+        try:
+            self._writer.close()
+            if self._tiers is not None:
+                self._tiers._check_migration()
+        finally:
+            if self._lock is not None:
+                self._lock.release()
+
+    def _close_at_exit(self) -> None:
+        """At interpreter exit: close(), or in a multi-process job with tiers, _let_go() (closing the
+        tiers is a collective). A failure is logged as a warning, never raised."""
+        try:
+            if self._tiers is not None and distributed.process_count() > 1:
+                self._let_go()
+                log.warning("CheckpointManager(%s) was not closed: at interpreter exit its memory tiers were left "
+                            "in %s, restorable by the next run (closing them is a collective); call close() after "
+                            "the training loop", self.directory, self._tiers.root)
+            else:
+                self.close()
+        except Exception as e:
+            log.warning("CheckpointManager(%s) was not closed; closing it at interpreter exit failed: %s: %s",
+                        self.directory, type(e).__name__, e)
+
+    def __del__(self):  # garbage collection may run anywhere, on any thread: never raises, never prints
+        try:
+            if getattr(_MIGRATING, "now", False):  # dropped on a migration's thread, which _let_go waits for
+                threading.Thread(target=self._let_go_reporting, name="flax_ckpt-release").start()
+            else:
+                self._let_go_reporting()
+        except BaseException:  # interpreter teardown: module globals are gone, and the OS releases the lock
+            pass
+
+    def _let_go_reporting(self) -> None:
+        try:
+            self._let_go()
+        except Exception as e:
+            log.warning("CheckpointManager(%s) was garbage-collected without close(): %s: %s", self.directory,
+                        type(e).__name__, e)
 
 
 class _Directory:
@@ -310,13 +366,52 @@ class _Directory:
     of one step."""
 
     def __init__(self, manager: CheckpointManager):
-        self._manager = manager
+        # A weak reference: the tiers hold this, so a strong one would be a cycle that keeps a dropped
+        # manager, and its directory lock, until the garbage collector happens to run.
+        self._manager, self._directory = weakref.ref(manager), manager.directory
+
+    def _live(self) -> CheckpointManager:
+        manager = self._manager()
+        if manager is None:
+            raise CheckpointError(f"the CheckpointManager of {self._directory} is gone (garbage-collected); "
+                                  "keep it, and close() it after the training loop")
+        return manager
 
     def steps(self) -> set[int]:
-        return set(self._manager._steps.steps())
+        return set(self._live()._steps.steps())
 
     def write(self, step: int, snap: Snapshot, metrics: dict | None, t0: float, blocked: float) -> None:
-        self._manager._persist(step, snap, metrics, t0, blocked)
+        _MIGRATING.now = True  # the manager's finalizer may run here, at the end of the call (see __del__)
+        try:
+            self._live()._persist(step, snap, metrics, t0, blocked)
+        finally:
+            _MIGRATING.now = False
 
     def read(self, step: int, target_of: TargetOf, shardings: Any, partial: bool) -> Any:
-        return self._manager._restore.read(step, target_of, shardings, partial)
+        return self._live()._restore.read(step, target_of, shardings, partial)
+
+
+_OPEN: "weakref.WeakSet[CheckpointManager]" = weakref.WeakSet()  # managers to close at interpreter exit
+_MIGRATING = threading.local()  # ``now``: this thread is in a migration's write (_Directory.write)
+
+
+def _close_open_managers() -> None:
+    for manager in list(_OPEN):
+        manager._close_at_exit()
+
+
+def _register_exit_hook() -> None:
+    """Has the managers still open closed at interpreter exit, before concurrent.futures stops its threads
+    (the writer's; which happens before ``atexit`` handlers run) and before module teardown:
+    ``threading._register_atexit``, whose hooks run in reverse order of registration, so this one (the
+    writer's import registered concurrent.futures' first) runs before concurrent.futures', and after
+    those of the callbacks (registered later), whose close saves through their manager; ``atexit``
+    where it does not exist."""
+    register = getattr(threading, "_register_atexit", None)
+    try:
+        (register or atexit.register)(_close_open_managers)
+    except RuntimeError:  # already shutting down threads
+        atexit.register(_close_open_managers)
+
+
+_register_exit_hook()

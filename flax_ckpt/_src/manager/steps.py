@@ -183,6 +183,12 @@ class StepIndex:
             self._folders[step] = layouts.StepFolder(step, name, self.layout)
             self._written.add(step)
 
+    def resumed(self, step: int) -> None:
+        """A restore of ``step`` resumed the run this directory holds: its steps up to ``step`` count as
+        this manager's own, so retention deletes them without the warning about other runs' steps."""
+        with self._mutex:
+            self._written.update(s for s in self._folders if s <= step)
+
     def retain(self, retention: Retention) -> None:
         """Deletes the steps ``retention`` removes (every process drops them; process 0 deletes the
         folders). Every committed step of the directory counts, also those this manager did not write
@@ -201,7 +207,8 @@ class StepIndex:
             self._retention_warned = True
             log.warning(
                 "retention (max_to_keep=%d) deleted step%s %s of %s, which this manager did not write (%s there "
-                "when it opened, e.g. an earlier run's or an Orbax job's): a manager's retention covers every step "
+                "when it opened, e.g. an earlier run's or an Orbax job's, and it did not resume from them): a "
+                "manager's retention covers every step "
                 "in its directory. To keep them, pass max_to_keep=None (keeps every step)%s, or give this run a "
                 "directory of its own. Said once per manager.", retention.max_to_keep, "s" if len(others) > 1 else "",
                 ", ".join(map(str, others)), self.directory, "they were" if len(others) > 1 else "it was",

@@ -4,7 +4,10 @@ Scope: KvStorage, the Storage protocol (base.py) over any tensorstore kvstore, a
 (how to reach an object store: endpoint, region, credentials, retries, concurrency). Retries with
 exponential backoff on transient errors (HTTP 5xx and 429, dropped, reset or truncated connections)
 are tensorstore's own (its s3_request_retries / gcs_request_retries resources); a permanent error (403,
-missing bucket) or one that outlasts every retry becomes a StorageError naming the URL. Requests run
+missing bucket) or one that outlasts every retry becomes a StorageError naming the URL. Before the first
+request to an s3 endpoint that is set explicitly, a TCP check (check_endpoint, once per endpoint per
+process) fails within seconds when its host does not resolve or refuses the connection, instead of
+after every retry, and before tensorstore's AWS credential chain logs to stderr. Requests run
 concurrently up to ObjectStoreOptions.concurrency; reads of large byte ranges are split into parts
 fetched in parallel. There is no rename: the commit protocol writes its commit object last instead.
 """
@@ -12,12 +15,16 @@ fetched in parallel. There is no rename: the commit protocol writes its commit o
 from __future__ import annotations
 
 import atexit
+import errno
 import json
 import os
 import re
 import shutil
+import socket
 import tempfile
 import threading
+import urllib.request
+from urllib.parse import urlparse
 from dataclasses import dataclass, field
 from typing import Any, Literal, Sequence
 
@@ -34,6 +41,7 @@ _ENV = {"max_attempts": ("FLAX_CKPT_STORAGE_MAX_ATTEMPTS", int, 10),
         "retry_delay_s": ("FLAX_CKPT_STORAGE_RETRY_DELAY", float, 0.5),
         "concurrency": ("FLAX_CKPT_STORAGE_CONCURRENCY", int, 64)}
 _S3_ONLY = ("endpoint", "region", "profile", "access_key_id", "secret_access_key", "session_token")
+_ENDPOINT_VARS = ("FLAX_CKPT_S3_ENDPOINT", "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
 
 
 @dataclass(frozen=True)
@@ -142,7 +150,7 @@ def _s3_setup(spec: dict[str, Any], o: ObjectStoreOptions) -> tuple[dict[str, An
     """Fills endpoint and region from options/environment (never over what a spec already says);
     returns the spec and the context holding credentials, retries and concurrency."""
     spec = dict(spec)
-    endpoint = o.endpoint or _first_env("FLAX_CKPT_S3_ENDPOINT", "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
+    endpoint = o.endpoint or _first_env(*_ENDPOINT_VARS)
     if endpoint and "endpoint" not in spec:
         spec["endpoint"] = endpoint
     region = o.region or _first_env("AWS_REGION", "AWS_DEFAULT_REGION")
@@ -166,9 +174,15 @@ def _short(e: Exception) -> str:
     return msg if len(msg) <= 600 else msg[:600] + "..."
 
 
+_NO_CONNECTION = {"6": "the endpoint's host name did not resolve",
+                  "7": "no connection to the endpoint (refused or unreachable)"}
+
+
 def explain(e: Exception) -> str:
     """What a tensorstore failure means for the user: permanent (with the fix) or transient (gave up)."""
     msg = str(e)
+    gave_up = re.search(r"All \d+ retry attempts failed", msg)
+    curl = re.search(r"curl_code='(\d+)'", msg)
     if "NoSuchBucket" in msg:
         why = "the bucket does not exist (create it, or fix the URL)"
     elif "PERMISSION_DENIED" in msg or "http_response_code='403'" in msg:
@@ -176,12 +190,108 @@ def explain(e: Exception) -> str:
                "AWS_SECRET_ACCESS_KEY or AWS_PROFILE) and the bucket's policy; not retried")
     elif "UNAUTHENTICATED" in msg or "http_response_code='401'" in msg:
         why = "not authenticated (HTTP 401): no valid credentials were found; not retried"
-    elif re.search(r"All \d+ retry attempts failed", msg):
-        why = ("transient errors outlasted every retry (the store is unreachable or overloaded; raise "
-               "ObjectStoreOptions.max_attempts / FLAX_CKPT_STORAGE_MAX_ATTEMPTS, or check the endpoint)")
+    elif gave_up and curl and curl.group(1) in _NO_CONNECTION:
+        why = (f"{_NO_CONNECTION[curl.group(1)]} on every retry: check that the server is running and the "
+               f"endpoint (for s3://: ObjectStoreOptions.endpoint or {', '.join(_ENDPOINT_VARS)})")
+    elif gave_up:
+        why = ("transient errors outlasted every retry (HTTP 5xx/429, timeouts or dropped connections: the "
+               "store is overloaded or the network unreliable; try again later, or raise "
+               "ObjectStoreOptions.max_attempts / FLAX_CKPT_STORAGE_MAX_ATTEMPTS if it recurs)")
     else:
         return _short(e)
     return f"{why}: {_short(e)}"
+
+
+# ------------------------------------------------------------------- fail fast on an unreachable endpoint
+
+_CHECK_TIMEOUT_S = 3.0  # bound on resolving the endpoint's host, and on each connect attempt
+_checked: set[str] = set()  # endpoints reachable (or not provably unreachable) in this process
+_check_lock = threading.Lock()
+_UNREACHABLE = {errno.ECONNREFUSED: "refused the connection: no server is listening there",
+                errno.ENETUNREACH: "is unreachable (no route to its network)",
+                errno.EHOSTUNREACH: "is unreachable (no route to the host)",
+                errno.EADDRNOTAVAIL: "is not an address this machine can connect to"}
+
+
+def check_endpoint(endpoint: str, url: str) -> None:
+    """Raises StorageError within seconds when ``endpoint``'s host does not resolve, or refuses or cannot
+    route a TCP connection: a wrong endpoint or a stopped server fails at once instead of after every
+    retry. A timeout proves nothing (a slow network), so it passes and tensorstore's retries take over;
+    so does an endpoint reached through a proxy. Checked once per endpoint per process."""
+    with _check_lock:
+        if endpoint in _checked:
+            return
+        why = _why_unreachable(endpoint)
+        if why is None:
+            _checked.add(endpoint)
+            return
+    raise StorageError(f"{url}: cannot reach the S3 endpoint {endpoint}: {why}. Start the server, or fix the "
+                       f"endpoint (it came from {_endpoint_source(endpoint)}). Nothing was sent or retried.")
+
+
+def _endpoint_source(endpoint: str) -> str:
+    var = next((v for v in _ENDPOINT_VARS if os.environ.get(v) == endpoint), None)
+    return f"the environment variable {var}" if var else "ObjectStoreOptions.endpoint or the kvstore spec"
+
+
+def _why_unreachable(endpoint: str) -> str | None:
+    """Why ``endpoint`` is certainly unreachable, or None (reachable, or not provably unreachable)."""
+    u = urlparse(endpoint)
+    try:
+        host, port = u.hostname, u.port or {"http": 80, "https": 443}.get(u.scheme)
+    except ValueError:  # a malformed port: tensorstore's own error says so
+        return None
+    if not host or not port or _proxied(u.scheme, host):
+        return None
+    addresses = _resolve(host, port)
+    if addresses is None or isinstance(addresses, str):
+        return addresses
+    return _connect_any(addresses, host, port)
+
+
+def _proxied(scheme: str, host: str) -> bool:
+    """Whether curl would go through a proxy (http_proxy, https_proxy, all_proxy, no_proxy)."""
+    proxies = urllib.request.getproxies()
+    return bool(proxies.get(scheme) or proxies.get("all")) and not urllib.request.proxy_bypass(host)
+
+
+def _resolve(host: str, port: int) -> list[tuple] | str | None:
+    """The host's addresses; why it does not resolve; or None if the resolver took too long. A name
+    under .invalid never resolves (RFC 6761), so the resolver is not asked about one."""
+    if host.rstrip(".").lower().rsplit(".", 1)[-1] == "invalid":
+        return f"its host name {host!r} does not resolve (names under .invalid never do)"
+    found: dict[str, Any] = {}
+
+    def lookup() -> None:
+        try:
+            found["addresses"] = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        except (OSError, UnicodeError) as e:  # UnicodeError: a label too long or empty
+            found["error"] = e
+
+    worker = threading.Thread(target=lookup, name="flax_ckpt-resolve", daemon=True)
+    worker.start()
+    worker.join(_CHECK_TIMEOUT_S)
+    if "error" in found:
+        e = found["error"]
+        return f"its host name {host!r} does not resolve ({getattr(e, 'strerror', None) or e})"
+    return found.get("addresses")
+
+
+def _connect_any(addresses: list[tuple], host: str, port: int) -> str | None:
+    """None once one address accepts a TCP connection (or one attempt is inconclusive), else why not."""
+    why = ""
+    for family, kind, proto, _, address in addresses:
+        try:
+            with socket.socket(family, kind, proto) as s:
+                s.settimeout(_CHECK_TIMEOUT_S)
+                s.connect(address)
+            return None
+        except OSError as e:
+            if e.errno not in _UNREACHABLE:  # a timeout, or anything else that proves nothing
+                return None
+            at = host if address[0] == host else f"{host} ({address[0]})"
+            why = f"{at} port {port} {_UNREACHABLE[e.errno]}"
+    return why or None
 
 
 class KvStorage:
@@ -203,6 +313,8 @@ class KvStorage:
     @property
     def kv(self):
         if self._kv is None:
+            if self.spec["driver"] == "s3" and self.spec.get("endpoint"):
+                check_endpoint(str(self.spec["endpoint"]), self.url)
             try:
                 self._kv = ts.KvStore.open(self.spec, context=self.context).result()
             except Exception as e:
@@ -223,6 +335,10 @@ class KvStorage:
         return parent, name
 
     def _err(self, op: str, name: str, e: Exception) -> StorageError:
+        """The StorageError for a failed request; one raised on opening the store (an unreachable
+        endpoint, a bad spec) already names the URL and the fix, and is re-raised as it is."""
+        if isinstance(e, StorageError):
+            raise e
         return StorageError(f"{op} {self.url}/{name} failed: {explain(e)}")
 
     def write(self, name: str, buffers: Sequence[Buffer]) -> float:

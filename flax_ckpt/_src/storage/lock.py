@@ -9,6 +9,10 @@ Anyone who can write the directory can put something else at the lock's name: it
 following links or blocking, and refused (StorageError naming it) unless it is this user's own regular
 file with one link, so that nothing outside the directory is ever written through it.
 Object stores have no lock (their managers rely on one process per job writing).
+Without ``tidy`` (a native run) the lock file stays after release, on purpose: it holds nothing but the
+last holder's pid and is ignored by the manager, ``ls`` and ``prune``; removing a file that another
+opener may already hold open would let two processes lock two different files of one name (an older
+flax_ckpt does not re-check the path), while a file that stays is one inode for every opener.
 """
 
 from __future__ import annotations
@@ -113,15 +117,17 @@ class DirectoryLock:
             return False
         return (here.st_dev, here.st_ino) == (mine.st_dev, mine.st_ino)
 
-    def release(self) -> None:
+    def release(self, _unlink=os.unlink, _flock=fcntl.flock, _close=os.close, _un=fcntl.LOCK_UN) -> None:
+        """Unlocks (removing a ``tidy`` lock's own file first). The calls are bound at import: a manager
+        nobody closed may release in interpreter teardown, when this module's globals are None."""
         if self.fd >= 0:
             if self.created:
                 try:
-                    os.unlink(self.path)  # while still held: a waiter then finds no file or a new one
+                    _unlink(self.path)  # while still held: a waiter then finds no file or a new one
                 except FileNotFoundError:
                     pass
-            fcntl.flock(self.fd, fcntl.LOCK_UN)
-            os.close(self.fd)
+            _flock(self.fd, _un)
+            _close(self.fd)
             self.fd = -1
 
 

@@ -1,4 +1,10 @@
-"""``flax-ckpt convert``: native <-> Orbax layout, or an export of the arrays to one .safetensors file."""
+"""``flax-ckpt convert``: native <-> Orbax layout, or an export of the arrays to one .safetensors file.
+
+Scope: reading every leaf of a checkpoint and writing it in another format, with the checkpoint's step,
+metrics and user metadata wherever the target can hold them; what it cannot hold is named in the
+result (``skipped``, ``outside``: leaves; ``fields_left_out``: step). Writing the formats is api.py's
+(native, Orbax) and safetensors'.
+"""
 
 from __future__ import annotations
 
@@ -14,7 +20,8 @@ from flax_ckpt._src import api, layouts
 from flax_ckpt._src import commit as commit_mod
 from flax_ckpt._src import tree as tree_mod
 from flax_ckpt._src.errors import CheckpointError, CheckpointExistsError, format_list
-from flax_ckpt._src.storage import LocalStorage
+from flax_ckpt._src.orbax import locate as orbax_locate
+from flax_ckpt._src.storage import LocalStorage, split_location
 from flax_ckpt._src.tools.common import Leaves, bar, folder_of
 
 Format = Literal["native", "orbax", "safetensors"]
@@ -29,6 +36,12 @@ class ConvertResult:
     skipped: list[str] = field(default_factory=list)  # not exported to safetensors: non-arrays, PRNG keys
     outside: list[str] = field(default_factory=list)  # safetensors: leaves outside the exported sub-tree
     subtree: str = ""  # safetensors: the key path exported ("" for the whole tree)
+    fields_left_out: dict[str, str] = field(default_factory=dict)  # {"step": why}: not carried over
+
+    @property
+    def left_out(self) -> int:
+        """How many things of ``src`` are not in ``dst``: leaves (skipped, outside) and fields."""
+        return len(self.skipped) + len(self.outside) + len(self.fields_left_out)
 
 
 def detect_format(path: Any) -> Literal["native", "orbax"]:
@@ -43,20 +56,43 @@ def convert(src: Any, dst: Any, *, to: Format | None = None, serializer: str | N
     ``to``: "native", "orbax" (default: the other layout than ``src``'s) or "safetensors" (the array
     leaves under ``subtree`` as one .safetensors file; ``subtree`` defaults to "params" when the tree has
     it, else the whole tree). Attribute containers (TrainState fields) become dicts, as in a restore
-    without a target; step, metrics and user metadata are carried over where the layout has room."""
+    without a target. Step, metrics and user metadata are carried over: into Orbax's layout the step
+    only when ``dst``'s name is that step's (``.../3``, ``.../ckpt_3``: then ``dst`` is a
+    CheckpointManager step; else a StandardCheckpointer folder, and the step is in
+    ``fields_left_out``); into safetensors as JSON strings in the file's metadata."""
     to = to or ("native" if detect_format(src) == "orbax" else "orbax")
     if to not in ("native", "orbax", "safetensors"):
         raise ValueError(f"unknown target format {to!r}; use 'native', 'orbax' or 'safetensors'")
     leaves = Leaves(src)
     if to == "safetensors":
         return _export_safetensors(leaves, dst, subtree, progress)
-    tree, nbytes = _read_tree(leaves, leaves.keys(), progress)
     info = leaves.info
+    step, left_out = _orbax_step(src, dst, info.step) if to == "orbax" else (info.step, {})
+    tree, nbytes = _read_tree(leaves, leaves.keys(), progress)
     if to == "orbax":
-        api.save(dst, tree, metadata=info.metadata, format="orbax")
+        api.save(dst, tree, metadata=info.metadata, step=step, metrics=info.metrics, format="orbax")
     else:
         api.save(dst, tree, metadata=info.metadata, step=info.step, metrics=info.metrics, serializer=serializer)
-    return ConvertResult(os.fspath(dst), to, len(leaves.keys()), nbytes)
+    return ConvertResult(os.fspath(dst), to, len(leaves.keys()), nbytes, fields_left_out=left_out)
+
+
+def _orbax_step(src: Any, dst: Any, step: int | None) -> tuple[int | None, dict[str, str]]:
+    """The step an Orbax ``dst`` records, and the step left out: Orbax's layout records a step only as
+    the name of a CheckpointManager step folder. A ``dst`` named for another step is refused (it
+    would list as that step), before anything is read."""
+    if step is None:
+        return None, {}
+    parent, name = split_location(dst)
+    named = orbax_locate.step_number(name)
+    if named == step:
+        return step, {}
+    if named is not None:
+        raise CheckpointError(
+            f"{dst}: its name is that of an Orbax step folder of step {named}, but {src} is step {step}, and "
+            f"Orbax's layout records a step only as its folder's name; nothing was written. Convert into "
+            f"{parent.url}/{step} (or <prefix>_{step}) to keep the step, or into a name that is no step number")
+    return None, {"step": f"step {step}: Orbax's layout records a step only as the name of a step folder, and "
+                          f"{name!r} names none; convert into {parent.url}/{step} to keep it"}
 
 
 def _read_tree(leaves: Leaves, keys: list[str], progress: bool) -> tuple[Any, int]:
@@ -109,14 +145,29 @@ def _export_safetensors(leaves: Leaves, dst: Any, subtree: str | None, progress:
             nbytes += leaves.nbytes(k)
             b.update(leaves.nbytes(k))
     meta = {"format": "flax_ckpt export", "source": str(leaves.info.path), "subtree": prefix.rstrip("/"),
-            "step": json.dumps(leaves.info.step), "metrics": json.dumps(leaves.info.metrics)}
+            "step": json.dumps(leaves.info.step), "metrics": json.dumps(leaves.info.metrics),
+            "metadata": json.dumps(leaves.info.metadata)}
     folder, name = os.path.split(os.path.abspath(dst))
     try:
-        commit_mod.commit_file(LocalStorage(folder), name, lambda tmp: save_file(tensors, tmp, metadata=meta),
+        commit_mod.commit_file(LocalStorage(folder), name, lambda tmp: _save_file(save_file, tensors, tmp, meta),
                                replace=False)
     except CheckpointExistsError:
         raise CheckpointExistsError(f"{dst} appeared while exporting; not overwritten") from None
     return ConvertResult(dst, "safetensors", len(arrays), nbytes, skipped, outside, prefix.rstrip("/"))
+
+
+def _save_file(save_file: Any, tensors: dict[str, np.ndarray], tmp: str, meta: dict[str, str]) -> None:
+    """safetensors' save_file, with the mode every file of a checkpoint gets (0o644 less the umask:
+    storage/local.py's): safetensors creates its file 0o600 whatever the umask. The mode is that of
+    ``tmp`` created first by os.open, so the umask is read without changing it (os.umask would, for
+    every thread)."""
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        mode = os.fstat(fd).st_mode & 0o777
+    finally:
+        os.close(fd)
+    save_file(tensors, tmp, metadata=meta)
+    os.chmod(tmp, mode)
 
 
 _SAFETENSORS_DTYPES = {"bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64",

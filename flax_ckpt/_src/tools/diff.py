@@ -1,4 +1,9 @@
-"""``flax-ckpt diff``: two checkpoints compared leaf by leaf (native or Orbax, in any combination)."""
+"""``flax-ckpt diff``: two checkpoints compared leaf by leaf (native or Orbax, in any combination).
+
+Scope: which leaves are only in one checkpoint, and which differ in type or value: arrays with the
+max absolute difference, PRNG keys as equal or not (by implementation and key data; a difference of
+key bits means nothing), other leaves by value. No printing (cli.py's).
+"""
 
 from __future__ import annotations
 
@@ -7,14 +12,13 @@ from typing import Any
 
 import numpy as np
 
-from flax_ckpt._src.engine.leaves import LeafInfo
 from flax_ckpt._src.tools.common import Leaves, bar
 
 
 @dataclass(frozen=True)
 class LeafDiff:
     """A leaf present in both checkpoints whose type or values differ. ``max_abs_diff`` is None when
-    the values cannot be compared numerically (different shapes or kinds, strings)."""
+    the values cannot be compared numerically (different shapes or kinds, strings, PRNG keys)."""
 
     key: str
     a: str
@@ -34,11 +38,14 @@ class DiffResult:
         return not (self.only_in_a or self.only_in_b or self.differing)
 
 
-def _describe(info: LeafInfo) -> str:
+def _describe(leaves: Leaves, key: str) -> str:
+    """float32[3], key<threefry2x32>[2] (the implementation is the record's: LeafInfo has none), or the kind."""
+    info = leaves.info.leaves[key]
+    if info.kind == "prng_key":
+        return leaves.records[key].describe()
     if info.dtype is None:
         return info.kind
-    prefix = "key<>" if info.kind == "prng_key" else ""
-    return f"{prefix}{info.dtype.name}{list(info.shape or ())}".replace(" ", "")
+    return f"{info.dtype.name}{list(info.shape or ())}".replace(" ", "")
 
 
 def diff(a: Any, b: Any, *, progress: bool = False) -> DiffResult:
@@ -64,7 +71,9 @@ def diff(a: Any, b: Any, *, progress: bool = False) -> DiffResult:
 
 def _diff_leaf(key: str, la: Leaves, lb: Leaves) -> LeafDiff | None:
     ia, ib = la.info.leaves[key], lb.info.leaves[key]
-    da, db = _describe(ia), _describe(ib)
+    da, db = _describe(la, key), _describe(lb, key)
+    if "prng_key" in (ia.kind, ib.kind):
+        return _diff_keys(key, la, lb, da, db)
     va, vb = la.data(key), lb.data(key)
     if ia.dtype is None or ib.dtype is None:
         if ia.kind == ib.kind and _same_value(va, vb):
@@ -77,6 +86,13 @@ def _diff_leaf(key: str, la: Leaves, lb: Leaves) -> LeafDiff | None:
         return None
     m = max_abs_diff(x, y)
     return None if (da == db and m == 0.0) else LeafDiff(key, da, db, m)
+
+
+def _diff_keys(key: str, la: Leaves, lb: Leaves, da: str, db: str) -> LeafDiff | None:
+    """PRNG keys are equal or not (same implementation, shape and key data); never a max |a-b|."""
+    if da == db and np.asarray(la.data(key)).tobytes() == np.asarray(lb.data(key)).tobytes():
+        return None
+    return LeafDiff(key, da, db, None)
 
 
 def _array_kind(kind: str) -> str:
