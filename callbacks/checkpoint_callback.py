@@ -32,6 +32,7 @@ import weakref
 from typing import Any, Callable, Mapping, Sequence
 
 import jax
+import numpy as np
 
 import flax_ckpt as fc
 
@@ -83,14 +84,29 @@ class CheckpointCallback:
 
     # ------------------------------------------------------------------------------------------ resume
 
-    def restore_or(self, state: Any) -> tuple[Any, int]:
+    def restore_or(self, state: Any, *, init_from: str | os.PathLike | None = None, rename: Any = None,
+                   missing: str = "error", unexpected: str = "error", cast: bool = False) -> tuple[Any, int]:
         """``(state restored from the newest good checkpoint, its step)``, or ``(state, 0)`` if there is none.
 
         ``state`` is the freshly initialised state: it gives the structure, dtypes and placement. nnx
-        objects and stateful iterators in it are updated in place."""
+        objects and stateful iterators in it are updated in place.
+
+        ``init_from``: a checkpoint (any path fc.restore takes, e.g. a pretrained model's) that a fresh
+        run starts from: with no checkpoint of its own in the directory, the run restores ``init_from``
+        into ``state`` with ``rename``, ``missing``, ``unexpected`` and ``cast`` (as fc.restore's; e.g.
+        ``missing="keep"`` for the new head and the optimizer state) and starts at step 0. A resumed
+        run restores its own newest step, exactly, as without ``init_from``."""
+        options = dict(rename=rename, missing=missing, unexpected=unexpected, cast=cast)
+        if init_from is None and options != dict(rename=None, missing="error", unexpected="error", cast=False):
+            raise TypeError("restore_or: rename, missing, unexpected and cast apply to the init_from checkpoint; "
+                            "pass init_from=..., or restore the run's own steps with ckpt.manager.restore(...)")
         if not self.manager.all_steps():
-            _announce("no checkpoint in %s; starting from step 0", self.manager.directory)
-            return state, 0
+            if init_from is None:
+                _announce("no checkpoint in %s; starting from step 0", self.manager.directory)
+                return state, 0
+            restored = _restore_everywhere(init_from, to_tree(state), options)
+            _announce("no checkpoint in %s; starting from step 0 with %s", self.manager.directory, init_from)
+            return from_tree(state, restored), 0
         target = to_tree(state)
         # the manager decides the step: the newest that restores, alike on every process of a job
         restored = self.manager.restore(target_for=lambda info: match_saved_scalars(target, info))
@@ -210,6 +226,27 @@ class CheckpointCallback:
     def __del__(self) -> None:  # no final save: garbage collection may run anywhere, on any thread
         if not getattr(self, "_closed", True):
             self._close(final_save=False, at_exit=False)
+
+
+def _restore_everywhere(path: Any, target: Any, options: dict[str, Any]) -> Any:
+    """fc.restore of ``path`` into ``target`` on every process of a job, or a CheckpointError on every
+    one: a process reads only its own shards, so a failure (a value its shards hold that cast cannot
+    convert, a damaged file only it reads) may be seen by one process alone; the others must not train on."""
+    error: fc.CheckpointError | None = None
+    try:
+        restored = fc.restore(path, target, **options)
+    except fc.CheckpointError as e:
+        error, restored = e, None
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        failed = np.asarray(multihost_utils.process_allgather(np.int32(error is not None)))
+        if error is None and failed.any():
+            raise fc.CheckpointError(
+                f"restore of init_from={path} failed on process {int(np.flatnonzero(failed)[0])} (its error "
+                "says why), so no process starts from it: fix that, then restart every process")
+    if error is not None:
+        raise error
+    return restored
 
 
 def _announce(message: str, *args: Any) -> None:

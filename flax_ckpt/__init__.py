@@ -18,8 +18,11 @@ if TYPE_CHECKING:
     from flax_ckpt._src.api import metadata as metadata
     from flax_ckpt._src.api import restore as restore
     from flax_ckpt._src.api import save as save
+    from flax_ckpt._src.engine.fit import RestoreReport as RestoreReport
     from flax_ckpt._src.engine.leaves import CheckpointInfo as CheckpointInfo
     from flax_ckpt._src.engine.leaves import LeafInfo as LeafInfo
+    from flax_ckpt._src.errors import AbstractTargetLeafError as AbstractTargetLeafError
+    from flax_ckpt._src.errors import CastOverflowError as CastOverflowError
     from flax_ckpt._src.errors import CheckpointError as CheckpointError
     from flax_ckpt._src.errors import CheckpointExistsError as CheckpointExistsError
     from flax_ckpt._src.errors import CheckpointLockedError as CheckpointLockedError
@@ -29,6 +32,7 @@ if TYPE_CHECKING:
     from flax_ckpt._src.errors import DistributedError as DistributedError
     from flax_ckpt._src.errors import InvalidManifestError as InvalidManifestError
     from flax_ckpt._src.errors import LeafMismatchError as LeafMismatchError
+    from flax_ckpt._src.errors import RenameCollisionError as RenameCollisionError
     from flax_ckpt._src.errors import SaveFailedError as SaveFailedError
     from flax_ckpt._src.errors import StorageError as StorageError
     from flax_ckpt._src.errors import StructureMismatchError as StructureMismatchError
@@ -54,12 +58,14 @@ __version__ = "0.1.0"
 # Each module of the public API and the names it gives: imported by __getattr__ on first use.
 _SOURCES: dict[str, tuple[str, ...]] = {
     "flax_ckpt._src.api": ("metadata", "restore", "save"),
+    "flax_ckpt._src.engine.fit": ("RestoreReport",),
     "flax_ckpt._src.engine.leaves": ("CheckpointInfo", "LeafInfo"),
     "flax_ckpt._src.errors": (
-        "CheckpointError", "CheckpointExistsError", "CheckpointLockedError", "CheckpointNotCommittedError",
-        "CheckpointNotFoundError", "CorruptCheckpointError", "DistributedError", "InvalidManifestError",
-        "LeafMismatchError", "SaveFailedError", "StorageError", "StructureMismatchError", "TargetMismatchError",
-        "UnsupportedLeafError", "UnsupportedOrbaxCheckpointError"),
+        "AbstractTargetLeafError", "CastOverflowError", "CheckpointError", "CheckpointExistsError",
+        "CheckpointLockedError", "CheckpointNotCommittedError", "CheckpointNotFoundError", "CorruptCheckpointError",
+        "DistributedError", "InvalidManifestError", "LeafMismatchError", "RenameCollisionError", "SaveFailedError",
+        "StorageError", "StructureMismatchError", "TargetMismatchError", "UnsupportedLeafError",
+        "UnsupportedOrbaxCheckpointError"),
     "flax_ckpt._src.manager": ("CheckpointManager",),
     "flax_ckpt._src.plot": ("plot_timeline",),
     "flax_ckpt._src.serializers.base": ("ArrayItem", "Box", "Serializer", "Shard", "StoredArray", "Written"),

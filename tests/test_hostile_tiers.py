@@ -31,7 +31,7 @@ def state(v: float) -> dict[str, Any]:
 
 
 def tiers(local: str, **kw: Any) -> fc.Tiers:
-    return fc.Tiers(local_dir=local, persist_interval_steps=None, cleanup=False, **kw)
+    return fc.Tiers(local_dir=local, on_busy="wait", persist_interval_steps=None, cleanup=False, **kw)
 
 
 def chown_tree(path: str, uid: int = OTHER) -> None:
@@ -79,7 +79,7 @@ def test_a_job_folder_planted_by_another_user_is_refused_and_nothing_is_restored
     first, with a step-999 copy in it. The manager refuses to start, naming the folder and its owner;
     nothing of it is read, deleted or used."""
     d, local = str(tmp_path / "ckpt"), str(tmp_path / "shm")
-    with fc.CheckpointManager(d, tiers=fc.Tiers(local_dir=local, persist_interval_steps=1)) as mgr:
+    with fc.CheckpointManager(d, tiers=fc.Tiers(local_dir=local, on_busy="wait", persist_interval_steps=1)) as mgr:
         mgr.save(1, state(1.0))  # persisted; cleanup=True removes the memory tiers at close
         job = os.path.dirname(mgr.memory_tiers.root)
     assert not os.path.exists(job)

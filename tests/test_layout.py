@@ -23,6 +23,7 @@ RANKS = {
     "flax_ckpt._src.commit": 3,  # the commit and the multi-process agreement (commit/distributed.py)
     "flax_ckpt._src.engine": 4,
     "flax_ckpt._src.native": 5, "flax_ckpt._src.orbax": 5, "flax_ckpt._src.tiers": 5,  # the layouts, peers
+    "flax_ckpt._src.foreign": 5,  # other libraries' files, read only: legacy Flax msgpack, safetensors
     "flax_ckpt._src.layouts": 6, "flax_ckpt._src.api": 6, "flax_ckpt._src.writer": 6,
     "flax_ckpt._src.interval": 6, "flax_ckpt._src.retention": 6, "flax_ckpt._src.plot": 6,
     "flax_ckpt._src.stats": 6,

@@ -217,3 +217,48 @@ def test_sigterm_to_one_of_four_processes_all_stop_at_one_step_and_resume_bit_id
     with fc.CheckpointManager(directory) as mgr:
         assert mgr.all_steps() == [200, 300, 400]  # max_to_keep=3 removed the preemption step afterwards
         assert np.asarray(mgr.restore(400)["w"]).shape == (4 * n, 3)
+
+
+INIT_CHILD = textwrap.dedent('''
+    import sys
+    import jax
+    process_id, port, directory, pretrained, n = (int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4],
+                                                  int(sys.argv[5]))
+    jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=n, process_id=process_id)
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    import flax_ckpt as fc
+    from flax_ckpt.callbacks import CheckpointCallback
+
+    sh = NamedSharding(Mesh(np.array(jax.devices()), ("x",)), P("x"))
+    state = {"w": jax.make_array_from_callback((2 * n,), sh, lambda idx: np.zeros(2 * n, np.int8)[idx])}
+    ckpt = CheckpointCallback(directory, every_steps=100, preemption_signals=())
+    try:
+        state, start = ckpt.restore_or(state, init_from=pretrained, cast=True)
+        print("ok", start, np.asarray(state["w"].addressable_shards[0].data).tolist(), flush=True)
+    except fc.CheckpointError as e:
+        print("error", type(e).__name__, e, flush=True)
+    ckpt.close()
+''')
+
+
+@pytest.mark.parametrize("overflow", [False, True])
+def test_init_from_is_restored_on_every_process_or_refused_on_every_one(tmp_path, overflow):
+    """restore_or(init_from=..., cast=True) in a 2-process job: each process reads its own shard; a value
+    only process 1's shard holds that int8 cannot hold stops both processes, not just process 1."""
+    n = 2
+    values = np.array([1, 2, 3, 1000 if overflow else 4], np.int64)  # process 1 holds elements 2 and 3
+    fc.save(tmp_path / "pretrained", {"w": values})
+    script = tmp_path / "init.py"
+    script.write_text(INIT_CHILD)
+    port, env = str(free_port()), worker_env(1)
+    procs = [subprocess.Popen([sys.executable, str(script), str(i), port, str(tmp_path / "run"),
+                               str(tmp_path / "pretrained"), str(n)], env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True) for i in range(n)]
+    outs = [p.communicate(timeout=TIMEOUT_S)[0] for p in procs]
+    lines = [next((ln for ln in out.splitlines() if ln.startswith(("ok ", "error "))), out[-2000:]) for out in outs]
+    if not overflow:
+        assert lines == ["ok 0 [1, 2]", "ok 0 [3, 4]"], outs
+        return
+    assert lines[1].startswith("error CastOverflowError") and "'w'" in lines[1], outs
+    assert lines[0].startswith("error CheckpointError") and "failed on process 1" in lines[0], outs

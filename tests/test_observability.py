@@ -106,7 +106,7 @@ def test_timeline_plot_draws_every_phase(ckpt_dir):
 
 
 def test_tiered_saves_report_memory_and_migration_phases(tmp_path):
-    tiers = fc.Tiers(local_dir=str(tmp_path / "shm"), peer=False, persist_interval_steps=2)
+    tiers = fc.Tiers(local_dir=str(tmp_path / "shm"), peer=False, persist_interval_steps=2, on_busy="wait")
     with fc.CheckpointManager(tmp_path / "run", tiers=tiers) as mgr:
         for s in range(1, 5):
             mgr.save(s, {"w": np.full(1000, s, np.float32)})

@@ -47,7 +47,7 @@ def frozen() -> np.ndarray:
 
 def test_differential_copy_costs_only_the_trained_part(tmp_path, frozen, caplog):
     caplog.set_level(logging.INFO, "flax_ckpt")
-    tiers = fc.Tiers(local_dir=str(tmp_path / "shm"), persist_interval_steps=100, cleanup=False)
+    tiers = fc.Tiers(local_dir=str(tmp_path / "shm"), on_busy="wait", persist_interval_steps=100, cleanup=False)
     with fc.CheckpointManager(tmp_path / "ckpt", tiers=tiers) as mgr:
         for step in range(1, 6):
             mgr.save(step, tuned(step, frozen))
@@ -67,7 +67,7 @@ def test_differential_copy_costs_only_the_trained_part(tmp_path, frozen, caplog)
 
 def test_unchanged_jax_leaves_are_neither_copied_nor_hashed(tmp_path):
     backbone = jnp.asarray(np.random.default_rng(2).standard_normal((1024, 1024), np.float32))  # 4 MiB
-    tiers = fc.Tiers(local_dir=str(tmp_path / "shm"), persist_interval_steps=3, rebase_interval=2, cleanup=False)
+    tiers = fc.Tiers(local_dir=str(tmp_path / "shm"), on_busy="wait", persist_interval_steps=3, rebase_interval=2, cleanup=False)
     states = {s: {"backbone": backbone, "head": jnp.full((64, 64), float(s))} for s in range(1, 7)}
     with fc.CheckpointManager(tmp_path / "ckpt", tiers=tiers) as mgr:
         for step in range(1, 7):
@@ -86,7 +86,7 @@ def test_unchanged_jax_leaves_are_neither_copied_nor_hashed(tmp_path):
 
 def test_small_changes_are_stored_as_compressed_xor_deltas(tmp_path):
     base = np.random.default_rng(1).standard_normal((512, 1024)).astype(np.float32)  # 2 MiB
-    tiers = fc.Tiers(local_dir=str(tmp_path / "shm"), persist_interval_steps=None, cleanup=False)
+    tiers = fc.Tiers(local_dir=str(tmp_path / "shm"), on_busy="wait", persist_interval_steps=None, cleanup=False)
     with fc.CheckpointManager(tmp_path / "ckpt", tiers=tiers) as mgr:
         mgr.save(1, {"w": base})
         mgr.save(2, {"w": base + np.float32(1e-6) * base})  # every element changes a little
@@ -100,7 +100,7 @@ def test_small_changes_are_stored_as_compressed_xor_deltas(tmp_path):
 
 
 def test_retention_rebase_cleanup_and_final_migration(tmp_path, frozen):
-    tiers = fc.Tiers(local_dir=str(tmp_path / "shm"), persist_interval_steps=4, max_to_keep=2, rebase_interval=3)
+    tiers = fc.Tiers(local_dir=str(tmp_path / "shm"), on_busy="wait", persist_interval_steps=4, max_to_keep=2, rebase_interval=3)
     mgr = fc.CheckpointManager(tmp_path / "ckpt", tiers=tiers)
     for step in range(1, 11):
         mgr.save(step, tuned(step, frozen))
@@ -118,7 +118,7 @@ def test_retention_rebase_cleanup_and_final_migration(tmp_path, frozen):
 
 
 def test_damaged_memory_copy_falls_back_with_a_warning(tmp_path, frozen, caplog):
-    tiers = fc.Tiers(local_dir=str(tmp_path / "shm"), persist_interval_steps=2, cleanup=False)
+    tiers = fc.Tiers(local_dir=str(tmp_path / "shm"), on_busy="wait", persist_interval_steps=2, cleanup=False)
     with fc.CheckpointManager(tmp_path / "ckpt", tiers=tiers) as mgr:
         for step in range(1, 4):
             mgr.save(step, tuned(step, frozen))
@@ -155,7 +155,7 @@ def test_memory_restore_maps_the_copy_and_reused_pages_never_change_it(tmp_path)
     new copies into the pages of removed ones, never writes into pages a restored array still uses."""
     def state(step: int) -> dict[str, Any]:  # every leaf changes: every copy is a full one
         return {"w": jnp.asarray(np.random.default_rng(step).standard_normal((1024, 1024), np.float32))}
-    tiers = fc.Tiers(local_dir=str(tmp_path / "shm"), persist_interval_steps=None, max_to_keep=1, cleanup=False)
+    tiers = fc.Tiers(local_dir=str(tmp_path / "shm"), on_busy="wait", persist_interval_steps=None, max_to_keep=1, cleanup=False)
     target = {"w": jax.ShapeDtypeStruct((1024, 1024), np.float32, sharding=state(0)["w"].sharding)}
     with fc.CheckpointManager(tmp_path / "ckpt", tiers=tiers) as mgr:
         for step in range(1, 4):
@@ -186,7 +186,7 @@ def test_a_training_step_that_donates_restored_arrays_leaves_the_memory_copy_int
     """Restored arrays are the copy's read-only pages; a jitted step that donates them (as training
     loops do) must neither crash nor write into the copy: the next restore is still the saved step."""
     state = {"w": jnp.asarray(np.random.default_rng(7).standard_normal((512, 1024), np.float32))}
-    tiers = fc.Tiers(local_dir=str(tmp_path / "shm"), persist_interval_steps=None, cleanup=False)
+    tiers = fc.Tiers(local_dir=str(tmp_path / "shm"), on_busy="wait", persist_interval_steps=None, cleanup=False)
     step_fn = jax.jit(lambda s: jax.tree.map(lambda x: x.at[0, 0].set(42.0) * 2, s), donate_argnums=0)
     with fc.CheckpointManager(tmp_path / "ckpt", tiers=tiers) as mgr:
         mgr.save(1, state)
@@ -208,7 +208,7 @@ def test_failed_migration_is_raised_and_memory_still_serves(tmp_path):
     class DiskFull(RawSerializer):
         def write(self, storage, items, *, tag):
             raise OSError(28, "No space left on device")
-    tiers = fc.Tiers(local_dir=str(tmp_path / "shm"), persist_interval_steps=1, cleanup=False)
+    tiers = fc.Tiers(local_dir=str(tmp_path / "shm"), on_busy="wait", persist_interval_steps=1, cleanup=False)
     state = {"w": np.arange(8.0)}
     with fc.CheckpointManager(tmp_path / "ckpt", tiers=tiers, serializer=DiskFull()) as mgr:
         mgr.save(1, state)

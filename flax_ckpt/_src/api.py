@@ -10,6 +10,7 @@ from typing import Any
 
 from flax_ckpt._src import layouts
 from flax_ckpt._src.engine import restore as engine
+from flax_ckpt._src.engine.fit import Fit, RenameArg
 from flax_ckpt._src.engine.leaves import CheckpointInfo
 from flax_ckpt._src.engine.pause import gc_paused
 from flax_ckpt._src.engine.snapshot import jsonable
@@ -42,21 +43,35 @@ def _folder(path: Any):
 
 
 def restore(path: Any, target: Any = None, *, shardings: Any = None, partial: bool = False,
-            item: str | None = None, serializer: "str | Serializer | None" = None) -> Any:
+            rename: RenameArg = None, missing: str = "error", unexpected: str = "error", cast: bool = False,
+            report: bool = False, item: str | None = None, serializer: "str | Serializer | None" = None) -> Any:
     """Restores the checkpoint at ``path`` (either format) into ``target``'s structure, checked leaf by
     leaf (a pytree of arrays or jax.ShapeDtypeStruct giving structure, dtypes and placement), or without
     a target into nested dicts/lists of numpy arrays. Each leaf keeps the target's type: a Python
     scalar target leaf gets a Python scalar, a weak-typed one a weak-typed array. ``shardings`` (one,
-    or a tree) overrides the target's placement; ``partial`` restores a sub-tree of what was saved,
-    reading only its bytes.
+    or a tree) overrides the target's placement.
+
+    A target that differs from the checkpoint (fine-tuning, serving; README: Fine-tuning and serving):
+    ``rename``: ordered (regex, replacement) pairs or a dict of them, matched against each checkpoint
+    key path as a whole (``{"encoder/(.*)": r"backbone/\1"}``; the first rule that matches wins; a
+    replacement ``None`` does not restore the leaf; a rule that matches nothing warns), or a function of
+    the key path; applied before the structure check. ``missing="keep"``: target leaves the checkpoint
+    lacks keep the target's own values (concrete arrays, never a ShapeDtypeStruct).
+    ``unexpected="ignore"``: checkpoint leaves the target lacks are not read (``partial=True`` is its
+    older name). ``cast=True``: each array is converted to the target's dtype as it is read, slab by
+    slab (bool -> integer -> float -> complex, never back; a value the target's dtype cannot hold is a
+    CastOverflowError naming the leaf). ``report=True``: returns ``(tree, fc.RestoreReport)``; any of
+    these options logs the report's one-line summary.
 
     An Orbax step saved with named items (``args.Composite``) restores as ``{item name: value}``
     (JSON items as their JSON) and takes a target keyed by item names; ``item="state"`` restores
     one item by itself (see the orbax package's docstring). ``serializer``: the user serializer (an
     instance) that wrote the checkpoint, when no installed package declares it (README: Writing a
     serializer); used only when the manifest names it."""
+    fit = Fit.of(partial=partial, rename=rename, missing=missing, unexpected=unexpected, cast=cast,
+                 report=report)
     source = layouts.open_checkpoint(_folder(path), item, _reader(serializer))
-    return engine.restore(source, target, shardings=shardings, partial=partial)
+    return engine.restore(source, target, shardings=shardings, partial=fit)
 
 
 def metadata(path: Any, *, item: str | None = None, serializer: "str | Serializer | None" = None) -> CheckpointInfo:

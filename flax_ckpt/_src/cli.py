@@ -233,7 +233,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
                                    f"file {p.file or '-'}: {p.message}" for p in problems])
     elif r.unverified:
         text = (f"UNVERIFIED {args.path}: every leaf reads back, but {len(r.unverified)} of {r.leaves} leaves carry "
-                f"no checksum (Orbax's layout stores none for them), so damage to their bytes cannot be detected"
+                f"no checksum (their format stores none: Orbax's layout, legacy Flax msgpack and safetensors "
+                f"files), so damage to their bytes cannot be detected"
                 + run + ("" if args.strict else "; --strict makes this an error"))
     else:
         text = f"OK {args.path}: every checksum matches{run}"

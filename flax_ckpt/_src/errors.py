@@ -59,6 +59,25 @@ class LeafMismatchError(TargetMismatchError):
     every one with both values. Fix the target (for example the model config) or cast after restore."""
 
 
+class AbstractTargetLeafError(StructureMismatchError):
+    """``missing="keep"`` would keep the target's own value for a leaf the checkpoint lacks, but the
+    target holds no value there: an abstract ``jax.ShapeDtypeStruct`` (or a deleted, donated array).
+    The message names every such leaf. Build those leaves concretely (an initialized model, not
+    ``jax.eval_shape``), or ``rename=`` checkpoint keys onto them."""
+
+
+class RenameCollisionError(TargetMismatchError):
+    """``rename=`` maps two checkpoint keys to one target key; the message names both and the key they
+    meet at. Make the rules map each checkpoint key to its own target key, or drop one (replacement
+    ``None``)."""
+
+
+class CastOverflowError(LeafMismatchError):
+    """``cast=True`` met values the target's dtype cannot hold (an integer outside its range, a finite
+    float that would become inf or NaN); the message names the leaf, the dtypes and the values.
+    Nothing is handed back. Restore into a wider dtype, or without ``cast`` and convert yourself."""
+
+
 class UnsupportedLeafError(CheckpointError, TypeError):
     """A leaf of a type that cannot be stored (a function, an arbitrary object). Nothing was written.
 

@@ -1,13 +1,15 @@
-"""The two checkpoint formats behind one interface, and the one place a folder's format is decided.
+"""The checkpoint formats behind one interface, and the one place a folder's format is decided.
 
 Scope: ``Layout``, what the public functions and the manager need of a format (its snapshot, its
-write and commit, opening one of its folders as a restore Source, its commit record), with the two
-implementations: "native" (flax_ckpt's own layout, native/) and "orbax" (Orbax's, orbax/);
-``detect`` and ``recognize`` (which format a folder holds) and ``step_folders`` (the steps of a run
-directory in either format), which the manager and the flax-ckpt command both use; ``run_format``
-(the format a manager writes a run's new steps in: the run's own) and ``step_name`` (their folder
-names). The memory tiers keep their own copy format (tiers/store.py) and migrate native steps through
-the native layout.
+write and commit, opening one of its folders as a restore Source, its commit record), with its
+implementations: "native" (flax_ckpt's own layout, native/) and "orbax" (Orbax's, orbax/), which are
+written and read, and the read-only files of other libraries (foreign/): "flax_msgpack" (legacy Flax
+msgpack files) and "safetensors"; ``detect`` and ``recognize`` (which format a folder or file holds)
+and ``step_folders`` (the steps of a run directory: native and Orbax step folders, and for the tools,
+legacy Flax ``checkpoint_<step>`` files), which the manager and the flax-ckpt command both use;
+``run_format`` (the format a manager writes a run's new steps in: the run's own) and ``step_name``
+(their folder names). The memory tiers keep their own copy format (tiers/store.py) and migrate
+native steps through the native layout.
 """
 
 from __future__ import annotations
@@ -22,12 +24,14 @@ from flax_ckpt._src.records import PersistTimes
 from flax_ckpt._src.engine.restore import Source
 from flax_ckpt._src.engine.snapshot import Snapshot
 from flax_ckpt._src.checks import MANIFEST
+from flax_ckpt._src.errors import CheckpointNotFoundError
+from flax_ckpt._src import foreign
 from flax_ckpt._src.orbax import OrbaxLayout
 from flax_ckpt._src.orbax import locate as orbax_locate
 from flax_ckpt._src.serializers import Serializer
 from flax_ckpt._src.storage import Storage
 
-FORMATS = ("native", "orbax")
+FORMATS = ("native", "orbax")  # the formats flax_ckpt writes; foreign/'s files are read only
 
 
 class Layout(Protocol):
@@ -81,23 +85,35 @@ def _renamed(name: str | None) -> str | None:
 
 def detect(folder: Storage, serializer: "Serializer | None" = None) -> Layout:
     """The format of the checkpoint in ``folder``: native when it has a manifest, Orbax when it has
-    Orbax's metadata files, else native (whose open then says what is missing). One listing or less.
+    Orbax's metadata files, a foreign file's (foreign.file_layout) when ``folder`` is a local file,
+    else native (whose open then says what is missing). One listing or less.
     ``serializer``: a native checkpoint's reader when its manifest names it (a user serializer)."""
     return recognize(folder, serializer) or NativeLayout(serializer)
 
 
 def recognize(folder: Storage, serializer: "Serializer | None" = None) -> Layout | None:
-    """The format whose files ``folder`` holds (a native manifest, Orbax's metadata files), or None: no
-    checkpoint of either format, maybe a run directory of step folders."""
+    """The format whose files ``folder`` holds (a native manifest, Orbax's metadata files), or the
+    format of the file ``folder`` is (a legacy Flax msgpack or .safetensors file), or None: no
+    checkpoint, maybe a run directory of step folders."""
     if folder.exists(MANIFEST):
         return NativeLayout(serializer)
-    return OrbaxLayout() if orbax_locate.is_orbax(folder) else None
+    return OrbaxLayout() if orbax_locate.is_orbax(folder) else foreign.file_layout(folder)
 
 
 def open_checkpoint(folder: Storage, item: str | None = None, serializer: "Serializer | None" = None) -> Source:
     """The committed checkpoint in ``folder``, in whichever format it has, as a restore Source
-    (``item``: only that named item of an Orbax step; ``serializer``: see detect)."""
-    return detect(folder, serializer).open(folder, item)
+    (``item``: only that named item of an Orbax step; ``serializer``: see detect). A directory of
+    legacy Flax ``checkpoint_<step>`` files (and no native step folders) is a CheckpointNotFoundError
+    naming its steps, as a native run directory is (native/layout.py)."""
+    fmt = recognize(folder, serializer)
+    if fmt is None and not any(commit_mod.step_number(e) is not None for e in folder.list()):
+        files = foreign.step_files(folder)
+        if files:
+            shown = ", ".join(str(s) for s, _, _ in files[:10]) + (", ..." if len(files) > 10 else "")
+            raise CheckpointNotFoundError(
+                f"{folder.url} is a directory of Flax checkpoint files, steps [{shown}], not one checkpoint: pass "
+                f"one of them (e.g. {folder.url.rstrip('/')}/{files[-1][1]}); `flax-ckpt ls {folder.url}` lists them")
+    return (fmt or NativeLayout(serializer)).open(folder, item)
 
 
 @dataclass(frozen=True)
@@ -109,11 +125,14 @@ class StepFolder:
     layout: Layout
 
 
-def step_folders(root: Storage, serializer: "Serializer | None" = None) -> tuple[list[StepFolder], list[str]]:
+def step_folders(root: Storage, serializer: "Serializer | None" = None, *, files: bool = False
+                 ) -> tuple[list[StepFolder], list[str]]:
     """The step folders of a run directory in either format, by step (committed Orbax steps, named
     ``<step>`` or ``<prefix>_<step>``; every other folder named by an integer is a native step, to be
     opened to know whether it is committed, and whose manifest must name that step), and the names of
-    the steps' temporary folders (saves in flight or crashed, interrupted deletions: never read)."""
+    the steps' temporary folders (saves in flight or crashed, interrupted deletions: never read).
+    ``files``: also legacy Flax ``checkpoint_<step>`` files (foreign.step_files), for the tools that
+    list and verify them; a manager, which never continues such a run, leaves them out."""
     orbax = orbax_locate.step_dirs(root)
     found = [StepFolder(s, n, OrbaxLayout()) for s, n in orbax.items()]
     temporary = []
@@ -123,6 +142,9 @@ def step_folders(root: Storage, serializer: "Serializer | None" = None) -> tuple
                 temporary.append(entry)  # only a step's: another temporary name there may be a user's
         elif (step := commit_mod.step_number(entry)) is not None and step not in orbax:
             found.append(StepFolder(step, entry, NativeLayout(serializer, step=step)))
+    if files:
+        names = {f.name for f in found}
+        found += [StepFolder(s, n, fmt) for s, n, fmt in foreign.step_files(root) if n not in names]
     return sorted(found, key=lambda f: f.step), temporary
 
 

@@ -94,7 +94,7 @@ def install_crash(cfg: dict[str, Any]) -> Any:
 
 
 def manager(cfg: dict[str, Any], serializer: Any = None) -> fc.CheckpointManager:
-    tiers = fc.Tiers(local_dir=cfg["local"], persist_interval_steps=cfg["persist"], cleanup=False)
+    tiers = fc.Tiers(local_dir=cfg["local"], on_busy="wait", persist_interval_steps=cfg["persist"], cleanup=False)
     return fc.CheckpointManager(cfg["dir"], tiers=tiers, serializer=serializer)
 
 

@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import jax
 import numpy as np
 
 from flax_ckpt._src import tree as tree_mod
-from flax_ckpt._src.errors import LeafMismatchError, StructureMismatchError, format_list
+from flax_ckpt._src.engine.fit import Fit, RestoreReport, cast_problem, renamed
+from flax_ckpt._src.errors import (AbstractTargetLeafError, LeafMismatchError, StructureMismatchError,
+                                  format_list)
 from flax_ckpt._src.records import LeafRecord
 
 
@@ -77,48 +79,150 @@ def compatible(t: Any, leaf: LeafRecord) -> bool:
     return False
 
 
-def match_target(saved: Sequence[LeafRecord], flat: Sequence[tuple[tree_mod.KeyPath, Any]], *, partial: bool,
-                 what: str, where: str, hint: str = "") -> list[LeafRecord]:
-    """The saved leaf of every target leaf (in target order), matched by key path; raises
-    StructureMismatchError (key paths on one side only) or LeafMismatchError (every leaf whose shape,
-    dtype or kind differs). ``what``: the checkpoint as the structure error names it; ``where``: the
-    file the leaf error names; ``hint``: a sentence added to a structure error."""
-    by_name = {leaf.name: leaf for leaf in saved}
+class Fitted(NamedTuple):
+    """A target checked against a checkpoint: per target leaf the saved record restored into it (None:
+    the target's own value is kept), the target dtype of every leaf read with a cast (by saved key
+    path), and the report."""
+
+    chosen: list[LeafRecord | None]
+    casts: dict[str, np.dtype]
+    report: RestoreReport
+
+
+def fit_target(saved: Sequence[LeafRecord], flat: Sequence[tuple[tree_mod.KeyPath, Any]], fit: Fit, *,
+               what: str, where: str, hint: str = "", warn: bool = True) -> Fitted:
+    """The saved leaf of every target leaf (in target order), matched by key path after ``fit``'s
+    rename; raises StructureMismatchError (key paths on one side only, unless ``fit`` lets them be),
+    AbstractTargetLeafError (a leaf to keep that has no value) or LeafMismatchError (every leaf whose
+    shape, dtype or kind differs, dtypes only where ``fit`` does not cast them). ``what``: the checkpoint
+    as the structure error names it; ``where``: the file the leaf error names; ``hint``: a sentence
+    added to a structure error. Every message names a renamed leaf by both its key paths."""
+    ren = renamed(saved, fit, what, warn=warn)
     names = [tree_mod.keystr(p) for p, _ in flat]
-    missing = [n for n in names if n not in by_name]
-    unexpected = []
-    if not partial and len(by_name) != len(names) - len(missing):
+    missing = [n for n in names if n not in ren.by_name]
+    unexpected: list[str] = []
+    if len(ren.by_name) != len(names) - len(missing):
         wanted = set(names)
-        unexpected = [n for n in by_name if n not in wanted]
-    if missing or unexpected:
-        raise StructureMismatchError(
-            f"restore of {what}: the target's structure differs from the checkpoint's. "
-            + (f"In the target but not the checkpoint: {format_list(missing)}. " if missing else "")
-            + (f"In the checkpoint but not the target: {format_list(unexpected)} "
-               "(pass partial=True to restore only the target's sub-tree). " if unexpected else "")
-            + hint + f"Checkpoint: {where}")
-    chosen = [by_name[n] for n in names]
-    bad = [f"{n!r}: expected {describe_target(t)} (target), found {leaf.describe()}"
-           for n, (_, t), leaf in zip(names, flat, chosen) if not compatible(t, leaf)]
+        unexpected = [n for n in ren.by_name if n not in wanted]
+    _check_structure(missing if fit.missing == "error" else [],
+                     unexpected if fit.unexpected == "error" else [], ren.origin, what, where, hint)
+    by_target = dict(zip(names, (t for _, t in flat)))
+    if missing:
+        _check_kept(missing, by_target, what, ren.origin)
+    chosen = [ren.by_name.get(n) for n in names]
+    casts: dict[str, np.dtype] = {}
+    bad = []
+    for n, (_, t), leaf in zip(names, flat, chosen):
+        if leaf is None or compatible(t, leaf):
+            continue
+        problem = castable(t, leaf) if fit.cast else ""
+        if problem is None:
+            casts[leaf.name] = np.dtype(t.dtype)
+            continue
+        bad.append(f"{_named(n, ren.origin)}: expected {describe_target(t)} (target), found {leaf.describe()}"
+                   + (f" ({problem})" if problem else ""))
     if bad:
         raise LeafMismatchError(f"restore of {len(bad)} leaves does not match the target: " + "; ".join(bad)
-                                + f" in {where}. " + _mismatch_fix(flat, chosen))
-    return chosen
+                                + f" in {where}. " + _mismatch_fix(flat, chosen, fit.cast))
+    report = RestoreReport(
+        restored=tuple(n for n, leaf in zip(names, chosen) if leaf is not None), kept=tuple(missing),
+        ignored=_in_order(saved, set(ren.dropped) | {ren.by_name[n].name for n in unexpected}),
+        renamed=tuple((ren.origin[n], n) for n, leaf in zip(names, chosen) if leaf is not None and n in ren.origin),
+        cast=tuple(n for n, leaf in zip(names, chosen) if leaf is not None and leaf.name in casts))
+    return Fitted(chosen, casts, report)
 
 
-def _mismatch_fix(flat: Sequence[tuple[tree_mod.KeyPath, Any]], chosen: Sequence[LeafRecord]) -> str:
+def _in_order(saved: Sequence[LeafRecord], names: set[str]) -> tuple[str, ...]:
+    return tuple(leaf.name for leaf in saved if leaf.name in names) if names else ()
+
+
+def match_target(saved: Sequence[LeafRecord], flat: Sequence[tuple[tree_mod.KeyPath, Any]], *, partial: bool,
+                 what: str, where: str, hint: str = "") -> list[LeafRecord]:
+    """fit_target without rename, keep or cast: the saved leaf of every target leaf (``partial``: the
+    checkpoint may hold more)."""
+    return fit_target(saved, flat, Fit.of(partial=partial), what=what, where=where, hint=hint).chosen
+
+
+def _named(name: str, origin: dict[str, str]) -> str:
+    """A target key path as messages show it: 'backbone/x' (renamed from 'encoder/x')."""
+    return f"{name!r} (renamed from {origin[name]!r})" if name in origin else repr(name)
+
+
+def _check_structure(missing: list[str], unexpected: list[str], origin: dict[str, str], what: str, where: str,
+                     hint: str) -> None:
+    if not (missing or unexpected):
+        return
+    shown = [_named(n, origin) for n in unexpected]
+    raise StructureMismatchError(
+        f"restore of {what}: the target's structure differs from the checkpoint's. "
+        + (f"In the target but not the checkpoint: {format_list(missing)} (pass missing=\"keep\" to keep the "
+           "target's own values there, e.g. the new layers of a larger model). " if missing else "")
+        + (f"In the checkpoint but not the target: {', '.join(shown[:20])}"
+           + (f", ... ({len(shown) - 20} more)" if len(shown) > 20 else "")
+           + " (pass unexpected=\"ignore\", or partial=True, to restore only the target's sub-tree). "
+           if unexpected else "")
+        + ("Where they are one model's leaves under other names, map them with rename=. " if missing and unexpected
+           else "")
+        + hint + f"Checkpoint: {where}")
+
+
+def is_abstract(t: Any) -> str | None:
+    """Why target leaf ``t`` holds no value to keep (a jax.ShapeDtypeStruct, a deleted array), or None."""
+    if isinstance(t, jax.Array):
+        return "a deleted (donated) jax.Array" if t.is_deleted() else None
+    if isinstance(t, (np.ndarray, np.generic)) or not (hasattr(t, "shape") and hasattr(t, "dtype")):
+        return None
+    return f"an abstract {type(t).__name__} {describe_target(t)}"
+
+
+def _check_kept(missing: list[str], by_target: dict[str, Any], what: str, origin: dict[str, str]) -> None:
+    """missing="keep": every target leaf the checkpoint lacks must hold a value to keep."""
+    bad = [f"{n!r} ({why})" for n in missing if (why := is_abstract(by_target[n])) is not None]
+    if bad:
+        raise AbstractTargetLeafError(
+            f"restore of {what}: missing=\"keep\" keeps the target's own value for a leaf the checkpoint lacks, "
+            f"but the target holds none at {len(bad)} of them: " + ", ".join(bad[:20])
+            + (f", ... ({len(bad) - 20} more)" if len(bad) > 20 else "")
+            + ". Nothing was restored. Fix: build the target from an initialized model (model.init(...), "
+            "nnx.state(model)) rather than jax.eval_shape, at least for these leaves, or map checkpoint keys "
+            "onto them with rename=.")
+
+
+def castable(t: Any, leaf: LeafRecord) -> str | None:
+    """Why cast=True does not convert ``leaf`` into target leaf ``t`` (a message's note; "" where the
+    mismatch says it), or None: only arrays of one shape are cast, never PRNG keys, Python scalars or
+    other leaves; fit.cast_problem is the dtype policy."""
+    if leaf.kind not in ("jax", "numpy") or tree_mod.is_prng_key(t) or python_scalar_kinds(t) is not None:
+        return ""
+    if not (hasattr(t, "shape") and hasattr(t, "dtype")) or tuple(t.shape) != leaf.shape:
+        return ""
+    try:
+        dst = np.dtype(t.dtype)
+    except TypeError:
+        return ""
+    return cast_problem(leaf.dtype, dst)
+
+
+def _mismatch_fix(flat: Sequence[tuple[tree_mod.KeyPath, Any]], chosen: Sequence[LeafRecord | None],
+                  cast: bool = False) -> str:
     """The fix a LeafMismatchError suggests, from what differs: shapes (another model or config),
     only dtypes (a cast meant on purpose), or kinds."""
-    pairs = [(t, leaf) for (_, t), leaf in zip(flat, chosen) if not compatible(t, leaf)]
+    pairs = [(t, leaf) for (_, t), leaf in zip(flat, chosen) if leaf is not None and not compatible(t, leaf)
+             and (not cast or castable(t, leaf) is not None)]
     arrays = [(t, leaf) for t, leaf in pairs if leaf.is_array and hasattr(t, "shape") and hasattr(t, "dtype")]
     if any(tuple(t.shape) != leaf.logical_shape for t, leaf in arrays):
         return ("Fix: shapes differ, so this checkpoint is from another model or config: build the target "
                 "with the config it was saved with (fc.metadata(path).tree shows every saved shape and "
-                "dtype), or restore only the leaves that fit: a target without the others, with partial=True.")
-    if arrays and len(arrays) == len(pairs):
-        return ("Fix: only dtypes differ: if a cast is meant, restore into a target of the saved dtypes "
+                "dtype), or restore only the leaves that fit: a target without the others, with "
+                "unexpected=\"ignore\" (partial=True), or missing=\"keep\" for new ones.")
+    if arrays and len(arrays) == len(pairs) and not cast:
+        return ("Fix: only dtypes differ: if a cast is meant, pass cast=True (each leaf is converted to the "
+                "target's dtype as it is read), or restore into a target of the saved dtypes "
                 "(fc.metadata(path).tree, or the model built with the saved param_dtype) and cast after, "
                 "e.g. jax.tree.map(lambda x: x.astype(jnp.bfloat16), restored).")
+    if arrays and len(arrays) == len(pairs):
+        return ("Fix: restore these into a target of the saved dtypes (fc.metadata(path).tree) and convert "
+                "them yourself after.")
     return ("Fix: the target's leaf types differ from what was saved (fc.metadata(path).tree shows them): "
             "build the target the way the saving run did.")
 
@@ -172,5 +276,5 @@ def checkpoint_info(url: str, leaves: Sequence[LeafRecord], *, step: int | None,
                           sum(i.nbytes for i in infos.values()), format)
 
 
-__all__ = ["CheckpointInfo", "LeafInfo", "checkpoint_info", "compatible", "describe_target", "key_data_shape",
-           "leaf_info", "match_target", "python_scalar_kinds"]
+__all__ = ["CheckpointInfo", "Fitted", "LeafInfo", "castable", "checkpoint_info", "compatible", "describe_target",
+           "fit_target", "is_abstract", "key_data_shape", "leaf_info", "match_target", "python_scalar_kinds"]

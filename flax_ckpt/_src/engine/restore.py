@@ -5,13 +5,16 @@ item: orbax/read.py; memory-tier copy: tiers/load.py): its typed leaf records, w
 messages), how to fill a box of one leaf with verified bytes, and what a verify of it finds (``verify``,
 ``unchecked``: the tools ask, never inspect a source's type). ``restore`` checks the target leaf by
 leaf (engine/leaves.py), reads what each leaf needs (only the boxes this process's devices hold) and
-places it: into the target's sharding, onto a device, or as numpy arrays without a target. Opening,
-validation and the byte layout belong to the sources.
+places it: into the target's sharding, onto a device, or as numpy arrays without a target. A
+restore that renames, keeps, ignores or casts (engine/fit.py) reads only the leaves it restores, and a
+cast converts a leaf slab by slab as it is read (``Reader``), so no second copy of the state is held.
+Opening, validation and the byte layout belong to the sources.
 """
 
 from __future__ import annotations
 
 import copy
+import logging
 import math
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -21,7 +24,8 @@ import jax
 import numpy as np
 
 from flax_ckpt._src import tree as tree_mod
-from flax_ckpt._src.engine.leaves import CheckpointInfo, match_target, python_scalar_kinds
+from flax_ckpt._src.engine.fit import Fit, RestoreReport, as_fit, cast_into, renamed
+from flax_ckpt._src.engine.leaves import CheckpointInfo, fit_target, python_scalar_kinds
 from flax_ckpt._src.engine.pause import gc_paused
 from flax_ckpt._src.errors import CheckpointError, CorruptCheckpointError
 from flax_ckpt._src.checks import tiling_problem
@@ -32,6 +36,9 @@ _IO_THREADS = 8
 _REMOTE_THREADS = 32  # object stores: reads in flight at once
 _BIG_LEAF = 1 << 20  # restore reads leaves of at least this many bytes on a pool
 _ALIGN = 64  # restored host buffers start on this boundary (see aligned_empty)
+_CAST_SLAB = 8 << 20  # a cast reads at most this many saved bytes at a time (or one row of its first axis)
+
+log = logging.getLogger("flax_ckpt")
 
 
 class Source(Protocol):
@@ -51,7 +58,8 @@ class Source(Protocol):
     def budget(self) -> int | None: ...
 
     def read(self, leaf: LeafRecord, box: Box, out: np.ndarray) -> None:
-        """Fills ``out`` (the extents of ``box``, the leaf's dtype) with verified bytes."""
+        """Fills ``out`` (the extents of ``box``, the leaf's dtype) with verified bytes. ``box``: any box
+        within the leaf (a cast reads a leaf in slabs of rows along its first axis)."""
 
     def read_many(self, requests: Sequence[tuple[LeafRecord, Box, np.ndarray]]) -> None:
         """``read`` for many boxes at once; a source may batch them (one read per file region)."""
@@ -121,10 +129,13 @@ class _Pending:
 
 class Reader:
     """Reads leaves of one source: ``host`` (a box into numpy), ``value`` (a leaf as restore gives it),
-    with allocation bounded by the source's budget. ``prefetch`` reads many boxes in one batch first."""
+    with allocation bounded by the source's budget. ``prefetch`` reads many boxes in one batch first.
+    ``casts``: the dtype to convert some leaves to (by saved key path), slab by slab as they are read
+    (``_cast``): the leaf's buffer is allocated once, in the target's dtype."""
 
-    def __init__(self, source: Source):
+    def __init__(self, source: Source, casts: dict[str, np.dtype] | None = None):
         self.source = source
+        self._casts = casts or {}
         self._budget: int | None | bool = False  # False: not asked yet (a local source walks its folder)
         self._mutex = threading.Lock()
         self._ready: dict[tuple[str, Box], np.ndarray] = {}  # prefetched boxes
@@ -137,6 +148,12 @@ class Reader:
         ready = self._ready.pop((leaf.name, box), None)
         if ready is not None:
             return ready
+        dtype = self._casts.get(leaf.name)
+        if dtype is not None:
+            out = self._allocate(leaf, box, dtype)
+            for slab in slabs(box, leaf.dtype.itemsize):
+                self._cast(leaf, slab, out[local_rows(slab, box)])
+            return out
         if device:
             v = self.source.view(leaf, box)
             if v is not None:
@@ -145,30 +162,58 @@ class Reader:
         self.source.read(leaf, box, out)
         return out
 
-    def _allocate(self, leaf: LeafRecord, box: Box) -> np.ndarray:
-        """An uninitialized buffer for a box, within the budget; the source's read must fill all of it
-        (native chunks and memory-copy shards are checked to tile it exactly: checks.tiling_problem)."""
+    def _allocate(self, leaf: LeafRecord, box: Box, dtype: np.dtype | None = None) -> np.ndarray:
+        """An uninitialized buffer for a box (of ``dtype``, default the leaf's), within the budget (the
+        saved bytes it holds); the source's read must fill all of it (native chunks and memory-copy
+        shards are checked to tile it exactly: checks.tiling_problem)."""
         extents = tuple(e - s for s, e in box)
         nbytes = math.prod(extents) * leaf.dtype.itemsize
         self._reserve(nbytes, leaf)
         try:
-            return aligned_empty(extents, leaf.dtype)
+            return aligned_empty(extents, dtype or leaf.dtype)
         except MemoryError:
             raise CheckpointError(f"{self.source.where} leaf {leaf.name!r}: cannot allocate {nbytes} bytes to "
                                   "restore it (out of memory); restore on a machine with more memory, or a "
                                   "sub-tree with partial=True") from None
 
+    def _cast(self, leaf: LeafRecord, box: Box, out: np.ndarray) -> None:
+        """Reads ``box`` into a buffer of the saved dtype and converts it into ``out`` (fit.cast_into)."""
+        tmp = np.empty(tuple(e - s for s, e in box), leaf.dtype)
+        self.source.read(leaf, box, tmp)
+        cast_into(tmp, out, leaf.name, self.source.where)
+
     def prefetch(self, wanted: Sequence[tuple[LeafRecord, Box]]) -> None:
-        """Reads these boxes in one batch (``Source.read_many``); ``host`` then hands them out."""
+        """Reads these boxes in one batch (``Source.read_many``); ``host`` then hands them out. Boxes to
+        cast are read in batches of at most _CAST_SLAB saved bytes, each converted as its batch lands."""
         requests = []
+        batch: list[tuple[LeafRecord, Box, np.ndarray]] = []
+        held = 0  # saved bytes of the boxes in batch
         for leaf, box in wanted:
+            dtype = self._casts.get(leaf.name)
+            if dtype is not None:
+                batch.append((leaf, box, self._allocate(leaf, box, dtype)))
+                held += batch[-1][2].size * leaf.dtype.itemsize
+                if held >= _CAST_SLAB:
+                    self._prefetch_cast(batch)
+                    batch, held = [], 0
+                continue
             v = self.source.view(leaf, box)
             if v is not None:
                 self._ready[(leaf.name, box)] = v
             else:
                 requests.append((leaf, box, self._allocate(leaf, box)))
+        self._prefetch_cast(batch)
         self.source.read_many(requests)
         self._ready.update({(leaf.name, box): out for leaf, box, out in requests})
+
+    def _prefetch_cast(self, batch: list[tuple[LeafRecord, Box, np.ndarray]]) -> None:
+        if not batch:
+            return
+        tmps = [(leaf, box, np.empty(out.shape, leaf.dtype)) for leaf, box, out in batch]
+        self.source.read_many(tmps)
+        for (leaf, box, out), (_, _, tmp) in zip(batch, tmps):
+            cast_into(tmp, out, leaf.name, self.source.where)
+            self._ready[(leaf.name, box)] = out
 
     def _reserve(self, nbytes: int, leaf: LeafRecord) -> None:
         """Memory stays bounded by what is stored: a restore allocates at most the source's budget,
@@ -276,6 +321,23 @@ class Reader:
         return self.sharded(leaf, sharding, puts)
 
 
+def slabs(box: Box, itemsize: int, limit: int | None = None) -> list[Box]:
+    """``box`` cut along its first axis into slabs of at most ``limit`` bytes (default _CAST_SLAB), at
+    least one row each."""
+    if not box:
+        return [box]
+    limit = _CAST_SLAB if limit is None else limit
+    row = math.prod(e - s for s, e in box[1:]) * itemsize
+    step = max(1, limit // row) if row else box[0][1] - box[0][0] or 1
+    (lo, hi), rest = box[0], box[1:]
+    return [((a, min(a + step, hi)),) + rest for a in range(lo, hi, step)] or [box]
+
+
+def local_rows(slab: Box, box: Box) -> tuple[slice, ...]:
+    """Where ``slab`` (rows of ``box``) lies in an array holding ``box``."""
+    return (slice(slab[0][0] - box[0][0], slab[0][1] - box[0][0]),) if box else (Ellipsis,)
+
+
 def placement_of(target: Any) -> Any:
     """Where a target leaf asks its restored array to be: its sharding; None for an uncommitted jax.Array
     (one jax put on the default device by itself, as a fresh TrainState.create's and jit's outputs
@@ -308,31 +370,66 @@ def flat_shardings(shardings: Any, names: Sequence[str]) -> dict[str, Any]:
 
 
 @gc_paused()
-def restore(source: Source, target: Any = None, *, shardings: Any = None, partial: bool = False) -> Any:
+def restore(source: Source, target: Any = None, *, shardings: Any = None, partial: "bool | Fit" = False) -> Any:
     """Restores ``source`` into ``target``'s structure (checked leaf by leaf), or without a target into
-    nested dicts/lists of numpy arrays, Python scalars and strings (PRNG keys as key arrays)."""
+    nested dicts/lists of numpy arrays, Python scalars and strings (PRNG keys as key arrays).
+    ``partial``: a Fit (engine/fit.py: rename, missing, unexpected, cast, report), or a bool (True:
+    the checkpoint may hold more than the target). With Fit.report, returns (tree, RestoreReport).
+    Every check comes before any read; a failed read or cast hands nothing back."""
+    fit = as_fit(partial)
     source, target = source.select(target)
-    reader = Reader(source)
     if target is None:
-        leaves = list(source.leaves)
-        smap = flat_shardings(shardings, [leaf.name for leaf in leaves])
-        values = read_all(reader, [(leaf, None, smap.get(leaf.name)) for leaf in leaves])
-        return tree_mod.nest((leaf.path, v) for leaf, v in zip(leaves, values))
-    flat, treedef = tree_mod.flatten(target)
-    chosen = match_target(source.leaves, flat, partial=partial, what=source.url, where=source.where,
-                          hint=source.hint)
-    smap = flat_shardings(shardings, [leaf.name for leaf in chosen])
-    values = read_all(reader, [(leaf, t, smap.get(leaf.name)) for leaf, (_, t) in zip(chosen, flat)])
-    return jax.tree_util.tree_unflatten(treedef, values)
+        if fit.cast:
+            raise ValueError("cast=True converts each leaf to the target's dtype: pass a target")
+        tree, report = _restore_untargeted(source, fit, shardings)
+    else:
+        flat, treedef = tree_mod.flatten(target)
+        fitted = fit_target(source.leaves, flat, fit, what=source.url, where=source.where, hint=source.hint)
+        names = [tree_mod.keystr(p) for p, _ in flat]
+        smap = flat_shardings(shardings, names)
+        jobs = [(leaf, t, smap.get(n)) for n, leaf, (_, t) in zip(names, fitted.chosen, flat) if leaf is not None]
+        values = iter(read_all(Reader(source, fitted.casts), jobs))
+        tree = jax.tree_util.tree_unflatten(treedef, [
+            next(values) if leaf is not None else kept(t, smap.get(n))
+            for n, leaf, (_, t) in zip(names, fitted.chosen, flat)])
+        report = fitted.report
+    if fit.relaxed:
+        log.info("restore of %s: %s", source.url, report.summary())
+    return (tree, report) if fit.report else tree
 
 
-def restored_nbytes(source: Source, target: Any, partial: bool) -> int:
-    """Array bytes a restore of ``source`` into ``target`` reads."""
+def _restore_untargeted(source: Source, fit: Fit, shardings: Any) -> tuple[Any, RestoreReport]:
+    """Every leaf (after a rename; a renamed leaf nests as dicts keyed by its new path's parts)."""
+    ren = renamed(source.leaves, fit, source.url)
+    smap = flat_shardings(shardings, list(ren.by_name))
+    values = read_all(Reader(source), [(leaf, None, smap.get(n)) for n, leaf in ren.by_name.items()])
+    tree = tree_mod.nest((_path_of(n) if n in ren.origin else leaf.path, v)
+                         for (n, leaf), v in zip(ren.by_name.items(), values))
+    return tree, RestoreReport(restored=tuple(ren.by_name), ignored=tuple(ren.dropped),
+                               renamed=tuple((o, n) for n, o in ren.origin.items()))
+
+
+def _path_of(name: str) -> tree_mod.KeyPath:
+    """A key path string as dict keys ('a/b%2Fc' -> a, b/c)."""
+    return tuple(("key", part.replace("%2F", "/").replace("%25", "%")) for part in name.split("/"))
+
+
+def kept(t: Any, sharding: Any) -> Any:
+    """missing="keep": the target's own value (never a copy), placed by ``shardings`` if it names one."""
+    if sharding is not None and isinstance(t, (jax.Array, np.ndarray)):
+        return jax.device_put(t, sharding)
+    return t
+
+
+def restored_nbytes(source: Source, target: Any, partial: "bool | Fit") -> int:
+    """Array bytes a restore of ``source`` into ``target`` reads (``partial``: as restore's)."""
+    fit = as_fit(partial)
     source, target = source.select(target)
-    wanted = None
-    if target is not None and partial:
-        wanted = {tree_mod.keystr(p) for p, _ in tree_mod.flatten(target)[0]}
-    return sum(leaf.nbytes for leaf in source.leaves if wanted is None or leaf.name in wanted)
+    if target is None:
+        return sum(leaf.nbytes for leaf in renamed(source.leaves, fit, source.url, warn=False).by_name.values())
+    fitted = fit_target(source.leaves, tree_mod.flatten(target)[0], fit, what=source.url, where=source.where,
+                        warn=False)
+    return sum(leaf.nbytes for leaf in fitted.chosen if leaf is not None)
 
 
 def read_all(reader: Reader, jobs: list[tuple[LeafRecord, Any, Any]]) -> list[Any]:
@@ -379,5 +476,5 @@ def _place(puts: list[tuple[np.ndarray, Any]]) -> list[Any]:
     return out
 
 
-__all__ = ["Reader", "Source", "aligned_empty", "flat_shardings", "read_all", "restore", "restored_nbytes",
-           "weak_scalar"]
+__all__ = ["Reader", "Source", "aligned_empty", "flat_shardings", "kept", "local_rows", "read_all", "restore",
+           "restored_nbytes", "slabs", "weak_scalar"]

@@ -156,7 +156,8 @@ def snapshot(tree: Any, *, copy: bool = True, reuse: Snapshot | None = None) -> 
             return _array_leaf(path, x, kind, copy, spare)
         return _value_leaf(path, x, kind)
 
-    big = [i for i, (_, x) in enumerate(flat) if getattr(x, "nbytes", 0) > _BIG]
+    big = [i for i, (_, x) in enumerate(flat) if getattr(x, "nbytes", 0) > _BIG  # copied, not a CPU array's
+           and not (kinds[i] in ("jax", "prng_key") and isinstance(x, jax.Array) and _on_cpu(x))]  # view
     leaves: list[Any] = [None] * len(flat)
     if len(big) > 1:
         with ThreadPoolExecutor(min(4, len(big))) as pool:

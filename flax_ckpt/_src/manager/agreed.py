@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 from flax_ckpt._src.commit import distributed
 from flax_ckpt._src.engine import restore as engine
+from flax_ckpt._src.engine.fit import Fit
 from flax_ckpt._src.engine.leaves import CheckpointInfo
 from flax_ckpt._src.errors import CheckpointError, CheckpointNotFoundError, error_class
 from flax_ckpt._src.manager.steps import StepIndex
@@ -44,16 +45,19 @@ class AgreedRestore:
         self.directory = steps.directory
         self.stats: list[RestoreStats] = []
 
-    def restore(self, step: int | None, target_of: TargetOf, shardings: Any, partial: bool,
+    def restore(self, step: int | None, target_of: TargetOf, shardings: Any, fit: "Fit | bool",
                 item: str | None) -> Any:
         """``step`` (None: the newest committed step, falling back past damaged ones unless strict), on
-        every process alike (a collective with several processes: first all adopt process 0's view)."""
+        every process alike (a collective with several processes: first all adopt process 0's view).
+        ``fit``: how the target may differ (engine/fit.py; a bool: partial). Every process sees the
+        same records, so rename and structure decisions agree; an error on any process (a cast
+        overflow in its shards) is raised by all, under its class (_first_agreed)."""
         if distributed.process_count() > 1:
             self._steps.agree()
         steps = self._steps.steps()
 
         def read(s: int) -> Any:
-            return self.read(s, target_of, shardings, partial, item)
+            return self.read(s, target_of, shardings, fit, item)
 
         if step is not None:
             if step not in steps:
@@ -66,13 +70,15 @@ class AgreedRestore:
             raise CheckpointNotFoundError(f"no committed checkpoint in {self.directory}")
         return self._first_agreed(steps[::-1], read, fallback=not self.strict)
 
-    def read(self, step: int, target_of: TargetOf, shardings: Any, partial: bool, item: str | None = None) -> Any:
-        """Restores ``step`` from the directory on this process alone (checking every checksum)."""
+    def read(self, step: int, target_of: TargetOf, shardings: Any, fit: "Fit | bool",
+             item: str | None = None) -> Any:
+        """Restores ``step`` from the directory on this process alone (checking every checksum); with
+        Fit.report, returns (tree, RestoreReport)."""
         t0 = time.perf_counter()
         source = self._steps.open(step, item)
         target = target_of(source)
-        out = engine.restore(source, target, shardings=shardings, partial=partial)
-        stats = RestoreStats(step, "persistent", engine.restored_nbytes(source, target, partial),
+        out = engine.restore(source, target, shardings=shardings, partial=fit)
+        stats = RestoreStats(step, "persistent", engine.restored_nbytes(source, target, fit),
                              time.perf_counter() - t0)
         self.stats.append(stats)
         log.info("restored step %d from %s (%s tier): %.1f MB in %.2f s", step, self.directory, stats.tier,

@@ -23,6 +23,7 @@ from typing import Any, Callable, Literal
 
 from flax_ckpt._src import layouts
 from flax_ckpt._src.commit import distributed
+from flax_ckpt._src.engine.fit import Fit, RenameArg
 from flax_ckpt._src.engine.leaves import CheckpointInfo
 from flax_ckpt._src.engine.snapshot import Snapshot, metrics_json
 from flax_ckpt._src.errors import CheckpointError, CheckpointNotFoundError
@@ -207,6 +208,8 @@ class CheckpointManager:
                     log.info("step %d already saved in %s; skipped", step, self.directory)
                     return False
             metrics = metrics_json(metrics)
+            if self._tiers is not None and not self._tiers.admit(step, self._writer.busy, force):
+                return False  # Tiers(on_busy="skip"): the previous save is in flight; training never waits for it
             self._writer.wait()  # back-pressure: one save in flight
             if self._tiers is not None:  # first sends the previous step's copy to its peer (a collective)
                 snap = self._tiers.snapshot(step, state, copy=self.async_save, force=force)
@@ -248,25 +251,30 @@ class CheckpointManager:
 
     def restore(self, step: int | None = None, target: Any = None, *, shardings: Any = None,
                 partial: bool = False, item: str | None = None,
-                target_for: Callable[[CheckpointInfo], Any] | None = None) -> Any:
+                target_for: Callable[[CheckpointInfo], Any] | None = None, rename: RenameArg = None,
+                missing: str = "error", unexpected: str = "error", cast: bool = False, report: bool = False) -> Any:
         """Restores ``step`` (default: the newest committed step; if it is damaged and the manager is not
         strict, the newest older one that is good, with a warning). ``item``: one named item of an
         Orbax step (saved with args.Composite), as fc.restore's. ``target_for``: instead of ``target``,
         a function giving the target from the step's CheckpointInfo (called for each step tried).
+        ``rename``, ``missing``, ``unexpected``, ``cast``, ``report``: as fc.restore's (with
+        ``report=True``, returns ``(tree, fc.RestoreReport)``).
 
         With several processes (every process calls it), the step is decided once for all: each process
         restores what it must read, checking every checksum as it reads, then they compare; all return
         the same step, or all fall back together to an older one (each discarding what it read), or all
         raise the same CheckpointError naming the process and file that failed."""
+        fit = Fit.of(partial=partial, rename=rename, missing=missing, unexpected=unexpected,
+                     cast=cast, report=report)
         self._writer.wait()
         target_of = targets(target, target_for)
         restores = len(self.restore_stats)
         if self._tiers is not None:
             if item is not None:
                 raise ValueError("item= selects an item of an Orbax step; a tiered manager holds native steps")
-            out = self._restore_tiered(step, target_of, shardings, partial)
+            out = self._restore_tiered(step, target_of, shardings, fit)  # tiers thread it as ``partial``
         else:
-            out = self._restore.restore(step, target_of, shardings, partial, item)
+            out = self._restore.restore(step, target_of, shardings, fit, item)
         if len(self.restore_stats) > restores:  # resumed the run: its steps up to this one are this run's
             self._steps.resumed(self.restore_stats[-1].step)
         return out

@@ -60,7 +60,13 @@ class Tiers:
     ``differential``: store only chunks changed since the tier's base. ``max_to_keep``: committed
     steps kept per memory tier. ``rebase_interval``: a new full base after this many differential
     copies. ``cleanup``: at ``close``, migrate the newest step if it is only in memory, then delete
-    this job's memory tiers.
+    this job's memory tiers. ``on_busy``: what a ``save`` does when it finds the previous save still
+    being written into the memory tiers: "skip" (the default) returns False at once, without a
+    snapshot, so that training never waits for a copy (the newest state wins: the next save after the
+    writer is free is taken; skipped steps are counted in ``tier_stats`` and the first is logged);
+    "wait" holds the step until the previous save is committed, then saves it (the persistent path's
+    back-pressure). With several processes, a step is skipped by all of them when any one is busy.
+    ``save(force=True)`` always waits.
     """
 
     local_dir: str = field(default_factory=default_local_dir)
@@ -70,8 +76,11 @@ class Tiers:
     max_to_keep: int = 2
     rebase_interval: int = 8
     cleanup: bool = True
+    on_busy: str = "skip"
 
     def __post_init__(self):
+        if self.on_busy not in ("skip", "wait"):
+            raise ValueError(f"Tiers.on_busy must be 'skip' or 'wait', got {self.on_busy!r}")
         for name in ("persist_interval_steps", "max_to_keep", "rebase_interval"):
             v = getattr(self, name)
             if (v is not None or name != "persist_interval_steps") and (

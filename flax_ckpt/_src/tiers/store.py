@@ -26,6 +26,8 @@ import dataclasses
 import json
 import math
 import os
+import threading
+import time
 import uuid
 import weakref
 import zlib
@@ -50,8 +52,6 @@ from flax_ckpt._src.tiers.files import Spares
 CHUNK = 1 << 20
 INDEX, DATA, COMMIT = "index.json", "data.bin", "commit.json"
 _FORMAT, _VERSION = "flax_ckpt-tier", 1
-_SAMPLE = 64 << 10  # a changed chunk is delta-compressed only if this much of its XOR compresses well
-_TRIES = 2  # failed delta trials after which a shard's remaining chunks are stored raw without trying
 _MAX_INDEX = 256 << 20
 
 
@@ -149,6 +149,7 @@ class TierSnapshot:
     force: bool = False
     base_step: int | None = None
     origin: dict[tuple[int, Box], dict[str, Any]] = field(default_factory=dict)
+    skipped: int = 0  # scheduled steps skipped since the previous save (Tiers.on_busy="skip")
 
     def shards(self) -> list[HostShard]:
         own = [HostShard(i, s.box, s.data, True, self.origin.get((i, s.box)))
@@ -272,15 +273,69 @@ def shuffle(x: np.ndarray, itemsize: int) -> np.ndarray:
 
 
 def _xor_delta(raw: memoryview, old: memoryview, itemsize: int) -> bytes | None:
-    """zlib of the byte-shuffled XOR when it is clearly smaller than the chunk (a sample decides first,
-    so an incompressible chunk costs a 64 KiB trial, not a full compression)."""
-    n = _SAMPLE - _SAMPLE % max(1, itemsize)
-    if len(raw) > _SAMPLE:
-        sample = np.bitwise_xor(_u8(raw[:n]), _u8(old[:n]))
-        if len(zlib.compress(shuffle(sample, itemsize), 1)) > 0.75 * len(sample):
-            return None
+    """zlib of the byte-shuffled XOR, or None when that is not clearly smaller than the chunk."""
     z = zlib.compress(shuffle(np.bitwise_xor(_u8(raw), _u8(old)), itemsize), 1)
     return z if len(z) < 0.9 * len(raw) else None
+
+
+def delta_ratio(raw: memoryview, old: memoryview) -> float:
+    """The share of non-zero bytes in the XOR of a changed chunk and its base, sampled (_PROBES runs of
+    _PROBE bytes spread over the chunk: a few microseconds): about what its delta compresses to, since
+    zlib stores the zero bytes of the XOR (the bits a small update leaves alone) almost for free and
+    the others (noise in the low mantissa bits) hardly at all. Adam's updates touch 60-90% of the
+    bytes: not worth a delta; a change in the 6th significant digit, or a few rows of a table, far fewer."""
+    n = len(raw)
+    if n <= _PROBES * _PROBE:
+        x = np.bitwise_xor(_u8(raw), _u8(old))
+    else:
+        step = (n - _PROBE) // (_PROBES - 1)
+        a, b = np.lib.stride_tricks.as_strided, (_PROBES, _PROBE)
+        x = np.bitwise_xor(a(_u8(raw), b, (step, 1)), a(_u8(old), b, (step, 1)))
+    return float(np.count_nonzero(x)) / max(1, x.size)
+
+
+class DeltaBudget:
+    """When a changed chunk is worth a delta. Storing a chunk raw costs a copy (several GB/s); its zlib'd
+    XOR, about 100-300 MB/s of one core: 20-50 times more, for at best a smaller copy in memory. So a
+    delta is made only (1) where it pays in bytes: the sampled XOR (``delta_ratio``) is at most
+    ``_WORTH`` non-zero, i.e. the delta at least halves the chunk; and (2) while the tiers' encoding
+    budget has credit: compression may use ``_SHARE`` of one core's time, measured (each delta's
+    seconds are charged; credit accrues with wall time, up to ``_CREDIT_S``). Past that, changed
+    chunks are stored raw, at memcpy speed, and the copy is committed as fast as a full one. Unchanged
+    chunks are always references to the base (free). One per TierSet; thread-safe (encoding tasks
+    run on a pool)."""
+
+    def __init__(self, share: float | None = None, credit_s: float | None = None):
+        self.share = _SHARE if share is None else share
+        self.cap = _CREDIT_S if credit_s is None else credit_s
+        self.credit, self._t = self.cap, None
+        self._mutex = threading.Lock()
+        self.spent_s = 0.0  # seconds of compression so far
+        self.zipped = self.saved = 0  # bytes compressed, and bytes that saved
+
+    def refill(self, now: float) -> None:
+        """At each save (now: perf_counter)."""
+        with self._mutex:
+            if self._t is not None:
+                self.credit = min(self.cap, self.credit + self.share * (now - self._t))
+            self._t = now
+
+    def worth(self, ratio: float) -> bool:
+        with self._mutex:
+            return ratio <= _WORTH and self.credit > 0
+
+    def charge(self, seconds: float, nbytes: int, saved: int) -> None:
+        with self._mutex:
+            self.credit -= seconds
+            self.spent_s += seconds
+            self.zipped += nbytes
+            self.saved += saved
+
+
+_WORTH = 0.5  # a delta only where at most this share of the XOR's bytes is non-zero
+_SHARE = 0.05  # of one core's time, at most, for compression (credit accrues with wall time)
+_CREDIT_S = 0.25  # the most compression seconds saved up
+_PROBES, _PROBE = 16, 256  # delta_ratio's sample of a chunk
 
 
 _SEGMENT = 8  # chunks per encoding task: shards are encoded in segments on tier_files.pool()
@@ -289,10 +344,13 @@ _ALIGN = 64  # each shard's stored bytes start on this boundary: a view of them 
 _PREFIX = 4096  # changed chunks are told apart from unchanged ones by this many bytes first
 
 
-def encode(ts: TierSnapshot, ident: dict[str, Any], base: Copy | None, *, delta: bool) -> Encoded:
-    """Encodes a snapshot; against a base, unchanged chunks become references to it. Shards are
-    encoded in segments of _SEGMENT chunks on a thread pool (checksums, comparisons and zlib release
-    the GIL); ``pieces`` are data.bin's bytes in order, alignment padding included."""
+def encode(ts: TierSnapshot, ident: dict[str, Any], base: Copy | None, *, delta: bool,
+           budget: DeltaBudget | None = None) -> Encoded:
+    """Encodes a snapshot; against a base, unchanged chunks become references to it, and changed ones
+    deltas where ``budget`` says they pay (none without one). Shards are encoded in segments of
+    _SEGMENT chunks on a thread pool (checksums, comparisons and zlib release the GIL); ``pieces``
+    are data.bin's bytes in order, alignment padding included."""
+    budget = budget if delta else None
     recs = [lf.record.to_json() for lf in ts.snap.leaves]
     lookup = base.lookup() if base is not None else {}
     if base is not None:
@@ -308,8 +366,11 @@ def encode(ts: TierSnapshot, ident: dict[str, Any], base: Copy | None, *, delta:
             b = lookup.get(_key(recs[sh.leaf], sh.box))
             b = b if b is not None and b["nbytes"] == len(mv) else None
             step = _SEGMENT * CHUNK
-            tasks.append([tier_files.pool().submit(_encode_segment, mv, lo, min(lo + step, len(mv)), b, base,
-                                                   itemsize, delta) for lo in range(0, len(mv), step)])
+            if b is None:  # no base shard: raw entries, nothing to compare (no task to pay for)
+                tasks.append([_Done(_encode_segment(mv, 0, len(mv), None, None, itemsize, None))])
+            else:
+                tasks.append([tier_files.pool().submit(_encode_segment, mv, lo, min(lo + step, len(mv)), b, base,
+                                                       itemsize, budget) for lo in range(0, len(mv), step)])
         shards.append(shard)
     pieces: list[memoryview] = []
     pending: list[tuple[int, list]] = []
@@ -336,6 +397,16 @@ def encode(ts: TierSnapshot, ident: dict[str, Any], base: Copy | None, *, delta:
     return Encoded(body, b"" if pending else encode_index(body), pieces, off, pending)
 
 
+class _Done:
+    """A result at hand, read like a future's."""
+
+    def __init__(self, value: Any):
+        self.value = value
+
+    def result(self) -> Any:
+        return self.value
+
+
 def _same(a: memoryview, b: memoryview) -> bool:
     """Byte equality, a short prefix first (a trained chunk differs there already)."""
     x, y = _u8(a), _u8(b)
@@ -347,12 +418,11 @@ def _same(a: memoryview, b: memoryview) -> bool:
 
 
 def _encode_segment(mv: memoryview, lo: int, hi: int, b: dict[str, Any] | None, base: Copy | None,
-                    itemsize: int, delta: bool) -> list[tuple[list, memoryview | None]]:
+                    itemsize: int, budget: DeltaBudget | None) -> list[tuple[list, memoryview | None]]:
     """Entries (offsets left to encode) and stored bytes of the chunks of ``mv[lo:hi]``. A chunk equal
     to the base's is a reference ("b", the base's crc32c: a damaged base then fails its check at
-    restore); a changed one is stored as a delta when that is clearly smaller, after _TRIES failed
-    trials in a row raw without trying."""
-    out, tries = [], _TRIES
+    restore); a changed one is a delta where ``budget`` says that pays (DeltaBudget), else raw."""
+    out = []
     for k in range(lo, hi, CHUNK):
         raw = mv[k:k + CHUNK]
         if b is not None:
@@ -361,13 +431,13 @@ def _encode_segment(mv: memoryview, lo: int, hi: int, b: dict[str, Any] | None, 
             if _same(raw, old):
                 out.append((["b", be[1], be[2]], None))
                 continue
-            if delta and tries:
+            if budget is not None and budget.worth(delta_ratio(raw, old)):
+                t0 = time.perf_counter()
                 z = _xor_delta(raw, old, itemsize)
+                budget.charge(time.perf_counter() - t0, len(raw), len(raw) - len(z) if z is not None else 0)
                 if z is not None:
                     out.append((["x", crc32c.crc32c(raw), None, len(z), be[2]], memoryview(z)))
-                    tries = _TRIES
                     continue
-                tries -= 1
         out.append((["r", None, None, len(raw)], raw))  # its crc32c: computed as it is written
     return out
 

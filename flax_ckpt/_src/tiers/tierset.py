@@ -38,7 +38,9 @@ log = logging.getLogger("flax_ckpt")
 class TierStats:
     """One save into the memory tiers: ``written`` bytes (data + index) into the local tier, of
     ``nbytes`` held by this process, ``reused`` of them unchanged leaves never copied to host;
-    ``memory_s`` from the ``save`` call to the local commit."""
+    ``memory_s`` from the ``save`` call to the local commit; ``skipped``: the scheduled steps skipped
+    since the previous save because it was still in flight (``Tiers.on_busy="skip"``); ``delta``:
+    bytes of changed chunks that were compressed as XOR deltas (store.DeltaBudget decides which)."""
 
     step: int
     nbytes: int
@@ -50,6 +52,8 @@ class TierStats:
     write_s: float
     commit_s: float
     memory_s: float
+    skipped: int = 0
+    delta: int = 0
 
 
 class TierSet:
@@ -77,8 +81,13 @@ class TierSet:
         self._since_base, self._poor = 0, 0  # _poor: copies still to store in full (see _save_local)
         self._outbox: tuple[int, list[memoryview]] | None = None
         self._inbox: tuple[int, Any] | None = None
+        self._budget = store.DeltaBudget()  # when a changed chunk is worth a delta (measured)
+        self._caller = Group(digest + "/caller")  # rounds of the caller's thread (admit), apart from the writer's
+        self.skipped, self._skipped, self._told = 0, 0, False  # steps skipped (on_busy="skip"): all, since the last save
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="flax_ckpt-migrate")
         self._migration: tuple[int, Future] | None = None
+        self._migrating = False  # agreed at the last local commit: some process's migration was in flight
+        self.deferred = 0  # migrations put off to a later step because the previous one was still running
         self._last_migrated = max(steps, default=None)
         self.stats: list[TierStats] = []
         self.last_plan: Plan | None = None
@@ -131,12 +140,38 @@ class TierSet:
 
     # ---------------------------------------------------------------------------------- save
 
+    def admit(self, step: int, busy: bool, force: bool) -> bool:
+        """Caller's thread, for a step the schedule saves, before anything waits for the writer: whether
+        to save it. With ``on_busy="skip"`` a step that finds the previous save still in flight (``busy``;
+        with several processes, on any of them: one key-value round per call, every process decides
+        alike) is skipped instead of held: the newest state wins at the next call. ``force`` waits."""
+        if self.cfg.on_busy == "wait" or force:
+            return True
+        if self.n > 1:
+            votes = self._caller.allgather("admit", {"step": step, "busy": busy})
+            if any(v["step"] != step for v in votes):
+                raise DistributedError(f"memory tiers: processes save different steps ({[v['step'] for v in votes]})")
+            busy = any(v["busy"] for v in votes)
+        if not busy:
+            return True
+        self.skipped += 1
+        self._skipped += 1
+        if not self._told:
+            self._told = True
+            log.warning("memory tiers: step %d not saved: the previous save is still being written, and "
+                        "Tiers(on_busy='skip') never holds training for it (the newest state is saved once "
+                        "the writer is free); skipped steps are counted in tier_stats, not logged again. "
+                        "Tiers(on_busy='wait') waits instead.", step)
+        return False
+
     def snapshot(self, step: int, state: Any, *, copy: bool, force: bool) -> store.TierSnapshot:
         """Caller's thread: sends the previous step's copy to its peer, then copies ``state`` to host
         (leaves unchanged since the base are not copied: they are views of it)."""
         self._exchange()
         base = self._base if self.cfg.differential else None
-        return store.take_snapshot(state, copy=copy, force=force, step=step, seen=self._seen, base=base)
+        ts = store.take_snapshot(state, copy=copy, force=force, step=step, seen=self._seen, base=base)
+        ts.skipped, self._skipped = self._skipped, 0
+        return ts
 
     def save(self, step: int, ts: store.TierSnapshot, metrics: dict | None, t0: float, blocked: float) -> None:
         """Background (the manager's writer): stores the received replica, then this step's local copy;
@@ -144,12 +179,17 @@ class TierSet:
         is raised there, a point every process reaches, as are wait_until_finished and close)."""
         if self._inbox is not None:
             self._store_replica()
+        self._migrating = False
         if step in self._kept["local"]:
             log.info("step %d is already in the memory tiers; not replaced", step)
         else:
             self._save_local(step, ts, metrics, t0, blocked)
         if ts.force or (self.cfg.persist_interval_steps is not None and step // self.cfg.persist_interval_steps
                         > (self._last_migrated or 0) // self.cfg.persist_interval_steps):
+            if self._migrating and not ts.force:  # throttled: a later step goes once the writer is free
+                self.deferred += 1
+                log.debug("migration of step %d put off: the previous one is still running", step)
+                return
             self._migrate(step, lambda: (ts.verify_views(),
                                          self.persistent.write(step, ts.snap, metrics, t0, blocked)))
 
@@ -162,8 +202,11 @@ class TierSet:
         enc, err = None, None
         try:
             base = None if self._next_full() else self._base
+            self._budget.refill(t1)
+            zipped = self._budget.zipped
             enc = store.encode(ts, dict(self._ident(step), metrics=metrics, created=time.time()), base,
-                               delta=self.cfg.differential)
+                               delta=self.cfg.differential, budget=self._budget)
+            zipped = self._budget.zipped - zipped
             t2 = time.perf_counter()
             store.write_copy(self.local_dir, step, enc, self.holdings.spare(self.local_dir))
         except Exception as e:  # every process votes, so that none waits for a failed one
@@ -173,9 +216,11 @@ class TierSet:
         now = time.perf_counter()
         reused = sum(sh.data.nbytes for sh in ts.shards() if sh.base is not None)
         self.stats.append(TierStats(step, ts.nbytes, enc.written, reused, enc.full, blocked, t2 - t1, t3 - t2,
-                                    now - t3, now - t0))
-        if enc.full:
-            self._base, self._since_base = store.open_copy(os.path.join(self.local_dir, str(step))), 0
+                                    now - t3, now - t0, ts.skipped, zipped))
+        if enc.full:  # the new base: the index just written, its data file checked (store.Data)
+            folder = os.path.join(self.local_dir, str(step))
+            self._base = store.Copy(folder, enc.body, store.Data(os.path.join(folder, store.DATA)), None)
+            self._since_base = 0
             self._poor = max(0, self._poor - 1)
         else:
             self._since_base += 1
@@ -193,7 +238,11 @@ class TierSet:
 
     def _commit(self, tier: str, step: int, folder: str, err: Exception | None, base: int | None) -> None:
         """Commits ``step`` in ``tier`` once every process voted that it holds its copy there."""
-        votes = self.group.allgather(f"commit-{tier}", {"step": step, "error": None if err is None else repr(err)})
+        busy = self._migration is not None and not self._migration[1].done()
+        votes = self.group.allgather(f"commit-{tier}", {"step": step, "error": None if err is None else repr(err),
+                                                        "migrating": busy})
+        if tier == "local":  # every process sees the same votes: all put a due migration off, or none
+            self._migrating = any(v.get("migrating") for v in votes)
         if err is not None:
             raise err
         failed = [f"process {j}: {v['error']}" for j, v in enumerate(votes) if v["error"] or v["step"] != step]

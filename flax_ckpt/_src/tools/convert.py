@@ -1,4 +1,5 @@
-"""``flax-ckpt convert``: native <-> Orbax layout, or an export of the arrays to one .safetensors file.
+"""``flax-ckpt convert``: native <-> Orbax layout, or an export of the arrays to one .safetensors file;
+legacy Flax msgpack and .safetensors files convert into either layout.
 
 Scope: reading every leaf of a checkpoint and writing it in another format, with the checkpoint's step,
 metrics and user metadata wherever the target can hold them; what it cannot hold is named in the
@@ -44,8 +45,9 @@ class ConvertResult:
         return len(self.skipped) + len(self.outside) + len(self.fields_left_out)
 
 
-def detect_format(path: Any) -> Literal["native", "orbax"]:
-    """The format of the checkpoint at ``path``."""
+def detect_format(path: Any) -> str:
+    """The format of the checkpoint at ``path`` (layouts.detect's name: "native", "orbax", "flax_msgpack",
+    "safetensors")."""
     return layouts.detect(folder_of(path)).name
 
 
@@ -53,14 +55,15 @@ def convert(src: Any, dst: Any, *, to: Format | None = None, serializer: str | N
             subtree: str | None = None, progress: bool = False) -> ConvertResult:
     """Converts the checkpoint ``src`` into ``dst`` (which must not exist).
 
-    ``to``: "native", "orbax" (default: the other layout than ``src``'s) or "safetensors" (the array
+    ``to``: "native", "orbax" (default: the other layout than ``src``'s; "native" for a legacy Flax
+    msgpack or a .safetensors ``src``) or "safetensors" (the array
     leaves under ``subtree`` as one .safetensors file; ``subtree`` defaults to "params" when the tree has
     it, else the whole tree). Attribute containers (TrainState fields) become dicts, as in a restore
     without a target. Step, metrics and user metadata are carried over: into Orbax's layout the step
     only when ``dst``'s name is that step's (``.../3``, ``.../ckpt_3``: then ``dst`` is a
     CheckpointManager step; else a StandardCheckpointer folder, and the step is in
     ``fields_left_out``); into safetensors as JSON strings in the file's metadata."""
-    to = to or ("native" if detect_format(src) == "orbax" else "orbax")
+    to = to or ("orbax" if detect_format(src) == "native" else "native")
     if to not in ("native", "orbax", "safetensors"):
         raise ValueError(f"unknown target format {to!r}; use 'native', 'orbax' or 'safetensors'")
     leaves = Leaves(src)

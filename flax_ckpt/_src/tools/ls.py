@@ -1,4 +1,5 @@
-"""``flax-ckpt ls``: the step folders of a run directory, in either format, and a host's memory-tier copies.
+"""``flax-ckpt ls``: the step folders of a run directory, in either format (and legacy Flax
+``checkpoint_<step>`` files), and a host's memory-tier copies.
 
 Scope: listing with state (committed, in-flight, deleting, invalid, uncommitted), format, size and
 metrics. Which folders are steps is layouts.step_folders', the same discovery the manager uses.
@@ -24,7 +25,7 @@ class StepEntry:
     """One entry of a checkpoint directory. ``state``: "committed" (a valid manifest, or an Orbax
     step), "in-flight" (a save in flight or one that crashed), "deleting" (an interrupted deletion),
     "invalid" (a manifest or Orbax metadata that fails validation) or "uncommitted" (no manifest).
-    ``format``: "native", "orbax", "memory (...)" or None when unknown."""
+    ``format``: "native", "orbax", "flax_msgpack" (a legacy Flax file), "memory (...)" or None when unknown."""
 
     name: str
     step: int | None
@@ -42,9 +43,12 @@ class StepEntry:
 
 
 def _disk_size(storage: Storage) -> int | None:
-    """Bytes of the files under a local folder (None on object stores, which report sizes per request)."""
+    """Bytes of the files under a local folder, or of a local file (a legacy Flax checkpoint file); None
+    on object stores, which report sizes per request."""
     if storage.local_path is None:
         return None
+    if os.path.isfile(storage.local_path) and not os.path.islink(storage.local_path):
+        return os.lstat(storage.local_path).st_size
     total = 0
     for dirpath, _, names in os.walk(storage.local_path):
         total += sum(os.lstat(os.path.join(dirpath, f)).st_size for f in names)
@@ -60,7 +64,7 @@ def list_steps(directory: Any, *, tier: str = "persistent") -> list[StepEntry]:
     root = open_storage(directory)
     if root.kind() == "file" or (root.supports_rename and root.kind() == "missing"):
         raise CheckpointNotFoundError(f"{root.url} is not a folder of checkpoints")
-    folders, temporary = layouts.step_folders(root)
+    folders, temporary = layouts.step_folders(root, files=True)
     entries = [_entry(root, f, tier) for f in folders]
     for name in temporary:
         step = step_number(commit_mod.base_name(name))  # "<step>" or Orbax's "<prefix>_<step>"

@@ -74,7 +74,7 @@ def check(path: Any, *, progress: bool = False) -> Report:
     checkpoint to verify (a folder that is neither a checkpoint nor a run directory)."""
     folder = folder_of(path)
     if layouts.recognize(folder) is None:  # no checkpoint's files: maybe a run directory
-        steps, _ = layouts.step_folders(folder)
+        steps, _ = layouts.step_folders(folder, files=True)
         if steps:
             return _check_run(folder, steps, progress)
     return dataclasses.replace(_check_one(folder, progress), linked=hard_links(folder))

@@ -1,0 +1,345 @@
+"""Checkpoint frequency: what a checkpoint every 1, 10 and 100 steps costs a training loop.
+
+    python benchmarks/bench_every_step.py                          # both models, every 1/10/100, 3 rounds
+    python benchmarks/bench_every_step.py --models mlp --every 1,10 --steps 60 --rounds 3
+
+Two plain Flax Linen loops trained with optax adam, jitted with the state donated, on the CPU device:
+``mlp`` (an MLP 4x1024 on 256 inputs, batch 512: 39 MiB of state with adam's moments) and
+``transformer`` (a 4-layer decoder, d_model 256, 4 heads, vocab 2048, sequence 64, batch 4). Every
+step ends with ``jax.block_until_ready`` on the new state, as a loop that reads its loss each step does.
+
+Contenders, each run in its own process (a fresh jax: no host copy cached by another contender):
+- ``none``: the loop without checkpoints (the reference of every ratio);
+- ``floor``: ``np.copyto`` of every leaf into buffers allocated once (the cost of one host copy);
+- ``memory``: ``CheckpointManager(tiers=Tiers(local_dir=<tmpfs>, peer=False, persist_interval_steps=50))``,
+  the default ``on_busy="skip"`` (a save that finds the previous one in flight is skipped: the table
+  says how many saves were made);
+- ``persistent``: ``CheckpointManager(dir, max_to_keep=2)`` (async, this machine's disk);
+- ``orbax``: Orbax's ``CheckpointManager`` (async, max_to_keep=2, StandardSave);
+- ``orbax-emergency``: Orbax's emergency ``CheckpointManager`` (local tmpfs + persistent), where the
+  installed orbax-checkpoint has one that runs in a single CPU process; else the table says why not.
+Each process runs the loop once per frequency (warm-up steps and one save first, untimed), timing
+``--steps`` steps plus the final ``wait_until_finished`` (all the work a checkpoint causes is inside).
+
+Interleaved rounds: each round runs every contender once per model, the order rotated by one per round.
+Reported per (model, frequency, contender): the median over rounds of the wall-time ratio to ``none``
+of the same round, minus one (the overhead), and the same for process CPU time (every thread of the
+process: the checkpointer's background work included; steadier than wall time on a loaded machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common as C  # noqa: E402
+
+CONTENDERS = ["none", "floor", "memory", "persistent", "orbax", "orbax-emergency"]
+MODELS = ["mlp", "transformer"]
+
+
+# ------------------------------------------------------------------------------------------- models
+
+def make_model(name: str) -> tuple[Callable[[], Any], Callable[[Any], Any]]:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+    from flax import linen as nn
+    from flax.training import train_state
+
+    rng = np.random.default_rng(0)
+    if name == "mlp":
+        class Net(nn.Module):
+            @nn.compact
+            def __call__(self, x):
+                for _ in range(4):
+                    x = nn.relu(nn.Dense(1024)(x))
+                return nn.Dense(10)(x)
+        xs = jnp.asarray(rng.standard_normal((512, 256), dtype=np.float32))
+        ys = jnp.asarray(rng.integers(0, 10, 512))
+    elif name == "transformer":
+        vocab, d, heads, layers, seq, batch = 2048, 256, 4, 4, 64, 4
+
+        class Block(nn.Module):
+            @nn.compact
+            def __call__(self, x):
+                mask = nn.make_causal_mask(jnp.ones(x.shape[:2], jnp.int32))
+                x = x + nn.SelfAttention(num_heads=heads)(nn.LayerNorm()(x), mask=mask)
+                h = nn.Dense(4 * d)(nn.LayerNorm()(x))
+                return x + nn.Dense(d)(nn.gelu(h))
+
+        class Net(nn.Module):
+            @nn.compact
+            def __call__(self, tokens):
+                x = nn.Embed(vocab, d)(tokens) + self.param("pos", nn.initializers.normal(0.02), (seq, d))
+                for _ in range(layers):
+                    x = Block()(x)
+                return nn.Dense(vocab)(nn.LayerNorm()(x))
+        xs = jnp.asarray(rng.integers(0, vocab, (batch, seq)))
+        ys = jnp.asarray(rng.integers(0, vocab, (batch, seq)))
+    else:
+        raise ValueError(f"unknown model {name!r}")
+    model = Net()
+
+    def init():
+        params = model.init(jax.random.key(0), xs)["params"]
+        return train_state.TrainState.create(apply_fn=model.apply, params=params, tx=optax.adam(1e-3))
+
+    def loss_fn(params, x, y):
+        return optax.softmax_cross_entropy_with_integer_labels(model.apply({"params": params}, x), y).mean()
+
+    def _step(state, x, y):
+        return state.apply_gradients(grads=jax.grad(loss_fn)(state.params, x, y))
+
+    step = jax.jit(_step, donate_argnums=0)
+    return init, lambda s: step(s, xs, ys)
+
+
+# ------------------------------------------------------------------------------------- contenders
+
+class Saver:
+    """One contender: ``save(step, state)`` in the loop, ``finish()`` inside the timed region."""
+
+    saves: int | None = None  # saves actually made (None: every one asked for)
+    skipped: int | None = None
+
+    def save(self, step: int, state: Any) -> None: ...
+    def finish(self) -> None: ...
+    def close(self) -> None: ...
+
+
+class Floor(Saver):
+    def __init__(self, state: Any, _: Path):
+        import jax
+        import numpy as np
+        self.bufs = [np.empty(np.shape(x), np.asarray(x).dtype) for x in jax.tree_util.tree_leaves(state)]
+
+    def save(self, step: int, state: Any) -> None:
+        import jax
+        import numpy as np
+        for b, x in zip(self.bufs, jax.tree_util.tree_leaves(state)):
+            np.copyto(b, np.asarray(x))
+
+
+class Manager(Saver):
+    def __init__(self, state: Any, d: Path, tiers: bool):
+        import flax_ckpt as fc
+        self.shm = Path(tempfile.mkdtemp(prefix="flax_ckpt_bench-", dir="/dev/shm")) if tiers else None
+        kw = {"tiers": fc.Tiers(local_dir=str(self.shm), peer=False, persist_interval_steps=50)} if tiers else {}
+        self.mgr = fc.CheckpointManager(d, max_to_keep=2, **kw)
+        self.tiers = tiers
+
+    def save(self, step: int, state: Any) -> None:
+        self.mgr.save(step, state)
+
+    def finish(self) -> None:
+        self.mgr.wait_until_finished()
+
+    def mark(self) -> None:
+        self.first = len(self.mgr.tier_stats)
+
+    def count(self) -> None:
+        if self.tiers:
+            st = self.mgr.tier_stats[self.first:]
+            self.saves, self.skipped = len(st), sum(s.skipped for s in st)
+
+    def close(self) -> None:
+        self.mgr.close()
+        if self.shm is not None:
+            shutil.rmtree(self.shm, ignore_errors=True)
+
+
+class Orbax(Saver):
+    def __init__(self, state: Any, d: Path):
+        import orbax.checkpoint as ocp
+        self.ocp = ocp
+        self.mgr = ocp.CheckpointManager(d, options=ocp.CheckpointManagerOptions(max_to_keep=2))
+
+    def save(self, step: int, state: Any) -> None:
+        self.mgr.save(step, args=self.ocp.args.StandardSave(state))
+
+    def finish(self) -> None:
+        self.mgr.wait_until_finished()
+
+    def close(self) -> None:
+        self.mgr.close()
+
+
+class OrbaxEmergency(Saver):
+    """Orbax's emergency CheckpointManager: local checkpoints in tmpfs every save, persistent every 50."""
+
+    def __init__(self, state: Any, d: Path):
+        import jax
+        import numpy as np
+        from orbax.checkpoint.experimental.emergency import checkpoint_manager as ecm
+        self.shm = Path(tempfile.mkdtemp(prefix="flax_ckpt_bench-", dir="/dev/shm"))
+        mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("replica", "data"))
+        abstract = jax.tree_util.tree_map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) if hasattr(x, "sharding") else x,
+            state)
+        options = ecm.CheckpointManagerOptions(
+            local=ecm.LocalCheckpointOptions(save_interval_steps=1, max_to_keep=2),
+            persistent=ecm.PersistentCheckpointOptions(save_interval_steps=50, max_to_keep=2))
+        self.mgr = ecm.CheckpointManager(self.shm, d, global_mesh=mesh, abstract_state=abstract, options=options)
+
+    def save(self, step: int, state: Any) -> None:
+        import orbax.checkpoint as ocp
+        self.mgr.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(state)))
+
+    def finish(self) -> None:
+        self.mgr.wait_until_finished()
+
+    def close(self) -> None:
+        self.mgr.close()
+        shutil.rmtree(self.shm, ignore_errors=True)
+
+
+def saver(name: str, state: Any, d: Path) -> Saver | None:
+    return {"none": lambda: None, "floor": lambda: Floor(state, d), "memory": lambda: Manager(state, d, True),
+            "persistent": lambda: Manager(state, d, False), "orbax": lambda: Orbax(state, d),
+            "orbax-emergency": lambda: OrbaxEmergency(state, d)}[name]()
+
+
+# ------------------------------------------------------------------------------------------ a child
+
+def child(contender: str, model: str, everies: list[int], steps: int, scratch: Path) -> dict[str, Any]:
+    """One process: the loop once per frequency; {every: {wall, cpu, saves, skipped}} or {"error"}."""
+    import jax
+    import numpy as np
+    init, step = make_model(model)
+    out: dict[str, Any] = {"state_mb": None}
+    for every in everies:
+        d = C.fresh_dir(scratch / f"{contender}-{model}-{every}")
+        state = jax.block_until_ready(step(init()))
+        out["state_mb"] = sum(np.asarray(x).nbytes for x in jax.tree_util.tree_leaves(state)) / C.MB
+        try:
+            s = saver(contender, state, d / "ckpt")
+        except Exception as e:  # e.g. an orbax without a single-process emergency manager
+            return {"error": f"{type(e).__name__}: {e}"[:300]}
+        try:
+            for k in range(3):  # warm-up: compiled, one save made (first-save costs apart)
+                state = jax.block_until_ready(step(state))
+            if s is not None:
+                s.save(10 ** 6, state)
+                s.finish()
+                getattr(s, "mark", lambda: None)()
+            t0, c0 = time.perf_counter(), time.process_time()
+            for i in range(1, steps + 1):
+                state = jax.block_until_ready(step(state))
+                if s is not None and i % every == 0:
+                    s.save(i, state)
+            if s is not None:
+                s.finish()
+            wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+            if s is not None:
+                getattr(s, "count", lambda: None)()
+            out[str(every)] = {"wall": wall / steps, "cpu": cpu / steps,
+                               "saves": s.saves if s is not None and s.saves is not None else
+                               (steps // every if s is not None else 0),
+                               "skipped": s.skipped if s is not None else None}
+        except Exception as e:
+            return {"error": f"{type(e).__name__}: {e}"[:300]}
+        finally:
+            if s is not None:
+                s.close()
+            shutil.rmtree(d, ignore_errors=True)
+    return out
+
+
+# ----------------------------------------------------------------------------------------- the parent
+
+def run(args) -> dict[str, Any]:
+    everies = [int(e) for e in args.every.split(",")]
+    rows: dict[str, Any] = {}
+    for r in range(args.rounds):
+        for model in args.models.split(","):
+            for c in C.rotated(args.contenders.split(","), r):
+                cmd = [sys.executable, __file__, "--child", c, "--models", model, "--every", args.every,
+                       "--steps", str(args.steps)]
+                p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+                line = next((x for x in reversed(p.stdout.splitlines()) if x.startswith("{")), None)
+                res = json.loads(line) if line else {"error": (p.stderr or "no output").strip()[-300:]}
+                rows.setdefault(model, {}).setdefault(c, []).append(res)
+                brief = res.get("error") or "  ".join(
+                    f"every {e}: {res[str(e)]['wall'] * 1e3:.1f} ms/step" for e in everies if str(e) in res)
+                print(f"round {r} {model:11s} {c:16s} {brief}", flush=True)
+    return {"rows": rows, "everies": everies}
+
+
+def summarize(out: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    rows, everies = out["rows"], out["everies"]
+    lines, summary = [], {}
+    for model, by in rows.items():
+        mb = next((r["state_mb"] for runs in by.values() for r in runs if r.get("state_mb")), 0)
+        lines += [f"\n**{model}** ({mb:.1f} MiB of state incl. adam), overhead against `none` "
+                  "(median of per-round ratios − 1): wall / process CPU; saves made of those asked for\n",
+                  "| every | " + " | ".join(c for c in by if c != "none") + " |",
+                  "|---|" + "---|" * (len(by) - 1)]
+        base = by.get("none", [])
+        for e in everies:
+            cells = []
+            for c, runs in by.items():
+                if c == "none":
+                    continue
+                err = next((r["error"] for r in runs if "error" in r), None)
+                pairs = [(b[str(e)], r[str(e)]) for b, r in zip(base, runs) if str(e) in b and str(e) in r]
+                if not pairs:
+                    cells.append(f"n/a ({err[:60]})" if err else "n/a")
+                    continue
+                w = statistics.median(y["wall"] / x["wall"] for x, y in pairs) - 1
+                cpu = statistics.median(y["cpu"] / x["cpu"] for x, y in pairs) - 1
+                saves = statistics.median(y["saves"] for _, y in pairs)
+                asked = out.get("steps", 0) // e
+                summary.setdefault(model, {}).setdefault(str(e), {})[c] = {"wall": w, "cpu": cpu, "saves": saves}
+                cell = f"{w:+.0%} / {cpu:+.0%}"
+                if c == "memory":
+                    cell += f" ({saves:g}/{asked})"
+                cells.append(cell)
+            none_ms = statistics.median(b[str(e)]["wall"] for b in base if str(e) in b) * 1e3 if base else 0
+            lines.append(f"| {e} ({none_ms:.0f} ms/step) | " + " | ".join(cells) + " |")
+    return "\n".join(lines), summary
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--every", default="1,10,100")
+    ap.add_argument("--steps", type=int, default=100, help="timed steps per frequency")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--contenders", default=",".join(CONTENDERS))
+    ap.add_argument("--timeout", type=float, default=900, help="seconds per child process")
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    C.jax_cpu_env()
+    if args.child:
+        scratch = C.SCRATCH
+        try:
+            res = child(args.child, args.models, [int(e) for e in args.every.split(",")], args.steps, scratch)
+        finally:
+            C.remove_scratch(scratch)
+        print(json.dumps(res), flush=True)
+        return
+    info = C.machine_info(C.SCRATCH)
+    out = run(args)
+    out["steps"] = args.steps
+    table, summary = summarize(out)
+    md = (f"# Checkpoint frequency\n\n`{' '.join(sys.argv)}`: {args.rounds} interleaved rounds, {args.steps} "
+          f"timed steps per frequency, {info.get('cpus')} CPUs, load average at start {info.get('loadavg_start')}\n"
+          + table + "\n")
+    js, mdp = C.write_report("every_step", {"machine": info, "args": vars(args), **out, "summary": summary}, md)
+    print(md)
+    print(f"wrote {mdp} and {js}")
+
+
+if __name__ == "__main__":
+    main()

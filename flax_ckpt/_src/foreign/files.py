@@ -1,0 +1,149 @@
+"""One checkpoint file of another library, opened safely, and what its sources share.
+
+Scope: ``CheckpointFile`` (a regular file opened without blocking: a FIFO, device or socket is refused
+before anything is read; a file found by listing a run directory is never a symlink; a file that
+changes while it is read is an error, never a mix of two versions), the step a file name gives
+(``step_of``: ``checkpoint_<step>``, ``<prefix>_<step>`` or ``<step>``), and ``FileSource``, the part
+of a restore Source every foreign file shares (no checksums: every leaf is unverified). Decoding a
+format is its own module's (flax_msgpack.py, safetensors_file.py).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import stat
+from typing import Any, Callable
+
+from flax_ckpt._src.engine.leaves import CheckpointInfo, checkpoint_info
+from flax_ckpt._src.engine.restore import Damage, read_back
+from flax_ckpt._src.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
+
+_STEP_NAME = re.compile(r"(?:.+_)?([0-9]+)")  # ASCII digits only, as orbax/locate.py's step folder names
+
+
+def step_of(name: str) -> int | None:
+    """The step a checkpoint file's name gives: flax's ``checkpoint_<step>`` (any ``<prefix>_``) or a
+    bare ``<step>``; None for any other name (``checkpoint_tmp``, ``model.msgpack``)."""
+    m = _STEP_NAME.fullmatch(name)
+    return int(m.group(1)) if m else None
+
+
+class CheckpointFile:
+    """A regular file, opened once to learn its identity (device, inode, size, mtime); every later read
+    reopens it and refuses a file that is no longer the same one (replaced or rewritten meanwhile).
+    ``follow``: follow a symlink at ``path`` (a file the user names, e.g. a Hugging Face cache link);
+    False for a file found by listing a run directory, where a link could lead out of it."""
+
+    def __init__(self, path: str, *, follow: bool = True):
+        self.path, self.follow = path, follow
+        fd = self._open()
+        try:
+            st = os.fstat(fd)
+        finally:
+            os.close(fd)
+        self.size, self.mtime = st.st_size, st.st_mtime
+        self._identity = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+    def _open(self) -> int:
+        flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0) | (0 if self.follow else os.O_NOFOLLOW)
+        try:
+            fd = os.open(self.path, flags)
+        except FileNotFoundError:
+            raise CheckpointNotFoundError(f"no checkpoint at {self.path} (the path does not exist)") from None
+        except OSError as e:
+            if e.errno == errno.ELOOP and not self.follow:
+                raise CorruptCheckpointError(f"{self.path} is a symbolic link inside a run directory; refusing to "
+                                             "follow it (it may lead out of the directory): pass the file it "
+                                             "points to") from None
+            raise CorruptCheckpointError(f"{self.path}: cannot be read ({e.strerror})") from None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise CorruptCheckpointError(f"{self.path} is not a regular file (a FIFO, device or socket); "
+                                         "refusing to read it")
+        return fd
+
+    def open_same(self) -> int:
+        """A read-only fd of the file, which must still be the one opened first."""
+        fd = self._open()
+        st = os.fstat(fd)
+        if (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns) != self._identity:
+            os.close(fd)
+            raise CorruptCheckpointError(f"{self.path} changed while it was being read (replaced or rewritten); "
+                                         "restore it again once nothing writes it")
+        return fd
+
+    def read(self, offset: int, out: memoryview) -> None:
+        """Fills ``out`` with the bytes from ``offset`` on (CorruptCheckpointError when the file ends first)."""
+        fd = self.open_same()
+        try:
+            done = 0
+            while done < len(out):
+                n = os.preadv(fd, [out[done:done + (1 << 30)]], offset + done)
+                if n == 0:
+                    raise CorruptCheckpointError(f"{self.path}: ends at byte {offset + done}, before the "
+                                                 f"{len(out)} bytes from {offset} (truncated)")
+                done += n
+        finally:
+            os.close(fd)
+
+    def head(self, n: int) -> bytes:
+        """The first ``n`` bytes (fewer when the file is shorter)."""
+        buf = bytearray(min(n, self.size))
+        self.read(0, memoryview(buf))
+        return bytes(buf)
+
+    def read_all(self) -> bytearray:
+        """The whole file (one buffer of its size, never copied again)."""
+        try:
+            buf = bytearray(self.size)
+        except MemoryError:
+            raise CheckpointError(f"{self.path}: cannot allocate {self.size} bytes to read it (out of "
+                                         "memory); read it on a machine with more memory") from None
+        self.read(0, memoryview(buf))
+        return buf
+
+
+class FileSource:
+    """What every foreign file's restore Source shares: one file (``url`` and ``where``), read locally,
+    no checksums (``unchecked``: every leaf but empty containers; ``verify`` reads every array back,
+    which finds truncation and changes, never flipped bits). Subclasses set ``leaves``, ``file``,
+    ``serializer``, ``format`` and ``step``/``metrics``/``metadata``."""
+
+    hint = ""
+    remote = False
+    serializer = ""
+    format = ""
+    step: int | None = None
+    metrics: dict[str, Any] | None = None
+    metadata: Any = None
+
+    def __init__(self, file: CheckpointFile):
+        self.file, self.url, self.where = file, file.path, file.path
+
+    def select(self, target: Any) -> tuple["FileSource", Any]:
+        return self, target
+
+    def unchecked(self) -> list[str]:
+        """Every leaf but empty containers: these formats carry no checksum, so verify proves nothing."""
+        return [leaf.name for leaf in self.leaves if leaf.kind != "empty"]
+
+    def verify(self, update: Callable[[int], None]) -> list[Damage]:
+        return read_back(self, update)
+
+    def info(self) -> CheckpointInfo:
+        return checkpoint_info(self.url, self.leaves, step=self.step, metrics=self.metrics, metadata=self.metadata,
+                               created=self.file.mtime, process_count=1, serializer=self.serializer,
+                               format=self.format)
+
+    def read_many(self, requests: Any) -> None:
+        for leaf, box, out in requests:
+            self.read(leaf, box, out)
+
+
+def whole(box: Any, shape: tuple[int, ...]) -> bool:
+    return all(s == 0 and e == d for (s, e), d in zip(box, shape))
+
+
+__all__ = ["CheckpointFile", "FileSource", "step_of", "whole"]

@@ -1,0 +1,216 @@
+"""Checkpointing at every step with the memory tier: behaviour, not speed (benchmarks/bench_every_step.py
+measures the speed).
+
+- The encoder's choice per chunk: unchanged -> a reference to the base ("b", free); changed a little
+  (a delta at least halves it) -> an XOR delta ("x") while the encoding budget has credit; changed a
+  lot (adam's updates: most bytes of the XOR non-zero) -> raw ("r", a copy), never compressed; and no
+  delta at all once the budget is spent.
+- A save that finds the previous one still being written does not wait (``Tiers(on_busy="skip")``, the
+  default): it returns False at once; the skipped steps are counted in ``tier_stats`` and logged once;
+  ``on_busy="wait"`` and ``force=True`` wait. A migration that is due while the previous one still
+  runs is put off, never waited for in the writer.
+- Every copy kept (full, delta, raw, references) restores bit-exact.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+import flax_ckpt as fc
+from flax_ckpt._src.records import leaf_name
+from flax_ckpt._src.tiers import store as tier_store
+from flax_ckpt._src.tiers import tierset as tier_set
+from helpers import assert_bit_exact
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _state(step: int) -> dict[str, Any]:
+    """Three 2 MiB leaves: ``frozen`` never changes, ``little`` changes in the 6th significant digit,
+    ``adam`` by an adam-sized update (relative 2e-3, random): every chunk of the last two changes."""
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((512, 1024)).astype(np.float32)
+    little, adam = w.copy(), w.copy()
+    for s in range(1, step + 1):
+        little = little + np.float32(1e-6) * little
+        adam = adam + np.float32(2e-3) * np.random.default_rng(s).standard_normal(w.shape).astype(np.float32)
+    return {"frozen": w, "little": little, "adam": adam, "step": step}
+
+
+def _kinds(mgr: fc.CheckpointManager, step: int) -> dict[str, set[str]]:
+    copy = tier_store.open_copy(os.path.join(mgr.memory_tiers.local_dir, str(step)))
+    out: dict[str, set[str]] = {}
+    for s in copy.body["shards"]:
+        out.setdefault(leaf_name(copy.body["leaves"][s["leaf"]]), set()).update(e[0] for e in s["chunks"])
+    return out
+
+
+def _tiers(tmp_path, **kw) -> fc.Tiers:
+    kw.setdefault("persist_interval_steps", None)
+    return fc.Tiers(local_dir=str(tmp_path / "shm"), peer=False, cleanup=False, **kw)
+
+
+def test_encoder_stores_unchanged_as_references_small_changes_as_deltas_and_adam_updates_raw(tmp_path):
+    with fc.CheckpointManager(tmp_path / "ckpt", tiers=_tiers(tmp_path, max_to_keep=5)) as mgr:
+        mgr.save(1, _state(1))
+        mgr.wait_until_finished()
+        mgr.save(2, _state(2))
+        mgr.wait_until_finished()
+        kinds = _kinds(mgr, 2)
+        stats = mgr.tier_stats
+    assert stats[0].base and not stats[1].base
+    assert kinds["frozen"] == {"b"}  # not at all: references, free
+    assert kinds["little"] == {"x"}  # a little: the delta is a quarter of the chunk
+    assert kinds["adam"] == {"r"}  # a lot: compressing costs ~30 copies for ~40% fewer bytes: raw
+    leaf = _state(0)["frozen"].nbytes
+    assert stats[1].delta == leaf  # only the "little" chunks went through zlib
+    assert stats[1].written < 1.5 * leaf  # adam's raw bytes, the little leaf's delta, no frozen bytes
+
+
+def test_no_delta_once_the_encoding_budget_is_spent(tmp_path):
+    with fc.CheckpointManager(tmp_path / "ckpt", tiers=_tiers(tmp_path, max_to_keep=5)) as mgr:
+        mgr.memory_tiers._budget = tier_store.DeltaBudget(share=0.0, credit_s=0.0)  # no time for zlib
+        for step in (1, 2):
+            mgr.save(step, _state(step))
+            mgr.wait_until_finished()
+        kinds = _kinds(mgr, 2)
+        assert mgr.tier_stats[1].delta == 0
+    assert kinds == {"frozen": {"b"}, "little": {"r"}, "adam": {"r"}}
+
+
+def test_delta_ratio_estimates_what_a_delta_saves():
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal(1 << 18).astype(np.float32)
+    ratio = lambda new: tier_store.delta_ratio(memoryview(new.view(np.uint8)), memoryview(w.view(np.uint8)))
+    assert ratio(w.copy()) == 0.0
+    assert ratio(w + np.float32(1e-6) * w) < 0.4
+    assert ratio(w + np.float32(2e-3) * rng.standard_normal(w.shape).astype(np.float32)) > 0.5
+    assert ratio(rng.standard_normal(w.shape).astype(np.float32)) > 0.9
+
+
+class _Gate:
+    """Holds the memory tier's writer inside ``write_copy`` until opened."""
+
+    def __init__(self, monkeypatch):
+        self.open, self.entered = threading.Event(), threading.Event()
+        real = tier_store.write_copy
+
+        def write_copy(*a, **kw):
+            self.entered.set()
+            assert self.open.wait(60), "the test never opened the gate"
+            return real(*a, **kw)
+        monkeypatch.setattr(tier_store, "write_copy", write_copy)
+
+
+def _in_thread(fn) -> tuple[threading.Thread, list]:
+    out: list = []
+    t = threading.Thread(target=lambda: out.append(fn()), daemon=True)
+    t.start()
+    return t, out
+
+
+def test_a_save_that_finds_the_previous_in_flight_skips_without_waiting(tmp_path, monkeypatch, caplog):
+    caplog.set_level(logging.INFO, "flax_ckpt")
+    gate = _Gate(monkeypatch)
+    mgr = fc.CheckpointManager(tmp_path / "ckpt", tiers=_tiers(tmp_path, max_to_keep=5))
+    try:
+        assert mgr.save(1, _state(1))
+        assert gate.entered.wait(30)
+        for step in (2, 3):  # the writer is held: these return at once, unsaved
+            t, out = _in_thread(lambda: mgr.save(step, _state(step)))
+            t.join(5)
+            assert not t.is_alive(), f"save({step}) waited for the save in flight"
+            assert out == [False]
+        gate.open.set()
+        mgr.wait_until_finished()
+        assert mgr.save(4, _state(4))  # the writer is free: the newest state is saved
+        mgr.wait_until_finished()
+        assert [(s.step, s.skipped) for s in mgr.tier_stats] == [(1, 0), (4, 2)]
+        assert mgr.memory_tiers.skipped == 2 and mgr.all_steps() == [1, 4]
+        assert caplog.text.count("not saved: the previous save is still being written") == 1
+        assert_bit_exact(mgr.restore(4), _state(4), types=False)
+    finally:
+        gate.open.set()
+        mgr.close()
+
+
+@pytest.mark.parametrize("how", ["on_busy_wait", "force"])
+def test_on_busy_wait_and_force_hold_the_step_until_the_previous_save_is_done(tmp_path, monkeypatch, how):
+    gate = _Gate(monkeypatch)
+    tiers = _tiers(tmp_path, max_to_keep=5, on_busy="wait" if how == "on_busy_wait" else "skip")
+    mgr = fc.CheckpointManager(tmp_path / "ckpt", tiers=tiers)
+    try:
+        assert mgr.save(1, _state(1))
+        assert gate.entered.wait(30)
+        t, out = _in_thread(lambda: mgr.save(2, _state(2), force=how == "force"))
+        t.join(0.5)
+        assert t.is_alive() and out == []  # held while the writer is
+        gate.open.set()
+        t.join(30)
+        assert out == [True]
+        mgr.wait_until_finished()
+        assert [(s.step, s.skipped) for s in mgr.tier_stats] == [(1, 0), (2, 0)]
+        assert mgr.memory_tiers.skipped == 0
+    finally:
+        gate.open.set()
+        mgr.close()
+
+
+def test_a_due_migration_is_put_off_while_the_previous_one_runs(tmp_path, monkeypatch):
+    release = threading.Event()
+    real = tier_set.TierSet._migrate
+
+    def slow_first(self, step, job):  # the first migration runs until released
+        return real(self, step, (lambda: (release.wait(60), job())) if step == 1 else job)
+    monkeypatch.setattr(tier_set.TierSet, "_migrate", slow_first)
+    mgr = fc.CheckpointManager(tmp_path / "ckpt", tiers=_tiers(tmp_path, persist_interval_steps=1,
+                                                               max_to_keep=5))
+    try:
+        assert mgr.save(1, _state(1))
+        deadline = time.monotonic() + 30
+        for step in (2, 3):  # each due; the migration of step 1 still runs: neither waits for it
+            while not mgr.save(step, _state(step)):
+                assert time.monotonic() < deadline, f"step {step} never saved: the writer waits for the migration"
+                time.sleep(0.01)
+        while len(mgr.tier_stats) < 3 or mgr.memory_tiers.deferred < 2:
+            assert time.monotonic() < deadline, "the writer waits for the migration in flight"
+            time.sleep(0.01)
+        assert mgr.memory_tiers.persistent.steps() == set()
+        release.set()
+        mgr.wait_until_finished()  # waits for the migration in flight (step 1)
+        assert mgr.save(4, _state(4))  # due, nothing in flight: migrated
+        mgr.wait_until_finished()
+        assert mgr.memory_tiers.persistent.steps() == {1, 4} and mgr.memory_tiers.deferred == 2
+    finally:
+        release.set()
+        mgr.close()
+    assert_bit_exact(fc.restore(tmp_path / "ckpt" / "4"), _state(4), types=False)
+
+
+def test_every_kept_copy_restores_bit_exact(tmp_path):
+    """Bases, deltas, raw chunks and references, across a rebase, each step restored from memory."""
+    tiers = _tiers(tmp_path, max_to_keep=7, rebase_interval=3)
+    with fc.CheckpointManager(tmp_path / "ckpt", tiers=tiers) as mgr:
+        mgr.memory_tiers._budget = tier_store.DeltaBudget(share=1.0, credit_s=60.0)  # deltas however loaded
+        for step in range(1, 8):
+            mgr.save(step, _state(step))
+            mgr.wait_until_finished()
+        assert [s.step for s in mgr.tier_stats if s.base] == [1, 5]
+        assert all(s.delta for s in mgr.tier_stats if not s.base)
+    with fc.CheckpointManager(tmp_path / "ckpt", tiers=tiers) as mgr:  # a restarted process
+        assert mgr.all_steps() == list(range(1, 8))
+        for step in range(1, 8):
+            assert_bit_exact(mgr.restore(step), _state(step), types=False)
+            assert mgr.restore_stats[-1].tier == "local"
+
+
+def test_on_busy_is_validated():
+    with pytest.raises(ValueError, match="on_busy"):
+        fc.Tiers(on_busy="drop")
