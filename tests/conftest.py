@@ -7,7 +7,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import pytest  # noqa: E402
 
-pytest_plugins = ["s3_fixtures"]  # the S3 fixtures (s3, s3_faulty, ...), for any test module to ask for
+pytest_plugins = ["s3_fixtures", "gcs_fixtures"]  # the S3 and GCS fixtures (s3, s3_faulty, gcs, gcs_faulty, ...)
 
 
 @pytest.fixture

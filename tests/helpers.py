@@ -7,7 +7,9 @@ Layout of tests/ (two kinds of non-test module, by how they run):
   benchmarks insert it): this module; ``trees.py`` (pytree *builders* only: every dtype, mixed
   containers, a TrainState); ``s3_fixtures.py`` (fixtures, a plugin that conftest.py loads) and
   ``s3_server.py`` (moto's server, which s3_server starts as ``python -m moto.server``, and a fault
-  proxy that runs in this process);
+  proxy that runs in this process); ``gcs_fixtures.py`` and ``gcs_server.py`` (the same for
+  fake-gcs-server, its front reusing that fault proxy); ``object_stores.py`` (what the tests of
+  ``test_object_stores.py`` ask of either store);
   ``reliability_trials.py``, ``reliability_hostile.py``, ``reliability_s3.py`` (fault trials shared with
   benchmarks/faults.py). They stay in tests/ rather than a tests/support/ folder: the tests and
   benchmarks import them by their bare names, and nothing runs them as scripts.

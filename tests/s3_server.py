@@ -47,9 +47,10 @@ class Keys:
     secret_access_key: str
 
 
-def _stop(proc: subprocess.Popen) -> None:
+def _stop(proc: subprocess.Popen, sig: int = signal.SIGTERM) -> None:
+    """Stops a server child (``sig``, then SIGKILL after 5 s); shared by gcs_server.py."""
     if proc.poll() is None:
-        proc.terminate()
+        proc.send_signal(sig)
         try:
             proc.wait(5)
         except subprocess.TimeoutExpired:

@@ -5,11 +5,19 @@ Scope: KvStorage, the Storage protocol (base.py) over any tensorstore kvstore, a
 exponential backoff on transient errors (HTTP 5xx and 429, dropped, reset or truncated connections)
 are tensorstore's own (its s3_request_retries / gcs_request_retries resources); a permanent error (403,
 missing bucket) or one that outlasts every retry becomes a StorageError naming the URL. Before the first
-request to an s3 endpoint that is set explicitly, a TCP check (check_endpoint, once per endpoint per
-process) fails within seconds when its host does not resolve or refuses the connection, instead of
+request to an s3 or gs endpoint that is set explicitly, a TCP check (check_endpoint, once per endpoint
+per process) fails within seconds when its host does not resolve or refuses the connection, instead of
 after every retry, and before tensorstore's AWS credential chain logs to stderr. Requests run
 concurrently up to ObjectStoreOptions.concurrency; reads of large byte ranges are split into parts
 fetched in parallel. There is no rename: the commit protocol writes its commit object last instead.
+
+A gs:// endpoint (a GCS-protocol server other than https://storage.googleapis.com: ObjectStoreOptions.endpoint,
+else TENSORSTORE_GCS_HTTP_URL) has no place in tensorstore's gcs spec: its driver reads the
+environment variable TENSORSTORE_GCS_HTTP_URL when a driver is opened. So a gcs kvstore with an
+endpoint is opened with that variable set to it (under a lock, restored right after), in a context of
+its own per endpoint, and the opened driver is kept for the process: tensorstore's driver cache then
+hands that same driver to every later open of the bucket in that context (the zarr3 and Orbax arrays
+opened over kvstore_spec()), whatever the variable says by then.
 """
 
 from __future__ import annotations
@@ -42,6 +50,9 @@ _ENV = {"max_attempts": ("FLAX_CKPT_STORAGE_MAX_ATTEMPTS", int, 10),
         "concurrency": ("FLAX_CKPT_STORAGE_CONCURRENCY", int, 64)}
 _S3_ONLY = ("endpoint", "region", "profile", "access_key_id", "secret_access_key", "session_token")
 _ENDPOINT_VARS = ("FLAX_CKPT_S3_ENDPOINT", "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
+_GCS_ENDPOINT_VAR = "TENSORSTORE_GCS_HTTP_URL"  # read by tensorstore's gcs driver when it opens one
+_GCS_CREDENTIALS = ("Google application default credentials: GOOGLE_APPLICATION_CREDENTIALS, "
+                    "`gcloud auth application-default login`, or the machine's service account")
 
 
 @dataclass(frozen=True)
@@ -49,10 +60,12 @@ class ObjectStoreOptions:
     """How to reach an object store. A field left None comes from the environment variable named
     beside it, else the default. S3 credentials, in order: explicit keys, a profile, the
     AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY/AWS_SESSION_TOKEN variables, the AWS default chain
-    (config files, ECS, EC2 metadata). gs:// takes only the last three fields (credentials: Google's
-    application default credentials)."""
+    (config files, ECS, EC2 metadata). gs:// takes ``endpoint`` (a GCS-protocol server; else
+    TENSORSTORE_GCS_HTTP_URL, else https://storage.googleapis.com) and the last three fields; its credentials
+    are Google's application default credentials."""
 
-    endpoint: str | None = None  # FLAX_CKPT_S3_ENDPOINT, AWS_ENDPOINT_URL_S3, AWS_ENDPOINT_URL
+    endpoint: str | None = None  # s3: FLAX_CKPT_S3_ENDPOINT, AWS_ENDPOINT_URL_S3, AWS_ENDPOINT_URL
+    #                                gs: TENSORSTORE_GCS_HTTP_URL
     region: str | None = None  # AWS_REGION, AWS_DEFAULT_REGION; us-east-1 when an endpoint is set
     profile: str | None = None  # AWS_PROFILE
     access_key_id: str | None = None
@@ -160,12 +173,44 @@ def _s3_setup(spec: dict[str, Any], o: ObjectStoreOptions) -> tuple[dict[str, An
     return spec, _context_for({"aws_credentials": credentials, **_request_resources("s3", o)}, ident)
 
 
-def _gcs_setup(spec: dict[str, Any], o: ObjectStoreOptions) -> tuple[dict[str, Any], Any]:
-    given = [f for f in _S3_ONLY if getattr(o, f) is not None]
+def _gcs_setup(spec: dict[str, Any], o: ObjectStoreOptions) -> tuple[dict[str, Any], Any, str | None]:
+    """The spec, the context (retries, concurrency; one per endpoint, see the module's docstring) and
+    the endpoint (None: tensorstore's default, https://storage.googleapis.com)."""
+    given = [f for f in _S3_ONLY if f != "endpoint" and getattr(o, f) is not None]
     if given:
         raise ValueError(f"ObjectStoreOptions fields {given} apply to s3:// only, not gs:// "
-                         f"(gs uses Google application default credentials)")
-    return dict(spec), _context_for(_request_resources("gcs", o))
+                         f"(gs uses {_GCS_CREDENTIALS})")
+    endpoint = (o.endpoint or os.environ.get(_GCS_ENDPOINT_VAR) or "").rstrip("/") or None
+    if endpoint and not re.match(r"https?://[^/]", endpoint):
+        raise ValueError(f"gs:// endpoint {endpoint!r} must be a URL: http://host:port or https://host")
+    return dict(spec), _context_for(_request_resources("gcs", o), f"gcs endpoint {endpoint or ''}"), endpoint
+
+
+_gcs_open_lock = threading.Lock()
+_gcs_drivers: dict[tuple[int, str], Any] = {}  # (id of the context, bucket) -> a kvstore kept open
+
+
+def _open_gcs(spec: dict[str, Any], context: Any, endpoint: str) -> Any:
+    """Opens a gcs kvstore reaching ``endpoint``: tensorstore's driver takes its base URL from
+    TENSORSTORE_GCS_HTTP_URL as it opens, so the variable says ``endpoint`` meanwhile (and is restored).
+    The first driver of each bucket in this context is kept open, so that tensorstore's driver cache
+    gives it (and its endpoint) to the arrays the serializers open over kvstore_spec() later."""
+    with _gcs_open_lock:
+        prior = os.environ.get(_GCS_ENDPOINT_VAR)
+        if prior != endpoint:
+            os.environ[_GCS_ENDPOINT_VAR] = endpoint
+        try:
+            kv = ts.KvStore.open(spec, context=context).result()
+            key = (id(context), str(spec.get("bucket")))
+            if key not in _gcs_drivers and set(spec) <= {"driver", "bucket", "path"}:
+                _gcs_drivers[key] = ts.KvStore.open(dict(spec, path=""), context=context).result()
+        finally:
+            if prior != endpoint:
+                if prior is None:
+                    os.environ.pop(_GCS_ENDPOINT_VAR, None)
+                else:
+                    os.environ[_GCS_ENDPOINT_VAR] = prior
+    return kv
 
 
 def _short(e: Exception) -> str:
@@ -178,21 +223,29 @@ _NO_CONNECTION = {"6": "the endpoint's host name did not resolve",
                   "7": "no connection to the endpoint (refused or unreachable)"}
 
 
-def explain(e: Exception) -> str:
-    """What a tensorstore failure means for the user: permanent (with the fix) or transient (gave up)."""
+def explain(e: Exception, driver: str | None = None, *, write: bool = False) -> str:
+    """What a tensorstore failure means for the user: permanent (with the fix) or transient (gave up).
+    ``driver`` ("s3", "gcs"; guessed from the message when None) picks the credential and endpoint
+    hints; ``write``: the failed request was an upload (a GCS upload answered 404 means no bucket)."""
     msg = str(e)
+    gcs = driver == "gcs" or (driver is None and "gs://" in msg)
     gave_up = re.search(r"All \d+ retry attempts failed", msg)
     curl = re.search(r"curl_code='(\d+)'", msg)
-    if "NoSuchBucket" in msg:
+    if "NoSuchBucket" in msg or "specified bucket does not exist" in msg or (
+            gcs and write and "http_response_code='404'" in msg):
         why = "the bucket does not exist (create it, or fix the URL)"
+    elif "http_response_code='401'" in msg or "UNAUTHENTICATED" in msg:  # tensorstore may say PERMISSION_DENIED
+        why = "not authenticated (HTTP 401): no valid credentials were found"
+        why += f" or they were refused (gs:// uses {_GCS_CREDENTIALS}); not retried" if gcs else "; not retried"
     elif "PERMISSION_DENIED" in msg or "http_response_code='403'" in msg:
-        why = ("permission denied (HTTP 403): check the credentials (ObjectStoreOptions, AWS_ACCESS_KEY_ID/"
-               "AWS_SECRET_ACCESS_KEY or AWS_PROFILE) and the bucket's policy; not retried")
-    elif "UNAUTHENTICATED" in msg or "http_response_code='401'" in msg:
-        why = "not authenticated (HTTP 401): no valid credentials were found; not retried"
+        creds = (_GCS_CREDENTIALS + ") and the bucket's IAM permissions" if gcs else
+                 "ObjectStoreOptions, AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE) and the bucket's policy")
+        why = f"permission denied (HTTP 403): check the credentials ({creds}; not retried"
     elif gave_up and curl and curl.group(1) in _NO_CONNECTION:
+        where = (f"for gs://: ObjectStoreOptions.endpoint or {_GCS_ENDPOINT_VAR}" if gcs else
+                 f"for s3://: ObjectStoreOptions.endpoint or {', '.join(_ENDPOINT_VARS)}")
         why = (f"{_NO_CONNECTION[curl.group(1)]} on every retry: check that the server is running and the "
-               f"endpoint (for s3://: ObjectStoreOptions.endpoint or {', '.join(_ENDPOINT_VARS)})")
+               f"endpoint ({where})")
     elif gave_up:
         why = ("transient errors outlasted every retry (HTTP 5xx/429, timeouts or dropped connections: the "
                "store is overloaded or the network unreliable; try again later, or raise "
@@ -225,13 +278,18 @@ def check_endpoint(endpoint: str, url: str) -> None:
         if why is None:
             _checked.add(endpoint)
             return
-    raise StorageError(f"{url}: cannot reach the S3 endpoint {endpoint}: {why}. Start the server, or fix the "
-                       f"endpoint (it came from {_endpoint_source(endpoint)}). Nothing was sent or retried.")
+    gcs = url.startswith("gs://")
+    raise StorageError(f"{url}: cannot reach the {'GCS' if gcs else 'S3'} endpoint {endpoint}: {why}. Start the "
+                       f"server, or fix the endpoint (it came from {_endpoint_source(endpoint, gcs)}). "
+                       f"Nothing was sent or retried.")
 
 
-def _endpoint_source(endpoint: str) -> str:
-    var = next((v for v in _ENDPOINT_VARS if os.environ.get(v) == endpoint), None)
-    return f"the environment variable {var}" if var else "ObjectStoreOptions.endpoint or the kvstore spec"
+def _endpoint_source(endpoint: str, gcs: bool = False) -> str:
+    names = (_GCS_ENDPOINT_VAR,) if gcs else _ENDPOINT_VARS
+    var = next((v for v in names if (os.environ.get(v) or "").rstrip("/") == endpoint.rstrip("/")), None)
+    if var:
+        return f"the environment variable {var}"
+    return "ObjectStoreOptions.endpoint" if gcs else "ObjectStoreOptions.endpoint or the kvstore spec"
 
 
 def _why_unreachable(endpoint: str) -> str | None:
@@ -301,29 +359,36 @@ class KvStorage:
     supports_rename = False
     local_path = None
 
-    def __init__(self, spec: dict[str, Any], url: str, context: Any = None):
+    def __init__(self, spec: dict[str, Any], url: str, context: Any = None, endpoint: str | None = None):
         spec = dict(spec)
         path = spec.get("path", "")
         spec["path"] = path if not path or path.endswith("/") else path + "/"
         self.spec, self.url = spec, url if url.endswith("://") else url.rstrip("/")
         self.context = context if context is not None else (
             _MEMORY_CONTEXT if spec["driver"] == "memory" else None)
+        self.endpoint = endpoint  # gcs only: the server's base URL, when not tensorstore's default
         self._kv = None
 
     @property
     def kv(self):
         if self._kv is None:
-            if self.spec["driver"] == "s3" and self.spec.get("endpoint"):
-                check_endpoint(str(self.spec["endpoint"]), self.url)
+            driver = self.spec["driver"]
+            endpoint = self.spec.get("endpoint") if driver == "s3" else self.endpoint
+            if endpoint and driver in ("s3", "gcs"):
+                check_endpoint(str(endpoint), self.url)
             try:
-                self._kv = ts.KvStore.open(self.spec, context=self.context).result()
+                if driver == "gcs" and self.endpoint:
+                    self._kv = _open_gcs(self.spec, self.context, self.endpoint)
+                else:
+                    self._kv = ts.KvStore.open(self.spec, context=self.context).result()
             except Exception as e:
-                raise StorageError(f"{self.url}: cannot open kvstore {self.spec}: {explain(e)}") from e
+                raise StorageError(f"{self.url}: cannot open kvstore {self.spec}: {explain(e, driver)}") from e
         return self._kv
 
     def sub(self, name: str) -> "KvStorage":
         spec = dict(self.spec, path=self.spec["path"] + name)
-        return KvStorage(spec, self.url + name if self.url.endswith("/") else f"{self.url}/{name}", self.context)
+        return KvStorage(spec, self.url + name if self.url.endswith("/") else f"{self.url}/{name}", self.context,
+                         self.endpoint)
 
     def parent(self) -> tuple["KvStorage", str]:
         """(the storage one level up, this one's last path component)."""
@@ -331,7 +396,8 @@ class KvStorage:
         if not name:
             raise ValueError(f"{self.url} is the root of its store; a checkpoint needs a name below it")
         up = self.url.rsplit("/", 1)[0]
-        parent = KvStorage(dict(self.spec, path=head), up + "/" if up.endswith(":/") else up, self.context)
+        parent = KvStorage(dict(self.spec, path=head), up + "/" if up.endswith(":/") else up, self.context,
+                           self.endpoint)
         return parent, name
 
     def _err(self, op: str, name: str, e: Exception) -> StorageError:
@@ -339,7 +405,10 @@ class KvStorage:
         endpoint, a bad spec) already names the URL and the fix, and is re-raised as it is."""
         if isinstance(e, StorageError):
             raise e
-        return StorageError(f"{op} {self.url}/{name} failed: {explain(e)}")
+        why = explain(e, self.spec["driver"], write=op == "write of")
+        endpoint = self.spec.get("endpoint") if self.spec["driver"] == "s3" else self.endpoint
+        at = f" (endpoint {endpoint})" if endpoint and re.search(r"All \d+ retry attempts failed", str(e)) else ""
+        return StorageError(f"{op} {self.url}/{name} failed{at}: {why}")
 
     def write(self, name: str, buffers: Sequence[Buffer]) -> float:
         """Writes the object ``name``; durable once it returns, so no fsync time (0.0)."""
@@ -479,14 +548,14 @@ def _url_of(spec: dict[str, Any]) -> str:
 def kv_storage(spec: dict[str, Any], url: str | None, options: ObjectStoreOptions) -> KvStorage:
     """A KvStorage for ``spec``, its context holding the options (s3, gcs) or the shared memory store."""
     url = url if url is not None else _url_of(spec)
-    driver = spec.get("driver")
+    driver, endpoint = spec.get("driver"), None
     if driver == "s3":
         spec, context = _s3_setup(spec, options)
     elif driver == "gcs":
-        spec, context = _gcs_setup(spec, options)
+        spec, context, endpoint = _gcs_setup(spec, options)
     elif options != ObjectStoreOptions():
         raise ValueError(f"{url}: ObjectStoreOptions apply to s3:// and gs:// only")
     else:
         context = None
-    return KvStorage(spec, url, context)
+    return KvStorage(spec, url, context, endpoint)
 
