@@ -192,3 +192,14 @@ def test_non_json_metadata_is_refused_before_writing(tmp_path):
     with pytest.raises(fc.CheckpointError, match="JSON-serializable"):
         fc.save(tmp_path / "bad", {"x": np.ones(2)}, metadata={"when": object()})
     assert not os.listdir(tmp_path)
+
+
+def test_a_mesh_that_does_not_divide_the_saved_shape_is_a_target_mismatch_naming_the_leaf(tmp_path):
+    import jax
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    fc.save(tmp_path / "ck", {"w": np.arange(48 * 8, dtype=np.float32).reshape(48, 8)})
+    five = NamedSharding(Mesh(np.array(jax.devices()[:5]), ("x",)), P("x"))  # 48 rows over 5 devices
+    with pytest.raises(fc.TargetMismatchError, match=r"restore of 'w' .*\[48, 8\].*Fix: restore with a process"):
+        fc.restore(tmp_path / "ck", {"w": jax.ShapeDtypeStruct((48, 8), np.float32, sharding=five)})
+    assert fc.restore(tmp_path / "ck")["w"].shape == (48, 8)  # nothing lost

@@ -5,8 +5,11 @@ job agree on a save: process 0 names the staging folder, every process writes it
 and publishes its chunk records (``parts/p<i>.json`` in the staging folder, announced with its crc32c
 through the key-value store), process 0 waits for all of them, merges them into the one manifest's
 inputs, commits and announces the commit; the other processes' saves finish when they see it. Also
-``allgather``, the round by which processes agree on anything else (the manager's view of committed
-steps, the step a restore gives, an automatic interval; the tiers' votes).
+``allgather``, ``lead`` and ``vote``, the rounds by which processes agree on anything else (the
+manager's view of committed steps, the step a restore gives, an automatic interval; the tiers' votes):
+each goes through process 0 (``_round``), so a round costs O(N) key-value operations in a job of N
+processes, not N^2, and the merge of every process's chunk records (``dedupe``) is linear too
+(benchmarks/README.md, "At a thousand hosts").
 
 Every wait runs on the caller's thread (for the manager: the background writer, never the training
 thread) and has a timeout (``set_timeout``): a dead or hung peer gives a DistributedError naming the
@@ -19,8 +22,11 @@ the commit itself (commit/__init__.py), and the orchestration of one save (nativ
 
 from __future__ import annotations
 
+import bisect
 import hashlib
+import itertools
 import json
+import math
 import threading
 import time
 from dataclasses import dataclass
@@ -113,50 +119,98 @@ def _present(prefix: str) -> set[str]:
         return set()
 
 
-def allgather(prefix: str, what: str, value: dict[str, Any]) -> list[dict[str, Any]]:
-    """Every process's ``value`` (JSON), in process order, for the next round under ``prefix``; every
-    process must call it for the same rounds in the same order. DistributedError naming the process
-    that did not answer within the timeout, or that is at another point (``what``) of the protocol."""
+def _round(prefix: str, what: str, value: Any, reduce: Callable[[list[Any]], Any]) -> Any:
+    """One key-value round under the next key of ``prefix``, through process 0: every process publishes
+    ``value`` (JSON); process 0 reads them all, checks that every process is at the same point of the
+    protocol (``what``), reduces them to one result (``reduce``, which may raise DistributedError) and
+    publishes it (or the error); every process returns that result (or raises that error).
+
+    What grows with the number of processes N stays linear: N + 1 sets and 2N - 1 gets in all, N gets on
+    process 0 and one on any other (a round in which each process read every other's key cost N^2 gets
+    at the coordinator). A process that does not answer within the timeout is named by process 0 to all;
+    the others wait twice the timeout for process 0 itself, which may be waiting that long for a peer."""
     count, index = process_count(), process_index()
-    if count == 1:
-        return [value]
     key = _next_round(prefix)
-    client = _client()
-    client.key_value_set(f"{key}/p{index}", json.dumps({"what": what, "value": value}))
+    n = int(key.rsplit("/", 1)[-1])
+    where = f"{prefix} ({what}, round {n})"
+    _set(f"{key}/p{index}", {"what": what, "value": value}, where)
+    if index:
+        try:
+            msg = _get(f"{key}/all", 2 * _timeout_s, where)
+        except TimeoutError:
+            raise DistributedError(f"{where}: process 0 of {count} did not answer within {2 * _timeout_s:g} s "
+                                   "(dead, hung, or not running the same saves and restores?)") from None
+        if "error" in msg:
+            raise DistributedError(msg["error"])
+        return msg["result"]
+    try:
+        result: dict[str, Any] = {"result": reduce(_collect(key, where, what, count))}
+    except DistributedError as e:
+        result = {"error": str(e)}
+    _set(f"{key}/all", result, where)
+    if n > 0:  # every process has published round n, so all have read round n-1's result
+        try:
+            _client().key_value_delete(f"{prefix}/{n - 1}/")
+        except Exception:
+            pass
+    if "error" in result:
+        raise DistributedError(result["error"])
+    return result["result"]
+
+
+def _collect(key: str, where: str, what: str, count: int) -> list[Any]:
+    """Process 0: every process's value of round ``key``, in process order."""
+    deadline = time.monotonic() + _timeout_s
     out = []
     for j in range(count):
         try:
-            raw = client.blocking_key_value_get(f"{key}/p{j}", int(_timeout_s * 1000))
-        except Exception as e:
-            raise DistributedError(f"{prefix} ({what}, round {key.rsplit('/', 1)[-1]}): process {j} of {count} "
-                                   f"did not answer within {_timeout_s:g} s (dead, hung, or not running the same "
-                                   f"saves and restores?): {e}") from None
-        msg = json.loads(raw)
+            msg = _get(f"{key}/p{j}", deadline - time.monotonic(), where)
+        except TimeoutError:
+            have = _present(key)
+            missing = [p for p in range(count) if f"p{p}" not in have]
+            raise DistributedError(f"{where}: process(es) {missing} of {count} did not answer within "
+                                   f"{_timeout_s:g} s (dead, hung, or not running the same saves and "
+                                   "restores?)") from None
         if msg["what"] != what:
-            raise DistributedError(f"{prefix} round {key.rsplit('/', 1)[-1]}: process {j} is at {msg['what']!r}, "
-                                   f"this process at {what!r}; every process must save and restore the same steps")
+            raise DistributedError(f"{where}: process {j} is at {msg['what']!r}, process 0 at {what!r}; every "
+                                   "process must save and restore the same steps")
         out.append(msg["value"])
-    n = int(key.rsplit("/", 1)[-1])
-    if index == 0 and n > 0:  # everyone has published round n, so all have read round n-1
-        try:
-            client.key_value_delete(f"{prefix}/{n - 1}/")
-        except Exception:
-            pass
     return out
+
+
+def allgather(prefix: str, what: str, value: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every process's ``value`` (JSON), in process order, for the next round under ``prefix``; every
+    process must call it for the same rounds in the same order. DistributedError naming the process
+    that did not answer within the timeout, or that is at another point (``what``) of the protocol.
+    Through process 0 (``_round``): O(N) key-value operations; the bytes every process reads are all N
+    values, so a round whose result is smaller (``lead``, ``vote``) should say so."""
+    if process_count() == 1:
+        return [value]
+    return _round(prefix, what, value, lambda values: values)
+
+
+def lead(prefix: str, what: str, value: Any) -> Any:
+    """Process 0's ``value`` on every process (a round like ``allgather``; the others' ``value`` is not
+    sent): what every process adopts when process 0's view is the one that counts."""
+    if process_count() == 1:
+        return value
+    return _round(prefix, what, value if process_index() == 0 else None, lambda values: values[0])
 
 
 def vote(prefix: str, what: str, key: int, err: BaseException | None) -> dict[int, tuple[str, str]]:
     """The outcome of one step everyone tried (``key``): {process: (error type, message)} of every process
     whose ``err`` was not None, the same on every process. DistributedError if processes tried different
-    keys."""
+    keys. Process 0 counts the votes; every process reads only the outcome."""
     mine = {"key": key, "error": None if err is None else [type(err).__name__, str(err)]}
     if process_count() == 1:
         return {} if err is None else {0: tuple(mine["error"])}
-    votes = allgather(prefix, "vote", mine)
-    if any(v["key"] != key for v in votes):
-        raise DistributedError(f"{what}: processes tried different steps ({[v['key'] for v in votes]}); every "
-                               "process must restore the same step")
-    return {j: tuple(v["error"]) for j, v in enumerate(votes) if v["error"] is not None}
+
+    def count(votes: list[dict[str, Any]]) -> dict[str, Any]:
+        if any(v["key"] != key for v in votes):
+            raise DistributedError(f"{what}: processes tried different steps ({[v['key'] for v in votes]}); "
+                                   "every process must restore the same step")
+        return {str(j): v["error"] for j, v in enumerate(votes) if v["error"] is not None}
+    return {int(j): tuple(e) for j, e in _round(prefix, "vote", mine, count).items()}
 
 
 # ------------------------------------------------------------------------------------------- saves
@@ -291,19 +345,51 @@ class SaveRound:
 def dedupe(parts: list[Written]) -> list[Written]:
     """Drops a process's chunks of a leaf that overlap chunks of a lower process: only process-local
     values (numpy arrays, arrays on one process's devices) are written by several processes, and the
-    checkpoint keeps process 0's. Shards of global arrays never overlap (one replica_id 0 each)."""
-    seen: dict[int, list[list[list[int]]]] = {}
+    checkpoint keeps process 0's. Shards of global arrays never overlap (one replica_id 0 each).
+
+    Linear in the number of chunks for any layout a save writes: the boundaries of all chunks of a leaf
+    cut it into cells, a chunk covers whole cells, and two chunks overlap exactly when they share a
+    cell, so each chunk is checked against a set of taken cells rather than every earlier chunk (which
+    cost N^2/2 box comparisons per leaf on process 0: half a minute a leaf at 2,048 processes). A chunk
+    that would cover more than _CELLS_MAX cells (layouts a save never writes) is compared box by box."""
+    grids: dict[int, list[set[int]]] = {}
+    for w in parts:
+        for leaf, recs in w.chunks.items():
+            dims = grids.setdefault(leaf, [])
+            for r in recs:
+                box = _box(r)
+                dims.extend(set() for _ in range(len(box) - len(dims)))
+                for d, (s, e) in enumerate(box):
+                    dims[d].update((s, e))
+    edges = {leaf: [sorted(d) for d in dims] for leaf, dims in grids.items()}
+    taken: dict[int, set[tuple[int, ...]]] = {}
+    kept: dict[int, list[tuple[tuple[int, int], ...]]] = {}
+    pairwise: set[int] = set()  # leaves with a chunk too irregular for cells: compared box by box
     out = []
     for w in parts:
         chunks = {}
         for leaf, recs in w.chunks.items():
-            boxes = seen.setdefault(leaf, [])
-            if any(intersect(_box(r), _box(b)) is not None for r in recs for b in boxes):
+            boxes, cells = [_box(r) for r in recs], []
+            for box in boxes if leaf not in pairwise else ():
+                ranges = [range(bisect.bisect_left(g, s), bisect.bisect_left(g, e))
+                          for (s, e), g in zip(box, edges[leaf])]
+                if math.prod(len(r) for r in ranges) > _CELLS_MAX:
+                    pairwise.add(leaf)
+                    break
+                cells.extend(itertools.product(*ranges))
+            if leaf in pairwise:
+                if any(intersect(a, b) is not None for a in boxes for b in kept.get(leaf, [])):
+                    continue
+            elif any(c in taken.get(leaf, ()) for c in cells):
                 continue
             chunks[leaf] = recs
-            boxes.extend(r["index"] for r in recs)
+            kept.setdefault(leaf, []).extend(boxes)
+            taken.setdefault(leaf, set()).update(cells)
         out.append(Written(chunks, w.files))
     return out
+
+
+_CELLS_MAX = 1 << 12  # cells one chunk may cover before dedupe compares it box by box
 
 
 def _box(rec: Any) -> tuple[tuple[int, int], ...]:

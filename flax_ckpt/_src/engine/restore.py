@@ -27,7 +27,7 @@ from flax_ckpt._src import tree as tree_mod
 from flax_ckpt._src.engine.fit import Fit, RestoreReport, as_fit, cast_into, renamed
 from flax_ckpt._src.engine.leaves import CheckpointInfo, fit_target, python_scalar_kinds
 from flax_ckpt._src.engine.pause import gc_paused
-from flax_ckpt._src.errors import CheckpointError, CorruptCheckpointError
+from flax_ckpt._src.errors import CheckpointError, CorruptCheckpointError, TargetMismatchError
 from flax_ckpt._src.checks import tiling_problem
 from flax_ckpt._src.records import LeafRecord
 from flax_ckpt._src.serializers import Box, box_of
@@ -237,7 +237,15 @@ class Reader:
         key = (sharding, leaf.shape)
         found = self._boxes.get(key)
         if found is None:
-            found = self._boxes[key] = self._layout(leaf.shape, sharding)
+            try:
+                found = self._boxes[key] = self._layout(leaf.shape, sharding)
+            except ValueError as e:  # jax: a dimension the mesh does not divide (e.g. 48 rows over 5 processes)
+                raise TargetMismatchError(
+                    f"restore of {leaf.name!r} from {self.source.where}: the saved shape {list(leaf.shape)} "
+                    f"cannot be laid out as the target's sharding {sharding} asks, over {jax.process_count()} "
+                    f"process(es) and {len(sharding.device_set)} device(s): {e}. Fix: restore with a process "
+                    "and device count whose mesh divides the saved shape, or pass shardings= (e.g. a "
+                    "replicated or another mesh axis) for this leaf") from None
         return found
 
     @staticmethod

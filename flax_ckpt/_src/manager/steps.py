@@ -143,7 +143,7 @@ class StepIndex:
                               for s in self._metrics if s in self._folders},
                     "damaged": {str(s): [type(e).__name__, str(e), f.name, f.layout.name]
                                 for s, (e, f) in self._damaged.items()}}
-        lead = distributed.allgather(self._prefix, "view", mine)[0]
+        lead = distributed.lead(self._prefix, "view", mine)
         if distributed.process_index() == 0:
             return
 
