@@ -181,7 +181,7 @@ def _train(script, workdir, *, sigterm_after: int | None = None) -> tuple[int, s
     try:
         for line in proc.stdout:
             lines.append(line)
-            if sigterm_after is not None and line == f"step {sigterm_after}\n":
+            if sigterm_after is not None and re.match(rf"step {sigterm_after}\b", line):
                 proc.send_signal(signal.SIGTERM)
         status = proc.wait(timeout=TIMEOUT_S)
     finally:
@@ -211,7 +211,8 @@ def test_lm1b_style_loop_resumes_after_sigterm_bit_exact(tmp_path):
 
     status, again = _train(script, cut)
     assert status == 0 and f"start {stopped[1]}\n" in again and "finished" in again, again
-    assert f"step {int(stopped[1]) + 1}\n" in again and "step 60\n" in again, again
+    # "step N" without its newline: absl's C++ log lines share the pipe and may land between the two
+    assert re.search(rf"step {int(stopped[1]) + 1}\b", again) and re.search(r"step 60\b", again), again
     assert any(name.startswith("events.out.tfevents") for name in os.listdir(cut / "summaries"))
 
     with fc.CheckpointManager(whole / "checkpoints") as a, fc.CheckpointManager(cut / "checkpoints") as b:

@@ -252,13 +252,27 @@ def cast_into(src: np.ndarray, dst: np.ndarray, name: str, where: str) -> None:
                                                   f"outside {dst.dtype.name}'s range [{lo}, {hi}]", where))
     with np.errstate(over="ignore", invalid="ignore"):
         np.copyto(dst, src, casting="unsafe")
-    if b in ("f", "c") and a != "b" and src.size and _max(dst.dtype) < _max(src.dtype):
+    if b in ("f", "c") and a != "b" and src.size and _max(dst.dtype) < _max(src.dtype) and _non_finite(dst):
         lost = np.isfinite(src) & ~np.isfinite(dst)
         if lost.any():
             value = src[lost].flat[0]
             raise CastOverflowError(_overflow(name, src.dtype, dst.dtype, f"{int(lost.sum())} finite values (e.g. "
                                               f"{value!r}) exceed {dst.dtype.name}'s largest, {_max(dst.dtype):g}",
                                               where))
+
+
+_EXPONENT = {np.dtype(ml_dtypes.bfloat16): (np.uint16, 0x7F80), np.dtype(np.float16): (np.uint16, 0x7C00),
+             np.dtype(np.float32): (np.uint32, 0x7F800000)}  # IEEE layouts: all exponent bits set = inf/NaN
+
+
+def _non_finite(dst: np.ndarray) -> bool:
+    """Whether ``dst`` holds an inf or NaN: one pass over its exponent bits for the IEEE layouts (the
+    common casts), else numpy's isfinite. Only then is the exact check against the source made."""
+    bits = _EXPONENT.get(dst.dtype)
+    if bits is None or not dst.flags.c_contiguous:
+        return not np.isfinite(dst).all()
+    view, mask = bits
+    return bool(((dst.view(view) & view(mask)) == view(mask)).any())
 
 
 def _overflow(name: str, src: np.dtype, dst: np.dtype, what: str, where: str) -> str:

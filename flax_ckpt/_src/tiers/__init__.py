@@ -65,8 +65,9 @@ class Tiers:
     snapshot, so that training never waits for a copy (the newest state wins: the next save after the
     writer is free is taken; skipped steps are counted in ``tier_stats`` and the first is logged);
     "wait" holds the step until the previous save is committed, then saves it (the persistent path's
-    back-pressure). With several processes, a step is skipped by all of them when any one is busy.
-    ``save(force=True)`` always waits.
+    back-pressure), and a migration that falls due while the previous one runs waits for it (with
+    "skip" it is put off to a later step). With several processes, a step is skipped by all of them
+    when any one is busy. ``save(force=True)`` always waits.
     """
 
     local_dir: str = field(default_factory=default_local_dir)

@@ -186,7 +186,8 @@ class TierSet:
             self._save_local(step, ts, metrics, t0, blocked)
         if ts.force or (self.cfg.persist_interval_steps is not None and step // self.cfg.persist_interval_steps
                         > (self._last_migrated or 0) // self.cfg.persist_interval_steps):
-            if self._migrating and not ts.force:  # throttled: a later step goes once the writer is free
+            if self._migrating and not ts.force and self.cfg.on_busy == "skip":  # throttled: a later step goes
+                # once the writer is free; on_busy="wait" waits for the previous migration instead
                 self.deferred += 1
                 log.debug("migration of step %d put off: the previous one is still running", step)
                 return
