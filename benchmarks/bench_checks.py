@@ -37,7 +37,7 @@ import jax  # noqa: E402
 
 import flax_ckpt as fc  # noqa: E402
 from flax_ckpt._src import checks  # noqa: E402
-from flax_ckpt._src.engine import restore as engine_restore  # noqa: E402
+from flax_ckpt._src.engine import reader as engine_reader  # noqa: E402
 from flax_ckpt._src.native import manifest  # noqa: E402
 from flax_ckpt._src.orbax import locate, read as orbax_read  # noqa: E402
 from flax_ckpt._src.tiers import load as tier_load  # noqa: E402
@@ -79,7 +79,7 @@ def _folder(real):
 def _patch() -> None:
     """Every module that imported the checks by name gets the switchable, timed version."""
     tiling = _tiling(checks.tiling_problem)
-    for mod in (checks, manifest, engine_restore, tier_load):
+    for mod in (checks, manifest, engine_reader, tier_load):
         if getattr(mod, "tiling_problem", None) is not None:
             mod.tiling_problem = tiling
     walk = _folder(locate.check_folder)

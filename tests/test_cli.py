@@ -71,6 +71,7 @@ def write_memory_copies(directory, local_dir: str) -> None:
     """What a tiered manager of ``directory`` leaves in its memory tiers (tier_store's format): process
     0 holds step 3 committed locally, step 7 written but not yet committed, and a replica of process
     1's step 3 in its peer tier; plus a crashed write."""
+    from flax_ckpt._src.tiers import encode as tier_encode
     from flax_ckpt._src.tiers import store as tier_store
 
     root = fi.memory_tier_root(directory, local_dir)
@@ -78,7 +79,7 @@ def write_memory_copies(directory, local_dir: str) -> None:
         ident = {"step": step, "session": "s1", "process": process, "process_count": 2}
         snap = tier_store.take_snapshot({"w": np.full(4, float(step))}, copy=True, force=False, step=step, seen={},
                                         base=None)
-        enc = tier_store.encode(snap, ident, None, delta=False)
+        enc = tier_encode.encode(snap, ident, None, delta=False)
         tier_store.write_copy(os.path.join(root, "p0", folder), step, enc)
         if commit:
             tier_store.mark_committed(os.path.join(root, "p0", folder, str(step)), {"tier": folder, **ident})

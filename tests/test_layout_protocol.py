@@ -18,7 +18,7 @@ import pytest
 
 import flax_ckpt as fc
 from flax_ckpt._src import layouts
-from flax_ckpt._src.engine.restore import Damage, Source
+from flax_ckpt._src.engine.reader import Damage, Source
 from flax_ckpt._src.native.layout import NativeLayout, NativeSource
 from flax_ckpt._src.orbax import OrbaxLayout
 from flax_ckpt._src.orbax.read import OrbaxSource
@@ -78,11 +78,12 @@ TREE = {"w": np.arange(64, dtype=np.float32), "s": "text", "k": 3}
 
 
 def _memory_copy(folder: pathlib.Path) -> CopySource:
+    from flax_ckpt._src.tiers import encode as tier_encode
     from flax_ckpt._src.tiers import store as tier_store
 
     snap = tier_store.take_snapshot({"w": TREE["w"]}, copy=True, force=False, step=2, seen={}, base=None)
     ident = {"step": 2, "session": "s", "process": 0, "process_count": 1}
-    tier_store.write_copy(str(folder), 2, tier_store.encode(snap, ident, None, delta=False))
+    tier_store.write_copy(str(folder), 2, tier_encode.encode(snap, ident, None, delta=False))
     return CopySource(tier_store.open_copy(str(folder / "2")))
 
 
@@ -100,7 +101,7 @@ def test_every_source_implements_the_whole_source_protocol(sources, kind, cls):
     source = sources[kind]
     assert type(source) is cls
     missing = sorted(m for m in _members(Source) if not hasattr(source, m))
-    assert not missing, f"{cls.__name__} lacks {missing} of engine.restore.Source"
+    assert not missing, f"{cls.__name__} lacks {missing} of engine.reader.Source"
     seen: list[int] = []
     assert source.verify(seen.append) == [] and source.unchecked() == []  # flax_ckpt checksums every byte
     assert sum(seen) == sum(leaf.nbytes for leaf in source.leaves if leaf.is_array) >= TREE["w"].nbytes

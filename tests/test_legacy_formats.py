@@ -27,7 +27,7 @@ import pytest
 import flax_ckpt as fc
 from flax_ckpt._src import layouts
 from flax_ckpt._src import tools as fi
-from flax_ckpt._src.engine.restore import Source
+from flax_ckpt._src.engine.reader import Source
 from flax_ckpt._src.storage import open_storage
 from helpers import assert_bit_exact, leaf_bytes
 from trees import every_dtype, train_state_tree

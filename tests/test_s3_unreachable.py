@@ -1,6 +1,6 @@
 """An s3:// endpoint that cannot be reached fails within seconds, naming the endpoint and the fix.
 
-Scope: the fail-fast endpoint check of flax_ckpt/_src/storage/kv.py (check_endpoint) and the messages
+Scope: the fail-fast endpoint check of flax_ckpt/_src/storage/endpoints.py (check_endpoint) and the messages
 of explain() for connection failures. A refused port on 127.0.0.1 and a host under .invalid (which
 never resolves, and is not sent to a resolver) fail fast in a real child process, without tensorstore's
 C++ (absl) log lines on stderr; a server that accepts connections keeps tensorstore's retries (503s,
@@ -23,7 +23,7 @@ import pytest
 
 import flax_ckpt as fc
 from flax_ckpt._src.storage import ObjectStoreOptions, open_storage
-from flax_ckpt._src.storage import kv as kv_mod
+from flax_ckpt._src.storage import endpoints as endpoints_mod
 
 from helpers import HOST, free_port, worker_env
 
@@ -102,7 +102,7 @@ def test_a_name_no_resolver_accepts_fails_fast():
     endpoint = f"http://{'a' * 64}.example:9000"  # a label over 63 characters: not a valid host name
     t0 = time.perf_counter()
     with pytest.raises(fc.StorageError, match="does not resolve"):
-        kv_mod.check_endpoint(endpoint, "s3://bucket/p")
+        endpoints_mod.check_endpoint(endpoint, "s3://bucket/p")
     assert time.perf_counter() - t0 < FAST_S
 
 
@@ -132,7 +132,7 @@ def test_checked_once_per_endpoint_per_process():
     listener = Listener()
     try:
         for _ in range(3):
-            kv_mod.check_endpoint(listener.endpoint, "s3://bucket/p")
+            endpoints_mod.check_endpoint(listener.endpoint, "s3://bucket/p")
         assert listener.accepted() == 1
     finally:
         listener.close()
@@ -142,12 +142,12 @@ def test_a_proxy_in_the_way_skips_the_check(monkeypatch):
     monkeypatch.setenv("http_proxy", f"http://{HOST}:{free_port()}")
     monkeypatch.delenv("no_proxy", raising=False)
     monkeypatch.delenv("NO_PROXY", raising=False)
-    kv_mod.check_endpoint(f"http://{HOST}:{free_port()}", "s3://bucket/p")  # only the proxy knows
+    endpoints_mod.check_endpoint(f"http://{HOST}:{free_port()}", "s3://bucket/p")  # only the proxy knows
 
 
 def test_an_endpoint_that_dies_after_the_check_names_the_endpoint_not_more_retries(monkeypatch):
     listener = Listener()
-    kv_mod.check_endpoint(listener.endpoint, "s3://bucket/p")  # reachable now: checked, and cached
+    endpoints_mod.check_endpoint(listener.endpoint, "s3://bucket/p")  # reachable now: checked, and cached
     listener.close()  # the server goes away
     for var, value in {"AWS_ENDPOINT_URL": listener.endpoint, "AWS_REGION": "us-east-1",
                        "AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "y",

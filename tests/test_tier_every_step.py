@@ -25,6 +25,7 @@ import pytest
 
 import flax_ckpt as fc
 from flax_ckpt._src.records import leaf_name
+from flax_ckpt._src.tiers import encode as tier_encode
 from flax_ckpt._src.tiers import store as tier_store
 from flax_ckpt._src.tiers import tierset as tier_set
 from helpers import assert_bit_exact
@@ -76,7 +77,7 @@ def test_encoder_stores_unchanged_as_references_small_changes_as_deltas_and_adam
 
 def test_no_delta_once_the_encoding_budget_is_spent(tmp_path):
     with fc.CheckpointManager(tmp_path / "ckpt", tiers=_tiers(tmp_path, max_to_keep=5)) as mgr:
-        mgr.memory_tiers._budget = tier_store.DeltaBudget(share=0.0, credit_s=0.0)  # no time for zlib
+        mgr.memory_tiers._budget = tier_encode.DeltaBudget(share=0.0, credit_s=0.0)  # no time for zlib
         for step in (1, 2):
             mgr.save(step, _state(step))
             mgr.wait_until_finished()
@@ -88,7 +89,7 @@ def test_no_delta_once_the_encoding_budget_is_spent(tmp_path):
 def test_delta_ratio_estimates_what_a_delta_saves():
     rng = np.random.default_rng(3)
     w = rng.standard_normal(1 << 18).astype(np.float32)
-    ratio = lambda new: tier_store.delta_ratio(memoryview(new.view(np.uint8)), memoryview(w.view(np.uint8)))
+    ratio = lambda new: tier_encode.delta_ratio(memoryview(new.view(np.uint8)), memoryview(w.view(np.uint8)))
     assert ratio(w.copy()) == 0.0
     assert ratio(w + np.float32(1e-6) * w) < 0.4
     assert ratio(w + np.float32(2e-3) * rng.standard_normal(w.shape).astype(np.float32)) > 0.5
@@ -198,7 +199,7 @@ def test_every_kept_copy_restores_bit_exact(tmp_path):
     """Bases, deltas, raw chunks and references, across a rebase, each step restored from memory."""
     tiers = _tiers(tmp_path, max_to_keep=7, rebase_interval=3)
     with fc.CheckpointManager(tmp_path / "ckpt", tiers=tiers) as mgr:
-        mgr.memory_tiers._budget = tier_store.DeltaBudget(share=1.0, credit_s=60.0)  # deltas however loaded
+        mgr.memory_tiers._budget = tier_encode.DeltaBudget(share=1.0, credit_s=60.0)  # deltas however loaded
         for step in range(1, 8):
             mgr.save(step, _state(step))
             mgr.wait_until_finished()

@@ -21,7 +21,7 @@ from typing import Any, Protocol
 from flax_ckpt._src import commit as commit_mod
 from flax_ckpt._src.native.layout import NativeLayout
 from flax_ckpt._src.records import PersistTimes
-from flax_ckpt._src.engine.restore import Source
+from flax_ckpt._src.engine.reader import Source
 from flax_ckpt._src.engine.snapshot import Snapshot
 from flax_ckpt._src.checks import MANIFEST
 from flax_ckpt._src.errors import CheckpointNotFoundError

@@ -4,7 +4,7 @@ Scope: ``Fit``, the restore options that travel together (validated once, where 
 ``RestoreReport``, what a restore did with every key path; the renaming of the saved records' key
 paths (``renamed``); and the dtype policy of a cast with its per-chunk conversion (``cast_problem``,
 ``cast_into``). No I/O: the target check that uses these is engine/leaves.py's, the reads that cast
-chunk by chunk engine/restore.py's.
+chunk by chunk engine/reader.py's.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ import stat
 from typing import Any, Callable
 
 from flax_ckpt._src.engine.leaves import CheckpointInfo, checkpoint_info
-from flax_ckpt._src.engine.restore import Damage, read_back
+from flax_ckpt._src.engine.reader import Damage, read_back
 from flax_ckpt._src.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 
 _STEP_NAME = re.compile(r"(?:.+_)?([0-9]+)")  # ASCII digits only, as orbax/locate.py's step folder names

@@ -272,19 +272,19 @@ class CheckpointManager:
         if self._tiers is not None:
             if item is not None:
                 raise ValueError("item= selects an item of an Orbax step; a tiered manager holds native steps")
-            out = self._restore_tiered(step, target_of, shardings, fit)  # tiers thread it as ``partial``
+            out = self._restore_tiered(step, target_of, shardings, fit)
         else:
             out = self._restore.restore(step, target_of, shardings, fit, item)
         if len(self.restore_stats) > restores:  # resumed the run: its steps up to this one are this run's
             self._steps.resumed(self.restore_stats[-1].step)
         return out
 
-    def _restore_tiered(self, step: int | None, target_of: TargetOf, shardings: Any, partial: bool) -> Any:
+    def _restore_tiered(self, step: int | None, target_of: TargetOf, shardings: Any, fit: Fit) -> Any:
         """With tiers= (every process calls it): the newest step complete across processes in some
         combination of tiers, each process reading from the fastest tier holding its shards."""
         t0 = time.perf_counter()
         self._tiers.flush()
-        out, plan, nbytes = self._tiers.restore(step, target_of, shardings=shardings, partial=partial,
+        out, plan, nbytes = self._tiers.restore(step, target_of, shardings=shardings, fit=fit,
                                                 strict=self.strict)
         tier = plan.sources[distributed.process_index()][0]
         if tier != "persistent":  # AgreedRestore.read recorded the persistent ones
@@ -395,8 +395,8 @@ class _Directory:
         finally:
             _MIGRATING.now = False
 
-    def read(self, step: int, target_of: TargetOf, shardings: Any, partial: bool) -> Any:
-        return self._live()._restore.read(step, target_of, shardings, partial)
+    def read(self, step: int, target_of: TargetOf, shardings: Any, fit: Fit) -> Any:
+        return self._live()._restore.read(step, target_of, shardings, fit)
 
 
 _OPEN: "weakref.WeakSet[CheckpointManager]" = weakref.WeakSet()  # managers to close at interpreter exit

@@ -18,7 +18,7 @@ from typing import Any
 from flax_ckpt._src import commit as commit_mod
 from flax_ckpt._src import layouts
 from flax_ckpt._src.commit import distributed
-from flax_ckpt._src.engine import restore as engine
+from flax_ckpt._src.engine.reader import Source
 from flax_ckpt._src.errors import CheckpointError, CheckpointNotFoundError, StorageError, error_class
 from flax_ckpt._src.retention import Retention
 from flax_ckpt._src.storage import Storage
@@ -89,7 +89,7 @@ class StepIndex:
         step = max(self._damaged, default=None)
         return None if step is None else (step, self._damaged[step][0])
 
-    def open(self, step: int, item: str | None = None) -> engine.Source:
+    def open(self, step: int, item: str | None = None) -> Source:
         """Step ``step``'s folder, in its own format, as a restore Source (``item``: one named item)."""
         folder = self._folders.get(step) or layouts.StepFolder(step, str(step), self.layout)
         return folder.layout.open(self.storage.sub(folder.name), item)

@@ -5,7 +5,7 @@ checkpoint folder (``persist``: serializer, manifest, commit; with several proce
 of distributed.SaveRound), and opening one (``open_native``: the
 manifest read, verified and validated before anything it names is read, as a restore ``Source``).
 The manifest's schema is native/manifest.py's; the bytes of arrays the serializers'; the target check and
-placement engine/restore.py's.
+placement engine/restore.py's and engine/reader.py's.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from flax_ckpt._src import commit as commit_mod
 from flax_ckpt._src.commit import distributed
 from flax_ckpt._src.engine.leaves import CheckpointInfo, checkpoint_info, key_data_shape
 from flax_ckpt._src.engine.pause import gc_paused
-from flax_ckpt._src.engine.restore import Damage
+from flax_ckpt._src.engine.reader import Damage
 from flax_ckpt._src.engine.snapshot import Snapshot, jsonable, metrics_json, snapshot
 from flax_ckpt._src.errors import (CheckpointNotCommittedError, CheckpointNotFoundError, CorruptCheckpointError,
                                    InvalidManifestError, StorageError, TargetMismatchError)

@@ -22,7 +22,7 @@ import tensorstore as ts
 
 from flax_ckpt._src import tree as tree_mod
 from flax_ckpt._src.engine.leaves import CheckpointInfo, checkpoint_info, key_data_shape
-from flax_ckpt._src.engine.restore import Damage, read_back
+from flax_ckpt._src.engine.reader import Damage, read_back
 from flax_ckpt._src.errors import (CorruptCheckpointError, InvalidManifestError, StructureMismatchError,
                                    UnsupportedOrbaxCheckpointError, format_list)
 from flax_ckpt._src.checks import check_relpath

@@ -1,11 +1,12 @@
 """Where bytes go: a local folder (plain os calls, fsync) or any tensorstore kvstore (memory, s3, gcs).
 
 Scope: named byte objects under a root, and nothing about checkpoints. The protocol is base.py's, the
-two implementations are local.py (folders) and kv.py (tensorstore kvstores: memory://, s3://, gs://);
-this module turns a user's location (path, URL, kvstore spec) into one. ``Storage`` is the part every
-storage has (public as ``fc.Storage``: what a serializer writes through); ``TensorstoreStorage`` adds the
-part only tensorstore drivers use (``context``, ``kvstore_spec``). The serializers and the commit
-protocol sit on top of this package; it imports neither.
+two implementations are local.py (folders) and kv.py (tensorstore kvstores: memory://, s3://, gs://;
+how an object store is reached, and what its failures mean, is endpoints.py's); this module turns a
+user's location (path, URL, kvstore spec) into one. ``Storage`` is the part every storage has (public
+as ``fc.Storage``: what a serializer writes through); ``TensorstoreStorage`` adds the part only
+tensorstore drivers use (``context``, ``kvstore_spec``). The serializers and the commit protocol sit
+on top of this package; it imports neither.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from urllib.parse import urlparse
 
 from flax_ckpt._src.errors import StorageError
 from flax_ckpt._src.storage.base import Buffer, Storage, TensorstoreStorage
-from flax_ckpt._src.storage.kv import KvStorage, ObjectStoreOptions, explain, kv_storage, options_of
+from flax_ckpt._src.storage.endpoints import ObjectStoreOptions, explain, options_of
+from flax_ckpt._src.storage.kv import KvStorage, kv_storage
 from flax_ckpt._src.storage.local import LocalStorage, fsync_dir
 
 __all__ = ["Buffer", "KvStorage", "LocalStorage", "ObjectStoreOptions", "Storage", "TensorstoreStorage", "explain",

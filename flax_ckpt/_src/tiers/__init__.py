@@ -36,6 +36,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
+from flax_ckpt._src.engine.fit import Fit
 from flax_ckpt._src.engine.snapshot import Snapshot
 
 TargetOf = Callable[[Any], Any]  # the restore target for an opened copy or step (the manager's)
@@ -100,5 +101,5 @@ class Persistent(Protocol):
         """Migrates ``step`` there (the migration thread, or the caller's at close): writes and commits
         ``snap``, as a save begun at ``t0`` (perf_counter) that held its caller ``blocked`` seconds."""
 
-    def read(self, step: int, target_of: TargetOf, shardings: Any, partial: bool) -> Any:
+    def read(self, step: int, target_of: TargetOf, shardings: Any, fit: Fit) -> Any:
         """Restores ``step`` from there on this process (a restore plan's "persistent" source)."""

@@ -23,7 +23,9 @@ import crc32c
 import numpy as np
 
 from flax_ckpt._src.engine import restore as engine
+from flax_ckpt._src.engine.fit import Fit
 from flax_ckpt._src.engine.leaves import CheckpointInfo, checkpoint_info
+from flax_ckpt._src.engine.reader import Damage, read_back
 from flax_ckpt._src.engine.snapshot import HostLeaf, Snapshot
 from flax_ckpt._src.errors import CheckpointError, CorruptCheckpointError
 from flax_ckpt._src.checks import tiling_problem
@@ -185,8 +187,8 @@ class CopySource:
     def unchecked(self) -> list[str]:
         return []  # every chunk of a copy carries its crc32c
 
-    def verify(self, update: Callable[[int], None]) -> list[engine.Damage]:
-        return engine.read_back(self, update)
+    def verify(self, update: Callable[[int], None]) -> list[Damage]:
+        return read_back(self, update)
 
     def info(self) -> CheckpointInfo:
         """What the copy records (as fc.metadata gives a native step; no user metadata: a tiered save has none)."""
@@ -197,12 +199,12 @@ class CopySource:
 
 
 def restore_copy(copy: Copy, target_of: Callable[[CopySource], Any], *, shardings: Any,
-                 partial: bool) -> tuple[Any, int]:
+                 fit: Fit) -> tuple[Any, int]:
     """Restores the copy's tree into ``target_of(source)`` (checked per leaf); returns it and the array bytes."""
     source = CopySource(copy)
     target = target_of(source)
-    value = engine.restore(source, target, shardings=shardings, partial=partial)
-    return value, engine.restored_nbytes(source, target, partial)
+    value = engine.restore(source, target, shardings=shardings, partial=fit)
+    return value, engine.restored_nbytes(source, target, fit)
 
 
 def to_snapshot(copy: Copy) -> Snapshot:

@@ -13,6 +13,7 @@ import logging
 import os
 from typing import Any
 
+from flax_ckpt._src.engine.fit import Fit
 from flax_ckpt._src.errors import CheckpointError, CheckpointNotFoundError
 from flax_ckpt._src.tiers import Persistent, TargetOf
 from flax_ckpt._src.tiers import load as load
@@ -33,7 +34,7 @@ class Recovery:
         self.group, self.holdings, self.persistent, self.directory = group, holdings, persistent, directory
         self.i, self.n = group.index, group.count
 
-    def restore(self, step: int | None, target_of: TargetOf, *, shardings: Any, partial: bool,
+    def restore(self, step: int | None, target_of: TargetOf, *, shardings: Any, fit: Fit,
                 strict: bool) -> tuple[Any, Plan, int]:
         """Collective: agrees on a plan, moves replicas to processes that lost their local copy, and
         restores; a copy that fails (damaged, layout not held) is excluded and the plan re-made.
@@ -51,7 +52,7 @@ class Recovery:
             mine = (plan.step, plan.sources[self.i][0])
             if done is None or done[0] != mine:
                 done = None
-                value, err = self._execute(plan, target_of, shardings, partial)
+                value, err = self._execute(plan, target_of, shardings, fit)
                 if err is None:
                     done = (mine, value)
             else:
@@ -85,13 +86,13 @@ class Recovery:
         return self.group.transfer(perm, parts, [v["n"] for v in sizes])
 
     def _execute(self, plan: Plan, target_of: TargetOf, shardings: Any,
-                 partial: bool) -> tuple[tuple[Any, int] | None, str | None]:
+                 fit: Fit) -> tuple[tuple[Any, int] | None, str | None]:
         """This process's part of ``plan``: ((restored, bytes read from memory), None), or (None, why not)."""
         received = self._transfers(plan)
         tier, holder = plan.sources[self.i]
         try:
             if tier == "persistent":
-                return (self.persistent.read(plan.step, target_of, shardings, partial), 0), None
+                return (self.persistent.read(plan.step, target_of, shardings, fit), 0), None
             if tier == "local":
                 copy = store.open_copy(os.path.join(self.holdings.local_dir, str(plan.step)))
             else:
@@ -99,6 +100,6 @@ class Recovery:
                 copy = store.copy_from_parts(tier_sync.unframe(received, where), where)
             if (copy.step, copy.body["session"], copy.body["process"]) != (plan.step, plan.session, self.i):
                 raise CheckpointError(f"{copy.where} is not the planned copy")
-            return load.restore_copy(copy, target_of, shardings=shardings, partial=partial), None
+            return load.restore_copy(copy, target_of, shardings=shardings, fit=fit), None
         except (CheckpointError, OSError, ValueError, KeyError) as e:
             return None, f"{type(e).__name__}: {e}"

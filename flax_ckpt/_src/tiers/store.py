@@ -1,9 +1,11 @@
 """The memory tiers' format: one process's copy of one step, stored differentially against a base.
 
-Scope: the host snapshot of a tiered save, encoding it into a copy, writing copies atomically into a
-tier folder, and opening and checking them (from files, or from bytes a peer sent). Reading copies
-back is load.py's; the files themselves (maps, reuse of removed copies' pages) files.py's;
-which steps are kept, committed or restored, and all communication, tierset.py's and sync.py's.
+Scope: the host snapshot of a tiered save, writing copies atomically into a tier folder, and opening
+and checking them (from files, or from bytes a peer sent); the format itself, described here. Not
+here: turning a snapshot into a copy against a base (which chunks are references, deltas or raw:
+encode.py); reading copies back (load.py); the files themselves (maps, reuse of removed copies'
+pages: files.py); which steps are kept, committed or restored, and all communication (tierset.py,
+sync.py).
 
 A copy is a folder ``<tier folder>/<step>/`` with ``data.bin`` and ``index.json`` (the index carries
 a crc32c of its body and is written last; the folder is then renamed into place). Per shard the index
@@ -15,9 +17,8 @@ lists {"leaf", "box", "primary", "nbytes", "chunks"}, one entry per CHUNK bytes:
 are written), verified when the chunk is read back, so every stored byte is checked. A base has only
 "r" entries, back to back per shard; each shard's stored bytes start on a 64-byte boundary (so that a
 restore can hand them to jax as they lie). A differential copy names its base, a sibling folder, so
-chains are one link long. A chunk is unchanged when its bytes equal the base's (its crc32c is then
-the base's); a jax.Array leaf that is the very object saved at or before the base step (arrays are
-immutable) is not even copied to host or compared: its shards are views of the base.
+chains are one link long. A jax.Array leaf that is the very object saved at or before the base step
+(arrays are immutable) is not even copied to host or compared: its shards are views of the base.
 """
 
 from __future__ import annotations
@@ -26,11 +27,8 @@ import dataclasses
 import json
 import math
 import os
-import threading
-import time
 import uuid
 import weakref
-import zlib
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -110,7 +108,7 @@ class Copy:
         return self.body["step"]
 
     def lookup(self) -> dict[str, dict[str, Any]]:
-        return {_key(self.body["leaves"][s["leaf"]], s["box"]): s for s in self.body["shards"]}
+        return {shard_key(self.body["leaves"][s["leaf"]], s["box"]): s for s in self.body["shards"]}
 
     def by_leaf(self) -> dict[str, tuple[dict[str, Any], list[dict[str, Any]]]]:
         out: dict[str, tuple[dict[str, Any], list[dict[str, Any]]]] = {}
@@ -164,7 +162,7 @@ class TierSnapshot:
         """Checks the bytes of base views against the base's crc32c (before they are migrated)."""
         for sh in self.shards():
             if sh.base is not None:
-                mv = _bytes_of(sh.data)
+                mv = bytes_of(sh.data)
                 for k, e in enumerate(sh.base["chunks"]):
                     if crc32c.crc32c(mv[k * CHUNK:(k + 1) * CHUNK]) != e[1]:
                         raise CorruptCheckpointError(f"memory-tier base step {self.base_step}: checksum "
@@ -233,7 +231,7 @@ def _replicas(i: int, x: Any, plan: HostLeaf) -> list[HostShard]:
     return out
 
 
-# -------------------------------------------------------------------------------------- encoding
+# ---------------------------------------------------------------------------------------- copies
 
 @dataclass
 class Encoded:
@@ -264,185 +262,13 @@ def _u8(buf: Any) -> np.ndarray:
     return np.frombuffer(buf, np.uint8)
 
 
-def _bytes_of(a: np.ndarray) -> memoryview:
+def bytes_of(a: np.ndarray) -> memoryview:
+    """A host array's bytes, flat (a copy only where it is not contiguous)."""
     return memoryview(np.ascontiguousarray(a).reshape(-1).view(np.uint8)) if a.size else memoryview(b"")
 
 
-def shuffle(x: np.ndarray, itemsize: int) -> np.ndarray:
-    return np.ascontiguousarray(x.reshape(-1, itemsize).T) if itemsize > 1 and len(x) % itemsize == 0 else x
-
-
-def _xor_delta(raw: memoryview, old: memoryview, itemsize: int) -> bytes | None:
-    """zlib of the byte-shuffled XOR, or None when that is not clearly smaller than the chunk."""
-    z = zlib.compress(shuffle(np.bitwise_xor(_u8(raw), _u8(old)), itemsize), 1)
-    return z if len(z) < 0.9 * len(raw) else None
-
-
-def delta_ratio(raw: memoryview, old: memoryview) -> float:
-    """The share of non-zero bytes in the XOR of a changed chunk and its base, sampled (_PROBES runs of
-    _PROBE bytes spread over the chunk: a few microseconds): about what its delta compresses to, since
-    zlib stores the zero bytes of the XOR (the bits a small update leaves alone) almost for free and
-    the others (noise in the low mantissa bits) hardly at all. Adam's updates touch 60-90% of the
-    bytes: not worth a delta; a change in the 6th significant digit, or a few rows of a table, far fewer."""
-    n = len(raw)
-    if n <= _PROBES * _PROBE:
-        x = np.bitwise_xor(_u8(raw), _u8(old))
-    else:
-        step = (n - _PROBE) // (_PROBES - 1)
-        a, b = np.lib.stride_tricks.as_strided, (_PROBES, _PROBE)
-        x = np.bitwise_xor(a(_u8(raw), b, (step, 1)), a(_u8(old), b, (step, 1)))
-    return float(np.count_nonzero(x)) / max(1, x.size)
-
-
-class DeltaBudget:
-    """When a changed chunk is worth a delta. Storing a chunk raw costs a copy (several GB/s); its zlib'd
-    XOR, about 100-300 MB/s of one core: 20-50 times more, for at best a smaller copy in memory. So a
-    delta is made only (1) where it pays in bytes: the sampled XOR (``delta_ratio``) is at most
-    ``_WORTH`` non-zero, i.e. the delta at least halves the chunk; and (2) while the tiers' encoding
-    budget has credit: compression may use ``_SHARE`` of one core's time, measured (each delta's
-    seconds are charged; credit accrues with wall time, up to ``_CREDIT_S``). Past that, changed
-    chunks are stored raw, at memcpy speed, and the copy is committed as fast as a full one. Unchanged
-    chunks are always references to the base (free). One per TierSet; thread-safe (encoding tasks
-    run on a pool)."""
-
-    def __init__(self, share: float | None = None, credit_s: float | None = None):
-        self.share = _SHARE if share is None else share
-        self.cap = _CREDIT_S if credit_s is None else credit_s
-        self.credit, self._t = self.cap, None
-        self._mutex = threading.Lock()
-        self.spent_s = 0.0  # seconds of compression so far
-        self.zipped = self.saved = 0  # bytes compressed, and bytes that saved
-
-    def refill(self, now: float) -> None:
-        """At each save (now: perf_counter)."""
-        with self._mutex:
-            if self._t is not None:
-                self.credit = min(self.cap, self.credit + self.share * (now - self._t))
-            self._t = now
-
-    def worth(self, ratio: float) -> bool:
-        with self._mutex:
-            return ratio <= _WORTH and self.credit > 0
-
-    def charge(self, seconds: float, nbytes: int, saved: int) -> None:
-        with self._mutex:
-            self.credit -= seconds
-            self.spent_s += seconds
-            self.zipped += nbytes
-            self.saved += saved
-
-
-_WORTH = 0.5  # a delta only where at most this share of the XOR's bytes is non-zero
-_SHARE = 0.05  # of one core's time, at most, for compression (credit accrues with wall time)
-_CREDIT_S = 0.25  # the most compression seconds saved up
-_PROBES, _PROBE = 16, 256  # delta_ratio's sample of a chunk
-
-
-_SEGMENT = 8  # chunks per encoding task: shards are encoded in segments on tier_files.pool()
-_ALIGN = 64  # each shard's stored bytes start on this boundary: a view of them is then used by
-#              jax.device_put on a CPU device without a copy (restore from memory)
-_PREFIX = 4096  # changed chunks are told apart from unchanged ones by this many bytes first
-
-
-def encode(ts: TierSnapshot, ident: dict[str, Any], base: Copy | None, *, delta: bool,
-           budget: DeltaBudget | None = None) -> Encoded:
-    """Encodes a snapshot; against a base, unchanged chunks become references to it, and changed ones
-    deltas where ``budget`` says they pay (none without one). Shards are encoded in segments of
-    _SEGMENT chunks on a thread pool (checksums, comparisons and zlib release the GIL); ``pieces``
-    are data.bin's bytes in order, alignment padding included."""
-    budget = budget if delta else None
-    recs = [lf.record.to_json() for lf in ts.snap.leaves]
-    lookup = base.lookup() if base is not None else {}
-    if base is not None:
-        base.data.view(0, 0)  # map it once, before the tasks read it
-    shards, tasks = [], []
-    for sh in ts.shards():
-        mv, itemsize = _bytes_of(sh.data), sh.data.dtype.itemsize
-        shard = {"leaf": sh.leaf, "box": [list(x) for x in sh.box], "primary": sh.primary, "nbytes": len(mv)}
-        if sh.base is not None and base is not None and base.step == ts.base_step:
-            shard["chunks"] = [["b", e[1], e[2]] for e in sh.base["chunks"]]  # the very bytes of the base
-            tasks.append([])
-        else:
-            b = lookup.get(_key(recs[sh.leaf], sh.box))
-            b = b if b is not None and b["nbytes"] == len(mv) else None
-            step = _SEGMENT * CHUNK
-            if b is None:  # no base shard: raw entries, nothing to compare (no task to pay for)
-                tasks.append([_Done(_encode_segment(mv, 0, len(mv), None, None, itemsize, None))])
-            else:
-                tasks.append([tier_files.pool().submit(_encode_segment, mv, lo, min(lo + step, len(mv)), b, base,
-                                                       itemsize, budget) for lo in range(0, len(mv), step)])
-        shards.append(shard)
-    pieces: list[memoryview] = []
-    pending: list[tuple[int, list]] = []
-    off = 0
-    for shard, futures in zip(shards, tasks):
-        if not futures:
-            continue
-        shard["chunks"] = []
-        for f in futures:
-            for entry, piece in f.result():
-                if piece is not None:
-                    if off % _ALIGN and not any(e[0] != "b" for e in shard["chunks"]):
-                        pad = -off % _ALIGN  # the shard's first stored byte
-                        pieces.append(memoryview(bytes(pad)))
-                        off += pad
-                    entry[2] = off
-                    if entry[1] is None:
-                        pending.append((len(pieces), entry))
-                    pieces.append(piece)
-                    off += len(piece)
-                shard["chunks"].append(entry)
-    body = dict(ident, base=base.step if base is not None else None, chunk=CHUNK, data=off, leaves=recs,
-                shards=shards)
-    return Encoded(body, b"" if pending else encode_index(body), pieces, off, pending)
-
-
-class _Done:
-    """A result at hand, read like a future's."""
-
-    def __init__(self, value: Any):
-        self.value = value
-
-    def result(self) -> Any:
-        return self.value
-
-
-def _same(a: memoryview, b: memoryview) -> bool:
-    """Byte equality, a short prefix first (a trained chunk differs there already)."""
-    x, y = _u8(a), _u8(b)
-    if not np.array_equal(x[:_PREFIX], y[:_PREFIX]):
-        return False
-    if len(x) % 8 == 0:
-        x, y = x.view(np.uint64), y.view(np.uint64)
-    return bool(np.array_equal(x, y))
-
-
-def _encode_segment(mv: memoryview, lo: int, hi: int, b: dict[str, Any] | None, base: Copy | None,
-                    itemsize: int, budget: DeltaBudget | None) -> list[tuple[list, memoryview | None]]:
-    """Entries (offsets left to encode) and stored bytes of the chunks of ``mv[lo:hi]``. A chunk equal
-    to the base's is a reference ("b", the base's crc32c: a damaged base then fails its check at
-    restore); a changed one is a delta where ``budget`` says that pays (DeltaBudget), else raw."""
-    out = []
-    for k in range(lo, hi, CHUNK):
-        raw = mv[k:k + CHUNK]
-        if b is not None:
-            be = b["chunks"][k // CHUNK]
-            old = base.data.view(be[2], be[2] + len(raw))
-            if _same(raw, old):
-                out.append((["b", be[1], be[2]], None))
-                continue
-            if budget is not None and budget.worth(delta_ratio(raw, old)):
-                t0 = time.perf_counter()
-                z = _xor_delta(raw, old, itemsize)
-                budget.charge(time.perf_counter() - t0, len(raw), len(raw) - len(z) if z is not None else 0)
-                if z is not None:
-                    out.append((["x", crc32c.crc32c(raw), None, len(z), be[2]], memoryview(z)))
-                    continue
-        out.append((["r", None, None, len(raw)], raw))  # its crc32c: computed as it is written
-    return out
-
-
-def _key(rec: dict[str, Any], box: Any) -> str:
+def shard_key(rec: dict[str, Any], box: Any) -> str:
+    """A shard's key in any copy (path, dtype, box): how a shard finds its base's."""
     return json.dumps([rec["path"], rec["dtype"], [list(x) for x in box]])
 
 

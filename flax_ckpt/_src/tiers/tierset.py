@@ -5,7 +5,8 @@ earlier run left kept only if restorable), each save into the local tier and its
 tier, the commit votes and retention of both, and the migration to persistent storage. The persistent
 tier is the manager's: the tiers reach it through ``Persistent`` (tiers/__init__.py), given once at
 start. Not here: what a process holds (holdings.py), restoring (recover.py), the copy format
-(store.py), the transfer (sync.py), the choice of a restore plan (plan.py).
+(store.py) and its encoding (encode.py), the transfer (sync.py), the choice of a restore plan
+(plan.py).
 """
 
 from __future__ import annotations
@@ -21,8 +22,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from flax_ckpt._src.engine.fit import Fit, as_fit
 from flax_ckpt._src.errors import CheckpointError, DistributedError, SaveFailedError, StorageError
 from flax_ckpt._src.tiers import Persistent, TargetOf, Tiers
+from flax_ckpt._src.tiers import encode as tier_encode
 from flax_ckpt._src.tiers import load as load
 from flax_ckpt._src.tiers import store as store
 from flax_ckpt._src.tiers import sync as tier_sync
@@ -40,7 +43,7 @@ class TierStats:
     ``nbytes`` held by this process, ``reused`` of them unchanged leaves never copied to host;
     ``memory_s`` from the ``save`` call to the local commit; ``skipped``: the scheduled steps skipped
     since the previous save because it was still in flight (``Tiers.on_busy="skip"``); ``delta``:
-    bytes of changed chunks that were compressed as XOR deltas (store.DeltaBudget decides which)."""
+    bytes of changed chunks that were compressed as XOR deltas (encode.DeltaBudget decides which)."""
 
     step: int
     nbytes: int
@@ -81,7 +84,7 @@ class TierSet:
         self._since_base, self._poor = 0, 0  # _poor: copies still to store in full (see _save_local)
         self._outbox: tuple[int, list[memoryview]] | None = None
         self._inbox: tuple[int, Any] | None = None
-        self._budget = store.DeltaBudget()  # when a changed chunk is worth a delta (measured)
+        self._budget = tier_encode.DeltaBudget()  # when a changed chunk is worth a delta (measured)
         self._caller = Group(digest + "/caller")  # rounds of the caller's thread (admit), apart from the writer's
         self.skipped, self._skipped, self._told = 0, 0, False  # steps skipped (on_busy="skip"): all, since the last save
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="flax_ckpt-migrate")
@@ -205,8 +208,8 @@ class TierSet:
             base = None if self._next_full() else self._base
             self._budget.refill(t1)
             zipped = self._budget.zipped
-            enc = store.encode(ts, dict(self._ident(step), metrics=metrics, created=time.time()), base,
-                               delta=self.cfg.differential, budget=self._budget)
+            enc = tier_encode.encode(ts, dict(self._ident(step), metrics=metrics, created=time.time()), base,
+                                     delta=self.cfg.differential, budget=self._budget)
             zipped = self._budget.zipped - zipped
             t2 = time.perf_counter()
             store.write_copy(self.local_dir, step, enc, self.holdings.spare(self.local_dir))
@@ -340,11 +343,11 @@ class TierSet:
 
     # --------------------------------------------------------------------------------- restore
 
-    def restore(self, step: int | None, target_of: TargetOf, *, shardings: Any, partial: bool,
+    def restore(self, step: int | None, target_of: TargetOf, *, shardings: Any, fit: "Fit | bool",
                 strict: bool) -> tuple[Any, Plan, int]:
         """Collective (recover.py): what was restored, the plan (also kept as ``last_plan``), and the
-        bytes read from memory."""
-        out, plan, nbytes = self._recovery.restore(step, target_of, shardings=shardings, partial=partial,
+        bytes read from memory. ``fit``: how the target may differ (engine/fit.py; a bool: partial)."""
+        out, plan, nbytes = self._recovery.restore(step, target_of, shardings=shardings, fit=as_fit(fit),
                                                    strict=strict)
         self.last_plan = plan
         return out, plan, nbytes

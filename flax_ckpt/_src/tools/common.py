@@ -13,7 +13,7 @@ import numpy as np
 from tqdm import tqdm
 
 from flax_ckpt._src import layouts
-from flax_ckpt._src.engine.restore import Reader
+from flax_ckpt._src.engine.reader import Reader
 from flax_ckpt._src.storage import Storage, split_location
 
 
