@@ -13,12 +13,12 @@ from __future__ import annotations
 import errno
 import os
 import re
-import stat
 from typing import Any, Callable
 
 from flax_ckpt._src.engine.leaves import CheckpointInfo, checkpoint_info
 from flax_ckpt._src.engine.reader import Damage, read_back
 from flax_ckpt._src.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
+from flax_ckpt._src.storage.local import open_regular
 
 _STEP_NAME = re.compile(r"(?:.+_)?([0-9]+)")  # ASCII digits only, as orbax/locate.py's step folder names
 
@@ -47,9 +47,8 @@ class CheckpointFile:
         self._identity = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
     def _open(self) -> int:
-        flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0) | (0 if self.follow else os.O_NOFOLLOW)
         try:
-            fd = os.open(self.path, flags)
+            return open_regular(self.path, 0 if self.follow else os.O_NOFOLLOW)
         except FileNotFoundError:
             raise CheckpointNotFoundError(f"no checkpoint at {self.path} (the path does not exist)") from None
         except OSError as e:
@@ -58,11 +57,6 @@ class CheckpointFile:
                                              "follow it (it may lead out of the directory): pass the file it "
                                              "points to") from None
             raise CorruptCheckpointError(f"{self.path}: cannot be read ({e.strerror})") from None
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            os.close(fd)
-            raise CorruptCheckpointError(f"{self.path} is not a regular file (a FIFO, device or socket); "
-                                         "refusing to read it")
-        return fd
 
     def open_same(self) -> int:
         """A read-only fd of the file, which must still be the one opened first."""

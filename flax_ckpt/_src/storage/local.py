@@ -1,6 +1,7 @@
 """A folder on a local (or network) file system: plain os calls, every write fsynced.
 
-Scope: LocalStorage, the Storage protocol (base.py) over a folder. Reads never leave the folder
+Scope: LocalStorage, the Storage protocol (base.py) over a folder, and open_regular (the one checked
+open of a file for reading, also used by foreign/files.py). Reads never leave the folder
 (symlinks are resolved and refused when they point outside) and never block (special files are
 refused before they are opened for reading).
 """
@@ -30,6 +31,19 @@ def fsync_dir(path: str) -> None:
             raise
     finally:
         os.close(fd)
+
+
+def open_regular(path: str, flags: int = 0) -> int:
+    """A read-only fd of the regular file at ``path``, opened without blocking (so a FIFO cannot hang the
+    open) plus ``flags`` (e.g. O_NOFOLLOW). os.open's OSError passes through for the caller to name; a
+    folder, FIFO, device or socket is a CorruptCheckpointError, its fd closed."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | flags)
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        kind = "a folder" if stat.S_ISDIR(mode) else "a FIFO, device or socket"
+        raise CorruptCheckpointError(f"{path} is not a regular file ({kind}); refusing to read it")
+    return fd
 
 
 class LocalStorage:
@@ -113,15 +127,11 @@ class LocalStorage:
         CorruptCheckpointError (opened O_NONBLOCK, so a FIFO cannot block the open)."""
         path = self._inside(name)
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+            return open_regular(path), path
         except (FileNotFoundError, NotADirectoryError):
             raise
         except OSError as e:
             raise CorruptCheckpointError(f"{path}: cannot be read ({e.strerror})") from None
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            os.close(fd)
-            raise CorruptCheckpointError(f"{path} is not a regular file; refusing to read it")
-        return fd, path
 
     def read(self, name: str, max_bytes: int) -> bytes:
         fd, path = self._open_regular(name)
