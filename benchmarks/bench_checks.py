@@ -2,6 +2,7 @@
 
     python benchmarks/bench_checks.py                      # 20k leaves of 1 KiB, 5 rounds
     python benchmarks/bench_checks.py --leaves 5000 20000 --rounds 3
+    python benchmarks/bench_checks.py --layouts orbax-per-array --rounds 7
 
 Every restore checks that each leaf's chunks tile it exactly (``checks.tiling_problem``: in the
 native manifest's validation and again where the restore places chunks) and, for an Orbax step,
@@ -101,6 +102,8 @@ def main() -> None:
     ap.add_argument("--leaves", type=int, nargs="+", default=[20000])
     ap.add_argument("--leaf-bytes", type=int, default=1024)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--layouts", default="native-raw,native-zarr3,orbax-ocdbt,orbax-per-array",
+                    help="comma-separated, of those named in the default")
     args = ap.parse_args()
     _patch()
     rows = []
@@ -121,6 +124,9 @@ def main() -> None:
                 paths["orbax per-array (Orbax wrote it)"] = C.SCRATCH / f"{n}-orbax-plain"
                 ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_ocdbt=False, use_zarr3=True)).save(
                     paths["orbax per-array (Orbax wrote it)"], args=ocp.args.PyTreeSave(tree))
+            keep = set(args.layouts.split(","))
+            paths = {name: p for name, p in paths.items()
+                     if "-".join(name.split(" (")[0].split()) in keep}
             for path in paths.values():
                 _restore(path, tree, True)  # warm up, and record what every check answers
             on: dict[str, list[tuple[float, float]]] = {name: [] for name in paths}

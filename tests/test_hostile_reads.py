@@ -9,6 +9,7 @@ space limit, so that a regression fails the test instead of hanging it or exhaus
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import random
@@ -287,18 +288,49 @@ def test_orbax_fifo_is_refused_and_nothing_blocks(tmp_path, orbax_folders, case)
     fifo = os.path.join(path, rel) if rel else _ocdbt_data_file(path)
     os.remove(fifo)
     os.mkfifo(fifo)
+    _refused_and_fifo_never_opened(path, fifo)
+    r = cli("info", path, timeout=60)
+    assert r.returncode == 2 and "is not a regular file" in r.stderr, r.stdout + r.stderr
+    r = cli("verify", path, timeout=60)
+    assert r.returncode == 1 and "is not a regular file" in r.stdout, r.stdout + r.stderr
+
+
+@pytest.mark.timeout(180)
+def test_orbax_fifo_behind_a_linked_array_folder_is_never_opened(tmp_path, orbax_folders):
+    """The folder of the array opened first is a symlink (inside the checkpoint) to the folder of
+    another, where a FIFO waits in place of its zarr.json: the restore is refused before tensorstore
+    opens anything, so no thread of it is left blocked on the FIFO (a writer that opens it without
+    blocking finds no reader)."""
+    path = _copy(orbax_folders, "plain", tmp_path / "ck")
+    order = [".".join(ast.literal_eval(k)) for k in json.loads(open(os.path.join(path, "_METADATA")).read())["tree_metadata"]]
+    first, later = order[0], order[1]
+    shutil.rmtree(os.path.join(path, first))
+    os.symlink(later, os.path.join(path, first))
+    fifo = os.path.join(path, later, "zarr.json")
+    os.remove(fifo)
+    os.mkfifo(fifo)
+    _refused_and_fifo_never_opened(path, fifo)
+
+
+def _refused_and_fifo_never_opened(path: str, fifo: str) -> None:
+    """fc.restore(path) in a child process: a CorruptCheckpointError naming a non-regular file, and
+    nothing (no tensorstore thread left behind) holds ``fifo`` open for reading."""
     r = run_py(f"""
+        import errno, os, time
         import flax_ckpt as fc
         try:
             fc.restore({path!r})
         except fc.CorruptCheckpointError as e:
             print("REFUSED", e)
+        time.sleep(0.5)
+        try:
+            os.close(os.open({fifo!r}, os.O_WRONLY | os.O_NONBLOCK))
+            print("A READER OPENED THE FIFO")
+        except OSError as e:
+            print("NO READER" if e.errno == errno.ENXIO else e)
     """, timeout=60)
     assert r.returncode == 0 and "REFUSED" in r.stdout and "is not a regular file" in r.stdout, r.stdout + r.stderr
-    r = cli("info", path, timeout=60)
-    assert r.returncode == 2 and "is not a regular file" in r.stderr, r.stdout + r.stderr
-    r = cli("verify", path, timeout=60)
-    assert r.returncode == 1 and "is not a regular file" in r.stdout, r.stdout + r.stderr
+    assert "NO READER" in r.stdout, r.stdout + r.stderr
 
 
 @pytest.mark.timeout(180)

@@ -10,6 +10,9 @@ measures the speed).
   ``on_busy="wait"`` and ``force=True`` wait. A migration that is due while the previous one still
   runs is put off, never waited for in the writer.
 - Every copy kept (full, delta, raw, references) restores bit-exact.
+- A full copy is taken on the caller's thread into the pages of its data file (one copy), so the state's
+  arrays are free for the next step to donate; a differential copy that does not pay is tried ever less
+  often.
 """
 
 from __future__ import annotations
@@ -210,6 +213,63 @@ def test_every_kept_copy_restores_bit_exact(tmp_path):
         for step in range(1, 8):
             assert_bit_exact(mgr.restore(step), _state(step), types=False)
             assert mgr.restore_stats[-1].tier == "local"
+
+
+def test_a_full_copy_is_taken_into_its_data_file_and_the_arrays_are_free_to_donate(tmp_path, monkeypatch):
+    """A full memory copy is made on the caller's thread straight into the pages of the data file it
+    becomes, so ``save`` returns holding nothing of the state: the next jitted step can donate its
+    arrays while the copy is still being written (a host view held by the writer would make XLA keep
+    them and allocate new buffers). Every copy, and the steps migrated from those pages, restore
+    bit-exact."""
+    import jax
+    import jax.numpy as jnp
+
+    train = jax.jit(lambda s: jax.tree_util.tree_map(lambda a: a * 1.001 + 0.5, s), donate_argnums=0)
+    rng = np.random.default_rng(3)
+    state = {"w": jnp.asarray(rng.standard_normal((512, 1024), np.float32)),
+             "b": jnp.asarray(rng.standard_normal((1000,), np.float32)), "n": jnp.arange(7)}
+    saved: dict[int, dict[str, np.ndarray]] = {}
+    gate, real = threading.Event(), tier_store.write_copy
+
+    def held(*args, **kwargs):
+        assert gate.wait(60)
+        return real(*args, **kwargs)
+    tiers = _tiers(tmp_path, on_busy="wait", persist_interval_steps=2, max_to_keep=2)
+    with fc.CheckpointManager(tmp_path / "ckpt", tiers=tiers) as mgr:
+        try:
+            for step in range(6):
+                saved[step] = {k: np.array(v) for k, v in state.items()}
+                if step == 5:  # the writer held until the next step has run
+                    monkeypatch.setattr(tier_store, "write_copy", held)
+                mgr.save(step, state)
+                if step < 5:
+                    mgr.wait_until_finished()
+                before = state
+                state = train(state)
+                jax.block_until_ready(state)
+                if step >= 3:  # once a spare data file exists (the first copies make one), and copies are full
+                    assert all(x.is_deleted() for x in jax.tree_util.tree_leaves(before)), step
+        finally:
+            gate.set()
+        mgr.wait_until_finished()
+        assert all(s.base for s in mgr.tier_stats[2:])
+        for step in (4, 5):
+            assert_bit_exact(mgr.restore(step), saved[step], types=False)
+            assert mgr.restore_stats[-1].tier == "local"
+    for step in (2, 4):  # migrated from the snapshot's pages
+        assert_bit_exact(fc.restore(tmp_path / "ckpt" / str(step)), saved[step], types=False)
+
+
+def test_a_differential_copy_that_does_not_pay_is_tried_ever_less_often(tmp_path):
+    """Adam changes every byte: each differential copy tried costs a comparison and saves nothing, so
+    after each one the full copies in a row double (rebase_interval, 2x, 4x, ... up to 64x)."""
+    tiers = _tiers(tmp_path, on_busy="wait", rebase_interval=2, max_to_keep=2)
+    rng = np.random.default_rng(4)
+    with fc.CheckpointManager(tmp_path / "ckpt", tiers=tiers) as mgr:
+        for step in range(20):
+            mgr.save(step, {"adam": rng.standard_normal((256, 1024)).astype(np.float32)})
+        mgr.wait_until_finished()
+        assert [s.step for s in mgr.tier_stats if not s.base] == [1, 4, 9, 18]
 
 
 def test_on_busy_is_validated():

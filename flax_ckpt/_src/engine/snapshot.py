@@ -10,10 +10,11 @@ layout's business (native/layout.py, orbax/write.py, tiers/store.py).
 from __future__ import annotations
 
 import json
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import numpy as np
@@ -95,11 +96,68 @@ def _host_into(spare: dict, key: tuple[Any, Box], x: Any, copy: bool) -> np.ndar
     return buf
 
 
+Into = Callable[[tuple[int, ...], np.dtype], "np.ndarray | None"]  # a buffer for a shard, or None
+
+
+def _copied_into(into: Into, x: Any, copies: list[tuple[np.ndarray, np.ndarray]]) -> np.ndarray | None:
+    """The buffer ``into`` gives for ``x``'s shape and dtype (None when it gives none), ``x`` to be
+    copied into it: the copies are made together at the end (``_copy_all``)."""
+    a = np.asarray(x)
+    buf = into(a.shape, a.dtype)
+    if buf is not None:
+        copies.append((buf, a))
+    return buf
+
+
+_copier: ThreadPoolExecutor | None = None
+
+
+def _copy_all(copies: list[tuple[np.ndarray, np.ndarray]]) -> None:
+    """Makes ``copies`` (destination, source) on up to 4 threads, in byte ranges of about equal size:
+    while a save holds the training loop, its cores are free, and one thread alone does not reach the
+    memory's bandwidth."""
+    global _copier
+    flat = [(d.reshape(-1).view(np.uint8), np.ascontiguousarray(a).reshape(-1).view(np.uint8))
+            if a.flags.c_contiguous and d.size else (d, a) for d, a in copies]
+    total = sum(d.nbytes for d, _ in flat)
+    n = max(1, min(4, os.cpu_count() or 1, total // (8 << 20)))
+    if n == 1:
+        for d, a in copies:
+            np.copyto(d, a)
+        return
+    parts: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in range(n)]
+    per, k, acc = -(-total // n), 0, 0
+    for d, a in flat:
+        if d.dtype != np.uint8 or d.ndim != 1:  # not contiguous: whole
+            parts[k].append((d, a))
+            acc += d.nbytes
+        else:
+            lo = 0
+            while lo < d.nbytes:
+                hi = min(d.nbytes, lo + max(1, per * (k + 1) - acc))
+                parts[k].append((d[lo:hi], a[lo:hi]))
+                acc += hi - lo
+                lo = hi
+                if acc >= per * (k + 1) and k < n - 1:
+                    k += 1
+    if _copier is None:
+        _copier = ThreadPoolExecutor(4, thread_name_prefix="flax_ckpt-copy")
+
+    def run(part: list[tuple[np.ndarray, np.ndarray]]) -> None:
+        for d, a in part:
+            np.copyto(d, a)
+    futures = [_copier.submit(run, part) for part in parts[1:] if part]
+    run(parts[0])
+    for f in futures:
+        f.result()
+
+
 def _on_cpu(x: jax.Array) -> bool:
     return all(d.platform == "cpu" for d in x.sharding.device_set)
 
 
-def _array_leaf(path: tree_mod.KeyPath, x: Any, kind: str, copy: bool, spare: dict) -> HostLeaf:
+def _array_leaf(path: tree_mod.KeyPath, x: Any, kind: str, copy: bool, spare: dict, into: Into | None,
+                copies: list[tuple[np.ndarray, np.ndarray]]) -> HostLeaf:
     key_impl = key_shape = None
     if kind == "prng_key":
         key_impl = str(jax.random.key_impl(x))
@@ -112,12 +170,16 @@ def _array_leaf(path: tree_mod.KeyPath, x: Any, kind: str, copy: bool, spare: di
         # buffer alive through x.delete(), and XLA never donates a buffer that has host views (it
         # allocates the output instead). So CPU arrays are not copied; other devices' are.
         cpu = _on_cpu(x)
-        shards = tuple(Shard(b, host_array(s.data, False) if cpu else _host_into(spare, (path, b), s.data, True))
+        shards = tuple(Shard(b, _copied_into(into, s.data, copies) if into is not None else None)
                        for s, b in boxes)
+        shards = tuple(sh if sh.data is not None else Shard(b, host_array(s.data, False) if cpu else
+                                                            _host_into(spare, (path, b), s.data, True))
+                       for sh, (s, b) in zip(shards, boxes))
         sharding, desc = x.sharding, describe_sharding(x.sharding)
     else:
         box = tuple((0, d) for d in shape)
-        shards, sharding, desc = (Shard(box, _host_into(spare, (path, box), x, copy)),), None, None
+        buf = _copied_into(into, x, copies) if into is not None and copy else None
+        shards, sharding, desc = (Shard(box, buf if buf is not None else _host_into(spare, (path, box), x, copy)),), None, None
     rec = LeafRecord(path, kind, np.dtype(x.dtype), shape, key_impl, key_shape, desc)
     return HostLeaf(rec, shards, sharding)
 
@@ -135,13 +197,19 @@ def _value_leaf(path: tree_mod.KeyPath, x: Any, kind: str) -> HostLeaf:
 
 
 @gc_paused()
-def snapshot(tree: Any, *, copy: bool = True, reuse: Snapshot | None = None) -> Snapshot:
+def snapshot(tree: Any, *, copy: bool = True, reuse: Snapshot | None = None, into: Into | None = None) -> Snapshot:
     """Copies every array shard this process writes to host memory (``copy=False`` reuses host buffers
     where possible: for synchronous saves, where nothing can change them meanwhile).
 
     ``reuse``: an earlier snapshot (copy=True) that nothing reads any more, e.g. the previous save's
     once it is durable; its buffers are overwritten where key path, box, shape and dtype match, which
-    saves the page faults of fresh memory (most of a snapshot's time on a CPU host)."""
+    saves the page faults of fresh memory (most of a snapshot's time on a CPU host).
+
+    ``into``: where every array shard is copied, CPU jax arrays too (whose host views are otherwise a
+    snapshot already), called in the order of the leaves and of their shards (the memory tiers pass
+    the pages of the data file the copy becomes, tiers/files.py ``Lent``); a shard it gives no buffer
+    for is snapshotted as without it. Copying at once also releases the arrays: XLA can then donate
+    them to the next step (host views would make it allocate new buffers)."""
     t0 = time.perf_counter()
     spare = reuse.spare_buffers() if (copy and reuse is not None) else {}
     flat, _ = tree_mod.flatten(tree)
@@ -150,22 +218,25 @@ def snapshot(tree: Any, *, copy: bool = True, reuse: Snapshot | None = None) -> 
         if kind == "jax" and not _on_cpu(x):
             x.copy_to_host_async()
 
+    copies: list[tuple[np.ndarray, np.ndarray]] = []  # (buffer from ``into``, source), made at the end
+
     def leaf(i: int) -> HostLeaf:
         (path, x), kind = flat[i], kinds[i]
         if kind in ("jax", "numpy", "prng_key"):
-            return _array_leaf(path, x, kind, copy, spare)
+            return _array_leaf(path, x, kind, copy, spare, into, copies)
         return _value_leaf(path, x, kind)
 
     big = [i for i, (_, x) in enumerate(flat) if getattr(x, "nbytes", 0) > _BIG  # copied, not a CPU array's
            and not (kinds[i] in ("jax", "prng_key") and isinstance(x, jax.Array) and _on_cpu(x))]  # view
     leaves: list[Any] = [None] * len(flat)
-    if len(big) > 1:
+    if len(big) > 1 and into is None:  # ``into`` is called in order: one thread
         with ThreadPoolExecutor(min(4, len(big))) as pool:
             for i, hl in zip(big, pool.map(leaf, big)):
                 leaves[i] = hl
     for i in range(len(flat)):
         if leaves[i] is None:
             leaves[i] = leaf(i)
+    _copy_all(copies)
     nbytes = sum(s.data.nbytes for hl in leaves for s in hl.shards)
     return Snapshot(leaves, nbytes, time.perf_counter() - t0, owned=copy)
 

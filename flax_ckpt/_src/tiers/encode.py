@@ -111,7 +111,8 @@ def encode(ts: TierSnapshot, ident: dict[str, Any], base: Copy | None, *, delta:
     """Encodes a snapshot; against a base, unchanged chunks become references to it, and changed ones
     deltas where ``budget`` says they pay (none without one). Shards are encoded in segments of
     _SEGMENT chunks on a thread pool (checksums, comparisons and zlib release the GIL); ``pieces``
-    are data.bin's bytes in order, alignment padding included."""
+    are data.bin's bytes in order, alignment padding included. A snapshot taken into a spare on loan
+    (``ts.lent``, a full copy) is laid out as its shards already lie there, and fills the spare."""
     budget = budget if delta else None
     recs = [lf.record.to_json() for lf in ts.snap.leaves]
     lookup = base.lookup() if base is not None else {}
@@ -125,7 +126,7 @@ def encode(ts: TierSnapshot, ident: dict[str, Any], base: Copy | None, *, delta:
             shard["chunks"] = [["b", e[1], e[2]] for e in sh.base["chunks"]]  # the very bytes of the base
             tasks.append([])
         else:
-            b = lookup.get(shard_key(recs[sh.leaf], sh.box))
+            b = lookup.get(shard_key(recs[sh.leaf], sh.box)) if lookup else None
             b = b if b is not None and b["nbytes"] == len(mv) else None
             step = _SEGMENT * CHUNK
             if b is None:  # no base shard: raw entries, nothing to compare (no task to pay for)
@@ -154,9 +155,13 @@ def encode(ts: TierSnapshot, ident: dict[str, Any], base: Copy | None, *, delta:
                     pieces.append(piece)
                     off += len(piece)
                 shard["chunks"].append(entry)
+    lent = ts.lent if base is None else None
+    if lent is not None and off < len(lent.map):  # the spare's tail: stored, never referenced
+        pieces.append(memoryview(lent.map)[off:])
+        off = len(lent.map)
     body = dict(ident, base=base.step if base is not None else None, chunk=CHUNK, data=off, leaves=recs,
                 shards=shards)
-    return Encoded(body, b"" if pending else encode_index(body), pieces, off, pending)
+    return Encoded(body, b"" if pending else encode_index(body), pieces, off, pending, lent)
 
 
 class _Done:

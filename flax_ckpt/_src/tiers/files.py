@@ -24,6 +24,7 @@ sticky, like /dev/shm).
 from __future__ import annotations
 
 import errno
+import math
 import mmap
 import os
 import stat
@@ -38,7 +39,7 @@ import numpy as np
 
 from flax_ckpt._src.errors import CorruptCheckpointError, StorageError
 
-_lock = threading.Lock()  # orders map_read against Spares.retire (check for maps, then move)
+_lock = threading.RLock()  # orders map_read against Spares.retire (check for maps, then move)
 _readers: dict[tuple[int, int], list[weakref.ref]] = {}
 _pool: ThreadPoolExecutor | None = None
 
@@ -155,6 +156,13 @@ def map_read(path: str, expect: tuple[int, int] | None = None) -> mmap.mmap | No
         return m
 
 
+def pin(key: tuple[int, int], holder: object) -> None:
+    """Counts ``holder`` as a reader of the file ``key`` (device, inode) while it lives: a snapshot
+    taken into a spare's pages, until its migration has read them. Such a file is never reused."""
+    with _lock:
+        _readers[key] = [r for r in _readers.get(key, []) if r() is not None] + [weakref.ref(holder)]
+
+
 def _mapped(st: os.stat_result) -> bool:
     key = (st.st_dev, st.st_ino)
     alive = [r for r in _readers.get(key, []) if r() is not None]
@@ -173,6 +181,7 @@ class Spares:
         self.folder, self.keep = folder, keep
         self._mutex = threading.Lock()
         self._maps: dict[tuple[int, int], mmap.mmap] = {}  # the files this writer mapped, by inode
+        self._lent: Lent | None = None
 
     def _files(self) -> list[tuple[int, str]]:
         try:
@@ -186,9 +195,40 @@ class Spares:
                 st = os.lstat(path)
             except FileNotFoundError:
                 continue
-            if _problem(path, st, folder=False) is None:  # never reuse a file another user could reach
+            if _problem(path, st, folder=False) is None and (  # never reuse a file another user could reach
+                    self._lent is None or path != self._lent.path):
+                with _lock:
+                    if _mapped(st):  # a loan given back while a snapshot still holds its pages
+                        continue
                 out.append((st.st_size, path))
         return sorted(out)
+
+    def lend(self, size: int) -> "Lent | None":
+        """The spare that the next copy's data file will be (at least ``size`` bytes, already mapped), for
+        a snapshot to copy the state straight into its pages: that copy is then the only one (``write``
+        finds those bytes in place). None when there is no such spare. One loan at a time; it ends with
+        the ``write`` that is given it, or ``give_back``."""
+        with self._mutex:
+            if self._lent is not None:
+                return None
+            for n, path in self._files():
+                if n < size:
+                    continue
+                try:
+                    st = os.lstat(path)
+                except FileNotFoundError:
+                    continue
+                m = self._maps.get((st.st_dev, st.st_ino))
+                if m is not None and len(m) == st.st_size:
+                    self._lent = Lent(path, (st.st_dev, st.st_ino), m)
+                    return self._lent
+            return None
+
+    def give_back(self, lent: "Lent | None") -> None:
+        """Ends a loan that no ``write`` took (a failed snapshot): the file is a spare again."""
+        with self._mutex:
+            if lent is not None and self._lent is lent:
+                self._lent = None
 
     def _drop(self, key: tuple[int, int]) -> None:
         m = self._maps.pop(key, None)
@@ -198,18 +238,27 @@ class Spares:
         except BufferError:  # a failed write's traceback still holds a view: unmapped when it goes
             pass
 
+    def _remove(self, path: str, st: os.stat_result | None = None) -> None:
+        st = st or os.lstat(path)
+        self._drop((st.st_dev, st.st_ino))
+        os.unlink(path)
+
     def retire(self, path: str) -> None:
         """``path`` (a data file no copy of the tier uses any more) becomes a spare, or is deleted if
-        enough are kept or something maps it."""
+        something maps it or ``keep`` spares as large are kept (a larger file replaces the smallest
+        spare: the next full copy then finds pages enough, not a differential copy's few)."""
         with self._mutex, _lock:
             try:
                 st = os.lstat(path)
             except FileNotFoundError:
                 return
-            if (self.keep < 1 or _mapped(st) or len(self._files()) >= self.keep
+            files = self._files()
+            if len(files) >= self.keep >= 1 and files[0][0] < st.st_size and not _mapped(st):
+                self._remove(files[0][1])
+                files = files[1:]
+            if (self.keep < 1 or _mapped(st) or len(files) >= self.keep
                     or _problem(path, st, folder=False) is not None):  # not our own file: never reused
-                self._drop((st.st_dev, st.st_ino))
-                os.unlink(path)
+                self._remove(path, st)
                 return
             private_folder(self.folder, "spare folder")
             spare = os.path.join(self.folder, uuid.uuid4().hex)
@@ -222,16 +271,26 @@ class Spares:
                 finally:
                     os.close(fd)
 
-    def write(self, path: str, pieces: Sequence[np.ndarray], checksum: Sequence[bool]) -> list[int | None]:
+    def write(self, path: str, pieces: Sequence[np.ndarray], checksum: Sequence[bool],
+              lent: "Lent | None" = None) -> list[int | None]:
         """Creates ``path`` holding ``pieces`` (uint8 arrays) back to back; returns the crc32c of each
         piece whose ``checksum`` is set, computed on the bytes as stored, right after copying them
         (still in cache). Into the spare whose size is closest above theirs (else the largest),
         through its map; without a spare, written to a new file (where a map would fault each new
-        page in one by one, write() is about twice as fast)."""
+        page in one by one, write() is about twice as fast). With ``lent`` (see ``lend``), into that
+        spare, where pieces that are views of its map at their very place are not copied again; its
+        size is kept (``pieces`` must then fill it)."""
         size = sum(len(p) for p in pieces)
         with self._mutex:
-            files = self._files()
-            fit = next((f for f in files if f[0] >= size), files[-1] if files else None)
+            if lent is not None:
+                if self._lent is not lent:
+                    raise RuntimeError(f"{lent.path}: not on loan from {self.folder}")
+                self._lent = None
+                _in_place(lent, pieces, size)
+                fit = (len(lent.map), lent.path)
+            else:
+                files = self._files()
+                fit = next((f for f in files if f[0] >= size), files[-1] if files else None)
             if fit is not None:
                 os.rename(fit[1], path)
         crcs: list[int | None] = [None] * len(pieces)
@@ -260,9 +319,12 @@ class Spares:
         out = np.frombuffer(m, np.uint8)
         offs = np.cumsum([0] + [len(v) for v in pieces]).tolist()
 
+        placed = lent.placed(pieces, offs) if lent is not None and m is lent.map else set()
+
         def copy(a: int, b: int) -> None:
             for j in range(a, b):
-                out[offs[j]:offs[j + 1]] = pieces[j]
+                if j not in placed:
+                    out[offs[j]:offs[j + 1]] = pieces[j]
                 if checksum[j]:
                     crcs[j] = crc32c.crc32c(out[offs[j]:offs[j + 1]])
         try:
@@ -298,6 +360,54 @@ class Spares:
         with self._mutex:
             for key in list(self._maps):
                 self._drop(key)
+
+
+class Lent:
+    """A spare on loan (``Spares.lend``): its path, inode and writable map."""
+
+    def __init__(self, path: str, key: tuple[int, int], m: mmap.mmap):
+        self.path, self.key, self.map = path, key, m
+        self._base = np.frombuffer(m, np.uint8).ctypes.data
+        self._next = 0
+
+    def take(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray | None:
+        """The next ``shape``/``dtype`` buffer in the map, on the layout a full copy's encoding gives
+        (each non-empty shard on a 64-byte boundary, back to back), or None when the map is full."""
+        n = math.prod(shape) * dtype.itemsize
+        lo = self._next + (-self._next % 64 if n else 0)
+        if lo + n > len(self.map):
+            return None
+        self._next = lo + n
+        return np.frombuffer(self.map, np.uint8, n, lo).view(dtype).reshape(shape)
+
+    @property
+    def used(self) -> bool:
+        """Whether ``take`` gave out any of the map."""
+        return self._next > 0
+
+    def offset(self, a: np.ndarray) -> int | None:
+        """Where ``a``'s bytes lie in the map, or None when they lie elsewhere."""
+        if not a.nbytes:
+            return None
+        at = a.ctypes.data - self._base
+        return at if 0 <= at < len(self.map) else None
+
+    def placed(self, pieces: Sequence[np.ndarray], offs: Sequence[int]) -> set[int]:
+        """The pieces already at their place in the map (not copied again)."""
+        return {j for j, p in enumerate(pieces) if len(p) and self.offset(p) == offs[j]}
+
+
+def _in_place(lent: Lent, pieces: Sequence[np.ndarray], size: int) -> None:
+    """A piece that lies in the lent map must lie at its place: copying it elsewhere in the same map
+    could overwrite a piece not copied yet. Also ``pieces`` must fill the map."""
+    off = 0
+    for p in pieces:
+        at = lent.offset(p)
+        if at is not None and at != off:
+            raise RuntimeError(f"{lent.path}: a snapshot's bytes lie at {at} of the map, the copy puts them at {off}")
+        off += len(p)
+    if size != len(lent.map):
+        raise RuntimeError(f"{lent.path}: {size} bytes to write into a map of {len(lent.map)}")
 
 
 def _map_shared(fd: int, size: int) -> mmap.mmap:

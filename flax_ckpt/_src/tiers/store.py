@@ -102,13 +102,17 @@ class Copy:
     body: dict[str, Any]
     data: Data
     base: "Copy | None"
+    _lookup: dict[str, dict[str, Any]] | None = field(default=None, repr=False, compare=False)
 
     @property
     def step(self) -> int:
         return self.body["step"]
 
     def lookup(self) -> dict[str, dict[str, Any]]:
-        return {shard_key(self.body["leaves"][s["leaf"]], s["box"]): s for s in self.body["shards"]}
+        """Its shards by ``shard_key`` (made once: a base is looked up at every save)."""
+        if self._lookup is None:
+            self._lookup = {shard_key(self.body["leaves"][s["leaf"]], s["box"]): s for s in self.body["shards"]}
+        return self._lookup
 
     def by_leaf(self) -> dict[str, tuple[dict[str, Any], list[dict[str, Any]]]]:
         out: dict[str, tuple[dict[str, Any], list[dict[str, Any]]]] = {}
@@ -148,11 +152,21 @@ class TierSnapshot:
     base_step: int | None = None
     origin: dict[tuple[int, Box], dict[str, Any]] = field(default_factory=dict)
     skipped: int = 0  # scheduled steps skipped since the previous save (Tiers.on_busy="skip")
+    lent: tier_files.Lent | None = None  # the spare data file the shards were copied into, if any
+    _order: list[int] | None = field(default=None, repr=False)  # shards() with a loan: their order
 
     def shards(self) -> list[HostShard]:
+        """Every shard, in the order a copy stores them: those copied into a spare on loan first, as
+        they lie there (the layout a full copy's encoding gives them), then the others."""
         own = [HostShard(i, s.box, s.data, True, self.origin.get((i, s.box)))
                for i, p in enumerate(self.snap.leaves) for s in p.shards]
-        return own + self.extra
+        out = own + self.extra
+        if self.lent is not None:
+            if self._order is None or len(self._order) != len(out):
+                at = [self.lent.offset(sh.data) for sh in out]
+                self._order = sorted(range(len(out)), key=lambda k: (0, at[k]) if at[k] is not None else (1, k))
+            out = [out[k] for k in self._order]
+        return out
 
     @property
     def nbytes(self) -> int:
@@ -177,9 +191,11 @@ Seen = dict[str, tuple[Any, int]]  # leaf name -> (weak reference to the jax.Arr
 
 
 def take_snapshot(state: Any, *, copy: bool, force: bool, step: int, seen: Seen,
-                  base: Copy | None) -> TierSnapshot:
+                  base: Copy | None, into: tier_files.Lent | None = None) -> TierSnapshot:
     """Copies ``state`` to host, except jax.Array leaves unchanged since ``base`` (their shards become
-    views of it). ``seen`` is updated: it tracks since when each leaf has been the same object."""
+    views of it). ``seen`` is updated: it tracks since when each leaf has been the same object.
+    ``into``: a spare data file on loan, whose pages the shards are copied into, on the layout the
+    full copy they become has (the views of ``base`` follow them there, see TierSnapshot.shards)."""
     flat = tree_mod.flatten(state)[0]
     held = base.by_leaf() if base is not None else {}
     reuse: dict[int, tuple[dict[str, Any], list[dict[str, Any]]]] = {}
@@ -198,7 +214,8 @@ def take_snapshot(state: Any, *, copy: bool, force: bool, step: int, seen: Seen,
         fresh.append(i)
     seen.clear()
     seen.update(now)
-    part = snapshot([flat[i][1] for i in fresh], copy=copy) if fresh else Snapshot([], 0)
+    take = into.take if into is not None else None
+    part = snapshot([flat[i][1] for i in fresh], copy=copy, into=take) if fresh else Snapshot([], 0)
     plans: list[Any] = [None] * len(flat)
     for i, p in zip(fresh, part.leaves):
         p.record = dataclasses.replace(p.record, path=flat[i][0])
@@ -211,14 +228,18 @@ def take_snapshot(state: Any, *, copy: bool, force: bool, step: int, seen: Seen,
         ts.extra += [HostShard(i, b, a, False, s) for b, a, s in views if not s["primary"]]
         ts.origin.update({(i, b): s for b, _, s in views})
     for i in fresh:
-        ts.extra += _replicas(i, flat[i][1], plans[i])
+        ts.extra += _replicas(i, flat[i][1], plans[i], take)
+    ts.lent = into
+    if into is not None and into.used:  # its pages are this snapshot's while it lives (a migration reads them)
+        tier_files.pin(into.key, ts)
     ts.snap.nbytes = sum(s.data.nbytes for p in plans for s in p.shards)
     ts.snap.seconds = part.seconds
     return ts
 
 
-def _replicas(i: int, x: Any, plan: HostLeaf) -> list[HostShard]:
-    """The boxes on this process's devices that another process writes to persistent storage."""
+def _replicas(i: int, x: Any, plan: HostLeaf, take: Any = None) -> list[HostShard]:
+    """The boxes on this process's devices that another process writes to persistent storage (copied
+    into ``take``'s buffers where it gives them)."""
     if not isinstance(x, jax.Array) or not plan.record.is_array:
         return []
     x = jax.random.key_data(x) if plan.record.kind == "prng_key" else x
@@ -227,7 +248,11 @@ def _replicas(i: int, x: Any, plan: HostLeaf) -> list[HostShard]:
         box = box_of(s.index, tuple(x.shape))
         if box not in have:
             have.add(box)
-            out.append(HostShard(i, box, np.array(s.data, order="C", copy=True), False))
+            a = np.asarray(s.data)
+            buf = take(a.shape, a.dtype) if take is not None else None
+            if buf is not None:
+                np.copyto(buf, a)
+            out.append(HostShard(i, box, buf if buf is not None else np.array(a, order="C", copy=True), False))
     return out
 
 
@@ -243,6 +268,7 @@ class Encoded:
     pieces: list[memoryview]
     data_nbytes: int
     pending: list[tuple[int, list]] = field(default_factory=list)
+    lent: tier_files.Lent | None = None  # the spare whose pages already hold the pieces lying in it
 
     @classmethod
     def received(cls, index: memoryview, data: memoryview) -> "Encoded":
@@ -348,8 +374,14 @@ def write_copy(tier_dir: str, step: int, enc: Encoded, spares: Spares | None = N
         flags = [False] * len(enc.pieces)
         for j, _ in enc.pending:
             flags[j] = True
-        crcs = (spares or Spares("", keep=0)).write(os.path.join(tier_dir, staging, DATA),
-                                                    [_u8(p) for p in enc.pieces], flags)
+        loan, enc.lent = enc.lent, None  # a loan not taken here (the copy outgrew it) goes back below
+        lent = loan if loan is not None and spares is not None and enc.data_nbytes == len(loan.map) else None
+        try:
+            crcs = (spares or Spares("", keep=0)).write(os.path.join(tier_dir, staging, DATA),
+                                                        [_u8(p) for p in enc.pieces], flags, lent)
+        finally:
+            if loan is not None and spares is not None:
+                spares.give_back(loan)
         if enc.pending:
             for j, entry in enc.pending:
                 entry[1] = crcs[j]

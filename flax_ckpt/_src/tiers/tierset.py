@@ -35,6 +35,7 @@ from flax_ckpt._src.tiers.recover import Recovery
 from flax_ckpt._src.tiers.sync import Group
 
 log = logging.getLogger("flax_ckpt")
+_MAX_BACKOFF = 6  # full copies in a row after a poor differential one: at most rebase_interval * 2**6
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,7 @@ class TierSet:
         self._base: store.Copy | None = None
         self._seen: store.Seen = {}  # since when each jax.Array leaf has been the same object
         self._since_base, self._poor = 0, 0  # _poor: copies still to store in full (see _save_local)
+        self._misses = 0  # differential copies in a row that saved less than half
         self._outbox: tuple[int, list[memoryview]] | None = None
         self._inbox: tuple[int, Any] | None = None
         self._budget = tier_encode.DeltaBudget()  # when a changed chunk is worth a delta (measured)
@@ -168,11 +170,22 @@ class TierSet:
         return False
 
     def snapshot(self, step: int, state: Any, *, copy: bool, force: bool) -> store.TierSnapshot:
-        """Caller's thread: sends the previous step's copy to its peer, then copies ``state`` to host
-        (leaves unchanged since the base are not copied: they are views of it)."""
+        """Caller's thread, writer idle: sends the previous step's copy to its peer, then copies
+        ``state`` to host (leaves unchanged since the base are not copied: they are views of it). When
+        this copy is a full one, straight into the pages of the spare data file it will be: its only
+        copy (the writer then checksums those pages, it does not copy them again), and the arrays are
+        released at once, so the next step can donate them."""
         self._exchange()
         base = self._base if self.cfg.differential else None
-        ts = store.take_snapshot(state, copy=copy, force=force, step=step, seen=self._seen, base=base)
+        lent = None
+        if copy and self._base is not None and self._next_full():
+            lent = self.holdings.spare(self.local_dir).lend(len(self._base.data))
+        try:
+            ts = store.take_snapshot(state, copy=copy, force=force, step=step, seen=self._seen, base=base,
+                                     into=lent)
+        except BaseException:
+            self.holdings.spare(self.local_dir).give_back(lent)
+            raise
         ts.skipped, self._skipped = self._skipped, 0
         return ts
 
@@ -228,8 +241,12 @@ class TierSet:
             self._poor = max(0, self._poor - 1)
         else:
             self._since_base += 1
-            if enc.data_nbytes > ts.nbytes / 2:  # most of the state changes: comparing costs more than
-                self._poor = self.cfg.rebase_interval  # it saves, so the next copies are full ones
+            if enc.data_nbytes > ts.nbytes / 2:  # most of the state changes: comparing costs more than it
+                # saves, so the next copies are full ones; twice as many after each such copy in a row
+                self._poor = self.cfg.rebase_interval << min(self._misses, _MAX_BACKOFF)
+                self._misses += 1
+            else:
+                self._misses = 0
         if self.peer_dst is not None:
             self._outbox = (step, tier_sync.frame([[enc.index], enc.pieces]))
         self._prune("local", self.local_dir)
