@@ -260,6 +260,33 @@ def test_a_full_copy_is_taken_into_its_data_file_and_the_arrays_are_free_to_dona
         assert_bit_exact(fc.restore(tmp_path / "ckpt" / str(step)), saved[step], types=False)
 
 
+def test_full_copies_into_the_data_file_keep_every_dtype_and_layout_bit_exact(tmp_path):
+    """The copy into a data file's pages, split into byte ranges over threads: bfloat16, bool, 0-d,
+    PRNG keys, a transposed and a strided numpy array, a leaf larger than the spare (the copy outgrows
+    it) and an empty one restore bit-exact from memory."""
+    import jax
+    import jax.numpy as jnp
+
+    def state(step: int, big: int = 1) -> dict[str, Any]:
+        rng = np.random.default_rng(step)
+        return {"bf16": jnp.asarray(rng.standard_normal((700, 1100)), jnp.bfloat16),
+                "mask": jnp.asarray(rng.random((333, 77)) > 0.5), "scalar": jnp.float32(step),
+                "key": jax.random.key(step), "empty": np.zeros((0, 5), np.float32),
+                "t": rng.standard_normal((900, 1300)).astype(np.float32).T,
+                "strided": rng.integers(0, 255, 9_000_001, dtype=np.uint8)[::3],
+                "grows": rng.standard_normal(big << 20).astype(np.float32)}
+    tiers = _tiers(tmp_path, on_busy="wait", max_to_keep=8)
+    saved = {}
+    with fc.CheckpointManager(tmp_path / "ckpt", tiers=tiers) as mgr:
+        for step in range(6):
+            saved[step] = state(step, 1 if step < 4 else 3)  # steps 4, 5: 8 MiB more than the spare holds
+            mgr.save(step, saved[step])
+            mgr.wait_until_finished()
+        for step in range(6):
+            assert_bit_exact(mgr.restore(step, target=state(0, 1 if step < 4 else 3)), saved[step], types=False)
+            assert mgr.restore_stats[-1].tier == "local"
+
+
 def test_a_differential_copy_that_does_not_pay_is_tried_ever_less_often(tmp_path):
     """Adam changes every byte: each differential copy tried costs a comparison and saves nothing, so
     after each one the full copies in a row double (rebase_interval, 2x, 4x, ... up to 64x)."""

@@ -139,7 +139,8 @@ def encode(ts: TierSnapshot, ident: dict[str, Any], base: Copy | None, *, delta:
     pending: list[tuple[int, list]] = []
     off = 0
     for shard, futures in zip(shards, tasks):
-        if not futures:
+        if not futures:  # references to the base (set above), or an empty shard compared with its base
+            shard.setdefault("chunks", [])
             continue
         shard["chunks"] = []
         for f in futures:
