@@ -302,7 +302,8 @@ def test_orbax_fifo_behind_a_linked_array_folder_is_never_opened(tmp_path, orbax
     opens anything, so no thread of it is left blocked on the FIFO (a writer that opens it without
     blocking finds no reader)."""
     path = _copy(orbax_folders, "plain", tmp_path / "ck")
-    order = [".".join(ast.literal_eval(k)) for k in json.loads(open(os.path.join(path, "_METADATA")).read())["tree_metadata"]]
+    with open(os.path.join(path, "_METADATA")) as f:
+        order = [".".join(ast.literal_eval(k)) for k in json.load(f)["tree_metadata"]]
     first, later = order[0], order[1]
     shutil.rmtree(os.path.join(path, first))
     os.symlink(later, os.path.join(path, first))

@@ -170,16 +170,19 @@ def _array_leaf(path: tree_mod.KeyPath, x: Any, kind: str, copy: bool, spare: di
         # buffer alive through x.delete(), and XLA never donates a buffer that has host views (it
         # allocates the output instead). So CPU arrays are not copied; other devices' are.
         cpu = _on_cpu(x)
-        shards = tuple(Shard(b, _copied_into(into, s.data, copies) if into is not None else None)
-                       for s, b in boxes)
-        shards = tuple(sh if sh.data is not None else Shard(b, host_array(s.data, False) if cpu else
-                                                            _host_into(spare, (path, b), s.data, True))
-                       for sh, (s, b) in zip(shards, boxes))
+
+        def host(s: Any, b: Box) -> np.ndarray:
+            buf = _copied_into(into, s.data, copies) if into is not None else None
+            if buf is not None:
+                return buf
+            return host_array(s.data, False) if cpu else _host_into(spare, (path, b), s.data, True)
+        shards = tuple(Shard(b, host(s, b)) for s, b in boxes)
         sharding, desc = x.sharding, describe_sharding(x.sharding)
     else:
         box = tuple((0, d) for d in shape)
         buf = _copied_into(into, x, copies) if into is not None and copy else None
-        shards, sharding, desc = (Shard(box, buf if buf is not None else _host_into(spare, (path, box), x, copy)),), None, None
+        buf = buf if buf is not None else _host_into(spare, (path, box), x, copy)
+        shards, sharding, desc = (Shard(box, buf),), None, None
     rec = LeafRecord(path, kind, np.dtype(x.dtype), shape, key_impl, key_shape, desc)
     return HostLeaf(rec, shards, sharding)
 

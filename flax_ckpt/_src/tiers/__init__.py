@@ -26,8 +26,9 @@ tier is off (logged). The replica of step s travels over a JAX collective at the
 ``wait_until_finished``/``close``), on the caller's thread, so the peer tier trails the local one by
 one save. Memory per process and tier is at most max_to_keep copies plus two bases, each at most the
 size of the process's shards (a differential copy above half that size makes the next rebase_interval
-copies full ones, twice as many after each further one in a row, up to 64 times), plus one data file more: the copy being written, which reuses the pages of the
-last removed copy, kept between saves as a spare (files.py).
+copies full ones, twice as many after each further one in a row, up to 64 times), plus one data file
+more: the copy being written, which reuses the pages of the last removed copy, kept between saves as
+a spare (files.py); a full copy's snapshot is taken straight into those pages.
 """
 
 from __future__ import annotations
