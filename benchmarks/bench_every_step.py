@@ -2,6 +2,9 @@
 
     python benchmarks/bench_every_step.py                          # both models, every 1/10/100, 3 rounds
     python benchmarks/bench_every_step.py --models mlp --every 1,10 --steps 60 --rounds 3
+    git worktree add /tmp/flax_ckpt-base <commit>      # then, against that commit's package:
+    python benchmarks/bench_every_step.py --models mlp --every 1 --steps 60 --rounds 3 \
+        --contenders none,memory,memory@base --baseline /tmp/flax_ckpt-base
 
 Two plain Flax Linen loops trained with optax adam, jitted with the state donated, on the CPU device:
 ``mlp`` (an MLP 4x1024 on 256 inputs, batch 512: 39 MiB of state with adam's moments) and
@@ -18,6 +21,9 @@ Contenders, each run in its own process (a fresh jax: no host copy cached by ano
 - ``orbax``: Orbax's ``CheckpointManager`` (async, max_to_keep=2, StandardSave);
 - ``orbax-emergency``: Orbax's emergency ``CheckpointManager`` (local tmpfs + persistent), where the
   installed orbax-checkpoint has one that runs in a single CPU process; else the table says why not.
+- ``<contender>@base`` (with ``--baseline DIR``): the same contender with the flax_ckpt package found in
+  DIR first on ``PYTHONPATH``, e.g. a ``git worktree`` of an earlier commit: old and new code side by
+  side, interleaved (each child reports which package it imported).
 Each process runs the loop once per frequency (warm-up steps and one save first, untimed), timing
 ``--steps`` steps plus the final ``wait_until_finished`` (all the work a checkpoint causes is inside).
 
@@ -31,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import subprocess
@@ -209,7 +216,7 @@ class OrbaxEmergency(Saver):
 def saver(name: str, state: Any, d: Path) -> Saver | None:
     return {"none": lambda: None, "floor": lambda: Floor(state, d), "memory": lambda: Manager(state, d, True),
             "persistent": lambda: Manager(state, d, False), "orbax": lambda: Orbax(state, d),
-            "orbax-emergency": lambda: OrbaxEmergency(state, d)}[name]()
+            "orbax-emergency": lambda: OrbaxEmergency(state, d)}[name.split("@")[0]]()
 
 
 # ------------------------------------------------------------------------------------------ a child
@@ -220,6 +227,9 @@ def child(contender: str, model: str, everies: list[int], steps: int, scratch: P
     import numpy as np
     init, step = make_model(model)
     out: dict[str, Any] = {"state_mb": None}
+    if contender.split("@")[0] in ("memory", "persistent"):
+        import flax_ckpt
+        out["package"] = os.path.dirname(flax_ckpt.__file__)  # which flax_ckpt ran (see --baseline)
     for every in everies:
         d = C.fresh_dir(scratch / f"{contender}-{model}-{every}")
         state = jax.block_until_ready(step(init()))
@@ -267,12 +277,20 @@ def run(args) -> dict[str, Any]:
             for c in C.rotated(args.contenders.split(","), r):
                 cmd = [sys.executable, __file__, "--child", c, "--models", model, "--every", args.every,
                        "--steps", str(args.steps)]
-                p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+                env = dict(os.environ)
+                if c.endswith("@base"):
+                    if not args.baseline:
+                        raise SystemExit(f"{c}: pass --baseline DIR (a folder holding the flax_ckpt package to compare)")
+                    env["PYTHONPATH"] = os.pathsep.join(filter(None, [args.baseline, env.get("PYTHONPATH")]))
+                p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
                 line = next((x for x in reversed(p.stdout.splitlines()) if x.startswith("{")), None)
                 res = json.loads(line) if line else {"error": (p.stderr or "no output").strip()[-300:]}
                 rows.setdefault(model, {}).setdefault(c, []).append(res)
                 brief = res.get("error") or "  ".join(
                     f"every {e}: {res[str(e)]['wall'] * 1e3:.1f} ms/step" for e in everies if str(e) in res)
+                if c.endswith("@base") and "package" in res and not res["package"].startswith(
+                        os.path.abspath(args.baseline)):
+                    raise SystemExit(f"{c} imported {res['package']}, not the package under {args.baseline}")
                 print(f"round {r} {model:11s} {c:16s} {brief}", flush=True)
     return {"rows": rows, "everies": everies}
 
@@ -319,6 +337,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--contenders", default=",".join(CONTENDERS))
     ap.add_argument("--timeout", type=float, default=900, help="seconds per child process")
+    ap.add_argument("--baseline", default=None, help="a folder holding the flax_ckpt package that "
+                    "<contender>@base runs (e.g. a git worktree of an earlier commit)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     C.jax_cpu_env()
