@@ -117,8 +117,8 @@ def _copy_all(copies: list[tuple[np.ndarray, np.ndarray]]) -> None:
     while a save holds the training loop, its cores are free, and one thread alone does not reach the
     memory's bandwidth."""
     global _copier
-    flat = [(d.reshape(-1).view(np.uint8), np.ascontiguousarray(a).reshape(-1).view(np.uint8))
-            if a.flags.c_contiguous and d.size else (d, a) for d, a in copies]
+    flat = [(d.reshape(-1).view(np.uint8), a.reshape(-1).view(np.uint8)) if a.flags.c_contiguous and d.size
+            else (d, a) for d, a in copies]
     total = sum(d.nbytes for d, _ in flat)
     n = max(1, min(4, os.cpu_count() or 1, total // (8 << 20)))
     if n == 1:

@@ -281,12 +281,13 @@ class Spares:
         spare, where pieces that are views of its map at their very place are not copied again; its
         size is kept (``pieces`` must then fill it)."""
         size = sum(len(p) for p in pieces)
+        placed: set[int] = set()  # pieces already at their place in the lent map
         with self._mutex:
             if lent is not None:
                 if self._lent is not lent:
                     raise RuntimeError(f"{lent.path}: not on loan from {self.folder}")
                 self._lent = None
-                _in_place(lent, pieces, size)
+                placed = lent.placed(pieces, size)
                 fit = (len(lent.map), lent.path)
             else:
                 files = self._files()
@@ -319,8 +320,7 @@ class Spares:
         out = np.frombuffer(m, np.uint8)
         offs = np.cumsum([0] + [len(v) for v in pieces]).tolist()
 
-        placed = lent.placed(pieces, offs) if lent is not None and m is lent.map else set()
-
+        placed = placed if lent is not None and m is lent.map else set()
         def copy(a: int, b: int) -> None:
             for j in range(a, b):
                 if j not in placed:
@@ -392,22 +392,22 @@ class Lent:
         at = a.ctypes.data - self._base
         return at if 0 <= at < len(self.map) else None
 
-    def placed(self, pieces: Sequence[np.ndarray], offs: Sequence[int]) -> set[int]:
-        """The pieces already at their place in the map (not copied again)."""
-        return {j for j, p in enumerate(pieces) if len(p) and self.offset(p) == offs[j]}
-
-
-def _in_place(lent: Lent, pieces: Sequence[np.ndarray], size: int) -> None:
-    """A piece that lies in the lent map must lie at its place: copying it elsewhere in the same map
-    could overwrite a piece not copied yet. Also ``pieces`` must fill the map."""
-    off = 0
-    for p in pieces:
-        at = lent.offset(p)
-        if at is not None and at != off:
-            raise RuntimeError(f"{lent.path}: a snapshot's bytes lie at {at} of the map, the copy puts them at {off}")
-        off += len(p)
-    if size != len(lent.map):
-        raise RuntimeError(f"{lent.path}: {size} bytes to write into a map of {len(lent.map)}")
+    def placed(self, pieces: Sequence[np.ndarray], size: int) -> set[int]:
+        """The pieces (``size`` bytes back to back) already at their place in the map, not copied again.
+        A piece that lies in the map elsewhere is an error (copying it there could overwrite a piece not
+        copied yet), as are pieces that do not fill the map."""
+        if size != len(self.map):
+            raise RuntimeError(f"{self.path}: {size} bytes to write into a map of {len(self.map)}")
+        out, off = set(), 0
+        for j, p in enumerate(pieces):
+            at = self.offset(p)
+            if at is not None and at != off:
+                raise RuntimeError(f"{self.path}: a snapshot's bytes lie at {at} of the map, the copy puts them "
+                                   f"at {off}")
+            if at is not None:
+                out.add(j)
+            off += len(p)
+        return out
 
 
 def _map_shared(fd: int, size: int) -> mmap.mmap:
