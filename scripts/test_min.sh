@@ -2,7 +2,8 @@
 # The minimum supported versions, tested: creates .venv-min with the lowest Python that pyproject's
 # requires-python admits (3.11) where this machine has it, installs flax-ckpt there with the declared
 # floors of its dependencies (constraints-min.txt: jax/jaxlib 0.6.0, flax 0.10.0, optax 0.2.0,
-# numpy 1.26.0, tensorstore 0.1.81, ml_dtypes 0.5.0, crc32c 2.4) and runs the engine, error, manager,
+# numpy 1.26.0, tensorstore 0.1.81, ml_dtypes 0.5.0, crc32c 2.4,
+# zstandard 0.23.0) and runs the engine, error, manager,
 # callbacks and multi-host tests. Extra arguments replace the default test files and options.
 # PYTHON_MIN=/path/to/python picks the interpreter.
 set -euo pipefail

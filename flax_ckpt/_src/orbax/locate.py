@@ -97,14 +97,11 @@ def is_orbax(folder: Storage) -> bool:
         COMMIT_SUCCESS in entries and bool(entries & {name_of(folder), *JSON_FILES}))
 
 
-def check_folder(located: "Located") -> list[str] | None:
-    """Walks the local folders a located Orbax checkpoint is read from before tensorstore opens anything
-    in them (it follows symlinks and blocks on FIFOs): CorruptCheckpointError for a symlink that leads
-    out of the checkpoint folder (symlinks inside it are followed, as the native layout's walk does),
-    for a FIFO, device or socket, and for an item folder outside the checkpoint. Returns the paths of
-    the regular files found (``stored_size`` sums them for the restore budget), or None on object stores
-    (nothing to walk). Hard links are not refused (a ``cp -al`` backup has them); ``verify`` reports them.
-    One scandir per folder, file types from the listing: no stat per file."""
+def item_roots(located: "Located") -> list[str] | None:
+    """The local folders a located Orbax checkpoint is read from: its own and those of its items that
+    lie beside it (the sibling items of an item folder), or None on object stores. An item anywhere
+    else (item names in _CHECKPOINT_METADATA leading out, a symlinked sibling) is a
+    CorruptCheckpointError."""
     base = located.storage
     if base.local_path is None:
         return None
@@ -120,6 +117,17 @@ def check_folder(located: "Located") -> list[str] | None:
                                          + " (item names in _CHECKPOINT_METADATA leading out); refusing to "
                                          "read the checkpoint")
         roots.append(path)
+    return roots
+
+
+def walk(roots: list[str]) -> list[str]:
+    """Walks the local folders an Orbax checkpoint is read from (``item_roots``) before tensorstore
+    opens anything in them (it follows symlinks and blocks on FIFOs): CorruptCheckpointError for a
+    symlink that leads out of the checkpoint folder (symlinks inside it are followed, as the native
+    layout's walk does), and for a FIFO, device or socket. Returns the paths of the regular files found
+    (``stored_size`` sums them for the restore budget). Hard links are not refused (a ``cp -al`` backup
+    has them); ``verify`` reports them. One scandir per folder, file types from the listing: no stat
+    per file."""
     files: list[str] = []
     for root in roots:
         _walk(root, files)
@@ -168,7 +176,7 @@ def _check_link(path: str, real_root: str, files: list[str]) -> None:
 
 
 def stored_size(files: list[str]) -> int:
-    """The bytes of the files ``check_folder`` found (one lstat each; a file removed meanwhile counts 0)."""
+    """The bytes of the files ``walk`` found (one lstat each; a file removed meanwhile counts 0)."""
     total = 0
     for path in files:
         try:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import base64
 import copy
 import json
+import threading
 from collections.abc import Mapping
 from typing import Any, Callable, Sequence
 
@@ -27,9 +28,10 @@ from flax_ckpt._src.errors import (CorruptCheckpointError, InvalidManifestError,
                                    UnsupportedOrbaxCheckpointError, format_list)
 from flax_ckpt._src.checks import check_relpath
 from flax_ckpt._src.records import LeafRecord
+from flax_ckpt._src.orbax.folders import FolderArray, Unsupported, check_chunk
 from flax_ckpt._src.orbax.locate import (OCDBT_MANIFEST, SHARDING, STRINGS, TESTED_ORBAX_VERSION, TREE_METADATA,
-                                         Located, check_folder, checksummed, json_checksummed, json_value, read_json,
-                                         step_metrics, stored_size)
+                                         Located, checksummed, item_roots, json_checksummed, json_value, read_json,
+                                         step_metrics, stored_size, walk)
 from flax_ckpt._src.serializers import Box
 from flax_ckpt._src.storage import Storage
 
@@ -132,6 +134,33 @@ class _Item:
                 "recheck_cached_data": False, "recheck_cached_metadata": False, "fill_missing_data_reads": False}
 
 
+class _Opened:
+    """One array opened through tensorstore, with FolderArray's face: ``shape``, ``dtype``,
+    ``metadata``, ``compressed``, ``read(box, out)``."""
+
+    @staticmethod
+    def stored_bytes() -> int:
+        return 0  # unknown: the budget sums the files the walk found instead
+
+    def __init__(self, store: Any):
+        self.store = store
+        self.shape, self.dtype = tuple(int(d) for d in store.shape), np.dtype(store.dtype.numpy_dtype)
+        chunk = store.chunk_layout.read_chunk.shape  # None for a 0-d array
+        check_chunk(tuple(chunk or ()), self.shape, self.dtype)  # else tensorstore aborts (std::bad_alloc)
+
+    @property
+    def metadata(self) -> dict[str, Any]:
+        return self.store.spec().to_json().get("metadata", {})
+
+    @property
+    def compressed(self) -> bool:
+        return _compressed(self.metadata)
+
+    def read(self, box: Box, out: np.ndarray) -> None:
+        whole = all(s == 0 and e == d for (s, e), d in zip(box, self.shape))
+        out[...] = (self.store if whole else self.store[tuple(slice(s, e) for s, e in box)]).read().result()
+
+
 def _entry_path(key_meta: Any, where: str, key: str) -> tuple[tree_mod.KeyPath, str]:
     if not isinstance(key_meta, list) or not key_meta:
         raise InvalidManifestError(f"{where}: entry {key}: 'key_metadata' must be a non-empty list")
@@ -163,12 +192,19 @@ class OrbaxSource:
     saved with named items (``args.Composite``), ``{item name: value}`` over every item, pytree items as
     trees and JSON items as their JSON (leaves of kind "json"), and a target is a dict keyed by item
     names (``select``); a JSON item alone (its folder, or ``item=``) is its JSON. Opening reads the JSON
-    metadata and every array's zarr metadata (concurrently), never array bytes."""
+    metadata and every array's zarr metadata, never array bytes.
 
-    remote = True  # every read is an asynchronous tensorstore request: read the leaves concurrently
+    A local item of one folder per array is read by folders.FolderArray (no symlink followed, no FIFO
+    read or waited on, file by file); any other item through tensorstore, after its folders were walked
+    (locate.walk: tensorstore follows symlinks and blocks on FIFOs). An array whose folder holds a
+    symlink below the array's own folder (a chunk file, found only when it is read) is read through
+    tensorstore too, after that walk: symlinks inside the checkpoint are followed, those leading out
+    refused."""
+
+    remote: bool  # tensorstore's reads are requests: read the leaves concurrently (FolderArrays: in batches)
     def __init__(self, located: Located):
         self.located, self.url = located, located.storage.url
-        self._files = check_folder(located)  # before tensorstore opens anything: links out, FIFOs refused
+        roots = item_roots(located)
         context = context_for(located.storage)
         items = [(name, _Item(storage, context)) for name, storage in located.items.items()]
         self.items = [item for _, item in items]
@@ -183,13 +219,19 @@ class OrbaxSource:
                 f"{self.where}: leaves of value types flax_ckpt does not read (custom Orbax TypeHandlers): "
                 f"{', '.join(unknown)}. Restore them with orbax-checkpoint, or pass a target without them "
                 "and partial=True.")
-        futures = {i: ts.open(item.read_spec(path, param), open=True, read=True, context=item.context)
-                   for i, (item, path, param, vt) in enumerate(entries) if vt in _ARRAY_TYPES}
+        arrays = {i: (item, path, param) for i, (item, path, param, vt) in enumerate(entries) if vt in _ARRAY_TYPES}
+        opened = _open_folders(arrays) if roots is not None and not any(i.use_ocdbt for i in self.items) else None
+        self._roots, self._lock = roots, threading.Lock()
+        self._files = None if opened is not None or roots is None else walk(roots)  # links out, FIFOs refused
+        self.remote = opened is None
+        futures = {} if opened is not None else {
+            i: ts.open(item.read_spec(path, param), open=True, read=True, context=item.context)
+            for i, (item, path, param) in arrays.items()}
         side = {id(item): (item.key_impls() if any(e[0] is item and e[3] in _ARRAY_TYPES for e in entries) else {},
                            item.shardings() if any(e[0] is item and e[3] in _ARRAY_TYPES for e in entries) else {},
                            item.strings() if any(e[0] is item and e[3] == "string" for e in entries) else {})
                 for item in self.items}
-        self.stores: dict[str, Any] = {}
+        self.arrays: dict[str, FolderArray | _Opened] = {}
         self.params: dict[str, tuple[_Item, str]] = {}
         self.leaves: list[LeafRecord] = []
         bad_impls = []
@@ -202,11 +244,11 @@ class OrbaxSource:
                 self.leaves.append(LeafRecord(path, "string", value=strings.get(param, "")))
                 continue
             try:
-                store = futures[i].result()
+                array = opened[i] if opened is not None else _Opened(futures[i].result())
             except Exception as e:
                 raise CorruptCheckpointError(f"{item.storage.url}: cannot open the array of "
                                              f"{tree_mod.keystr(path)!r} (parameter {param!r}): {e}") from None
-            shape, dtype = tuple(int(d) for d in store.shape), np.dtype(store.dtype.numpy_dtype)
+            shape, dtype = array.shape, array.dtype
             impl = impls.get(param)
             if impl is not None:
                 key_shape = key_data_shape(impl)
@@ -218,7 +260,7 @@ class OrbaxSource:
                 leaf = LeafRecord(path, _ARRAY_TYPES[vt], dtype, shape, sharding=_flax_sharding(shardings.get(param)),
                                   python=vt == "scalar")
             self.leaves.append(leaf)
-            self.stores[leaf.name], self.params[leaf.name] = store, (item, param)
+            self.arrays[leaf.name], self.params[leaf.name] = array, (item, param)
         if bad_impls:
             raise UnsupportedOrbaxCheckpointError(f"{self.items[0].storage.url}: PRNG key implementations this "
                                                   f"jax does not know: {', '.join(bad_impls)}")
@@ -260,18 +302,46 @@ class OrbaxSource:
     @property
     def budget(self) -> int | None:
         """See _budget; None on object stores (no bound known without every object's size)."""
-        return None if self._files is None else _budget(self._files, self.leaves, self.stores)
+        if self.located.storage.local_path is None:
+            return None
+        arrays = [self.arrays[leaf.name] for leaf in self.leaves if leaf.name in self.arrays]
+        try:
+            return _budget(self._files, self.leaves, arrays)
+        except Unsupported:  # a symlink among the chunk files: the walk follows it (or refuses it)
+            return _budget(self._walked(), self.leaves, arrays)
+
+    def _walked(self) -> list[str]:
+        with self._lock:
+            if self._files is None:
+                self._files = walk(self._roots)
+            return self._files
+
+    def _through_tensorstore(self, leaf: LeafRecord) -> _Opened:
+        """The array of ``leaf`` opened by tensorstore, once the folders were walked; it replaces its
+        FolderArray."""
+        self._walked()
+        item, param = self.params[leaf.name]
+        with self._lock:
+            array = self.arrays[leaf.name]
+            if not isinstance(array, _Opened):
+                array = _Opened(ts.open(item.read_spec(leaf.path, param), open=True, read=True,
+                                        context=item.context).result())
+                if (array.shape, array.dtype) != (leaf.shape, leaf.dtype):
+                    raise CorruptCheckpointError(f"{item.storage.url}: the array of {leaf.name!r} changed since "
+                                                 f"the checkpoint was opened")
+                self.arrays[leaf.name] = array
+            return array
 
     def read(self, leaf: LeafRecord, box: Box, out: np.ndarray) -> None:
-        store = self.stores[leaf.name]
-        whole = all(s == 0 and e == d for (s, e), d in zip(box, leaf.shape))
         try:
-            data = (store if whole else store[tuple(slice(s, e) for s, e in box)]).read().result()
+            try:
+                self.arrays[leaf.name].read(box, out)
+            except Unsupported:  # a symlink below the array's folder
+                self._through_tensorstore(leaf).read(box, out)
         except Exception as e:
             item, param = self.params[leaf.name]
             raise CorruptCheckpointError(f"{item.storage.url}: reading {leaf.name!r} (parameter {param!r}) "
                                          f"failed: {e}") from None
-        out[...] = data
 
     def read_many(self, requests: Sequence[tuple[LeafRecord, Box, np.ndarray]]) -> None:
         for leaf, box, out in requests:
@@ -310,7 +380,7 @@ class OrbaxSource:
                 name = leaf.path[0][1] if leaf.path else self.located.json_root
                 ok = json_checksummed(self.located.json_items[name], name)
             else:
-                ok = not leaf.is_array or data_checksummed(self.stores[leaf.name].spec().to_json().get("metadata", {}))
+                ok = not leaf.is_array or data_checksummed(self.arrays[leaf.name].metadata)
             if not ok:
                 out.append(leaf.name)
         return out
@@ -338,17 +408,19 @@ class OrbaxSource:
         return step_metrics(self.located)
 
 
-def _budget(files: list[str], leaves: Sequence[LeafRecord], stores: dict[str, Any]) -> int:
-    """The bytes a restore of an Orbax folder of regular ``files`` may allocate (Reader refuses more
-    with a CorruptCheckpointError before allocating): as the native layout's, twice the stored bytes
-    plus _BUDGET_SLACK when no array is compressed; else MAX_EXPANSION times them (an array of zeros
-    compresses that far, and a folder can claim no more). tensorstore stops decoding a chunk at its
+def _budget(files: list[str] | None, leaves: Sequence[LeafRecord], arrays: Sequence[FolderArray | _Opened]) -> int:
+    """The bytes a restore of a local Orbax folder may allocate (Reader refuses more with a
+    CorruptCheckpointError before allocating): as the native layout's, twice the stored bytes plus
+    _BUDGET_SLACK when no array is compressed; else MAX_EXPANSION times them (an array of zeros
+    compresses that far, and a folder can claim no more). The stored bytes: of the regular ``files``
+    the walk found, or (None) the FolderArrays' chunk files. Both readers stop decoding a chunk at its
     declared size, so a chunk that expands further is an error, never a larger allocation. Arrays
     declaring at most _BUDGET_SLACK in all fit any budget: then no file's size is asked."""
     if sum(leaf.nbytes for leaf in leaves if leaf.is_array) <= _BUDGET_SLACK:
         return _BUDGET_SLACK
-    compressed = any(_compressed(s.spec().to_json().get("metadata", {})) for s in stores.values())
-    return (MAX_EXPANSION if compressed else 2) * stored_size(files) + _BUDGET_SLACK
+    compressed = any(a.compressed for a in arrays)
+    stored = stored_size(files) if files is not None else sum(a.stored_bytes() for a in arrays)
+    return (MAX_EXPANSION if compressed else 2) * stored + _BUDGET_SLACK
 
 
 def _compressed(metadata: dict[str, Any]) -> bool:
@@ -381,6 +453,22 @@ def data_checksummed(metadata: dict[str, Any]) -> bool:
                 return True
         return False
     return metadata.get("zarr_format") != 2 and chain(metadata.get("codecs"))
+
+
+def _open_folders(arrays: dict[int, tuple[_Item, tree_mod.KeyPath, str]]) -> dict[int, FolderArray] | None:
+    """{entry: FolderArray} for every array of local one-folder-per-array items, or None when one of them
+    is not read that way (folders.Unsupported: tensorstore reads them all, after the walk)."""
+    opened = {}
+    for i, (item, path, param) in arrays.items():
+        check_relpath(param, f"tree_metadata[{tree_mod.keystr(path)!r}]", item.where)  # a folder inside the item
+        try:
+            opened[i] = FolderArray(item.storage.local_path, param, item.use_zarr3)
+        except Unsupported:
+            return None
+        except (CorruptCheckpointError, OSError) as e:
+            raise CorruptCheckpointError(f"{item.storage.url}: cannot open the array of {tree_mod.keystr(path)!r} "
+                                         f"(parameter {param!r}): {e}") from None
+    return opened
 
 
 def _process_count(located: Located) -> int:
