@@ -8,6 +8,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
+import textwrap
 
 import crc32c
 import jax
@@ -217,3 +220,21 @@ def test_chunk_symlink_inside_is_followed_through_tensorstore(tmp_path, opens):
     os.symlink(os.path.join("..", "chunk"), os.path.join(path, "z", "c", "0"))
     assert_bit_exact(fc.restore(path), tree, types=False)
     assert [os.path.basename(p.rstrip("/")) for p in opens] == ["z"]
+
+
+def test_restore_with_few_file_descriptors(tmp_path):
+    """orbax/folders.py holds at most three fds per reading thread: 300 arrays (8 of them large,
+    read on a pool of threads) restore bit-exact with RLIMIT_NOFILE at 24."""
+    tree = {f"a{i}": np.full(40, i, np.float32) for i in range(300)}
+    tree.update({f"big{i}": np.arange(1 << 19, dtype=np.float32) + i for i in range(8)})
+    path = _orbax_save(tmp_path / "o", tree, True)
+    code = textwrap.dedent(f"""
+        import resource, numpy as np, flax_ckpt as fc
+        resource.setrlimit(resource.RLIMIT_NOFILE, (24, 24))
+        out = fc.restore({path!r})
+        assert all(float(out[f"a{{i}}"][0]) == i for i in range(300))
+        assert all(np.array_equal(out[f"big{{i}}"], np.arange(1 << 19, dtype=np.float32) + i) for i in range(8))
+        print("RESTORED")
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "RESTORED" in r.stdout, r.stdout + r.stderr
