@@ -138,8 +138,10 @@ def test_the_demo_shows_only_the_library_s_log_lines_and_removes_its_temporary_f
     cmd = [sys.executable, str(EXAMPLES / "preemption_demo.py"), "--steps", "120", "--every", "50", "--at", "60"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=2 * TIMEOUT_S, env=env)
     out = proc.stdout + proc.stderr
-    assert proc.returncode == 0 and re.search(r"run 2 resumed from step 6\d ", out), out[-3000:]
-    assert re.search(r"^\[run 2\] INFO flax_ckpt[.\w]*: resumed from step 6\d ", out, re.M), out[-3000:]
+    saved = re.search(r"run 1 saved step (\d+) and exited with status 143", out)  # a loaded machine may
+    assert proc.returncode == 0 and saved and 60 <= int(saved[1]) < 120, out[-3000:]  # run past 60 first
+    assert f"run 2 resumed from step {saved[1]} " in out, out[-3000:]
+    assert re.search(rf"^\[run 2\] INFO flax_ckpt[.\w]*: resumed from step {saved[1]} ", out, re.M), out[-3000:]
     assert not re.search(r"^\[run \d\] INFO (?!flax_ckpt)", out, re.M), out[-3000:]
     assert list(tmp_path.iterdir()) == []
 
