@@ -10,9 +10,9 @@ measures the speed).
   ``on_busy="wait"`` and ``force=True`` wait. A migration that is due while the previous one still
   runs is put off, never waited for in the writer.
 - Every copy kept (full, delta, raw, references) restores bit-exact.
-- A full copy is taken on the caller's thread into the pages of its data file (one copy), so the state's
-  arrays are free for the next step to donate; a differential copy that does not pay is tried ever less
-  often.
+- A full copy is taken on the caller's thread into the pages of its data file (one copy, checksummed
+  as it is made), so the state's arrays are free for the next step to donate; a differential copy is
+  tried only where a full copy's sample of its chunks says it pays.
 """
 
 from __future__ import annotations
@@ -287,16 +287,64 @@ def test_full_copies_into_the_data_file_keep_every_dtype_and_layout_bit_exact(tm
             assert mgr.restore_stats[-1].tier == "local"
 
 
-def test_a_differential_copy_that_does_not_pay_is_tried_ever_less_often(tmp_path):
-    """Adam changes every byte: each differential copy tried costs a comparison and saves nothing, so
-    after each one the full copies in a row double (rebase_interval, 2x, 4x, ... up to 64x)."""
+def test_the_copy_into_a_data_file_gives_the_crc32c_of_every_chunk_it_copied():
+    """engine.snapshot._copy_all(copies, chunk): the copies are made (split over threads), and each
+    destination's crc32c per ``chunk`` bytes from its start equals a separate pass over it, for
+    contiguous, transposed and strided sources, a tail chunk and an empty array."""
+    import crc32c
+    from flax_ckpt._src.engine import snapshot as snap_mod
+
+    rng = np.random.default_rng(9)
+    sources = [rng.standard_normal(3 << 20).astype(np.float32), rng.standard_normal((700, 900)).astype(np.float32).T,
+               rng.integers(0, 255, 3_000_001, dtype=np.uint8)[::3], np.zeros((0, 4), np.float32),
+               rng.standard_normal(5).astype(np.float64)]
+    copies = [(np.empty(a.shape, a.dtype), a) for a in sources]
+    chunk = 1 << 20
+    crcs = snap_mod._copy_all(copies, chunk)
+    for (d, a), got in zip(copies, crcs):
+        assert np.array_equal(d, a)
+        flat = d.reshape(-1).view(np.uint8)
+        assert got == [crc32c.crc32c(flat[k:k + chunk]) for k in range(0, flat.nbytes, chunk)]
+    assert snap_mod._copy_all([(np.empty(4, np.int32), np.arange(4, dtype=np.int32))]) is None
+
+
+def test_a_differential_copy_is_tried_only_where_a_full_copy_s_sample_says_it_pays(tmp_path):
+    """Adam changes every byte: a differential copy costs a comparison of every chunk and saves nothing.
+    After the one tried at the second save, none is tried while each full copy's sample of its chunks
+    against the previous base finds them changed; once the state stops changing, the next full copy's
+    sample says so and differential copies (references to the base) resume, with a rebase every
+    rebase_interval of them."""
     tiers = _tiers(tmp_path, on_busy="wait", rebase_interval=2, max_to_keep=2)
     rng = np.random.default_rng(4)
     with fc.CheckpointManager(tmp_path / "ckpt", tiers=tiers) as mgr:
-        for step in range(20):
+        for step in range(12):
             mgr.save(step, {"adam": rng.standard_normal((256, 1024)).astype(np.float32)})
+        still = rng.standard_normal((256, 1024)).astype(np.float32)
+        for step in range(12, 20):
+            mgr.save(step, {"adam": still.copy()})  # new arrays, the same bytes: compared, not views
         mgr.wait_until_finished()
-        assert [s.step for s in mgr.tier_stats if not s.base] == [1, 4, 9, 18]
+        assert [s.step for s in mgr.tier_stats if not s.base] == [1, 14, 15, 17, 18]
+        assert all(s.written < 8192 for s in mgr.tier_stats if s.step in (14, 15, 17, 18))  # references only
+        assert_bit_exact(mgr.restore(18, target={"adam": still}), {"adam": still}, types=False)
+
+
+def test_changed_share_samples_the_chunks_that_a_differential_copy_would_store(tmp_path):
+    """encode.changed_share: 0 for a snapshot equal to the base, 1 for one that differs everywhere,
+    about the share of bytes changed in between (32 samples)."""
+    a = np.random.default_rng(5).standard_normal((2048, 1024)).astype(np.float32)  # 8 MiB: 8 chunks
+    tiers = _tiers(tmp_path, on_busy="wait")
+    with fc.CheckpointManager(tmp_path / "ckpt", tiers=tiers) as mgr:
+        mgr.save(0, {"w": a})
+        mgr.wait_until_finished()
+        base = tier_store.open_copy(os.path.join(mgr.memory_tiers.local_dir, "0"))
+        b = a.copy()
+        b[: 2048 // 4] += 1  # the first quarter of the rows: 2 of the 8 chunks
+        c = a + 1
+        share = {}
+        for name, x in (("same", a.copy()), ("quarter", b), ("all", c)):
+            ts = tier_store.take_snapshot({"w": x}, copy=True, force=False, step=1, seen={}, base=None)
+            share[name] = tier_encode.changed_share(ts, base)
+    assert share == {"same": 0.0, "quarter": 0.25, "all": 1.0}
 
 
 def test_on_busy_is_validated():

@@ -14,7 +14,8 @@ lists {"leaf", "box", "primary", "nbytes", "chunks"}, one entry per CHUNK bytes:
   ["b", crc, boff]          the same bytes as the base's data.bin at ``boff`` (costs nothing)
   ["x", crc, off, n, boff]  zlib(shuffle(raw XOR base bytes at boff)), n bytes at ``off``
 ``crc`` is the crc32c of the chunk's raw bytes (of "r" chunks: computed on the stored bytes as they
-are written), verified when the chunk is read back, so every stored byte is checked. A base has only
+are copied into the data file's pages, by the snapshot of a full copy or else by the writer), verified
+when the chunk is read back, so every stored byte is checked. A base has only
 "r" entries, back to back per shard; each shard's stored bytes start on a 64-byte boundary (so that a
 restore can hand them to jax as they lie). A differential copy names its base, a sibling folder, so
 chains are one link long. A jax.Array leaf that is the very object saved at or before the base step
@@ -153,6 +154,8 @@ class TierSnapshot:
     origin: dict[tuple[int, Box], dict[str, Any]] = field(default_factory=dict)
     skipped: int = 0  # scheduled steps skipped since the previous save (Tiers.on_busy="skip")
     lent: tier_files.Lent | None = None  # the spare data file the shards were copied into, if any
+    crcs: dict[int, list[int]] = field(default_factory=dict)  # of the shards copied into it: per CHUNK,
+    #                                                           by buffer address (Snapshot.crcs)
     _order: list[int] | None = field(default=None, repr=False)  # shards() with a loan: their order
 
     def shards(self) -> list[HostShard]:
@@ -215,7 +218,8 @@ def take_snapshot(state: Any, *, copy: bool, force: bool, step: int, seen: Seen,
     seen.clear()
     seen.update(now)
     take = into.take if into is not None else None
-    part = snapshot([flat[i][1] for i in fresh], copy=copy, into=take) if fresh else Snapshot([], 0)
+    part = snapshot([flat[i][1] for i in fresh], copy=copy, into=take,
+                    checksum=CHUNK if take is not None else None) if fresh else Snapshot([], 0)
     plans: list[Any] = [None] * len(flat)
     for i, p in zip(fresh, part.leaves):
         p.record = dataclasses.replace(p.record, path=flat[i][0])
@@ -229,7 +233,7 @@ def take_snapshot(state: Any, *, copy: bool, force: bool, step: int, seen: Seen,
         ts.origin.update({(i, b): s for b, _, s in views})
     for i in fresh:
         ts.extra += _replicas(i, flat[i][1], plans[i], take)
-    ts.lent = into
+    ts.lent, ts.crcs = into, part.crcs
     if into is not None and into.used:  # its pages are this snapshot's while it lives (a migration reads them)
         tier_files.pin(into.key, ts)
     ts.snap.nbytes = sum(s.data.nbytes for p in plans for s in p.shards)

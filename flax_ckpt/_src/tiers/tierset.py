@@ -84,6 +84,8 @@ class TierSet:
         self._seen: store.Seen = {}  # since when each jax.Array leaf has been the same object
         self._since_base, self._poor = 0, 0  # _poor: copies still to store in full (see _save_local)
         self._misses = 0  # differential copies in a row that saved less than half
+        self._pays = True  # whether a differential copy would store at most half (encode.changed_share,
+        #                   sampled at each full copy against the previous base; tried at the second save)
         self._outbox: tuple[int, list[memoryview]] | None = None
         self._inbox: tuple[int, Any] | None = None
         self._budget = tier_encode.DeltaBudget()  # when a changed chunk is worth a delta (measured)
@@ -173,8 +175,8 @@ class TierSet:
         """Caller's thread, writer idle: sends the previous step's copy to its peer, then copies
         ``state`` to host (leaves unchanged since the base are not copied: they are views of it). When
         this copy is a full one, straight into the pages of the spare data file it will be: its only
-        copy (the writer then checksums those pages, it does not copy them again), and the arrays are
-        released at once, so the next step can donate them."""
+        copy, checksummed as it is made (the writer neither copies nor reads those pages again), and
+        the arrays are released at once, so the next step can donate them."""
         self._exchange()
         base = self._base if self.cfg.differential else None
         lent = None
@@ -235,6 +237,8 @@ class TierSet:
         self.stats.append(TierStats(step, ts.nbytes, enc.written, reused, enc.full, blocked, t2 - t1, t3 - t2,
                                     now - t3, now - t0, ts.skipped, zipped))
         if enc.full:  # the new base: the index just written, its data file checked (store.Data)
+            if self.cfg.differential and self._base is not None:  # would the next copy pay as a differential one?
+                self._pays = tier_encode.changed_share(ts, self._base, self._budget) <= 0.5
             folder = os.path.join(self.local_dir, str(step))
             self._base = store.Copy(folder, enc.body, store.Data(os.path.join(folder, store.DATA)), None)
             self._since_base = 0
@@ -254,7 +258,7 @@ class TierSet:
 
     def _next_full(self) -> bool:
         """Whether the next local copy is stored in full (a new base) rather than against the base."""
-        return (not self.cfg.differential or self._base is None or self._poor > 0
+        return (not self.cfg.differential or self._base is None or self._poor > 0 or not self._pays
                 or self._since_base >= self.cfg.rebase_interval)
 
     def _commit(self, tier: str, step: int, folder: str, err: Exception | None, base: int | None) -> None:
