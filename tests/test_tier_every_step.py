@@ -81,12 +81,13 @@ def test_encoder_stores_unchanged_as_references_small_changes_as_deltas_and_adam
 def test_no_delta_once_the_encoding_budget_is_spent(tmp_path):
     with fc.CheckpointManager(tmp_path / "ckpt", tiers=_tiers(tmp_path, max_to_keep=5)) as mgr:
         mgr.memory_tiers._budget = tier_encode.DeltaBudget(share=0.0, credit_s=0.0)  # no time for zlib
-        for step in (1, 2):
-            mgr.save(step, _state(step))
+        backbone = np.random.default_rng(7).standard_normal(2 << 20).astype(np.float32)  # 8 MiB: raw "little"
+        for step in (1, 2):  # and "adam" are then under half of the bytes, so the copy is a differential one
+            mgr.save(step, dict(_state(step), backbone=backbone.copy()))
             mgr.wait_until_finished()
         kinds = _kinds(mgr, 2)
-        assert mgr.tier_stats[1].delta == 0
-    assert kinds == {"frozen": {"b"}, "little": {"r"}, "adam": {"r"}}
+        assert mgr.tier_stats[1].delta == 0 and not mgr.tier_stats[1].base
+    assert kinds == {"frozen": {"b"}, "little": {"r"}, "adam": {"r"}, "backbone": {"b"}}
 
 
 def test_delta_ratio_estimates_what_a_delta_saves():
@@ -308,12 +309,11 @@ def test_the_copy_into_a_data_file_gives_the_crc32c_of_every_chunk_it_copied():
     assert snap_mod._copy_all([(np.empty(4, np.int32), np.arange(4, dtype=np.int32))]) is None
 
 
-def test_a_differential_copy_is_tried_only_where_a_full_copy_s_sample_says_it_pays(tmp_path):
+def test_a_copy_is_differential_only_where_a_sample_against_the_base_says_it_pays(tmp_path):
     """Adam changes every byte: a differential copy costs a comparison of every chunk and saves nothing.
-    After the one tried at the second save, none is tried while each full copy's sample of its chunks
-    against the previous base finds them changed; once the state stops changing, the next full copy's
-    sample says so and differential copies (references to the base) resume, with a rebase every
-    rebase_interval of them."""
+    Each copy that would be differential is first sampled against the base (32 places): while they
+    differ, it is stored full as the snapshot lies in its data file; once the state stops changing,
+    the copies are differential again (references to the base only), a rebase every rebase_interval."""
     tiers = _tiers(tmp_path, on_busy="wait", rebase_interval=2, max_to_keep=2)
     rng = np.random.default_rng(4)
     with fc.CheckpointManager(tmp_path / "ckpt", tiers=tiers) as mgr:
@@ -323,9 +323,11 @@ def test_a_differential_copy_is_tried_only_where_a_full_copy_s_sample_says_it_pa
         for step in range(12, 20):
             mgr.save(step, {"adam": still.copy()})  # new arrays, the same bytes: compared, not views
         mgr.wait_until_finished()
-        assert [s.step for s in mgr.tier_stats if not s.base] == [1, 14, 15, 17, 18]
-        assert all(s.written < 8192 for s in mgr.tier_stats if s.step in (14, 15, 17, 18))  # references only
-        assert_bit_exact(mgr.restore(18, target={"adam": still}), {"adam": still}, types=False)
+        assert [s.step for s in mgr.tier_stats if not s.base] == [13, 14, 16, 17, 19]
+        assert all(s.written < 8192 for s in mgr.tier_stats if not s.base)  # references only
+        for step in (18, 19):  # the kept steps: a full copy and a copy of references to it
+            assert_bit_exact(mgr.restore(step, target={"adam": still}), {"adam": still}, types=False)
+            assert mgr.restore_stats[-1].tier == "local"
 
 
 def test_changed_share_samples_the_chunks_that_a_differential_copy_would_store(tmp_path):

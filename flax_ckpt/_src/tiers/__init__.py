@@ -27,11 +27,12 @@ tier is off (logged). The replica of step s travels over a JAX collective at the
 one save. Memory per process and tier is at most max_to_keep copies plus two bases, each at most the
 size of the process's shards, plus one data file more: the copy being written, which reuses the pages
 of the last removed copy, kept between saves as a spare (files.py); a full copy's snapshot is taken
-straight into those pages, its crc32c computed as it is copied. A copy is a differential one only
-where that pays: each full copy samples its bytes against the previous base (encode.changed_share)
-and the next copy is differential only if about half of them or fewer would be stored; a
-differential copy above half that size makes the next rebase_interval copies full ones, twice as
-many after each further one in a row (up to 64 times), whatever the samples say.
+straight into those pages, its crc32c computed as it is copied. Every snapshot is taken into a
+spare so; one that would make a differential copy is first sampled against the base
+(encode.changed_share): where more than about half of it would be stored (adam's state), it is
+stored full, as it lies (nothing compared, nothing copied again). A differential copy that stores
+more than half all the same makes the next rebase_interval copies full ones, twice as many after
+each further one in a row (up to 64 times).
 """
 
 from __future__ import annotations

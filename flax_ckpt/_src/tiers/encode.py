@@ -100,36 +100,38 @@ _CREDIT_S = 0.05  # the most compression seconds saved up: a burst beside traini
 _PROBES, _PROBE = 16, 256  # delta_ratio's sample of a chunk
 
 
-def changed_share(ts: TierSnapshot, base: Copy, budget: DeltaBudget | None = None) -> float:
+def changed_share(ts: TierSnapshot, base: Copy, budget: DeltaBudget | None = None,
+                  recs: list[dict[str, Any]] | None = None) -> float:
     """About the share of ``ts``'s bytes that a differential copy against ``base`` would store, from
     _SAMPLES places spread evenly over those bytes, each the share of non-zero bytes in the XOR of
     _PROBE_BYTES there with the base's (as ``delta_ratio``; all of them: about 0.2 ms): nothing where it
     is unchanged, that share where ``budget`` would make the chunk a delta, else all of it. How a full
     copy says whether the next copy should be a differential one, without trying it (a differential
-    copy of adam's state compares every chunk and saves nothing). Views of the base count as unchanged."""
+    copy of adam's state compares every chunk and saves nothing). Views of the base count as unchanged.
+    ``recs``: the leaves' records as the copy's index has them, where they are at hand."""
     shards = ts.shards()
     total = sum(sh.data.nbytes for sh in shards)
     if not total:
         return 0.0
-    lookup, recs = base.lookup(), {}
+    lookup, recs = base.lookup(), dict(enumerate(recs or ()))
     changed, at, k = 0.0, 0, 0
     for sh in shards:
-        n, mine = sh.data.nbytes, None
+        n, mine, b = sh.data.nbytes, None, None
         while k < _SAMPLES and (k + 0.5) * total / _SAMPLES < at + n:
             pos = int((k + 0.5) * total / _SAMPLES) - at
             k += 1
             if sh.base is not None:
                 continue
-            if sh.leaf not in recs:
-                recs[sh.leaf] = ts.snap.leaves[sh.leaf].record.to_json()
-            b = lookup.get(shard_key(recs[sh.leaf], sh.box))
+            if mine is None:  # the shard's first sample: its bytes and the base's shard
+                if sh.leaf not in recs:
+                    recs[sh.leaf] = ts.snap.leaves[sh.leaf].record.to_json()
+                mine, b = _u8(bytes_of(sh.data)), lookup.get(shard_key(recs[sh.leaf], sh.box))
             if b is None or b["nbytes"] != n:
                 changed += 1
                 continue
             c, lo = divmod(pos, CHUNK)  # _PROBE_BYTES at the sample's place in its chunk
             lo = max(0, min(lo, min(CHUNK, n - c * CHUNK) - _PROBE_BYTES))
             e = b["chunks"][c]
-            mine = _u8(bytes_of(sh.data)) if mine is None else mine
             raw = mine[c * CHUNK + lo:c * CHUNK + lo + _PROBE_BYTES]
             r = np.count_nonzero(raw ^ _u8(base.data.view(e[2] + lo, e[2] + lo + len(raw)))) / max(1, len(raw))
             changed += r if r == 0 or (budget is not None and budget.worth(r)) else 1
@@ -149,8 +151,9 @@ def encode(ts: TierSnapshot, ident: dict[str, Any], base: Copy | None, *, delta:
     """Encodes a snapshot; against a base, unchanged chunks become references to it, and changed ones
     deltas where ``budget`` says they pay (none without one). Shards are encoded in segments of
     _SEGMENT chunks on a thread pool (checksums, comparisons and zlib release the GIL); ``pieces``
-    are data.bin's bytes in order, alignment padding included. A snapshot taken into a spare on loan
-    (``ts.lent``, a full copy) is laid out as its shards already lie there, and fills the spare."""
+    are data.bin's bytes in order, alignment padding included. A full copy of a snapshot taken into a
+    spare on loan (``ts.lent``) is laid out as its shards already lie there, and fills the spare; a
+    differential one is written to another file (store.write_copy gives the loan back)."""
     budget = budget if delta else None
     recs = [lf.record.to_json() for lf in ts.snap.leaves]
     lookup = base.lookup() if base is not None else {}
@@ -196,8 +199,8 @@ def encode(ts: TierSnapshot, ident: dict[str, Any], base: Copy | None, *, delta:
                     pieces.append(piece)
                     off += len(piece)
                 shard["chunks"].append(entry)
-    lent = ts.lent if base is None else None
-    if lent is not None and off < len(lent.map):  # the spare's tail: stored, never referenced
+    lent = ts.lent  # a differential copy is written elsewhere: its loan is given back (store.write_copy)
+    if lent is not None and base is None and off < len(lent.map):  # the spare's tail: stored, never referenced
         pieces.append(memoryview(lent.map)[off:])
         off = len(lent.map)
     body = dict(ident, base=base.step if base is not None else None, chunk=CHUNK, data=off, leaves=recs,

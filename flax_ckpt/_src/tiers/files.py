@@ -321,14 +321,17 @@ class Spares:
         offs = np.cumsum([0] + [len(v) for v in pieces]).tolist()
 
         placed = placed if lent is not None and m is lent.map else set()
+        todo = [j for j in range(len(pieces)) if (j not in placed and len(pieces[j])) or checksum[j]]
+
         def copy(a: int, b: int) -> None:
-            for j in range(a, b):
+            for j in todo[a:b]:
                 if j not in placed:
                     out[offs[j]:offs[j + 1]] = pieces[j]
                 if checksum[j]:
                     crcs[j] = crc32c.crc32c(out[offs[j]:offs[j + 1]])
         try:
-            _parts(pieces, copy)
+            if todo:  # none when a snapshot copied and checksummed every piece in place: no threads woken
+                _parts([pieces[j] for j in todo], copy)
         finally:
             del out
         return crcs

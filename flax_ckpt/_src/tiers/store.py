@@ -379,7 +379,8 @@ def write_copy(tier_dir: str, step: int, enc: Encoded, spares: Spares | None = N
         for j, _ in enc.pending:
             flags[j] = True
         loan, enc.lent = enc.lent, None  # a loan not taken here (the copy outgrew it) goes back below
-        lent = loan if loan is not None and spares is not None and enc.data_nbytes == len(loan.map) else None
+        lent = loan if (loan is not None and spares is not None and enc.body is not None and enc.full
+                        and enc.data_nbytes == len(loan.map)) else None
         try:
             crcs = (spares or Spares("", keep=0)).write(os.path.join(tier_dir, staging, DATA),
                                                         [_u8(p) for p in enc.pieces], flags, lent)

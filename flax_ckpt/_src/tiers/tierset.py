@@ -84,8 +84,6 @@ class TierSet:
         self._seen: store.Seen = {}  # since when each jax.Array leaf has been the same object
         self._since_base, self._poor = 0, 0  # _poor: copies still to store in full (see _save_local)
         self._misses = 0  # differential copies in a row that saved less than half
-        self._pays = True  # whether a differential copy would store at most half (encode.changed_share,
-        #                   sampled at each full copy against the previous base; tried at the second save)
         self._outbox: tuple[int, list[memoryview]] | None = None
         self._inbox: tuple[int, Any] | None = None
         self._budget = tier_encode.DeltaBudget()  # when a changed chunk is worth a delta (measured)
@@ -173,14 +171,15 @@ class TierSet:
 
     def snapshot(self, step: int, state: Any, *, copy: bool, force: bool) -> store.TierSnapshot:
         """Caller's thread, writer idle: sends the previous step's copy to its peer, then copies
-        ``state`` to host (leaves unchanged since the base are not copied: they are views of it). When
-        this copy is a full one, straight into the pages of the spare data file it will be: its only
-        copy, checksummed as it is made (the writer neither copies nor reads those pages again), and
-        the arrays are released at once, so the next step can donate them."""
+        ``state`` to host (leaves unchanged since the base are not copied: they are views of it),
+        straight into the pages of a spare data file where there is one: if the writer stores the copy
+        full, that is the copy's data file and its only copy, checksummed as it is made (the writer
+        neither copies nor reads those pages again); the arrays are released at once either way, so
+        the next step can donate them."""
         self._exchange()
         base = self._base if self.cfg.differential else None
         lent = None
-        if copy and self._base is not None and self._next_full():
+        if copy and self._base is not None:  # a differential copy too: the writer may store it full
             lent = self.holdings.spare(self.local_dir).lend(len(self._base.data))
         try:
             ts = store.take_snapshot(state, copy=copy, force=force, step=step, seen=self._seen, base=base,
@@ -221,6 +220,8 @@ class TierSet:
         enc, err = None, None
         try:
             base = None if self._next_full() else self._base
+            if base is not None and tier_encode.changed_share(ts, base, self._budget) > 0.5:
+                base = None  # sampled: more than half would be stored; stored full, as the snapshot lies
             self._budget.refill(t1)
             zipped = self._budget.zipped
             enc = tier_encode.encode(ts, dict(self._ident(step), metrics=metrics, created=time.time()), base,
@@ -237,8 +238,6 @@ class TierSet:
         self.stats.append(TierStats(step, ts.nbytes, enc.written, reused, enc.full, blocked, t2 - t1, t3 - t2,
                                     now - t3, now - t0, ts.skipped, zipped))
         if enc.full:  # the new base: the index just written, its data file checked (store.Data)
-            if self.cfg.differential and self._base is not None:  # would the next copy pay as a differential one?
-                self._pays = tier_encode.changed_share(ts, self._base, self._budget) <= 0.5
             folder = os.path.join(self.local_dir, str(step))
             self._base = store.Copy(folder, enc.body, store.Data(os.path.join(folder, store.DATA)), None)
             self._since_base = 0
@@ -254,11 +253,11 @@ class TierSet:
         if self.peer_dst is not None:
             self._outbox = (step, tier_sync.frame([[enc.index], enc.pieces]))
         self._prune("local", self.local_dir)
-        self.holdings.spare(self.local_dir).prepare(len(self._base.data) if self._next_full() else enc.data_nbytes)
+        self.holdings.spare(self.local_dir).prepare(len(self._base.data))  # the next snapshot's pages
 
     def _next_full(self) -> bool:
         """Whether the next local copy is stored in full (a new base) rather than against the base."""
-        return (not self.cfg.differential or self._base is None or self._poor > 0 or not self._pays
+        return (not self.cfg.differential or self._base is None or self._poor > 0
                 or self._since_base >= self.cfg.rebase_interval)
 
     def _commit(self, tier: str, step: int, folder: str, err: Exception | None, base: int | None) -> None:
