@@ -312,8 +312,10 @@ def test_the_copy_into_a_data_file_gives_the_crc32c_of_every_chunk_it_copied():
 def test_a_copy_is_differential_only_where_a_sample_against_the_base_says_it_pays(tmp_path):
     """Adam changes every byte: a differential copy costs a comparison of every chunk and saves nothing.
     Each copy that would be differential is first sampled against the base (32 places): while they
-    differ, it is stored full as the snapshot lies in its data file; once the state stops changing,
-    the copies are differential again (references to the base only), a rebase every rebase_interval."""
+    differ, it is stored full as the snapshot lies in its data file, and the next 1, 3, 7, ... such
+    copies are stored full without a sample; once the state stops changing, the next sample says so
+    and the copies are differential again (references to the base only), a rebase every
+    rebase_interval."""
     tiers = _tiers(tmp_path, on_busy="wait", rebase_interval=2, max_to_keep=2)
     rng = np.random.default_rng(4)
     with fc.CheckpointManager(tmp_path / "ckpt", tiers=tiers) as mgr:
@@ -323,7 +325,9 @@ def test_a_copy_is_differential_only_where_a_sample_against_the_base_says_it_pay
         for step in range(12, 20):
             mgr.save(step, {"adam": still.copy()})  # new arrays, the same bytes: compared, not views
         mgr.wait_until_finished()
-        assert [s.step for s in mgr.tier_stats if not s.base] == [13, 14, 16, 17, 19]
+        # samples at steps 1, 3, 7 (adam: full), then 1, 3, 7 copies stored full unsampled; step 15's
+        # sample finds the state unchanged since step 14; a rebase at 17 (rebase_interval 2)
+        assert [s.step for s in mgr.tier_stats if not s.base] == [15, 16, 18, 19]
         assert all(s.written < 8192 for s in mgr.tier_stats if not s.base)  # references only
         for step in (18, 19):  # the kept steps: a full copy and a copy of references to it
             assert_bit_exact(mgr.restore(step, target={"adam": still}), {"adam": still}, types=False)

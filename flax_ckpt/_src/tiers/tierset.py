@@ -84,6 +84,8 @@ class TierSet:
         self._seen: store.Seen = {}  # since when each jax.Array leaf has been the same object
         self._since_base, self._poor = 0, 0  # _poor: copies still to store in full (see _save_local)
         self._misses = 0  # differential copies in a row that saved less than half
+        self._unpaid = self._unsampled = 0  # samples in a row that said a differential copy would not pay;
+        #                                     would-be differential copies still to store full unsampled
         self._outbox: tuple[int, list[memoryview]] | None = None
         self._inbox: tuple[int, Any] | None = None
         self._budget = tier_encode.DeltaBudget()  # when a changed chunk is worth a delta (measured)
@@ -220,8 +222,14 @@ class TierSet:
         enc, err = None, None
         try:
             base = None if self._next_full() else self._base
-            if base is not None and tier_encode.changed_share(ts, base, self._budget) > 0.5:
-                base = None  # sampled: more than half would be stored; stored full, as the snapshot lies
+            if base is not None and self._unsampled > 0:  # sampled lately, and it did not pay: full
+                self._unsampled, base = self._unsampled - 1, None
+            elif base is not None and tier_encode.changed_share(ts, base, self._budget) > 0.5:
+                base = None  # more than half would be stored: stored full, as the snapshot lies; sampled
+                self._unpaid = min(self._unpaid + 1, _MAX_BACKOFF)  # again after 1, 3, 7, ... 63 more copies
+                self._unsampled = (1 << self._unpaid) - 1
+            elif base is not None:
+                self._unpaid = 0
             self._budget.refill(t1)
             zipped = self._budget.zipped
             enc = tier_encode.encode(ts, dict(self._ident(step), metrics=metrics, created=time.time()), base,
