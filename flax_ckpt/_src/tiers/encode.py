@@ -100,20 +100,18 @@ _CREDIT_S = 0.05  # the most compression seconds saved up: a burst beside traini
 _PROBES, _PROBE = 16, 256  # delta_ratio's sample of a chunk
 
 
-def changed_share(ts: TierSnapshot, base: Copy, budget: DeltaBudget | None = None,
-                  recs: list[dict[str, Any]] | None = None) -> float:
+def changed_share(ts: TierSnapshot, base: Copy, budget: DeltaBudget | None = None) -> float:
     """About the share of ``ts``'s bytes that a differential copy against ``base`` would store, from
-    _SAMPLES places spread evenly over those bytes, each the share of non-zero bytes in the XOR of
-    _PROBE_BYTES there with the base's (as ``delta_ratio``; all of them: about 0.2 ms): nothing where it
-    is unchanged, that share where ``budget`` would make the chunk a delta, else all of it. How a full
-    copy says whether the next copy should be a differential one, without trying it (a differential
-    copy of adam's state compares every chunk and saves nothing). Views of the base count as unchanged.
-    ``recs``: the leaves' records as the copy's index has them, where they are at hand."""
+    _SAMPLES places spread evenly over those bytes, each ``delta_ratio`` of the _PROBE_BYTES there and
+    the base's (all of them: 0.2-0.7 ms in all): nothing where it is unchanged, that share where
+    ``budget`` would make the chunk a delta, else all of it. How the writer says whether a copy that
+    would be differential is worth one, without trying it (a differential copy of adam's state
+    compares every chunk and saves nothing). Views of the base count as unchanged."""
     shards = ts.shards()
     total = sum(sh.data.nbytes for sh in shards)
     if not total:
         return 0.0
-    lookup, recs = base.lookup(), dict(enumerate(recs or ()))
+    lookup, recs = base.lookup(), {}
     changed, at, k = 0.0, 0, 0
     for sh in shards:
         n, mine, b = sh.data.nbytes, None, None
@@ -132,14 +130,14 @@ def changed_share(ts: TierSnapshot, base: Copy, budget: DeltaBudget | None = Non
             c, lo = divmod(pos, CHUNK)  # _PROBE_BYTES at the sample's place in its chunk
             lo = max(0, min(lo, min(CHUNK, n - c * CHUNK) - _PROBE_BYTES))
             e = b["chunks"][c]
-            raw = mine[c * CHUNK + lo:c * CHUNK + lo + _PROBE_BYTES]
-            r = np.count_nonzero(raw ^ _u8(base.data.view(e[2] + lo, e[2] + lo + len(raw)))) / max(1, len(raw))
+            raw = memoryview(mine[c * CHUNK + lo:c * CHUNK + lo + _PROBE_BYTES])
+            r = delta_ratio(raw, base.data.view(e[2] + lo, e[2] + lo + len(raw)))
             changed += r if r == 0 or (budget is not None and budget.worth(r)) else 1
         at += n
     return changed / _SAMPLES
 
 
-_SAMPLES, _PROBE_BYTES = 32, 4096  # changed_share's sample
+_SAMPLES, _PROBE_BYTES = 32, _PROBES * _PROBE  # changed_share's sample: delta_ratio reads all of it
 _SEGMENT = 8  # chunks per encoding task: shards are encoded in segments on tier_files.pool()
 _ALIGN = 64  # each shard's stored bytes start on this boundary: a view of them is then used by
 #              jax.device_put on a CPU device without a copy (restore from memory)

@@ -221,16 +221,8 @@ class TierSet:
         t1 = time.perf_counter()
         enc, err = None, None
         try:
-            base = None if self._next_full() else self._base
-            if base is not None and self._unsampled > 0:  # sampled lately, and it did not pay: full
-                self._unsampled, base = self._unsampled - 1, None
-            elif base is not None and tier_encode.changed_share(ts, base, self._budget) > 0.5:
-                base = None  # more than half would be stored: stored full, as the snapshot lies; sampled
-                self._unpaid = min(self._unpaid + 1, _MAX_BACKOFF)  # again after 1, 3, 7, ... 63 more copies
-                self._unsampled = (1 << self._unpaid) - 1
-            elif base is not None:
-                self._unpaid = 0
             self._budget.refill(t1)
+            base = None if self._next_full() or not self._pays(ts) else self._base
             zipped = self._budget.zipped
             enc = tier_encode.encode(ts, dict(self._ident(step), metrics=metrics, created=time.time()), base,
                                      delta=self.cfg.differential, budget=self._budget)
@@ -262,6 +254,20 @@ class TierSet:
             self._outbox = (step, tier_sync.frame([[enc.index], enc.pieces]))
         self._prune("local", self.local_dir)
         self.holdings.spare(self.local_dir).prepare(len(self._base.data))  # the next snapshot's pages
+
+    def _pays(self, ts: store.TierSnapshot) -> bool:
+        """Whether ``ts``, which may be a differential copy, is worth one: sampled against the base
+        (encode.changed_share); where more than half would be stored, it is stored full, as the
+        snapshot lies, and sampled again only after 1, 3, 7, ... 63 more such copies."""
+        if self._unsampled > 0:
+            self._unsampled -= 1
+            return False
+        if tier_encode.changed_share(ts, self._base, self._budget) > 0.5:
+            self._unpaid = min(self._unpaid + 1, _MAX_BACKOFF)
+            self._unsampled = (1 << self._unpaid) - 1
+            return False
+        self._unpaid = 0
+        return True
 
     def _next_full(self) -> bool:
         """Whether the next local copy is stored in full (a new base) rather than against the base."""
