@@ -178,3 +178,64 @@ def test_python_scalar_target_accepts_the_0d_array_a_jitted_step_saved(tmp_path)
     fc.save(tmp_path / "f", {"lr": np.float32(0.5)})
     with pytest.raises(fc.LeafMismatchError, match="expected Python int"):
         fc.restore(tmp_path / "f", {"lr": 3})
+
+
+# ---------------------------------------------------------------------- one structure saved again
+# A save keeps what it learned of a structure (key paths, records, shard boxes) for the next save of
+# the same treedef (tree.flat, engine/snapshot.learned): every later save must still record each leaf
+# as it is then.
+
+def test_a_structure_saved_again_records_every_leaf_as_it_is_now(tmp_path):
+    mesh = Mesh(np.array(jax.devices()[:4]), ("x",))
+    first = {"a": jnp.arange(6, dtype=jnp.float32), "b": np.ones((2, 3), np.int32), "c": 1,
+             "d": jnp.zeros(8), "e": jax.random.key(0)}
+    second = {"a": jnp.arange(6, dtype=jnp.bfloat16).reshape(2, 3),  # dtype and shape changed
+              "b": 2.5,  # an array became a Python float
+              "c": np.arange(3, dtype=np.int64),  # a Python int became an array
+              "d": jax.device_put(jnp.arange(8.0), NamedSharding(mesh, P("x"))),  # sharded over 4 devices
+              "e": jax.random.key(1, impl="rbg")}  # another key implementation: other key data
+    assert jax.tree_util.tree_structure(first) == jax.tree_util.tree_structure(second)
+    fc.save(str(tmp_path / "1"), first)
+    fc.save(str(tmp_path / "2"), second)
+    assert_bit_exact(fc.restore(str(tmp_path / "1"), first), first)
+    assert_bit_exact(fc.restore(str(tmp_path / "2"), second), second, {"a": None, "b": None, "c": None,
+                                                                       "d": second["d"].sharding, "e": None})
+    info = fc.metadata(str(tmp_path / "2")).leaves
+    assert (info["a"].dtype, info["a"].shape) == (np.dtype(jnp.bfloat16), (2, 3))
+    assert info["b"].kind == "scalar" and info["c"].kind == "numpy"
+    assert info["d"].sharding["type"] == "NamedSharding" and info["d"].sharding["mesh_shape"] == [4]
+    plain = fc.restore(str(tmp_path / "2"))
+    assert plain["b"] == 2.5 and isinstance(plain["b"], float)
+    # and back to the first form: nothing of the second is kept
+    fc.save(str(tmp_path / "3"), first)
+    assert_bit_exact(fc.restore(str(tmp_path / "3"), first), first)
+    assert fc.metadata(str(tmp_path / "3")).leaves["d"].sharding["type"] == "SingleDeviceSharding"
+
+
+def test_an_unsupported_leaf_in_a_structure_saved_before_is_still_refused(tmp_path):
+    fc.save(str(tmp_path / "1"), {"w": jnp.ones(3), "n": 1})
+    with pytest.raises(fc.UnsupportedLeafError, match="n: object"):
+        fc.save(str(tmp_path / "2"), {"w": jnp.ones(3), "n": object()})
+    assert not (tmp_path / "2").exists()
+
+
+def test_a_save_keeps_no_reference_to_the_arrays_it_saved(tmp_path):
+    """What is kept of a structure between saves holds no leaf, nor does a closed manager: a model saved
+    and dropped is freed."""
+    import gc
+    import weakref
+
+    tree = {"w": jnp.ones((256, 256)), "b": np.zeros(4)}
+    refs = [weakref.ref(tree["w"]), weakref.ref(tree["b"])]
+    fc.save(str(tmp_path / "1"), tree)
+    managers = [fc.CheckpointManager(str(tmp_path / "run")),  # and its managers, once closed
+                fc.CheckpointManager(str(tmp_path / "tiered"), tiers=fc.Tiers(
+                    local_dir=str(tmp_path / "shm"), peer=False, persist_interval_steps=2))]
+    for mgr in managers:
+        with mgr:
+            mgr.save(1, tree)
+            mgr.save(2, tree)
+            mgr.wait_until_finished()
+    del tree
+    gc.collect()
+    assert [r() for r in refs] == [None, None]

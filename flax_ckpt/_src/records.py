@@ -111,6 +111,16 @@ class LeafRecord:
 
     # The manifest's JSON form (see validate_leaf for its schema).
 
+    def json(self) -> dict[str, Any]:
+        """``to_json()``, made once per record and shared: read-only (a snapshot of a structure saved
+        before reuses its records, engine/snapshot.py, so a memory-tier copy at every step does not
+        build them again)."""
+        j = self.__dict__.get("_json")
+        if j is None:
+            j = self.to_json()
+            object.__setattr__(self, "_json", j)
+        return j
+
     def to_json(self) -> dict[str, Any]:
         rec: dict[str, Any] = {"path": [[k, v] for k, v in self.path], "kind": self.kind}
         if self.kind == "empty":

@@ -4,7 +4,9 @@ Scope: one snapshot for every layout (native steps, Orbax items, memory-tier cop
 the leaves, starts every device-to-host transfer, and holds per leaf its typed record (what the
 checkpoint will say of it) and this process's shards (arrays only: one per distinct box whose
 replica_id is 0, so a replicated shard has exactly one writer). How the shards are stored is a
-layout's business (native/layout.py, orbax/write.py, tiers/store.py).
+layout's business (native/layout.py, orbax/write.py, tiers/store.py). A training loop saves one
+structure again and again: what does not change between those saves (key paths, kinds, records, the
+shards' boxes) is learned at the first and checked, not rebuilt, at the next (``learned``).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import crc32c
 import jax
@@ -39,6 +41,7 @@ class HostLeaf:
     shards: tuple[Shard, ...] = ()
     sharding: jax.sharding.Sharding | None = None
     obj: Any = None
+    whole: bool = False  # its one shard is all of the array, the array's only one on this process
 
     @property
     def path(self) -> tree_mod.KeyPath:
@@ -62,6 +65,17 @@ class Snapshot:
         if not self.owned:
             return {}
         return {(lf.path, s.box): s.data for lf in self.leaves for s in lf.shards if s.data.flags.writeable}
+
+    def reusable(self) -> "Snapshot | None":
+        """This snapshot's own buffers alone (what ``spare_buffers`` gives), or None when it has none: what
+        to keep for the next save, which holds no view of the caller's arrays (that would keep a saved
+        state alive, and stop XLA from donating its buffers)."""
+        spare = self.spare_buffers()
+        if not spare:
+            return None
+        leaves = [HostLeaf(lf.record, tuple(s for s in lf.shards if (lf.path, s.box) in spare))
+                  for lf in self.leaves if any((lf.path, s.box) in spare for s in lf.shards)]
+        return Snapshot(leaves, sum(a.nbytes for a in spare.values()), owned=True)
 
     def items(self) -> list[ArrayItem]:
         """The arrays as a serializer takes them (``leaf``: the index in ``leaves``)."""
@@ -166,35 +180,70 @@ def _on_cpu(x: jax.Array) -> bool:
     return all(d.platform == "cpu" for d in x.sharding.device_set)
 
 
-def _array_leaf(path: tree_mod.KeyPath, x: Any, kind: str, copy: bool, spare: dict, into: Into | None,
-                copies: list[tuple[np.ndarray, np.ndarray]]) -> HostLeaf:
+@dataclass(frozen=True, eq=False)
+class _Learned:
+    """What a snapshot keeps of one leaf for the next save of the same structure (``tree.Flat.memo``),
+    valid while the leaf at that place has the same ``sig`` (type, shape, dtype, sharding): its kind,
+    and for arrays the record (without chunks), the box of the whole array, whether its only addressable
+    shard is the whole array (``whole``: the array itself is the shard) and whether it lies on CPU."""
+
+    sig: tuple[Any, ...]
+    kind: str
+    record: LeafRecord | None = None
+    box: Box = ()
+    whole: bool = False
+    cpu: bool = False
+
+
+def _sig(x: Any) -> tuple[Any, ...]:
+    if isinstance(x, jax.Array):
+        return (type(x), x.shape, x.dtype, x.sharding)
+    if isinstance(x, (np.ndarray, np.generic)):
+        return (type(x), x.shape, x.dtype)
+    return (type(x),)
+
+
+def _learn(path: tree_mod.KeyPath, x: Any, kind: str, sig: tuple[Any, ...]) -> _Learned:
+    if kind not in ("jax", "numpy", "prng_key"):
+        return _Learned(sig, kind)
     key_impl = key_shape = None
     if kind == "prng_key":
         key_impl = str(jax.random.key_impl(x))
         x = jax.random.key_data(x)
         key_shape = tuple(x.shape[x.ndim - len(key_data_shape(key_impl)):])
     shape = tuple(int(d) for d in x.shape)
+    box = tuple((0, d) for d in shape)
+    whole, cpu, desc = True, False, None
     if isinstance(x, jax.Array):
-        boxes = [(s, box_of(s.index, shape)) for s in x.addressable_shards if s.replica_id == 0]
+        shards = x.addressable_shards
+        whole = x.is_fully_addressable and len(shards) == 1 and shards[0].replica_id == 0 and \
+            box_of(shards[0].index, shape) == box
+        cpu, desc = _on_cpu(x), describe_sharding(x.sharding)
+    rec = LeafRecord(path, kind, np.dtype(x.dtype), shape, key_impl, key_shape, desc)
+    return _Learned(sig, kind, rec, box, whole, cpu)
+
+
+def _array_leaf(x: Any, seen: _Learned, copy: bool, spare: dict, into: Into | None,
+                copies: list[tuple[np.ndarray, np.ndarray]]) -> HostLeaf:
+    if seen.kind == "prng_key":
+        x = jax.random.key_data(x)
+    rec = seen.record
+    if isinstance(x, jax.Array):
         # A CPU array's host view is already a snapshot: jax arrays are immutable, the view keeps the
         # buffer alive through x.delete(), and XLA never donates a buffer that has host views (it
         # allocates the output instead). So CPU arrays are not copied; other devices' are.
-        cpu = _on_cpu(x)
+        parts = [(x, seen.box)] if seen.whole else \
+            [(s.data, box_of(s.index, rec.shape)) for s in x.addressable_shards if s.replica_id == 0]
 
-        def host(s: Any, b: Box) -> np.ndarray:
-            buf = _copied_into(into, s.data, copies) if into is not None else None
+        def host(a: Any, b: Box) -> np.ndarray:
+            buf = _copied_into(into, a, copies) if into is not None else None
             if buf is not None:
                 return buf
-            return host_array(s.data, False) if cpu else _host_into(spare, (path, b), s.data, True)
-        shards = tuple(Shard(b, host(s, b)) for s, b in boxes)
-        sharding, desc = x.sharding, describe_sharding(x.sharding)
-    else:
-        box = tuple((0, d) for d in shape)
-        buf = _copied_into(into, x, copies) if into is not None and copy else None
-        buf = buf if buf is not None else _host_into(spare, (path, box), x, copy)
-        shards, sharding, desc = (Shard(box, buf),), None, None
-    rec = LeafRecord(path, kind, np.dtype(x.dtype), shape, key_impl, key_shape, desc)
-    return HostLeaf(rec, shards, sharding)
+            return host_array(a, False) if seen.cpu else _host_into(spare, (rec.path, b), a, True)
+        return HostLeaf(rec, tuple(Shard(b, host(a, b)) for a, b in parts), x.sharding, whole=seen.whole)
+    buf = _copied_into(into, x, copies) if into is not None and copy else None
+    buf = buf if buf is not None else _host_into(spare, (rec.path, seen.box), x, copy)
+    return HostLeaf(rec, (Shard(seen.box, buf),), whole=True)
 
 
 _PY = (bool, int, float, complex)
@@ -209,11 +258,37 @@ def _value_leaf(path: tree_mod.KeyPath, x: Any, kind: str) -> HostLeaf:
     return HostLeaf(LeafRecord(path, kind, value=py(x)), obj=x)
 
 
+def learned(flat: tree_mod.Flat, only: Sequence[int]) -> list[_Learned]:
+    """What is known of the leaves ``only`` of ``flat``: kept from an earlier save of the same
+    structure where the leaf's type, shape, dtype and sharding are still the same, else classified and
+    recorded now (an UnsupportedLeafError names every leaf that cannot be stored)."""
+    out: list[Any] = []
+    miss: list[int] = []
+    for i in only:
+        x, known = flat.leaves[i], flat.memo[i]
+        sig = _sig(x)
+        if known is not None and known.sig == sig:
+            out.append(known)
+        else:
+            out.append(sig)
+            miss.append(len(out) - 1)
+    if miss:
+        idx = [only[k] for k in miss]
+        kinds = tree_mod.classify_all([(flat.paths[i], flat.leaves[i]) for i in idx])
+        for k, i, kind in zip(miss, idx, kinds):
+            out[k] = flat.memo[i] = _learn(flat.paths[i], flat.leaves[i], kind, out[k])
+    return out
+
+
 @gc_paused()
 def snapshot(tree: Any, *, copy: bool = True, reuse: Snapshot | None = None, into: Into | None = None,
-             checksum: int | None = None) -> Snapshot:
+             checksum: int | None = None, only: Sequence[int] | None = None) -> Snapshot:
     """Copies every array shard this process writes to host memory (``copy=False`` reuses host buffers
     where possible: for synchronous saves, where nothing can change them meanwhile).
+
+    ``tree``: a pytree, or one flattened by ``tree.flat`` (then ``only``: the indices of the leaves to
+    snapshot, in order; ``leaves`` holds those). What does not change between saves of one structure
+    (key paths, kinds, records, the shards' boxes) is learned once and kept (``learned``).
 
     ``reuse``: an earlier snapshot (copy=True) that nothing reads any more, e.g. the previous save's
     once it is durable; its buffers are overwritten where key path, box, shape and dtype match, which
@@ -227,30 +302,32 @@ def snapshot(tree: Any, *, copy: bool = True, reuse: Snapshot | None = None, int
     those buffers also give the crc32c of every ``checksum`` bytes of each (``Snapshot.crcs``)."""
     t0 = time.perf_counter()
     spare = reuse.spare_buffers() if (copy and reuse is not None) else {}
-    flat, _ = tree_mod.flatten(tree)
-    kinds = tree_mod.classify_all(flat)
-    for (_, x), kind in zip(flat, kinds):  # start every device-to-host transfer before waiting on any
-        if kind == "jax" and not _on_cpu(x):
-            x.copy_to_host_async()
+    flat = tree if isinstance(tree, tree_mod.Flat) else tree_mod.flat(tree)
+    only = range(len(flat.leaves)) if only is None else only
+    seen = learned(flat, only)
+    for i, k in zip(only, seen):  # start every device-to-host transfer before waiting on any
+        if k.kind == "jax" and not k.cpu:
+            flat.leaves[i].copy_to_host_async()
 
     copies: list[tuple[np.ndarray, np.ndarray]] = []  # (buffer from ``into``, source), made at the end
 
-    def leaf(i: int) -> HostLeaf:
-        (path, x), kind = flat[i], kinds[i]
-        if kind in ("jax", "numpy", "prng_key"):
-            return _array_leaf(path, x, kind, copy, spare, into, copies)
-        return _value_leaf(path, x, kind)
+    def leaf(j: int) -> HostLeaf:
+        x, k = flat.leaves[only[j]], seen[j]
+        if k.record is not None:
+            return _array_leaf(x, k, copy, spare, into, copies)
+        return _value_leaf(flat.paths[only[j]], x, k.kind)
 
-    big = [i for i, (_, x) in enumerate(flat) if getattr(x, "nbytes", 0) > _BIG  # copied, not a CPU array's
-           and not (kinds[i] in ("jax", "prng_key") and isinstance(x, jax.Array) and _on_cpu(x))]  # view
-    leaves: list[Any] = [None] * len(flat)
-    if len(big) > 1 and into is None:  # ``into`` is called in order: one thread
-        with ThreadPoolExecutor(min(4, len(big))) as pool:
-            for i, hl in zip(big, pool.map(leaf, big)):
-                leaves[i] = hl
-    for i in range(len(flat)):
-        if leaves[i] is None:
-            leaves[i] = leaf(i)
+    leaves: list[Any] = [None] * len(seen)
+    if into is None:  # ``into`` is called in order: one thread
+        big = [j for j, k in enumerate(seen) if k.record is not None and not k.cpu  # copied, not a CPU
+               and k.record.nbytes > _BIG]  # array's view
+        if len(big) > 1:
+            with ThreadPoolExecutor(min(4, len(big))) as pool:
+                for j, hl in zip(big, pool.map(leaf, big)):
+                    leaves[j] = hl
+    for j in range(len(seen)):
+        if leaves[j] is None:
+            leaves[j] = leaf(j)
     crcs = _copy_all(copies, checksum)
     nbytes = sum(s.data.nbytes for hl in leaves for s in hl.shards)
     return Snapshot(leaves, nbytes, time.perf_counter() - t0, owned=copy,

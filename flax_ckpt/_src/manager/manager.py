@@ -239,7 +239,7 @@ class CheckpointManager:
         publish(stats, self.directory, self.metric_writer)
         self._steps.retain(self._retention)
         if self._tiers is None and self.async_save:
-            self._spare = snap  # durable now: the next snapshot may overwrite its buffers
+            self._spare = snap.reusable()  # durable now: the next snapshot may overwrite its buffers
 
     def wait_until_finished(self) -> None:
         """Blocks until the save in flight is durable; raises its failure as SaveFailedError."""
@@ -311,6 +311,7 @@ class CheckpointManager:
             if self._tiers is not None:  # may migrate the newest step through _Directory
                 self._tiers.close()
         finally:
+            self._spare = None
             if self._lock is not None:
                 self._lock.release()
 

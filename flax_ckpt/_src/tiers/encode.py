@@ -122,7 +122,7 @@ def changed_share(ts: TierSnapshot, base: Copy, budget: DeltaBudget | None = Non
                 continue
             if mine is None:  # the shard's first sample: its bytes and the base's shard
                 if sh.leaf not in recs:
-                    recs[sh.leaf] = ts.snap.leaves[sh.leaf].record.to_json()
+                    recs[sh.leaf] = ts.snap.leaves[sh.leaf].record.json()
                 mine, b = _u8(bytes_of(sh.data)), lookup.get(shard_key(recs[sh.leaf], sh.box))
             if b is None or b["nbytes"] != n:
                 changed += 1
@@ -153,7 +153,7 @@ def encode(ts: TierSnapshot, ident: dict[str, Any], base: Copy | None, *, delta:
     spare on loan (``ts.lent``) is laid out as its shards already lie there, and fills the spare; a
     differential one is written to another file (store.write_copy gives the loan back)."""
     budget = budget if delta else None
-    recs = [lf.record.to_json() for lf in ts.snap.leaves]
+    recs = [lf.record.json() for lf in ts.snap.leaves]  # shared by the records' copies: read-only
     lookup = base.lookup() if base is not None else {}
     if base is not None:
         base.data.view(0, 0)  # map it once, before the tasks read it

@@ -199,40 +199,38 @@ def take_snapshot(state: Any, *, copy: bool, force: bool, step: int, seen: Seen,
     views of it). ``seen`` is updated: it tracks since when each leaf has been the same object.
     ``into``: a spare data file on loan, whose pages the shards are copied into, on the layout the
     full copy they become has (the views of ``base`` follow them there, see TierSnapshot.shards)."""
-    flat = tree_mod.flatten(state)[0]
+    flat = tree_mod.flat(state)
     held = base.by_leaf() if base is not None else {}
     reuse: dict[int, tuple[dict[str, Any], list[dict[str, Any]]]] = {}
     fresh, now = [], {}
-    for i, (path, x) in enumerate(flat):
-        name = tree_mod.keystr(path)
+    for i, (name, x) in enumerate(zip(flat.names, flat.leaves)):
         if isinstance(x, jax.Array) and not x.is_deleted():
             prev = seen.get(name)
             since = prev[1] if prev is not None and prev[0]() is x else step
             now[name] = (weakref.ref(x), since)
-            data = jax.random.key_data(x) if tree_mod.is_prng_key(x) else x
-            if base is not None and since <= base.step and name in held and \
-                    {tuple(map(tuple, s["box"])) for s in held[name][1]} == _boxes(data):
-                reuse[i] = held[name]
-                continue
+            if base is not None and since <= base.step and name in held:
+                data = jax.random.key_data(x) if tree_mod.is_prng_key(x) else x
+                if {tuple(map(tuple, s["box"])) for s in held[name][1]} == _boxes(data):
+                    reuse[i] = held[name]
+                    continue
         fresh.append(i)
     seen.clear()
     seen.update(now)
     take = into.take if into is not None else None
-    part = snapshot([flat[i][1] for i in fresh], copy=copy, into=take,
-                    checksum=CHUNK if take is not None else None) if fresh else Snapshot([], 0)
-    plans: list[Any] = [None] * len(flat)
+    part = snapshot(flat, copy=copy, into=take, checksum=CHUNK if take is not None else None, only=fresh) \
+        if fresh else Snapshot([], 0)
+    plans: list[Any] = [None] * len(flat.leaves)
     for i, p in zip(fresh, part.leaves):
-        p.record = dataclasses.replace(p.record, path=flat[i][0])
         plans[i] = p
     ts = TierSnapshot(Snapshot(plans, 0), [], force, base.step if reuse else None)
     for i, (rec, shards) in reuse.items():
         views = [(tuple(map(tuple, s["box"])), base.array(s), s) for s in shards]
-        record = dataclasses.replace(LeafRecord.from_json(rec), path=flat[i][0])
+        record = dataclasses.replace(LeafRecord.from_json(rec), path=flat.paths[i])
         plans[i] = HostLeaf(record, tuple(Shard(b, a) for b, a, s in views if s["primary"]))
         ts.extra += [HostShard(i, b, a, False, s) for b, a, s in views if not s["primary"]]
         ts.origin.update({(i, b): s for b, _, s in views})
     for i in fresh:
-        ts.extra += _replicas(i, flat[i][1], plans[i], take)
+        ts.extra += _replicas(i, flat.leaves[i], plans[i], take)
     ts.lent, ts.crcs = into, part.crcs
     if into is not None and into.used:  # its pages are this snapshot's while it lives (a migration reads them)
         tier_files.pin(into.key, ts)
@@ -244,7 +242,7 @@ def take_snapshot(state: Any, *, copy: bool, force: bool, step: int, seen: Seen,
 def _replicas(i: int, x: Any, plan: HostLeaf, take: Any = None) -> list[HostShard]:
     """The boxes on this process's devices that another process writes to persistent storage (copied
     into ``take``'s buffers where it gives them)."""
-    if not isinstance(x, jax.Array) or not plan.record.is_array:
+    if plan.whole or not isinstance(x, jax.Array) or not plan.record.is_array:
         return []
     x = jax.random.key_data(x) if plan.record.kind == "prng_key" else x
     have, out = {s.box for s in plan.shards}, []
