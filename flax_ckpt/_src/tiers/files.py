@@ -370,7 +370,9 @@ class Lent:
 
     def __init__(self, path: str, key: tuple[int, int], m: mmap.mmap):
         self.path, self.key, self.map = path, key, m
-        self._base = np.frombuffer(m, np.uint8).ctypes.data
+        self._bytes = np.frombuffer(m, np.uint8)  # every buffer ``take`` gives is a view of it (no
+        #                                           memoryview of the map per buffer)
+        self._base = self._bytes.ctypes.data
         self._next = 0
 
     def take(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray | None:
@@ -381,7 +383,7 @@ class Lent:
         if lo + n > len(self.map):
             return None
         self._next = lo + n
-        return np.frombuffer(self.map, np.uint8, n, lo).view(dtype).reshape(shape)
+        return self._bytes[lo:lo + n].view(dtype).reshape(shape)
 
     @property
     def used(self) -> bool:

@@ -104,6 +104,7 @@ class Copy:
     data: Data
     base: "Copy | None"
     _lookup: dict[str, dict[str, Any]] | None = field(default=None, repr=False, compare=False)
+    _by_leaf: dict[str, Any] | None = field(default=None, repr=False, compare=False)
 
     @property
     def step(self) -> int:
@@ -116,11 +117,14 @@ class Copy:
         return self._lookup
 
     def by_leaf(self) -> dict[str, tuple[dict[str, Any], list[dict[str, Any]]]]:
-        out: dict[str, tuple[dict[str, Any], list[dict[str, Any]]]] = {}
-        for s in self.body["shards"]:
-            rec = self.body["leaves"][s["leaf"]]
-            out.setdefault(leaf_name(rec), (rec, []))[1].append(s)
-        return out
+        """Its leaves' records and shards by leaf name (made once, as ``lookup``)."""
+        if self._by_leaf is None:
+            out: dict[str, tuple[dict[str, Any], list[dict[str, Any]]]] = {}
+            for s in self.body["shards"]:
+                rec = self.body["leaves"][s["leaf"]]
+                out.setdefault(leaf_name(rec), (rec, []))[1].append(s)
+            self._by_leaf = out
+        return self._by_leaf
 
     def array(self, s: dict[str, Any]) -> np.ndarray:
         """A base shard as a read-only view of its bytes (a base stores each shard back to back)."""
@@ -156,20 +160,22 @@ class TierSnapshot:
     lent: tier_files.Lent | None = None  # the spare data file the shards were copied into, if any
     crcs: dict[int, list[int]] = field(default_factory=dict)  # of the shards copied into it: per CHUNK,
     #                                                           by buffer address (Snapshot.crcs)
-    _order: list[int] | None = field(default=None, repr=False)  # shards() with a loan: their order
+    _shards: list[HostShard] | None = field(default=None, repr=False)  # shards(), made once
 
     def shards(self) -> list[HostShard]:
         """Every shard, in the order a copy stores them: those copied into a spare on loan first, as
-        they lie there (the layout a full copy's encoding gives them), then the others."""
-        own = [HostShard(i, s.box, s.data, True, self.origin.get((i, s.box)))
-               for i, p in enumerate(self.snap.leaves) for s in p.shards]
-        out = own + self.extra
-        if self.lent is not None:
-            if self._order is None or len(self._order) != len(out):
+        they lie there (the layout a full copy's encoding gives them), then the others. Made once, when
+        the snapshot is complete (the writer's first call): read-only."""
+        if self._shards is None:
+            own = [HostShard(i, s.box, s.data, True, self.origin.get((i, s.box)))
+                   for i, p in enumerate(self.snap.leaves) for s in p.shards]
+            out = own + self.extra
+            if self.lent is not None:
                 at = [self.lent.offset(sh.data) for sh in out]
-                self._order = sorted(range(len(out)), key=lambda k: (0, at[k]) if at[k] is not None else (1, k))
-            out = [out[k] for k in self._order]
-        return out
+                out = [out[k] for k in sorted(range(len(out)),
+                                              key=lambda k: (0, at[k]) if at[k] is not None else (1, k))]
+            self._shards = out
+        return self._shards
 
     @property
     def nbytes(self) -> int:
@@ -200,7 +206,7 @@ def take_snapshot(state: Any, *, copy: bool, force: bool, step: int, seen: Seen,
     ``into``: a spare data file on loan, whose pages the shards are copied into, on the layout the
     full copy they become has (the views of ``base`` follow them there, see TierSnapshot.shards)."""
     flat = tree_mod.flat(state)
-    held = base.by_leaf() if base is not None else {}
+    held: dict[str, Any] | None = None  # the base's leaves by name: looked up only for a leaf unchanged since
     reuse: dict[int, tuple[dict[str, Any], list[dict[str, Any]]]] = {}
     fresh, now = [], {}
     for i, (name, x) in enumerate(zip(flat.names, flat.leaves)):
@@ -208,7 +214,11 @@ def take_snapshot(state: Any, *, copy: bool, force: bool, step: int, seen: Seen,
             prev = seen.get(name)
             since = prev[1] if prev is not None and prev[0]() is x else step
             now[name] = (weakref.ref(x), since)
-            if base is not None and since <= base.step and name in held:
+            if base is not None and since <= base.step:
+                held = base.by_leaf() if held is None else held
+                if name not in held:
+                    fresh.append(i)
+                    continue
                 data = jax.random.key_data(x) if tree_mod.is_prng_key(x) else x
                 if {tuple(map(tuple, s["box"])) for s in held[name][1]} == _boxes(data):
                     reuse[i] = held[name]
