@@ -239,7 +239,8 @@ class TierSet:
                                     now - t3, now - t0, ts.skipped, zipped))
         if enc.full:  # the new base: the index just written, its data file checked (store.Data)
             folder = os.path.join(self.local_dir, str(step))
-            self._base = store.Copy(folder, enc.body, store.Data(os.path.join(folder, store.DATA)), None)
+            self._base = store.Copy(folder, None, store.Data(os.path.join(folder, store.DATA)), None,
+                                    index=enc.index, _step=step)  # its body parsed where needed
             self._since_base = 0
             self._poor = max(0, self._poor - 1)
         else:
