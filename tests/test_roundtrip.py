@@ -219,6 +219,15 @@ def test_an_unsupported_leaf_in_a_structure_saved_before_is_still_refused(tmp_pa
     assert not (tmp_path / "2").exists()
 
 
+@pytest.mark.parametrize("key", [True, 1.0])
+def test_a_key_refused_is_refused_after_a_structure_of_equal_treedef_was_saved(tmp_path, key):
+    """{True: x} and {1: x} (and {1.0: x}) have equal treedefs; the bool or float key is still refused."""
+    fc.save(str(tmp_path / "1"), {int(key): jnp.ones(2)})
+    with pytest.raises(fc.UnsupportedLeafError, match=f"dict key {key!r}"):
+        fc.save(str(tmp_path / "2"), {key: jnp.ones(2)})
+    assert not (tmp_path / "2").exists()
+
+
 def test_a_save_keeps_no_reference_to_the_arrays_it_saved(tmp_path):
     """What is kept of a structure between saves holds no leaf, nor does a closed manager: a model saved
     and dropped is freed."""

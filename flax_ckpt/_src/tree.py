@@ -76,7 +76,8 @@ def flat(tree: Any) -> Flat:
     """``flatten(tree)``, with the key paths and names of the last few treedefs kept: saving the same
     structure again costs one C-level ``tree_flatten`` and a treedef comparison (a training loop saves
     one structure at every step; a 200-leaf tree's paths and names cost about 1 ms each time). Relies on
-    what every container jax, flax and optax register satisfies: equal treedefs have equal key paths."""
+    what every container jax, flax and optax register satisfies: equal treedefs have equal key paths
+    (dicts with int keys excepted: not kept, see below)."""
     leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=_is_leaf)
     with _recent_lock:
         for k, known in enumerate(_recent):
@@ -94,6 +95,9 @@ def flat(tree: Any) -> Flat:
         keep = bool(treedef == treedef)
     except Exception:  # noqa: BLE001
         keep = False
+    # A dict with int keys is never kept: its treedef equals that of the same dict keyed by True/False
+    # or 1.0, which ``entry`` refuses, so such a tree is checked key by key at every save.
+    keep = keep and not any(kind == "key" and not isinstance(k, str) for p in paths for kind, k in p)
     if keep:
         with _recent_lock:
             _recent.insert(0, known)
