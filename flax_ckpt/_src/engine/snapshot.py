@@ -262,21 +262,14 @@ def learned(flat: tree_mod.Flat, only: Sequence[int]) -> list[_Learned]:
     """What is known of the leaves ``only`` of ``flat``: kept from an earlier save of the same
     structure where the leaf's type, shape, dtype and sharding are still the same, else classified and
     recorded now (an UnsupportedLeafError names every leaf that cannot be stored)."""
-    out: list[Any] = []
-    miss: list[int] = []
-    for i in only:
-        x, known = flat.leaves[i], flat.memo[i]
-        sig = _sig(x)
-        if known is not None and known.sig == sig:
-            out.append(known)
-        else:
-            out.append(sig)
-            miss.append(len(out) - 1)
+    sigs = [_sig(flat.leaves[i]) for i in only]
+    out = [k if (k := flat.memo[i]) is not None and k.sig == sig else None for i, sig in zip(only, sigs)]
+    miss = [j for j, k in enumerate(out) if k is None]
     if miss:
-        idx = [only[k] for k in miss]
-        kinds = tree_mod.classify_all([(flat.paths[i], flat.leaves[i]) for i in idx])
-        for k, i, kind in zip(miss, idx, kinds):
-            out[k] = flat.memo[i] = _learn(flat.paths[i], flat.leaves[i], kind, out[k])
+        kinds = tree_mod.classify_all([(flat.paths[only[j]], flat.leaves[only[j]]) for j in miss])
+        for j, kind in zip(miss, kinds):
+            i = only[j]
+            out[j] = flat.memo[i] = _learn(flat.paths[i], flat.leaves[i], kind, sigs[j])
     return out
 
 

@@ -230,11 +230,8 @@ def take_snapshot(state: Any, *, copy: bool, force: bool, step: int, seen: Seen,
             now[name] = (weakref.ref(x), since)
             if base is not None and since <= base.step:
                 held = base.by_leaf() if held is None else held
-                if name not in held:
-                    fresh.append(i)
-                    continue
                 data = jax.random.key_data(x) if tree_mod.is_prng_key(x) else x
-                if {tuple(map(tuple, s["box"])) for s in held[name][1]} == _boxes(data):
+                if name in held and {tuple(map(tuple, s["box"])) for s in held[name][1]} == _boxes(data):
                     reuse[i] = held[name]
                     continue
         fresh.append(i)
