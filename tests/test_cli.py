@@ -77,8 +77,8 @@ def write_memory_copies(directory, local_dir: str) -> None:
     root = fi.memory_tier_root(directory, local_dir)
     for folder, step, process, commit in [("local", 3, 0, True), ("local", 7, 0, False), ("peer-p1", 3, 1, True)]:
         ident = {"step": step, "session": "s1", "process": process, "process_count": 2}
-        snap = tier_store.take_snapshot({"w": np.full(4, float(step))}, copy=True, force=False, step=step, seen={},
-                                        base=None)
+        snap = tier_store.take_snapshot({"w": np.full(4, float(step))}, copy=True, force=False, step=step,
+                                        seen=tier_store.Seen(), base=None)
         enc = tier_encode.encode(snap, ident, None, delta=False)
         tier_store.write_copy(os.path.join(root, "p0", folder), step, enc)
         if commit:

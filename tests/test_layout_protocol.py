@@ -81,7 +81,7 @@ def _memory_copy(folder: pathlib.Path) -> CopySource:
     from flax_ckpt._src.tiers import encode as tier_encode
     from flax_ckpt._src.tiers import store as tier_store
 
-    snap = tier_store.take_snapshot({"w": TREE["w"]}, copy=True, force=False, step=2, seen={}, base=None)
+    snap = tier_store.take_snapshot({"w": TREE["w"]}, copy=True, force=False, step=2, seen=tier_store.Seen(), base=None)
     ident = {"step": 2, "session": "s", "process": 0, "process_count": 1}
     tier_store.write_copy(str(folder), 2, tier_encode.encode(snap, ident, None, delta=False))
     return CopySource(tier_store.open_copy(str(folder / "2")))

@@ -275,17 +275,39 @@ def test_full_copies_into_the_data_file_keep_every_dtype_and_layout_bit_exact(tm
                 "key": jax.random.key(step), "empty": np.zeros((0, 5), np.float32),
                 "t": rng.standard_normal((900, 1300)).astype(np.float32).T,
                 "strided": rng.integers(0, 255, 9_000_001, dtype=np.uint8)[::3],
-                "grows": rng.standard_normal(big << 20).astype(np.float32)}
+                "grows": rng.standard_normal(big << 20).astype(np.float32),
+                "odd": rng.integers(0, 255, 1001, dtype=np.uint8), "name": f"run-{step}", "n": step}
     tiers = _tiers(tmp_path, on_busy="wait", max_to_keep=8)
     saved = {}
     with fc.CheckpointManager(tmp_path / "ckpt", tiers=tiers) as mgr:
         for step in range(6):
             saved[step] = state(step, 1 if step < 4 else 3)  # steps 4, 5: 8 MiB more than the spare holds
-            mgr.save(step, saved[step])
+            mgr.save(step, saved[step], metrics={"loss": 1 / (step + 3), "acc": step})
             mgr.wait_until_finished()
         for step in range(6):
             assert_bit_exact(mgr.restore(step, target=state(0, 1 if step < 4 else 3)), saved[step], types=False)
             assert mgr.restore_stats[-1].tier == "local"
+            _check_full_copy(os.path.join(mgr.memory_tiers.local_dir, str(step)))
+
+
+def _check_full_copy(folder: str) -> None:
+    """A full copy's index (written as text, tiers/encode.py) is the canonical JSON of its body, and every
+    chunk's crc32c is that of its bytes in data.bin, each shard's from a 64-byte boundary."""
+    import crc32c
+    import json
+
+    raw = open(os.path.join(folder, tier_store.INDEX), "rb").read()
+    canon = raw[raw.index(b'"body": ') + len(b'"body": '):-2]
+    body = json.loads(canon)
+    assert canon.decode() == json.dumps(body, sort_keys=True, separators=(",", ":"))
+    assert tier_store.decode_index(raw, folder) == body and body["base"] is None
+    data = open(os.path.join(folder, tier_store.DATA), "rb").read()
+    assert len(data) == body["data"]
+    for s in body["shards"]:
+        assert s["nbytes"] == sum(e[3] for e in s["chunks"])
+        assert not s["chunks"] or s["chunks"][0][2] % 64 == 0
+        for kind, crc, off, n in s["chunks"]:
+            assert kind == "r" and crc == crc32c.crc32c(data[off:off + n])
 
 
 def test_the_copy_into_a_data_file_gives_the_crc32c_of_every_chunk_it_copied():
@@ -305,7 +327,7 @@ def test_the_copy_into_a_data_file_gives_the_crc32c_of_every_chunk_it_copied():
     for (d, a), got in zip(copies, crcs):
         assert np.array_equal(d, a)
         flat = d.reshape(-1).view(np.uint8)
-        assert got == [crc32c.crc32c(flat[k:k + chunk]) for k in range(0, flat.nbytes, chunk)]
+        assert got.tolist() == [crc32c.crc32c(flat[k:k + chunk]) for k in range(0, flat.nbytes, chunk)]
     assert snap_mod._copy_all([(np.empty(4, np.int32), np.arange(4, dtype=np.int32))]) is None
 
 
@@ -348,7 +370,7 @@ def test_changed_share_samples_the_chunks_that_a_differential_copy_would_store(t
         c = a + 1
         share = {}
         for name, x in (("same", a.copy()), ("quarter", b), ("all", c)):
-            ts = tier_store.take_snapshot({"w": x}, copy=True, force=False, step=1, seen={}, base=None)
+            ts = tier_store.take_snapshot({"w": x}, copy=True, force=False, step=1, seen=tier_store.Seen(), base=None)
             share[name] = tier_encode.changed_share(ts, base)
     assert share == {"same": 0.0, "quarter": 0.25, "all": 1.0}
 

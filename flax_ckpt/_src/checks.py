@@ -28,7 +28,17 @@ def seal(body: dict[str, Any], *, name: str, version: int) -> bytes:
     the body written canonically (sorted keys, no spaces) last, so that a reader finds and checks its
     bytes without parsing twice. One codec for every checksummed JSON file flax_ckpt writes (the
     manifest, the memory tiers' indexes)."""
-    canon = json.dumps(body, sort_keys=True, separators=(",", ":"))
+    return seal_text(canonical(body), name=name, version=version)
+
+
+def canonical(value: Any) -> str:
+    """``value`` as a sealed document's body writes it: JSON with sorted keys and no spaces."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"))
+
+
+def seal_text(canon: str, *, name: str, version: int) -> bytes:
+    """``seal`` of a body given as its canonical text (``canonical(body)``), for a writer that builds
+    that text from parts it keeps (the memory tiers' index of a full copy, tiers/encode.py)."""
     head = {"format": name, "version": version, "crc32c": crc32c.crc32c(canon.encode())}
     return (json.dumps(head)[:-1] + _BODY + canon + "}\n").encode()
 
@@ -59,7 +69,7 @@ def unseal(raw: bytes | memoryview, *, name: str, version: int, where: str, what
     if not isinstance(body, dict):
         raise error(f"{where}: {what} has no body object")
     if crc is None:
-        crc = crc32c.crc32c(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
+        crc = crc32c.crc32c(canonical(body).encode())
     if crc != doc.get("crc32c"):
         raise error(f"{where}: {what} checksum mismatch (expected {doc.get('crc32c')!r}, found {crc}); "
                     f"the {what} was modified or damaged")

@@ -16,6 +16,8 @@ from typing import Any, Sequence
 import ml_dtypes
 import numpy as np
 
+from flax_ckpt._src.checks import canonical
+
 ARRAY_KINDS = ("jax", "numpy", "prng_key")  # leaf kinds with a dtype, a shape and chunks
 
 
@@ -120,6 +122,14 @@ class LeafRecord:
             j = self.to_json()
             object.__setattr__(self, "_json", j)
         return j
+
+    def json_text(self) -> str:
+        """``json()`` in its canonical text (checks.canonical), made once per record."""
+        t = self.__dict__.get("_json_text")
+        if t is None:
+            t = canonical(self.json())
+            object.__setattr__(self, "_json_text", t)
+        return t
 
     def to_json(self) -> dict[str, Any]:
         rec: dict[str, Any] = {"path": [[k, v] for k, v in self.path], "kind": self.kind}

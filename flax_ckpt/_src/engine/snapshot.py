@@ -56,8 +56,8 @@ class Snapshot:
     nbytes: int  # bytes of this process's shards
     seconds: float = 0.0
     owned: bool = False  # every shard buffer was allocated by the snapshot (copy=True): reusable
-    crcs: dict[int, list[int]] = field(default_factory=dict)  # ``snapshot(checksum=n)``: by buffer address,
-    #                          the crc32c of every n bytes of each buffer ``into`` gave, made as it was copied
+    crcs: dict[int, np.ndarray] = field(default_factory=dict)  # ``snapshot(checksum=n)``: by buffer address,
+    #                     the crc32c (uint32) of every n bytes of each buffer ``into`` gave, made as it was copied
 
     def spare_buffers(self) -> dict[tuple[Any, Box], np.ndarray]:
         """This snapshot's buffers by (key path, box), for ``snapshot(reuse=...)``; none unless owned.
@@ -129,7 +129,7 @@ def _copied_into(into: Into, x: Any, copies: list[tuple[np.ndarray, np.ndarray]]
 _copier: ThreadPoolExecutor | None = None
 
 
-def _copy_all(copies: list[tuple[np.ndarray, np.ndarray]], chunk: int | None = None) -> list[list[int]] | None:
+def _copy_all(copies: list[tuple[np.ndarray, np.ndarray]], chunk: int | None = None) -> list[np.ndarray] | None:
     """Makes ``copies`` (destination, source) on up to 4 threads, in runs of about equal bytes: while a
     save holds the training loop, its cores are free, and one thread alone does not reach the memory's
     bandwidth. With ``chunk``: also the crc32c of every ``chunk`` bytes of each destination (from its
@@ -146,7 +146,12 @@ def _copy_all(copies: list[tuple[np.ndarray, np.ndarray]], chunk: int | None = N
             continue
         d8, a8 = d.reshape(-1).view(np.uint8), a.reshape(-1).view(np.uint8)
         units += [(c, k // step, d8[k:k + step], a8[k:k + step]) for k in range(0, d8.nbytes, step)]
-    crcs: list[list[int]] | None = [[0] * -(-d.nbytes // step) for d, _ in copies] if chunk else None
+    crcs: list[np.ndarray] | None = None
+    if chunk:  # one array for all: a list per copy would be one more object per leaf and save for the
+        # garbage collector to follow
+        ends = np.cumsum([-(-d.nbytes // step) for d, _ in copies], dtype=np.int64).tolist()
+        every = np.zeros(ends[-1] if ends else 0, np.uint32)
+        crcs = [every[a:b] for a, b in zip([0] + ends, ends)]
 
     def run(part: list[tuple[int, int, np.ndarray, np.ndarray]]) -> None:
         for c, k, d, a in part:

@@ -10,10 +10,13 @@ back (load.py).
 A chunk is unchanged when its bytes equal the base's: its entry then names the base's bytes and
 carries the base's crc32c (a damaged base fails its check at restore). A shard that is a view of the
 base (a jax.Array leaf unchanged since it, store.py) is not even compared: its entries are the base's.
+A full copy (no base: a new base, and every copy of adam's state at every step) has only raw chunks;
+its index is written straight as text (``_encode_full``).
 """
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 import zlib
@@ -22,6 +25,7 @@ from typing import Any
 import crc32c
 import numpy as np
 
+from flax_ckpt._src.checks import canonical
 from flax_ckpt._src.tiers import files as tier_files
 from flax_ckpt._src.tiers.store import CHUNK, Copy, Encoded, TierSnapshot, bytes_of, encode_index, shard_key
 
@@ -152,22 +156,23 @@ def encode(ts: TierSnapshot, ident: dict[str, Any], base: Copy | None, *, delta:
     are data.bin's bytes in order, alignment padding included. A full copy of a snapshot taken into a
     spare on loan (``ts.lent``) is laid out as its shards already lie there, and fills the spare; a
     differential one is written to another file (store.write_copy gives the loan back)."""
+    if base is None:
+        return _encode_full(ts, ident)
     budget = budget if delta else None
     recs = [lf.record.json() for lf in ts.snap.leaves]  # shared by the records' copies: read-only
-    lookup = base.lookup() if base is not None else {}
-    if base is not None:
-        base.data.view(0, 0)  # map it once, before the tasks read it
+    lookup = base.lookup()
+    base.data.view(0, 0)  # map it once, before the tasks read it
     shards, tasks = [], []
     for sh in ts.shards():
         mv, itemsize = bytes_of(sh.data), sh.data.dtype.itemsize
         crcs = ts.crcs.get(sh.data.ctypes.data) if ts.crcs and len(mv) else None  # made as it was copied
-        crcs = crcs if crcs is not None and len(crcs) == -(-len(mv) // CHUNK) else None
+        crcs = crcs.tolist() if crcs is not None and len(crcs) == -(-len(mv) // CHUNK) else None
         shard = {"leaf": sh.leaf, "box": [list(x) for x in sh.box], "primary": sh.primary, "nbytes": len(mv)}
-        if sh.base is not None and base is not None and base.step == ts.base_step:
+        if sh.base is not None and base.step == ts.base_step:
             shard["chunks"] = [["b", e[1], e[2]] for e in sh.base["chunks"]]  # the very bytes of the base
             tasks.append([])
         else:
-            b = lookup.get(shard_key(recs[sh.leaf], sh.box)) if lookup else None
+            b = lookup.get(shard_key(recs[sh.leaf], sh.box))
             b = b if b is not None and b["nbytes"] == len(mv) else None
             step = _SEGMENT * CHUNK
             if b is None:  # no base shard: raw entries, nothing to compare (no task to pay for)
@@ -177,7 +182,7 @@ def encode(ts: TierSnapshot, ident: dict[str, Any], base: Copy | None, *, delta:
                                                        itemsize, budget, crcs) for lo in range(0, len(mv), step)])
         shards.append(shard)
     pieces: list[memoryview] = []
-    pending: list[tuple[int, list]] = []
+    pending: list[tuple[int, list, int]] = []
     off = 0
     for shard, futures in zip(shards, tasks):
         if not futures:  # references to the base (set above), or an empty shard compared with its base
@@ -193,17 +198,72 @@ def encode(ts: TierSnapshot, ident: dict[str, Any], base: Copy | None, *, delta:
                         off += pad
                     entry[2] = off
                     if entry[1] is None:
-                        pending.append((len(pieces), entry))
+                        pending.append((len(pieces), entry, 1))
                     pieces.append(piece)
                     off += len(piece)
                 shard["chunks"].append(entry)
-    lent = ts.lent  # a differential copy is written elsewhere: its loan is given back (store.write_copy)
-    if lent is not None and base is None and off < len(lent.map):  # the spare's tail: stored, never referenced
+    body = dict(ident, base=base.step, chunk=CHUNK, data=off, leaves=recs, shards=shards)
+    # a differential copy is written elsewhere: its loan is given back (store.write_copy)
+    return Encoded(body, b"" if pending else encode_index(body), pieces, off, pending, ts.lent, base.step)
+
+
+def _encode_full(ts: TierSnapshot, ident: dict[str, Any]) -> Encoded:
+    """``encode`` without a base: every chunk raw, each shard's bytes from a 64-byte boundary, back to
+    back (as a spare on loan holds them: a full copy fills it, its tail stored and never referenced);
+    the index is written as its canonical text in parts (checks.canonical), never built as a body: a
+    copy at every step has hundreds of shards and chunk entries, whose lists and dicts cost more than
+    the text and, surviving a save, the garbage collector's full collections. A shard whose chunks'
+    crc32c the snapshot made is one piece; otherwise each chunk is, its checksum a hole in the text that
+    the writer fills (``pending``)."""
+    text: list[str] = []  # the "shards" value, then the body around it (below)
+    pieces: list[memoryview] = []
+    pending: list[tuple[int, list, int]] = []
+    off = 0
+    for sh in ts.shards():
+        mv = bytes_of(sh.data)
+        n = len(mv)
+        crcs = ts.crcs.get(sh.data.ctypes.data) if ts.crcs and n else None  # made as it was copied
+        crcs = crcs.tolist() if crcs is not None and len(crcs) == -(-n // CHUNK) else None
+        text.append(("," if text else "") + _shard_head(sh.box))
+        if n and off % _ALIGN:
+            pad = -off % _ALIGN
+            pieces.append(memoryview(bytes(pad)))
+            off += pad
+        if crcs is not None and n:
+            pieces.append(mv)
+        for c, k in enumerate(range(0, n, CHUNK)):
+            m = min(CHUNK, n - k)
+            if crcs is not None:
+                text.append(f'{"," if c else ""}["r",{crcs[c]},{off + k},{m}]')
+                continue
+            pending.append((len(pieces), text, len(text) + 1))
+            pieces.append(mv[k:k + m])
+            text += ['["r",' if not c else ',["r",', "", f",{off + k},{m}]"]
+        text.append(f'],"leaf":{sh.leaf},"nbytes":{n},"primary":{"true" if sh.primary else "false"}}}')
+        off += n
+    lent = ts.lent
+    if lent is not None and off < len(lent.map):  # the spare's tail
         pieces.append(memoryview(lent.map)[off:])
         off = len(lent.map)
-    body = dict(ident, base=base.step if base is not None else None, chunk=CHUNK, data=off, leaves=recs,
-                shards=shards)
-    return Encoded(body, b"" if pending else encode_index(body), pieces, off, pending, lent)
+    fields = {k: canonical(v) for k, v in dict(ident, base=None, chunk=CHUNK, data=off).items()}
+    fields["leaves"] = "[" + ",".join(lf.record.json_text() for lf in ts.snap.leaves) + "]"
+    fields["shards"] = None  # the parts in ``text``
+    keys = sorted(fields)
+    at = keys.index("shards")
+    head = "{" + ",".join(f"{canonical(k)}:{fields[k]}" for k in keys[:at]) + ("," if at else "") + '"shards":['
+    tail = "]" + "".join(f",{canonical(k)}:{fields[k]}" for k in keys[at + 1:]) + "}"
+    text.insert(0, head)
+    text.append(tail)
+    pending = [(j, where, i + 1) for j, where, i in pending]  # shifted by the head
+    enc = Encoded(None, b"", pieces, off, pending, lent, None, text)
+    if not pending:
+        enc.complete([])
+    return enc
+
+
+@functools.lru_cache(maxsize=4096)
+def _shard_head(box: tuple[tuple[int, int], ...]) -> str:
+    return '{"box":' + canonical([list(x) for x in box]) + ',"chunks":['
 
 
 class _Done:

@@ -41,7 +41,7 @@ from flax_ckpt._src import commit as commit_mod
 from flax_ckpt._src import tree as tree_mod
 from flax_ckpt._src.engine.snapshot import HostLeaf, Snapshot, snapshot
 from flax_ckpt._src.errors import CorruptCheckpointError
-from flax_ckpt._src.checks import seal, unseal
+from flax_ckpt._src.checks import seal, seal_text, unseal
 from flax_ckpt._src.records import LeafRecord, dtype_from_name, leaf_name
 from flax_ckpt._src.serializers import Box, Shard, box_of
 from flax_ckpt._src.storage import LocalStorage
@@ -172,7 +172,7 @@ class TierSnapshot:
     origin: dict[tuple[int, Box], dict[str, Any]] = field(default_factory=dict)
     skipped: int = 0  # scheduled steps skipped since the previous save (Tiers.on_busy="skip")
     lent: tier_files.Lent | None = None  # the spare data file the shards were copied into, if any
-    crcs: dict[int, list[int]] = field(default_factory=dict)  # of the shards copied into it: per CHUNK,
+    crcs: dict[int, np.ndarray] = field(default_factory=dict)  # of the shards copied into it: per CHUNK,
     #                                                           by buffer address (Snapshot.crcs)
     _shards: list[HostShard] | None = field(default=None, repr=False)  # shards(), made once
 
@@ -210,7 +210,14 @@ def _boxes(x: jax.Array) -> set[Box]:
     return {box_of(s.index, tuple(x.shape)) for s in x.addressable_shards}
 
 
-Seen = dict[str, tuple[Any, int]]  # leaf name -> (weak reference to the jax.Array saved, first step seen)
+class Seen:
+    """Since when each jax.Array leaf (by name) has been the same object: a weak reference to the array
+    saved last, and the first step it was saved at (two dicts, not a tuple per leaf and save for the
+    garbage collector to follow)."""
+
+    def __init__(self) -> None:
+        self.refs: dict[str, weakref.ref] = {}
+        self.since: dict[str, int] = {}
 
 
 def take_snapshot(state: Any, *, copy: bool, force: bool, step: int, seen: Seen,
@@ -222,12 +229,17 @@ def take_snapshot(state: Any, *, copy: bool, force: bool, step: int, seen: Seen,
     flat = tree_mod.flat(state)
     held: dict[str, Any] | None = None  # the base's leaves by name: looked up only for a leaf unchanged since
     reuse: dict[int, tuple[dict[str, Any], list[dict[str, Any]]]] = {}
-    fresh, now = [], {}
+    fresh: list[int] = []
+    refs: dict[str, weakref.ref] = {}
+    first: dict[str, int] = {}
     for i, (name, x) in enumerate(zip(flat.names, flat.leaves)):
         if isinstance(x, jax.Array) and not x.is_deleted():
-            prev = seen.get(name)
-            since = prev[1] if prev is not None and prev[0]() is x else step
-            now[name] = (weakref.ref(x), since)
+            ref = seen.refs.get(name)
+            if ref is not None and ref() is x:
+                since = seen.since[name]
+            else:
+                ref, since = weakref.ref(x), step
+            refs[name], first[name] = ref, since
             if base is not None and since <= base.step:
                 held = base.by_leaf() if held is None else held
                 data = jax.random.key_data(x) if tree_mod.is_prng_key(x) else x
@@ -235,8 +247,7 @@ def take_snapshot(state: Any, *, copy: bool, force: bool, step: int, seen: Seen,
                     reuse[i] = held[name]
                     continue
         fresh.append(i)
-    seen.clear()
-    seen.update(now)
+    seen.refs, seen.since = refs, first
     take = into.take if into is not None else None
     part = snapshot(flat, copy=copy, into=take, checksum=CHUNK if take is not None else None, only=fresh) \
         if fresh else Snapshot([], 0)
@@ -283,20 +294,25 @@ def _replicas(i: int, x: Any, plan: HostLeaf, take: Any = None) -> list[HostShar
 
 @dataclass
 class Encoded:
-    """A copy ready to write: ``pieces`` are data.bin's bytes in order; ``pending`` the entries whose
-    crc32c the writer computes (piece index, entry); ``index`` is final once they are filled in."""
+    """A copy ready to write: ``pieces`` are data.bin's bytes in order; ``index`` is final once the
+    crc32c of the ``pending`` pieces (piece index, and where its checksum goes: a list and a position
+    in it) are filled in by ``complete``. The index is sealed from ``body`` or, for a full copy, from
+    ``text``: its canonical text in parts (encode.py writes it without building the body)."""
 
     body: dict[str, Any] | None
     index: bytes
     pieces: list[memoryview]
     data_nbytes: int
-    pending: list[tuple[int, list]] = field(default_factory=list)
+    pending: list[tuple[int, list, int]] = field(default_factory=list)
     lent: tier_files.Lent | None = None  # the spare whose pages already hold the pieces lying in it
+    base: int | None = None  # the base step of a differential copy
+    text: list[str] | None = None
+    received: bool = False  # as a peer sent it: index final, nothing known of it here
 
     @classmethod
-    def received(cls, index: memoryview, data: memoryview) -> "Encoded":
+    def received_from(cls, index: memoryview, data: memoryview) -> "Encoded":
         """A copy as a peer sent it (index final, one piece)."""
-        return cls(None, bytes(index), [data], len(data))
+        return cls(None, bytes(index), [data], len(data), received=True)
 
     @property
     def written(self) -> int:
@@ -304,7 +320,15 @@ class Encoded:
 
     @property
     def full(self) -> bool:
-        return self.body["base"] is None
+        return not self.received and self.base is None
+
+    def complete(self, crcs: Sequence[int | None]) -> None:
+        """Fills in the pending checksums (``crcs``: per piece, as written) and seals the index."""
+        for j, where, at in self.pending:
+            where[at] = crcs[j] if where is not self.text else str(crcs[j])
+        self.pending = []
+        self.index = seal_text("".join(self.text), name=_FORMAT, version=_VERSION) if self.text is not None \
+            else encode_index(self.body)
 
 
 def _u8(buf: Any) -> np.ndarray:
@@ -395,10 +419,10 @@ def write_copy(tier_dir: str, step: int, enc: Encoded, spares: Spares | None = N
     try:
         os.mkdir(os.path.join(tier_dir, staging), 0o700)
         flags = [False] * len(enc.pieces)
-        for j, _ in enc.pending:
+        for j, _, _ in enc.pending:
             flags[j] = True
         loan, enc.lent = enc.lent, None  # a loan not taken here (the copy outgrew it) goes back below
-        lent = loan if (loan is not None and spares is not None and enc.body is not None and enc.full
+        lent = loan if (loan is not None and spares is not None and enc.full
                         and enc.data_nbytes == len(loan.map)) else None
         try:
             crcs = (spares or Spares("", keep=0)).write(os.path.join(tier_dir, staging, DATA),
@@ -407,10 +431,7 @@ def write_copy(tier_dir: str, step: int, enc: Encoded, spares: Spares | None = N
             if loan is not None and spares is not None:
                 spares.give_back(loan)
         if enc.pending:
-            for j, entry in enc.pending:
-                entry[1] = crcs[j]
-            enc.pending = []
-            enc.index = encode_index(enc.body)
+            enc.complete(crcs)
         if os.path.lexists(os.path.join(tier_dir, str(step))):
             remove_copy(tier_dir, step, spares)
         commit_mod.commit(parent, staging, str(step), INDEX, enc.index)

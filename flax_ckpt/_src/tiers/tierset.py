@@ -81,7 +81,7 @@ class TierSet:
         self._kept: dict[str, dict[int, int | None]] = {"local": {}, "peer": {}}  # step -> its base
         self._mutex = threading.Lock()  # _kept: written by the writer thread, read by the caller's
         self._base: store.Copy | None = None
-        self._seen: store.Seen = {}  # since when each jax.Array leaf has been the same object
+        self._seen = store.Seen()  # since when each jax.Array leaf has been the same object
         self._since_base, self._poor = 0, 0  # _poor: copies still to store in full (see _save_local)
         self._misses = 0  # differential copies in a row that saved less than half
         self._unpaid = self._unsampled = 0  # samples in a row that said a differential copy would not pay;
@@ -232,7 +232,7 @@ class TierSet:
         except Exception as e:  # every process votes, so that none waits for a failed one
             err = e
         t3 = time.perf_counter()
-        self._commit("local", step, self.local_dir, err, enc.body["base"] if enc else None)
+        self._commit("local", step, self.local_dir, err, enc.base if enc else None)
         now = time.perf_counter()
         reused = sum(sh.data.nbytes for sh in ts.shards() if sh.base is not None)
         self.stats.append(TierStats(step, ts.nbytes, enc.written, reused, enc.full, blocked, t2 - t1, t3 - t2,
@@ -322,7 +322,7 @@ class TierSet:
         folder, err, base = self.holdings.peer(self.peer_src), None, None
         try:
             parts = tier_sync.unframe(buf, f"step {step} from process {self.peer_src}")
-            store.write_copy(folder, step, store.Encoded.received(parts[0], parts[1]), self.holdings.spare(folder))
+            store.write_copy(folder, step, store.Encoded.received_from(parts[0], parts[1]), self.holdings.spare(folder))
             body = store.open_copy(os.path.join(folder, str(step))).body
             if (body["step"], body["process"], body["session"]) != (step, self.peer_src, self.session):
                 raise DistributedError(f"process {self.peer_src} sent a copy of another step or run")
