@@ -220,8 +220,8 @@ def test_a_full_copy_is_taken_into_its_data_file_and_the_arrays_are_free_to_dona
     """A full memory copy is made on the caller's thread straight into the pages of the data file it
     becomes, so ``save`` returns holding nothing of the state: the next jitted step can donate its
     arrays while the copy is still being written (a host view held by the writer would make XLA keep
-    them and allocate new buffers). Every copy, and the steps migrated from those pages, restore
-    bit-exact."""
+    them and allocate new buffers); the checksums are made as it is copied. Every copy, and the steps
+    migrated from those pages, restore bit-exact."""
     import jax
     import jax.numpy as jnp
 
@@ -235,6 +235,13 @@ def test_a_full_copy_is_taken_into_its_data_file_and_the_arrays_are_free_to_dona
     def held(*args, **kwargs):
         assert gate.wait(60)
         return real(*args, **kwargs)
+    pending, real_encode = [], tier_encode.encode  # per copy, the checksums left for the writer to make
+
+    def encode(*args, **kwargs):
+        enc = real_encode(*args, **kwargs)
+        pending.append(len(enc.pending))
+        return enc
+    monkeypatch.setattr(tier_encode, "encode", encode)
     tiers = _tiers(tmp_path, on_busy="wait", persist_interval_steps=2, max_to_keep=2)
     with fc.CheckpointManager(tmp_path / "ckpt", tiers=tiers) as mgr:
         try:
@@ -254,6 +261,8 @@ def test_a_full_copy_is_taken_into_its_data_file_and_the_arrays_are_free_to_dona
             gate.set()
         mgr.wait_until_finished()
         assert all(s.base for s in mgr.tier_stats[2:])
+        # the checksums made as each copy was taken are the index's: the writer computes none again
+        assert len(pending) == 6 and pending[0] and not any(pending[3:]), pending
         for step in (4, 5):
             assert_bit_exact(mgr.restore(step), saved[step], types=False)
             assert mgr.restore_stats[-1].tier == "local"

@@ -56,8 +56,9 @@ class Snapshot:
     nbytes: int  # bytes of this process's shards
     seconds: float = 0.0
     owned: bool = False  # every shard buffer was allocated by the snapshot (copy=True): reusable
-    crcs: dict[int, np.ndarray] = field(default_factory=dict)  # ``snapshot(checksum=n)``: by buffer address,
-    #                     the crc32c (uint32) of every n bytes of each buffer ``into`` gave, made as it was copied
+    crcs: dict[int, np.ndarray] = field(default_factory=dict)  # ``snapshot(checksum=n)``: by the id() of
+    #   each buffer ``into`` gave (a shard's ``data``, alive as long as the snapshot), the crc32c (uint32)
+    #   of every n bytes of it, made as it was copied
 
     def spare_buffers(self) -> dict[tuple[Any, Box], np.ndarray]:
         """This snapshot's buffers by (key path, box), for ``snapshot(reuse=...)``; none unless owned.
@@ -237,6 +238,10 @@ def _array_leaf(x: Any, seen: _Learned, copy: bool, spare: dict, into: Into | No
         # A CPU array's host view is already a snapshot: jax arrays are immutable, the view keeps the
         # buffer alive through x.delete(), and XLA never donates a buffer that has host views (it
         # allocates the output instead). So CPU arrays are not copied; other devices' are.
+        if seen.whole and into is not None:  # the common case, without the general path's closures
+            buf = _copied_into(into, x, copies)
+            if buf is not None:
+                return HostLeaf(rec, (Shard(seen.box, buf),), x.sharding, whole=True)
         parts = [(x, seen.box)] if seen.whole else \
             [(s.data, box_of(s.index, rec.shape)) for s in x.addressable_shards if s.replica_id == 0]
 
@@ -329,7 +334,7 @@ def snapshot(tree: Any, *, copy: bool = True, reuse: Snapshot | None = None, int
     crcs = _copy_all(copies, checksum)
     nbytes = sum(s.data.nbytes for hl in leaves for s in hl.shards)
     return Snapshot(leaves, nbytes, time.perf_counter() - t0, owned=copy,
-                    crcs={d.ctypes.data: c for (d, _), c in zip(copies, crcs or ()) if d.size})
+                    crcs={id(d): c for (d, _), c in zip(copies, crcs or ()) if d.size})
 
 
 def jsonable(obj: Any, what: str) -> Any:

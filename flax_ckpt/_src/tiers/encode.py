@@ -165,7 +165,7 @@ def encode(ts: TierSnapshot, ident: dict[str, Any], base: Copy | None, *, delta:
     shards, tasks = [], []
     for sh in ts.shards():
         mv, itemsize = bytes_of(sh.data), sh.data.dtype.itemsize
-        crcs = ts.crcs.get(sh.data.ctypes.data) if ts.crcs and len(mv) else None  # made as it was copied
+        crcs = ts.crcs.get(id(sh.data)) if ts.crcs and len(mv) else None  # made as it was copied
         crcs = crcs.tolist() if crcs is not None and len(crcs) == -(-len(mv) // CHUNK) else None
         shard = {"leaf": sh.leaf, "box": [list(x) for x in sh.box], "primary": sh.primary, "nbytes": len(mv)}
         if sh.base is not None and base.step == ts.base_step:
@@ -222,7 +222,7 @@ def _encode_full(ts: TierSnapshot, ident: dict[str, Any]) -> Encoded:
     for sh in ts.shards():
         mv = bytes_of(sh.data)
         n = len(mv)
-        crcs = ts.crcs.get(sh.data.ctypes.data) if ts.crcs and n else None  # made as it was copied
+        crcs = ts.crcs.get(id(sh.data)) if ts.crcs and n else None  # made as it was copied
         crcs = crcs.tolist() if crcs is not None and len(crcs) == -(-n // CHUNK) else None
         text.append(("," if text else "") + _shard_head(sh.box))
         if n and off % _ALIGN:

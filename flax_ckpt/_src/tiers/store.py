@@ -173,7 +173,7 @@ class TierSnapshot:
     skipped: int = 0  # scheduled steps skipped since the previous save (Tiers.on_busy="skip")
     lent: tier_files.Lent | None = None  # the spare data file the shards were copied into, if any
     crcs: dict[int, np.ndarray] = field(default_factory=dict)  # of the shards copied into it: per CHUNK,
-    #                                                           by buffer address (Snapshot.crcs)
+    #                                                           by id() of their ``data`` (Snapshot.crcs)
     _shards: list[HostShard] | None = field(default=None, repr=False)  # shards(), made once
 
     def shards(self) -> list[HostShard]:
