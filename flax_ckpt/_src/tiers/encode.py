@@ -165,8 +165,7 @@ def encode(ts: TierSnapshot, ident: dict[str, Any], base: Copy | None, *, delta:
     shards, tasks = [], []
     for sh in ts.shards():
         mv, itemsize = bytes_of(sh.data), sh.data.dtype.itemsize
-        crcs = ts.crcs.get(id(sh.data)) if ts.crcs and len(mv) else None  # made as it was copied
-        crcs = crcs.tolist() if crcs is not None and len(crcs) == -(-len(mv) // CHUNK) else None
+        crcs = _copied_crcs(ts, sh.data, len(mv))
         shard = {"leaf": sh.leaf, "box": [list(x) for x in sh.box], "primary": sh.primary, "nbytes": len(mv)}
         if sh.base is not None and base.step == ts.base_step:
             shard["chunks"] = [["b", e[1], e[2]] for e in sh.base["chunks"]]  # the very bytes of the base
@@ -222,8 +221,7 @@ def _encode_full(ts: TierSnapshot, ident: dict[str, Any]) -> Encoded:
     for sh in ts.shards():
         mv = bytes_of(sh.data)
         n = len(mv)
-        crcs = ts.crcs.get(id(sh.data)) if ts.crcs and n else None  # made as it was copied
-        crcs = crcs.tolist() if crcs is not None and len(crcs) == -(-n // CHUNK) else None
+        crcs = _copied_crcs(ts, sh.data, n)
         text.append(("," if text else "") + _shard_head(sh.box))
         if n and off % _ALIGN:
             pad = -off % _ALIGN
@@ -259,6 +257,13 @@ def _encode_full(ts: TierSnapshot, ident: dict[str, Any]) -> Encoded:
     if not pending:
         enc.complete([])
     return enc
+
+
+def _copied_crcs(ts: TierSnapshot, data: np.ndarray, n: int) -> list[int] | None:
+    """The crc32c of each chunk of a shard's ``n`` bytes made as the snapshot copied them, or None (the
+    writer makes them)."""
+    crcs = ts.crcs.get(id(data)) if ts.crcs and n else None
+    return crcs.tolist() if crcs is not None and len(crcs) == -(-n // CHUNK) else None
 
 
 @functools.lru_cache(maxsize=4096)
