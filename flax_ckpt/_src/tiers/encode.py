@@ -214,7 +214,8 @@ def _encode_full(ts: TierSnapshot, ident: dict[str, Any]) -> Encoded:
     the text and, surviving a save, the garbage collector's full collections. A shard whose chunks'
     crc32c the snapshot made is one piece; otherwise each chunk is, its checksum a hole in the text that
     the writer fills (``pending``)."""
-    text: list[str] = []  # the "shards" value, then the body around it (below)
+    text: list[str] = [""]  # the body up to the "shards" value (made below, once ``data`` is known), the
+    #                         shards, then the rest of the body
     pieces: list[memoryview] = []
     pending: list[tuple[int, list, int]] = []
     off = 0
@@ -222,7 +223,7 @@ def _encode_full(ts: TierSnapshot, ident: dict[str, Any]) -> Encoded:
         mv = bytes_of(sh.data)
         n = len(mv)
         crcs = _copied_crcs(ts, sh.data, n)
-        text.append(("," if text else "") + _shard_head(sh.box))
+        text.append(("," if len(text) > 1 else "") + _shard_head(sh.box))
         if n and off % _ALIGN:
             pad = -off % _ALIGN
             pieces.append(memoryview(bytes(pad)))
@@ -250,9 +251,8 @@ def _encode_full(ts: TierSnapshot, ident: dict[str, Any]) -> Encoded:
     at = keys.index("shards")
     head = "{" + ",".join(f"{canonical(k)}:{fields[k]}" for k in keys[:at]) + ("," if at else "") + '"shards":['
     tail = "]" + "".join(f",{canonical(k)}:{fields[k]}" for k in keys[at + 1:]) + "}"
-    text.insert(0, head)
+    text[0] = head
     text.append(tail)
-    pending = [(j, where, i + 1) for j, where, i in pending]  # shifted by the head
     enc = Encoded(None, b"", pieces, off, pending, lent, None, text)
     if not pending:
         enc.complete([])
