@@ -297,6 +297,32 @@ def tmpfs(path: str, size: str = "8m") -> Iterator[str]:
         os.rmdir(path)
 
 
+@contextlib.contextmanager
+def ext4(path: str, size_mb: int = 16) -> Iterator[str]:
+    """An ext4 file system of ``size_mb`` MiB on a loop device mounted at ``path`` for the block (a
+    block-device file system, where large files are written with O_DIRECT); unmounted and removed after."""
+    image = path + ".img"
+    os.makedirs(path, exist_ok=True)
+    with open(image, "wb") as f:
+        f.truncate(size_mb << 20)
+    for cmd in (["mkfs.ext4", "-q", "-F", image], ["mount", "-o", "loop", image, path]):
+        try:
+            r = subprocess.run(cmd, capture_output=True, text=True)
+        except FileNotFoundError as e:
+            r = subprocess.CompletedProcess(cmd, 127, "", str(e))
+        if r.returncode:
+            os.rmdir(path)
+            os.unlink(image)
+            raise MountRefused(f"{' '.join(cmd)} failed ({r.returncode}): {r.stderr.strip() or r.stdout.strip()}")
+    try:
+        yield path
+    finally:
+        if subprocess.run(["umount", path], capture_output=True).returncode:
+            subprocess.run(["umount", "-l", path], capture_output=True)
+        os.rmdir(path)
+        os.unlink(image)
+
+
 LAST_DISK_ERROR: dict[str, str] = {}  # the message of the latest ENOSPC failure per serializer (for reports)
 
 
@@ -331,7 +357,7 @@ def is_enospc(e: BaseException) -> bool:
 
 
 def disk_full_trial(mount: str, serializer: str, rng: random.Random) -> Outcome:
-    """On a tmpfs left with less room than a state (a random amount, or for raw exactly its data
+    """On a small file system (tmpfs, or ext4 on a loop device) left with less room than a state (a random amount, or for raw exactly its data
     file, so that the manifest write fails): a save fails with ENOSPC named in its error, commits
     nothing and leaves no temporary folder; every older step restores bit-exact; once space returns
     the same manager saves again. A plain fc.save fails the same way."""

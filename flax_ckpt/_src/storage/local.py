@@ -4,14 +4,25 @@ Scope: LocalStorage, the Storage protocol (base.py) over a folder, and open_regu
 open of a file for reading, also used by foreign/files.py). Reads never leave the folder
 (symlinks are resolved and refused when they point outside) and never block (special files are
 refused before they are opened for reading).
+
+Large files on a local block-device file system (ext4, xfs, btrfs) are written with O_DIRECT, through
+a page-aligned staging buffer: the disk reads the bytes from it, instead of the kernel copying them
+into the page cache and writing them back later. That copy is what a write costs the CPU (about
+1 ms per MiB of kernel time on a small VM, taken from the cores a training step is using); the
+staging copy costs a fifth of it. Elsewhere (tmpfs, NFS, FUSE, any file system that refuses O_DIRECT,
+or FLAX_CKPT_DIRECT_IO=0) files go through the page cache as before. Either way the bytes on disk
+are the same and fsynced before ``write`` returns.
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
+import mmap
 import os
 import shutil
 import stat
+import threading
 import time
 from typing import Any, Literal, Sequence
 
@@ -20,6 +31,12 @@ from flax_ckpt._src.storage.base import Buffer
 
 _IO_STEP = 1 << 30  # bytes per os.write / preadv call
 _IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)  # buffers per writev/preadv
+_O_DIRECT = getattr(os, "O_DIRECT", 0)  # Linux; 0 elsewhere: every write through the page cache
+DIRECT_MIN = 1 << 20  # files of at least this many bytes are written with O_DIRECT where the file system allows
+DIRECT_FILE_SYSTEMS = frozenset({"ext4", "xfs", "btrfs"})
+_ALIGN = 4096  # O_DIRECT: memory address, file offset and length multiples of the logical block (<= 4096)
+_STAGE = 4 << 20  # bytes of one staging buffer: one O_DIRECT write
+_STAGES_KEPT = 8  # staging buffers kept for the next save (one per file written at once)
 
 
 def fsync_dir(path: str) -> None:
@@ -69,13 +86,26 @@ class LocalStorage:
         return LocalStorage(os.path.dirname(self.root)), os.path.basename(self.root)
 
     def write(self, name: str, buffers: Sequence[Buffer]) -> float:
-        """Writes and fsyncs the file ``name``; returns the seconds the fsync took."""
+        """Writes and fsyncs the file ``name``; returns the seconds the fsync took. A large file on a
+        local block-device file system is written with O_DIRECT (see the module's docstring)."""
         path = self._p(name)
-        LocalStorage(os.path.dirname(path)).makedirs()
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        views = [memoryview(b).cast("B") for b in buffers]
+        folder = os.path.dirname(path)
+        LocalStorage(folder).makedirs()
+        views = [v for v in (memoryview(b).cast("B") for b in buffers) if len(v)]
+        direct = sum(len(v) for v in views) >= DIRECT_MIN and direct_io(folder)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
         try:
-            _write_all(fd, [v for v in views if len(v)])
+            fd = os.open(path, flags | _O_DIRECT, 0o644) if direct else os.open(path, flags, 0o644)
+        except OSError as e:
+            if not direct or e.errno != errno.EINVAL:
+                raise
+            _refuses_direct(folder)
+            direct, fd = False, os.open(path, flags, 0o644)
+        try:
+            if direct:
+                _write_direct(fd, views, folder)
+            else:
+                _write_all(fd, views)
             t0 = time.perf_counter()
             os.fsync(fd)
             return time.perf_counter() - t0
@@ -262,6 +292,121 @@ def _pread_all(fd: int, path: str, offset: int, views: list[memoryview], total: 
                 i += 1
             else:
                 views[i], n = views[i][n:], 0
+
+
+_fs_direct: dict[int, bool] = {}  # st_dev -> whether its file system takes O_DIRECT writes
+
+
+def direct_io(folder: str) -> bool:
+    """Whether large files in ``folder`` are written with O_DIRECT: Linux, not FLAX_CKPT_DIRECT_IO=0,
+    and the folder's file system one of DIRECT_FILE_SYSTEMS (by /proc/self/mountinfo, once per device)
+    that has not refused it in this process."""
+    if not _O_DIRECT or os.environ.get("FLAX_CKPT_DIRECT_IO", "auto").strip().lower() in ("0", "off", "false", "no"):
+        return False
+    dev = os.stat(folder).st_dev
+    known = _fs_direct.get(dev)
+    if known is None:
+        known = _fs_direct[dev] = _fs_type(dev) in DIRECT_FILE_SYSTEMS
+    return known
+
+
+def _fs_type(dev: int) -> str | None:
+    """The type of the file system mounted from device ``dev`` (e.g. "ext4"), or None if unknown."""
+    want = f"{os.major(dev)}:{os.minor(dev)}"
+    try:
+        with open("/proc/self/mountinfo") as f:
+            for line in f:  # id parent major:minor root mount-point options [optional...] - type source ...
+                fields = line.split()
+                if len(fields) > 3 and fields[2] == want and "-" in fields:
+                    return fields[fields.index("-") + 1]
+    except OSError:
+        pass
+    return None
+
+
+def _refuses_direct(folder: str) -> None:
+    """Remembers that the file system of ``folder`` refused an O_DIRECT open or write (EINVAL)."""
+    try:
+        _fs_direct[os.stat(folder).st_dev] = False
+    except OSError:
+        pass
+
+
+class _Stages:
+    """Page-aligned staging buffers (anonymous maps) for O_DIRECT writes, kept for the next save."""
+
+    def __init__(self) -> None:
+        self._free: list[mmap.mmap] = []
+        self._lock = threading.Lock()
+
+    def take(self) -> mmap.mmap:
+        with self._lock:
+            if self._free:
+                return self._free.pop()
+        return mmap.mmap(-1, _STAGE)
+
+    def give(self, stage: mmap.mmap) -> None:
+        with self._lock:
+            if len(self._free) < _STAGES_KEPT:
+                self._free.append(stage)
+                return
+        stage.close()
+
+
+_stages = _Stages()
+
+
+def _write_direct(fd: int, views: list[memoryview], folder: str) -> None:
+    """Writes the buffers back to back into ``fd`` (opened with O_DIRECT): copied into a staging buffer,
+    written from it a whole buffer at a time; the last part that is not a multiple of _ALIGN, and
+    everything after a write the file system refuses (EINVAL), through the page cache."""
+    stage = _stages.take()
+    try:
+        with memoryview(stage) as buf:
+            fill = pos = 0
+            direct = True
+            for v in views:
+                i = 0
+                while i < len(v):
+                    n = min(len(v) - i, _STAGE - fill)
+                    buf[fill:fill + n] = v[i:i + n]
+                    fill, i = fill + n, i + n
+                    if fill == _STAGE:
+                        direct = _pwrite_all(fd, buf, pos, direct, folder)
+                        pos, fill = pos + _STAGE, 0
+            whole = fill - fill % _ALIGN
+            if whole:
+                direct = _pwrite_all(fd, buf[:whole], pos, direct, folder)
+            if fill > whole:
+                _pwrite_all(fd, buf[whole:fill], pos + whole, _buffered(fd, direct), folder)
+    finally:
+        _stages.give(stage)
+
+
+def _buffered(fd: int, direct: bool) -> bool:
+    """Turns O_DIRECT off for the rest of ``fd``'s writes; returns False (the new mode)."""
+    if direct:
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~_O_DIRECT)
+    return False
+
+
+def _pwrite_all(fd: int, buf: memoryview, pos: int, direct: bool, folder: str) -> bool:
+    """Writes all of ``buf`` at ``pos``; returns whether fd is still in O_DIRECT mode (a write refused
+    with EINVAL, e.g. a block larger than _ALIGN, or a short write that leaves the rest unaligned,
+    goes on through the page cache)."""
+    done = 0
+    while done < len(buf):
+        part = buf[done:]
+        if direct and (len(part) % _ALIGN or (pos + done) % _ALIGN):
+            direct = _buffered(fd, direct)
+        try:
+            done += os.pwrite(fd, part, pos + done)
+        except OSError as e:
+            if not direct or e.errno != errno.EINVAL:
+                raise
+            _refuses_direct(folder)
+            direct = _buffered(fd, direct)
+    return direct
 
 
 def _write_all(fd: int, views: list[memoryview]) -> None:

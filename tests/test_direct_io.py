@@ -1,0 +1,178 @@
+"""Large files written with O_DIRECT (storage/local.py): the bytes on disk are exactly the buffers,
+whatever their sizes and alignment, on a file system that takes O_DIRECT (ext4 on a loop device, and
+whatever holds pytest's tmp_path), one that refuses it (tmpfs), and one whose O_DIRECT open or write
+is refused (EINVAL) at run time; FLAX_CKPT_DIRECT_IO=0 turns it off; a full ext4 fails a save clearly
+and keeps the older steps.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import random
+import shutil
+import subprocess
+import tempfile
+import threading
+
+import numpy as np
+import pytest
+
+from flax_ckpt._src.storage import local
+from flax_ckpt._src.storage.local import DIRECT_FILE_SYSTEMS, DIRECT_MIN, LocalStorage
+from reliability_trials import MountRefused, disk_full_trial, ext4
+
+STAGE = local._STAGE
+SIZES = [  # each a list of buffer sizes written back to back as one file
+    [DIRECT_MIN],
+    [DIRECT_MIN + 1],
+    [STAGE],
+    [STAGE - 1, 1],
+    [STAGE + 4097, 3],
+    [1, 4095, DIRECT_MIN, 7, 2 * STAGE - 5],
+    [5 * (1 << 20), 0, 13],
+    [3] * 100 + [DIRECT_MIN + 4096 * 3],
+]
+
+
+@pytest.fixture(autouse=True)
+def fresh_decisions(monkeypatch):
+    """Each test decides anew which file systems take O_DIRECT (a refusal is remembered per device)."""
+    monkeypatch.setattr(local, "_fs_direct", {})
+
+
+@pytest.fixture
+def small_ext4(tmp_path):
+    try:
+        with ext4(str(tmp_path / "mnt"), 64) as mount:
+            yield mount
+    except MountRefused as e:
+        pytest.skip(f"cannot mount an ext4 loop device (needs root, mkfs.ext4 and loop devices): {e}")
+
+
+def _buffers(sizes: list[int], seed: int) -> list:
+    rng = np.random.default_rng(seed)
+    out = []
+    for i, n in enumerate(sizes):  # every kind of buffer the serializers pass, at odd addresses too
+        raw = rng.integers(0, 256, n + 1, dtype=np.uint8)
+        out.append(raw[1:] if i % 3 == 0 else raw[:n].tobytes() if i % 3 == 1 else memoryview(raw[:n]))
+    return out
+
+
+def _opens(monkeypatch) -> list[tuple[str, int]]:
+    """Records (path, flags) of every os.open."""
+    seen, real = [], os.open
+
+    def spy(path, flags, *a, **k):
+        seen.append((os.fspath(path), flags))
+        return real(path, flags, *a, **k)
+    monkeypatch.setattr(os, "open", spy)
+    return seen
+
+
+def _write_and_check(folder: str, sizes: list[int], seed: int) -> None:
+    bufs = _buffers(sizes, seed)
+    LocalStorage(folder).write("sub/f.bin", bufs)
+    with open(os.path.join(folder, "sub", "f.bin"), "rb") as f:
+        got = f.read()
+    want = b"".join(bytes(memoryview(b).cast("B")) for b in bufs)
+    assert len(got) == len(want) and got == want, f"sizes {sizes}: the file differs from the buffers"
+
+
+@pytest.mark.parametrize("mode", ["auto", "0"])
+def test_files_hold_exactly_the_buffers_on_ext4(small_ext4, monkeypatch, mode):
+    monkeypatch.setenv("FLAX_CKPT_DIRECT_IO", mode)
+    opens = _opens(monkeypatch)
+    for seed, sizes in enumerate(SIZES):
+        _write_and_check(small_ext4, sizes, seed)
+    direct = [bool(flags & os.O_DIRECT) for path, flags in opens if path.endswith("f.bin")]
+    assert direct == [mode == "auto"] * len(SIZES)
+
+
+def test_tmp_path_and_tmpfs_round_trip_and_direct_io_follows_the_file_system(tmp_path, monkeypatch):
+    """pytest's tmp_path (whatever file system the machine has) and /dev/shm (tmpfs, which refuses
+    O_DIRECT): exact bytes; O_DIRECT exactly where findmnt names a file system of DIRECT_FILE_SYSTEMS;
+    small files always through the page cache."""
+    if not shutil.which("findmnt"):
+        pytest.skip("findmnt (util-linux) is needed to name each folder's file system independently")
+    folders = [str(tmp_path)]
+    if os.path.isdir("/dev/shm"):
+        shm = str(tmp_path / "shm")
+        os.symlink(tempfile.mkdtemp(dir="/dev/shm"), shm)
+        folders.append(shm)
+    try:
+        for folder in folders:
+            fstype = subprocess.run(["findmnt", "-n", "-o", "FSTYPE", "--target", folder], capture_output=True,
+                                    text=True, check=True).stdout.split()[-1]  # the last of stacked mounts is seen
+            assert local._fs_type(os.stat(folder).st_dev) == fstype, folder
+            opens = _opens(monkeypatch)
+            _write_and_check(folder, [DIRECT_MIN + 12345], 1)
+            LocalStorage(folder).write("small.json", [b"{}"])
+            monkeypatch.undo()
+            flags = {os.path.basename(p): f for p, f in opens if p.endswith((".bin", ".json"))}
+            assert bool(flags["f.bin"] & os.O_DIRECT) == (fstype in DIRECT_FILE_SYSTEMS), (folder, fstype)
+            assert not flags["small.json"] & os.O_DIRECT
+    finally:
+        if len(folders) > 1:
+            shutil.rmtree(os.path.realpath(folders[1]))
+
+
+def test_a_refused_direct_open_or_write_goes_on_through_the_page_cache(small_ext4, monkeypatch):
+    """EINVAL from an O_DIRECT open (e.g. a FUSE mount) or write (a block larger than 4096 bytes): the
+    file is written whole through the page cache, and that file system is not tried again."""
+    real_open, real_pwrite = os.open, os.pwrite
+    refused = []
+
+    def pwrite(fd, data, pos):
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT and pos >= STAGE:  # the second direct write fails
+            refused.append(pos)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_pwrite(fd, data, pos)
+    monkeypatch.setattr(os, "pwrite", pwrite)
+    _write_and_check(small_ext4, [3 * STAGE + 17], 2)
+    assert refused == [STAGE] and local.direct_io(small_ext4) is False
+    monkeypatch.setattr(local, "_fs_direct", {})
+
+    def refuse_direct_open(path, flags, *a, **k):
+        if flags & os.O_DIRECT:
+            refused.append(path)
+            raise OSError(errno.EINVAL, "Invalid argument", path)
+        return real_open(path, flags, *a, **k)
+    monkeypatch.setattr(os, "open", refuse_direct_open)
+    _write_and_check(small_ext4, [STAGE + 5], 3)
+    _write_and_check(small_ext4, [STAGE + 6], 4)
+    assert len(refused) == 2, "the refusing file system was tried again"
+
+
+def test_files_written_at_once_from_several_threads_keep_their_bytes(small_ext4):
+    """The staging buffers are shared: eight files written at once (the raw serializer's parallel files)
+    each hold exactly their own bytes."""
+    errors = []
+
+    def one(i: int) -> None:
+        try:
+            for seed in range(3):
+                sizes = [STAGE + 1000 * i + seed, 4096 * i + 1]
+                bufs = _buffers(sizes, 100 * i + seed)
+                LocalStorage(os.path.join(small_ext4, f"t{i}")).write("f.bin", bufs)
+                with open(os.path.join(small_ext4, f"t{i}", "f.bin"), "rb") as f:
+                    assert f.read() == b"".join(bytes(memoryview(b).cast("B")) for b in bufs), i
+                os.unlink(os.path.join(small_ext4, f"t{i}", "f.bin"))
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+
+
+@pytest.mark.timeout(120)
+def test_full_ext4_fails_the_save_clearly_keeps_older_steps_and_recovers(small_ext4):
+    """The disk-full trial of test_reliability_disk.py on ext4, where the data files go with O_DIRECT."""
+    assert local.direct_io(small_ext4)
+    for seed in range(2):
+        outcome = disk_full_trial(small_ext4, "raw", random.Random(seed))
+        assert outcome.ok, f"{outcome.kind}: {outcome.detail}"
