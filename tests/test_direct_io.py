@@ -15,6 +15,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -176,3 +177,43 @@ def test_full_ext4_fails_the_save_clearly_keeps_older_steps_and_recovers(small_e
     for seed in range(2):
         outcome = disk_full_trial(small_ext4, "raw", random.Random(seed))
         assert outcome.ok, f"{outcome.kind}: {outcome.detail}"
+
+
+def test_a_forked_child_writing_at_the_same_time_does_not_share_the_staging_buffers(small_ext4, monkeypatch):
+    """A process forked after a save (a data-loader worker, a forked evaluation) keeps the parent's
+    spare staging buffers: the two processes' writes at the same time must not mix their bytes. (Each
+    write waits 2 ms between filling the buffer and writing it, as a busy disk would, so that the two
+    processes' writes interleave.)"""
+    LocalStorage(small_ext4).write("warm.bin", _buffers([STAGE + 1], 0))  # a staging buffer kept for reuse
+    real_pwrite = os.pwrite
+
+    def slow_pwrite(fd, data, pos):
+        time.sleep(0.002)
+        return real_pwrite(fd, data, pos)
+    monkeypatch.setattr(os, "pwrite", slow_pwrite)
+    go_r, go_w = os.pipe()
+
+    def write_files(who: str) -> bool:
+        ok = True
+        for k in range(8):
+            bufs = _buffers([3 * STAGE + 4096 * k + 3], (7 if who == "child" else 11) * 100 + k)
+            name = f"{who}{k}.bin"
+            LocalStorage(small_ext4).write(name, bufs)
+            with open(os.path.join(small_ext4, name), "rb") as f:
+                ok &= f.read() == b"".join(bytes(memoryview(b).cast("B")) for b in bufs)
+            os.unlink(os.path.join(small_ext4, name))
+        return ok
+    pid = os.fork()
+    if pid == 0:  # the child: only numpy and os calls
+        status = 1
+        try:
+            os.read(go_r, 1)
+            status = 0 if write_files("child") else 3
+        finally:
+            os._exit(status)
+    os.write(go_w, b"x")
+    parent_ok = write_files("parent")
+    _, status = os.waitpid(pid, 0)
+    os.close(go_r)
+    os.close(go_w)
+    assert parent_ok and os.waitstatus_to_exitcode(status) == 0, (parent_ok, status)

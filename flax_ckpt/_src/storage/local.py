@@ -333,7 +333,7 @@ def _refuses_direct(folder: str) -> None:
 
 
 class _Stages:
-    """Page-aligned staging buffers (anonymous maps) for O_DIRECT writes, kept for the next save."""
+    """Page-aligned staging buffers (private anonymous maps) for O_DIRECT writes, kept for the next save."""
 
     def __init__(self) -> None:
         self._free: list[mmap.mmap] = []
@@ -343,7 +343,8 @@ class _Stages:
         with self._lock:
             if self._free:
                 return self._free.pop()
-        return mmap.mmap(-1, _STAGE)
+        # private: a process forked later gets its own copy on write, not pages it shares with this one
+        return mmap.mmap(-1, _STAGE, flags=mmap.MAP_PRIVATE)
 
     def give(self, stage: mmap.mmap) -> None:
         with self._lock:
