@@ -282,37 +282,19 @@ class MountRefused(RuntimeError):
 
 
 @contextlib.contextmanager
-def tmpfs(path: str, size: str = "8m") -> Iterator[str]:
-    """A tmpfs of ``size`` mounted at ``path`` for the block; unmounted (and removed) after it."""
+def _mounted(path: str, commands: list[list[str]], image: str | None = None) -> Iterator[str]:
+    """Runs ``commands`` (the last mounts a file system at ``path``), yields ``path``, then unmounts it
+    and removes ``path`` (and ``image``). A command that fails or is missing is a MountRefused."""
     os.makedirs(path, exist_ok=True)
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", path], capture_output=True, text=True)
-    if r.returncode:
-        os.rmdir(path)
-        raise MountRefused(f"mount -t tmpfs failed ({r.returncode}): {r.stderr.strip() or r.stdout.strip()}")
-    try:
-        yield path
-    finally:
-        if subprocess.run(["umount", path], capture_output=True).returncode:
-            subprocess.run(["umount", "-l", path], capture_output=True)
-        os.rmdir(path)
-
-
-@contextlib.contextmanager
-def ext4(path: str, size_mb: int = 16) -> Iterator[str]:
-    """An ext4 file system of ``size_mb`` MiB on a loop device mounted at ``path`` for the block (a
-    block-device file system, where large files are written with O_DIRECT); unmounted and removed after."""
-    image = path + ".img"
-    os.makedirs(path, exist_ok=True)
-    with open(image, "wb") as f:
-        f.truncate(size_mb << 20)
-    for cmd in (["mkfs.ext4", "-q", "-F", image], ["mount", "-o", "loop", image, path]):
+    for cmd in commands:
         try:
             r = subprocess.run(cmd, capture_output=True, text=True)
         except FileNotFoundError as e:
             r = subprocess.CompletedProcess(cmd, 127, "", str(e))
         if r.returncode:
             os.rmdir(path)
-            os.unlink(image)
+            if image:
+                os.unlink(image)
             raise MountRefused(f"{' '.join(cmd)} failed ({r.returncode}): {r.stderr.strip() or r.stdout.strip()}")
     try:
         yield path
@@ -320,7 +302,22 @@ def ext4(path: str, size_mb: int = 16) -> Iterator[str]:
         if subprocess.run(["umount", path], capture_output=True).returncode:
             subprocess.run(["umount", "-l", path], capture_output=True)
         os.rmdir(path)
-        os.unlink(image)
+        if image:
+            os.unlink(image)
+
+
+def tmpfs(path: str, size: str = "8m") -> contextlib.AbstractContextManager[str]:
+    """A tmpfs of ``size`` mounted at ``path`` for the block; unmounted (and removed) after it."""
+    return _mounted(path, [["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", path]])
+
+
+def ext4(path: str, size_mb: int = 16) -> contextlib.AbstractContextManager[str]:
+    """An ext4 file system of ``size_mb`` MiB on a loop device mounted at ``path`` for the block (a
+    block-device file system, where large files are written with O_DIRECT); unmounted and removed after."""
+    image = path + ".img"
+    with open(image, "wb") as f:
+        f.truncate(size_mb << 20)
+    return _mounted(path, [["mkfs.ext4", "-q", "-F", image], ["mount", "-o", "loop", image, path]], image)
 
 
 LAST_DISK_ERROR: dict[str, str] = {}  # the message of the latest ENOSPC failure per serializer (for reports)
