@@ -217,3 +217,11 @@ def test_a_forked_child_writing_at_the_same_time_does_not_share_the_staging_buff
     os.close(go_r)
     os.close(go_w)
     assert parent_ok and os.waitstatus_to_exitcode(status) == 0, (parent_ok, status)
+
+
+def test_a_write_that_makes_no_progress_fails_naming_the_file(small_ext4, monkeypatch):
+    """A pwrite that returns 0 (a broken driver) must be an error naming the file, never a loop."""
+    monkeypatch.setattr(os, "pwrite", lambda fd, data, pos: 0)
+    with pytest.raises(OSError) as info:
+        LocalStorage(small_ext4).write("stuck.bin", _buffers([STAGE + 1], 5))
+    assert info.value.errno == errno.EIO and "stuck.bin" in str(info.value)
