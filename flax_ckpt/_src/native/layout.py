@@ -41,7 +41,9 @@ def manifest_bytes(snap: Snapshot, written: list[Written], serializer: Serialize
     for w in written:
         for i, recs in w.chunks.items():
             chunks.setdefault(i, []).extend(recs)
-    leaves = [(lf.record.with_chunks(chunks.get(i, ())) if lf.record.is_array else lf.record).to_json()
+    # each record's JSON is made once and shared (LeafRecord.json: a structure saved before reuses its
+    # records); an array's is copied with this save's chunks
+    leaves = [dict(lf.record.json(), chunks=list(chunks.get(i, ()))) if lf.record.is_array else lf.record.json()
               for i, lf in enumerate(snap.leaves)]
     files = {name: size for w in written for name, size in w.files.items()}
     body = {"step": step, "metrics": metrics_json(metrics), "metadata": jsonable(metadata, "metadata"),
