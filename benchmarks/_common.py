@@ -114,6 +114,16 @@ def files_under(path: Path) -> list[Path]:
     return [Path(d) / f for d, _, fs in os.walk(path) for f in fs]
 
 
+def write_raw_file(path: Path, arrays: Any) -> None:
+    """The raw baseline's write: every array's bytes appended to one file with ``ndarray.tofile``
+    (through the page cache), then fsynced."""
+    with open(path, "wb") as f:
+        for a in arrays:
+            a.tofile(f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def fsync_tree(path: Path) -> None:
     """fsync every file and folder under ``path`` (cheap where the writer already did)."""
     for f in files_under(path):

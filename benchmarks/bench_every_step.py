@@ -15,7 +15,7 @@ Contenders, each run in its own process (a fresh jax: no host copy cached by ano
 - ``none``: the loop without checkpoints (the reference of every ratio);
 - ``floor``: ``np.copyto`` of every leaf into buffers allocated once (the cost of one host copy);
 - ``write-floor``: every leaf written back to back into one file and fsynced, as a plain writer does
-  (``os.writev``, through the page cache) on a background thread, one file in flight (the next save
+  (bench_save_restore.py's raw baseline: ``ndarray.tofile``, through the page cache) on a background thread, one file in flight (the next save
   waits for it), the two newest kept: the cost of making the state durable with no format at all;
 - ``memory``: ``CheckpointManager(tiers=Tiers(local_dir=<tmpfs>, peer=False, persist_interval_steps=50))``,
   the default ``on_busy="skip"`` (a save that finds the previous one in flight is skipped: the table
@@ -150,20 +150,7 @@ class WriteFloor(Saver):
         self.d, self.thread, self.threading = d, None, threading
 
     def _write(self, step: int, arrays: list) -> None:
-        path = self.d / f"{step}.bin"
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            views = [memoryview(a.reshape(-1).view("uint8")) for a in arrays if a.size]
-            while views:
-                n = os.writev(fd, views[:1024])
-                while n and views:
-                    if n >= len(views[0]):
-                        n -= len(views.pop(0))
-                    else:
-                        views[0], n = views[0][n:], 0
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        C.write_raw_file(self.d / f"{step}.bin", arrays)
         old = self.d / f"{step - 2}.bin"
         if old.exists():
             old.unlink()

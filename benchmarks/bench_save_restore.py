@@ -65,11 +65,7 @@ class RawFile(Contender):
 
     def save(self, path: Path) -> None:
         path.mkdir()
-        with open(path / "data.bin", "wb") as f:
-            for a in self.flat.values():
-                a.tofile(f)
-            f.flush()
-            os.fsync(f.fileno())
+        C.write_raw_file(path / "data.bin", self.flat.values())
 
     def restore(self, path: Path) -> dict[str, Any]:
         with open(path / "data.bin", "rb") as f:
