@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import mmap
 import os
 import random
 import shutil
@@ -225,3 +226,51 @@ def test_a_write_that_makes_no_progress_fails_naming_the_file(small_ext4, monkey
     with pytest.raises(OSError) as info:
         LocalStorage(small_ext4).write("stuck.bin", _buffers([STAGE + 1], 5))
     assert info.value.errno == errno.EIO and "stuck.bin" in str(info.value)
+
+
+def _address(v) -> int:
+    return np.frombuffer(memoryview(v).cast("B"), np.uint8).ctypes.data
+
+
+@pytest.mark.parametrize("case", ["aligned", "tail", "gaps", "unaligned start"])
+def test_buffers_back_to_back_in_page_aligned_memory_are_written_from_it(small_ext4, monkeypatch, case):
+    """A snapshot's arena (engine/arena.py) hands the raw serializer buffers that lie back to back from a
+    page boundary: they are written with O_DIRECT straight from that memory (the disk reads the bytes
+    where they are; no staging copy), only what is not a multiple of 4096 at the end of a run, and
+    whatever is not such a run, going through a staging buffer. The file holds exactly the buffers."""
+    arena = mmap.mmap(-1, 4 * STAGE, flags=mmap.MAP_PRIVATE)
+    mem = np.frombuffer(arena, np.uint8)
+    mem[:] = np.random.default_rng(7).integers(0, 256, mem.size, dtype=np.uint8)
+    base = _address(mem)
+    cuts = {"aligned": [(0, DIRECT_MIN), (DIRECT_MIN, 4096), (DIRECT_MIN + 4096, STAGE)],
+            "tail": [(0, 3), (3, STAGE - 3), (STAGE, 4096 * 5 + 1)],
+            "gaps": [(0, STAGE + 7), (STAGE + 16, 4096), (2 * STAGE, 8192)],
+            "unaligned start": [(1, STAGE), (STAGE + 1, 100)]}[case]
+    bufs = [memoryview(mem[o:o + n]) for o, n in cuts]
+    if case == "gaps":
+        bufs.insert(1, b"not in the arena")
+    takes, writes = [], []
+    real_take, real_pwrite = local._stages.take, os.pwrite
+
+    def take():
+        takes.append(1)
+        return real_take()
+
+    def pwrite(fd, data, pos):
+        writes.append((_address(data) - base, len(data), pos, bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT)))
+        return real_pwrite(fd, data, pos)
+    monkeypatch.setattr(local._stages, "take", take)
+    monkeypatch.setattr(os, "pwrite", pwrite)
+    LocalStorage(small_ext4).write("f.bin", bufs)
+    with open(os.path.join(small_ext4, "f.bin"), "rb") as f:
+        assert f.read() == b"".join(bytes(memoryview(b).cast("B")) for b in bufs)
+    from_memory = [(a, n, pos) for a, n, pos, direct in writes if direct and 0 <= a < 4 * STAGE]
+    total = sum(len(memoryview(b).cast("B")) for b in bufs)
+    if case == "aligned":  # one run, a multiple of 4096: one write from the arena, nothing staged
+        assert from_memory == [(0, total, 0)] and not takes
+    elif case == "tail":  # the run's whole pages from the arena, its last 1 byte staged
+        assert from_memory == [(0, total - 1, 0)] and len(takes) == 1
+    elif case == "gaps":  # the first run's pages from the arena; after it, nothing lines up: staged
+        assert from_memory == [(0, STAGE, 0)] and len(takes) == 1
+    else:  # a run that does not start on a page: staged, whatever its length
+        assert from_memory == [] and len(takes) == 1

@@ -23,6 +23,7 @@ import jax
 import numpy as np
 
 from flax_ckpt._src import tree as tree_mod
+from flax_ckpt._src.engine.arena import Arena
 from flax_ckpt._src.engine.leaves import key_data_shape
 from flax_ckpt._src.engine.pause import gc_paused
 from flax_ckpt._src.errors import CheckpointError
@@ -59,28 +60,37 @@ class Snapshot:
     crcs: dict[int, np.ndarray] = field(default_factory=dict)  # ``snapshot(checksum=n)``: by the id() of
     #   each buffer ``into`` gave (a shard's ``data``, alive as long as the snapshot), the crc32c (uint32)
     #   of every n bytes of it, made as it was copied
+    checksum: int | None = None  # that n
+    arena: Arena | None = None  # the arena ``into`` was (engine/arena.py): kept by ``reusable``
 
     def spare_buffers(self) -> dict[tuple[Any, Box], np.ndarray]:
         """This snapshot's buffers by (key path, box), for ``snapshot(reuse=...)``; none unless owned.
         Read-only views (of CPU jax arrays) are never handed out."""
         if not self.owned:
             return {}
-        return {(lf.path, s.box): s.data for lf in self.leaves for s in lf.shards if s.data.flags.writeable}
+        return {(lf.path, s.box): s.data for lf in self.leaves for s in lf.shards if s.data.flags.writeable
+                and not (self.arena is not None and self.arena.holds(s.data))}  # the arena is reused whole
 
     def reusable(self) -> "Snapshot | None":
         """This snapshot's own buffers alone (what ``spare_buffers`` gives), or None when it has none: what
         to keep for the next save, which holds no view of the caller's arrays (that would keep a saved
         state alive, and stop XLA from donating its buffers)."""
         spare = self.spare_buffers()
-        if not spare:
+        if not spare and self.arena is None:
             return None
         leaves = [HostLeaf(lf.record, tuple(s for s in lf.shards if (lf.path, s.box) in spare))
                   for lf in self.leaves if any((lf.path, s.box) in spare for s in lf.shards)]
-        return Snapshot(leaves, sum(a.nbytes for a in spare.values()), owned=True)
+        return Snapshot(leaves, sum(a.nbytes for a in spare.values()), owned=True, arena=self.arena)
 
     def items(self) -> list[ArrayItem]:
-        """The arrays as a serializer takes them (``leaf``: the index in ``leaves``)."""
-        return [ArrayItem(i, lf.record.name, lf.record.dtype, lf.record.shape, lf.shards)
+        """The arrays as a serializer takes them (``leaf``: the index in ``leaves``), each shard with the
+        checksums made as it was copied (``Shard.crc32c``) where there are some."""
+        def shards(lf: HostLeaf) -> tuple[Shard, ...]:
+            if not self.crcs:
+                return lf.shards
+            return tuple(s if (c := self.crcs.get(id(s.data))) is None else Shard(s.box, s.data, (self.checksum, c))
+                         for s in lf.shards)
+        return [ArrayItem(i, lf.record.name, lf.record.dtype, lf.record.shape, shards(lf))
                 for i, lf in enumerate(self.leaves) if lf.record.is_array]
 
 
@@ -128,6 +138,7 @@ def _copied_into(into: Into, x: Any, copies: list[tuple[np.ndarray, np.ndarray]]
 
 
 _copier: ThreadPoolExecutor | None = None
+_CACHED = 512 << 10  # bytes copied, then checksummed, at a time (within a core's L2 cache)
 
 
 def _copy_all(copies: list[tuple[np.ndarray, np.ndarray]], chunk: int | None = None) -> list[np.ndarray] | None:
@@ -138,15 +149,16 @@ def _copy_all(copies: list[tuple[np.ndarray, np.ndarray]], chunk: int | None = N
     time of a separate pass over the destination); returned per copy, in order."""
     global _copier
     step = chunk or (4 << 20)
-    units: list[tuple[int, int, np.ndarray, np.ndarray]] = []  # (copy, first chunk, destination, source)
+    # (copy, first chunk, destination, source, whether the unit is one chunk of bytes of a contiguous copy)
+    units: list[tuple[int, int, np.ndarray, np.ndarray, bool]] = []
     for c, (d, a) in enumerate(copies):
         if not d.size:
             continue
         if not a.flags.c_contiguous:  # copied whole (numpy walks the strides), then checksummed
-            units.append((c, 0, d, a))
+            units.append((c, 0, d, a, False))
             continue
         d8, a8 = d.reshape(-1).view(np.uint8), a.reshape(-1).view(np.uint8)
-        units += [(c, k // step, d8[k:k + step], a8[k:k + step]) for k in range(0, d8.nbytes, step)]
+        units += [(c, k // step, d8[k:k + step], a8[k:k + step], True) for k in range(0, d8.nbytes, step)]
     crcs: list[np.ndarray] | None = None
     if chunk:  # one array for all: a list per copy would be one more object per leaf and save for the
         # garbage collector to follow
@@ -154,8 +166,15 @@ def _copy_all(copies: list[tuple[np.ndarray, np.ndarray]], chunk: int | None = N
         every = np.zeros(ends[-1] if ends else 0, np.uint32)
         crcs = [every[a:b] for a, b in zip([0] + ends, ends)]
 
-    def run(part: list[tuple[int, int, np.ndarray, np.ndarray]]) -> None:
-        for c, k, d, a in part:
+    def run(part: list[tuple[int, int, np.ndarray, np.ndarray, bool]]) -> None:
+        for c, k, d, a, one in part:
+            if crcs is not None and one:
+                crc = 0  # copied and checksummed in pieces that stay in the core's cache
+                for j in range(0, d.nbytes, _CACHED):
+                    np.copyto(d[j:j + _CACHED], a[j:j + _CACHED])
+                    crc = crc32c.crc32c(d[j:j + _CACHED], crc)
+                crcs[c][k] = crc
+                continue
             np.copyto(d, a)
             if crcs is not None:
                 flat = d.reshape(-1).view(np.uint8)
@@ -164,7 +183,7 @@ def _copy_all(copies: list[tuple[np.ndarray, np.ndarray]], chunk: int | None = N
 
     total = sum(u[2].nbytes for u in units)
     n = max(1, min(4, os.cpu_count() or 1, len(units), total // (8 << 20)))
-    parts: list[list[tuple[int, int, np.ndarray, np.ndarray]]] = [[] for _ in range(n)]
+    parts: list[list[tuple[int, int, np.ndarray, np.ndarray, bool]]] = [[] for _ in range(n)]
     acc = 0
     for u in units:  # contiguous runs: thread k takes the units that start in its share of the bytes
         parts[min(n - 1, acc * n // max(1, total))].append(u)
@@ -242,6 +261,7 @@ def _array_leaf(x: Any, seen: _Learned, copy: bool, spare: dict, into: Into | No
             buf = _copied_into(into, x, copies)
             if buf is not None:
                 return HostLeaf(rec, (Shard(seen.box, buf),), x.sharding, whole=True)
+            into = None  # it gave none for this shard (asked once): snapshotted as without it
         parts = [(x, seen.box)] if seen.whole else \
             [(s.data, box_of(s.index, rec.shape)) for s in x.addressable_shards if s.replica_id == 0]
 
@@ -334,7 +354,8 @@ def snapshot(tree: Any, *, copy: bool = True, reuse: Snapshot | None = None, int
     crcs = _copy_all(copies, checksum)
     nbytes = sum(s.data.nbytes for hl in leaves for s in hl.shards)
     return Snapshot(leaves, nbytes, time.perf_counter() - t0, owned=copy,
-                    crcs={id(d): c for (d, _), c in zip(copies, crcs or ()) if d.size})
+                    crcs={id(d): c for (d, _), c in zip(copies, crcs or ()) if d.size}, checksum=checksum,
+                    arena=into if isinstance(into, Arena) else None)
 
 
 def jsonable(obj: Any, what: str) -> Any:

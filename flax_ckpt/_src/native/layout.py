@@ -18,6 +18,7 @@ import numpy as np
 
 from flax_ckpt._src import commit as commit_mod
 from flax_ckpt._src.commit import distributed
+from flax_ckpt._src.engine.arena import Arena
 from flax_ckpt._src.engine.leaves import CheckpointInfo, checkpoint_info, key_data_shape
 from flax_ckpt._src.engine.pause import gc_paused
 from flax_ckpt._src.engine.reader import Damage
@@ -27,7 +28,7 @@ from flax_ckpt._src.errors import (CheckpointNotCommittedError, CheckpointNotFou
 from flax_ckpt._src.checks import MANIFEST, MAX_MANIFEST_BYTES
 from flax_ckpt._src.native.manifest import decode, encode
 from flax_ckpt._src.records import LeafRecord, PersistTimes
-from flax_ckpt._src.serializers import Box, Serializer, Written, get_serializer, serializer_for
+from flax_ckpt._src.serializers import Box, Serializer, Written, get_serializer, raw, serializer_for
 from flax_ckpt._src.storage import Storage
 
 _BUDGET_SLACK = 64 << 20  # see NativeSource.budget
@@ -65,7 +66,13 @@ class NativeLayout:
         self.serializer, self.step = get_serializer(serializer), step
 
     def snapshot(self, tree: Any, *, copy: bool, reuse: Snapshot | None = None) -> Snapshot:
-        return snapshot(tree, copy=copy, reuse=reuse)
+        """``copy``: every array shard copied into an arena (engine/arena.py), ``reuse``'s when it holds
+        them (the previous save's, durable now); with the raw serializer, checksummed as it is copied."""
+        if not copy:
+            return snapshot(tree, copy=False)
+        block = raw.BLOCK if isinstance(self.serializer, raw.RawSerializer) else None
+        return snapshot(tree, copy=True, reuse=reuse, into=Arena.fit(reuse.arena if reuse is not None else None),
+                        checksum=block)
 
     def persist(self, snap: Snapshot, parent: Storage, name: str, *, step: int | None, metrics: dict | None,
                 metadata: Any) -> PersistTimes:

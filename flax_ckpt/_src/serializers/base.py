@@ -28,10 +28,14 @@ Box = tuple[tuple[int, int], ...]  # per dimension [start, stop) in global coord
 
 @dataclass(frozen=True)
 class Shard:
-    """One host copy of a part of an array: ``data`` is C-contiguous with the extents of ``box``."""
+    """One host copy of a part of an array: ``data`` is C-contiguous with the extents of ``box``.
+    ``crc32c``: None, or ``(block, crcs)``: the crc32c (uint32) of every ``block`` bytes of ``data`` from
+    its start, made as the snapshot copied them; a serializer whose checksum blocks are the same may
+    store these instead of reading the bytes again (raw does)."""
 
     box: Box
     data: np.ndarray
+    crc32c: "tuple[int, np.ndarray] | None" = None
 
 
 @dataclass(frozen=True)

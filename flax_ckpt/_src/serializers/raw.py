@@ -22,7 +22,7 @@ from flax_ckpt._src.errors import CorruptCheckpointError, InvalidManifestError
 from flax_ckpt._src.checks import check_relpath
 from flax_ckpt._src.records import LeafRecord
 from flax_ckpt._src.storage import Storage
-from flax_ckpt._src.serializers.base import ArrayItem, Box, Written
+from flax_ckpt._src.serializers.base import ArrayItem, Box, Shard, Written
 from flax_ckpt._src.serializers import for_each_overlap, local
 
 BLOCK = 8 << 20
@@ -64,6 +64,22 @@ def _split(box: Box, data: np.ndarray) -> list[tuple[Box, np.ndarray]]:
             for r in range(0, data.shape[0], rows)]
 
 
+def _pieces(shard: Shard) -> list[tuple[Box, np.ndarray, list[int] | None]]:
+    """``_split`` of a shard, each piece with its BLOCK checksums where the shard's (``Shard.crc32c``,
+    made as it was copied) cover exactly its blocks, else None (computed when it is written)."""
+    data = np.asarray(shard.data, order="C")
+    known = shard.crc32c[1] if shard.crc32c is not None and shard.crc32c[0] == BLOCK and \
+        len(shard.crc32c[1]) == -(-data.nbytes // BLOCK) else None
+    out, offset = [], 0
+    for box, part in _split(shard.box, data):
+        n, crcs = part.nbytes, None
+        if known is not None and n and offset % BLOCK == 0 and (n % BLOCK == 0 or offset + n == data.nbytes):
+            crcs = known[offset // BLOCK: offset // BLOCK + -(-n // BLOCK)].tolist()
+        out.append((box, part, crcs))
+        offset += n
+    return out
+
+
 class RawSerializer:
     name = "raw"
 
@@ -71,38 +87,41 @@ class RawSerializer:
         self.max_files = max_files
 
     def write(self, storage: Storage, items: Sequence[ArrayItem], *, tag: str) -> Written:
-        pieces = [(item.leaf, box, np.asarray(data, order="C"))
-                  for item in items for shard in item.shards for box, data in _split(shard.box, shard.data)]
+        pieces = [(item.leaf, box, data, crcs) for item in items for shard in item.shards
+                  for box, data, crcs in _pieces(shard)]
         total = sum(p[2].nbytes for p in pieces)
         nfiles = max(1, min(self.max_files, len(pieces), math.ceil(total / SUBCHUNK)))
-        bins: list[list[tuple[int, Box, np.ndarray]]] = [[] for _ in range(nfiles)]
-        load = [0] * nfiles
-        for p in sorted(pieces, key=lambda p: -p[2].nbytes):
-            i = load.index(min(load))
-            bins[i].append(p)
-            load[i] += p[2].nbytes
-        names = [f"data/{tag}.{i}.bin" for i in range(nfiles)]
+        # files of about equal bytes, each a run of the pieces in the order given: that of a snapshot's
+        # arena (engine/arena.py), so that a file's pieces lie back to back in memory and are written
+        # straight from it
+        bins: list[list[tuple[int, Box, np.ndarray, list[int] | None]]] = [[] for _ in range(nfiles)]
+        acc = 0
+        for p in pieces:
+            bins[min(nfiles - 1, (2 * acc + p[2].nbytes) * nfiles // max(1, 2 * total))].append(p)
+            acc += p[2].nbytes
+        bins = [b for b in bins if b] or [[]]
+        names = [f"data/{tag}.{i}.bin" for i in range(len(bins))]
         chunks: dict[int, list[dict[str, Any]]] = {item.leaf: [] for item in items}
 
         def write_file(i: int) -> tuple[float, float]:
             """Writes file i; returns (seconds of checksums, seconds of fsync)."""
             offset, bufs, t0 = 0, [], time.perf_counter()
-            for leaf, box, data in bins[i]:
+            for leaf, box, data, crcs in bins[i]:
                 mv = memoryview(data.reshape(-1).view(np.uint8)) if data.size else memoryview(b"")
                 chunks[leaf].append({"index": [list(b) for b in box], "file": names[i], "offset": offset,
-                                     "nbytes": len(mv), "block": BLOCK, "crc32c": _crcs(mv)})
+                                     "nbytes": len(mv), "block": BLOCK, "crc32c": crcs or _crcs(mv)})
                 bufs.append(mv)
                 offset += len(mv)
             serialize_s = time.perf_counter() - t0
             return serialize_s, storage.write(names[i], bufs)
 
-        if nfiles == 1:
+        if len(bins) == 1:
             times = [write_file(0)]
         else:
-            with ThreadPoolExecutor(nfiles) as pool:
-                times = list(pool.map(write_file, range(nfiles)))
-        return Written(chunks, dict(zip(names, load)), fsync_s=sum(f for _, f in times),
-                       serialize_s=sum(s for s, _ in times))
+            with ThreadPoolExecutor(len(bins)) as pool:
+                times = list(pool.map(write_file, range(len(bins))))
+        return Written(chunks, {name: sum(p[2].nbytes for p in b) for name, b in zip(names, bins)},
+                       fsync_s=sum(f for _, f in times), serialize_s=sum(s for s, _ in times))
 
     def view(self, storage: Storage, leaf: LeafRecord, box: Box, where: str) -> None:
         return None  # files on disk: read, never mapped

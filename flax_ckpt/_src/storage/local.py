@@ -16,6 +16,7 @@ are the same and fsynced before ``write`` returns.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import fcntl
 import mmap
@@ -25,6 +26,8 @@ import stat
 import threading
 import time
 from typing import Any, Literal, Sequence
+
+import numpy as np
 
 from flax_ckpt._src.errors import CorruptCheckpointError, StorageError
 from flax_ckpt._src.storage.base import Buffer
@@ -357,31 +360,62 @@ class _Stages:
 _stages = _Stages()
 
 
+def _address(v: memoryview) -> int:
+    return np.frombuffer(v, np.uint8).ctypes.data
+
+
+def _runs(views: list[memoryview]) -> list[tuple[int, memoryview]]:
+    """The buffers with those that lie back to back in memory merged: (address, one view of them all).
+    A merged view spans exactly the memory of its buffers, which ``views`` keeps alive meanwhile."""
+    runs: list[tuple[int, list[memoryview]]] = []
+    end = -1
+    for v in views:
+        a = _address(v)
+        if a == end:
+            runs[-1][1].append(v)
+        else:
+            runs.append((a, [v]))
+        end = a + len(v)
+    return [(a, vs[0] if len(vs) == 1 else
+             memoryview((ctypes.c_char * sum(map(len, vs))).from_address(a)).cast("B")) for a, vs in runs]
+
+
 def _write_direct(fd: int, views: list[memoryview], folder: str) -> None:
-    """Writes the buffers back to back into ``fd`` (opened with O_DIRECT): copied into a staging buffer,
-    written from it a whole buffer at a time; the last part that is not a multiple of _ALIGN, and
-    everything after a write the file system refuses (EINVAL), through the page cache."""
-    stage = _stages.take()
+    """Writes the buffers back to back into ``fd`` (opened with O_DIRECT). A run of buffers that lie back
+    to back in memory from a page boundary (a snapshot's arena, engine/arena.py) and start where the file
+    is page-aligned is written straight from memory, but for its last part that is not a multiple of
+    _ALIGN; everything else is copied into a staging buffer and written from it a whole buffer at a
+    time. The last part of the file that is not a multiple of _ALIGN, and everything after a write the
+    file system refuses (EINVAL), goes through the page cache."""
+    stage: mmap.mmap | None = None
     try:
-        with memoryview(stage) as buf:
-            fill = pos = 0
-            direct = True
-            for v in views:
-                i = 0
-                while i < len(v):
-                    n = min(len(v) - i, _STAGE - fill)
-                    buf[fill:fill + n] = v[i:i + n]
-                    fill, i = fill + n, i + n
-                    if fill == _STAGE:
-                        direct = _pwrite_all(fd, buf, pos, direct, folder)
-                        pos, fill = pos + _STAGE, 0
-            whole = fill - fill % _ALIGN
-            if whole:
-                direct = _pwrite_all(fd, buf[:whole], pos, direct, folder)
-            if fill > whole:
-                _pwrite_all(fd, buf[whole:fill], pos + whole, _buffered(fd, direct), folder)
+        fill = pos = 0
+        direct = True
+        for address, v in _runs(views):
+            i = 0
+            if not fill and address % _ALIGN == 0 and len(v) >= _ALIGN:  # pos is aligned while fill is 0
+                i = len(v) - len(v) % _ALIGN
+                direct = _pwrite_all(fd, v[:i], pos, direct, folder)
+                pos += i
+            if i < len(v) and stage is None:
+                stage = _stages.take()
+                buf = memoryview(stage)
+            while i < len(v):
+                n = min(len(v) - i, _STAGE - fill)
+                buf[fill:fill + n] = v[i:i + n]
+                fill, i = fill + n, i + n
+                if fill == _STAGE:
+                    direct = _pwrite_all(fd, buf, pos, direct, folder)
+                    pos, fill = pos + _STAGE, 0
+        whole = fill - fill % _ALIGN
+        if whole:
+            direct = _pwrite_all(fd, buf[:whole], pos, direct, folder)
+        if fill > whole:
+            _pwrite_all(fd, buf[whole:fill], pos + whole, _buffered(fd, direct), folder)
     finally:
-        _stages.give(stage)
+        if stage is not None:
+            buf.release()
+            _stages.give(stage)
 
 
 def _buffered(fd: int, direct: bool) -> bool:

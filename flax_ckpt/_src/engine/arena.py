@@ -1,0 +1,74 @@
+"""Page-aligned host memory that an async save's copies are laid out in, back to back, save after save.
+
+Scope: one ``Arena`` per saver (a CheckpointManager keeps it with its reusable snapshot). It is a
+snapshot's ``into`` (engine/snapshot.py): it hands out buffers in the order they are asked for, each
+right after the previous one (at the dtype's alignment), from a private anonymous map. What that buys
+a save that is written to files:
+
+- copying CPU jax arrays releases them at once, so XLA can donate them to the next step (a host view
+  held until the write ends makes it allocate and free new buffers every step);
+- the crc32c of every block is made during the copy, while the bytes are in cache
+  (``snapshot(checksum=...)``), so the writer never reads them again;
+- the raw serializer puts buffers that lie back to back into one file in that order, so the file is a
+  run of the arena's bytes, which the local storage writes with O_DIRECT straight from it (no staging
+  copy; storage/local.py);
+- the pages are faulted once, when the arena is first filled, not at every save.
+
+An arena is reset and filled again only when nothing reads its previous contents (the manager takes a
+snapshot only once the previous save is durable). It never grows: a save that asks for more than it
+holds gets no buffer for the rest (the snapshot copies those as without it) and ``wanted`` says what
+the next arena needs (``Arena.fit``).
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+
+import numpy as np
+
+PAGE = mmap.PAGESIZE
+
+
+def _up(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+class Arena:
+    """``capacity`` bytes (rounded up to pages) of host memory handed out back to back; see the module."""
+
+    def __init__(self, capacity: int = 0):
+        self.capacity = _up(max(0, capacity), PAGE)
+        # private: a process forked later gets its own copy on write, not pages it shares with this one
+        self._map = mmap.mmap(-1, self.capacity, flags=mmap.MAP_PRIVATE) if self.capacity else None
+        self._bytes = np.frombuffer(self._map, np.uint8) if self._map is not None else np.empty(0, np.uint8)
+        self.used = 0  # bytes handed out since the last reset (with alignment gaps)
+        self.wanted = 0  # bytes asked for since the last reset, given or not
+
+    @classmethod
+    def fit(cls, previous: "Arena | None") -> "Arena":
+        """``previous`` reset for the next save when it held all that its last save asked for; else a new
+        arena of that size (an empty one the first time: that save copies as without an arena)."""
+        if previous is not None and previous.wanted <= previous.capacity:
+            previous.used = previous.wanted = 0
+            return previous
+        return cls(previous.wanted if previous is not None else 0)
+
+    def __call__(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray | None:
+        """A C-contiguous array of ``shape`` and ``dtype`` right after the last one handed out, or None
+        when the arena is full."""
+        dtype = np.dtype(dtype)
+        n = math.prod(shape) * dtype.itemsize
+        self.wanted = _up(self.wanted, dtype.alignment) + n
+        start = _up(self.used, dtype.alignment)
+        if start + n > self.capacity:
+            return None
+        self.used = start + n
+        return self._bytes[start:start + n].view(dtype).reshape(shape)
+
+    def holds(self, a: np.ndarray) -> bool:
+        """Whether ``a`` lies in this arena's memory."""
+        return self._map is not None and np.may_share_memory(a, self._bytes)
+
+
+__all__ = ["Arena"]

@@ -1,0 +1,150 @@
+"""An async save's snapshot laid out in an arena (engine/arena.py), checksummed as it is copied, and
+written from it: behaviour, not speed (benchmarks/bench_every_step.py measures the speed).
+
+- The arena hands out buffers back to back at each dtype's alignment; a save that asks for more than
+  it holds copies the rest as without it, and the next save gets an arena of the size asked for.
+- The crc32c made during the copy is the crc32c of every block of the copy.
+- The raw serializer stores those checksums where its blocks are the same (and computes the others),
+  and puts the pieces into files in the order given (the arena's), files of about equal size, so
+  that each file is a run of the arena's bytes.
+- Saves at every step with a CheckpointManager restore bit-exact, whatever the caller does to its
+  arrays after ``save`` returns (numpy arrays overwritten in place, jax arrays donated), the tree growing
+  or shrinking between saves, every dtype; the arena is filled again only once the save that used it
+  is durable.
+"""
+
+from __future__ import annotations
+
+import crc32c
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import flax_ckpt as fc
+from flax_ckpt._src.engine.arena import Arena
+from flax_ckpt._src.engine.snapshot import snapshot
+from flax_ckpt._src.serializers import raw
+from flax_ckpt._src.storage.local import LocalStorage
+from helpers import assert_bit_exact
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _tree(seed: int, extra: bool = False) -> dict:
+    """Leaves of every size class around the checkpoint blocks and copy pieces, and of dtypes whose
+    alignments differ (an int8 leaf of odd size before a float64 one leaves a gap)."""
+    rng = np.random.default_rng(seed)
+    tree = {
+        "a_odd_int8": rng.integers(-128, 127, 12345, dtype=np.int8),
+        "b_f64": rng.standard_normal(1000),
+        "c_block_plus": rng.integers(0, 256, raw.BLOCK + 3, dtype=np.uint8),
+        "d_jax_f32": jnp.asarray(rng.standard_normal((512, 300)).astype(np.float32)),
+        "e_bf16": rng.standard_normal(777).astype(ml_dtypes.bfloat16),
+        "f_bool": rng.integers(0, 2, 33).astype(bool),
+        "g_scalar": jnp.int32(seed),
+        "h_empty": np.zeros((0, 4), np.float32),
+        "i_key": jax.random.key(seed),
+        "j_piece_plus": jnp.asarray(rng.integers(0, 1 << 30, (512 << 10) // 4 + 5, dtype=np.int32)),
+    }
+    if extra:
+        tree["k_more"] = rng.standard_normal((300, 300)).astype(np.float32)
+    return tree
+
+
+def _blocks(a: np.ndarray, block: int) -> list[int]:
+    b = memoryview(np.ascontiguousarray(a).reshape(-1).view(np.uint8))
+    return [crc32c.crc32c(b[i:i + block]) for i in range(0, len(b), block)]
+
+
+def test_snapshot_in_an_arena_is_laid_out_back_to_back_and_checksummed_as_copied():
+    tree = _tree(1)
+    first = Arena.fit(None)
+    snap = snapshot(tree, copy=True, into=first, checksum=raw.BLOCK)
+    assert first.capacity == 0 and first.wanted > 0  # the first save copies as without an arena
+    arena = Arena.fit(first)
+    assert arena is not first and arena.capacity >= first.wanted
+    snap = snapshot(tree, copy=True, into=arena, checksum=raw.BLOCK)
+    assert snap.arena is arena
+    shards = [(lf.path, s.data) for lf in snap.leaves for s in lf.shards if s.data.size]
+    assert len(shards) == 9 and all(arena.holds(d) for _, d in shards)
+    end = None
+    for path, d in shards:  # in leaf order, each right after the previous at its dtype's alignment
+        at = d.ctypes.data
+        assert at % d.dtype.alignment == 0, path
+        if end is not None:
+            assert end <= at < end + d.dtype.alignment, path
+        end = at + d.nbytes
+        assert snap.crcs[id(d)].tolist() == _blocks(d, raw.BLOCK), path
+    items = {it.name: it for it in snap.items()}
+    assert all(s.crc32c is not None and s.crc32c[0] == raw.BLOCK for it in items.values() for s in it.shards
+               if s.data.size)
+    assert Arena.fit(arena) is arena and arena.used == 0  # held all it was asked for: reused
+    grown = _tree(1, extra=True)
+    snap = snapshot(grown, copy=True, into=arena, checksum=raw.BLOCK)  # asks for more than it holds
+    assert arena.wanted > arena.capacity
+    assert not arena.holds(snap.leaves[-1].shards[0].data)  # copied as without an arena
+    np.testing.assert_array_equal(snap.leaves[-1].shards[0].data, grown["k_more"])
+    assert Arena.fit(arena).capacity >= arena.wanted
+
+
+def test_raw_serializer_stores_the_copy_checksums_and_writes_files_in_the_arenas_order(tmp_path, monkeypatch):
+    """Small BLOCK and SUBCHUNK: leaves split into pieces, some of which start on a block boundary of
+    their shard (checksums taken from the copy) and some not (computed). Every stored checksum is the
+    crc32c of the bytes in the file; files hold runs of the arena, in its order, about equal in size."""
+    monkeypatch.setattr(raw, "BLOCK", 16 << 10)
+    monkeypatch.setattr(raw, "SUBCHUNK", 64 << 10)
+    rng = np.random.default_rng(3)
+    tree = {"rows_4096": rng.standard_normal((64, 1024)).astype(np.float32),  # 4 pieces of 4 blocks
+            "rows_2000": rng.standard_normal((100, 500)).astype(np.float32),  # pieces at 64000-byte steps
+            "small": rng.standard_normal(100).astype(np.float32)}
+    arena = Arena.fit(Arena(1 << 20))
+    snap = snapshot(tree, copy=True, into=arena, checksum=raw.BLOCK)
+    computed = []
+    real = raw._crcs
+    monkeypatch.setattr(raw, "_crcs", lambda mv: computed.append(len(mv)) or real(mv))
+    written = raw.RawSerializer().write(LocalStorage(str(tmp_path)), snap.items(), tag="p0")
+    # rows_2000's pieces after its first start off a block boundary; "small" is one whole piece: its own
+    assert sorted(computed) == sorted([64000, 64000, 64000, 8000])
+    assert len(written.files) > 1
+    mem = np.frombuffer(arena._map, np.uint8)
+    pieces = max(c["nbytes"] for cs in written.chunks.values() for c in cs)
+    assert max(written.files.values()) - min(written.files.values()) <= pieces
+    start = 0
+    for name in sorted(written.files, key=lambda n: int(n.split(".")[1])):  # files follow the arena
+        with open(tmp_path / name, "rb") as f:
+            data = f.read()
+        assert data == mem[start:start + len(data)].tobytes(), name
+        start += len(data)
+    for leaf, chunks in written.chunks.items():
+        for c in chunks:
+            with open(tmp_path / c["file"], "rb") as f:
+                f.seek(c["offset"])
+                assert c["crc32c"] == _blocks(np.frombuffer(f.read(c["nbytes"]), np.uint8), raw.BLOCK)
+
+
+def test_saves_at_every_step_restore_exactly_whatever_the_caller_does_next(tmp_path):
+    """Async saves at every step: numpy leaves overwritten in place and jax arrays donated right after
+    ``save`` returns, the tree growing and shrinking; every step restores bit-exact, and the arena is
+    the same one from the second save of a structure on (filled again, never while a save reads it)."""
+    donate = jax.jit(lambda t: jax.tree_util.tree_map(lambda x: x * 2, t), donate_argnums=0)
+    saved, arenas = {}, []
+    with fc.CheckpointManager(tmp_path / "ckpt", max_to_keep=None) as mgr:
+        for step in range(8):
+            tree = _tree(step, extra=step in (4, 5))
+            saved[step] = jax.tree_util.tree_map(lambda x: np.array(x, copy=True) if not isinstance(
+                x, jax.Array) or not jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x, tree)
+            saved[step]["i_key"] = tree["i_key"]
+            assert mgr.save(step, tree)
+            tree["a_odd_int8"][:] = 0  # the caller reuses its buffers at once
+            tree["b_f64"] *= 3
+            donate({"d": tree["d_jax_f32"], "j": tree["j_piece_plus"]})
+            mgr.wait_until_finished()
+            arenas.append(mgr._spare.arena)
+        for step in range(8):
+            assert_bit_exact(mgr.restore(step, target=_tree(0, extra=step in (4, 5))), saved[step], types=False)
+    assert arenas[0].capacity == 0  # the first save copies as without an arena, and sizes the next
+    assert arenas[1] is arenas[2] is arenas[3] is arenas[4]  # reused while it holds the tree
+    assert arenas[5] is not arenas[4] and arenas[5] is arenas[6] is arenas[7]  # the tree grew at step 4:
+    assert arenas[5].capacity >= arenas[5].wanted  # a bigger arena from step 5, kept when it shrinks again
