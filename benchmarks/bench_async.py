@@ -5,8 +5,8 @@
 
 Part 1, the same ~1 GB state (benchmarks/_common.make_tree) saved asynchronously by
 - flax_ckpt: ``CheckpointManager(async_save=True, max_to_keep=1).save(step, state)`` then
-  ``wait_until_finished()``; the state as jax CPU arrays (their host views are the snapshot: jax arrays
-  are immutable), and "flax_ckpt-numpy", the same bytes as numpy arrays (mutable: copied);
+  ``wait_until_finished()``; the state as jax CPU arrays, and "flax_ckpt-numpy", the same bytes as
+  numpy arrays (either way copied into the manager's arena, engine/arena.py);
 - Orbax: ``CheckpointManager`` (async, max_to_keep=1) with ``args.StandardSave``, then
   ``wait_until_finished()``;
 - torch DCP: ``async_save(state_dict, no_dist=True)`` (its default stager), then ``future.result()``;

@@ -10,7 +10,7 @@ written from it: behaviour, not speed (benchmarks/bench_every_step.py measures t
 - Saves at every step with a CheckpointManager restore bit-exact, whatever the caller does to its
   arrays after ``save`` returns (numpy arrays overwritten in place, jax arrays donated), the tree growing
   or shrinking between saves, every dtype; the arena is filled again only once the save that used it
-  is durable.
+  is durable, and it is the only host copy the manager keeps between saves.
 """
 
 from __future__ import annotations
@@ -142,6 +142,7 @@ def test_saves_at_every_step_restore_exactly_whatever_the_caller_does_next(tmp_p
             donate({"d": tree["d_jax_f32"], "j": tree["j_piece_plus"]})
             mgr.wait_until_finished()
             arenas.append(mgr._spare.arena)
+            assert not mgr._spare.spare_buffers()  # the arena is the one host copy kept between saves
         for step in range(8):
             assert_bit_exact(mgr.restore(step, target=_tree(0, extra=step in (4, 5))), saved[step], types=False)
     assert arenas[0].capacity == 0  # the first save copies as without an arena, and sizes the next

@@ -72,15 +72,18 @@ class Snapshot:
                 and not (self.arena is not None and self.arena.holds(s.data))}  # the arena is reused whole
 
     def reusable(self) -> "Snapshot | None":
-        """This snapshot's own buffers alone (what ``spare_buffers`` gives), or None when it has none: what
-        to keep for the next save, which holds no view of the caller's arrays (that would keep a saved
-        state alive, and stop XLA from donating its buffers)."""
+        """What to keep for the next save: its arena alone when it was taken into one, else this
+        snapshot's own buffers (what ``spare_buffers`` gives), or None when it has none. It holds no view
+        of the caller's arrays (that would keep a saved state alive, and stop XLA from donating its
+        buffers)."""
+        if self.arena is not None:  # the next save's arena holds all this one asked for: no other buffer
+            return Snapshot([], 0, owned=True, arena=self.arena)  # is kept (two copies of the state)
         spare = self.spare_buffers()
-        if not spare and self.arena is None:
+        if not spare:
             return None
         leaves = [HostLeaf(lf.record, tuple(s for s in lf.shards if (lf.path, s.box) in spare))
                   for lf in self.leaves if any((lf.path, s.box) in spare for s in lf.shards)]
-        return Snapshot(leaves, sum(a.nbytes for a in spare.values()), owned=True, arena=self.arena)
+        return Snapshot(leaves, sum(a.nbytes for a in spare.values()), owned=True)
 
     def items(self) -> list[ArrayItem]:
         """The arrays as a serializer takes them (``leaf``: the index in ``leaves``), each shard with the
