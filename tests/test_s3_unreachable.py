@@ -128,7 +128,9 @@ class Listener:
         self.sock.close()
 
 
-def test_checked_once_per_endpoint_per_process():
+def test_checked_once_per_endpoint_per_process(monkeypatch):
+    # a fresh record of checked endpoints: an earlier test's listener may have had this port
+    monkeypatch.setattr(endpoints_mod, "_checked", set())
     listener = Listener()
     try:
         for _ in range(3):

@@ -58,13 +58,13 @@ class Arena:
         """A C-contiguous array of ``shape`` and ``dtype`` right after the last one handed out, or None
         when the arena is full."""
         dtype = np.dtype(dtype)
-        n = math.prod(shape) * dtype.itemsize
-        self.wanted = _up(self.wanted, dtype.alignment) + n
-        start = _up(self.used, dtype.alignment)
+        n, align = math.prod(shape) * dtype.itemsize, dtype.alignment
+        self.wanted = -(-self.wanted // align) * align + n
+        start = -(-self.used // align) * align
         if start + n > self.capacity:
             return None
         self.used = start + n
-        return self._bytes[start:start + n].view(dtype).reshape(shape)
+        return np.ndarray(shape, dtype, buffer=self._map, offset=start)
 
     def holds(self, a: np.ndarray) -> bool:
         """Whether ``a`` lies in this arena's memory."""

@@ -76,8 +76,8 @@ class Snapshot:
         snapshot's own buffers (what ``spare_buffers`` gives), or None when it has none. It holds no view
         of the caller's arrays (that would keep a saved state alive, and stop XLA from donating its
         buffers)."""
-        if self.arena is not None:  # the next save's arena holds all this one asked for: no other buffer
-            return Snapshot([], 0, owned=True, arena=self.arena)  # is kept (two copies of the state)
+        if self.arena is not None:  # the next save's arena holds all that this one asked for: keeping
+            return Snapshot([], 0, owned=True, arena=self.arena)  # other buffers would be a second copy
         spare = self.spare_buffers()
         if not spare:
             return None
@@ -160,6 +160,9 @@ def _copy_all(copies: list[tuple[np.ndarray, np.ndarray]], chunk: int | None = N
         if not a.flags.c_contiguous:  # copied whole (numpy walks the strides), then checksummed
             units.append((c, 0, d, a, False))
             continue
+        if d.nbytes <= step:  # one chunk (most leaves): no flat views to make
+            units.append((c, 0, d, a, True))
+            continue
         d8, a8 = d.reshape(-1).view(np.uint8), a.reshape(-1).view(np.uint8)
         units += [(c, k // step, d8[k:k + step], a8[k:k + step], True) for k in range(0, d8.nbytes, step)]
     crcs: list[np.ndarray] | None = None
@@ -172,9 +175,13 @@ def _copy_all(copies: list[tuple[np.ndarray, np.ndarray]], chunk: int | None = N
     def run(part: list[tuple[int, int, np.ndarray, np.ndarray, bool]]) -> None:
         for c, k, d, a, one in part:
             if crcs is not None and one:
-                crc = 0  # copied and checksummed in pieces that stay in the core's cache
-                for j in range(0, d.nbytes, _CACHED):
-                    np.copyto(d[j:j + _CACHED], a[j:j + _CACHED])
+                if d.nbytes <= _CACHED:
+                    np.copyto(d, a)
+                    crcs[c][k] = crc32c.crc32c(d)
+                    continue
+                d, a, crc = d.reshape(-1).view(np.uint8), a.reshape(-1).view(np.uint8), 0
+                for j in range(0, d.nbytes, _CACHED):  # copied and checksummed in pieces that stay in
+                    np.copyto(d[j:j + _CACHED], a[j:j + _CACHED])  # the core's cache
                     crc = crc32c.crc32c(d[j:j + _CACHED], crc)
                 crcs[c][k] = crc
                 continue

@@ -5,9 +5,10 @@ open of a file for reading, also used by foreign/files.py). Reads never leave th
 (symlinks are resolved and refused when they point outside) and never block (special files are
 refused before they are opened for reading).
 
-Large files on a local block-device file system (ext4, xfs, btrfs) are written with O_DIRECT, through
-a page-aligned staging buffer: the disk reads the bytes from it, instead of the kernel copying them
-into the page cache and writing them back later. That copy is what a write costs the CPU (about
+Large files on a local block-device file system (ext4, xfs, btrfs) are written with O_DIRECT, straight
+from memory where the buffers lie back to back from a page boundary (an async save's arena,
+engine/arena.py), else through a page-aligned staging buffer: the disk reads the bytes from there,
+instead of the kernel copying them into the page cache and writing them back later. That copy is what a write costs the CPU (about
 1 ms of kernel time per MiB on a small VM, taken from the cores a training step is using); the
 staging copy costs about a sixth of it. Elsewhere (tmpfs, NFS, FUSE, any file system that refuses O_DIRECT,
 or FLAX_CKPT_DIRECT_IO=0) files go through the page cache as before. Either way the bytes on disk
