@@ -58,9 +58,9 @@ class Arena:
         """A C-contiguous array of ``shape`` and ``dtype`` right after the last one handed out, or None
         when the arena is full."""
         dtype = np.dtype(dtype)
-        n, align = math.prod(shape) * dtype.itemsize, dtype.alignment
-        self.wanted = -(-self.wanted // align) * align + n
-        start = -(-self.used // align) * align
+        n = math.prod(shape) * dtype.itemsize
+        self.wanted = _up(self.wanted, dtype.alignment) + n
+        start = _up(self.used, dtype.alignment)
         if start + n > self.capacity:
             return None
         self.used = start + n
