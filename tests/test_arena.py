@@ -121,7 +121,7 @@ def test_raw_serializer_stores_the_copy_checksums_and_writes_files_in_the_arenas
         for c in chunks:
             with open(tmp_path / c["file"], "rb") as f:
                 f.seek(c["offset"])
-                assert c["crc32c"] == _blocks(np.frombuffer(f.read(c["nbytes"]), np.uint8), raw.BLOCK)
+                assert list(c["crc32c"]) == _blocks(np.frombuffer(f.read(c["nbytes"]), np.uint8), raw.BLOCK)
 
 
 def test_saves_at_every_step_restore_exactly_whatever_the_caller_does_next(tmp_path):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import threading
 import uuid
 
 import jax
@@ -248,3 +250,90 @@ def test_a_save_keeps_no_reference_to_the_arrays_it_saved(tmp_path):
     del tree
     gc.collect()
     assert [r() for r in refs] == [None, None]
+
+
+# ------------------------------------------------------------------- a manifest made from parts
+# A writer makes each save's manifest as text from parts it keeps (native/manifest.SaveManifests): it
+# must be the canonical encoding of the body, byte for byte, and validated as restore validates it.
+
+def _manifest(path) -> bytes:
+    return (path / "manifest.json").read_bytes()
+
+
+def _canonical(raw: bytes) -> bytes:
+    from flax_ckpt._src.checks import seal
+    body = json.loads(raw)["body"]
+    return seal(body, name="flax_ckpt", version=1)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(tree=trees)
+def test_the_manifest_is_the_canonical_encoding_of_its_body(tmp_path, tree):
+    path = tmp_path / uuid.uuid4().hex
+    fc.save(path, tree, metadata={"run": "x", "lr": [1e-3, 0.5]})
+    assert _manifest(path) == _canonical(_manifest(path))
+
+
+def test_a_structure_saved_again_is_validated_once_and_written_canonically(tmp_path, monkeypatch):
+    """A manager's saves of one structure validate its leaves once (then those that changed), the rest
+    of the body at every save; each manifest stays canonical and restores bit-exact."""
+    from flax_ckpt._src.native import manifest as manifest_mod
+    calls = []
+    real = manifest_mod.validate_leaf
+    def counted(*a):  # on the writer's thread: the saves' validation, not the restores'
+        if threading.current_thread().name.startswith("flax_ckpt-writer"):
+            calls.append(a[1])
+        return real(*a)
+    monkeypatch.setattr(manifest_mod, "validate_leaf", counted)
+    mesh = Mesh(np.array(jax.devices()[:4]), ("x",))
+    state = dict(mixed_tree(), key=jax.random.key(3), s="text", none=None, empty={},
+                 sharded=jax.device_put(jnp.arange(64.0), NamedSharding(mesh, P("x"))),
+                 big=np.arange(5 << 20, dtype=np.float32))  # big: two raw sub-chunks
+    with fc.CheckpointManager(tmp_path / "m", max_to_keep=None) as mgr:
+        for step in range(4):
+            state = jax.tree_util.tree_map(lambda x: x + 1 if isinstance(x, (np.ndarray, jax.Array)) and x.dtype != bool
+                                           and not jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x, state)
+            mgr.save(step, state, metrics={"loss": 1.0 / (step + 1)})
+            mgr.wait_until_finished()
+            raw = _manifest(tmp_path / "m" / str(step))
+            assert raw == _canonical(raw)
+            assert_bit_exact(mgr.restore(step, state), state, jax.tree_util.tree_map(lambda x: None, state))
+            if step == 0:
+                n = len(json.loads(raw)["body"]["leaves"])
+                assert sorted(calls) == list(range(n))
+            else:  # nothing changed but the arrays' values: no leaf validated again
+                assert calls == []
+            calls.clear()
+        state["s"] = "other text"  # one leaf changed: it alone is validated again
+        calls.clear()
+        mgr.save(4, state)
+        mgr.wait_until_finished()
+        paths = [rec["path"] for rec in json.loads(_manifest(tmp_path / "m" / "4"))["body"]["leaves"]]
+        assert [paths[i] for i in calls] == [[["key", "s"]]]
+        state["added"] = np.ones(2)  # a leaf added: every leaf and the tree validated again
+        calls.clear()
+        mgr.save(5, state)
+        mgr.wait_until_finished()
+        assert sorted(calls) == list(range(n + 1))
+        for step in (4, 5):
+            raw = _manifest(tmp_path / "m" / str(step))
+            assert raw == _canonical(raw)
+        assert_bit_exact(mgr.restore(5, state), state, jax.tree_util.tree_map(lambda x: None, state))
+        calls.clear()
+        mgr.metadata = _deep(100)  # the same structure, a body that restore would refuse: still refused
+        with pytest.raises(fc.CheckpointError, match="cannot save.*metadata.*deeper than 64"):
+            mgr.save(6, state)
+            mgr.wait_until_finished()
+        assert calls == [] and mgr.all_steps() == [0, 1, 2, 3, 4, 5]
+        mgr.metadata = None
+        state["s"] = _deep(600, "x")  # as many leaves, one path changed: that leaf is refused
+        with pytest.raises(fc.CheckpointError, match="cannot save.*deeper than 512"):
+            mgr.save(7, state)
+            mgr.wait_until_finished()
+        assert mgr.all_steps() == [0, 1, 2, 3, 4, 5]
+
+
+def _deep(depth: int, out=1):
+    for _ in range(depth):
+        out = [out]
+    return out

@@ -45,8 +45,26 @@ def _read_pool() -> ThreadPoolExecutor:
         return _pool
 
 
-def _crcs(buf: memoryview) -> list[int]:
-    return [crc32c.crc32c(buf[i:i + BLOCK]) for i in range(0, len(buf), BLOCK)] or [0]
+def _crcs(buf: memoryview) -> tuple[int, ...]:
+    """The crc32c of each BLOCK; a tuple of ints (written as a JSON list), which the garbage collector
+    stops following once it has seen it (a save's chunk records live until its manifest is written)."""
+    return tuple([crc32c.crc32c(buf[i:i + BLOCK]) for i in range(0, len(buf), BLOCK)]) or (0,)
+
+
+_INDEX: dict[Box, list[list[int]]] = {}  # a box's "index" field, shared by every chunk record of that box
+_INDEX_MAX = 1 << 18
+
+
+def _index(box: Box) -> list[list[int]]:
+    """A chunk record's "index" (read-only): made once per box, so that saving one structure again
+    allocates no lists for it (objects made at every save, alive until its manifest is written,
+    reach the collector's oldest generation and make it walk the whole heap)."""
+    out = _INDEX.get(box)
+    if out is None:
+        if len(_INDEX) >= _INDEX_MAX:
+            _INDEX.clear()
+        out = _INDEX[box] = [list(b) for b in box]
+    return out
 
 
 def _blocks_ok(chunk: dict, buf: memoryview) -> bool:
@@ -64,7 +82,7 @@ def _split(box: Box, data: np.ndarray) -> list[tuple[Box, np.ndarray]]:
             for r in range(0, data.shape[0], rows)]
 
 
-def _pieces(shard: Shard) -> list[tuple[Box, np.ndarray, list[int] | None]]:
+def _pieces(shard: Shard) -> list[tuple[Box, np.ndarray, tuple[int, ...] | None]]:
     """``_split`` of a shard, each piece with its BLOCK checksums where the shard's (``Shard.crc32c``,
     made as it was copied) cover exactly its blocks, else None (computed when it is written)."""
     data = np.asarray(shard.data, order="C")
@@ -74,7 +92,7 @@ def _pieces(shard: Shard) -> list[tuple[Box, np.ndarray, list[int] | None]]:
     for box, part in _split(shard.box, data):
         n, crcs = part.nbytes, None
         if known is not None and n and offset % BLOCK == 0 and (n % BLOCK == 0 or offset + n == data.nbytes):
-            crcs = known[offset // BLOCK: offset // BLOCK + -(-n // BLOCK)].tolist()
+            crcs = tuple(known[offset // BLOCK: offset // BLOCK + -(-n // BLOCK)].tolist())  # as _crcs
         out.append((box, part, crcs))
         offset += n
     return out
@@ -94,7 +112,7 @@ class RawSerializer:
         # files of about equal bytes, each a run of the pieces in the order given: that of a snapshot's
         # arena (engine/arena.py), so that a file's pieces lie back to back in memory and are written
         # straight from it
-        bins: list[list[tuple[int, Box, np.ndarray, list[int] | None]]] = [[] for _ in range(nfiles)]
+        bins: list[list[tuple[int, Box, np.ndarray, tuple[int, ...] | None]]] = [[] for _ in range(nfiles)]
         acc = 0
         for p in pieces:
             bins[min(nfiles - 1, (2 * acc + p[2].nbytes) * nfiles // max(1, 2 * total))].append(p)
@@ -108,7 +126,7 @@ class RawSerializer:
             offset, bufs, t0 = 0, [], time.perf_counter()
             for leaf, box, data, crcs in bins[i]:
                 mv = memoryview(data.reshape(-1).view(np.uint8)) if data.size else memoryview(b"")
-                chunks[leaf].append({"index": [list(b) for b in box], "file": names[i], "offset": offset,
+                chunks[leaf].append({"index": _index(box), "file": names[i], "offset": offset,
                                      "nbytes": len(mv), "block": BLOCK, "crc32c": crcs or _crcs(mv)})
                 bufs.append(mv)
                 offset += len(mv)
