@@ -23,6 +23,7 @@ from typing import Any, Callable, Literal
 
 from flax_ckpt._src import layouts
 from flax_ckpt._src.commit import distributed
+from flax_ckpt._src.commit.spares import SpareFiles
 from flax_ckpt._src.engine.fit import Fit, RenameArg
 from flax_ckpt._src.engine.leaves import CheckpointInfo
 from flax_ckpt._src.engine.snapshot import Snapshot, metrics_json
@@ -33,7 +34,7 @@ from flax_ckpt._src.manager.steps import StepIndex, run_format
 from flax_ckpt._src.retention import Retention
 from flax_ckpt._src.serializers import Serializer
 from flax_ckpt._src.stats import RestoreStats, SaveStats, publish
-from flax_ckpt._src.storage import ObjectStoreOptions, Storage, open_storage
+from flax_ckpt._src.storage import LocalStorage, ObjectStoreOptions, Storage, open_storage
 from flax_ckpt._src.storage.lock import DirectoryLock
 from flax_ckpt._src.tiers import Tiers
 from flax_ckpt._src.tiers.tierset import TierSet
@@ -89,6 +90,9 @@ class CheckpointManager:
         self.storage.makedirs()
         self.format = run_format(self.storage, format, serializer, tiers)
         self.layout: layouts.Layout = layouts.layout(self.format, serializer)
+        if self.format == "native" and isinstance(self.storage, LocalStorage) and \
+                getattr(self.layout.serializer, "name", None) == "raw":  # a removed step's files: the next save's
+            self.storage.spares = SpareFiles(self.storage.local_path)
         self._steps = StepIndex(self.storage, self.layout, self._prefix, serializer)
         self._restore = AgreedRestore(self._steps, self._prefix, strict=strict)
         self.async_save, self.metadata = async_save, metadata
@@ -312,8 +316,14 @@ class CheckpointManager:
                 self._tiers.close()
         finally:
             self._spare = None
+            self._drop_spares()
             if self._lock is not None:
                 self._lock.release()
+
+    def _drop_spares(self) -> None:
+        spares = getattr(self.storage, "spares", None)
+        if spares is not None:
+            spares.close()
 
     def __enter__(self) -> "CheckpointManager":
         return self
@@ -334,6 +344,7 @@ class CheckpointManager:
             if self._tiers is not None:
                 self._tiers._check_migration()
         finally:
+            self._drop_spares()
             if self._lock is not None:
                 self._lock.release()
 

@@ -200,7 +200,9 @@ class StepIndex:
                 folder = self._folders.pop(step, None)
                 self._metrics.pop(step, None)
             if folder is not None and distributed.process_index() == 0:
-                commit_mod.remove(self.storage, folder.name, folder.layout.record)
+                spares = getattr(self.storage, "spares", None)  # its data files kept for the next save
+                commit_mod.remove(self.storage, folder.name, folder.layout.record,
+                                  salvage=spares.retire if spares is not None and folder.layout.name == "native" else None)
             log.info("retention removed step %d from %s", step, self.directory)
         others = [s for s in doomed if s not in self._written]
         if others and not self._retention_warned and distributed.process_index() == 0:

@@ -73,10 +73,14 @@ class LocalStorage:
     supports_rename = True
     context = None
 
-    def __init__(self, root: str | os.PathLike):
+    def __init__(self, root: str | os.PathLike, *, spares: Any = None):
+        """``spares``: where a new large file may come from instead of being created (a manager's
+        commit/spares.SpareFiles, given to the folders below this one too): ``spares.take(path, size,
+        flags)`` moves an old file of its own to ``path`` and opens it, or returns None."""
         self.root = os.path.abspath(os.fspath(root))
         self.url = self.root
         self.local_path = self.root
+        self.spares = spares
         self._resolved: dict[str, str] = {}  # name -> checked real path (symlinks resolved once per file)
 
     def _p(self, name: str) -> str:
@@ -84,7 +88,7 @@ class LocalStorage:
 
     def sub(self, name: str) -> "LocalStorage":
         """The folder ``name`` below this one."""
-        return LocalStorage(self._p(name))
+        return LocalStorage(self._p(name), spares=self.spares)
 
     def parent(self) -> "tuple[LocalStorage, str]":
         return LocalStorage(os.path.dirname(self.root)), os.path.basename(self.root)
@@ -96,10 +100,13 @@ class LocalStorage:
         folder = os.path.dirname(path)
         LocalStorage(folder).makedirs()
         views = [v for v in (memoryview(b).cast("B") for b in buffers) if len(v)]
-        direct = sum(len(v) for v in views) >= DIRECT_MIN and direct_io(folder)
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+        size = sum(len(v) for v in views)
+        direct = size >= DIRECT_MIN and direct_io(folder)
+        fd = self.spares.take(path, size, os.O_WRONLY | (_O_DIRECT if direct else 0)) if self.spares else None
+        reused, flags = fd is not None, os.O_WRONLY | os.O_CREAT | os.O_TRUNC
         try:
-            fd = os.open(path, flags | _O_DIRECT, 0o644) if direct else os.open(path, flags, 0o644)
+            if fd is None:
+                fd = os.open(path, flags | _O_DIRECT, 0o644) if direct else os.open(path, flags, 0o644)
         except OSError as e:
             if not direct or e.errno != errno.EINVAL:
                 raise
@@ -110,6 +117,8 @@ class LocalStorage:
                 _write_direct(fd, views, folder)
             else:
                 _write_all(fd, views)
+            if reused:  # an old file written over from its start: it ends where the new bytes end
+                os.ftruncate(fd, size)
             t0 = time.perf_counter()
             os.fsync(fd)
             return time.perf_counter() - t0

@@ -1,0 +1,156 @@
+"""Data files of a removed step, kept for the next save to write over (local file systems).
+
+Scope: ``SpareFiles``, which a manager's retention hands the data files of the step it removes (the
+``salvage`` of commit.remove), and which LocalStorage.write takes a file from (given to it as its
+``spares``: storage imports nothing of this). Not here: which steps are removed (manager/steps.py), the
+un-commit before (commit.remove), the write itself (storage/local.py).
+
+Writing over a file costs a file system less than creating one and deleting another: on ext4 here, 50
+MiB written with O_DIRECT into a new file took 27 ms, over the blocks of an old one 19 ms, and the
+unlink of the old one 8 ms more (block allocation, freeing, discards). A manager saving often with
+``max_to_keep`` removes one step at each save; its data files become the next save's.
+
+Safety: the files are moved (renamed, never copied) from the un-committed folder of the removed step
+into one private folder of the run's directory, named as an interrupted deletion
+(``<step>.deleting-<uuid hex>``), which the next manager to open the directory removes if a crash left
+it; ``close`` removes it otherwise. A spare is taken only as the very file put there (device and inode),
+a regular file of this user with one link, opened without following a symlink; it is written from its
+start and truncated to its new size, so the new file holds only the bytes written to it. Only the
+files of the step removed last are kept (at most one step's worth of disk, what a save needs anyway).
+Any failure here makes the next file a new one, as without spares.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import threading
+import uuid
+
+from flax_ckpt._src.commit import DELETING_MARK, base_name
+
+MIN_BYTES = 1 << 20  # files smaller than this are created as before
+
+
+def _usable(st: os.stat_result) -> bool:
+    return stat.S_ISREG(st.st_mode) and st.st_nlink == 1 and st.st_uid == os.geteuid() and st.st_size >= MIN_BYTES
+
+
+class SpareFiles:
+    """The data files of the step a manager's retention removed last, in ``directory``'s private
+    folder, for LocalStorage.write to write over (see the module's docstring)."""
+
+    def __init__(self, directory: str):
+        self.directory = directory
+        self._mutex = threading.Lock()
+        self._fd: int | None = None  # the spares' folder, opened once: never reached through a path again
+        self._folder: str | None = None
+        self._files: dict[str, tuple[int, int, int]] = {}  # name there -> (st_dev, st_ino, st_size)
+        self._count = 0
+
+    def retire(self, gone: str) -> None:
+        """Keeps the data files of ``gone`` (a removed step's un-committed folder, about to be deleted),
+        in place of those kept before."""
+        data = os.path.join(gone, "data")
+        try:
+            names = sorted(n for n in os.listdir(data) if n.endswith(".bin"))
+        except OSError:
+            return
+        with self._mutex:
+            self._clear()
+            for name in names:
+                path = os.path.join(data, name)
+                try:
+                    st = os.lstat(path)
+                    if not _usable(st):
+                        continue
+                    if self._fd is None:
+                        self._make(os.path.basename(gone))
+                    key = f"{self._count}.bin"
+                    self._count += 1
+                    os.rename(path, key, dst_dir_fd=self._fd)
+                    self._files[key] = (st.st_dev, st.st_ino, st.st_size)
+                except OSError:
+                    self._forget()
+                    return
+
+    def take(self, path: str, size: int, flags: int) -> int | None:
+        """An fd, opened with ``flags`` (O_WRONLY and the like, never O_CREAT), of a spare moved to
+        ``path`` (a new file's place in a staging folder): the smallest spare of at least ``size`` bytes,
+        else the largest. None when there is none, or when the file there is not the one kept (it is
+        removed from ``path``): the caller then creates ``path``. The caller truncates it to its size."""
+        if size < MIN_BYTES:
+            return None
+        with self._mutex:
+            if not self._files:
+                return None
+            fits = [k for k, f in self._files.items() if f[2] >= size]
+            key = min(fits, key=lambda k: self._files[k][2]) if fits else max(self._files, key=lambda k: self._files[k][2])
+            dev, ino, _ = self._files.pop(key)
+            try:
+                st = os.stat(key, dir_fd=self._fd, follow_symlinks=False)
+                if not _usable(st) or (st.st_dev, st.st_ino) != (dev, ino):
+                    _remove(key, self._fd)
+                    return None
+                os.rename(key, path, src_dir_fd=self._fd)
+            except OSError:
+                return None
+        try:  # not through a symlink; O_NONBLOCK: a FIFO put there cannot block the open
+            fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        except OSError:
+            _unlink(path)
+            return None
+        st = os.fstat(fd)
+        if not _usable(st) or (st.st_dev, st.st_ino) != (dev, ino):
+            os.close(fd)
+            _unlink(path)
+            return None
+        os.set_blocking(fd, True)
+        return fd
+
+    def close(self) -> None:
+        """Deletes the spares and their folder."""
+        with self._mutex:
+            self._forget()
+
+    def _make(self, retired: str) -> None:
+        name = f"{base_name(retired)}{DELETING_MARK}{uuid.uuid4().hex}"
+        os.mkdir(os.path.join(self.directory, name), 0o700)
+        self._fd = os.open(os.path.join(self.directory, name), os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        self._folder = name
+
+    def _clear(self) -> None:
+        for key in self._files:
+            _remove(key, self._fd)
+        self._files.clear()
+
+    def _forget(self) -> None:
+        """Deletes every spare and the folder; the next retire makes a new one."""
+        if self._fd is None:
+            return
+        self._clear()
+        os.close(self._fd)
+        self._fd = None
+        try:
+            os.rmdir(os.path.join(self.directory, self._folder))
+        except OSError:
+            pass
+        self._folder = None
+
+
+def _unlink(path: str) -> None:
+    _remove(path, None)
+
+
+def _remove(name: str, dir_fd: int | None) -> None:
+    """Removes ``name`` (a file, link or folder put where a spare was), never following a link."""
+    try:
+        os.unlink(name, dir_fd=dir_fd)
+    except IsADirectoryError:
+        shutil.rmtree(name, dir_fd=dir_fd, ignore_errors=True)
+    except OSError:
+        pass
+
+
+__all__ = ["MIN_BYTES", "SpareFiles"]
