@@ -152,3 +152,20 @@ def test_process_killed_during_a_save_leaves_no_partial_step(tmp_path):
     restored = fc.restore(str(d / "mgr" / "1"))
     assert restored["w"].tobytes() == np.arange(48, dtype=np.float32).reshape(12, 4).tobytes()
     assert restored["n"].tolist() == list(range(5)) and int(restored["local"]) == 0  # process 0's values
+
+
+def test_process_0_writes_over_the_files_of_the_step_it_removed(tmp_path):
+    """2 processes x 2 devices, max_to_keep=2: the process that removes steps (process 0) keeps their
+    data files and writes its next file over one of them (commit/spares.py); every kept step restores
+    bit-exact on every process; nothing is left after close."""
+    job = mp_job(tmp_path, "spares", "spares", 2, 2, dir=str(tmp_path / "ck")).start()
+    try:
+        p0, p1 = job.check_ok(job.join())
+    finally:
+        job.kill()
+    assert p0["steps"] == p1["steps"] == [4, 5]
+    inodes = p0["inodes"]
+    for step in (4, 5):  # step - 3 was removed after step - 1 was committed
+        assert set(inodes[str(step)]) == {"p0.0.bin", "p1.0.bin"}
+        assert inodes[str(step)]["p0.0.bin"] in set(inodes[str(step - 3)].values()), (step, inodes)
+    assert p0["left"] == p1["left"] == []

@@ -249,12 +249,44 @@ def mode_s3(cfg: dict) -> dict:
     return {"steps": steps}
 
 
+def mode_spares(cfg: dict) -> dict:
+    """2 processes x 2 devices, an async manager with max_to_keep=2 saving a 8 MiB sharded leaf five
+    times: process 0, which removes steps, writes its next files over the removed step's (commit/spares.py);
+    every process restores every kept step bit-exact. Reports each step's data files (name -> inode)."""
+    d = cfg["dir"] + "/mgr"
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("a", "b"))
+    sh = NamedSharding(mesh, P(("a", "b")))
+
+    def state(step: int) -> dict:
+        host = np.random.default_rng(step).standard_normal((2048, 1024), dtype=np.float32)
+        return {"w": jax.make_array_from_callback(host.shape, sh, lambda idx: host[idx]), "host": host}
+
+    inodes: dict[str, dict[str, int]] = {}
+    with fc.CheckpointManager(d, max_to_keep=2) as mgr:
+        for step in range(1, 6):
+            mgr.save(step, {"w": state(step)["w"]})
+            mgr.wait_until_finished()
+            distributed.allgather("spares-test", f"saved-{step}", {})  # a barrier: process 0's retention is done
+            if jax.process_index() == 0:
+                folder = os.path.join(d, str(step), "data")
+                inodes[str(step)] = {n: os.stat(os.path.join(folder, n)).st_ino for n in sorted(os.listdir(folder))}
+            for kept in mgr.all_steps():
+                out = mgr.restore(kept, {"w": jax.ShapeDtypeStruct((2048, 1024), jnp.float32, sharding=sh)})
+                for shard in out["w"].addressable_shards:
+                    assert np.array_equal(np.asarray(shard.data), state(kept)["host"][shard.index]), kept
+        steps = mgr.all_steps()
+    distributed.allgather("spares-test", "closed", {})
+    left = sorted(n for n in os.listdir(d) if not n.isdigit() and not n.startswith("."))
+    return {"steps": steps, "inodes": inodes, "left": left}
+
+
 def main() -> None:
     cfg = json.loads(sys.argv[1])
     signal.alarm(cfg.get("alarm_s", 120))  # a worker never outlives a stuck job, even an orphaned one
     distributed.set_timeout(cfg.get("timeout_s", 30))
     start_worker(cfg)
-    code = report(cfg, {"save": mode_save, "restore": mode_restore, "kill": mode_kill, "s3": mode_s3})
+    code = report(cfg, {"save": mode_save, "restore": mode_restore, "kill": mode_kill, "s3": mode_s3,
+                                "spares": mode_spares})
     if code == 0 and cfg["num_processes"] > 1 and cfg["mode"] != "kill":  # kill: a peer is gone
         jax.distributed.shutdown()  # a barrier: process 0, which hosts the coordinator, leaves last
     os._exit(code)
