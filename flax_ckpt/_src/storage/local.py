@@ -95,7 +95,9 @@ class LocalStorage:
 
     def write(self, name: str, buffers: Sequence[Buffer]) -> float:
         """Writes and fsyncs the file ``name``; returns the seconds the fsync took. A large file on a
-        local block-device file system is written with O_DIRECT (see the module's docstring)."""
+        local block-device file system is written with O_DIRECT (see the module's docstring). With
+        ``spares``, a file of at least 1 MiB may be an old one they hand over, written from its start
+        and truncated to its new size."""
         path = self._p(name)
         folder = os.path.dirname(path)
         LocalStorage(folder).makedirs()
