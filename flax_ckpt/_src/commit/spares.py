@@ -99,12 +99,12 @@ class SpareFiles:
         try:  # not through a symlink; O_NONBLOCK: a FIFO put there cannot block the open
             fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
         except OSError:
-            _unlink(path)
+            _remove(path, None)
             return None
         st = os.fstat(fd)
         if not _usable(st) or (st.st_dev, st.st_ino) != (dev, ino):
             os.close(fd)
-            _unlink(path)
+            _remove(path, None)
             return None
         os.set_blocking(fd, True)
         return fd
@@ -137,10 +137,6 @@ class SpareFiles:
         except OSError:
             pass
         self._folder = None
-
-
-def _unlink(path: str) -> None:
-    _remove(path, None)
 
 
 def _remove(name: str, dir_fd: int | None) -> None:

@@ -41,10 +41,13 @@ def manifest_bytes(snap: Snapshot, written: list[Written], serializer: Serialize
                    manifests: SaveManifests | None = None) -> bytes:
     """The manifest of a save (validated as restore will validate it). ``manifests``: the writer's
     (made faster for a structure it saved before)."""
-    chunks: dict[int, list] = written[0].chunks if len(written) == 1 else {}
-    for w in written if len(written) > 1 else ():
-        for i, recs in w.chunks.items():
-            chunks.setdefault(i, []).extend(recs)
+    if len(written) == 1:  # one process: its records as they are
+        chunks = written[0].chunks
+    else:
+        chunks = {}
+        for w in written:
+            for i, recs in w.chunks.items():
+                chunks.setdefault(i, []).extend(recs)
     files = {name: size for w in written for name, size in w.files.items()}
     head = {"step": step, "metrics": metrics_json(metrics), "metadata": jsonable(metadata, "metadata"),
             "created": time.time(), "process_count": process_count, "serializer": serializer.name, "files": files}
