@@ -319,6 +319,57 @@ def _check_full_copy(folder: str) -> None:
             assert kind == "r" and crc == crc32c.crc32c(data[off:off + n])
 
 
+def test_a_full_copy_written_where_the_snapshot_lies_equals_the_copy_encoded_piece_by_piece(tmp_path, monkeypatch):
+    """A full copy whose snapshot lies in its data file where the encoding puts it is written from the
+    layout kept since the last one (encode.FullLayout): its index and data bytes are those of the
+    piece-by-piece encoding, byte for byte, with the structure unchanged, after a leaf changed size
+    (the old bytes left under the new padding are zeroed) and after a leaf was added; a 4-device array
+    sharded on 2 devices (replicas of other boxes among its shards), bfloat16, a PRNG key, an empty
+    leaf, odd sizes and a 3-chunk leaf. Every step restores bit-exact from memory."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("a", "b"))
+    sharded = NamedSharding(mesh, PartitionSpec("a", None))
+
+    def state(step: int) -> dict[str, Any]:
+        rng = np.random.default_rng(step)
+        odd = 1001 if step < 3 else 1501  # from step 3 the shards after it lie 512 bytes further
+        out = {"bf16": jnp.asarray(rng.standard_normal((300, 700)), jnp.bfloat16),
+               "odd": rng.integers(0, 255, odd, dtype=np.uint8), "key": jax.random.key(step),
+               "empty": np.zeros((0, 3), np.float32), "three": rng.standard_normal(700_000).astype(np.float32),
+               "sharded": jax.device_put(rng.standard_normal((64, 333)).astype(np.float32), sharded),
+               "n": step}
+        if step >= 5:
+            out["added"] = rng.standard_normal(777).astype(np.float32)
+        return out
+    compared, real = [], tier_encode._encode_in_place
+
+    def both(ts, ident, layouts):
+        enc = real(ts, ident, layouts)
+        if enc is not None:
+            ref = tier_encode._encode_full(ts, ident)
+            assert enc.index == ref.index
+            assert bytes(enc.pieces[0]) == b"".join(bytes(p) for p in ref.pieces)
+            compared.append(ident["step"])
+        return enc
+    monkeypatch.setattr(tier_encode, "_encode_in_place", both)
+    saved = {}
+    with fc.CheckpointManager(tmp_path / "ckpt", tiers=_tiers(tmp_path, on_busy="wait", max_to_keep=8)) as mgr:
+        for step in range(8):
+            saved[step] = state(step)
+            mgr.save(step, saved[step])
+            mgr.wait_until_finished()
+        # the first copy has no spare yet; each structure's or size's first copy into one makes its layout
+        assert compared == [1, 2, 4, 6, 7], compared  # 3 and 5 outgrew the spare: encoded piece by piece
+        for step in range(8):
+            got = mgr.restore(step, target=state(step))
+            assert_bit_exact(got, saved[step], types=False)
+            assert mgr.restore_stats[-1].tier == "local"
+            _check_full_copy(os.path.join(mgr.memory_tiers.local_dir, str(step)))
+
+
 def test_the_copy_into_a_data_file_gives_the_crc32c_of_every_chunk_it_copied():
     """engine.snapshot._copy_all(copies, chunk): the copies are made (split over threads), and each
     destination's crc32c per ``chunk`` bytes from its start equals a separate pass over it, for

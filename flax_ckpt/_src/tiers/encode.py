@@ -27,7 +27,7 @@ import numpy as np
 
 from flax_ckpt._src.checks import canonical
 from flax_ckpt._src.tiers import files as tier_files
-from flax_ckpt._src.tiers.store import CHUNK, Copy, Encoded, TierSnapshot, bytes_of, encode_index, shard_key
+from flax_ckpt._src.tiers.store import CHUNK, Copy, Encoded, HostShard, TierSnapshot, bytes_of, encode_index, shard_key
 
 
 def _u8(buf: Any) -> np.ndarray:
@@ -149,15 +149,18 @@ _PREFIX = 4096  # changed chunks are told apart from unchanged ones by this many
 
 
 def encode(ts: TierSnapshot, ident: dict[str, Any], base: Copy | None, *, delta: bool,
-           budget: DeltaBudget | None = None) -> Encoded:
+           budget: DeltaBudget | None = None, layouts: FullLayouts | None = None) -> Encoded:
     """Encodes a snapshot; against a base, unchanged chunks become references to it, and changed ones
     deltas where ``budget`` says they pay (none without one). Shards are encoded in segments of
     _SEGMENT chunks on a thread pool (checksums, comparisons and zlib release the GIL); ``pieces``
     are data.bin's bytes in order, alignment padding included. A full copy of a snapshot taken into a
     spare on loan (``ts.lent``) is laid out as its shards already lie there, and fills the spare; a
-    differential one is written to another file (store.write_copy gives the loan back)."""
+    differential one is written to another file (store.write_copy gives the loan back). ``layouts``:
+    the writer's memory of its last full copy's layout, which a full copy of the same structure, lying
+    where that layout puts it, reuses (``_encode_in_place``)."""
     if base is None:
-        return _encode_full(ts, ident)
+        enc = _encode_in_place(ts, ident, layouts) if layouts is not None else None
+        return enc if enc is not None else _encode_full(ts, ident)
     budget = budget if delta else None
     recs = [lf.record.json() for lf in ts.snap.leaves]  # shared by the records' copies: read-only
     lookup = base.lookup()
@@ -244,18 +247,87 @@ def _encode_full(ts: TierSnapshot, ident: dict[str, Any]) -> Encoded:
     if lent is not None and off < len(lent.map):  # the spare's tail
         pieces.append(memoryview(lent.map)[off:])
         off = len(lent.map)
-    fields = {k: canonical(v) for k, v in dict(ident, base=None, chunk=CHUNK, data=off).items()}
-    fields["leaves"] = "[" + ",".join(lf.record.json_text() for lf in ts.snap.leaves) + "]"
-    fields["shards"] = None  # the parts in ``text``
-    keys = sorted(fields)
-    at = keys.index("shards")
-    head = "{" + ",".join(f"{canonical(k)}:{fields[k]}" for k in keys[:at]) + ("," if at else "") + '"shards":['
-    tail = "]" + "".join(f",{canonical(k)}:{fields[k]}" for k in keys[at + 1:]) + "}"
-    text[0] = head
+    text[0], tail = _body_ends(ts, ident, off)
     text.append(tail)
     enc = Encoded(None, b"", pieces, off, pending, lent, None, text)
     if not pending:
         enc.complete([])
+    return enc
+
+
+def _body_ends(ts: TierSnapshot, ident: dict[str, Any], data: int) -> tuple[str, str]:
+    """A full copy's index text before its "shards" list (up to its "[") and after it (from its "]"):
+    the body's other keys, sorted as canonical text has them."""
+    fields = {k: canonical(v) for k, v in dict(ident, base=None, chunk=CHUNK, data=data).items()}
+    fields["leaves"] = "[" + ",".join(lf.record.json_text() for lf in ts.snap.leaves) + "]"
+    fields["shards"] = None
+    keys = sorted(fields)
+    at = keys.index("shards")
+    head = "{" + ",".join(f"{canonical(k)}:{fields[k]}" for k in keys[:at]) + ("," if at else "") + '"shards":['
+    return head, "]" + "".join(f",{canonical(k)}:{fields[k]}" for k in keys[at + 1:]) + "}"
+
+
+class FullLayout:
+    """Where a full copy puts each shard of one sequence (leaf, box, bytes, primary) in a spare of one
+    size, as ``_encode_full`` lays them out: each shard's offset (None when empty), its chunks' count,
+    the padding between shards, and the index's "shards" text with a ``%d`` for each chunk's crc32c.
+    Made once for a structure (``FullLayouts``), it turns a full copy at every step into one check and
+    one formatting, instead of a record and a memoryview per shard and chunk."""
+
+    def __init__(self, key: tuple[Any, ...], shards: list[HostShard]):
+        self.key = key
+        self.offsets: list[int | None] = []
+        self.counts: list[int] = []  # chunks, of the non-empty shards
+        self.pads: list[tuple[int, int]] = []
+        parts, off = [], 0
+        for j, sh in enumerate(shards):
+            n = sh.data.nbytes
+            if n and off % _ALIGN:
+                self.pads.append((off, off - off % _ALIGN + _ALIGN))
+                off = self.pads[-1][1]
+            self.offsets.append(off if n else None)
+            if n:
+                self.counts.append(-(-n // CHUNK))
+            parts.append(("," if j else "") + _shard_head(sh.box).replace("%", "%%"))
+            parts += [f'{"," if k else ""}["r",%d,{off + k},{min(CHUNK, n - k)}]' for k in range(0, n, CHUNK)]
+            parts.append(f'],"leaf":{sh.leaf},"nbytes":{n},"primary":{"true" if sh.primary else "false"}}}')
+            off += n
+        self.end = off
+        self.text = "".join(parts)
+
+
+class FullLayouts:
+    """What a writer keeps of its last full copy's layout (``encode``'s ``layouts``)."""
+
+    def __init__(self) -> None:
+        self.last: FullLayout | None = None
+
+
+def _encode_in_place(ts: TierSnapshot, ident: dict[str, Any], layouts: FullLayouts) -> Encoded | None:
+    """A full copy of a snapshot that lies in its spare on loan exactly where ``_encode_full`` would
+    put it, every chunk's crc32c made by the snapshot's copy: the whole spare is the data file (only
+    the padding between shards is written, with zeros), and the index is the layout's text with the
+    checksums. None when the snapshot is not so (``_encode_full`` then encodes it piece by piece); its
+    result is the same, byte for byte (tests/test_tiers.py)."""
+    lent, shards, at = ts.lent, ts.shards(), ts.offsets()
+    if lent is None or not ts.crcs or at is None:
+        return None
+    key = (len(lent.map), *[(sh.leaf, sh.box, sh.data.nbytes, sh.primary) for sh in shards])
+    lay = layouts.last
+    if lay is None or lay.key != key:
+        lay = layouts.last = FullLayout(key, shards)
+    if lay.end > len(lent.map) or at != lay.offsets:
+        return None
+    crcs = [ts.crcs.get(id(sh.data)) for sh in shards if sh.data.nbytes]
+    if any(c is None for c in crcs) or [len(c) for c in crcs] != lay.counts:
+        return None
+    for lo, hi in lay.pads:
+        lent.zero(lo, hi)
+    head, tail = _body_ends(ts, ident, len(lent.map))
+    flat = np.concatenate(crcs).tolist() if crcs else []
+    enc = Encoded(None, b"", [memoryview(lent.map)], len(lent.map), [], lent, None,
+                  [head, lay.text % tuple(flat), tail])
+    enc.complete([])
     return enc
 
 

@@ -385,6 +385,10 @@ class Lent:
         self._next = lo + n
         return self._bytes[lo:lo + n].view(dtype).reshape(shape)
 
+    def zero(self, lo: int, hi: int) -> None:
+        """Writes zeros to bytes ``lo:hi`` of the map (padding between a copy's shards)."""
+        self._bytes[lo:hi] = 0
+
     @property
     def used(self) -> bool:
         """Whether ``take`` gave out any of the map."""

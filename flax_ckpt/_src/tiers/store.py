@@ -175,6 +175,7 @@ class TierSnapshot:
     crcs: dict[int, np.ndarray] = field(default_factory=dict)  # of the shards copied into it: per CHUNK,
     #                                                           by id() of their ``data`` (Snapshot.crcs)
     _shards: list[HostShard] | None = field(default=None, repr=False)  # shards(), made once
+    _at: list[int | None] | None = field(default=None, repr=False)  # where they lie in ``lent``
 
     def shards(self) -> list[HostShard]:
         """Every shard, in the order a copy stores them: those copied into a spare on loan first, as
@@ -183,13 +184,19 @@ class TierSnapshot:
         if self._shards is None:
             own = [HostShard(i, s.box, s.data, True, self.origin.get((i, s.box)))
                    for i, p in enumerate(self.snap.leaves) for s in p.shards]
-            out = own + self.extra
+            out, at = own + self.extra, None
             if self.lent is not None:
                 at = [self.lent.offset(sh.data) for sh in out]
-                out = [out[k] for k in sorted(range(len(out)),
-                                              key=lambda k: (0, at[k]) if at[k] is not None else (1, k))]
-            self._shards = out
+                order = sorted(range(len(out)), key=lambda k: (0, at[k]) if at[k] is not None else (1, k))
+                out, at = [out[k] for k in order], [at[k] for k in order]
+            self._shards, self._at = out, at
         return self._shards
+
+    def offsets(self) -> list[int | None] | None:
+        """Where each shard (in ``shards()``' order) lies in the spare on loan (None: elsewhere, or
+        empty); None without a loan."""
+        self.shards()
+        return self._at
 
     @property
     def nbytes(self) -> int:

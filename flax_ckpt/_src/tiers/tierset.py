@@ -89,6 +89,7 @@ class TierSet:
         self._outbox: tuple[int, list[memoryview]] | None = None
         self._inbox: tuple[int, Any] | None = None
         self._budget = tier_encode.DeltaBudget()  # when a changed chunk is worth a delta (measured)
+        self._layouts = tier_encode.FullLayouts()  # the last full copy's layout, for the next ones
         self._caller = Group(digest + "/caller")  # rounds of the caller's thread (admit), apart from the writer's
         self.skipped, self._skipped, self._told = 0, 0, False  # steps skipped (on_busy="skip"): all, since the last save
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="flax_ckpt-migrate")
@@ -225,7 +226,7 @@ class TierSet:
             base = None if self._next_full() or not self._pays(ts) else self._base
             zipped = self._budget.zipped
             enc = tier_encode.encode(ts, dict(self._ident(step), metrics=metrics, created=time.time()), base,
-                                     delta=self.cfg.differential, budget=self._budget)
+                                     delta=self.cfg.differential, budget=self._budget, layouts=self._layouts)
             zipped = self._budget.zipped - zipped
             t2 = time.perf_counter()
             store.write_copy(self.local_dir, step, enc, self.holdings.spare(self.local_dir))
