@@ -280,3 +280,53 @@ def test_saving_a_step_whose_folder_is_damaged_sets_the_old_one_aside(ckpt_dir):
         np.testing.assert_array_equal(mgr.restore(2)["w"], state(20)["w"])
     aside = [e for e in os.listdir(ckpt_dir) if e.startswith("2.damaged-")]
     assert len(aside) == 1 and (ckpt_dir / aside[0] / "data").is_dir()  # kept for inspection, not deleted
+
+
+def test_an_async_write_waits_a_grace_for_the_callers_next_step_unless_something_waits_for_it(tmp_path, monkeypatch):
+    """An async save's write starts a grace after the save call (so that the caller's next step is
+    dispatched before the writer competes for the GIL: manager._GRACE, made 30 s here to be seen), at
+    most a tenth of the time since the previous save; the next save's back-pressure,
+    wait_until_finished and close end it at once; a synchronous save never waits for it. Every step is
+    committed and restores."""
+    import time
+
+    from flax_ckpt._src.manager import manager as manager_mod
+
+    monkeypatch.setattr(manager_mod, "_GRACE", 30.0)
+    started: list[int] = []
+    real = manager_mod.CheckpointManager._persist
+
+    def persist(self, step, *args):
+        started.append(step)
+        return real(self, step, *args)
+    monkeypatch.setattr(manager_mod.CheckpointManager, "_persist", persist)
+
+    def until(n: int) -> None:
+        deadline = time.monotonic() + 20
+        while len(started) < n and time.monotonic() < deadline:
+            time.sleep(0.01)
+    t0 = time.monotonic()
+    with fc.CheckpointManager(tmp_path / "run") as mgr:
+        mgr.save(0, state(0))  # a first save: the whole grace
+        time.sleep(0.5)
+        assert started == []
+        mgr.save(1, state(1))  # its back-pressure ends step 0's grace; step 1's is a tenth of 0.5 s
+        assert started == [0] and mgr.all_steps() == [0]
+        until(2)
+        assert started == [0, 1]  # started by itself, nothing waiting for it
+    with fc.CheckpointManager(tmp_path / "run") as mgr:
+        mgr.save(2, state(2))
+        time.sleep(0.3)
+        assert started == [0, 1]
+        mgr.wait_until_finished()
+        assert started == [0, 1, 2] and mgr.all_steps() == [0, 1, 2]
+        mgr.save(3, state(3))  # a tenth of 0.3 s or more: close ends it if it is still running
+    assert started == [0, 1, 2, 3]
+    with fc.CheckpointManager(tmp_path / "run") as mgr:
+        mgr.save(4, state(4))
+    assert started == [0, 1, 2, 3, 4] and time.monotonic() - t0 < 25  # close ended a 30 s grace
+    with fc.CheckpointManager(tmp_path / "run", async_save=False) as mgr:
+        mgr.save(5, state(5))  # committed when it returns
+        assert started[-1] == 5 and mgr.all_steps() == [0, 1, 2, 3, 4, 5]
+        for step in range(6):
+            np.testing.assert_array_equal(mgr.restore(step, target=state(0))["w"], state(step)["w"])

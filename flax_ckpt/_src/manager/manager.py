@@ -41,6 +41,9 @@ from flax_ckpt._src.tiers.tierset import TierSet
 from flax_ckpt._src.writer import AsyncWriter
 
 log = logging.getLogger("flax_ckpt")
+_GRACE = 0.005  # seconds an async save's write waits, so that the caller's next step is dispatched before the
+#                 writer's Python competes with it for the GIL (writer.py); a tenth of the time between saves
+#                 when they come faster; ended by anything that waits for the write
 
 
 class CheckpointManager:
@@ -104,6 +107,7 @@ class CheckpointManager:
         self.stats: list[SaveStats] = []
         self.restore_stats: list[RestoreStats] = self._restore.stats
         self._writer = AsyncWriter()
+        self._saved_at: float | None = None  # when the last save call that started a write began
         self._closed = False
         try:
             if not self.layout.foreign:
@@ -222,8 +226,10 @@ class CheckpointManager:
             blocked = time.perf_counter() - t0
             self._schedule.saved(step, blocked, self._prefix)
             persist = self._tiers.save if self._tiers is not None else self._persist  # tiers migrate via _Directory
+            grace = _GRACE if self._saved_at is None else min(_GRACE, 0.1 * (t0 - self._saved_at))
+            self._saved_at = t0
             self._writer.submit(functools.partial(persist, step, snap, metrics, t0, blocked),
-                                f"step {step} in {self.directory}")
+                                f"step {step} in {self.directory}", grace=grace if self.async_save else 0.0)
             if not self.async_save:
                 self._writer.wait()
             return True
