@@ -149,3 +149,29 @@ def test_saves_at_every_step_restore_exactly_whatever_the_caller_does_next(tmp_p
     assert arenas[1] is arenas[2] is arenas[3] is arenas[4]  # reused while it holds the tree
     assert arenas[5] is not arenas[4] and arenas[5] is arenas[6] is arenas[7]  # the tree grew at step 4:
     assert arenas[5].capacity >= arenas[5].wanted  # a bigger arena from step 5, kept when it shrinks again
+
+
+def test_the_arena_asks_for_transparent_huge_pages_where_the_host_has_them():
+    """The arena's map is advised MADV_HUGEPAGE (its VmFlags in /proc/self/smaps carry "hg"): 2 MiB
+    pages for the copy and for the O_DIRECT write from it (engine/arena.py). Skipped on a host without
+    transparent huge pages."""
+    import mmap
+    import os
+    import re
+
+    thp = "/sys/kernel/mm/transparent_hugepage/enabled"
+    if not hasattr(mmap, "MADV_HUGEPAGE") or not os.path.exists(thp) or "[never]" in open(thp).read():
+        pytest.skip("no transparent huge pages on this host")
+    arena = Arena(8 << 20)
+    buf = arena((1 << 20,), np.float32)
+    buf[:] = 1.5
+    at = buf.ctypes.data
+    flags, inside = None, False
+    for line in open("/proc/self/smaps"):
+        m = re.match(r"([0-9a-f]+)-([0-9a-f]+) ", line)
+        if m:
+            inside = int(m.group(1), 16) <= at < int(m.group(2), 16)
+        elif inside and line.startswith("VmFlags:"):
+            flags = line.split()[1:]
+    assert flags is not None and "hg" in flags, flags
+    assert np.all(arena((4,), np.float32) == 0) and np.all(buf == 1.5)
