@@ -41,12 +41,10 @@ class AsyncWriter:
             if self._closed:
                 raise RuntimeError("the writer is closed")
             self.wait()
-            hurry = self._hurry = threading.Event()
-
-            def run() -> object:
-                hurry.wait(grace)
-                return job()
-            self._pending, self._label = self._pool.submit(run if grace > 0 else job), label
+            self._hurry = threading.Event()
+            if grace > 0:  # the pool's one thread takes its tasks in order: the grace, then the job
+                self._pool.submit(self._hurry.wait, grace)
+            self._pending, self._label = self._pool.submit(job), label
             return self._pending
 
     def wait(self) -> None:

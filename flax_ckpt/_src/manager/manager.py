@@ -191,7 +191,8 @@ class CheckpointManager:
 
         Returns once the state is copied to host memory (async) or committed (sync). Raises a previous
         background failure as SaveFailedError. The snapshot is taken on the caller's thread; the write
-        and commit run on the background writer (the path: tests/test_layout.py)."""
+        and commit run on the background writer (the path: tests/test_layout.py), starting 5 ms later
+        (``_GRACE``: the caller's next step is dispatched first) unless something waits for them."""
         if self._closed:
             raise CheckpointError(f"CheckpointManager({self.directory}) is closed")
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
