@@ -371,7 +371,7 @@ def test_a_full_copy_written_where_the_snapshot_lies_equals_the_copy_encoded_pie
 
 
 def test_the_copy_into_a_data_file_gives_the_crc32c_of_every_chunk_it_copied():
-    """engine.snapshot._copy_all(copies, chunk): the copies are made (split over threads), and each
+    """engine.snapshot.copy_all(copies, chunk): the copies are made (split over threads), and each
     destination's crc32c per ``chunk`` bytes from its start equals a separate pass over it, for
     contiguous, transposed and strided sources, a tail chunk and an empty array."""
     import crc32c
@@ -383,12 +383,12 @@ def test_the_copy_into_a_data_file_gives_the_crc32c_of_every_chunk_it_copied():
                rng.standard_normal(5).astype(np.float64)]
     copies = [(np.empty(a.shape, a.dtype), a) for a in sources]
     chunk = 1 << 20
-    crcs = snap_mod._copy_all(copies, chunk)
+    crcs = snap_mod.copy_all(copies, chunk)
     for (d, a), got in zip(copies, crcs):
         assert np.array_equal(d, a)
         flat = d.reshape(-1).view(np.uint8)
         assert got.tolist() == [crc32c.crc32c(flat[k:k + chunk]) for k in range(0, flat.nbytes, chunk)]
-    assert snap_mod._copy_all([(np.empty(4, np.int32), np.arange(4, dtype=np.int32))]) is None
+    assert snap_mod.copy_all([(np.empty(4, np.int32), np.arange(4, dtype=np.int32))]) is None
 
 
 def test_a_copy_is_differential_only_where_a_sample_against_the_base_says_it_pays(tmp_path):

@@ -294,6 +294,23 @@ def test_three_failure_classes_restore_the_newest_surviving_step(tmp_path):
 
 
 @pytest.mark.timeout(300)
+def test_full_copies_holding_other_processes_boxes_are_written_where_the_snapshot_lies(tmp_path):
+    """2 processes x 2 devices, every memory copy full: process 1 holds replicas of boxes process 0
+    writes to persistent storage (r, replicated everywhere), which it keeps in its copies too. They are
+    copied and checksummed as the snapshot's own shards are, so every process's full copies after the
+    first (which has no spare data file yet) are written where the snapshot lies, each byte for byte
+    the piece-by-piece encoding (checked in the workers); every process restores the newest step
+    bit-exact from its local memory."""
+    train = tier_results(tmp_path, "train", "train", steps=6, persist=None, differential=False, in_place=True)
+    for r in train:
+        assert r["local"] == [5, 6] and all(base for _, _, _, base in r["written"])
+        assert r["in_place"] == [2, 3, 4, 5, 6], r["in_place"]
+    r = tier_results(tmp_path, "restore", "restore", persist=None, differential=False)
+    assert r[0]["restored"] == r[1]["restored"] == 6
+    assert r[0]["sources"] == [["local", 0], ["local", 1]] and r[1]["stats"] == ["local"]
+
+
+@pytest.mark.timeout(300)
 def test_crash_in_a_memory_save_or_a_migration_never_mixes_steps(tmp_path):
     # process 1 dies in its local-tier save of step 5 (written, not renamed); process 0 has committed
     # nothing of step 5: the vote never completed

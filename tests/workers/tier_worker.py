@@ -4,7 +4,9 @@ helpers.Job).
 Usage: tests/workers/tier_worker.py '<json config>' with keys mode, dir (the manager's directory,
 shared), local (this process's local_dir: each process stands for a host), out, tag, process_id,
 num_processes, port, persist, and per mode: steps (train), until (loop), crash ({"process", "at":
-"local"|"migrate", "step"}). The launcher sets XLA_FLAGS (2 CPU devices) and JAX_PLATFORMS=cpu; the
+"local"|"migrate", "step"}); optional: differential (False: every memory copy full), in_place (train:
+every full copy written in place is checked byte for byte against the piece-by-piece encoding, and
+its step reported). The launcher sets XLA_FLAGS (2 CPU devices) and JAX_PLATFORMS=cpu; the
 worker joins a real jax.distributed job on 127.0.0.1 with gloo collectives (helpers.start_worker).
 Findings go to <out>/<tag>.p<i>.json (helpers.report; a loop's restore to <tag>.p<i>.restored.json),
 progress lines to <out>/<tag>.p<i>.progress. A worker that succeeded leaves through
@@ -94,7 +96,8 @@ def install_crash(cfg: dict[str, Any]) -> Any:
 
 
 def manager(cfg: dict[str, Any], serializer: Any = None) -> fc.CheckpointManager:
-    tiers = fc.Tiers(local_dir=cfg["local"], on_busy="wait", persist_interval_steps=cfg["persist"], cleanup=False)
+    tiers = fc.Tiers(local_dir=cfg["local"], on_busy="wait", persist_interval_steps=cfg["persist"], cleanup=False,
+                     differential=cfg.get("differential", True))
     return fc.CheckpointManager(cfg["dir"], tiers=tiers, serializer=serializer)
 
 
@@ -114,14 +117,34 @@ def progress(cfg: dict[str, Any], mgr: fc.CheckpointManager, step: int) -> None:
         f.write(json.dumps(line) + "\n")
 
 
+def check_in_place() -> list[int]:
+    """The steps whose full memory copy is written where its snapshot lies (tiers/encode.py
+    ``_encode_in_place``), each checked against the piece-by-piece encoding, byte for byte."""
+    from flax_ckpt._src.tiers import encode as tier_encode
+
+    steps, real = [], tier_encode._encode_in_place
+
+    def both(ts, ident, layouts):
+        enc = real(ts, ident, layouts)
+        if enc is not None:
+            ref = tier_encode._encode_full(ts, ident)
+            assert enc.index == ref.index and bytes(enc.pieces[0]) == b"".join(bytes(p) for p in ref.pieces)
+            steps.append(ident["step"])
+        return enc
+    tier_encode._encode_in_place = both
+    return steps
+
+
 def mode_train(cfg: dict[str, Any]) -> dict[str, Any]:
+    in_place = check_in_place() if cfg.get("in_place") else None
     mgr = manager(cfg)
     for step in range(1, cfg["steps"] + 1):
         mgr.save(step, place(host_state(step)))
     mgr.wait_until_finished()
     ts = mgr.memory_tiers
     return {"local": ts.committed("local"), "peer": ts.committed("peer"), "steps": mgr.all_steps(),
-            "peer_dst": ts.peer_dst, "written": [[s.step, s.written, s.nbytes, s.base] for s in mgr.tier_stats]}
+            "peer_dst": ts.peer_dst, "written": [[s.step, s.written, s.nbytes, s.base] for s in mgr.tier_stats],
+            "in_place": in_place}
 
 
 def mode_restore(cfg: dict[str, Any]) -> dict[str, Any]:

@@ -132,7 +132,7 @@ Into = Callable[[tuple[int, ...], np.dtype], "np.ndarray | None"]  # a buffer fo
 
 def _copied_into(into: Into, x: Any, copies: list[tuple[np.ndarray, np.ndarray]]) -> np.ndarray | None:
     """The buffer ``into`` gives for ``x``'s shape and dtype (None when it gives none), ``x`` to be
-    copied into it: the copies are made together at the end (``_copy_all``)."""
+    copied into it: the copies are made together at the end (``copy_all``)."""
     a = np.asarray(x)
     buf = into(a.shape, a.dtype)
     if buf is not None:
@@ -144,7 +144,7 @@ _copier: ThreadPoolExecutor | None = None
 _CACHED = 512 << 10  # bytes copied, then checksummed, at a time (within a core's L2 cache)
 
 
-def _copy_all(copies: list[tuple[np.ndarray, np.ndarray]], chunk: int | None = None) -> list[np.ndarray] | None:
+def copy_all(copies: list[tuple[np.ndarray, np.ndarray]], chunk: int | None = None) -> list[np.ndarray] | None:
     """Makes ``copies`` (destination, source) on up to 4 threads, in runs of about equal bytes: while a
     save holds the training loop, its cores are free, and one thread alone does not reach the memory's
     bandwidth. With ``chunk``: also the crc32c of every ``chunk`` bytes of each destination (from its
@@ -361,7 +361,7 @@ def snapshot(tree: Any, *, copy: bool = True, reuse: Snapshot | None = None, int
     for j in range(len(seen)):
         if leaves[j] is None:
             leaves[j] = leaf(j)
-    crcs = _copy_all(copies, checksum)
+    crcs = copy_all(copies, checksum)
     nbytes = sum(s.data.nbytes for hl in leaves for s in hl.shards)
     return Snapshot(leaves, nbytes, time.perf_counter() - t0, owned=copy,
                     crcs={id(d): c for (d, _), c in zip(copies, crcs or ()) if d.size}, checksum=checksum,

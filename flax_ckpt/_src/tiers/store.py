@@ -39,7 +39,7 @@ import numpy as np
 
 from flax_ckpt._src import commit as commit_mod
 from flax_ckpt._src import tree as tree_mod
-from flax_ckpt._src.engine.snapshot import HostLeaf, Snapshot, snapshot
+from flax_ckpt._src.engine.snapshot import HostLeaf, Snapshot, copy_all, snapshot
 from flax_ckpt._src.errors import CorruptCheckpointError
 from flax_ckpt._src.checks import seal, seal_text, unseal
 from flax_ckpt._src.records import LeafRecord, dtype_from_name, leaf_name
@@ -268,9 +268,13 @@ def take_snapshot(state: Any, *, copy: bool, force: bool, step: int, seen: Seen,
         plans[i] = HostLeaf(record, tuple(Shard(b, a) for b, a, s in views if s["primary"]))
         ts.extra += [HostShard(i, b, a, False, s) for b, a, s in views if not s["primary"]]
         ts.origin.update({(i, b): s for b, _, s in views})
+    copies: list[tuple[np.ndarray, np.ndarray]] = []  # the other processes' boxes, into ``take``'s buffers
     for i in fresh:
-        ts.extra += _replicas(i, flat.leaves[i], plans[i], take)
+        ts.extra += _replicas(i, flat.leaves[i], plans[i], take, copies)
     ts.lent, ts.crcs = into, part.crcs
+    if copies:  # copied as the snapshot's are, with their chunks' crc32c (a full copy is then written in place)
+        ts.crcs = dict(part.crcs)
+        ts.crcs.update({id(d): c for (d, _), c in zip(copies, copy_all(copies, CHUNK)) if d.size})
     if into is not None and into.used:  # its pages are this snapshot's while it lives (a migration reads them)
         tier_files.pin(into.key, ts)
     ts.snap.nbytes = sum(s.data.nbytes for p in plans for s in p.shards)
@@ -278,9 +282,11 @@ def take_snapshot(state: Any, *, copy: bool, force: bool, step: int, seen: Seen,
     return ts
 
 
-def _replicas(i: int, x: Any, plan: HostLeaf, take: Any = None) -> list[HostShard]:
-    """The boxes on this process's devices that another process writes to persistent storage (copied
-    into ``take``'s buffers where it gives them)."""
+def _replicas(i: int, x: Any, plan: HostLeaf, take: Any,
+              copies: list[tuple[np.ndarray, np.ndarray]]) -> list[HostShard]:
+    """The boxes on this process's devices that another process writes to persistent storage: into
+    ``take``'s buffers where it gives them (each (buffer, source) is added to ``copies``, for the caller
+    to copy), else copied now."""
     if plan.whole or not isinstance(x, jax.Array) or not plan.record.is_array:
         return []
     x = jax.random.key_data(x) if plan.record.kind == "prng_key" else x
@@ -292,7 +298,7 @@ def _replicas(i: int, x: Any, plan: HostLeaf, take: Any = None) -> list[HostShar
             a = np.asarray(s.data)
             buf = take(a.shape, a.dtype) if take is not None else None
             if buf is not None:
-                np.copyto(buf, a)
+                copies.append((buf, a))
             out.append(HostShard(i, box, buf if buf is not None else np.array(a, order="C", copy=True), False))
     return out
 
