@@ -127,7 +127,8 @@ def test_raw_serializer_stores_the_copy_checksums_and_writes_files_in_the_arenas
 def test_saves_at_every_step_restore_exactly_whatever_the_caller_does_next(tmp_path):
     """Async saves at every step: numpy leaves overwritten in place and jax arrays donated right after
     ``save`` returns, the tree growing and shrinking; every step restores bit-exact, and the arena is
-    the same one from the second save of a structure on (filled again, never while a save reads it)."""
+    the same one from the second save of a structure on (made once the save that sized it is durable;
+    filled again, never while a save reads it)."""
     donate = jax.jit(lambda t: jax.tree_util.tree_map(lambda x: x * 2, t), donate_argnums=0)
     saved, arenas = {}, []
     with fc.CheckpointManager(tmp_path / "ckpt", max_to_keep=None) as mgr:
@@ -145,10 +146,10 @@ def test_saves_at_every_step_restore_exactly_whatever_the_caller_does_next(tmp_p
             assert not mgr._spare.spare_buffers()  # the arena is the one host copy kept between saves
         for step in range(8):
             assert_bit_exact(mgr.restore(step, target=_tree(0, extra=step in (4, 5))), saved[step], types=False)
-    assert arenas[0].capacity == 0  # the first save copies as without an arena, and sizes the next
-    assert arenas[1] is arenas[2] is arenas[3] is arenas[4]  # reused while it holds the tree
-    assert arenas[5] is not arenas[4] and arenas[5] is arenas[6] is arenas[7]  # the tree grew at step 4:
-    assert arenas[5].capacity >= arenas[5].wanted  # a bigger arena from step 5, kept when it shrinks again
+    # the first save copies as without an arena and sizes the next, made once it is durable
+    assert arenas[0].capacity > 0 and arenas[0] is arenas[1] is arenas[2] is arenas[3]  # reused while it holds the tree
+    assert arenas[4] is not arenas[3] and arenas[4] is arenas[5] is arenas[6] is arenas[7]  # the tree grew at step 4:
+    assert arenas[4].capacity >= arenas[4].wanted  # a bigger arena from step 5, kept when it shrinks again
 
 
 def test_the_arena_asks_for_transparent_huge_pages_where_the_host_has_them():
@@ -175,3 +176,44 @@ def test_the_arena_asks_for_transparent_huge_pages_where_the_host_has_them():
             flags = line.split()[1:]
     assert flags is not None and "hg" in flags, flags
     assert np.all(arena((4,), np.float32) == 0) and np.all(buf == 1.5)
+
+
+def _resident(at: int) -> int:
+    """Resident bytes of the mapping of /proc/self/smaps that holds address ``at``."""
+    import re
+
+    inside = False
+    for line in open("/proc/self/smaps"):
+        m = re.match(r"([0-9a-f]+)-([0-9a-f]+) ", line)
+        if m:
+            inside = int(m.group(1), 16) <= at < int(m.group(2), 16)
+        elif inside and line.startswith("Rss:"):
+            return int(line.split()[1]) << 10
+    raise AssertionError(f"no mapping holds {at:#x}")
+
+
+def test_the_next_saves_arena_is_made_and_faulted_once_the_save_before_it_is_durable(tmp_path):
+    """An async manager's first save has no arena (it sizes one); the arena the next save copies into
+    is made when the first is durable, on the writer's thread, every page of it already resident, so
+    the next save's copy on the caller's thread faults none. Later saves of that size keep it; a state
+    that outgrows it gets a larger one the same way. Every step restores bit-exact."""
+    def state(step: int, n: int = 3 << 20) -> dict:
+        return {"w": np.arange(n, dtype=np.float32) + step, "b": np.full((1000,), step, np.int64)}
+
+    with fc.CheckpointManager(tmp_path / "run", max_to_keep=None) as mgr:
+        mgr.save(0, state(0))
+        mgr.wait_until_finished()
+        arena = mgr._spare.arena
+        size = sum(a.nbytes for a in state(0).values())
+        assert arena.capacity >= size and _resident(arena._bytes.ctypes.data) >= size
+        for step in (1, 2):
+            mgr.save(step, state(step))
+            mgr.wait_until_finished()
+            assert mgr._spare.arena is arena
+        mgr.save(3, state(3, 5 << 20))  # grown: no buffer for all of it in this arena
+        mgr.wait_until_finished()
+        bigger = mgr._spare.arena
+        assert bigger is not arena and bigger.capacity >= sum(a.nbytes for a in state(3, 5 << 20).values())
+        assert _resident(bigger._bytes.ctypes.data) >= bigger.capacity - (1 << 20)
+        for step in range(4):
+            assert_bit_exact(mgr.restore(step), state(step) if step < 3 else state(3, 5 << 20), types=False)

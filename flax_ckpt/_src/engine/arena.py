@@ -17,12 +17,13 @@ a save that is written to files:
   host's THP setting is "never"): 2 MiB pages fault 512 times fewer when the arena is first filled, and
   an O_DIRECT write pins 512 times fewer pages (benchmarks/README.md: a 48 MiB state's write 15 ms
   instead of 23-27, the writer's CPU 1.2 ms less a save). Where the host's ``defrag`` setting compacts
-  memory for advised maps, the first fill may wait for that once.
+  memory for advised maps, faulting a new arena waits for that once, on the writer's thread.
 
 An arena is reset and filled again only when nothing reads its previous contents (the manager takes a
 snapshot only once the previous save is durable). It never grows: a save that asks for more than it
 holds gets no buffer for the rest (the snapshot copies those as without it) and ``wanted`` says what
-the next arena needs (``Arena.fit``).
+the next arena needs: ``Arena.after`` makes that one, its pages faulted, once the save is durable, on
+the writer's thread, and ``Arena.fit`` hands it to the next snapshot.
 """
 
 from __future__ import annotations
@@ -63,6 +64,18 @@ class Arena:
             previous.used = previous.wanted = 0
             return previous
         return cls(previous.wanted if previous is not None else 0)
+
+    def after(self) -> "Arena":
+        """The arena for the next save, asked for once this one's save is durable (on the writer's
+        thread): this one when it held all that its save asked for (``fit`` resets it), else a new one
+        of that size with its pages faulted now, beside training, rather than by the next save's copy on
+        the caller's thread (a 48 MiB arena's first fill: about 20 ms with 4 KiB pages, 130-175 ms where
+        the kernel compacts memory for huge pages)."""
+        if self.wanted <= self.capacity:
+            return self
+        arena = Arena(self.wanted)
+        arena._bytes[::PAGE] = 0  # one write per page: every page allocated (a huge page at its first)
+        return arena
 
     def __call__(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray | None:
         """A C-contiguous array of ``shape`` and ``dtype`` right after the last one handed out, or None

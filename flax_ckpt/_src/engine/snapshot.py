@@ -76,8 +76,9 @@ class Snapshot:
         snapshot's own buffers (what ``spare_buffers`` gives), or None when it has none. It holds no view
         of the caller's arrays (that would keep a saved state alive, and stop XLA from donating its
         buffers)."""
-        if self.arena is not None:  # the next save's arena holds all that this one asked for: keeping
-            return Snapshot([], 0, owned=True, arena=self.arena)  # other buffers would be a second copy
+        if self.arena is not None:  # the next save's arena holds all that this one asked for (made now if
+            # this one was too small): keeping other buffers would be a second copy
+            return Snapshot([], 0, owned=True, arena=self.arena.after())
         spare = self.spare_buffers()
         if not spare:
             return None

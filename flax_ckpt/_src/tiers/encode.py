@@ -318,7 +318,7 @@ def _encode_in_place(ts: TierSnapshot, ident: dict[str, Any], layouts: FullLayou
     put it, every chunk's crc32c made by the snapshot's copy: the whole spare is the data file (only
     the padding between shards is written, with zeros), and the index is the layout's text with the
     checksums. None when the snapshot is not so (``_encode_full`` then encodes it piece by piece); its
-    result is the same, byte for byte (tests/test_tiers.py)."""
+    result is the same, byte for byte (tests/test_tier_every_step.py, tests/test_tiers.py)."""
     lent, shards, at = ts.lent, ts.shards(), ts.offsets()
     if lent is None or not ts.crcs or at is None:
         return None
