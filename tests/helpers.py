@@ -130,6 +130,26 @@ def bit_exact(got: Any, want: Any, **kw: Any) -> bool:
 
 # ------------------------------------------------------------------------------------------- states
 
+def in_place_checked() -> tuple[Callable[..., Any], list[int]]:
+    """A stand-in for tiers/encode.py's ``_encode_in_place`` (install it in its place) that checks
+    every full memory copy it writes in place against the piece-by-piece encoding of the same snapshot,
+    index and data byte for byte, and the list of those copies' steps."""
+    from flax_ckpt._src.tiers import encode as tier_encode
+
+    steps: list[int] = []
+    real = tier_encode._encode_in_place
+
+    def checked(ts: Any, ident: dict, layouts: Any) -> Any:
+        enc = real(ts, ident, layouts)
+        if enc is not None:
+            ref = tier_encode._encode_full(ts, ident)
+            assert enc.index == ref.index
+            assert bytes(enc.pieces[0]) == b"".join(bytes(p) for p in ref.pieces)
+            steps.append(ident["step"])
+        return enc
+    return checked, steps
+
+
 def step_state(step: int, shape: tuple[int, ...], seed: int) -> dict:
     """A state that is a deterministic function of ``step``: a float32 "w" of ``shape`` drawn from
     ``seed + step``, and the step. Each caller keeps its own seed and shape (its own size)."""

@@ -31,7 +31,7 @@ from flax_ckpt._src.records import leaf_name
 from flax_ckpt._src.tiers import encode as tier_encode
 from flax_ckpt._src.tiers import store as tier_store
 from flax_ckpt._src.tiers import tierset as tier_set
-from helpers import assert_bit_exact
+from helpers import assert_bit_exact, in_place_checked
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -344,17 +344,8 @@ def test_a_full_copy_written_where_the_snapshot_lies_equals_the_copy_encoded_pie
         if step >= 5:
             out["added"] = rng.standard_normal(777).astype(np.float32)
         return out
-    compared, real = [], tier_encode._encode_in_place
-
-    def both(ts, ident, layouts):
-        enc = real(ts, ident, layouts)
-        if enc is not None:
-            ref = tier_encode._encode_full(ts, ident)
-            assert enc.index == ref.index
-            assert bytes(enc.pieces[0]) == b"".join(bytes(p) for p in ref.pieces)
-            compared.append(ident["step"])
-        return enc
-    monkeypatch.setattr(tier_encode, "_encode_in_place", both)
+    checked, compared = in_place_checked()
+    monkeypatch.setattr(tier_encode, "_encode_in_place", checked)
     saved = {}
     with fc.CheckpointManager(tmp_path / "ckpt", tiers=_tiers(tmp_path, on_busy="wait", max_to_keep=8)) as mgr:
         for step in range(8):

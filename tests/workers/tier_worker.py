@@ -38,7 +38,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 import flax_ckpt as fc  # noqa: E402
 from flax_ckpt._src.commit import distributed  # noqa: E402
 from flax_ckpt._src.storage import local as storage_local  # noqa: E402
-from helpers import AfterWrite, assert_bit_exact, kill_self, report, start_worker  # noqa: E402
+from helpers import AfterWrite, assert_bit_exact, in_place_checked, kill_self, report, start_worker  # noqa: E402
 
 
 def host_state(step: int) -> dict[str, Any]:
@@ -119,19 +119,10 @@ def progress(cfg: dict[str, Any], mgr: fc.CheckpointManager, step: int) -> None:
 
 def check_in_place() -> list[int]:
     """The steps whose full memory copy is written where its snapshot lies (tiers/encode.py
-    ``_encode_in_place``), each checked against the piece-by-piece encoding, byte for byte."""
+    ``_encode_in_place``), each checked against the piece-by-piece encoding (helpers.in_place_checked)."""
     from flax_ckpt._src.tiers import encode as tier_encode
 
-    steps, real = [], tier_encode._encode_in_place
-
-    def both(ts, ident, layouts):
-        enc = real(ts, ident, layouts)
-        if enc is not None:
-            ref = tier_encode._encode_full(ts, ident)
-            assert enc.index == ref.index and bytes(enc.pieces[0]) == b"".join(bytes(p) for p in ref.pieces)
-            steps.append(ident["step"])
-        return enc
-    tier_encode._encode_in_place = both
+    tier_encode._encode_in_place, steps = in_place_checked()
     return steps
 
 

@@ -283,9 +283,10 @@ class FullLayout:
         parts, off = [], 0
         for j, sh in enumerate(shards):
             n = sh.data.nbytes
-            if n and off % _ALIGN:
-                self.pads.append((off, off - off % _ALIGN + _ALIGN))
-                off = self.pads[-1][1]
+            pad = -off % _ALIGN if n else 0  # as _encode_full pads
+            if pad:
+                self.pads.append((off, off + pad))
+                off += pad
             self.offsets.append(off if n else None)
             if n:
                 self.counts.append(-(-n // CHUNK))
