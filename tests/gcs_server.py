@@ -67,6 +67,7 @@ class FakeGcs:
             shutil.rmtree(self.root, ignore_errors=True)
 
     def start(self, timeout: float = 30.0) -> None:
+        self._drop_unfinished_uploads()
         self.proc = subprocess.Popen(
             [str(binary()), "-scheme", "http", "-host", HOST, "-port", str(self.port), "-backend", "filesystem",
              "-filesystem-root", str(self.root), "-external-url", self.endpoint, "-log-level", "error"],
@@ -77,6 +78,29 @@ class FakeGcs:
         except BaseException:
             self.stop()
             raise
+
+    def _drop_unfinished_uploads(self) -> None:
+        """Deletes the object files that have no metadata: uploads a killed server was in the middle of.
+        On GCS an upload is atomic (an unfinished one is no object); fake-gcs-server's filesystem
+        backend writes the object's file first and its metadata (the ``user.metadata`` attribute, or a
+        ``.metadata`` file beside it) after, and answers 404 to every listing of a bucket holding a file
+        without it, so a restart after ``kill`` would find the whole bucket gone."""
+        if not self.root.is_dir():
+            return
+        for bucket in self.root.iterdir():
+            if not bucket.is_dir() or bucket.is_symlink():
+                continue
+            for d, _, files in os.walk(bucket):
+                for n in files:
+                    path = os.path.join(d, n)
+                    if n.endswith(".metadata") or os.path.exists(path + ".metadata"):
+                        continue
+                    try:
+                        if "user.metadata" in os.listxattr(path, follow_symlinks=False):
+                            continue
+                    except OSError:
+                        pass
+                    os.unlink(path)
 
     def stop(self) -> None:
         if self.proc is not None:
