@@ -357,7 +357,31 @@ def summarize(out: dict[str, Any]) -> tuple[str, dict[str, Any]]:
                 cells.append(cell)
             none_ms = statistics.median(b[str(e)]["wall"] for b in base if str(e) in b) * 1e3 if base else 0
             lines.append(f"| {e} ({none_ms:.0f} ms/step) | " + " | ".join(cells) + " |")
+        lines += _over_floor(by, everies, summary.setdefault(model, {}))
     return "\n".join(lines), summary
+
+
+def _over_floor(by: dict[str, list], everies: list[int], summary: dict[str, Any]) -> list[str]:
+    """The same, against the floor of the same round (what a contender costs beyond one host copy of
+    the state, which every checkpoint of a donated state makes): the wall ratio, median over rounds."""
+    floor = by.get("floor", [])
+    others = [c for c in by if c not in ("none", "floor")]
+    if not floor or not others:
+        return []
+    lines = ["\nAgainst `floor` of the same round (median of per-round wall ratios − 1):\n",
+             "| every | " + " | ".join(others) + " |", "|---|" + "---|" * len(others)]
+    for e in everies:
+        cells = []
+        for c in others:
+            pairs = [(f[str(e)], r[str(e)]) for f, r in zip(floor, by[c]) if str(e) in f and str(e) in r]
+            if not pairs:
+                cells.append("n/a")
+                continue
+            w = statistics.median(y["wall"] / x["wall"] for x, y in pairs) - 1
+            summary.setdefault(str(e), {}).setdefault(c, {})["over_floor"] = w
+            cells.append(f"{w:+.0%}")
+        lines.append(f"| {e} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def main() -> None:
