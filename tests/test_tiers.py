@@ -84,6 +84,27 @@ def test_unchanged_jax_leaves_are_neither_copied_nor_hashed(tmp_path):
     assert_bit_exact(fc.restore(tmp_path / "ckpt" / "6", target=states[1]), states[6], types=False)
 
 
+def test_an_unchanged_leaf_is_known_by_name_when_the_structure_around_it_changes(tmp_path):
+    """A save of the structure saved last finds each leaf's previous array by position; a save of
+    another structure (a leaf added before it, then removed) by name: the backbone, the same object
+    throughout, is never copied again, whatever its place among the leaves."""
+    backbone = jnp.asarray(np.random.default_rng(3).standard_normal((1024, 1024), np.float32))  # 4 MiB
+    tiers = fc.Tiers(local_dir=str(tmp_path / "shm"), on_busy="wait", persist_interval_steps=None,
+                     rebase_interval=10, max_to_keep=10, cleanup=False)
+    states = {s: {"backbone": backbone, "head": jnp.full((64, 64), float(s))} for s in range(1, 7)}
+    for s in (3, 4):  # "a_extra" sorts first: the backbone is the second leaf, the head the third
+        states[s] = {"a_extra": jnp.full((8,), float(s)), **states[s]}
+    with fc.CheckpointManager(tmp_path / "ckpt", tiers=tiers) as mgr:
+        for step in range(1, 7):
+            mgr.save(step, states[step])
+        mgr.wait_until_finished()
+        stats = {s.step: s for s in mgr.tier_stats}
+        assert [s for s, t in stats.items() if t.base] == [1]
+        assert all(stats[s].reused == backbone.nbytes for s in range(2, 7)), {s: t.reused for s, t in stats.items()}
+        for step in range(1, 7):
+            assert_bit_exact(mgr.restore(step, target=states[step]), states[step], types=False)
+
+
 def test_small_changes_are_stored_as_compressed_xor_deltas(tmp_path):
     base = np.random.default_rng(1).standard_normal((512, 1024)).astype(np.float32)  # 2 MiB
     tiers = fc.Tiers(local_dir=str(tmp_path / "shm"), on_busy="wait", persist_interval_steps=None, cleanup=False)

@@ -359,9 +359,20 @@ def snapshot(tree: Any, *, copy: bool = True, reuse: Snapshot | None = None, int
             with ThreadPoolExecutor(min(4, len(big))) as pool:
                 for j, hl in zip(big, pool.map(leaf, big)):
                     leaves[j] = hl
-    for j in range(len(seen)):
-        if leaves[j] is None:
-            leaves[j] = leaf(j)
+    for j, k in enumerate(seen):
+        if leaves[j] is not None:
+            continue
+        if into is not None and k.whole and k.kind == "jax":  # most leaves: _array_leaf's first case, inline
+            x = flat.leaves[only[j]]
+            a = np.asarray(x)
+            buf = into(a.shape, a.dtype)
+            if buf is not None:
+                copies.append((buf, a))
+                leaves[j] = HostLeaf(k.record, (Shard(k.box, buf),), x.sharding, whole=True)
+            else:  # ``into`` gave none for it (asked once): snapshotted as without it
+                leaves[j] = _array_leaf(x, k, copy, spare, None, copies)
+            continue
+        leaves[j] = leaf(j)
     crcs = copy_all(copies, checksum)
     nbytes = sum(s.data.nbytes for hl in leaves for s in hl.shards)
     return Snapshot(leaves, nbytes, time.perf_counter() - t0, owned=copy,

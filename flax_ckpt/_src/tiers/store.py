@@ -218,13 +218,24 @@ def _boxes(x: jax.Array) -> set[Box]:
 
 
 class Seen:
-    """Since when each jax.Array leaf (by name) has been the same object: a weak reference to the array
-    saved last, and the first step it was saved at (two dicts, not a tuple per leaf and save for the
-    garbage collector to follow)."""
+    """Since when each jax.Array leaf has been the same object: a weak reference to the array saved
+    last at each place, and the first step it was saved at, in lists by the leaves' order in ``names``
+    (the key names of the structure last saved: ``tree.flat`` hands out the same list object while the
+    structure is the same, so a save of it looks its leaves up by position, not by name)."""
 
     def __init__(self) -> None:
-        self.refs: dict[str, weakref.ref] = {}
-        self.since: dict[str, int] = {}
+        self.names: list[str] = []
+        self.refs: list[weakref.ref | None] = []
+        self.since: list[int] = []
+
+    def aligned(self, names: list[str]) -> tuple[list[weakref.ref | None], list[int]]:
+        """The references and first steps in the order of ``names`` (None, 0 for a name not seen)."""
+        if names is self.names:
+            return self.refs, self.since
+        at = {n: k for k, n in enumerate(self.names)}
+        ks = [at.get(n) for n in names]
+        return ([None if k is None else self.refs[k] for k in ks],
+                [0 if k is None else self.since[k] for k in ks])
 
 
 def take_snapshot(state: Any, *, copy: bool, force: bool, step: int, seen: Seen,
@@ -237,24 +248,26 @@ def take_snapshot(state: Any, *, copy: bool, force: bool, step: int, seen: Seen,
     held: dict[str, Any] | None = None  # the base's leaves by name: looked up only for a leaf unchanged since
     reuse: dict[int, tuple[dict[str, Any], list[dict[str, Any]]]] = {}
     fresh: list[int] = []
-    refs: dict[str, weakref.ref] = {}
-    first: dict[str, int] = {}
-    for i, (name, x) in enumerate(zip(flat.names, flat.leaves)):
+    old_refs, old_since = seen.aligned(flat.names)
+    refs: list[weakref.ref | None] = [None] * len(flat.leaves)
+    first = [0] * len(flat.leaves)
+    for i, x in enumerate(flat.leaves):
         if isinstance(x, jax.Array) and not x.is_deleted():
-            ref = seen.refs.get(name)
+            ref = old_refs[i]
             if ref is not None and ref() is x:
-                since = seen.since[name]
+                since = old_since[i]
             else:
                 ref, since = weakref.ref(x), step
-            refs[name], first[name] = ref, since
+            refs[i], first[i] = ref, since
             if base is not None and since <= base.step:
+                name = flat.names[i]
                 held = base.by_leaf() if held is None else held
                 data = jax.random.key_data(x) if tree_mod.is_prng_key(x) else x
                 if name in held and {tuple(map(tuple, s["box"])) for s in held[name][1]} == _boxes(data):
                     reuse[i] = held[name]
                     continue
         fresh.append(i)
-    seen.refs, seen.since = refs, first
+    seen.names, seen.refs, seen.since = flat.names, refs, first
     take = into.take if into is not None else None
     part = snapshot(flat, copy=copy, into=take, checksum=CHUNK if take is not None else None, only=fresh) \
         if fresh else Snapshot([], 0)
@@ -277,7 +290,7 @@ def take_snapshot(state: Any, *, copy: bool, force: bool, step: int, seen: Seen,
         ts.crcs.update({id(d): c for (d, _), c in zip(copies, copy_all(copies, CHUNK)) if d.size})
     if into is not None and into.used:  # its pages are this snapshot's while it lives (a migration reads them)
         tier_files.pin(into.key, ts)
-    ts.snap.nbytes = sum(s.data.nbytes for p in plans for s in p.shards)
+    ts.snap.nbytes = part.nbytes + sum(s.data.nbytes for i in reuse for s in plans[i].shards)
     ts.snap.seconds = part.seconds
     return ts
 
