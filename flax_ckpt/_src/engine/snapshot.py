@@ -267,12 +267,8 @@ def _array_leaf(x: Any, seen: _Learned, copy: bool, spare: dict, into: Into | No
     if isinstance(x, jax.Array):
         # A CPU array's host view is already a snapshot: jax arrays are immutable, the view keeps the
         # buffer alive through x.delete(), and XLA never donates a buffer that has host views (it
-        # allocates the output instead). So CPU arrays are not copied; other devices' are.
-        if seen.whole and into is not None:  # the common case, without the general path's closures
-            buf = _copied_into(into, x, copies)
-            if buf is not None:
-                return HostLeaf(rec, (Shard(seen.box, buf),), x.sharding, whole=True)
-            into = None  # it gave none for this shard (asked once): snapshotted as without it
+        # allocates the output instead). So CPU arrays are not copied; other devices' are. (A whole
+        # array with ``into`` is copied by ``snapshot``'s loop itself, without this function.)
         parts = [(x, seen.box)] if seen.whole else \
             [(s.data, box_of(s.index, rec.shape)) for s in x.addressable_shards if s.replica_id == 0]
 
@@ -362,13 +358,14 @@ def snapshot(tree: Any, *, copy: bool = True, reuse: Snapshot | None = None, int
     for j, k in enumerate(seen):
         if leaves[j] is not None:
             continue
-        if into is not None and k.whole and k.kind == "jax":  # most leaves: _array_leaf's first case, inline
-            x = flat.leaves[only[j]]
-            a = np.asarray(x)
+        if into is not None and k.whole and k.kind in ("jax", "prng_key"):  # most leaves: one shard and
+            x = flat.leaves[only[j]]  # one buffer, no call per leaf but ``into``'s
+            data = jax.random.key_data(x) if k.kind == "prng_key" else x
+            a = np.asarray(data)
             buf = into(a.shape, a.dtype)
             if buf is not None:
                 copies.append((buf, a))
-                leaves[j] = HostLeaf(k.record, (Shard(k.box, buf),), x.sharding, whole=True)
+                leaves[j] = HostLeaf(k.record, (Shard(k.box, buf),), data.sharding, whole=True)
             else:  # ``into`` gave none for it (asked once): snapshotted as without it
                 leaves[j] = _array_leaf(x, k, copy, spare, None, copies)
             continue
