@@ -358,13 +358,11 @@ def snapshot(tree: Any, *, copy: bool = True, reuse: Snapshot | None = None, int
     for j, k in enumerate(seen):
         if leaves[j] is not None:
             continue
-        if into is not None and k.whole and k.kind in ("jax", "prng_key"):  # most leaves: one shard and
-            x = flat.leaves[only[j]]  # one buffer, no call per leaf but ``into``'s
+        if into is not None and k.whole and k.kind in ("jax", "prng_key"):  # most leaves: one shard, one
+            x = flat.leaves[only[j]]  # buffer (without _array_leaf's general path)
             data = jax.random.key_data(x) if k.kind == "prng_key" else x
-            a = np.asarray(data)
-            buf = into(a.shape, a.dtype)
+            buf = _copied_into(into, data, copies)
             if buf is not None:
-                copies.append((buf, a))
                 leaves[j] = HostLeaf(k.record, (Shard(k.box, buf),), data.sharding, whole=True)
             else:  # ``into`` gave none for it (asked once): snapshotted as without it
                 leaves[j] = _array_leaf(x, k, copy, spare, None, copies)

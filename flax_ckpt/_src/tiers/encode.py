@@ -255,12 +255,11 @@ def _encode_full(ts: TierSnapshot, ident: dict[str, Any]) -> Encoded:
     return enc
 
 
-def _body_ends(ts: TierSnapshot, ident: dict[str, Any], data: int, leaves: str | None = None) -> tuple[str, str]:
+def _body_ends(ts: TierSnapshot, ident: dict[str, Any], data: int) -> tuple[str, str]:
     """A full copy's index text before its "shards" list (up to its "[") and after it (from its "]"):
-    the body's other keys, sorted as canonical text has them. ``leaves``: the "leaves" value's text,
-    when known."""
+    the body's other keys, sorted as canonical text has them."""
     fields = {k: canonical(v) for k, v in dict(ident, base=None, chunk=CHUNK, data=data).items()}
-    fields["leaves"] = leaves or "[" + ",".join(lf.record.json_text() for lf in ts.snap.leaves) + "]"
+    fields["leaves"] = "[" + ",".join(lf.record.json_text() for lf in ts.snap.leaves) + "]"
     fields["shards"] = None
     keys = sorted(fields)
     at = keys.index("shards")
@@ -299,19 +298,10 @@ class FullLayout:
 
 
 class FullLayouts:
-    """What a writer keeps of its last full copy's layout (``encode``'s ``layouts``), and the text of
-    its leaf records."""
+    """What a writer keeps of its last full copy's layout (``encode``'s ``layouts``)."""
 
     def __init__(self) -> None:
         self.last: FullLayout | None = None
-        self.records: list[Any] = []
-        self.leaves = ""
-
-    def leaves_text(self, records: list[Any]) -> str:
-        """The index's "leaves" value for ``records``: kept while they are the same."""
-        if records != self.records:
-            self.records, self.leaves = records, "[" + ",".join(r.json_text() for r in records) + "]"
-        return self.leaves
 
 
 def _encode_in_place(ts: TierSnapshot, ident: dict[str, Any], layouts: FullLayouts) -> Encoded | None:
@@ -334,7 +324,7 @@ def _encode_in_place(ts: TierSnapshot, ident: dict[str, Any], layouts: FullLayou
         return None
     for lo, hi in lay.pads:
         lent.zero(lo, hi)
-    head, tail = _body_ends(ts, ident, len(lent.map), layouts.leaves_text([lf.record for lf in ts.snap.leaves]))
+    head, tail = _body_ends(ts, ident, len(lent.map))
     flat = np.concatenate(crcs).tolist() if crcs else []
     enc = Encoded(None, b"", [memoryview(lent.map)], len(lent.map), [], lent, None,
                   [head, lay.text % tuple(flat), tail])
