@@ -13,7 +13,7 @@ its chart is kept as it is. What it writes under ``--out``:
 | per_leaf.png | bench_scale-*.json (bench_scale.py) | microseconds per leaf against the leaf count |
 | accelerator.png | accelerator-*.json (bench_accelerator.py) | blocked time of a save per contender |
 | perf_table.md | save_restore-*.json | the Performance page's current table |
-| accelerator_table.md | accelerator-*.json, else a note saying it is to be measured | the Accelerators page's table |
+| accelerator_table.md | accelerator-*.json, else a note: to be measured | the Accelerators page's table |
 
 Each chart names the command that measured it, the date and the machine's CPU count. PNGs are written
 without a timestamp, so a chart redrawn from the same report is byte-identical.
@@ -27,13 +27,15 @@ import pathlib
 from typing import Any
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-LABELS = {"raw-file": "raw file (floor)", "raw-files-8t": "raw files, 8 threads", "flax_ckpt-raw": "flax_ckpt",
+LABELS = {"raw-file": "raw file (floor)", "raw-files-8t": "raw files, 8 threads",
+          "flax_ckpt-raw": "flax_ckpt",
           "flax_ckpt-zarr3": "flax_ckpt zarr3", "orbax": "Orbax", "torch-dcp": "torch DCP",
           "floor": "memcpy floor", "write-floor": "write + fsync floor", "memory": "flax_ckpt memory tier",
           "persistent": "flax_ckpt manager", "orbax-emergency": "Orbax emergency"}
 COLORS = {"raw-file": "#9e9e9e", "raw-files-8t": "#bdbdbd", "flax_ckpt-raw": "#1565c0",
           "flax_ckpt-zarr3": "#64b5f6", "orbax": "#ef6c00", "torch-dcp": "#6a1b9a", "floor": "#9e9e9e",
-          "write-floor": "#757575", "memory": "#2e7d32", "persistent": "#1565c0", "orbax-emergency": "#ffb74d"}
+          "write-floor": "#757575", "memory": "#2e7d32", "persistent": "#1565c0",
+          "orbax-emergency": "#ffb74d"}
 ACCELERATOR_PLACEHOLDER = (
     "<!-- accelerator_table.md: written by benchmarks/plots.py. No accelerator report in bench_out/ yet:\n"
     "     run benchmarks/bench_accelerator.py on the accelerator, then python benchmarks/plots.py -->\n"
@@ -79,7 +81,8 @@ def _source(body: dict[str, Any], command: str) -> str:
 
 # ------------------------------------------------------------------------------------ save / restore
 
-MEASURES = [("save", "save"), ("restore_cold", "restore, cold cache"), ("restore_warm", "restore, warm cache")]
+MEASURES = [("save", "save"), ("restore_cold", "restore, cold cache"),
+            ("restore_warm", "restore, warm cache")]
 
 
 def save_restore_chart(body: dict[str, Any], out: pathlib.Path, svg: bool) -> list[pathlib.Path]:
@@ -125,8 +128,9 @@ def perf_table(body: dict[str, Any]) -> str:
     mib = body.get("nbytes", 0) / 2**20
     args = body.get("args", {})
     lines.append("")
+    date = body.get("machine", {}).get("date", "?")[:10]
     lines.append(f"A {mib:.0f} MiB state of {body.get('leaves', '?')} leaves, medians of "
-                 f"{args.get('rounds', '?')} interleaved rounds, {body.get('machine', {}).get('date', '?')[:10]}; "
+                 f"{args.get('rounds', '?')} interleaved rounds, {date}; "
                  "in brackets, the time as a multiple of flax_ckpt's.")
     return "\n".join(lines) + "\n"
 
@@ -134,28 +138,32 @@ def perf_table(body: dict[str, Any]) -> str:
 # --------------------------------------------------------------------------------- checkpoint frequency
 
 def every_step_chart(body: dict[str, Any], out: pathlib.Path, svg: bool) -> list[pathlib.Path]:
+    """One row per model; wall time and process CPU time side by side (on a shared machine the CPU
+    time is the steadier of the two)."""
     plt = _pyplot()
     summary = body["summary"]
     models = list(summary)
-    fig, axes = plt.subplots(1, len(models), figsize=(4.2 * len(models) + 1.5, 3.6), squeeze=False)
-    for ax, model in zip(axes[0], models):
+    fig, axes = plt.subplots(len(models), 2, figsize=(10, 3.4 * len(models)), squeeze=False)
+    for row, model in zip(axes, models):
         everies = sorted(summary[model], key=int)
-        contenders = [c for c in summary[model][everies[0]]]
-        width = 0.8 / len(contenders)
-        for i, name in enumerate(contenders):
-            xs = [j + (i - (len(contenders) - 1) / 2) * width for j in range(len(everies))]
-            ys = [100 * summary[model][e].get(name, {}).get("wall", 0.0) for e in everies]
-            bars = ax.bar(xs, ys, width, label=LABELS.get(name, name), color=COLORS.get(name))
-            ax.bar_label(bars, fmt="%+.0f%%", fontsize=7, padding=2)
-        ax.axhline(0, color="black", linewidth=0.6)
-        ax.set_xticks(range(len(everies)), [f"every {e} step{'s' * (e != '1')}" for e in everies])
-        ax.set_ylabel("step time vs no checkpoint (%)")
-        ax.set_title(f"{model}", fontsize=11)
+        contenders = list(summary[model][everies[0]])
+        for ax, measure, what in zip(row, ("wall", "cpu"), ("wall time", "process CPU time")):
+            width = 0.8 / len(contenders)
+            for i, name in enumerate(contenders):
+                xs = [j + (i - (len(contenders) - 1) / 2) * width for j in range(len(everies))]
+                ys = [100 * summary[model][e].get(name, {}).get(measure, 0.0) for e in everies]
+                bars = ax.bar(xs, ys, width, label=LABELS.get(name, name), color=COLORS.get(name))
+                ax.bar_label(bars, fmt="%+.0f%%", fontsize=7, padding=2)
+            ax.axhline(0, color="black", linewidth=0.6)
+            ax.set_xticks(range(len(everies)), [f"every {e} step{'s' * (e != '1')}" for e in everies])
+            ax.set_ylabel(f"{what} vs no checkpoint (%)")
+            ax.set_title(f"{model}: {what} per step", fontsize=11)
     axes[0][-1].legend(frameon=False, fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     args = body.get("args", {})
     command = (f"bench_every_step.py --models {args.get('models')} --every {args.get('every')} "
                f"--steps {args.get('steps')} --rounds {args.get('rounds')}")
-    fig.text(0.01, -0.04, _source(body, command), fontsize=8, color="#555555")
+    fig.text(0.01, -0.03, _source(body, command), fontsize=8, color="#555555")
+    fig.tight_layout()
     return _save(fig, out, "every_step", svg)
 
 
@@ -189,7 +197,8 @@ def per_leaf_chart(body: dict[str, Any], out: pathlib.Path, svg: bool) -> list[p
     ax.set_title("Cost per leaf", fontsize=11)
     ax.legend(frameon=False, fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     args = body.get("args", {})
-    command = f"bench_scale.py --leaves {' '.join(map(str, args.get('leaves', [])))} --rounds {args.get('rounds')}"
+    leaf_counts = " ".join(map(str, args.get("leaves", [])))
+    command = f"bench_scale.py --leaves {leaf_counts} --rounds {args.get('rounds')}"
     fig.text(0.01, -0.06, _source(body, command), fontsize=8, color="#555555")
     return _save(fig, out, "per_leaf", svg)
 
@@ -203,7 +212,8 @@ def accelerator_rows(body: dict[str, Any]) -> list[tuple[str, dict[str, float]]]
     out = []
     for row in rows if isinstance(rows, list) else []:
         name = next((v for v in row.values() if isinstance(v, str)), "?")
-        numbers = {k: float(v) for k, v in row.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        numbers = {k: float(v) for k, v in row.items()
+                   if isinstance(v, (int, float)) and not isinstance(v, bool)}
         out.append((name, numbers))
     return out
 

@@ -53,7 +53,8 @@ def test_every_public_name_is_in_the_api_reference_and_nothing_else():
 GUIDES = sorted(p for p in DOCS.glob("*.md"))
 PAGES = [README, *GUIDES]
 FENCED = re.compile(r"^(`{3,})([^\n`]*)\n(.*?)^\1\s*$", re.MULTILINE | re.DOTALL)
-DIRECTIVE_BLOCK = re.compile(r"^```\{(include|toctree|literalinclude)\}.*?^```\s*$", re.MULTILINE | re.DOTALL)
+DIRECTIVE_BLOCK = re.compile(r"^```\{(include|toctree|literalinclude)\}.*?^```\s*$",
+                             re.MULTILINE | re.DOTALL)
 LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
 WIDTH = 100
 
@@ -66,7 +67,8 @@ def code_blocks(text: str) -> list[tuple[str, str]]:
 def test_every_code_block_fits_100_columns():
     """A wider line is cut off behind a horizontal scroll bar on the site (and on GitHub)."""
     wide = [f"{page.relative_to(ROOT)}: {len(line)} columns: {line[:60]}..."
-            for page in PAGES for info, body in code_blocks(page.read_text()) if not info.startswith("{")
+            for page in PAGES for info, body in code_blocks(page.read_text())
+            if not info.startswith("{")
             for line in body.splitlines() if len(line) > WIDTH]
     assert wide == [], "code lines wider than 100 columns"
 
@@ -101,7 +103,8 @@ def test_readme_is_a_landing_page():
     """About 150 lines; the two set-up commands first; no issue numbers or dated history; one chart
     that benchmarks/plots.py draws; a link to every guide."""
     text = README.read_text()
-    assert len(text.splitlines()) <= 170, f"README.md has {len(text.splitlines())} lines: move text to a guide"
+    lines = len(text.splitlines())
+    assert lines <= 170, f"README.md has {lines} lines: move text to a guide"
     first = code_blocks(text)[0][1].splitlines()
     assert first[0].startswith("bash scripts/demo.sh") and first[1].startswith("bash scripts/test.sh"), first
     assert not re.search(r"\bissues? \d+", text, re.IGNORECASE), "README.md mentions issue numbers"
