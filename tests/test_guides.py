@@ -112,3 +112,25 @@ def test_a_failing_example_fails_the_test(tmp_path):
     page.write_text("```python\nx = 1\n```\n\n<!-- test: skip -->\n```python\nx = 2\n```\n")
     with pytest.raises(AssertionError, match="must read <!-- test: skip"):
         python_blocks(page)
+
+
+def test_every_command_line_shown_uses_options_the_command_has():
+    """Each ``flax-ckpt <command> ...`` line of a bash block names a real command and only options its
+    ``--help`` lists (the command answers --help without importing jax)."""
+    import subprocess
+    import sys
+
+    shown: dict[str, set[str]] = {}
+    for page in PAGES:
+        for lang, body in FENCE.findall(page.read_text()):
+            for line in body.splitlines() if lang == "bash" else []:
+                words = line.split("#")[0].split()
+                if len(words) >= 2 and words[0] == "flax-ckpt":
+                    options = {w.split("=")[0] for w in words if w.startswith("--")}
+                    shown.setdefault(words[1], set()).update(options)
+    assert {"ls", "info", "verify", "diff", "convert", "prune"} <= set(shown), sorted(shown)
+    for command, options in sorted(shown.items()):
+        out = subprocess.run([sys.executable, "-m", "flax_ckpt", command, "--help"], capture_output=True,
+                             text=True, timeout=120)
+        assert out.returncode == 0, f"flax-ckpt {command} --help: {out.stderr[-500:]}"
+        assert [o for o in sorted(options) if o not in out.stdout] == [], f"flax-ckpt {command}"
