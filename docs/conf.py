@@ -1,8 +1,9 @@
 """Sphinx configuration of flax_ckpt's documentation site (built by scripts/docs.sh).
 
-The guides are README.md's sections, included by heading (one source); the API reference is generated
-from the public docstrings (api.rst); the notebook is notebooks/finetune.ipynb (docs/notebooks/ holds a
-link to it), rendered by myst-nb without executing it. Nothing is fetched at build time (no intersphinx).
+The guides are pages of their own (docs/*.md; tests/test_guides.py runs their examples); the API reference
+is generated from the public docstrings (api.rst); the notebook is notebooks/finetune.ipynb (docs/notebooks/
+holds a link to it), rendered by myst-nb without executing it. The charts and tables under _static/ are
+drawn by benchmarks/plots.py. Nothing is fetched at build time (no intersphinx).
 """
 
 import flax_ckpt
@@ -18,7 +19,7 @@ extensions = [
     "sphinx.ext.napoleon",  # the Google-style "Args:" sections of the callbacks' docstrings
 ]
 
-exclude_patterns = ["_build", "Thumbs.db", ".DS_Store"]
+exclude_patterns = ["_build", "Thumbs.db", ".DS_Store", "_static/*.md"]  # _static/*.md: included tables
 root_doc = "index"
 
 # MyST and notebooks: the notebook's stored cells are shown as they are; nothing is executed.
@@ -46,5 +47,6 @@ html_theme_options = {
     "show_toc_level": 2,
     "navigation_with_keys": False,
 }
-html_static_path: list[str] = []
+html_static_path = ["_static"]
+html_css_files = ["custom.css"]
 html_show_sourcelink = False

@@ -1,10 +1,12 @@
 """The documentation site's sources keep up with the code and the README, without building it.
 
-scripts/docs.sh builds the site (Sphinx, warnings as errors); these checks are the cheap part that the
-default suite runs: every public name (``flax_ckpt.__all__``, ``flax_ckpt.callbacks.__all__``) has an
-entry in the API reference (docs/api.rst) and nothing private has one; every section of README.md is
-the start of a guide page, whose include markers each occur once in the README; the rendered notebook
-is the repository's own notebooks/finetune.ipynb, through a link, not a copy.
+scripts/docs.sh builds the site (Sphinx, warnings as errors) and renders it in a browser
+(tests/test_site.py); tests/test_guides.py runs the pages' examples. These checks are the cheap part that
+the default suite runs: every public name (``flax_ckpt.__all__``, ``flax_ckpt.callbacks.__all__``) has an
+entry in the API reference (docs/api.rst) and nothing private has one; every code block of README.md and
+the guides fits 100 columns; every guide is a page of its own (not only an include) listed in the site's
+index; relative links and images resolve; README.md is a landing page and CHANGELOG.md one release list;
+the rendered notebook is the repository's own notebooks/finetune.ipynb, through a link, not a copy.
 """
 
 from __future__ import annotations
@@ -22,9 +24,6 @@ README = ROOT / "README.md"
 # ".. autoclass:: Name", ".. py:data:: Name", ".. currentmodule:: flax_ckpt.callbacks", ...
 DIRECTIVE = re.compile(r"^\.\. (?:auto(?:function|class|exception|data)|py:data|(current)?(module)):: (\S+)\s*$",
                        re.MULTILINE)
-MARKER = re.compile(r'^:(start-after|end-before): "(.*)"$', re.MULTILINE)
-HEADING = re.compile(r"^#{2,6} .+$", re.MULTILINE)
-FENCE = re.compile(r"^```.*?^```", re.MULTILINE | re.DOTALL)  # a code block's "## " lines are no headings
 
 
 def _documented() -> set[str]:
@@ -51,34 +50,83 @@ def test_every_public_name_is_in_the_api_reference_and_nothing_else():
     assert documented - public - optional == set(), "docs/api.rst documents names that are not public"
 
 
-def _markers() -> dict[str, list[tuple[str, str]]]:
-    """Per docs page, the (option, text) of each README include marker it uses."""
-    out = {}
-    for page in sorted(DOCS.glob("*.md")):
-        found = [(opt, text) for opt, text in MARKER.findall(page.read_text())]
-        if "../README.md" in page.read_text():
-            out[page.name] = found
-    return out
+GUIDES = sorted(p for p in DOCS.glob("*.md"))
+PAGES = [README, *GUIDES]
+FENCED = re.compile(r"^(`{3,})([^\n`]*)\n(.*?)^\1\s*$", re.MULTILINE | re.DOTALL)
+DIRECTIVE_BLOCK = re.compile(r"^```\{(include|toctree|literalinclude)\}.*?^```\s*$",
+                             re.MULTILINE | re.DOTALL)
+LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
+WIDTH = 100
 
 
-def test_guide_markers_occur_once_in_the_readme():
-    readme = README.read_text()
-    markers = _markers()
-    assert markers, "no docs page includes README.md"
-    for page, found in markers.items():
-        for option, text in found:
-            assert readme.count(text) == 1, (
-                f"docs/{page}: {option} {text!r} occurs {readme.count(text)} times in README.md; an include"
-                " cuts at its first occurrence, so it must be there exactly once")
+def code_blocks(text: str) -> list[tuple[str, str]]:
+    """``(info string, body)`` of every fenced code block (MyST directives included)."""
+    return [(m.group(2).strip(), m.group(3)) for m in FENCED.finditer(text)]
 
 
-def test_every_readme_section_starts_a_guide_page():
-    """A section added to the README gets a page (docs/*.md including it from its heading); else it
-    would run on inside the page before it, under a heading level that page does not have."""
-    starts = {text for found in _markers().values() for option, text in found if option == "start-after"}
-    headings = HEADING.findall(FENCE.sub("", README.read_text()))
-    assert headings
-    assert [h for h in headings if h not in starts] == [], "README sections without a docs page"
+def test_every_code_block_fits_100_columns():
+    """A wider line is cut off behind a horizontal scroll bar on the site (and on GitHub)."""
+    wide = [f"{page.relative_to(ROOT)}: {len(line)} columns: {line[:60]}..."
+            for page in PAGES for info, body in code_blocks(page.read_text())
+            if not info.startswith("{")
+            for line in body.splitlines() if len(line) > WIDTH]
+    assert wide == [], "code lines wider than 100 columns"
+
+
+def test_no_page_is_only_an_include():
+    """A guide is a page of its own: prose outside any include, toctree and heading."""
+    for page in GUIDES:
+        rest = DIRECTIVE_BLOCK.sub("", page.read_text())
+        prose = [line for line in rest.splitlines() if line.strip() and not line.startswith("#")]
+        assert prose, f"docs/{page.name} is only an include (or empty): write the page itself"
+
+
+def test_every_guide_is_in_the_site_index():
+    index = (DOCS / "index.md").read_text()
+    listed = set(re.findall(r"^([\w/-]+)$", index, re.MULTILINE))
+    missing = [p.stem for p in GUIDES if p.stem != "index" and p.stem not in listed]
+    assert missing == [], "docs pages missing from a toctree in docs/index.md"
+
+
+def test_relative_links_and_images_resolve():
+    broken = []
+    for page in PAGES:
+        for target in LINK.findall(page.read_text()):
+            if "://" in target or target.startswith("mailto:"):
+                continue
+            if not (page.parent / target).exists():
+                broken.append(f"{page.relative_to(ROOT)} -> {target}")
+    assert broken == []
+
+
+def test_readme_is_a_landing_page():
+    """About 150 lines; the two set-up commands first; no issue numbers or dated history; one chart
+    that benchmarks/plots.py draws; a link to every guide."""
+    text = README.read_text()
+    lines = len(text.splitlines())
+    assert lines <= 170, f"README.md has {lines} lines: move text to a guide"
+    first = code_blocks(text)[0][1].splitlines()
+    assert first[0].startswith("bash scripts/demo.sh") and first[1].startswith("bash scripts/test.sh"), first
+    assert not re.search(r"\bissues? \d+", text, re.IGNORECASE), "README.md mentions issue numbers"
+    assert not re.search(r"\b20\d\d-\d\d-\d\d\b", text), "README.md holds dated history"
+    images = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", text)
+    assert images == ["docs/_static/save_restore.png"], images
+    assert "save_restore.png" in (ROOT / "benchmarks" / "plots.py").read_text()
+    linked = {pathlib.Path(t).name for t in LINK.findall(text)}
+    guides = {p.name for p in GUIDES} - {"index.md", "changelog.md", "license.md", "api.md"}
+    assert guides - linked == set(), "guides the README does not link"
+
+
+def test_changelog_is_one_release_list():
+    """What a user gets, not the project's diary: one heading per release, its changes under
+    Added/Changed/Fixed/Security, no measurement history."""
+    text = (ROOT / "CHANGELOG.md").read_text()
+    releases = re.findall(r"^## (.+)$", text, re.MULTILINE)
+    assert releases and releases[0].startswith("0.1.0"), releases
+    sections = re.findall(r"^### (.+)$", text, re.MULTILINE)
+    assert len(sections) == len(set(sections)), f"a heading twice in one release: {sections}"
+    assert set(sections) <= {"Added", "Changed", "Deprecated", "Removed", "Fixed", "Security"}, sections
+    assert not re.search(r"\bissues? \d+|\d+ -> \d+", text), "CHANGELOG.md holds measurement history"
 
 
 def test_the_notebook_page_is_the_repository_notebook():

@@ -196,12 +196,12 @@ def test_examples_differ_from_a_checkpoint_free_loop_by_the_marked_lines():
                     and not line.strip().startswith(shown)], script
 
 
-# ------------------------------------------------------------------- the README's loop snippets, run
+# ---------------------------------------------------------- the guide's loop snippets (docs/resuming.md), run
 
 def readme_snippet(marker: str) -> str:
-    """The ```python block of the README's "Add it to a training loop" section that holds ``marker``."""
-    section = (ROOT / "README.md").read_text().split("\n## Add it to a training loop\n", 1)[1].split("\n## ", 1)[0]
-    (code,) = [b for b in re.findall(r"```python\n(.*?)```", section, re.S) if marker in b]
+    """The ```python block of the "Resuming" guide (docs/resuming.md) that holds ``marker``."""
+    page = (ROOT / "docs" / "resuming.md").read_text()
+    (code,) = [b for b in re.findall(r"```python\n(.*?)```", page, re.S) if marker in b]
     return code
 
 

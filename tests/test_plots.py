@@ -1,0 +1,89 @@
+"""benchmarks/plots.py draws the documentation's charts and tables from benchmark reports.
+
+Reports shaped as the benchmarks write them (only the fields the charts read) go into a temporary
+bench_out/; the charts must come out as PNG images, the Performance table must hold every contender, a
+chart is byte-identical when redrawn from the same report, and the Accelerators page's table is a note
+saying it is to be measured until an accelerator report exists, then that report's rows.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import pathlib
+
+import pytest
+
+pytest.importorskip("matplotlib")
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PNG = b"\x89PNG\r\n\x1a\n"
+MACHINE = {"date": "2026-01-02T03:04:05", "cpus": 2}
+
+
+def _plots():
+    spec = importlib.util.spec_from_file_location("plots", ROOT / "benchmarks" / "plots.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _reports(bench_out: pathlib.Path) -> None:
+    bench_out.mkdir()
+    medians = {"raw-file": {"save": 0.3, "restore_cold": 0.25, "restore_warm": 0.05},
+               "flax_ckpt-raw": {"save": 0.16, "restore_cold": 0.2, "restore_warm": 0.11},
+               "orbax": {"save": 0.74, "restore_cold": 0.78, "restore_warm": 0.56}}
+    (bench_out / "save_restore-20260102-030405.json").write_text(json.dumps(
+        {"machine": MACHINE, "args": {"size_mb": "128.0", "rounds": "2"}, "leaves": 410,
+         "nbytes": 128 << 20, "medians": medians}))
+    row = {"floor": {"wall": 0.07, "cpu": 0.07}, "memory": {"wall": 0.1, "cpu": 0.12},
+           "orbax": {"wall": 2.0, "cpu": 1.7}}
+    (bench_out / "every_step-20260102-030405.json").write_text(json.dumps(
+        {"machine": MACHINE, "args": {"models": "mlp", "every": "1,10", "steps": 40, "rounds": 3},
+         "summary": {"mlp": {"1": row, "10": row}}}))
+    leaves = {str(n): {"n": n, "device_put_us": 40.0,
+                       "flax_ckpt_us": {"save": 60.0, "restore": 120.0, "manager_save_blocked": 9.0,
+                                        "tier_save_blocked": 7.0},
+                       **({"orbax": {"save": {"us_per_leaf": 1300.0}, "restore": {"us_per_leaf": 900.0}}}
+                          if n == 1000 else {})} for n in (1000, 5000)}
+    (bench_out / "bench_scale-20260102-030405.json").write_text(json.dumps(
+        {"machine": MACHINE, "args": {"leaves": [1000, 5000], "rounds": 1}, "leaves": leaves}))
+
+
+def test_charts_and_tables_from_reports(tmp_path):
+    plots, bench_out, out = _plots(), tmp_path / "bench_out", tmp_path / "static"
+    _reports(bench_out)
+    written = plots.main(["--bench-out", str(bench_out), "--out", str(out)])
+    names = sorted(p.name for p in written)
+    assert names == ["accelerator_table.md", "every_step.png", "per_leaf.png", "perf_table.md",
+                     "save_restore.png"], names
+    for name in ("every_step.png", "per_leaf.png", "save_restore.png"):
+        assert (out / name).read_bytes().startswith(PNG), name
+    table = (out / "perf_table.md").read_text()
+    for label in ("raw file (floor)", "flax_ckpt", "Orbax", "0.74 s (4.6x)", "128 MiB", "410 leaves"):
+        assert label in table, (label, table)
+    assert "To be measured" in (out / "accelerator_table.md").read_text()
+    first = (out / "save_restore.png").read_bytes()
+    plots.main(["--bench-out", str(bench_out), "--out", str(out)])
+    assert (out / "save_restore.png").read_bytes() == first, "a redrawn chart differs: a timestamp in it?"
+
+
+def test_accelerator_report_fills_the_table_and_its_chart(tmp_path):
+    plots, bench_out, out = _plots(), tmp_path / "bench_out", tmp_path / "static"
+    bench_out.mkdir()
+    (bench_out / "accelerator-20260102-030405.json").write_text(json.dumps(
+        {"machine": MACHINE, "device": "TPU v5 lite", "rows": [
+            {"contender": "on-device copy", "blocked_s": 0.006},
+            {"contender": "flax_ckpt async save", "blocked_s": 0.012, "durable_s": 2.0}]}))
+    written = plots.main(["--bench-out", str(bench_out), "--out", str(out)])
+    assert sorted(p.name for p in written) == ["accelerator.png", "accelerator_table.md"]
+    table = (out / "accelerator_table.md").read_text()
+    assert "| flax_ckpt async save | 0.012 | 2 |" in table and "TPU v5 lite" in table, table
+    assert (out / "accelerator.png").read_bytes().startswith(PNG)
+
+
+def test_the_committed_charts_are_the_ones_the_pages_show():
+    static = ROOT / "docs" / "_static"
+    for name in ("save_restore.png", "every_step.png", "per_leaf.png"):
+        assert (static / name).read_bytes().startswith(PNG), name
+        assert (static / name).stat().st_size < 200_000, f"{name}: keep committed charts small"
+    assert "_static/save_restore.png" in (ROOT / "README.md").read_text()
