@@ -21,7 +21,7 @@ import jax
 import numpy as np
 
 from flax_ckpt._src import tree as tree_mod
-from flax_ckpt._src.engine.fit import Fit, RestoreReport, as_fit, renamed
+from flax_ckpt._src.engine.fit import Fit, RestoreReport, as_fit, nestable, renamed
 from flax_ckpt._src.engine.leaves import fit_target
 from flax_ckpt._src.engine.pause import gc_paused
 from flax_ckpt._src.engine.reader import Pending, Reader, Source
@@ -79,8 +79,8 @@ def _restore_untargeted(source: Source, fit: Fit, shardings: Any) -> tuple[Any, 
     ren = renamed(source.leaves, fit, source.url)
     smap = flat_shardings(shardings, list(ren.by_name))
     values = read_all(Reader(source), [(leaf, None, smap.get(n)) for n, leaf in ren.by_name.items()])
-    tree = tree_mod.nest((_path_of(n) if n in ren.origin else leaf.path, v)
-                         for (n, leaf), v in zip(ren.by_name.items(), values))
+    paths = nestable([_path_of(n) if n in ren.origin else leaf.path for n, leaf in ren.by_name.items()])
+    tree = tree_mod.nest(zip(paths, values))
     return tree, RestoreReport(restored=tuple(ren.by_name), ignored=tuple(ren.dropped),
                                renamed=tuple((o, n) for n, o in ren.origin.items()))
 
