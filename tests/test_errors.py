@@ -203,3 +203,38 @@ def test_a_mesh_that_does_not_divide_the_saved_shape_is_a_target_mismatch_naming
     with pytest.raises(fc.TargetMismatchError, match=r"restore of 'w' .*\[48, 8\].*Fix: restore with a process"):
         fc.restore(tmp_path / "ck", {"w": jax.ShapeDtypeStruct((48, 8), np.float32, sharding=five)})
     assert fc.restore(tmp_path / "ck")["w"].shape == (48, 8)  # nothing lost
+
+
+# ------------------------------------------------------------------- issue 44 item 9: no raw errors
+
+@pytest.mark.parametrize("fmt", ["native", "orbax"])
+@pytest.mark.parametrize("what", ["link to an empty folder", "dangling link", "file", "link to a file"])
+def test_a_save_onto_a_link_or_a_file_is_refused_and_touches_nothing(tmp_path, what, fmt):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "file").write_bytes(b"mine")
+    dest = tmp_path / "dest"
+    if what == "file":
+        dest = tmp_path / "file"
+    else:
+        dest.symlink_to(tmp_path / {"link to an empty folder": "empty", "dangling link": "nowhere",
+                                    "link to a file": "file"}[what])
+    before = sorted(os.listdir(tmp_path))
+    with pytest.raises(fc.CheckpointExistsError, match="Fix:") as e:
+        fc.save(dest, {"w": np.ones(3)}, format=fmt)
+    assert str(dest) in str(e.value)
+    assert sorted(os.listdir(tmp_path)) == before and not os.listdir(tmp_path / "empty")
+    assert (tmp_path / "file").read_bytes() == b"mine"
+    fc.save(tmp_path / "empty", {"w": np.ones(3)}, format=fmt)  # the folder the link names takes it
+    assert fc.restore(tmp_path / "empty")["w"].tolist() == [1, 1, 1]
+
+
+def test_a_run_path_that_is_not_utf8_works_natively_and_is_a_clear_error_for_orbax(tmp_path):
+    run = os.fsdecode(os.fsencode(tmp_path) + b"/run\xff")
+    with fc.CheckpointManager(run) as mgr:
+        mgr.save(1, {"w": np.arange(3)})
+        mgr.wait_until_finished()
+        assert mgr.restore()["w"].tolist() == [0, 1, 2]
+    assert b"1" in os.listdir(os.fsencode(tmp_path) + b"/run\xff")
+    with pytest.raises(fc.StorageError, match="not valid UTF-8.*Fix: save to a UTF-8 path"):
+        fc.save(run + "/orbax", {"w": np.ones(2)}, format="orbax")
+    assert not os.path.lexists(run + "/orbax")
