@@ -238,3 +238,38 @@ def test_a_run_path_that_is_not_utf8_works_natively_and_is_a_clear_error_for_orb
     with pytest.raises(fc.StorageError, match="not valid UTF-8.*Fix: save to a UTF-8 path"):
         fc.save(run + "/orbax", {"w": np.ones(2)}, format="orbax")
     assert not os.path.lexists(run + "/orbax")
+
+
+# --------------------------------------------- issue 43 item 7: abstract-mesh targets (jax.set_mesh)
+
+def test_a_target_over_an_abstract_mesh_restores_with_the_mesh_in_context_or_is_a_clear_error(tmp_path):
+    import jax
+    from flax import nnx
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    mesh = jax.make_mesh((2, 2), ("a", "b"), devices=jax.devices()[:4])
+
+    def model():
+        return nnx.Linear(4, 6, rngs=nnx.Rngs(0), kernel_init=nnx.with_partitioning(
+            nnx.initializers.lecun_normal(), ("a", "b")))
+
+    with jax.set_mesh(mesh):
+        state = nnx.state(model())
+        fc.save(tmp_path / "ck", state)
+        abstract = nnx.state(nnx.eval_shape(model))  # leaves over mesh.abstract_mesh
+        out = fc.restore(tmp_path / "ck", abstract)
+    kernel = out["kernel"][...]
+    assert kernel.sharding == NamedSharding(mesh, P("a", "b"))
+    np.testing.assert_array_equal(np.asarray(kernel), np.asarray(state["kernel"][...]))
+
+    with pytest.raises(fc.TargetMismatchError) as e:  # no mesh in context
+        fc.restore(tmp_path / "ck", abstract)
+    msg = str(e.value)
+    assert "2 leaves are placed over an abstract mesh" in msg and "no mesh is in context" in msg
+    assert "'kernel/value'" in msg and "jax.set_mesh" in msg and str(tmp_path / "ck") in msg
+    other = jax.make_mesh((4, 1), ("a", "b"), devices=jax.devices()[:4])
+    with jax.set_mesh(other):
+        with pytest.raises(fc.TargetMismatchError, match="the mesh in context has other axes"):
+            fc.restore(tmp_path / "ck", abstract)
+    with pytest.raises(fc.TargetMismatchError, match="2 leaves .*'bias/value', 'kernel/value'"):  # no target
+        fc.restore(tmp_path / "ck", shardings=NamedSharding(mesh.abstract_mesh, P()))
