@@ -273,3 +273,68 @@ def test_a_target_over_an_abstract_mesh_restores_with_the_mesh_in_context_or_is_
             fc.restore(tmp_path / "ck", abstract)
     with pytest.raises(fc.TargetMismatchError, match="2 leaves .*'bias/value', 'kernel/value'"):  # no target
         fc.restore(tmp_path / "ck", shardings=NamedSharding(mesh.abstract_mesh, P()))
+
+
+# ------------------------------------------ issue 43 item 4: readable errors with their diagnosis
+
+def wide_state(n=100):
+    return {"params": {f"layer{i:03d}": {"w": np.full((3, 4), i, np.float32), "b": np.zeros(4, np.float32)}
+                       for i in range(n)}, "step": 5}
+
+
+def test_a_replicated_pmap_state_restored_unreplicated_says_so_in_a_short_message(tmp_path):
+    import jax
+    from flax import jax_utils
+
+    state = wide_state()
+    fc.save(tmp_path / "ck", jax_utils.replicate(state))  # what a pmap loop saves: a leading axis of 8
+    with pytest.raises(fc.LeafMismatchError) as e:
+        fc.restore(tmp_path / "ck", state)
+    msg = str(e.value)
+    assert len(msg) < 3000 and msg.count("expected") == 20 and "; ... (181 more) in " in msg
+    assert "every leaf differs only by a leading axis of 8" in msg and "replicated by pmap" in msg
+    assert "flax.jax_utils.unreplicate" in msg and "another model" not in msg
+    replicated = jax.tree.map(lambda x: jax.ShapeDtypeStruct((8,) + np.shape(x), np.asarray(x).dtype), state)
+    replicated["step"] = jax.ShapeDtypeStruct((8,), np.int32)
+    restored = jax_utils.unreplicate(fc.restore(tmp_path / "ck", replicated))  # the fix it names
+    np.testing.assert_array_equal(restored["params"]["layer007"]["w"], state["params"]["layer007"]["w"])
+
+    fc.save(tmp_path / "plain", state)
+    with pytest.raises(fc.LeafMismatchError, match="the target is a state replicated by pmap.*"
+                                                   r"flax\.jax_utils\.replicate\(restored\)"):
+        fc.restore(tmp_path / "plain", jax_utils.replicate(state))
+
+
+def nnx_state():
+    from flax import nnx
+
+    return nnx.state(nnx.Linear(2, 3, rngs=nnx.Rngs(0)))
+
+
+@pytest.mark.parametrize("saved, target, diagnosis", [
+    ("pure", "state", "the target's key paths end in '/value' (an nnx.State) where the checkpoint's do not"),
+    ("state", "pure", "the checkpoint's key paths end in '/value' (a saved nnx.State) where the target's"),
+    ("pure", "nested pure", "the target nests every leaf under 'model/' where the checkpoint does not"),
+    ("tuple of pure", "state", "the checkpoint nests every leaf under '0/' where the target does not; the "
+                               "target's key paths end in '/value'"),
+])
+def test_a_prefix_or_value_nesting_difference_is_diagnosed_with_a_rename_that_works(tmp_path, saved, target,
+                                                                                   diagnosis):
+    import re
+
+    from flax import nnx
+
+    state = nnx_state()
+    pure = nnx.to_pure_dict(state)
+    trees = {"pure": pure, "state": state, "nested pure": {"model": pure}, "tuple of pure": (pure,)}
+    fc.save(tmp_path / "ck", trees[saved])
+    with pytest.raises(fc.StructureMismatchError) as e:
+        fc.restore(tmp_path / "ck", trees[target])
+    msg = str(e.value)
+    assert diagnosis in msg and "missing=\"keep\"" not in msg
+    if "'/value'" in diagnosis:
+        assert "nnx.to_pure_dict" in msg
+    rule = re.search(r"pass rename=(\{.*?\})", msg).group(1)
+    out = fc.restore(tmp_path / "ck", trees[target], rename=eval(rule))  # the rule the message gives works
+    got = nnx.to_pure_dict(out) if target == "state" else out.get("model", out)
+    np.testing.assert_array_equal(np.asarray(got["kernel"]), np.asarray(pure["kernel"]))
