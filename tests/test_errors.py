@@ -338,3 +338,23 @@ def test_a_prefix_or_value_nesting_difference_is_diagnosed_with_a_rename_that_wo
     out = fc.restore(tmp_path / "ck", trees[target], rename=eval(rule))  # the rule the message gives works
     got = nnx.to_pure_dict(out) if target == "state" else out.get("model", out)
     np.testing.assert_array_equal(np.asarray(got["kernel"]), np.asarray(pure["kernel"]))
+
+
+# -------------------------------------- issue 43 item 7: every error from a restore is a CheckpointError
+
+@pytest.mark.parametrize("kwargs, found", [
+    (dict(target={}, missing="drop"), "missing='drop'"),
+    (dict(target={}, unexpected="drop"), "unexpected='drop'"),
+    (dict(target={}, cast="yes"), "cast='yes': expected True or False"),
+    (dict(target={}, rename={"(": "x"}), "not a regular expression"),
+    (dict(target={}, rename=[("a", 1)]), "must be a str or None"),
+    (dict(target={}, rename=["abc"]), "expected \\(regex, replacement\\) pairs"),
+    (dict(rename={"params/(.*)": r"\2"}), "fails on"),
+    (dict(rename=lambda name: 7), "it returned 7"),
+    (dict(cast=True), "pass a target"),
+])
+def test_a_bad_restore_argument_is_a_checkpoint_error_and_still_a_value_or_type_error(tmp_path, kwargs, found):
+    path = saved(tmp_path)
+    with pytest.raises(fc.CheckpointError, match=found) as e:
+        fc.restore(path, **kwargs)
+    assert isinstance(e.value, ValueError) and isinstance(e.value, TypeError)

@@ -111,6 +111,12 @@ class DistributedError(CheckpointError):
     """Processes of a multi-process job did not agree in time (a peer died or hangs)."""
 
 
+class InvalidArgumentError(CheckpointError, ValueError, TypeError):
+    """An argument of a flax_ckpt call is invalid (an unknown option value, a ``rename=`` rule that is
+    not a regular expression or whose replacement fails, ``cast=True`` without a target); nothing was
+    read or written. It is also a ValueError and a TypeError, as Python's own argument errors are."""
+
+
 def format_list(items: list[str], limit: int = 20) -> str:
     """Formats a list of names for an error message, eliding past ``limit`` entries."""
     shown = ", ".join(repr(i) for i in items[:limit])

@@ -19,7 +19,7 @@ from typing import Any, Callable, Mapping, NamedTuple, Sequence
 import ml_dtypes
 import numpy as np
 
-from flax_ckpt._src.errors import CastOverflowError, RenameCollisionError, format_list
+from flax_ckpt._src.errors import CastOverflowError, InvalidArgumentError, RenameCollisionError, format_list
 from flax_ckpt._src.records import LeafRecord
 from flax_ckpt._src.tree import KeyPath
 
@@ -47,15 +47,16 @@ class Fit:
     @classmethod
     def of(cls, partial: bool = False, rename: RenameArg = None, missing: str = "error",
            unexpected: str = "error", cast: bool = False, report: bool = False) -> "Fit":
-        """The options as fc.restore takes them, checked (ValueError/TypeError before anything is read).
+        """The options as fc.restore takes them, checked (InvalidArgumentError, also a ValueError and a
+        TypeError, before anything is read).
         ``partial=True`` is ``unexpected="ignore"`` (its older name)."""
         if missing not in ("error", "keep"):
-            raise ValueError(f'missing={missing!r}: expected "error" (default) or "keep"')
+            raise InvalidArgumentError(f'missing={missing!r}: expected "error" (default) or "keep"')
         if unexpected not in ("error", "ignore"):
-            raise ValueError(f'unexpected={unexpected!r}: expected "error" (default) or "ignore"')
+            raise InvalidArgumentError(f'unexpected={unexpected!r}: expected "error" (default) or "ignore"')
         for name, v in (("partial", partial), ("cast", cast), ("report", report)):
             if not isinstance(v, bool):
-                raise TypeError(f"{name}={v!r}: expected True or False")
+                raise InvalidArgumentError(f"{name}={v!r}: expected True or False")
         rules, fn = _rules(rename)
         return cls(rules, fn, missing, "ignore" if partial else unexpected, cast, report)
 
@@ -80,15 +81,16 @@ def _rules(rename: RenameArg) -> tuple[Rules, Callable[[str], "str | None"] | No
     rules = []
     for pair in pairs:
         if not (isinstance(pair, (tuple, list)) and len(pair) == 2):
-            raise TypeError(f"rename: expected (regex, replacement) pairs, a dict of them or a function; got {pair!r}")
+            raise InvalidArgumentError("rename: expected (regex, replacement) pairs, a dict of them or a "
+                                       f"function; got {pair!r}")
         pattern, repl = pair
         if repl is not None and not isinstance(repl, str):
-            raise TypeError(f"rename: the replacement of {pattern!r} must be a str or None (do not restore), "
-                            f"not {type(repl).__name__}")
+            raise InvalidArgumentError(f"rename: the replacement of {pattern!r} must be a str or None (do "
+                                       f"not restore), not {type(repl).__name__}")
         try:
             rules.append((re.compile(pattern), repl))
         except (re.error, TypeError) as e:
-            raise ValueError(f"rename: {pattern!r} is not a regular expression ({e})") from None
+            raise InvalidArgumentError(f"rename: {pattern!r} is not a regular expression ({e})") from None
     return tuple(rules), None
 
 
@@ -212,7 +214,8 @@ def _new_name(name: str, fit: Fit, used: list[bool]) -> str | None:
     if fit.rename_fn is not None:
         new = fit.rename_fn(name)
         if new is not None and not isinstance(new, str):
-            raise TypeError(f"rename function: for {name!r} it returned {new!r}; expected a str or None")
+            raise InvalidArgumentError(f"rename function: for {name!r} it returned {new!r}; expected a str "
+                                       "or None")
         return new
     for k, (pattern, repl) in enumerate(fit.rules):
         m = pattern.fullmatch(name)
@@ -224,7 +227,8 @@ def _new_name(name: str, fit: Fit, used: list[bool]) -> str | None:
         try:
             return m.expand(repl)
         except (re.error, IndexError) as e:
-            raise ValueError(f"rename: replacement {repl!r} of {pattern.pattern!r} fails on {name!r} ({e})") from None
+            raise InvalidArgumentError(f"rename: replacement {repl!r} of {pattern.pattern!r} fails on "
+                                       f"{name!r} ({e})") from None
     return name
 
 

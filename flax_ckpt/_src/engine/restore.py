@@ -25,6 +25,7 @@ from flax_ckpt._src.engine.fit import Fit, RestoreReport, as_fit, nestable, rena
 from flax_ckpt._src.engine.leaves import fit_target
 from flax_ckpt._src.engine.pause import gc_paused
 from flax_ckpt._src.engine.reader import Pending, Reader, Source, placements
+from flax_ckpt._src.errors import InvalidArgumentError
 from flax_ckpt._src.records import LeafRecord
 
 _IO_THREADS = 8
@@ -56,7 +57,7 @@ def restore(source: Source, target: Any = None, *, shardings: Any = None, partia
     source, target = source.select(target)
     if target is None:
         if fit.cast:
-            raise ValueError("cast=True converts each leaf to the target's dtype: pass a target")
+            raise InvalidArgumentError("cast=True converts each leaf to the target's dtype: pass a target")
         tree, report = _restore_untargeted(source, fit, shardings)
     else:
         flat, treedef = tree_mod.flatten(target)
