@@ -364,8 +364,8 @@ def placements(what: str, names: Sequence[str], targets: Sequence[Any], override
     Raises TargetMismatchError naming every leaf whose abstract mesh no mesh in context matches."""
     out, unplaced, made = [], [], {}
     for name, target in zip(names, targets):
-        sharding = overrides.get(name) or placement_of(target)
-        if isinstance(getattr(sharding, "mesh", None), jax.sharding.AbstractMesh):
+        sharding = (overrides.get(name) if overrides else None) or placement_of(target)
+        if sharding is not None and isinstance(getattr(sharding, "mesh", None), jax.sharding.AbstractMesh):
             if sharding not in made:
                 made[sharding] = _concrete(sharding)
             if made[sharding] is None:

@@ -82,7 +82,8 @@ def _restore_untargeted(source: Source, fit: Fit, shardings: Any) -> tuple[Any, 
     names = list(ren.by_name)
     places = placements(source.url, names, [None] * len(names), flat_shardings(shardings, names))
     values = read_all(Reader(source), [(leaf, None, p) for leaf, p in zip(ren.by_name.values(), places)])
-    paths = nestable([_path_of(n) if n in ren.origin else leaf.path for n, leaf in ren.by_name.items()])
+    paths = [_path_of(n) if n in ren.origin else leaf.path for n, leaf in ren.by_name.items()]
+    paths = nestable(paths) if ren.origin else paths  # a renamed key may sit beside a list's entries
     tree = tree_mod.nest(zip(paths, values))
     return tree, RestoreReport(restored=tuple(ren.by_name), ignored=tuple(ren.dropped),
                                renamed=tuple((o, n) for n, o in ren.origin.items()))
