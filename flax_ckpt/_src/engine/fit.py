@@ -3,9 +3,10 @@
 Scope: ``Fit``, the restore options that travel together (validated once, where the user passed them);
 ``RestoreReport``, what a restore did with every key path; the renaming of the saved records' key
 paths (``renamed``: no two leaves at one path, no leaf where another's path needs a folder;
-``nestable``: renamed paths nested without loss); and the dtype policy of a cast with its per-chunk conversion
-(``cast_problem``, ``cast_into``: every value checked against the target dtype). No I/O: the target check that uses these is engine/leaves.py's, the reads that cast
-chunk by chunk engine/reader.py's.
+``nestable``: renamed paths nested without loss); and the dtype policy of a cast with its per-chunk
+conversion (``cast_problem``, ``cast_into``: every value checked against the target dtype). No I/O:
+the target check that uses these is engine/leaves.py's, the reads that cast chunk by chunk
+engine/reader.py's.
 """
 
 from __future__ import annotations
