@@ -203,3 +203,158 @@ def test_a_mesh_that_does_not_divide_the_saved_shape_is_a_target_mismatch_naming
     with pytest.raises(fc.TargetMismatchError, match=r"restore of 'w' .*\[48, 8\].*Fix: restore with a process"):
         fc.restore(tmp_path / "ck", {"w": jax.ShapeDtypeStruct((48, 8), np.float32, sharding=five)})
     assert fc.restore(tmp_path / "ck")["w"].shape == (48, 8)  # nothing lost
+
+
+# ------------------------------------------------------------------- issue 44 item 9: no raw errors
+
+@pytest.mark.parametrize("fmt", ["native", "orbax"])
+@pytest.mark.parametrize("what", ["link to an empty folder", "dangling link", "file", "link to a file"])
+def test_a_save_onto_a_link_or_a_file_is_refused_and_touches_nothing(tmp_path, what, fmt):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "file").write_bytes(b"mine")
+    dest = tmp_path / "dest"
+    if what == "file":
+        dest = tmp_path / "file"
+    else:
+        dest.symlink_to(tmp_path / {"link to an empty folder": "empty", "dangling link": "nowhere",
+                                    "link to a file": "file"}[what])
+    before = sorted(os.listdir(tmp_path))
+    with pytest.raises(fc.CheckpointExistsError, match="Fix:") as e:
+        fc.save(dest, {"w": np.ones(3)}, format=fmt)
+    assert str(dest) in str(e.value)
+    assert sorted(os.listdir(tmp_path)) == before and not os.listdir(tmp_path / "empty")
+    assert (tmp_path / "file").read_bytes() == b"mine"
+    fc.save(tmp_path / "empty", {"w": np.ones(3)}, format=fmt)  # the folder the link names takes it
+    assert fc.restore(tmp_path / "empty")["w"].tolist() == [1, 1, 1]
+
+
+def test_a_run_path_that_is_not_utf8_works_natively_and_is_a_clear_error_for_orbax(tmp_path):
+    run = os.fsdecode(os.fsencode(tmp_path) + b"/run\xff")
+    with fc.CheckpointManager(run) as mgr:
+        mgr.save(1, {"w": np.arange(3)})
+        mgr.wait_until_finished()
+        assert mgr.restore()["w"].tolist() == [0, 1, 2]
+    assert b"1" in os.listdir(os.fsencode(tmp_path) + b"/run\xff")
+    with pytest.raises(fc.StorageError, match="not valid UTF-8.*Fix: save to a UTF-8 path"):
+        fc.save(run + "/orbax", {"w": np.ones(2)}, format="orbax")
+    assert not os.path.lexists(run + "/orbax")
+
+
+# --------------------------------------------- issue 43 item 7: abstract-mesh targets (jax.set_mesh)
+
+def test_a_target_over_an_abstract_mesh_restores_with_the_mesh_in_context_or_is_a_clear_error(tmp_path):
+    import jax
+    from flax import nnx
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    mesh = jax.make_mesh((2, 2), ("a", "b"), devices=jax.devices()[:4])
+
+    def model():
+        return nnx.Linear(4, 6, rngs=nnx.Rngs(0), kernel_init=nnx.with_partitioning(
+            nnx.initializers.lecun_normal(), ("a", "b")))
+
+    with jax.set_mesh(mesh):
+        state = nnx.state(model())
+        fc.save(tmp_path / "ck", state)
+        abstract = nnx.state(nnx.eval_shape(model))  # leaves over mesh.abstract_mesh
+        out = fc.restore(tmp_path / "ck", abstract)
+    kernel = out["kernel"][...]
+    assert kernel.sharding == NamedSharding(mesh, P("a", "b"))
+    np.testing.assert_array_equal(np.asarray(kernel), np.asarray(state["kernel"][...]))
+
+    with pytest.raises(fc.TargetMismatchError) as e:  # no mesh in context
+        fc.restore(tmp_path / "ck", abstract)
+    msg = str(e.value)
+    assert "2 leaves are placed over an abstract mesh" in msg and "no mesh is in context" in msg
+    assert "'kernel/value'" in msg and "jax.set_mesh" in msg and str(tmp_path / "ck") in msg
+    other = jax.make_mesh((4, 1), ("a", "b"), devices=jax.devices()[:4])
+    with jax.set_mesh(other):
+        with pytest.raises(fc.TargetMismatchError, match="the mesh in context has other axes"):
+            fc.restore(tmp_path / "ck", abstract)
+    with pytest.raises(fc.TargetMismatchError, match="2 leaves .*'bias/value', 'kernel/value'"):  # no target
+        fc.restore(tmp_path / "ck", shardings=NamedSharding(mesh.abstract_mesh, P()))
+
+
+# ------------------------------------------ issue 43 item 4: readable errors with their diagnosis
+
+def wide_state(n=100):
+    return {"params": {f"layer{i:03d}": {"w": np.full((3, 4), i, np.float32), "b": np.zeros(4, np.float32)}
+                       for i in range(n)}, "step": 5}
+
+
+def test_a_replicated_pmap_state_restored_unreplicated_says_so_in_a_short_message(tmp_path):
+    import jax
+    from flax import jax_utils
+
+    state = wide_state()
+    fc.save(tmp_path / "ck", jax_utils.replicate(state))  # what a pmap loop saves: a leading axis of 8
+    with pytest.raises(fc.LeafMismatchError) as e:
+        fc.restore(tmp_path / "ck", state)
+    msg = str(e.value)
+    assert len(msg) < 3000 and msg.count("expected") == 20 and "; ... (181 more) in " in msg
+    assert "every leaf differs only by a leading axis of 8" in msg and "replicated by pmap" in msg
+    assert "flax.jax_utils.unreplicate" in msg and "another model" not in msg
+    replicated = jax.tree.map(lambda x: jax.ShapeDtypeStruct((8,) + np.shape(x), np.asarray(x).dtype), state)
+    replicated["step"] = jax.ShapeDtypeStruct((8,), np.int32)
+    restored = jax_utils.unreplicate(fc.restore(tmp_path / "ck", replicated))  # the fix it names
+    np.testing.assert_array_equal(restored["params"]["layer007"]["w"], state["params"]["layer007"]["w"])
+
+    fc.save(tmp_path / "plain", state)
+    with pytest.raises(fc.LeafMismatchError, match="the target is a state replicated by pmap.*"
+                                                   r"flax\.jax_utils\.replicate\(restored\)"):
+        fc.restore(tmp_path / "plain", jax_utils.replicate(state))
+
+
+def nnx_state():
+    from flax import nnx
+
+    return nnx.state(nnx.Linear(2, 3, rngs=nnx.Rngs(0)))
+
+
+@pytest.mark.parametrize("saved, target, diagnosis", [
+    ("pure", "state", "the target's key paths end in '/value' (an nnx.State) where the checkpoint's do not"),
+    ("state", "pure", "the checkpoint's key paths end in '/value' (a saved nnx.State) where the target's"),
+    ("pure", "nested pure", "the target nests every leaf under 'model/' where the checkpoint does not"),
+    ("tuple of pure", "state", "the checkpoint nests every leaf under '0/' where the target does not; the "
+                               "target's key paths end in '/value'"),
+])
+def test_a_prefix_or_value_nesting_difference_is_diagnosed_with_a_rename_that_works(tmp_path, saved, target,
+                                                                                   diagnosis):
+    import re
+
+    from flax import nnx
+
+    state = nnx_state()
+    pure = nnx.to_pure_dict(state)
+    trees = {"pure": pure, "state": state, "nested pure": {"model": pure}, "tuple of pure": (pure,)}
+    fc.save(tmp_path / "ck", trees[saved])
+    with pytest.raises(fc.StructureMismatchError) as e:
+        fc.restore(tmp_path / "ck", trees[target])
+    msg = str(e.value)
+    assert diagnosis in msg and "missing=\"keep\"" not in msg
+    if "'/value'" in diagnosis:
+        assert "nnx.to_pure_dict" in msg
+    rule = re.search(r"pass rename=(\{.*?\})", msg).group(1)
+    out = fc.restore(tmp_path / "ck", trees[target], rename=eval(rule))  # the rule the message gives works
+    got = nnx.to_pure_dict(out) if target == "state" else out.get("model", out)
+    np.testing.assert_array_equal(np.asarray(got["kernel"]), np.asarray(pure["kernel"]))
+
+
+# -------------------------------------- issue 43 item 7: every error from a restore is a CheckpointError
+
+@pytest.mark.parametrize("kwargs, found", [
+    (dict(target={}, missing="drop"), "missing='drop'"),
+    (dict(target={}, unexpected="drop"), "unexpected='drop'"),
+    (dict(target={}, cast="yes"), "cast='yes': expected True or False"),
+    (dict(target={}, rename={"(": "x"}), "not a regular expression"),
+    (dict(target={}, rename=[("a", 1)]), "must be a str or None"),
+    (dict(target={}, rename=["abc"]), "expected \\(regex, replacement\\) pairs"),
+    (dict(rename={"params/(.*)": r"\2"}), "fails on"),
+    (dict(rename=lambda name: 7), "it returned 7"),
+    (dict(cast=True), "pass a target"),
+])
+def test_a_bad_restore_argument_is_a_checkpoint_error_and_still_a_value_or_type_error(tmp_path, kwargs, found):
+    path = saved(tmp_path)
+    with pytest.raises(fc.CheckpointError, match=found) as e:
+        fc.restore(path, **kwargs)
+    assert isinstance(e.value, ValueError) and isinstance(e.value, TypeError)

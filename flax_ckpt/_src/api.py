@@ -6,6 +6,7 @@ calling the engine. Runs of many steps are the manager's (manager/).
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from flax_ckpt._src import layouts
@@ -14,6 +15,7 @@ from flax_ckpt._src.engine.fit import Fit, RenameArg
 from flax_ckpt._src.engine.leaves import CheckpointInfo
 from flax_ckpt._src.engine.pause import gc_paused
 from flax_ckpt._src.engine.snapshot import jsonable
+from flax_ckpt._src.errors import CheckpointExistsError, StorageError
 from flax_ckpt._src.serializers import Serializer, get_serializer
 from flax_ckpt._src.storage import split_location
 
@@ -32,9 +34,35 @@ def save(path: Any, tree: Any, *, metadata: Any = None, serializer: "str | Seria
     fmt = layouts.layout(format, serializer)
     parent, name = split_location(path)
     jsonable(metadata, "metadata")
+    _check_destination(parent, name, format)
     with gc_paused():  # the caller's thread, as a snapshot's (see engine/pause.py)
         snap = fmt.snapshot(tree, copy=False)
         fmt.persist(snap, parent, name, step=step, metrics=metrics, metadata=metadata)
+
+
+def _check_destination(parent: Any, name: str, format: str) -> None:
+    """A save writes a new folder at ``parent/name``: on a local file system nothing but an empty folder
+    may be there (a committed checkpoint or a folder with files: the commit refuses it), never a file
+    or a symbolic link, which the commit's rename cannot replace; Orbax's layout (tensorstore) takes
+    only paths that are valid UTF-8."""
+    local = getattr(parent, "local_path", None)
+    if local is None:
+        return
+    where = os.path.join(local, name)
+    if os.path.islink(where):
+        raise CheckpointExistsError(
+            f"{where} is a symbolic link (to {os.readlink(where)}); a save writes a new folder and never "
+            "replaces a link or writes through it. Fix: save to the folder it points to, or remove the link.")
+    if os.path.lexists(where) and not os.path.isdir(where):
+        raise CheckpointExistsError(f"{where} exists and is not a folder; checkpoints are never written over "
+                                    "other files. Fix: save elsewhere, or remove it first.")
+    if format == "orbax":
+        try:
+            where.encode()
+        except UnicodeEncodeError:
+            raise StorageError(f"{where!r} is not valid UTF-8, and Orbax's layout (tensorstore) takes only "
+                               "UTF-8 paths. Fix: save to a UTF-8 path, or with format=\"native\", which "
+                               "takes any path.") from None
 
 
 def _folder(path: Any):

@@ -67,15 +67,16 @@ class AbstractTargetLeafError(StructureMismatchError):
 
 
 class RenameCollisionError(TargetMismatchError):
-    """``rename=`` maps two checkpoint keys to one target key; the message names both and the key they
-    meet at. Make the rules map each checkpoint key to its own target key, or drop one (replacement
-    ``None``)."""
+    """``rename=`` maps two checkpoint keys to one target key, or puts a leaf at a key path that another
+    leaf's path passes through (``p`` and ``p/q``); the message names both. Make the rules map each
+    checkpoint key to its own target key, or drop one (replacement ``None``)."""
 
 
 class CastOverflowError(LeafMismatchError):
-    """``cast=True`` met values the target's dtype cannot hold (an integer outside its range, a finite
-    float that would become inf or NaN); the message names the leaf, the dtypes and the values.
-    Nothing is handed back. Restore into a wider dtype, or without ``cast`` and convert yourself."""
+    """``cast=True`` met values the target's dtype cannot hold (an integer outside its range, a value
+    beyond its largest after rounding, NaN or inf where it has none, a value it turns into NaN); the
+    message names the leaf, the dtypes and a value. Nothing is handed back. Restore into a wider dtype,
+    or without ``cast`` and convert yourself."""
 
 
 class UnsupportedLeafError(CheckpointError, TypeError):
@@ -109,6 +110,12 @@ class StorageError(CheckpointError):
 
 class DistributedError(CheckpointError):
     """Processes of a multi-process job did not agree in time (a peer died or hangs)."""
+
+
+class InvalidArgumentError(CheckpointError, ValueError, TypeError):
+    """An argument of a flax_ckpt call is invalid (an unknown option value, a ``rename=`` rule that is
+    not a regular expression or whose replacement fails, ``cast=True`` without a target); nothing was
+    read or written. It is also a ValueError and a TypeError, as Python's own argument errors are."""
 
 
 def format_list(items: list[str], limit: int = 20) -> str:

@@ -83,7 +83,9 @@ def _client() -> Any:
 
 
 def _digest(text: str) -> str:
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
+    """A short name for ``text`` (a run's location) in key-value keys. Any str: a path that is not valid
+    UTF-8 (os.fsdecode keeps its bytes as lone surrogates) is hashed by the bytes it names."""
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:16]
 
 
 def _next_round(prefix: str) -> str:

@@ -2,23 +2,28 @@
 
 Scope: ``Fit``, the restore options that travel together (validated once, where the user passed them);
 ``RestoreReport``, what a restore did with every key path; the renaming of the saved records' key
-paths (``renamed``); and the dtype policy of a cast with its per-chunk conversion (``cast_problem``,
-``cast_into``). No I/O: the target check that uses these is engine/leaves.py's, the reads that cast
-chunk by chunk engine/reader.py's.
+paths (``renamed``: no two leaves at one path, no leaf where another's path needs a folder;
+``nestable``: renamed paths nested without loss); and the dtype policy of a cast with its per-chunk
+conversion (``cast_problem``, ``cast_into``: every value checked against the target dtype). No I/O:
+the target check that uses these is engine/leaves.py's, the reads that cast chunk by chunk
+engine/reader.py's.
 """
 
 from __future__ import annotations
 
+import functools
+import math
 import re
 import warnings
 from dataclasses import dataclass
-from typing import Callable, Mapping, NamedTuple, Sequence
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import ml_dtypes
 import numpy as np
 
-from flax_ckpt._src.errors import CastOverflowError, RenameCollisionError, format_list
+from flax_ckpt._src.errors import CastOverflowError, InvalidArgumentError, RenameCollisionError, format_list
 from flax_ckpt._src.records import LeafRecord
+from flax_ckpt._src.tree import KeyPath
 
 Rules = tuple[tuple["re.Pattern[str]", "str | None"], ...]
 RenameArg = Mapping[str, "str | None"] | Sequence[tuple[str, "str | None"]] | Callable[[str], "str | None"] | None
@@ -44,15 +49,16 @@ class Fit:
     @classmethod
     def of(cls, partial: bool = False, rename: RenameArg = None, missing: str = "error",
            unexpected: str = "error", cast: bool = False, report: bool = False) -> "Fit":
-        """The options as fc.restore takes them, checked (ValueError/TypeError before anything is read).
+        """The options as fc.restore takes them, checked (InvalidArgumentError, also a ValueError and a
+        TypeError, before anything is read).
         ``partial=True`` is ``unexpected="ignore"`` (its older name)."""
         if missing not in ("error", "keep"):
-            raise ValueError(f'missing={missing!r}: expected "error" (default) or "keep"')
+            raise InvalidArgumentError(f'missing={missing!r}: expected "error" (default) or "keep"')
         if unexpected not in ("error", "ignore"):
-            raise ValueError(f'unexpected={unexpected!r}: expected "error" (default) or "ignore"')
+            raise InvalidArgumentError(f'unexpected={unexpected!r}: expected "error" (default) or "ignore"')
         for name, v in (("partial", partial), ("cast", cast), ("report", report)):
             if not isinstance(v, bool):
-                raise TypeError(f"{name}={v!r}: expected True or False")
+                raise InvalidArgumentError(f"{name}={v!r}: expected True or False")
         rules, fn = _rules(rename)
         return cls(rules, fn, missing, "ignore" if partial else unexpected, cast, report)
 
@@ -77,15 +83,16 @@ def _rules(rename: RenameArg) -> tuple[Rules, Callable[[str], "str | None"] | No
     rules = []
     for pair in pairs:
         if not (isinstance(pair, (tuple, list)) and len(pair) == 2):
-            raise TypeError(f"rename: expected (regex, replacement) pairs, a dict of them or a function; got {pair!r}")
+            raise InvalidArgumentError("rename: expected (regex, replacement) pairs, a dict of them or a "
+                                       f"function; got {pair!r}")
         pattern, repl = pair
         if repl is not None and not isinstance(repl, str):
-            raise TypeError(f"rename: the replacement of {pattern!r} must be a str or None (do not restore), "
-                            f"not {type(repl).__name__}")
+            raise InvalidArgumentError(f"rename: the replacement of {pattern!r} must be a str or None (do "
+                                       f"not restore), not {type(repl).__name__}")
         try:
             rules.append((re.compile(pattern), repl))
         except (re.error, TypeError) as e:
-            raise ValueError(f"rename: {pattern!r} is not a regular expression ({e})") from None
+            raise InvalidArgumentError(f"rename: {pattern!r} is not a regular expression ({e})") from None
     return tuple(rules), None
 
 
@@ -151,11 +158,15 @@ def renamed(saved: Sequence[LeafRecord], fit: Fit, what: str, *, warn: bool = Tr
         by_name[new] = leaf
         if new != leaf.name:
             origin[new] = leaf.name
-    if collisions:
+    clashes = _folder_clashes(by_name, origin) if origin else []
+    if collisions or clashes:
+        two = f"maps two checkpoint keys to one target key: {'; '.join(collisions)}. " if collisions else ""
+        folder = f"puts a leaf where a key path needs a folder: {'; '.join(clashes)}. " if clashes else ""
         raise RenameCollisionError(
-            f"restore of {what}: rename= maps two checkpoint keys to one target key: " + "; ".join(collisions)
-            + ". Fix: make the rules map each checkpoint key to its own target key, or drop one "
-            "(replacement None); rules apply in order, the first that matches a key path wins.")
+            f"restore of {what}: rename= {two}{'rename= ' if two and folder else ''}{folder}Fix: make the "
+            "rules map each checkpoint key to its own target key, never to a key path another leaf's path "
+            "passes through, or drop one (replacement None); rules apply in order, the first that matches a "
+            "key path wins.")
     if warn:
         for (pattern, repl), hit in zip(fit.rules, used):
             if not hit:
@@ -163,11 +174,50 @@ def renamed(saved: Sequence[LeafRecord], fit: Fit, what: str, *, warn: bool = Tr
     return Renamed(by_name, origin, dropped)
 
 
+def _folder_clashes(by_name: dict[str, LeafRecord], origin: dict[str, str]) -> list[str]:
+    """Each key path (after a rename) that is a leaf where another leaf's path needs a folder ('p' and
+    'p/q': restored as nested dicts, one would replace the other), where a rename made either."""
+    def shown(n: str) -> str:
+        return f"{origin[n]!r} (renamed to {n!r})" if n in origin else repr(n)
+
+    clashes = []
+    for name in by_name:
+        at = name.find("/")
+        while at >= 0:
+            folder = name[:at]
+            if folder in by_name and (name in origin or folder in origin):
+                clashes.append(f"{shown(folder)} is a leaf where {shown(name)} needs a folder")
+                break
+            at = name.find("/", at + 1)
+    return clashes
+
+
+def nestable(paths: list[KeyPath]) -> list[KeyPath]:
+    """Key paths that tree.nest builds into nested dicts/lists without losing a leaf: a folder holding
+    both sequence positions and dict keys (a rename put a named key beside a list's entries) becomes
+    one dict keyed by both."""
+    kinds: dict[tuple, set[bool]] = {}
+    for p in paths:
+        for d in range(len(p)):
+            kinds.setdefault(_folder(p, d), set()).add(p[d][0] == "idx")
+    mixed = {f for f, seen in kinds.items() if len(seen) > 1}
+    if not mixed:
+        return paths
+    return [tuple(("key", k) if kind == "idx" and _folder(p, d) in mixed else (kind, k)
+                  for d, (kind, k) in enumerate(p)) for p in paths]
+
+
+def _folder(path: KeyPath, depth: int) -> tuple:
+    """The folder of ``path``'s entry at ``depth`` as tree.nest sees it (dict keys and attributes alike)."""
+    return tuple((kind == "idx", k) for kind, k in path[:depth])
+
+
 def _new_name(name: str, fit: Fit, used: list[bool]) -> str | None:
     if fit.rename_fn is not None:
         new = fit.rename_fn(name)
         if new is not None and not isinstance(new, str):
-            raise TypeError(f"rename function: for {name!r} it returned {new!r}; expected a str or None")
+            raise InvalidArgumentError(f"rename function: for {name!r} it returned {new!r}; expected a str "
+                                       "or None")
         return new
     for k, (pattern, repl) in enumerate(fit.rules):
         m = pattern.fullmatch(name)
@@ -179,7 +229,8 @@ def _new_name(name: str, fit: Fit, used: list[bool]) -> str | None:
         try:
             return m.expand(repl)
         except (re.error, IndexError) as e:
-            raise ValueError(f"rename: replacement {repl!r} of {pattern.pattern!r} fails on {name!r} ({e})") from None
+            raise InvalidArgumentError(f"rename: replacement {repl!r} of {pattern.pattern!r} fails on "
+                                       f"{name!r} ({e})") from None
     return name
 
 
@@ -239,8 +290,10 @@ def _int_range(dt: np.dtype) -> tuple[int, int]:
 
 def cast_into(src: np.ndarray, dst: np.ndarray, name: str, where: str) -> None:
     """Converts one chunk ``src`` (the saved dtype) into ``dst`` (the target's) as numpy's astype
-    does (round to nearest even), first checking that the values fit: an integer target's range holds
-    every value, and no finite value becomes inf or NaN (CastOverflowError naming the leaf)."""
+    does (round to nearest even), checking that every value fits: an integer target's range holds
+    it; a float target holds it after rounding (no finite value becomes inf, NaN or the largest value
+    by saturation; no NaN or inf becomes something else: a dtype without them, such as float8_e4m3fn or
+    float4_e2m1fn); CastOverflowError naming the leaf and a value otherwise."""
     a, b = family(src.dtype), family(dst.dtype)
     if b == "i" and a in ("b", "i") and src.size:
         lo, hi = _int_range(dst.dtype)
@@ -252,13 +305,98 @@ def cast_into(src: np.ndarray, dst: np.ndarray, name: str, where: str) -> None:
                                                   f"outside {dst.dtype.name}'s range [{lo}, {hi}]", where))
     with np.errstate(over="ignore", invalid="ignore"):
         np.copyto(dst, src, casting="unsafe")
-    if b in ("f", "c") and a != "b" and src.size and _max(dst.dtype) < _max(src.dtype) and _non_finite(dst):
+    if b in ("f", "c") and src.size:
+        problem = _float_problem(src, dst)
+        if problem is not None:
+            raise CastOverflowError(_overflow(name, src.dtype, dst.dtype, problem, where))
+
+
+class _Float(NamedTuple):
+    """What a float dtype holds beyond finite values, and the magnitude from which a value rounds past
+    its largest (``limit``; ``tie``: a value of exactly ``limit`` rounds to the largest)."""
+
+    inf: bool
+    nan: bool
+    lo: float
+    hi: float
+    limit: float
+    tie: bool
+
+
+@functools.lru_cache(maxsize=None)
+def _float_traits(dt: np.dtype) -> _Float:
+    with np.errstate(over="ignore", invalid="ignore"):
+        special = np.array([np.inf, np.nan]).astype(dt)
+    info = np.finfo(dt) if family(dt) == "c" else ml_dtypes.finfo(dt)
+    hi = float(info.max)
+    ulp = 2.0 ** (math.floor(math.log2(hi)) - int(info.nmant))
+    return _Float(bool(np.isinf(special[0])), bool(np.isnan(special[1])), float(info.min), hi, hi + ulp / 2,
+                  (hi / ulp) % 2 == 0)
+
+
+def _float_problem(src: np.ndarray, dst: np.ndarray) -> str | None:
+    """What of ``src`` its conversion ``dst`` (a float or complex dtype) does not hold, or None."""
+    t = _float_traits(dst.dtype)
+    if t.inf:  # IEEE layouts: a value rounds past the largest exactly when it becomes inf
+        if _max(dst.dtype) >= _max(src.dtype) or not _non_finite(dst):
+            return None  # the first: no value of src's dtype can (NaN and inf stay NaN and inf)
         lost = np.isfinite(src) & ~np.isfinite(dst)
-        if lost.any():
-            value = src[lost].flat[0]
-            raise CastOverflowError(_overflow(name, src.dtype, dst.dtype, f"{int(lost.sum())} finite values (e.g. "
-                                              f"{value!r}) exceed {dst.dtype.name}'s largest, {_max(dst.dtype):g}",
-                                              where))
+        if not lost.any():
+            return None
+        return (f"{int(lost.sum())} finite values (e.g. {src[lost].flat[0]!r}) exceed {dst.dtype.name}'s "
+                f"largest, {_max(dst.dtype):g}")
+    if _all_held(src, dst, t):
+        return None
+    bad = _unheld(src, dst, t)
+    if not bad.any():
+        return None
+    i = int(np.flatnonzero(bad)[0])
+    value, became = src.flat[i], dst.flat[i]
+    fam = family(src.dtype)
+    if fam == "f" and np.isnan(value):
+        why = f"{dst.dtype.name} has no NaN"
+    elif fam == "f" and np.isinf(value):
+        why = f"{dst.dtype.name} has no infinity"
+    else:
+        why = f"outside {dst.dtype.name}'s finite range [{t.lo:g}, {t.hi:g}] (or a value it cannot hold)"
+    return f"{int(bad.sum())} values (e.g. {_shown(value)} would become {_shown(became)}): {why}"
+
+
+def _all_held(src: np.ndarray, dst: np.ndarray, t: _Float) -> bool:
+    """The common case at the cost of two reductions (no temporary arrays): every value of ``src`` lies
+    within the limits (a NaN makes its maximum NaN, which does not) and ``dst`` holds no NaN. False:
+    look value by value (_unheld)."""
+    if family(src.dtype) != "b":
+        lo, hi = float(src.min()), float(src.max())
+        if not (-t.limit < lo and hi < t.limit):
+            return False
+    return not (t.nan and np.isnan(dst).any())
+
+
+def _unheld(src: np.ndarray, dst: np.ndarray, t: _Float) -> np.ndarray:
+    """Where ``dst``, a dtype without infinity, does not hold ``src``'s value: beyond the largest after
+    rounding (inf included), NaN without a NaN, or turned into NaN (a value it cannot hold at all:
+    float8_e8m0fnu holds no zero nor negative values)."""
+    limit = np.float64(t.limit)  # compared in float64, whatever src's dtype (a weak scalar would round)
+    with np.errstate(invalid="ignore"):
+        if t.tie:
+            bad = (src > limit) | (src < -limit)
+        else:
+            bad = (src >= limit) | (src <= -limit)
+        src_nan = np.isnan(src) if family(src.dtype) in ("f", "c") else None
+        if t.nan:
+            new_nan = np.isnan(dst)
+            bad |= new_nan if src_nan is None else new_nan & ~src_nan
+        elif src_nan is not None:
+            bad |= src_nan
+    return bad
+
+
+def _shown(x: Any) -> str:
+    """A value as a message shows it: False, 7, 1000.0, inf, nan."""
+    if isinstance(x, (bool, np.bool_)):
+        return str(bool(x))
+    return str(int(x)) if isinstance(x, (int, np.integer)) else repr(float(x))
 
 
 _EXPONENT = {np.dtype(ml_dtypes.bfloat16): (np.uint16, 0x7F80), np.dtype(np.float16): (np.uint16, 0x7C00),
@@ -281,4 +419,5 @@ def _overflow(name: str, src: np.dtype, dst: np.dtype, what: str, where: str) ->
             "into the saved dtype (fc.metadata(path).tree) and convert the values yourself.")
 
 
-__all__ = ["Fit", "RestoreReport", "Renamed", "as_fit", "cast_into", "cast_problem", "family", "renamed"]
+__all__ = ["Fit", "RestoreReport", "Renamed", "as_fit", "cast_into", "cast_problem", "family", "nestable",
+           "renamed"]

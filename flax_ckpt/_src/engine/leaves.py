@@ -17,10 +17,14 @@ import jax
 import numpy as np
 
 from flax_ckpt._src import tree as tree_mod
+from flax_ckpt._src.engine.diagnose import replicated_diagnosis, structure_diagnosis
 from flax_ckpt._src.engine.fit import Fit, RestoreReport, cast_problem, renamed
 from flax_ckpt._src.errors import (AbstractTargetLeafError, LeafMismatchError, StructureMismatchError,
                                   format_list)
 from flax_ckpt._src.records import LeafRecord
+
+
+_SHOWN = 20  # leaves an error lists, then a count of the rest
 
 
 @functools.lru_cache(maxsize=64)
@@ -122,8 +126,9 @@ def fit_target(saved: Sequence[LeafRecord], flat: Sequence[tuple[tree_mod.KeyPat
         bad.append(f"{_named(n, ren.origin)}: expected {describe_target(t)} (target), found {leaf.describe()}"
                    + (f" ({problem})" if problem else ""))
     if bad:
-        raise LeafMismatchError(f"restore of {len(bad)} leaves does not match the target: " + "; ".join(bad)
-                                + f" in {where}. " + _mismatch_fix(flat, chosen, fit.cast))
+        shown = "; ".join(bad[:_SHOWN]) + (f"; ... ({len(bad) - _SHOWN} more)" if len(bad) > _SHOWN else "")
+        raise LeafMismatchError(f"restore of {len(bad)} leaves does not match the target: {shown} in "
+                                f"{where}. " + _mismatch_fix(flat, chosen, fit.cast))
     report = RestoreReport(
         restored=tuple(n for n, leaf in zip(names, chosen) if leaf is not None), kept=tuple(missing),
         ignored=_in_order(saved, set(ren.dropped) | {ren.by_name[n].name for n in unexpected}),
@@ -153,12 +158,18 @@ def _check_structure(missing: list[str], unexpected: list[str], origin: dict[str
     if not (missing or unexpected):
         return
     shown = [_named(n, origin) for n in unexpected]
+    diagnosis = None if origin else structure_diagnosis(missing, unexpected)
+    if diagnosis is not None:
+        raise StructureMismatchError(
+            f"restore of {what}: the target's structure differs from the checkpoint's. In the target but not "
+            f"the checkpoint: {format_list(missing, _SHOWN)}. In the checkpoint but not the target: "
+            f"{format_list(unexpected, _SHOWN)}. {diagnosis} {hint}Checkpoint: {where}")
     raise StructureMismatchError(
         f"restore of {what}: the target's structure differs from the checkpoint's. "
-        + (f"In the target but not the checkpoint: {format_list(missing)} (pass missing=\"keep\" to keep the "
-           "target's own values there, e.g. the new layers of a larger model). " if missing else "")
-        + (f"In the checkpoint but not the target: {', '.join(shown[:20])}"
-           + (f", ... ({len(shown) - 20} more)" if len(shown) > 20 else "")
+        + (f"In the target but not the checkpoint: {format_list(missing, _SHOWN)} (pass missing=\"keep\" to "
+           "keep the target's own values there, e.g. the new layers of a larger model). " if missing else "")
+        + (f"In the checkpoint but not the target: {', '.join(shown[:_SHOWN])}"
+           + (f", ... ({len(shown) - _SHOWN} more)" if len(shown) > _SHOWN else "")
            + " (pass unexpected=\"ignore\", or partial=True, to restore only the target's sub-tree). "
            if unexpected else "")
         + ("Where they are one model's leaves under other names, map them with rename=. " if missing and unexpected
@@ -209,6 +220,12 @@ def _mismatch_fix(flat: Sequence[tuple[tree_mod.KeyPath, Any]], chosen: Sequence
     only dtypes (a cast meant on purpose), or kinds."""
     pairs = [(t, leaf) for (_, t), leaf in zip(flat, chosen) if leaf is not None and not compatible(t, leaf)
              and (not cast or castable(t, leaf) is not None)]
+    shapes = [(_shape_of(t), leaf.logical_shape if leaf.is_array else () if leaf.kind == "scalar" else None)
+              for t, leaf in pairs]
+    if all(t is not None and s is not None for t, s in shapes):
+        replicated = replicated_diagnosis(shapes)
+        if replicated is not None:
+            return replicated
     arrays = [(t, leaf) for t, leaf in pairs if leaf.is_array and hasattr(t, "shape") and hasattr(t, "dtype")]
     if any(tuple(t.shape) != leaf.logical_shape for t, leaf in arrays):
         return ("Fix: shapes differ, so this checkpoint is from another model or config: build the target "
@@ -225,6 +242,13 @@ def _mismatch_fix(flat: Sequence[tuple[tree_mod.KeyPath, Any]], chosen: Sequence
                 "them yourself after.")
     return ("Fix: the target's leaf types differ from what was saved (fc.metadata(path).tree shows them): "
             "build the target the way the saving run did.")
+
+
+def _shape_of(t: Any) -> tuple[int, ...] | None:
+    """A target leaf's shape as a mismatch diagnosis compares it (a Python scalar's: ()), or None."""
+    if hasattr(t, "shape") and hasattr(t, "dtype") and not tree_mod.is_prng_key(t):
+        return tuple(t.shape)
+    return () if python_scalar_kinds(t) is not None else None
 
 
 # --------------------------------------------------------------------------------------- metadata

@@ -24,7 +24,7 @@ import numpy as np
 
 from flax_ckpt._src.engine.fit import cast_into
 from flax_ckpt._src.engine.leaves import CheckpointInfo, python_scalar_kinds
-from flax_ckpt._src.errors import CheckpointError, CorruptCheckpointError, TargetMismatchError
+from flax_ckpt._src.errors import CheckpointError, CorruptCheckpointError, TargetMismatchError, format_list
 from flax_ckpt._src.checks import tiling_problem
 from flax_ckpt._src.records import LeafRecord
 from flax_ckpt._src.serializers import Box, box_of
@@ -235,7 +235,7 @@ class Reader:
                 raise TargetMismatchError(
                     f"restore of {leaf.name!r} from {self.source.where}: the saved shape {list(leaf.shape)} "
                     f"cannot be laid out as the target's sharding {sharding} asks, over {jax.process_count()} "
-                    f"process(es) and {len(sharding.device_set)} device(s): {e}. Fix: restore with a process "
+                    f"process(es) and {_device_count(sharding)} device(s): {e}. Fix: restore with a process "
                     "and device count whose mesh divides the saved shape, or pass shardings= (e.g. a "
                     "replicated or another mesh axis) for this leaf") from None
         return found
@@ -348,6 +348,54 @@ def placement_of(target: Any) -> Any:
     return getattr(target, "sharding", None)
 
 
+def _device_count(sharding: Any) -> str:
+    """How many devices a sharding spans, as a message says it (an abstract mesh has no devices)."""
+    try:
+        return str(len(sharding.device_set))
+    except (ValueError, AttributeError):
+        return "an abstract mesh's"
+
+
+def placements(what: str, names: Sequence[str], targets: Sequence[Any], overrides: dict[str, Any]
+               ) -> list[Any]:
+    """Where restore places each leaf: its ``overrides`` entry (shardings=, by key path) or the target
+    leaf's own placement (placement_of), a sharding over an abstract mesh (what jax.eval_shape and
+    nnx.eval_shape give under jax.set_mesh) made concrete by the mesh in context of the same axes.
+    Raises TargetMismatchError naming every leaf whose abstract mesh no mesh in context matches."""
+    out, unplaced, made = [], [], {}
+    for name, target in zip(names, targets):
+        sharding = (overrides.get(name) if overrides else None) or placement_of(target)
+        if sharding is not None and isinstance(getattr(sharding, "mesh", None), jax.sharding.AbstractMesh):
+            if sharding not in made:
+                made[sharding] = _concrete(sharding)
+            if made[sharding] is None:
+                unplaced.append(name)
+            sharding = made[sharding]
+        out.append(sharding)
+    if unplaced:
+        raise TargetMismatchError(_unplaced(what, unplaced, [s for s in made if made[s] is None][0]))
+    return out
+
+
+def _concrete(sharding: Any) -> Any:
+    """A NamedSharding over an abstract mesh on the mesh in context with the same axes, or None."""
+    mesh = jax.sharding.get_mesh()
+    if mesh.empty or mesh.shape_tuple != sharding.mesh.shape_tuple:
+        return None
+    return jax.sharding.NamedSharding(mesh, sharding.spec, memory_kind=sharding.memory_kind)
+
+
+def _unplaced(what: str, names: list[str], sharding: Any) -> str:
+    mesh = jax.sharding.get_mesh()
+    found = ("no mesh is in context" if mesh.empty
+             else f"the mesh in context has other axes ({mesh.shape_tuple})")
+    return (f"restore of {what}: {len(names)} leaves are placed over an abstract mesh "
+            f"({sharding.mesh.shape_tuple}), as jax.eval_shape and nnx.eval_shape give under jax.set_mesh, "
+            f"and {found}: {format_list(names)}. Nothing was read. Fix: restore inside "
+            "`with jax.set_mesh(mesh):` with the mesh the target was built with, or pass shardings= "
+            "(shardings on devices) for these leaves.")
+
+
 def weak_scalar(value: np.ndarray, sharding: Any) -> jax.Array | None:
     """A weak-typed 0-d jax array holding exactly the bits of ``value`` (jax makes one of a Python
     number), placed by ``sharding``; None where no Python number gives that dtype and those bits
@@ -358,5 +406,5 @@ def weak_scalar(value: np.ndarray, sharding: Any) -> jax.Array | None:
     return out
 
 
-__all__ = ["Damage", "Pending", "Reader", "Source", "aligned_empty", "local_rows", "placement_of", "read_back",
-           "slabs", "weak_scalar"]
+__all__ = ["Damage", "Pending", "Reader", "Source", "aligned_empty", "local_rows", "placement_of",
+           "placements", "read_back", "slabs", "weak_scalar"]

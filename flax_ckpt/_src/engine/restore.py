@@ -21,10 +21,11 @@ import jax
 import numpy as np
 
 from flax_ckpt._src import tree as tree_mod
-from flax_ckpt._src.engine.fit import Fit, RestoreReport, as_fit, renamed
+from flax_ckpt._src.engine.fit import Fit, RestoreReport, as_fit, nestable, renamed
 from flax_ckpt._src.engine.leaves import fit_target
 from flax_ckpt._src.engine.pause import gc_paused
-from flax_ckpt._src.engine.reader import Pending, Reader, Source
+from flax_ckpt._src.engine.reader import Pending, Reader, Source, placements
+from flax_ckpt._src.errors import InvalidArgumentError
 from flax_ckpt._src.records import LeafRecord
 
 _IO_THREADS = 8
@@ -56,18 +57,19 @@ def restore(source: Source, target: Any = None, *, shardings: Any = None, partia
     source, target = source.select(target)
     if target is None:
         if fit.cast:
-            raise ValueError("cast=True converts each leaf to the target's dtype: pass a target")
+            raise InvalidArgumentError("cast=True converts each leaf to the target's dtype: pass a target")
         tree, report = _restore_untargeted(source, fit, shardings)
     else:
         flat, treedef = tree_mod.flatten(target)
         fitted = fit_target(source.leaves, flat, fit, what=source.url, where=source.where, hint=source.hint)
         names = [tree_mod.keystr(p) for p, _ in flat]
         smap = flat_shardings(shardings, names)
-        jobs = [(leaf, t, smap.get(n)) for n, leaf, (_, t) in zip(names, fitted.chosen, flat) if leaf is not None]
+        places = placements(source.url, names, [t for _, t in flat], smap)
+        jobs = [(leaf, t, p) for leaf, (_, t), p in zip(fitted.chosen, flat, places) if leaf is not None]
         values = iter(read_all(Reader(source, fitted.casts), jobs))
         tree = jax.tree_util.tree_unflatten(treedef, [
-            next(values) if leaf is not None else kept(t, smap.get(n))
-            for n, leaf, (_, t) in zip(names, fitted.chosen, flat)])
+            next(values) if leaf is not None else kept(t, p if n in smap else None)
+            for n, leaf, (_, t), p in zip(names, fitted.chosen, flat, places)])
         report = fitted.report
     if fit.relaxed:
         log.info("restore of %s: %s", source.url, report.summary())
@@ -77,10 +79,12 @@ def restore(source: Source, target: Any = None, *, shardings: Any = None, partia
 def _restore_untargeted(source: Source, fit: Fit, shardings: Any) -> tuple[Any, RestoreReport]:
     """Every leaf (after a rename; a renamed leaf nests as dicts keyed by its new path's parts)."""
     ren = renamed(source.leaves, fit, source.url)
-    smap = flat_shardings(shardings, list(ren.by_name))
-    values = read_all(Reader(source), [(leaf, None, smap.get(n)) for n, leaf in ren.by_name.items()])
-    tree = tree_mod.nest((_path_of(n) if n in ren.origin else leaf.path, v)
-                         for (n, leaf), v in zip(ren.by_name.items(), values))
+    names = list(ren.by_name)
+    places = placements(source.url, names, [None] * len(names), flat_shardings(shardings, names))
+    values = read_all(Reader(source), [(leaf, None, p) for leaf, p in zip(ren.by_name.values(), places)])
+    paths = [_path_of(n) if n in ren.origin else leaf.path for n, leaf in ren.by_name.items()]
+    paths = nestable(paths) if ren.origin else paths  # a renamed key may sit beside a list's entries
+    tree = tree_mod.nest(zip(paths, values))
     return tree, RestoreReport(restored=tuple(ren.by_name), ignored=tuple(ren.dropped),
                                renamed=tuple((o, n) for n, o in ren.origin.items()))
 
