@@ -1,0 +1,173 @@
+"""Synchronous saves of arrays on accelerators: each piece written as soon as its transfer lands.
+
+Scope: ``streamed``, the snapshot a synchronous save takes (``fc.save``, a manager with
+``async_save=False``): every device-to-host transfer is started and nothing is waited for; and
+``write_streamed``, its write: the arrays' pieces in batches of consecutive pieces, written on a small
+pool, each batch as soon as its transfers have landed, so that the transfer of later shards overlaps
+the write of earlier ones. The host copy is the one the transfer makes: never a second one. An
+asynchronous save, which must return with a copy that later donation cannot change, takes a full
+snapshot instead (engine/snapshot.py). What a file holds is the serializer's business; the streamed
+write asks it to write batches of pieces, each as a ``write`` call of its own, and merges their records.
+"""
+
+from __future__ import annotations
+
+import math
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+
+from flax_ckpt._src import tree as tree_mod
+from flax_ckpt._src.engine.snapshot import HostLeaf, Snapshot, learned, snapshot
+from flax_ckpt._src.serializers import ArrayItem, Box, Serializer, Shard, Written, box_of
+from flax_ckpt._src.storage import Storage
+
+THREADS = 8  # batches written at once
+_BATCH_MIN, _BATCH_MAX = 4 << 20, 64 << 20  # bytes of one batch (see _batch_bytes)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Rows ``rows`` (along the first axis; None: all) of the host value of ``part`` (one device
+    array: a shard's, or the whole array), the ``box`` of leaf ``leaf`` of the snapshot."""
+
+    leaf: int
+    part: jax.Array
+    box: Box
+    rows: slice | None
+    nbytes: int
+
+    def host(self) -> np.ndarray:
+        """The piece in host memory: a view of the transfer's buffer (waits for it to land)."""
+        a = _host_value(self.part)
+        return a if self.rows is None else a[self.rows]
+
+
+def _host_value(part: jax.Array) -> np.ndarray:
+    return np.asarray(part)  # the transfer's own buffer (read-only): no copy where it has landed
+
+
+def _off_host(k: Any) -> bool:
+    """Whether a learned jax leaf lies off the host (a CPU array's host view is free: nothing to stream)."""
+    return not k.cpu
+
+
+@dataclass
+class Streamed(Snapshot):
+    """A snapshot whose arrays on accelerators are in flight to the host: their leaves hold records
+    without shards, and ``pieces`` say where their bytes will be. Written by ``write_streamed``, while
+    the caller's arrays are alive and unchanged (a synchronous save)."""
+
+    pieces: list[Piece] = field(default_factory=list)
+
+
+def streamed(tree: Any) -> Snapshot:
+    """A synchronous save's snapshot of ``tree``: host leaves as ``snapshot(copy=False)`` takes them;
+    arrays off the host (accelerators) as pieces whose transfers are started now, in leaf order. A
+    plain Snapshot when no array is off the host."""
+    flat = tree if isinstance(tree, tree_mod.Flat) else tree_mod.flat(tree)
+    seen = learned(flat, range(len(flat.leaves)))
+    device = [i for i, k in enumerate(seen) if k.kind in ("jax", "prng_key") and _off_host(k)]
+    if not device:
+        return snapshot(flat, copy=False)
+    data = {i: jax.random.key_data(flat.leaves[i]) if seen[i].kind == "prng_key" else flat.leaves[i]
+            for i in device}
+    for i in device:  # every transfer started before any is waited for
+        data[i].copy_to_host_async()
+    rest = [i for i in range(len(seen)) if i not in data]
+    host = snapshot(flat, copy=False, only=rest) if rest else Snapshot([], 0)
+    leaves: list[HostLeaf] = [None] * len(seen)  # type: ignore[list-item]
+    for i, hl in zip(rest, host.leaves):
+        leaves[i] = hl
+    pieces: list[Piece] = []
+    for i in device:
+        k, x = seen[i], data[i]
+        leaves[i] = HostLeaf(k.record, (), x.sharding, whole=k.whole)
+        parts = [(x, k.box)] if k.whole else [
+            (s.data, box_of(s.index, k.record.shape)) for s in x.addressable_shards if s.replica_id == 0]
+        for part, box in parts:
+            pieces += _split(i, part, box, k.record.dtype.itemsize)
+    return Streamed(leaves, host.nbytes + sum(p.nbytes for p in pieces), pieces=pieces)
+
+
+def _split(leaf: int, part: jax.Array, box: Box, itemsize: int) -> list[Piece]:
+    """One shard as pieces of at most _BATCH_MAX bytes, cut along its first axis (at least one row)."""
+    nbytes = math.prod(e - s for s, e in box) * itemsize
+    if not box or nbytes <= _BATCH_MAX or box[0][1] - box[0][0] < 2:
+        return [Piece(leaf, part, box, None, nbytes)]
+    (lo, hi), rest = box[0], box[1:]
+    row = nbytes // (hi - lo)
+    step = max(1, _BATCH_MAX // max(1, row))
+    return [Piece(leaf, part, ((lo + r, min(lo + r + step, hi)),) + rest, slice(r, r + step),
+                  row * (min(r + step, hi - lo) - r)) for r in range(0, hi - lo, step)]
+
+
+def _batch_bytes(total: int) -> int:
+    """Bytes of one batch: about four batches per writer thread, so that the writes begin soon after
+    the first transfers land and end soon after the last."""
+    return min(_BATCH_MAX, max(_BATCH_MIN, total // (4 * THREADS)))
+
+
+def batches(pieces: Sequence[Piece]) -> list[list[Piece]]:
+    """The pieces in runs of consecutive pieces of about ``_batch_bytes`` each (in transfer order)."""
+    limit = _batch_bytes(sum(p.nbytes for p in pieces))
+    out: list[list[Piece]] = []
+    held = 0
+    for p in pieces:
+        if not out or (held and held + p.nbytes > limit):
+            out.append([])
+            held = 0
+        out[-1].append(p)
+        held += p.nbytes
+    return out
+
+
+def _items(snap: Snapshot, batch: list[Piece]) -> list[ArrayItem]:
+    """A batch's pieces in host memory, as the serializer takes them (one item per leaf)."""
+    by_leaf: dict[int, list[Shard]] = {}
+    for p in batch:
+        by_leaf.setdefault(p.leaf, []).append(Shard(p.box, p.host()))
+    out = []
+    for i, shards in by_leaf.items():
+        rec = snap.leaves[i].record
+        out.append(ArrayItem(i, rec.name, rec.dtype, rec.shape, tuple(shards)))
+    return out
+
+
+def write_streamed(serializer: Serializer, storage: Storage, snap: Streamed, items: Sequence[ArrayItem], *,
+                   tag: str) -> Written:
+    """Writes ``items`` (the snapshot's host leaves) and every piece of ``snap`` below ``storage``: on
+    up to THREADS threads, one ``serializer.write`` per batch (tags ``<tag>.h`` and ``<tag>.<k>``),
+    each batch once its transfers have landed. Returns the records of all, merged. On a failure, every
+    write has stopped (or never started) before the first error is raised."""
+    jobs: list[Callable[[], Written]] = []
+    host = [it for it in items if it.shards]
+    if host:
+        jobs.append(lambda: serializer.write(storage, host, tag=f"{tag}.h"))
+    for k, b in enumerate(batches(snap.pieces)):
+        jobs.append(lambda b=b, k=k: serializer.write(storage, _items(snap, b), tag=f"{tag}.{k}"))
+    with ThreadPoolExecutor(max(1, min(THREADS, len(jobs))), thread_name_prefix="flax_ckpt-stream") as pool:
+        futures = [pool.submit(job) for job in jobs]
+        done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+        if any(f.exception() is not None for f in done):
+            for f in futures:
+                f.cancel()
+            wait(futures)
+        written = [f.result() for f in futures]  # the first failure, in batch order, is raised
+    return merged(written)
+
+
+def merged(written: Sequence[Written]) -> Written:
+    """The records of several writes as one: each leaf's chunks in order, every file."""
+    chunks: dict[int, list[dict[str, Any]]] = {}
+    for w in written:
+        for i, recs in w.chunks.items():
+            chunks.setdefault(i, []).extend(recs)
+    return Written(chunks, {name: size for w in written for name, size in w.files.items()},
+                   fsync_s=sum(w.fsync_s for w in written), serialize_s=sum(w.serialize_s for w in written))
+
+
+__all__ = ["Piece", "Streamed", "batches", "merged", "streamed", "write_streamed"]
