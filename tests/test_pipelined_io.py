@@ -155,6 +155,16 @@ def test_failed_transfer_leaves_nothing_and_raises(tmp_path, streaming, monkeypa
     assert_bit_exact(fc.restore(tmp_path / "c", state), state)
 
 
+def test_donated_state_is_a_clear_error(tmp_path, streaming):
+    state = {"params": {"w": jnp.ones((8, 8)), "b": jnp.zeros(8)}, "step": 3}
+    step = jax.jit(lambda s: jax.tree_util.tree_map(lambda v: v + 1, s), donate_argnums=0)
+    step(state)
+    with pytest.raises(fc.CheckpointError, match=r"'params/b', 'params/w'.*donated") as info:
+        fc.save(tmp_path / "c", state)
+    assert "nothing was written" in str(info.value)
+    assert os.listdir(tmp_path) == []
+
+
 def test_manager_without_async_save_streams(tmp_path, streaming):
     state = _state()
     with fc.CheckpointManager(tmp_path / "run", async_save=False, max_to_keep=1) as mgr:

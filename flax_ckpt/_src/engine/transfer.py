@@ -21,6 +21,7 @@ import jax
 import numpy as np
 
 from flax_ckpt._src import tree as tree_mod
+from flax_ckpt._src.errors import CheckpointError
 from flax_ckpt._src.engine.snapshot import HostLeaf, Snapshot, learned, snapshot
 from flax_ckpt._src.serializers import ArrayItem, Box, Serializer, Shard, Written, box_of
 from flax_ckpt._src.storage import Storage
@@ -69,6 +70,7 @@ def streamed(tree: Any) -> Snapshot:
     arrays off the host (accelerators) as pieces whose transfers are started now, in leaf order. A
     plain Snapshot when no array is off the host."""
     flat = tree if isinstance(tree, tree_mod.Flat) else tree_mod.flat(tree)
+    _check_alive(flat)
     seen = learned(flat, range(len(flat.leaves)))
     device = [i for i, k in enumerate(seen) if k.kind in ("jax", "prng_key") and _off_host(k)]
     if not device:
@@ -91,6 +93,18 @@ def streamed(tree: Any) -> Snapshot:
         for part, box in parts:
             pieces += _split(i, part, box, k.record.dtype.itemsize)
     return Streamed(leaves, host.nbytes + sum(p.nbytes for p in pieces), pieces=pieces)
+
+
+def _check_alive(flat: tree_mod.Flat) -> None:
+    """A CheckpointError naming every deleted jax array (donated to a step, or ``.delete()``d), before
+    anything is written."""
+    gone = [name for name, x in zip(flat.names, flat.leaves) if isinstance(x, jax.Array) and x.is_deleted()]
+    if gone:
+        shown = ", ".join(repr(n) for n in gone[:5]) + (f" and {len(gone) - 5} more" if len(gone) > 5 else "")
+        raise CheckpointError(
+            f"cannot save {shown}: the array has been deleted, most likely donated to a jitted step "
+            "(donate_argnums) that consumed this state. Save the state before that step runs, or the state "
+            "it returned; nothing was written")
 
 
 def _split(leaf: int, part: jax.Array, box: Box, itemsize: int) -> list[Piece]:
