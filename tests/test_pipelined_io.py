@@ -27,7 +27,7 @@ from helpers import assert_bit_exact, leaf_chunks
 def streaming(monkeypatch):
     """CPU arrays streamed as if they lay on an accelerator, in small batches (several files)."""
     monkeypatch.setattr(transfer, "_off_host", lambda k: True)
-    monkeypatch.setattr(transfer, "_BATCH_MIN", 16 << 10)
+    monkeypatch.setattr(transfer, "_BATCH_MIN", 64 << 10)
     monkeypatch.setattr(transfer, "_BATCH_MAX", 64 << 10)
     calls = []
     real = transfer.write_streamed
@@ -185,12 +185,17 @@ def test_cpu_arrays_take_the_plain_path(tmp_path):
     assert_bit_exact(fc.restore(tmp_path / "c", state), state)
 
 
+def test_pieces_are_cut_at_the_batch_size():
+    x = np.zeros((10, 4), np.float32)  # rows of 16 bytes
+    pieces = transfer._split(0, x, ((0, 10), (0, 4)), x.nbytes, 48)
+    assert [(p.box, p.rows, p.nbytes) for p in pieces] == [
+        (((0, 3), (0, 4)), slice(0, 3), 48), (((3, 6), (0, 4)), slice(3, 6), 48),
+        (((6, 9), (0, 4)), slice(6, 9), 48), (((9, 10), (0, 4)), slice(9, 12), 16)]
+    assert transfer._batch_bytes(1 << 30) == 32 << 20  # four batches per writer thread
+    assert transfer._batch_bytes(1 << 20) == transfer._BATCH_MIN
+
+
 def test_batches_keep_order_and_size():
     pieces = [transfer.Piece(i, None, (), None, n) for i, n in enumerate([10, 10, 30, 0, 50, 5])]
-    transfer_min, transfer_max = transfer._BATCH_MIN, transfer._BATCH_MAX
-    try:
-        transfer._BATCH_MIN = transfer._BATCH_MAX = 30
-        got = [[p.leaf for p in b] for b in transfer.batches(pieces)]
-    finally:
-        transfer._BATCH_MIN, transfer._BATCH_MAX = transfer_min, transfer_max
+    got = [[p.leaf for p in b] for b in transfer.batches(pieces, 30)]
     assert got == [[0, 1], [2, 3], [4], [5]]

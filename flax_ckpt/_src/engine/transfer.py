@@ -63,6 +63,7 @@ class Streamed(Snapshot):
     the caller's arrays are alive and unchanged (a synchronous save)."""
 
     pieces: list[Piece] = field(default_factory=list)
+    batch: int = _BATCH_MAX  # bytes of a batch (and at most of a piece, unless one row is more)
 
 
 def streamed(tree: Any) -> Snapshot:
@@ -84,15 +85,16 @@ def streamed(tree: Any) -> Snapshot:
     leaves: list[HostLeaf] = [None] * len(seen)  # type: ignore[list-item]
     for i, hl in zip(rest, host.leaves):
         leaves[i] = hl
-    pieces: list[Piece] = []
+    parts: list[tuple[int, jax.Array, Box]] = []
     for i in device:
         k, x = seen[i], data[i]
         leaves[i] = HostLeaf(k.record, (), x.sharding, whole=k.whole)
-        parts = [(x, k.box)] if k.whole else [
-            (s.data, box_of(s.index, k.record.shape)) for s in x.addressable_shards if s.replica_id == 0]
-        for part, box in parts:
-            pieces += _split(i, part, box, k.record.dtype.itemsize)
-    return Streamed(leaves, host.nbytes + sum(p.nbytes for p in pieces), pieces=pieces)
+        parts += [(i, x, k.box)] if k.whole else [
+            (i, s.data, box_of(s.index, k.record.shape)) for s in x.addressable_shards if s.replica_id == 0]
+    size = [math.prod(e - s for s, e in box) * seen[i].record.dtype.itemsize for i, _, box in parts]
+    limit = _batch_bytes(sum(size))
+    pieces = [p for (i, part, box), n in zip(parts, size) for p in _split(i, part, box, n, limit)]
+    return Streamed(leaves, host.nbytes + sum(size), pieces=pieces, batch=limit)
 
 
 def _check_alive(flat: tree_mod.Flat) -> None:
@@ -107,14 +109,14 @@ def _check_alive(flat: tree_mod.Flat) -> None:
             "it returned; nothing was written")
 
 
-def _split(leaf: int, part: jax.Array, box: Box, itemsize: int) -> list[Piece]:
-    """One shard as pieces of at most _BATCH_MAX bytes, cut along its first axis (at least one row)."""
-    nbytes = math.prod(e - s for s, e in box) * itemsize
-    if not box or nbytes <= _BATCH_MAX or box[0][1] - box[0][0] < 2:
+def _split(leaf: int, part: jax.Array, box: Box, nbytes: int, limit: int) -> list[Piece]:
+    """One shard (``nbytes``) as pieces of at most ``limit`` bytes, cut along its first axis (at least
+    one row each)."""
+    if not box or nbytes <= limit or box[0][1] - box[0][0] < 2:
         return [Piece(leaf, part, box, None, nbytes)]
     (lo, hi), rest = box[0], box[1:]
     row = nbytes // (hi - lo)
-    step = max(1, _BATCH_MAX // max(1, row))
+    step = max(1, limit // max(1, row))
     return [Piece(leaf, part, ((lo + r, min(lo + r + step, hi)),) + rest, slice(r, r + step),
                   row * (min(r + step, hi - lo) - r)) for r in range(0, hi - lo, step)]
 
@@ -125,9 +127,9 @@ def _batch_bytes(total: int) -> int:
     return min(_BATCH_MAX, max(_BATCH_MIN, total // (4 * THREADS)))
 
 
-def batches(pieces: Sequence[Piece]) -> list[list[Piece]]:
-    """The pieces in runs of consecutive pieces of about ``_batch_bytes`` each (in transfer order)."""
-    limit = _batch_bytes(sum(p.nbytes for p in pieces))
+def batches(pieces: Sequence[Piece], limit: int) -> list[list[Piece]]:
+    """The pieces in runs of consecutive pieces of at most ``limit`` bytes each (a piece larger than
+    that alone), in transfer order."""
     out: list[list[Piece]] = []
     held = 0
     for p in pieces:
@@ -161,7 +163,7 @@ def write_streamed(serializer: Serializer, storage: Storage, snap: Streamed, ite
     host = [it for it in items if it.shards]
     if host:
         jobs.append(lambda: serializer.write(storage, host, tag=f"{tag}.h"))
-    for k, b in enumerate(batches(snap.pieces)):
+    for k, b in enumerate(batches(snap.pieces, snap.batch)):
         jobs.append(lambda b=b, k=k: serializer.write(storage, _items(snap, b), tag=f"{tag}.{k}"))
     with ThreadPoolExecutor(max(1, min(THREADS, len(jobs))), thread_name_prefix="flax_ckpt-stream") as pool:
         futures = [pool.submit(job) for job in jobs]
