@@ -122,7 +122,8 @@ def leaves_of(state: Any) -> list[Any]:
 def abstract(state: Any) -> Any:
     import jax
     return jax.tree_util.tree_map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) if isinstance(x, jax.Array) else x,
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+        if isinstance(x, jax.Array) else x,
         state)
 
 
@@ -305,7 +306,8 @@ class Table:
                 mgr = self.fc.CheckpointManager(self.scratch / name, max_to_keep=1)
             else:
                 import orbax.checkpoint as ocp
-                mgr = ocp.CheckpointManager(self.scratch / name, options=ocp.CheckpointManagerOptions(max_to_keep=1))
+                options = ocp.CheckpointManagerOptions(max_to_keep=1)
+                mgr = ocp.CheckpointManager(self.scratch / name, options=options)
             self.managers[name] = mgr
             self._save(name, mgr, self.fresh())  # the first save (allocations, compilation) untimed
             mgr.wait_until_finished()
@@ -416,7 +418,8 @@ def run_table(state: Any, copy: Callable, scratch: Path, rep: Report, rounds: in
                     continue
                 try:
                     table.run(name, r == 0)
-                    print(f"round {r} table {name:14s} {rep.body['table'][name][-1] * 1e3:9.1f} ms", flush=True)
+                    ms = rep.body["table"][name][-1] * 1e3
+                    print(f"round {r} table {name:14s} {ms:9.1f} ms", flush=True)
                 except Exception as e:
                     rep.error(f"table round {r} {name}", e)
     finally:
@@ -458,7 +461,8 @@ class FcManager(Saver):
     def __init__(self, d: Path, tiers: bool):
         import flax_ckpt as fc
         self.shm = Path(tempfile.mkdtemp(prefix="flax_ckpt_bench-", dir="/dev/shm")) if tiers else None
-        kw = {"tiers": fc.Tiers(local_dir=str(self.shm), peer=False, persist_interval_steps=None)} if tiers else {}
+        kw = {"tiers": fc.Tiers(local_dir=str(self.shm), peer=False, persist_interval_steps=None)} \
+            if tiers else {}
         self.mgr = fc.CheckpointManager(d, max_to_keep=1, **kw)
 
     def save(self, step: int, state: Any) -> bool:
@@ -543,8 +547,9 @@ def run_loop(state: Any, init: Callable, step: Callable, copy: Callable, scratch
                     try:
                         state, res = loop_once(name, state, step, copy, every, steps, sync, scratch)
                         rep.loop(key, name, res)
-                        print(f"round {r} loop {key:11s} {name:12s} {res['step_s'] * 1e3:8.1f} ms/step  saves "
-                              f"{res['saves']}/{res['asked']}  blocked {res['blocked_s'] * 1e3:.1f} ms", flush=True)
+                        print(f"round {r} loop {key:11s} {name:12s} {res['step_s'] * 1e3:8.1f} ms/step  "
+                              f"saves {res['saves']}/{res['asked']}  blocked {res['blocked_s'] * 1e3:.1f} ms",
+                              flush=True)
                     except Exception as e:
                         rep.error(f"loop round {r} {key} {name}", e)
                         state = jax.block_until_ready(step(init()))  # the donated state may be gone
@@ -586,10 +591,12 @@ def summarize(body: dict[str, Any]) -> str:
     ratio("orbax-async / device-copy", "orbax-async", m.get("device-copy"))
     body["ratios"] = ratios
     if ratios:
-        lines += ["", "| ratio (of medians) | value |", "|---|---:|"] + [f"| {k} | {v:.2f} |" for k, v in ratios.items()]
+        lines += ["", "| ratio (of medians) | value |", "|---|---:|"]
+        lines += [f"| {k} | {v:.2f} |" for k, v in ratios.items()]
     loop = body["loop"]
     if loop:
-        lines += ["", "Loop: ms per step; overhead against `none` (median of per-round ratios − 1); saves made / "
+        lines += ["", "Loop: ms per step; overhead against `none` (median of per-round ratios − 1); "
+                  "saves made / "
                   "asked; median blocked per save", "", "| setting | " + " | ".join(LOOP) + " |",
                   "|---|" + "---|" * len(LOOP)]
         for key, by in loop.items():
@@ -602,9 +609,11 @@ def summarize(body: dict[str, Any]) -> str:
                     continue
                 ms = statistics.median(r["step_s"] for r in runs) * 1e3
                 pairs = [(b["step_s"], r["step_s"]) for b, r in zip(base, runs)]
-                over = f" {statistics.median(y / x for x, y in pairs) - 1:+.0%}" if pairs and c != "none" else ""
-                saves = "" if c == "none" else (f" ({statistics.median(r['saves'] for r in runs):g}/{runs[0]['asked']}, "
-                                                f"{statistics.median(r['blocked_s'] for r in runs) * 1e3:.1f} ms)")
+                over = "" if not pairs or c == "none" else \
+                    f" {statistics.median(y / x for x, y in pairs) - 1:+.0%}"
+                made = statistics.median(r["saves"] for r in runs)
+                blocked = statistics.median(r["blocked_s"] for r in runs) * 1e3
+                saves = "" if c == "none" else f" ({made:g}/{runs[0]['asked']}, {blocked:.1f} ms)"
                 cells.append(f"{ms:.1f}{over}{saves}")
             lines.append(f"| {key} | " + " | ".join(cells) + " |")
     if body["checks"]:
@@ -621,7 +630,8 @@ def summarize(body: dict[str, Any]) -> str:
 def device_info() -> dict[str, Any]:
     import jax
     devs = jax.devices()
-    info: dict[str, Any] = {"devices": f"{len(devs)} x {devs[0].platform} {getattr(devs[0], 'device_kind', '')}",
+    kind = getattr(devs[0], "device_kind", "")
+    info: dict[str, Any] = {"devices": f"{len(devs)} x {devs[0].platform} {kind}",
                             "backend": jax.default_backend()}
     try:
         stats = devs[0].memory_stats() or {}
@@ -633,15 +643,17 @@ def device_info() -> dict[str, Any]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--small", action="store_true", help="a tiny model and few steps (a CPU in under a minute)")
+    ap.add_argument("--small", action="store_true",
+                    help="a tiny model and few steps (a CPU in under a minute)")
     ap.add_argument("--parts", default="table,loop")
     ap.add_argument("--rounds", type=int, default=3, help="rounds of the table")
     ap.add_argument("--loop-rounds", type=int, default=2)
-    ap.add_argument("--steps", default=None, help="every:steps timed, e.g. 1:20,10:50,100:100")
+    ap.add_argument("--steps", default=None, help="every:steps timed (default 1:10,10:50,100:100)")
     ap.add_argument("--table", default=",".join(TABLE), help="table contenders")
     ap.add_argument("--loop", default=",".join(LOOP), help="loop contenders")
     ap.add_argument("--model", default=None, help="d,layers,heads,vocab,seq,batch")
-    ap.add_argument("--budget-s", type=float, default=None, help="start no measurement after this many seconds")
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="start no measurement after this many seconds")
     args = ap.parse_args()
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     import jax
@@ -650,7 +662,7 @@ def main() -> None:
     dims = dict(SMALL if args.small else FULL)
     if args.model:
         dims = dict(zip(FULL, map(int, args.model.split(","))))
-    plan_text = args.steps or ("1:4,10:12" if args.small else "1:20,10:50,100:100")
+    plan_text = args.steps or ("1:4,10:12" if args.small else "1:10,10:50,100:100")
     plan = {int(a): int(b) for a, b in (p.split(":") for p in plan_text.split(","))}
     clock = Clock(args.budget_s)
     scratch = C.SCRATCH
@@ -667,7 +679,8 @@ def main() -> None:
         if "table" in args.parts:
             run_table(state, copy, scratch, rep, args.rounds, clock, args.table.split(","))
         if "loop" in args.parts:
-            run_loop(state, init, step, copy, scratch, rep, args.loop_rounds, clock, args.loop.split(","), plan)
+            run_loop(state, init, step, copy, scratch, rep, args.loop_rounds, clock, args.loop.split(","),
+                     plan)
     except Exception as e:
         rep.error("setup", e)
     finally:
