@@ -20,6 +20,8 @@ same array is free). Medians over rounds of:
   persist_interval_steps=None)``; kept across rounds, the write of one round waited for untimed before
   the next), ``fc-save`` (``fc.save``: durable), ``fc-restore`` (``fc.restore`` of that checkpoint into
   the state's shardings, the files' pages dropped from the cache first, until the arrays are ready);
+  ``fc-save@window=0``: fc.save with every transfer started at once (``fc-save@threads=N`` also
+  works: N writer threads);
 - Orbax: ``orbax-async`` (blocked time of its ``CheckpointManager.save``), ``orbax-save``
   (``Checkpointer(StandardCheckpointHandler)``: synchronous), ``orbax-restore``.
 The first round checks that ``fc.save`` then ``fc.restore`` gives back the state bit for bit.
@@ -61,7 +63,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
 
 TABLE = ["device-copy", "device-get", "raw-write", "raw-read", "device-put", "fc-async", "fc-memory",
-         "fc-save", "fc-restore", "orbax-async", "orbax-save", "orbax-restore"]
+         "fc-save", "fc-save@window=0", "fc-restore", "orbax-async", "orbax-save", "orbax-restore"]
 LOOP = ["none", "device-get", "device-copy", "fc-async", "fc-memory", "orbax-async"]
 FULL = dict(d=1024, layers=6, heads=16, vocab=8192, seq=512, batch=8)
 SMALL = dict(d=128, layers=2, heads=4, vocab=1024, seq=32, batch=2)
@@ -256,14 +258,18 @@ class Table:
         return self.jax.block_until_ready(self.copy(self.state))
 
     def run(self, name: str, first: bool) -> None:
-        """``name``: a contender; ``fc-save@N``: fc.save with N writer threads (engine/transfer.py's)."""
+        """``name``: a contender; ``fc-save@threads=N`` / ``fc-save@window=B``: fc.save with N writer
+        threads / B bytes of transfers in flight (engine/transfer.py's THREADS, WINDOW; 0: all at once)."""
         if name.startswith("fc-save@"):
             from flax_ckpt._src.engine import transfer
-            threads, transfer.THREADS = transfer.THREADS, int(name.split("@")[1])
+            knob, value = name.split("@")[1].split("=")
+            attr = {"threads": "THREADS", "window": "WINDOW"}[knob]
+            old = getattr(transfer, attr)
+            setattr(transfer, attr, int(value))
             try:
                 return self.c_fc_save(first, name)
             finally:
-                transfer.THREADS = threads
+                setattr(transfer, attr, old)
         getattr(self, "c_" + name.replace("-", "_"))(first)
 
     # floors
@@ -568,7 +574,7 @@ def summarize(body: dict[str, Any]) -> str:
              f"state: {body.get('state_mib', 0):.0f} MiB in {body.get('state_leaves')} leaves; "
              f"{body['args'].get('rounds')} rounds; date {body['machine'].get('date')}\n",
              "| contender | median | note |", "|---|---:|---|"]
-    for name in TABLE + sorted(k for k in m if "@" in k and ":" not in k):
+    for name in TABLE + sorted(k for k in m if "@" in k and ":" not in k and k not in TABLE):
         if m.get(name) is not None:
             note = ""
             if f"{name}:until_durable" in m:
@@ -583,6 +589,7 @@ def summarize(body: dict[str, Any]) -> str:
     if m.get("device-get") is not None and m.get("raw-write") is not None:
         ratio("fc-save / max(device-get, raw-write)", "fc-save", max(m["device-get"], m["raw-write"]))
     ratio("orbax-save / fc-save", "orbax-save", m.get("fc-save"))
+    ratio("fc-save@window=0 / fc-save", "fc-save@window=0", m.get("fc-save"))
     if m.get("raw-read") is not None and m.get("device-put") is not None:
         ratio("fc-restore / (raw-read + device-put)", "fc-restore", m["raw-read"] + m["device-put"])
     ratio("orbax-restore / fc-restore", "orbax-restore", m.get("fc-restore"))

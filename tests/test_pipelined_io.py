@@ -116,6 +116,35 @@ def test_writes_start_before_the_last_transfer_lands(tmp_path, streaming, monkey
     assert_bit_exact(fc.restore(tmp_path / "c", state), state)
 
 
+def test_transfers_start_in_order_within_the_window(tmp_path, streaming, monkeypatch):
+    """Beyond WINDOW bytes, a transfer starts only once the oldest in flight has landed: they land in
+    the order the batches are written, the first soon."""
+    state = {f"w{i}": jnp.full((128, 128), i, jnp.float32) for i in range(8)}  # 64 KiB each
+    monkeypatch.setattr(transfer, "WINDOW", 3 * (64 << 10))
+    names = {id(x): k for k, x in state.items()}
+    events, real_host, real_start = [], transfer._host_value, transfer._start
+
+    def start(x):
+        events.append(("start", names[id(x)]))
+        real_start(x)
+
+    def host(part):
+        if threading.current_thread().name == "flax_ckpt-transfer":
+            events.append(("landed", names[id(part)]))
+        return real_host(part)
+
+    monkeypatch.setattr(transfer, "_start", start)
+    monkeypatch.setattr(transfer, "_host_value", host)
+    fc.save(tmp_path / "c", state)
+    assert [k for e, k in events if e == "start"] == list(state)
+    flight = 0
+    for e, _ in events:
+        flight += 1 if e == "start" else -1
+        assert flight <= 3, events
+    assert ("landed", "w0") in events and events.index(("landed", "w0")) < events.index(("start", "w3"))
+    assert_bit_exact(fc.restore(tmp_path / "c", state), state)
+
+
 def test_streamed_write_makes_no_host_copy(tmp_path, streaming, monkeypatch):
     """Every buffer handed to storage lies in the host value of the array it comes from."""
     state = {"a": jnp.arange(40000, dtype=jnp.float32), "b": jnp.ones((50, 300), jnp.float32)}
@@ -135,7 +164,9 @@ def test_streamed_write_makes_no_host_copy(tmp_path, streaming, monkeypatch):
     assert_bit_exact(fc.restore(tmp_path / "c", state), state)
 
 
-def test_failed_transfer_leaves_nothing_and_raises(tmp_path, streaming, monkeypatch):
+@pytest.mark.parametrize("window", [0, 2 * (64 << 10)])  # all at once; two in flight (the feeder thread)
+def test_failed_transfer_leaves_nothing_and_raises(tmp_path, streaming, monkeypatch, window):
+    monkeypatch.setattr(transfer, "WINDOW", window)
     state = {f"w{i}": jnp.full((128, 128), i, jnp.float32) for i in range(6)}
     real_host = transfer._host_value
 

@@ -1,10 +1,12 @@
 """Synchronous saves of arrays on accelerators: each piece written as soon as its transfer lands.
 
 Scope: ``streamed``, the snapshot a synchronous save takes (``fc.save``, a manager with
-``async_save=False``): every device-to-host transfer is started and nothing is waited for; and
-``write_streamed``, its write: the arrays' pieces in batches of consecutive pieces, written on a small
-pool, each batch as soon as its transfers have landed, so that the transfer of later shards overlaps
-the write of earlier ones. The host copy is the one the transfer makes: never a second one. An
+``async_save=False``): what to transfer, in order, nothing waited for; and ``write_streamed``, its
+write: the device-to-host transfers started in order, at most ``WINDOW`` bytes in flight (so that
+they land in that order, the first soon), and the arrays' pieces in batches of consecutive pieces,
+written on a small pool, each batch as soon as its transfers have landed: the transfer of later
+shards overlaps the write of earlier ones. The host copy is the one the transfer makes: never a
+second one. An
 asynchronous save, which must return with a copy that later donation cannot change, takes a full
 snapshot instead (engine/snapshot.py). What a file holds is the serializer's business; the streamed
 write asks it to write batches of pieces, each as a ``write`` call of its own, and merges their records.
@@ -13,6 +15,8 @@ write asks it to write batches of pieces, each as a ``write`` call of its own, a
 from __future__ import annotations
 
 import math
+import threading
+from collections import deque
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -27,6 +31,7 @@ from flax_ckpt._src.serializers import ArrayItem, Box, Serializer, Shard, Writte
 from flax_ckpt._src.storage import Storage
 
 THREADS = 8  # batches written at once
+WINDOW = 256 << 20  # bytes of transfers in flight at once (0: every transfer started at once)
 _BATCH_MIN, _BATCH_MAX = 4 << 20, 64 << 20  # bytes of one batch (see _batch_bytes)
 
 
@@ -64,12 +69,13 @@ class Streamed(Snapshot):
 
     pieces: list[Piece] = field(default_factory=list)
     batch: int = _BATCH_MAX  # bytes of a batch (and at most of a piece, unless one row is more)
+    transfers: list[tuple[jax.Array, int]] = field(default_factory=list)  # (array, bytes), in order
 
 
 def streamed(tree: Any) -> Snapshot:
     """A synchronous save's snapshot of ``tree``: host leaves as ``snapshot(copy=False)`` takes them;
-    arrays off the host (accelerators) as pieces whose transfers are started now, in leaf order. A
-    plain Snapshot when no array is off the host."""
+    arrays off the host (accelerators) as pieces, in leaf order, to transfer as ``write_streamed``
+    writes them. A plain Snapshot when no array is off the host."""
     flat = tree if isinstance(tree, tree_mod.Flat) else tree_mod.flat(tree)
     _check_alive(flat)
     seen = learned(flat, range(len(flat.leaves)))
@@ -78,8 +84,6 @@ def streamed(tree: Any) -> Snapshot:
         return snapshot(flat, copy=False)
     data = {i: jax.random.key_data(flat.leaves[i]) if seen[i].kind == "prng_key" else flat.leaves[i]
             for i in device}
-    for i in device:  # every transfer started before any is waited for
-        data[i].copy_to_host_async()
     rest = [i for i in range(len(seen)) if i not in data]
     host = snapshot(flat, copy=False, only=rest) if rest else Snapshot([], 0)
     leaves: list[HostLeaf] = [None] * len(seen)  # type: ignore[list-item]
@@ -94,7 +98,8 @@ def streamed(tree: Any) -> Snapshot:
     size = [math.prod(e - s for s, e in box) * seen[i].record.dtype.itemsize for i, _, box in parts]
     limit = _batch_bytes(sum(size))
     pieces = [p for (i, part, box), n in zip(parts, size) for p in _split(i, part, box, n, limit)]
-    return Streamed(leaves, host.nbytes + sum(size), pieces=pieces, batch=limit)
+    return Streamed(leaves, host.nbytes + sum(size), pieces=pieces, batch=limit,
+                    transfers=[(part, n) for (_, part, _), n in zip(parts, size)])
 
 
 def _check_alive(flat: tree_mod.Flat) -> None:
@@ -159,6 +164,16 @@ def write_streamed(serializer: Serializer, storage: Storage, snap: Streamed, ite
     up to THREADS threads, one ``serializer.write`` per batch (tags ``<tag>.h`` and ``<tag>.<k>``),
     each batch once its transfers have landed. Returns the records of all, merged. On a failure, every
     write has stopped (or never started) before the first error is raised."""
+    feeder = _Feeder(snap.transfers)
+    feeder.start()
+    try:
+        return _write_batches(serializer, storage, snap, items, tag)
+    finally:
+        feeder.stop()
+
+
+def _write_batches(serializer: Serializer, storage: Storage, snap: Streamed, items: Sequence[ArrayItem],
+                   tag: str) -> Written:
     jobs: list[Callable[[], Written]] = []
     host = [it for it in items if it.shards]
     if host:
@@ -174,6 +189,58 @@ def write_streamed(serializer: Serializer, storage: Storage, snap: Streamed, ite
             wait(futures)
         written = [f.result() for f in futures]  # the first failure, in batch order, is raised
     return merged(written)
+
+
+def _start(x: jax.Array) -> None:
+    x.copy_to_host_async()
+
+
+class _Feeder:
+    """Starts the transfers in order, at most WINDOW bytes in flight (all at once when they fit), on a
+    thread of its own that waits for the oldest to land before starting more. A failed transfer is
+    left to the write that needs it (which raises it); ``stop`` starts no more and joins."""
+
+    def __init__(self, transfers: list[tuple[jax.Array, int]]):
+        self.transfers, self._stopped = transfers, threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        if not WINDOW or sum(n for _, n in self.transfers) <= WINDOW:
+            for x, _ in self.transfers:  # every transfer started before any is waited for
+                _start(x)
+            return
+        self._thread = threading.Thread(target=self._run, name="flax_ckpt-transfer", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        flight: deque[tuple[jax.Array, int]] = deque()
+        held = 0
+        try:
+            for x, n in self.transfers:
+                while flight and held + n > WINDOW:
+                    y, m = flight.popleft()
+                    if self._stopped.is_set():
+                        return
+                    _landed(y)
+                    held -= m
+                _start(x)
+                flight.append((x, n))
+                held += n
+        except Exception:  # noqa: BLE001 - the write that needs the array raises it
+            return
+
+    def stop(self) -> None:
+        self._stopped.set()
+        if self._thread is not None:
+            self._thread.join()
+
+
+def _landed(x: jax.Array) -> None:
+    """Waits for ``x``'s transfer to land (its host value is then cached on it)."""
+    try:
+        _host_value(x)
+    except Exception:  # noqa: BLE001 - the write that needs it raises it
+        pass
 
 
 def merged(written: Sequence[Written]) -> Written:
