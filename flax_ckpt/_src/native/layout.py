@@ -76,7 +76,8 @@ class NativeLayout:
         Without ``copy`` (a synchronous save), arrays on accelerators are streamed with the raw
         serializer: their transfers started, each piece written as it lands (engine/transfer.py)."""
         if not copy:
-            return streamed(tree) if isinstance(self.serializer, raw.RawSerializer) else snapshot(tree, copy=False)
+            stream = isinstance(self.serializer, raw.RawSerializer)
+            return streamed(tree) if stream else snapshot(tree, copy=False)
         block = raw.BLOCK if isinstance(self.serializer, raw.RawSerializer) else None
         return snapshot(tree, copy=True, reuse=reuse, into=Arena.fit(reuse.arena if reuse is not None else None),
                         checksum=block)
