@@ -11,6 +11,7 @@ is killed when its job ends, also on failure, and every wait has a timeout.
 from __future__ import annotations
 
 import os
+import re
 import signal
 from pathlib import Path
 from typing import Any
@@ -81,6 +82,21 @@ def test_two_processes_write_their_own_shards_once(saved):
     kernel = next(r for r in arrays if leaf_name(r) == "params/dense/kernel")  # P("data", "model")
     assert sorted(c["file"].split(".")[0] for c in kernel["chunks"]) == ["data/p0"] * 2 + ["data/p1"] * 2
     assert not [e for e in os.listdir(d) if ".tmp-" in e]
+
+
+@pytest.mark.timeout(150)
+def test_two_processes_stream_their_own_shards_once(saved):
+    """fc.save of arrays off the host (engine/transfer.py, forced on these CPU devices): each process
+    streams its own shards in batches; restored bit-exact in the worker."""
+    d, _ = saved
+    body = open_native(LocalStorage(d / "ts_stream")).body
+    assert body["process_count"] == 2
+    assert {name.split("/")[1].split(".")[0] for name in body["files"]} == {"p0", "p1"}
+    assert all(re.fullmatch(r"data/p[01]\.(h|\d+)\.\d+\.bin", name) for name in body["files"]), body["files"]
+    plain = open_native(LocalStorage(d / "ts")).body
+    assert sum(body["files"].values()) == sum(plain["files"].values())  # replicated shards written once
+    kernel = next(r for r in body["leaves"] if leaf_name(r) == "params/dense/kernel")
+    assert sorted(c["file"].split(".")[0] for c in kernel["chunks"]) == ["data/p0"] * 2 + ["data/p1"] * 2
 
 
 @pytest.mark.timeout(150)

@@ -139,6 +139,13 @@ def mode_save(cfg: dict) -> dict:
     state = place(host, sh)
     fc.save(os.path.join(d, "ts"), state, metadata={"run": "mp"}, step=1)
     fc.save(os.path.join(d, "ts_zarr"), state, serializer="zarr3")
+    from flax_ckpt._src.engine import transfer
+    off_host, transfer._off_host = transfer._off_host, lambda k: True  # streamed as from an accelerator
+    try:
+        fc.save(os.path.join(d, "ts_stream"), state, step=1)
+    finally:
+        transfer._off_host = off_host
+    assert_bit_exact(fc.restore(os.path.join(d, "ts_stream"), abstract(host, sh)), host, sh, types=False)
     info = fc.metadata(os.path.join(d, "ts"))
     out: dict[str, Any] = {"kernel_sharding": info.leaves["params/dense/kernel"].sharding,
                            "process_count": info.process_count}

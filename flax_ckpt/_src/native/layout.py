@@ -23,6 +23,7 @@ from flax_ckpt._src.engine.leaves import CheckpointInfo, checkpoint_info, key_da
 from flax_ckpt._src.engine.pause import gc_paused
 from flax_ckpt._src.engine.reader import Damage
 from flax_ckpt._src.engine.snapshot import Snapshot, jsonable, metrics_json, snapshot
+from flax_ckpt._src.engine.transfer import Streamed, streamed, write_streamed
 from flax_ckpt._src.errors import (CheckpointNotCommittedError, CheckpointNotFoundError, CorruptCheckpointError,
                                    InvalidManifestError, StorageError, TargetMismatchError)
 from flax_ckpt._src.checks import MANIFEST, MAX_MANIFEST_BYTES
@@ -71,9 +72,12 @@ class NativeLayout:
 
     def snapshot(self, tree: Any, *, copy: bool, reuse: Snapshot | None = None) -> Snapshot:
         """``copy``: every array shard copied into an arena (engine/arena.py), ``reuse``'s when it holds
-        them (the previous save's, durable now); with the raw serializer, checksummed as it is copied."""
+        them (the previous save's, durable now); with the raw serializer, checksummed as it is copied.
+        Without ``copy`` (a synchronous save), arrays on accelerators are streamed with the raw
+        serializer: their transfers started, each piece written as it lands (engine/transfer.py)."""
         if not copy:
-            return snapshot(tree, copy=False)
+            stream = isinstance(self.serializer, raw.RawSerializer)
+            return streamed(tree) if stream else snapshot(tree, copy=False)
         block = raw.BLOCK if isinstance(self.serializer, raw.RawSerializer) else None
         return snapshot(tree, copy=True, reuse=reuse, into=Arena.fit(reuse.arena if reuse is not None else None),
                         checksum=block)
@@ -91,7 +95,8 @@ class NativeLayout:
         stage = parent.sub(staging)
         try:
             t0 = time.perf_counter()
-            written = serializer.write(stage, snap.items(), tag="p0")
+            written = write_streamed(serializer, stage, snap, snap.items(), tag="p0") \
+                if isinstance(snap, Streamed) else serializer.write(stage, snap.items(), tag="p0")
             t1 = time.perf_counter()
             data = manifest_bytes(snap, [written], serializer, step=step, metrics=metrics, metadata=metadata,
                                   manifests=self._manifests)
@@ -128,7 +133,8 @@ def _persist_shared(snap: Snapshot, parent: Storage, name: str, serializer: Seri
         rnd.index == 0 or snap.leaves[it.leaf].record.sharding is not None)]
     try:
         t0 = time.perf_counter()
-        written = serializer.write(stage, items, tag=f"p{rnd.index}")
+        written = write_streamed(serializer, stage, snap, items, tag=f"p{rnd.index}") \
+            if isinstance(snap, Streamed) else serializer.write(stage, items, tag=f"p{rnd.index}")
         t1 = time.perf_counter()
         if rnd.index:
             rnd.publish(stage, written, digest)
