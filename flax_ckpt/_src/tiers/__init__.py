@@ -43,6 +43,7 @@ from typing import Any, Callable, Protocol
 
 from flax_ckpt._src.engine.fit import Fit
 from flax_ckpt._src.engine.snapshot import Snapshot
+from flax_ckpt._src.storage import Storage
 
 TargetOf = Callable[[Any], Any]  # the restore target for an opened copy or step (the manager's)
 
@@ -98,6 +99,10 @@ class Tiers:
 class Persistent(Protocol):
     """The persistent tier, as the memory tiers use it: the manager's directory. The manager gives one
     to its TierSet at start (tierset.py); the tiers reach the manager through nothing else."""
+
+    @property
+    def storage(self) -> Storage:
+        """The directory's storage, where the run's identity is kept (holdings.RUN_FILE)."""
 
     def steps(self) -> set[int]:
         """The steps committed there now."""
