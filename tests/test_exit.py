@@ -118,7 +118,7 @@ def test_managers_left_open_exit_silently_with_their_steps_committed(tmp_path):
             assert mgr.all_steps() == [1], name
             assert_bit_exact(mgr.restore(1), want, types=False)
         run_file = [RUN_FILE] if name == "tiered" else []  # the run's identity, kept for its memory tiers
-        assert sorted(os.listdir(tmp_path / name)) == sorted([LOCK_FILE, "1", *run_file]), name  # no staging left
+        assert sorted(os.listdir(tmp_path / name)) == sorted([LOCK_FILE, "1", *run_file]), name  # no staging
     assert list_memory_tiers(tmp_path / "tiered", str(tmp_path / "shm")) == []
 
 

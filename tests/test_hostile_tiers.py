@@ -35,7 +35,8 @@ def state(v: float) -> dict[str, Any]:
 
 
 def tiers(local: str, **kw: Any) -> fc.Tiers:
-    return fc.Tiers(**{"local_dir": local, "on_busy": "wait", "persist_interval_steps": None, "cleanup": False, **kw})
+    cfg = {"local_dir": local, "on_busy": "wait", "persist_interval_steps": None, "cleanup": False}
+    return fc.Tiers(**{**cfg, **kw})
 
 
 def chown_tree(path: str, uid: int = OTHER) -> None:
@@ -118,7 +119,7 @@ PLANTS = {
     "copy-folder-writable-by-others": lambda copy, tmp: os.chmod(copy, 0o777),
     "data-file-writable-by-others": lambda copy, tmp: os.chmod(os.path.join(copy, tier_store.DATA), 0o666),
     "index-is-a-symlink": _index_link,
-    "data-file-hard-linked": lambda copy, tmp: os.link(os.path.join(copy, tier_store.DATA), tmp / "data-link"),
+    "data-file-hard-linked": lambda copy, tmp: os.link(os.path.join(copy, tier_store.DATA), tmp / "link"),
 }
 
 
@@ -283,7 +284,8 @@ def test_a_new_run_at_a_deleted_runs_path_never_restores_its_memory_copies(tmp_p
         with pytest.raises(fc.CheckpointNotFoundError):
             mgr.restore(target=state(0.0))
         assert tier_store.steps_in(os.path.join(root, "local")) == []
-    assert f"{root} holds copies of steps [" in caplog.text and f"13, 14, 15] of another run of {d}" in caplog.text
+    assert f"{root} holds copies of steps [" in caplog.text
+    assert f"13, 14, 15] of another run of {d}" in caplog.text
     with fc.CheckpointManager(d) as plain:
         assert plain.all_steps() == []  # nothing of A's was migrated into the new run
 
@@ -336,8 +338,9 @@ def test_two_jobs_on_one_memory_url_never_share_memory_copies(tmp_path, caplog):
     B's step 7. Now B is refused while A lives; A's arrays and steps stay its own. After A is gone, B
     opens: A's copies are another run's (A's memory:// store died with it), ignored and removed."""
     url, local = f"memory://{tmp_path.name}/shared", str(tmp_path / "shm")
-    a = subprocess.Popen([sys.executable, "-c", _JOB_A, url, local], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                         text=True, cwd=str(Path(__file__).resolve().parents[1]), preexec_fn=die_with_parent)
+    a = subprocess.Popen([sys.executable, "-c", _JOB_A, url, local], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True, cwd=str(Path(__file__).resolve().parents[1]),
+                         preexec_fn=die_with_parent)
     try:
         assert a.stdout.readline().strip() == "ready"
         with pytest.raises(fc.CheckpointLockedError, match="memory tiers: .* is in use by another live"):
@@ -407,7 +410,8 @@ def test_close_on_a_full_disk_during_the_final_migration_is_a_checkpoint_error(t
     d, local = str(disk / "run"), str(tmp_path / "shm")
     filler = "rlimit" if full == "rlimit" else str(disk / "filler")
     run = subprocess.run([sys.executable, "-c", _FULL_DISK, d, local, filler], capture_output=True, text=True,
-                         timeout=120, cwd=str(Path(__file__).resolve().parents[1]), preexec_fn=die_with_parent)
+                         timeout=120, cwd=str(Path(__file__).resolve().parents[1]),
+                         preexec_fn=die_with_parent)
     if full == "tmpfs":
         os.unlink(filler)
     got = json.loads(run.stdout.strip().splitlines()[-1])

@@ -395,3 +395,17 @@ def test_crash_in_a_memory_save_or_a_migration_never_mixes_steps(tmp_path):
     r = tier_results(tmp_path, "persistent-only", "restore", persist=2)
     assert r[0]["restored"] == 4 and r[0]["sources"] == [["persistent", None]] * 2
     assert sorted(e for e in os.listdir(tmp_path / "ckpt") if e.isdigit()) == ["2", "4"]
+
+
+@pytest.mark.timeout(300)
+def test_a_job_at_a_deleted_runs_path_agrees_to_ignore_its_memory_copies(tmp_path):
+    """Issue 44, item 3, with 2 processes: a job saves steps 1-7 in memory (persist=None) and is killed;
+    its directory is deleted; a new job at the same path finds no step on any process (every process
+    sees every folder's run id in the start round and decides alike), saves its own, and restores them."""
+    train = tier_results(tmp_path, "train", "train", steps=7, persist=None)
+    assert train[0]["local"] == [6, 7]
+    shutil.rmtree(tmp_path / "ckpt")
+    fresh = tier_results(tmp_path, "fresh", "loop", persist=None, until=3)
+    assert [r["steps"] for r in fresh] == [[], []]
+    r = tier_results(tmp_path, "resume", "restore", persist=None)
+    assert r[0]["restored"] == r[1]["restored"] == 3 and r[0]["sources"] == [["local", 0], ["local", 1]]

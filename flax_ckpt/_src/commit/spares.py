@@ -97,7 +97,7 @@ class SpareFiles:
                 os.rename(key, path, src_dir_fd=self._fd)
             except OSError:
                 return None
-        try:  # this very file, still ours alone (owned.py); anything else put there is removed
+        try:  # this very file, still ours alone (storage/owned.py); anything else there is removed
             fd, st = owned.open_own(path, flags, expect=(dev, ino))
         except OSError:
             _remove(path, None)

@@ -8,17 +8,21 @@ retiring data files. Which copies exist, and what their bytes mean, is store.py'
 Why reuse: in tmpfs, writing into pages that a file already has costs a memcpy; a new file's pages
 must first be allocated and zeroed by the kernel, which here costs about three times the copy. So a
 data file whose copy was removed by retention is kept (at most ``Spares.keep`` of them per tier
-folder) and becomes the next copy's data file. A retired file that some map still shows (a restored
-array made of its pages, a snapshot viewing a base) is deleted instead: its pages stay with their
-readers and are freed with them. Pages are reserved with posix_fallocate before they are mapped, so a
-full tmpfs is an OSError (ENOSPC) naming the file, never a SIGBUS.
+folder, counting one that a snapshot still reads) and becomes the next copy's data file. A retired
+file that some map still shows (a restored array made of its pages, a snapshot viewing a base) is
+deleted instead: its pages stay with their readers and are freed with them. Pages are reserved with
+posix_fallocate before they are mapped, so a full tmpfs is an OSError (ENOSPC) naming the file, never
+a SIGBUS.
 
 Ownership (a shared host's tmpfs is world-writable, and the job folder's name is computable by
 anyone): every folder of the tiers is created with mode 0700 (``private_folder``) and checked with
 lstat, never through a symlink; a folder or file owned by another user, writable by group or others,
 or a symlink, is refused (StorageError naming it, its owner and mode, and the fix) before anything in
-it is read, written into or reused. ``local_dir`` itself may also be a system folder (owned by root,
-sticky, like /dev/shm).
+it is read, written into or reused. A file is used only while it has one name (storage/owned.py): a
+second hard link (a user's `cp -al` backup, perhaps outside the tiers' folder) makes it neither read
+nor reused, so the other name's bytes never change; a base is mapped when it is written, so a link
+given it later does not stop the copies made against it. ``local_dir`` itself may also be a system
+folder (owned by root, sticky, like /dev/shm).
 """
 
 from __future__ import annotations
@@ -81,14 +85,15 @@ def _problem(path: str, st: os.stat_result, *, folder: bool, system_ok: bool = F
 
 def _refuse(path: str, what: str, problem: str, *, folder: bool) -> StorageError:
     if folder:
-        return StorageError(f"memory tiers: {what} {path} {problem}. Another local user could have planted "
-                            "checkpoints there, so nothing in it is read. Fix: remove it (as its owner, or root) "
-                            "and let flax_ckpt create it again (mode 0700), or set Tiers(local_dir=...) to a "
-                            "folder only you can write")
-    return StorageError(f"memory tiers: {what} {path} {problem}. It is neither read nor written: its bytes may not "
-                        "be this run's (another user could have planted it), and writing it could change a file "
-                        "outside the memory tiers. Fix: remove it (as its owner, or root; other names of it keep "
-                        "their bytes); the copy holding it is then saved again or ignored")
+        return StorageError(f"memory tiers: {what} {path} {problem}. Another local user could have "
+                            "planted checkpoints there, so nothing in it is read. Fix: remove it (as its "
+                            "owner, or root) and let flax_ckpt create it again (mode 0700), or set "
+                            "Tiers(local_dir=...) to a folder only you can write")
+    return StorageError(f"memory tiers: {what} {path} {problem}. It is neither read nor written: its bytes "
+                        "may not be this run's (another user could have planted it), and writing it could "
+                        "change a file outside the memory tiers. Fix: remove it (as its owner, or root; "
+                        "other names of it keep their bytes); the copy holding it is then saved again or "
+                        "ignored")
 
 
 def check_folder(path: str, what: str, *, system_ok: bool = False) -> None:
@@ -128,14 +133,6 @@ def open_own(path: str, what: str = "file", flags: int = os.O_RDONLY) -> tuple[i
         except OSError:
             problem = e.problem
         raise _refuse(path, what, problem, folder=False) from None
-
-
-def is_own(path: str) -> bool:
-    """Whether ``path`` (lstat) is a file this user created, with one name, writable by nobody else."""
-    try:
-        return _problem(path, os.lstat(path), folder=False) is None
-    except OSError:
-        return False
 
 
 # ------------------------------------------------------------------------------------------ maps
@@ -188,7 +185,8 @@ class Spares:
     def _files(self) -> list[tuple[int, str, bool]]:
         """The spares, smallest first: (size, path, busy); busy while on loan, or while some map or
         snapshot still holds its pages (not written then, but counted: never more than ``keep`` spares).
-        A file that is not this user's own with one name (owned.py) is left out: never reused."""
+        A file that is not this user's own with one name (storage/owned.py) is left out: never
+        reused."""
         try:
             names = os.listdir(self.folder)
         except FileNotFoundError:
@@ -254,7 +252,8 @@ class Spares:
         """``path`` (a data file no copy of the tier uses any more) becomes a spare, or is deleted if
         something maps it, if ``keep`` spares as large are kept (a larger file replaces the smallest
         spare: the next full copy then finds pages enough, not a differential copy's few), or if it is
-        not this user's own file with one name (owned.py: writing it could change a file elsewhere)."""
+        not this user's own file with one name (storage/owned.py: writing it could change a file
+        elsewhere)."""
         with self._mutex, _lock:
             try:
                 st = os.lstat(path)
@@ -264,7 +263,7 @@ class Spares:
                 self._remove(path, st)
                 return
             files = self._files()
-            if len(files) >= self.keep and files[0][0] < st.st_size:  # a busy spare's pages go with their readers
+            if len(files) >= self.keep and files[0][0] < st.st_size:  # a busy one's pages go with its readers
                 self._remove(files[0][1])
                 files = files[1:]
             if len(files) >= self.keep:
@@ -353,8 +352,8 @@ class Spares:
 
     def _open(self, path: str, reused: bool) -> tuple[int, bool]:
         """An fd to write ``path``: the spare just moved there (``reused``) if it is still this user's own
-        file with one name (owned.py), else a new file (the spare's name is removed then; other names
-        keep their bytes). Returns (fd, whether it is the spare)."""
+        file with one name (storage/owned.py), else a new file (the spare's name is removed then; other
+        names keep their bytes). Returns (fd, whether it is the spare)."""
         if reused:
             try:
                 return owned.open_own(path, os.O_RDWR, private=True)[0], True
@@ -400,8 +399,9 @@ class Spares:
                 os.close(fd)
 
     def release(self) -> None:
-        """Deletes every spare not on loan (one a snapshot still reads keeps its pages until it goes): while
-        two bases are kept, the older one's file becomes the next spare, so no third full-size file is held."""
+        """Deletes every spare not on loan (one a snapshot still reads keeps its pages until it goes):
+        while two bases are kept, the older one's file becomes the next spare, so no third full-size
+        file is held."""
         with self._mutex:
             for _, path, _ in self._files():
                 if self._lent is None or path != self._lent.path:

@@ -52,10 +52,10 @@ def run_id(storage: Storage) -> str:
             raise ValueError(f"no run id in {raw[:100]!r}")
         return found["run"]
     except (CheckpointError, OSError, ValueError) as e:
-        raise StorageError(f"memory tiers: cannot read or make {storage.url}/{RUN_FILE}, the run's identity "
-                           f"that ties memory copies to this directory ({type(e).__name__}: {e}). Fix: make the "
-                           f"directory writable, or remove a damaged {RUN_FILE} (the copies in memory are then "
-                           "ignored once)") from None
+        raise StorageError(f"memory tiers: cannot read or make {storage.url}/{RUN_FILE}, the run's "
+                           f"identity that ties memory copies to this directory ({type(e).__name__}: {e}). "
+                           f"Fix: make the directory writable, or remove a damaged {RUN_FILE} (the copies "
+                           "in memory are then ignored once)") from None
 
 
 class Holdings:
@@ -93,10 +93,10 @@ class Holdings:
             lock = DirectoryLock(self.root)
         except CheckpointLockedError as e:
             raise CheckpointLockedError(
-                f"memory tiers: {self.root} is in use by another live CheckpointManager of the same directory URL "
-                f"({e}). Two managers there would write over each other's copies (two jobs on one memory:// URL "
-                "do). Fix: close the other manager, or give this run a directory of its own (another URL) or "
-                "another Tiers(local_dir=...)") from None
+                f"memory tiers: {self.root} is in use by another live CheckpointManager of the same "
+                f"directory URL ({e}). Two managers there would write over each other's copies (two jobs "
+                "on one memory:// URL do). Fix: close the other manager, or give this run a directory of "
+                "its own (another URL) or another Tiers(local_dir=...)") from None
         self._release = weakref.finalize(self, lock.release)  # also when a manager is dropped unclosed
 
     def release(self) -> None:

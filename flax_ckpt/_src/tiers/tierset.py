@@ -139,9 +139,10 @@ class TierSet:
         for j, v in enumerate(invs):
             if v["owner"] != run and (v["local"] or v["peer"]):
                 if j == self.i:
-                    log.warning("memory tiers: %s holds copies of steps %s of another run of %s (its run id %s, "
-                                "the directory's %s: the directory was deleted or replaced since, or another job "
-                                "used its URL); they are ignored, never restored or migrated, and removed",
+                    log.warning("memory tiers: %s holds copies of steps %s of another run of %s (its run id "
+                                "%s, the directory's %s: the directory was deleted or replaced since, or "
+                                "another job used its URL); they are ignored, never restored or migrated, "
+                                "and removed",
                                 self.root, sorted({int(s) for s in v["local"]}
                                                   | {int(s) for p in v["peer"].values() for s in p}),
                                 self.directory, v["owner"], run)
@@ -265,8 +266,8 @@ class TierSet:
             folder = os.path.join(self.local_dir, str(step))
             self._base = store.Copy(folder, None, store.Data(os.path.join(folder, store.DATA)), None,
                                     index=enc.index, _step=step)  # its body parsed where needed
-            self._base.data.view(0, 0)  # mapped now, while this run's file alone: a second name given it later
-            #                             (a `cp -al` backup) never stops the differential copies made against it
+            self._base.data.view(0, 0)  # mapped now, while it has one name: a second one given it
+            #                             later (a `cp -al` backup) never stops the copies made against it
             self._since_base = 0
             self._poor = max(0, self._poor - 1)
         else:
@@ -280,7 +281,7 @@ class TierSet:
         if self.peer_dst is not None:
             self._outbox = (step, tier_sync.frame([[enc.index], enc.pieces]))
         self._prune("local", self.local_dir)
-        with self._mutex:  # a base older than this one, kept for differential copies: its file is the next spare
+        with self._mutex:  # a base older than this one, still kept: its file is the next spare
             older = any(b is not None and b != self._base.step for b in self._kept["local"].values())
         if older:
             self.holdings.spare(self.local_dir).release()
@@ -410,13 +411,15 @@ class TierSet:
         log.info("migrating step %d to %s before removing the memory tiers", step, self.directory)
         try:
             copy = store.open_copy(os.path.join(self.local_dir, str(step)))
-            self.persistent.write(step, load.to_snapshot(copy), copy.body.get("metrics"), time.perf_counter(), 0.0)
+            self.persistent.write(step, load.to_snapshot(copy), copy.body.get("metrics"), time.perf_counter(),
+                                  0.0)
         except Exception as e:
             raise SaveFailedError(
-                f"close: step {step}, held only in the memory tiers, could not be migrated to {self.directory} "
-                f"({type(e).__name__}: {e}). Nothing was removed: {self.root} still holds it, and the next "
-                "CheckpointManager of this directory with the same Tiers restores it from there. Fix the cause "
-                "(free space), then open that manager and close it, or save the restored state") from e
+                f"close: step {step}, held only in the memory tiers, could not be migrated to "
+                f"{self.directory} ({type(e).__name__}: {e}). Nothing was removed: {self.root} still holds "
+                "it, and the next CheckpointManager of this directory with the same Tiers restores it from "
+                "there. Fix the cause (free space), then open that manager and close it, or save the "
+                "restored state") from e
 
     def let_go(self) -> None:
         """The end of a manager nobody closed (no collective): waits for the migration in flight (raising
