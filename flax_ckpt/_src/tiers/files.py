@@ -263,9 +263,11 @@ class Spares:
                 self._remove(path, st)
                 return
             files = self._files()
-            if len(files) >= self.keep and files[0][0] < st.st_size:  # a busy one's pages go with its readers
-                self._remove(files[0][1])
-                files = files[1:]
+            lent = self._lent.path if self._lent is not None else None
+            small = next((f for f in files if f[1] != lent), None)
+            if len(files) >= self.keep and small is not None and small[0] < st.st_size:  # a busy one's pages
+                self._remove(small[1])  # go with its readers
+                files.remove(small)
             if len(files) >= self.keep:
                 self._remove(path, st)
                 return
@@ -374,7 +376,8 @@ class Spares:
                 return
             free = [(n, path) for n, path, busy in files if not busy]
             if not free:
-                for _, path, _ in files[:len(files) - self.keep + 1]:
+                lent = self._lent.path if self._lent is not None else None
+                for _, path, _ in [f for f in files if f[1] != lent][:len(files) - self.keep + 1]:
                     self._remove(path)
             private_folder(self.folder, "spare folder")
             if free:
