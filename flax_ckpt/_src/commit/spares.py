@@ -14,7 +14,8 @@ Safety: the files are moved (renamed, never copied) from the un-committed folder
 into one private folder of the run's directory, named as an interrupted deletion
 (``<step>.deleting-<uuid hex>``), which the next manager to open the directory removes if a crash left
 it; ``close`` removes it otherwise. A spare is taken only as the very file put there (device and inode),
-a regular file of this user with one link, opened without following a symlink; it is written from its
+a regular file of this user with one link, opened without following a symlink or blocking on a FIFO
+(storage/owned.py, the check the memory tiers' files get too); it is written from its
 start and truncated to its new size, so the new file holds only the bytes written to it. Only the
 files of the step removed last are kept (at most one step's worth of disk, what a save needs anyway).
 Any failure here makes the next file a new one, as without spares.
@@ -24,17 +25,17 @@ from __future__ import annotations
 
 import os
 import shutil
-import stat
 import threading
 import uuid
 
 from flax_ckpt._src.commit import DELETING_MARK, base_name
+from flax_ckpt._src.storage import owned
 
 MIN_BYTES = 1 << 20  # files smaller than this are created as before
 
 
 def _usable(st: os.stat_result) -> bool:
-    return stat.S_ISREG(st.st_mode) and st.st_nlink == 1 and st.st_uid == os.geteuid() and st.st_size >= MIN_BYTES
+    return owned.file_problem(st) is None and st.st_size >= MIN_BYTES
 
 
 class SpareFiles:
@@ -96,17 +97,15 @@ class SpareFiles:
                 os.rename(key, path, src_dir_fd=self._fd)
             except OSError:
                 return None
-        try:  # not through a symlink; O_NONBLOCK: a FIFO put there cannot block the open
-            fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        try:  # this very file, still ours alone (storage/owned.py); anything else there is removed
+            fd, st = owned.open_own(path, flags, expect=(dev, ino))
         except OSError:
             _remove(path, None)
             return None
-        st = os.fstat(fd)
-        if not _usable(st) or (st.st_dev, st.st_ino) != (dev, ino):
+        if st.st_size < MIN_BYTES:
             os.close(fd)
             _remove(path, None)
             return None
-        os.set_blocking(fd, True)
         return fd
 
     def close(self) -> None:

@@ -349,7 +349,7 @@ class CheckpointManager:
         try:
             self._writer.close()
             if self._tiers is not None:
-                self._tiers._check_migration()
+                self._tiers.let_go()
         finally:
             self._drop_spares()
             if self._lock is not None:
@@ -403,6 +403,10 @@ class _Directory:
             raise CheckpointError(f"the CheckpointManager of {self._directory} is gone (garbage-collected); "
                                   "keep it, and close() it after the training loop")
         return manager
+
+    @property
+    def storage(self) -> Storage:
+        return self._live().storage
 
     def steps(self) -> set[int]:
         return set(self._live()._steps.steps())

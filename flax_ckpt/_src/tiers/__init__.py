@@ -24,10 +24,13 @@ Placement: process i replicates to (i + k) % n, k the smallest shift such that n
 lands in its own failure domain (host name + local_dir); with one domain, or one process, the peer
 tier is off (logged). The replica of step s travels over a JAX collective at the next ``save`` (or
 ``wait_until_finished``/``close``), on the caller's thread, so the peer tier trails the local one by
-one save. Memory per process and tier is at most max_to_keep copies plus two bases, each at most the
-size of the process's shards, plus one data file more: the copy being written, which reuses the pages
-of the last removed copy, kept between saves as a spare (files.py); a full copy's snapshot is taken
-straight into those pages, its crc32c computed as it is copied. Every snapshot is taken into a
+one save. Memory per process and tier, between saves, is at most the max_to_keep copies and their
+base (two bases only while copies made against the older one are kept), each at most the size of the
+process's shards, plus one spare data file: the pages of the last removed copy, kept for the next copy
+to be written into (files.py; none while two bases are kept: the older one's file becomes the spare
+when it goes). With a frozen backbone and differential copies, that is the base, one spare and the
+copies' changed bytes. A full copy's snapshot is taken straight into the spare's pages, its crc32c
+computed as it is copied. Every snapshot is taken into a
 spare so; one that would make a differential copy is first sampled against the base
 (encode.changed_share): where more than about half of it would be stored (adam's state), it is
 stored full, as it lies (nothing compared, nothing copied again). A differential copy that stores
@@ -43,6 +46,7 @@ from typing import Any, Callable, Protocol
 
 from flax_ckpt._src.engine.fit import Fit
 from flax_ckpt._src.engine.snapshot import Snapshot
+from flax_ckpt._src.storage import Storage
 
 TargetOf = Callable[[Any], Any]  # the restore target for an opened copy or step (the manager's)
 
@@ -98,6 +102,10 @@ class Tiers:
 class Persistent(Protocol):
     """The persistent tier, as the memory tiers use it: the manager's directory. The manager gives one
     to its TierSet at start (tierset.py); the tiers reach the manager through nothing else."""
+
+    @property
+    def storage(self) -> Storage:
+        """The directory's storage, where the run's identity is kept (holdings.RUN_FILE)."""
 
     def steps(self) -> set[int]:
         """The steps committed there now."""

@@ -8,22 +8,25 @@ retiring data files. Which copies exist, and what their bytes mean, is store.py'
 Why reuse: in tmpfs, writing into pages that a file already has costs a memcpy; a new file's pages
 must first be allocated and zeroed by the kernel, which here costs about three times the copy. So a
 data file whose copy was removed by retention is kept (at most ``Spares.keep`` of them per tier
-folder) and becomes the next copy's data file. A retired file that some map still shows (a restored
-array made of its pages, a snapshot viewing a base) is deleted instead: its pages stay with their
-readers and are freed with them. Pages are reserved with posix_fallocate before they are mapped, so a
-full tmpfs is an OSError (ENOSPC) naming the file, never a SIGBUS.
+folder, counting one that a snapshot still reads) and becomes the next copy's data file. A retired
+file that some map still shows (a restored array made of its pages, a snapshot viewing a base) is
+deleted instead: its pages stay with their readers and are freed with them. Pages are reserved with
+posix_fallocate before they are mapped, so a full tmpfs is an OSError (ENOSPC) naming the file, never
+a SIGBUS.
 
 Ownership (a shared host's tmpfs is world-writable, and the job folder's name is computable by
 anyone): every folder of the tiers is created with mode 0700 (``private_folder``) and checked with
 lstat, never through a symlink; a folder or file owned by another user, writable by group or others,
 or a symlink, is refused (StorageError naming it, its owner and mode, and the fix) before anything in
-it is read, written into or reused. ``local_dir`` itself may also be a system folder (owned by root,
-sticky, like /dev/shm).
+it is read, written into or reused. A file is used only while it has one name (storage/owned.py): a
+second hard link (a user's `cp -al` backup, perhaps outside the tiers' folder) makes it neither read
+nor reused, so the other name's bytes never change; a base is mapped when it is written, so a link
+given it later does not stop the copies made against it. ``local_dir`` itself may also be a system
+folder (owned by root, sticky, like /dev/shm).
 """
 
 from __future__ import annotations
 
-import errno
 import math
 import mmap
 import os
@@ -38,6 +41,7 @@ import crc32c
 import numpy as np
 
 from flax_ckpt._src.errors import CorruptCheckpointError, StorageError
+from flax_ckpt._src.storage import owned
 
 _lock = threading.RLock()  # orders map_read against Spares.retire (check for maps, then move)
 _readers: dict[tuple[int, int], list[weakref.ref]] = {}
@@ -56,16 +60,9 @@ def pool() -> ThreadPoolExecutor:
 
 # ------------------------------------------------------------------------------------- ownership
 
-def _who(uid: int) -> str:
-    try:
-        import pwd
-        return f"uid {uid} ({pwd.getpwuid(uid).pw_name})"
-    except (ImportError, KeyError):
-        return f"uid {uid}"
-
-
 def _problem(path: str, st: os.stat_result, *, folder: bool, system_ok: bool = False) -> str | None:
-    """Why ``st`` (an lstat of ``path``) is not this user's own folder (file), or None."""
+    """Why ``st`` (an lstat of ``path``) is not this user's own folder (for a file: one this user
+    created, with one name, writable by nobody else: storage/owned.py), or None."""
     me, mode = os.geteuid(), stat.S_IMODE(st.st_mode)
     if stat.S_ISLNK(st.st_mode):
         try:
@@ -73,23 +70,30 @@ def _problem(path: str, st: os.stat_result, *, folder: bool, system_ok: bool = F
         except OSError:
             to = "?"
         return f"is a symbolic link (to {to!r}), not a {'folder' if folder else 'file'}; links are never followed"
-    if folder and not stat.S_ISDIR(st.st_mode) or not folder and not stat.S_ISREG(st.st_mode):
-        return f"is not a {'folder' if folder else 'regular file'} (mode {stat.filemode(st.st_mode)})"
+    if not folder:
+        return owned.file_problem(st, private=True)
+    if not stat.S_ISDIR(st.st_mode):
+        return f"is not a folder (mode {stat.filemode(st.st_mode)})"
     if system_ok and st.st_uid == 0 and mode & stat.S_ISVTX:  # /dev/shm, /tmp: nobody replaces our entries
         return None
     if st.st_uid != me:
-        return f"is owned by {_who(st.st_uid)}, not by this user ({_who(me)}); mode {mode:#o}"
+        return f"is owned by {owned.who(st.st_uid)}, not by this user ({owned.who(me)}); mode {mode:#o}"
     if mode & 0o022:
-        return f"is writable by group or others (mode {mode:#o}, owner {_who(st.st_uid)})"
+        return f"is writable by group or others (mode {mode:#o}, owner {owned.who(st.st_uid)})"
     return None
 
 
 def _refuse(path: str, what: str, problem: str, *, folder: bool) -> StorageError:
-    fix = ("remove it (as its owner, or root) and let flax_ckpt create it again (mode 0700), or set "
-           "Tiers(local_dir=...) to a folder only you can write" if folder else
-           "remove it (as its owner, or root); the copy holding it is then saved again or ignored")
-    return StorageError(f"memory tiers: {what} {path} {problem}. Another local user could have planted "
-                        f"checkpoints there, so nothing in it is read. Fix: {fix}")
+    if folder:
+        return StorageError(f"memory tiers: {what} {path} {problem}. Another local user could have "
+                            "planted checkpoints there, so nothing in it is read. Fix: remove it (as its "
+                            "owner, or root) and let flax_ckpt create it again (mode 0700), or set "
+                            "Tiers(local_dir=...) to a folder only you can write")
+    return StorageError(f"memory tiers: {what} {path} {problem}. It is neither read nor written: its bytes "
+                        "may not be this run's (another user could have planted it), and writing it could "
+                        "change a file outside the memory tiers. Fix: remove it (as its owner, or root; "
+                        "other names of it keep their bytes); the copy holding it is then saved again or "
+                        "ignored")
 
 
 def check_folder(path: str, what: str, *, system_ok: bool = False) -> None:
@@ -118,22 +122,17 @@ def check_file(path: str, st: os.stat_result, what: str = "file") -> None:
         raise _refuse(path, what, problem, folder=False)
 
 
-def open_own(path: str, what: str = "file") -> tuple[int, os.stat_result]:
-    """Opens ``path`` read-only without following a symlink or blocking on a FIFO, and check_file's
-    it on the open descriptor; returns (fd, its fstat)."""
+def open_own(path: str, what: str = "file", flags: int = os.O_RDONLY) -> tuple[int, os.stat_result]:
+    """Opens ``path`` with ``flags`` without following a symlink or blocking on a FIFO, and check_file's
+    it on the open descriptor (storage/owned.py); returns (fd, its fstat)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError as e:
-        if e.errno == errno.ELOOP:
-            check_file(path, os.lstat(path), what)
-        raise
-    try:
-        st = os.fstat(fd)
-        check_file(path, st, what)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd, st
+        return owned.open_own(path, flags, private=True)
+    except owned.NotOwnFile as e:
+        try:
+            problem = _problem(path, os.lstat(path), folder=False) or e.problem
+        except OSError:
+            problem = e.problem
+        raise _refuse(path, what, problem, folder=False) from None
 
 
 # ------------------------------------------------------------------------------------------ maps
@@ -183,7 +182,11 @@ class Spares:
         self._maps: dict[tuple[int, int], mmap.mmap] = {}  # the files this writer mapped, by inode
         self._lent: Lent | None = None
 
-    def _files(self) -> list[tuple[int, str]]:
+    def _files(self) -> list[tuple[int, str, bool]]:
+        """The spares, smallest first: (size, path, busy); busy while on loan, or while some map or
+        snapshot still holds its pages (not written then, but counted: never more than ``keep`` spares).
+        A file that is not this user's own with one name (storage/owned.py) is left out: never
+        reused."""
         try:
             names = os.listdir(self.folder)
         except FileNotFoundError:
@@ -195,13 +198,15 @@ class Spares:
                 st = os.lstat(path)
             except FileNotFoundError:
                 continue
-            if _problem(path, st, folder=False) is None and (  # never reuse a file another user could reach
-                    self._lent is None or path != self._lent.path):
+            if _problem(path, st, folder=False) is None:
                 with _lock:
-                    if _mapped(st):  # a loan given back while a snapshot still holds its pages
-                        continue
-                out.append((st.st_size, path))
+                    busy = _mapped(st) or (self._lent is not None and path == self._lent.path)
+                out.append((st.st_size, path, busy))
         return sorted(out)
+
+    def _free(self) -> list[tuple[int, str]]:
+        """The spares a copy may write into now, smallest first: (size, path)."""
+        return [(n, path) for n, path, busy in self._files() if not busy]
 
     def lend(self, size: int) -> "Lent | None":
         """The spare that the next copy's data file will be (at least ``size`` bytes, already mapped), for
@@ -211,7 +216,7 @@ class Spares:
         with self._mutex:
             if self._lent is not None:
                 return None
-            for n, path in self._files():
+            for n, path in self._free():
                 if n < size:
                     continue
                 try:
@@ -245,19 +250,25 @@ class Spares:
 
     def retire(self, path: str) -> None:
         """``path`` (a data file no copy of the tier uses any more) becomes a spare, or is deleted if
-        something maps it or ``keep`` spares as large are kept (a larger file replaces the smallest
-        spare: the next full copy then finds pages enough, not a differential copy's few)."""
+        something maps it, if ``keep`` spares as large are kept (a larger file replaces the smallest
+        spare: the next full copy then finds pages enough, not a differential copy's few), or if it is
+        not this user's own file with one name (storage/owned.py: writing it could change a file
+        elsewhere)."""
         with self._mutex, _lock:
             try:
                 st = os.lstat(path)
             except FileNotFoundError:
                 return
+            if self.keep < 1 or _mapped(st) or _problem(path, st, folder=False) is not None:
+                self._remove(path, st)
+                return
             files = self._files()
-            if len(files) >= self.keep >= 1 and files[0][0] < st.st_size and not _mapped(st):
-                self._remove(files[0][1])
-                files = files[1:]
-            if (self.keep < 1 or _mapped(st) or len(files) >= self.keep
-                    or _problem(path, st, folder=False) is not None):  # not our own file: never reused
+            lent = self._lent.path if self._lent is not None else None
+            small = next((f for f in files if f[1] != lent), None)
+            if len(files) >= self.keep and small is not None and small[0] < st.st_size:  # a busy one's pages
+                self._remove(small[1])  # go with its readers
+                files.remove(small)
+            if len(files) >= self.keep:
                 self._remove(path, st)
                 return
             private_folder(self.folder, "spare folder")
@@ -265,7 +276,11 @@ class Spares:
             os.rename(path, spare)
             key = (st.st_dev, st.st_ino)
             if key not in self._maps and st.st_size:  # map it now, between saves, not in the next one
-                fd = os.open(spare, os.O_RDWR | os.O_NOFOLLOW)
+                try:
+                    fd, _ = owned.open_own(spare, os.O_RDWR, private=True, expect=key)
+                except owned.NotOwnFile:  # linked or replaced since the check: never written
+                    self._remove(spare)
+                    return
                 try:
                     self._maps[key] = _map_shared(fd, st.st_size)
                 finally:
@@ -290,15 +305,16 @@ class Spares:
                 placed = lent.placed(pieces, size)
                 fit = (len(lent.map), lent.path)
             else:
-                files = self._files()
+                files = self._free()
                 fit = next((f for f in files if f[0] >= size), files[-1] if files else None)
             if fit is not None:
                 os.rename(fit[1], path)
         crcs: list[int | None] = [None] * len(pieces)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        fd, reused = self._open(path, fit is not None)
+        if not reused:
+            fit, placed = None, set()
         try:
             st = os.fstat(fd)
-            check_file(path, st, "data file")
             key = (st.st_dev, st.st_ino)
             if fit is not None and size == 0:
                 with self._mutex:
@@ -336,19 +352,46 @@ class Spares:
             del out
         return crcs
 
+    def _open(self, path: str, reused: bool) -> tuple[int, bool]:
+        """An fd to write ``path``: the spare just moved there (``reused``) if it is still this user's own
+        file with one name (storage/owned.py), else a new file (the spare's name is removed then; other
+        names keep their bytes). Returns (fd, whether it is the spare)."""
+        if reused:
+            try:
+                return owned.open_own(path, os.O_RDWR, private=True)[0], True
+            except owned.NotOwnFile:  # linked since it was listed: never written
+                with self._mutex:
+                    self._remove(path)
+        return os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644), False
+
     def prepare(self, size: int) -> None:
         """Makes sure a spare of at least ``size`` bytes exists, its pages allocated and mapped: done
-        between saves (the writer's idle time), so the next copy writes into pages that exist."""
+        between saves (the writer's idle time), so the next copy writes into pages that exist. Never a
+        second one: where a spare as large is still busy (a snapshot taken into its pages, not yet
+        migrated), the next copy is written without one; a busy one too small is removed (its pages go
+        with their readers)."""
         with self._mutex:
             files = self._files()
-            if size <= 0 or self.keep < 1 or (files and files[-1][0] >= size):
+            if size <= 0 or self.keep < 1 or any(n >= size for n, _, _ in files):
                 return
+            free = [(n, path) for n, path, busy in files if not busy]
+            if not free:
+                lent = self._lent.path if self._lent is not None else None
+                for _, path, _ in [f for f in files if f[1] != lent][:len(files) - self.keep + 1]:
+                    self._remove(path)
             private_folder(self.folder, "spare folder")
-            path = files[-1][1] if files else os.path.join(self.folder, uuid.uuid4().hex)
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
-            try:
+            if free:
+                path = free[-1][1]
+                try:
+                    fd, st = owned.open_own(path, os.O_RDWR, private=True)
+                except owned.NotOwnFile:  # linked since it was listed: never written
+                    self._remove(path)
+                    return
+            else:
+                path = os.path.join(self.folder, uuid.uuid4().hex)
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
                 st = os.fstat(fd)
-                check_file(path, st, "spare file")
+            try:
                 self._drop((st.st_dev, st.st_ino))
                 try:
                     self._maps[(st.st_dev, st.st_ino)] = _reserve(fd, size, path)
@@ -357,6 +400,18 @@ class Spares:
                     return
             finally:
                 os.close(fd)
+
+    def release(self) -> None:
+        """Deletes every spare not on loan (one a snapshot still reads keeps its pages until it goes):
+        while two bases are kept, the older one's file becomes the next spare, so no third full-size
+        file is held."""
+        with self._mutex:
+            for _, path, _ in self._files():
+                if self._lent is None or path != self._lent.path:
+                    try:
+                        self._remove(path)
+                    except FileNotFoundError:
+                        pass
 
     def close(self) -> None:
         """Unmaps every file (a deleted file's pages are freed only once nothing maps them)."""

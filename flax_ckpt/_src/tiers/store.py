@@ -84,9 +84,8 @@ class Data:
         if self.path is None or self._buf is not None:
             out[:] = self.view(off, off + len(out))
             return
-        fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW)
+        fd, st = tier_files.open_own(self.path, "data file")  # no link followed, no FIFO waited on
         try:
-            st = os.fstat(fd)
             if (st.st_dev, st.st_ino) != self._id:
                 raise CorruptCheckpointError(f"{self.path} was replaced since its copy was opened; not read")
             if os.preadv(fd, [out], off) != len(out):

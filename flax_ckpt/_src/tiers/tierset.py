@@ -26,6 +26,7 @@ from flax_ckpt._src.engine.fit import Fit, as_fit
 from flax_ckpt._src.errors import CheckpointError, DistributedError, SaveFailedError, StorageError
 from flax_ckpt._src.tiers import Persistent, TargetOf, Tiers
 from flax_ckpt._src.tiers import encode as tier_encode
+from flax_ckpt._src.tiers import holdings as holdings_mod
 from flax_ckpt._src.tiers import load as load
 from flax_ckpt._src.tiers import store as store
 from flax_ckpt._src.tiers import sync as tier_sync
@@ -73,10 +74,11 @@ class TierSet:
         self.holdings = Holdings(cfg.local_dir, digest, self.i, self.n)
         self.root, self.local_dir = self.holdings.root, self.holdings.local_dir
         try:
-            self.holdings.make()
+            self.holdings.make()  # and locked: one live manager per process folder
+            run = holdings_mod.run_id(persistent.storage) if self.i == 0 else None  # the directory's identity
             refused = None
         except CheckpointError as e:  # every process still votes at start, so that none waits for this one
-            refused = e
+            run, refused = None, e
         self._recovery = Recovery(self.group, self.holdings, persistent, directory)
         self._kept: dict[str, dict[int, int | None]] = {"local": {}, "peer": {}}  # step -> its base
         self._mutex = threading.Lock()  # _kept: written by the writer thread, read by the caller's
@@ -99,21 +101,26 @@ class TierSet:
         self._last_migrated = max(steps, default=None)
         self.stats: list[TierStats] = []
         self.last_plan: Plan | None = None
-        self._start(steps, refused)
+        try:
+            self._start(steps, refused, run)
+        except BaseException:
+            self.holdings.release()
+            raise
 
     # ---------------------------------------------------------------------------------- start
 
-    def _start(self, persistent: set[int], refused: CheckpointError | None) -> None:
+    def _start(self, persistent: set[int], refused: CheckpointError | None, run: str | None) -> None:
         if refused is not None:
             self.group.allgather("start", {"refused": str(refused)})
             raise refused
         self.holdings.tidy()
-        mine = dict(self.holdings.inventory(), session=uuid.uuid4().hex[:12],
-                    domain=f"{socket.gethostname()}:{os.path.realpath(self.cfg.local_dir)}")
+        mine = dict(self.holdings.inventory(), session=uuid.uuid4().hex[:12], owner=self.holdings.owner(),
+                    domain=f"{socket.gethostname()}:{os.path.realpath(self.cfg.local_dir)}", run=run)
         invs = self.group.allgather("start", mine)
         for j, v in enumerate(invs):
             if "refused" in v:
                 raise StorageError(f"memory tiers: process {j} refused its folders: {v['refused']}")
+        self._disown(invs, invs[0]["run"])
         self.session = invs[0]["session"]
         k = peer_shift([v["domain"] for v in invs]) if self.cfg.peer else None
         self.peer_dst = (self.i + k) % self.n if k else None
@@ -123,6 +130,23 @@ class TierSet:
                    if self.n == 1 else "every process shares one host and local_dir")
             log.info("peer-memory tier disabled (%s); tiers: local memory, persistent", why)
         self._old = self._restorable(invs, persistent)
+        self.holdings.claim(invs[0]["run"])  # after the removal of another run's copies
+
+    def _disown(self, invs: list[dict[str, Any]], run: str) -> None:
+        """Empties the inventory of every process folder that holds another run's copies (its run id is
+        not the directory's ``run``: the directory was deleted or replaced since, or another job used
+        its URL): ignored, never restored or migrated, then removed. Every process decides alike."""
+        for j, v in enumerate(invs):
+            if v["owner"] != run and (v["local"] or v["peer"]):
+                if j == self.i:
+                    log.warning("memory tiers: %s holds copies of steps %s of another run of %s (its run id "
+                                "%s, the directory's %s: the directory was deleted or replaced since, or "
+                                "another job used its URL); they are ignored, never restored or migrated, "
+                                "and removed",
+                                self.root, sorted({int(s) for s in v["local"]}
+                                                  | {int(s) for p in v["peer"].values() for s in p}),
+                                self.directory, v["owner"], run)
+                v["local"], v["peer"] = {}, {}
 
     def _restorable(self, invs: list[dict[str, Any]], persistent: set[int]) -> dict[int, str]:
         """Steps of earlier runs restorable from memory; every other copy is deleted (never usable)."""
@@ -242,6 +266,8 @@ class TierSet:
             folder = os.path.join(self.local_dir, str(step))
             self._base = store.Copy(folder, None, store.Data(os.path.join(folder, store.DATA)), None,
                                     index=enc.index, _step=step)  # its body parsed where needed
+            self._base.data.view(0, 0)  # mapped now, while it has one name: a second one given it
+            #                             later (a `cp -al` backup) never stops the copies made against it
             self._since_base = 0
             self._poor = max(0, self._poor - 1)
         else:
@@ -255,7 +281,12 @@ class TierSet:
         if self.peer_dst is not None:
             self._outbox = (step, tier_sync.frame([[enc.index], enc.pieces]))
         self._prune("local", self.local_dir)
-        self.holdings.spare(self.local_dir).prepare(len(self._base.data))  # the next snapshot's pages
+        with self._mutex:  # a base older than this one, still kept: its file is the next spare
+            older = any(b is not None and b != self._base.step for b in self._kept["local"].values())
+        if older:
+            self.holdings.spare(self.local_dir).release()
+        else:
+            self.holdings.spare(self.local_dir).prepare(len(self._base.data))  # the next snapshot's pages
 
     def _pays(self, ts: store.TierSnapshot) -> bool:
         """Whether ``ts``, which may be a differential copy, is worth one: sampled against the base
@@ -365,17 +396,38 @@ class TierSet:
             if self.cfg.cleanup:
                 newest = max(self._kept["local"], default=None)
                 if newest is not None and newest not in self.persistent.steps():
-                    log.info("migrating step %d to %s before removing the memory tiers", newest,
-                             self.directory)
-                    copy = store.open_copy(os.path.join(self.local_dir, str(newest)))
-                    self.persistent.write(newest, load.to_snapshot(copy), copy.body.get("metrics"),
-                                          time.perf_counter(), 0.0)
+                    self._migrate_at_close(newest)
                 self._base = None
                 self.holdings.remove()
                 log.info("removed the memory tiers of %s from %s", self.directory, self.root)
         finally:
             self._pool.shutdown(wait=True)
             self.holdings.drop_spares()
+            self.holdings.release()
+
+    def _migrate_at_close(self, step: int) -> None:
+        """Migrates ``step``, held only in memory, before the tiers are removed; a failure (a full disk)
+        is a SaveFailedError, and nothing is removed: the next manager restores the step from memory."""
+        log.info("migrating step %d to %s before removing the memory tiers", step, self.directory)
+        try:
+            copy = store.open_copy(os.path.join(self.local_dir, str(step)))
+            self.persistent.write(step, load.to_snapshot(copy), copy.body.get("metrics"), time.perf_counter(),
+                                  0.0)
+        except Exception as e:
+            raise SaveFailedError(
+                f"close: step {step}, held only in the memory tiers, could not be migrated to "
+                f"{self.directory} ({type(e).__name__}: {e}). Nothing was removed: {self.root} still holds "
+                "it, and the next CheckpointManager of this directory with the same Tiers restores it from "
+                "there. Fix the cause (free space), then open that manager and close it, or save the "
+                "restored state") from e
+
+    def let_go(self) -> None:
+        """The end of a manager nobody closed (no collective): waits for the migration in flight (raising
+        its failure) and releases the process folder; the copies stay, restorable as after a crash."""
+        try:
+            self._check_migration()
+        finally:
+            self.holdings.release()
 
     # --------------------------------------------------------------------------------- restore
 
