@@ -364,7 +364,8 @@ def test_prune_uses_manager_retention_with_dry_run(ck, tmp_path):
     d = tmp_path / "run"
     shutil.copytree(ck["run"], d)
     dry = run_json("prune", str(d), "--keep", "1", "--dry-run")
-    assert dry == {"directory": str(d), "dry_run": True, "would_delete": [1, 2], "kept": [3]}  # no "deleted"
+    assert dry == {"directory": str(d), "dry_run": True, "would_delete": [1, 2], "kept": [3],  # no "deleted"
+                   "formats": ["native", "orbax"], "left_alone": []}
     assert sorted(os.listdir(d)) == ["1", "2", "3", "4.tmp-0123abcd0123abcd0123abcd0123abcd", "5", "6"]
     r = run("prune", str(d), "--keep", "1", "--best-metric", "loss", "--best-mode", "max", "--keep-best", "1")
     assert r.returncode == 0, r.stderr

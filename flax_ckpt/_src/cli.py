@@ -86,18 +86,37 @@ def build_parser() -> argparse.ArgumentParser:
                    help="safetensors: key path of the sub-tree to export (default: 'params' if present, else all)")
     p = sub.add_parser("prune", parents=common, help="delete old steps with the manager's retention rules",
                        description="Delete committed steps that CheckpointManager(max_to_keep=N, ...) would "
-                                   "delete. Takes the directory lock; never touches in-flight folders.")
+                                   "delete: each format's steps apart, native and Orbax steps by default (the "
+                                   "steps a manager resumes from). Every deletion is checked before the first; "
+                                   "--dry-run lists the same steps. Takes the directory lock; never touches "
+                                   "in-flight folders or damaged steps. Other libraries' files (legacy Flax "
+                                   "checkpoint_<step> files, .safetensors files) are listed, never deleted, "
+                                   "unless --format names theirs.")
     p.add_argument("directory", metavar="DIR")
-    p.add_argument("--keep", type=int, required=True, metavar="N", help="keep the newest N steps")
-    p.add_argument("--keep-period", type=int, metavar="P", help="also keep every step divisible by P")
+    p.add_argument("--keep", type=_positive, required=True, metavar="N", help="keep the newest N steps (of each format)")
+    p.add_argument("--keep-period", type=_positive, metavar="P", help="also keep every step divisible by P")
     p.add_argument("--best-metric", metavar="NAME", help="metric to rank steps by for --keep-best")
     p.add_argument("--best-mode", choices=["min", "max"], default="min")
-    p.add_argument("--keep-best", type=int, metavar="K", help="also keep the K best steps by --best-metric")
+    p.add_argument("--keep-best", type=_positive, metavar="K", help="also keep the K best steps by --best-metric")
+    p.add_argument("--format", choices=["native", "orbax", "flax_msgpack"],
+                   help="act on this format's steps only (flax_msgpack: legacy Flax checkpoint_<step> files, "
+                        "pruned only when named here); default: native and Orbax steps, each format apart")
     p.add_argument("--dry-run", action="store_true", help="print what would be deleted; delete nothing")
     return parser
 
 
 # ------------------------------------------------------------------------------------------ helpers
+
+def _positive(text: str) -> int:
+    """An argparse type: an integer >= 1 (a usage error, exit status 2, otherwise)."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    return n
+
 
 def human_bytes(n: int | None) -> str:
     if n is None:
@@ -293,11 +312,14 @@ def cmd_prune(args: argparse.Namespace) -> int:
     from flax_ckpt._src import tools as fi
 
     r = fi.prune(args.directory, keep=args.keep, keep_period=args.keep_period, best_metric=args.best_metric,
-                 best_mode=args.best_mode, keep_best=args.keep_best, dry_run=args.dry_run)
+                 best_mode=args.best_mode, keep_best=args.keep_best, dry_run=args.dry_run, format=args.format)
     doc = {"directory": args.directory, "dry_run": r.dry_run, "would_delete" if r.dry_run else "deleted": r.deleted,
-           "kept": r.kept}  # a dry run deletes nothing: its list has a name that says so
+           "kept": r.kept, "formats": list(r.formats), "left_alone": r.left_alone}  # a dry run deletes nothing
     verb = "would delete" if r.dry_run else "deleted"
     text = f"{verb}: {', '.join(map(str, r.deleted)) or 'nothing'}\nkept: {', '.join(map(str, r.kept)) or 'nothing'}"
+    if r.left_alone:
+        text += (f"\nleft alone (not {' or '.join(r.formats)} steps; --format names the format to prune): "
+                 + ", ".join(r.left_alone[:10]) + (f", ... ({len(r.left_alone)} in all)" if len(r.left_alone) > 10 else ""))
     _emit(args, doc, text)
     return EXIT_OK
 
@@ -309,9 +331,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if "JAX_PLATFORMS" not in os.environ:  # inspecting a checkpoint must not take a training job's GPUs
-        import jax
-        jax.config.update("jax_platforms", "cpu")
+    _cpu_only()
     from flax_ckpt._src.errors import CheckpointError
 
     try:
@@ -320,12 +340,41 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_OK
     except (CheckpointError, OSError, ValueError) as e:
-        message = str(e) + _hint(args)
-        if args.json:
-            json.dump({"error": {"type": type(e).__name__, "message": message}}, sys.stdout)
-            sys.stdout.write("\n")
-        print(f"flax-ckpt {args.command}: error: {type(e).__name__}: {message}", file=sys.stderr)
-        return EXIT_ERROR
+        return _error(args, e, str(e) + _hint(args))
+    except Exception as e:  # noqa: BLE001 - a bug of ours: one line that says so, never a traceback
+        return _error(args, e, f"{e} (an unexpected error, at {_where(e)}: a bug in flax_ckpt; please report it "
+                               "with this line)")
+
+
+def _cpu_only() -> None:
+    """Inspecting a checkpoint must not take a training job's accelerators: jax (imported only by the
+    steps that need it) runs on the CPU, unless JAX_PLATFORMS says otherwise."""
+    if "JAX_PLATFORMS" in os.environ:
+        return
+    if "jax" in sys.modules:  # main() called in a process that already uses jax
+        sys.modules["jax"].config.update("jax_platforms", "cpu")
+    else:
+        os.environ["JAX_PLATFORMS"] = "cpu"
+
+
+def _error(args: argparse.Namespace, e: Exception, message: str) -> int:
+    if args.json:
+        json.dump({"error": {"type": type(e).__name__, "message": message}}, sys.stdout)
+        sys.stdout.write("\n")
+    print(f"flax-ckpt {args.command}: error: {type(e).__name__}: {message}", file=sys.stderr)
+    return EXIT_ERROR
+
+
+def _where(e: BaseException) -> str:
+    """file:line where ``e`` was raised (the innermost frame), for a bug report."""
+    tb = e.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    if tb is None:
+        return "?"
+    code = tb.tb_frame.f_code
+    name = code.co_filename
+    return f"{name[name.rfind('flax_ckpt/') if 'flax_ckpt/' in name else 0:]}:{tb.tb_lineno} in {code.co_name}"
 
 
 def _hint(args: argparse.Namespace) -> str:
