@@ -196,22 +196,40 @@ def cmd_ls(args: argparse.Namespace) -> int:
     if args.local_dir:
         entries = sorted(entries + fi.list_memory_tiers(args.directory, args.local_dir),
                          key=lambda e: (e.step, e.tier != "persistent", e.tier))
+    steps = [e for e in entries if e.state not in _LEFTOVERS]
+    leftovers = [e for e in entries if e.state in _LEFTOVERS]
     rows = [[str(e.step), e.state, e.tier, e.format or "-", human_bytes(e.nbytes), _time_text(e.created),
-             _ls_note(e)] for e in entries]
+             _ls_note(e)] for e in steps]
     doc = {"directory": os.fspath(args.directory), "steps": [
         {"step": e.step, "name": e.name, "state": e.state, "committed": e.committed, "tier": e.tier,
          "format": e.format, "nbytes": e.nbytes, "metrics": e.metrics, "created": e.created, "problem": e.problem}
-        for e in entries]}
-    text = _table(rows, ["STEP", "STATE", "TIER", "FORMAT", "SIZE", "CREATED", "METRICS / NOTE"]) if entries \
+        for e in steps], "leftovers": [{"name": e.name, "step": e.step, "state": e.state, "tier": e.tier,
+                                        "nbytes": e.nbytes} for e in leftovers]}
+    text = _table(rows, ["STEP", "STATE", "TIER", "FORMAT", "SIZE", "CREATED", "METRICS / NOTE"]) if steps \
         else f"no steps in {args.directory}"
-    _emit(args, doc, text)
+    _emit(args, doc, text + _leftovers_line(leftovers))
     return EXIT_OK
 
 
-def cmd_info(args: argparse.Namespace) -> int:
-    from flax_ckpt._src import api
+_LEFTOVERS = {"in-flight": ("save in flight", "saves in flight"),
+              "deleting": ("deletion in progress", "deletions in progress")}
 
-    info = api.metadata(args.path)
+
+def _leftovers_line(leftovers: list[Any]) -> str:
+    """One line for the temporary folders beside the steps: how many of each kind, their size and names."""
+    if not leftovers:
+        return ""
+    counts = {state: sum(e.state == state for e in leftovers) for state in _LEFTOVERS}
+    kinds = ", ".join(f"{n} {_LEFTOVERS[state][n > 1]}" for state, n in counts.items() if n)
+    names = ", ".join(e.name for e in leftovers[:3]) + (", ..." if len(leftovers) > 3 else "")
+    return (f"\nleftovers: {kinds} (or interrupted: the next manager to open the directory removes them), "
+            f"{human_bytes(sum(e.nbytes or 0 for e in leftovers))}: {names}")
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    from flax_ckpt._src.tools.common import read_info
+
+    info = read_info(args.path)
     leaves = [{"key": k, "kind": v.kind, "dtype": None if v.dtype is None else v.dtype.name,
                "shape": None if v.shape is None else list(v.shape), "nbytes": v.nbytes, "sharding": v.sharding}
               for k, v in info.leaves.items()]
@@ -240,11 +258,14 @@ def cmd_verify(args: argparse.Namespace) -> int:
     doc = {"path": os.fspath(args.path), "ok": not problems,
            "problems": [{"leaf": p.leaf, "file": p.file, "message": p.message, "step": p.step} for p in problems],
            "verified": r.sound, "leaves": r.leaves, "unverified": len(r.unverified),
-           "unverified_leaves": r.unverified, "steps": r.steps, "skipped": r.skipped, "linked": r.linked}
+           "unverified_leaves": r.unverified, "steps": r.steps, "skipped": r.skipped, "linked": r.linked,
+           "gone": r.gone}
     damaged = sorted({(p.step, p.leaf) for p in problems if p.leaf})
-    run = "" if r.steps is None else f" ({len(r.steps)} steps" + (
-        f"; skipped {', '.join(r.skipped)}: not committed)" if r.skipped else ")")
-    if problems:
+    run = "" if r.steps is None else f" ({len(r.steps)} steps" + "".join(
+        f"; {what}" for what in _run_notes(r)) + ")"
+    if r.steps == [] and not problems:
+        text = f"no steps in {args.path}: nothing to verify" + ("" if run == " (0 steps)" else run)
+    elif problems:
         bad_steps = sorted({p.step for p in problems if p.step is not None})
         head = (f"DAMAGED {args.path}: {len(problems)} problems" + (f" in {len(damaged)} leaves" if damaged else "")
                 + (f" of steps {', '.join(map(str, bad_steps))}" if bad_steps else "") + run)
@@ -265,6 +286,15 @@ def cmd_verify(args: argparse.Namespace) -> int:
     if problems:
         return EXIT_FOUND
     return EXIT_UNVERIFIED if r.unverified and args.strict else EXIT_OK
+
+
+def _run_notes(r: Any) -> list[str]:
+    """What a run's verification passed over: steps not committed, steps deleted while read."""
+    notes = [f"skipped {', '.join(r.skipped)}: not committed"] if r.skipped else []
+    if r.gone:
+        notes.append(f"{len(r.gone)} deleted while being read (a live manager's retention), not damaged: step"
+                     f"{'s' if len(r.gone) > 1 else ''} {', '.join(map(str, r.gone))}")
+    return notes
 
 
 def cmd_diff(args: argparse.Namespace) -> int:

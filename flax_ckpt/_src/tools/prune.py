@@ -12,11 +12,10 @@ from __future__ import annotations
 import os
 import stat
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 from flax_ckpt._src import commit as commit_mod
 from flax_ckpt._src import layouts
-from flax_ckpt._src.orbax import locate as orbax_locate
 from flax_ckpt._src.errors import CheckpointError, CheckpointNotFoundError, StorageError
 from flax_ckpt._src.retention import steps_to_delete
 from flax_ckpt._src.storage import Storage, open_storage
@@ -104,18 +103,20 @@ def _left_alone(root: Storage, entries: list[StepEntry], formats: tuple[str, ...
 
 def _lock(root: Storage) -> Any:
     """The manager's directory lock (local folders; object stores have none to take). A folder that
-    holds no native steps (an Orbax run, another library's files, nothing) is left without a lock file."""
+    holds no steps of flax_ckpt's own format (an Orbax run, another library's files, nothing) is left
+    without a lock file."""
     if root.local_path is None:
         return None
     if root.kind() != "folder":
         raise CheckpointNotFoundError(f"{root.url} is not a folder of checkpoints")
     folders, _ = layouts.step_folders(root)
-    return DirectoryLock(root.local_path, tidy=not any(f.layout.name == "native" for f in folders))
+    return DirectoryLock(root.local_path, tidy=all(f.layout.foreign for f in folders))
 
 
 def _delete(root: Storage, doomed: list[StepEntry]) -> None:
     """Deletes ``doomed``, after checking that every one of them is still there as listed."""
-    plans = [(e, _plan(root, e)) for e in doomed]  # every check before the first deletion
+    found = {f.name: f for f in layouts.step_folders(root, files=True)[0]}
+    plans = [(e, _plan(root, e, found.get(e.name))) for e in doomed]  # every check before the first deletion
     done: list[str] = []
     for e, remove in plans:
         try:
@@ -127,20 +128,24 @@ def _delete(root: Storage, doomed: list[StepEntry]) -> None:
         done.append(e.name)
 
 
-def _plan(root: Storage, e: StepEntry) -> Any:
-    """How to delete step ``e``, checked now: a CheckpointError if it is no longer as listed."""
+def _plan(root: Storage, e: StepEntry, f: layouts.StepFolder | None) -> Callable[[], None]:
+    """How to delete step ``e`` (``f``: its step folder, listed again now), checked now: a
+    CheckpointNotFoundError if it is no longer as it was listed."""
     where = f"{root.url.rstrip('/')}/{e.name}"
-    if e.format in RESUMABLE:
-        record = layouts.layout(e.format).record
-        folder = root.sub(e.name)
-        if not (orbax_locate.committed_step(folder) if e.format == "orbax" else folder.exists(record)):
-            raise CheckpointNotFoundError(f"prune deleted nothing: step {e.step} ({where}) was committed when "
-                                          "listed and is not any more (another process changed the directory); "
-                                          "run prune again")
-        return lambda: commit_mod.remove(root, e.name, record)
-    path = root.local_path and os.path.join(root.local_path, e.name)
-    st = os.lstat(path) if path and os.path.lexists(path) else None
-    if st is None or not stat.S_ISREG(st.st_mode):
-        raise CheckpointNotFoundError(f"prune deleted nothing: {where} ({e.format}) is no longer a regular file "
-                                      "in the directory; run prune again")
-    return lambda: root.delete(e.name)
+    changed = CheckpointNotFoundError(f"prune deleted nothing: {where} (step {e.step}, {e.format}) is no longer "
+                                      "as it was listed (another process changed the directory); run prune again")
+    if f is None or f.layout.name != e.format:
+        raise changed
+    if root.sub(e.name).kind() == "file":  # another library's checkpoint file, named by format=
+        try:
+            regular = root.local_path is not None and stat.S_ISREG(os.lstat(os.path.join(root.local_path, e.name)).st_mode)
+        except OSError:
+            regular = False
+        if not regular:
+            raise changed
+        return lambda: root.delete(e.name)
+    try:
+        f.layout.metrics(root.sub(e.name))  # committed, and opens
+    except (CheckpointError, OSError, ValueError):
+        raise changed from None
+    return lambda: commit_mod.remove(root, e.name, f.layout.record)
