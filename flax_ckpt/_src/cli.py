@@ -229,25 +229,44 @@ def _leftovers_line(leftovers: list[Any]) -> str:
 def cmd_info(args: argparse.Namespace) -> int:
     from flax_ckpt._src.tools.common import read_info
 
-    info = read_info(args.path)
+    info, values = read_info(args.path)
     leaves = [{"key": k, "kind": v.kind, "dtype": None if v.dtype is None else v.dtype.name,
-               "shape": None if v.shape is None else list(v.shape), "nbytes": v.nbytes, "sharding": v.sharding}
+               "shape": None if v.shape is None else list(v.shape), "nbytes": v.nbytes, "sharding": v.sharding,
+               **({"value": _jsonable(values[k])} if k in values else {})}
               for k, v in info.leaves.items()]
     arrays = sum(1 for v in info.leaves.values() if v.dtype is not None)
     doc = {"path": info.path, "format": info.format, "step": info.step, "metrics": info.metrics,
            "metadata": info.metadata, "created": info.created, "serializer": info.serializer,
            "process_count": info.process_count, "leaves": leaves,
            "total": {"leaves": len(leaves), "arrays": arrays, "nbytes": info.nbytes}}
-    rows = [[k, v.kind, "-" if v.dtype is None else v.dtype.name,
-             "-" if v.shape is None else str(list(v.shape)).replace(" ", ""), str(v.nbytes), sharding_text(v.sharding)]
+    rows = [[k, v.kind, _dtype_text(v, values.get(k)), "-" if v.shape is None else str(list(v.shape)).replace(" ", ""),
+             str(v.nbytes), sharding_text(v.sharding) if k not in values else _value_text(values[k])]
             for k, v in info.leaves.items()]
     head = (f"{info.path}\nformat {info.format}  step {info.step}  serializer {info.serializer}  processes "
             f"{info.process_count}  created {_time_text(info.created)}\nmetrics: {_metrics_text(info.metrics)}"
             + ("" if info.metadata is None else f"\nmetadata: {json.dumps(info.metadata, default=str)}"))
     total = f"total: {len(leaves)} leaves ({arrays} arrays), {info.nbytes} bytes ({human_bytes(info.nbytes)})"
-    _emit(args, doc, "\n".join([head, _table(rows, ["KEY PATH", "KIND", "DTYPE", "SHAPE", "BYTES", "SHARDING"]),
-                                total]))
+    _emit(args, doc, "\n".join([head, _table(rows, ["KEY PATH", "KIND", "DTYPE", "SHAPE", "BYTES",
+                                                     "SHARDING / VALUE"]), total]))
     return EXIT_OK
+
+
+def _dtype_text(v: Any, value: Any) -> str:
+    """An array's dtype; a Python scalar's type (int, float, ...)."""
+    if v.dtype is not None:
+        return v.dtype.name
+    return type(value).__name__ if v.kind == "scalar" else "-"
+
+
+def _value_text(value: Any, width: int = 60) -> str:
+    """A leaf's value as the table shows it: a number or None as Python writes it, a text quoted and cut."""
+    text = json.dumps(value) if isinstance(value, str) else repr(value)
+    return text if len(text) <= width else text[:width - 3] + "..."
+
+
+def _jsonable(value: Any) -> Any:
+    """A leaf's value in --json: numbers and text as they are, complex numbers as their text."""
+    return str(value) if isinstance(value, complex) else value
 
 
 def cmd_verify(args: argparse.Namespace) -> int:

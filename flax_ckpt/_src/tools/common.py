@@ -54,10 +54,12 @@ def identity(folder: Storage, record: str | None) -> tuple | None:
     return found
 
 
-def read_info(path: Any, tries: int = 3) -> Any:
-    """``fc.metadata(path)`` (a CheckpointInfo) for the tools: a checkpoint that fails to open counts
-    as damaged only if it stayed the same from before the read to after it; one deleted meanwhile (a
-    live manager's retention) is a CheckpointNotFoundError that says so; one replaced is read again."""
+def read_info(path: Any, tries: int = 3) -> tuple[Any, dict[str, Any]]:
+    """``fc.metadata(path)`` (a CheckpointInfo) for the tools, and {key path: value} of the leaves whose
+    value the checkpoint's records hold (Python scalars, strings, empty containers and None: no array
+    bytes read). A checkpoint that fails to open counts as damaged only if it stayed the same from
+    before the read to after it; one deleted meanwhile (a live manager's retention) is a
+    CheckpointNotFoundError that says so; one replaced is read again."""
     folder = folder_of(path)
     if layouts.recognize(folder) is None:
         steps, temporary = layouts.step_folders(folder, files=True)
@@ -67,7 +69,8 @@ def read_info(path: Any, tries: int = 3) -> Any:
     for _ in range(tries):
         before = identity(folder, layouts.detect(folder).record)
         try:
-            return layouts.open_checkpoint(folder).info()
+            source = layouts.open_checkpoint(folder)
+            return source.info(), {leaf.name: _value(leaf) for leaf in source.leaves if not leaf.is_array}
         except CheckpointNotFoundError:
             raise
         except (CheckpointError, OSError, ValueError):
@@ -79,6 +82,11 @@ def read_info(path: Any, tries: int = 3) -> Any:
                                               "retention?): it is gone, not damaged") from None
     raise CheckpointNotFoundError(f"{folder.url} changed under each of {tries} reads (rewritten over and over?); "
                                   "read it once it is left alone")
+
+
+def _value(leaf: Any) -> Any:
+    """The value the record of a leaf that is no array holds, as a restore without a target gives it."""
+    return {"none": None, "dict": {}, "list": [], "tuple": ()}[leaf.value] if leaf.kind == "empty" else leaf.value
 
 
 def is_empty_run(folder: Storage, temporary: list[str]) -> bool:
