@@ -10,19 +10,22 @@ import os
 import stat
 from typing import Any
 
-import jax
 import numpy as np
-from tqdm import tqdm
 
 from flax_ckpt._src import layouts
 from flax_ckpt._src.engine.reader import Reader
+from flax_ckpt._src.lazy import lazy
 from flax_ckpt._src.errors import CheckpointError, CheckpointNotFoundError
 from flax_ckpt._src.storage import Storage, split_location
 from flax_ckpt._src.storage.lock import LOCK_FILE
 
+jax = lazy("jax", globals())  # imported on first use (lazy.py)
 
-def bar(total: int, desc: str, progress: bool) -> tqdm:
+
+def bar(total: int, desc: str, progress: bool) -> Any:
     """A tqdm bar of bytes on stderr, shown only with ``progress``."""
+    from tqdm import tqdm
+
     return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, disable=not progress,
                 leave=False, dynamic_ncols=True)
 
