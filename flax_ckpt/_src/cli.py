@@ -86,18 +86,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="safetensors: key path of the sub-tree to export (default: 'params' if present, else all)")
     p = sub.add_parser("prune", parents=common, help="delete old steps with the manager's retention rules",
                        description="Delete committed steps that CheckpointManager(max_to_keep=N, ...) would "
-                                   "delete: each format's steps apart, native and Orbax steps by default (the "
-                                   "steps a manager resumes from). Every deletion is checked before the first; "
-                                   "--dry-run lists the same steps. Takes the directory lock; never touches "
-                                   "in-flight folders or damaged steps. Other libraries' files (legacy Flax "
-                                   "checkpoint_<step> files, .safetensors files) are listed, never deleted, "
-                                   "unless --format names theirs.")
+                                   "delete: each format's steps apart, native and Orbax steps by default "
+                                   "(the steps a manager resumes from). Every deletion is checked before the "
+                                   "first; --dry-run lists the same steps. Takes the directory lock; never "
+                                   "touches in-flight folders or damaged steps. Other libraries' files (legacy "
+                                   "Flax checkpoint_<step> files, .safetensors files) are listed, never "
+                                   "deleted, unless --format names theirs.")
     p.add_argument("directory", metavar="DIR")
-    p.add_argument("--keep", type=_positive, required=True, metavar="N", help="keep the newest N steps (of each format)")
+    p.add_argument("--keep", type=_positive, required=True, metavar="N",
+                   help="keep the newest N steps (of each format)")
     p.add_argument("--keep-period", type=_positive, metavar="P", help="also keep every step divisible by P")
     p.add_argument("--best-metric", metavar="NAME", help="metric to rank steps by for --keep-best")
     p.add_argument("--best-mode", choices=["min", "max"], default="min")
-    p.add_argument("--keep-best", type=_positive, metavar="K", help="also keep the K best steps by --best-metric")
+    p.add_argument("--keep-best", type=_positive, metavar="K",
+                   help="also keep the K best steps by --best-metric")
     p.add_argument("--format", choices=["native", "orbax", "flax_msgpack"],
                    help="act on this format's steps only (flax_msgpack: legacy Flax checkpoint_<step> files, "
                         "pruned only when named here); default: native and Orbax steps, each format apart")
@@ -231,16 +233,17 @@ def cmd_info(args: argparse.Namespace) -> int:
 
     info, values = read_info(args.path)
     leaves = [{"key": k, "kind": v.kind, "dtype": None if v.dtype is None else v.dtype.name,
-               "shape": None if v.shape is None else list(v.shape), "nbytes": v.nbytes, "sharding": v.sharding,
-               **({"value": _jsonable(values[k])} if k in values else {})}
+               "shape": None if v.shape is None else list(v.shape), "nbytes": v.nbytes,
+               "sharding": v.sharding, **({"value": _jsonable(values[k])} if k in values else {})}
               for k, v in info.leaves.items()]
     arrays = sum(1 for v in info.leaves.values() if v.dtype is not None)
     doc = {"path": info.path, "format": info.format, "step": info.step, "metrics": info.metrics,
            "metadata": info.metadata, "created": info.created, "serializer": info.serializer,
            "process_count": info.process_count, "leaves": leaves,
            "total": {"leaves": len(leaves), "arrays": arrays, "nbytes": info.nbytes}}
-    rows = [[k, v.kind, _dtype_text(v, values.get(k)), "-" if v.shape is None else str(list(v.shape)).replace(" ", ""),
-             str(v.nbytes), sharding_text(v.sharding) if k not in values else _value_text(values[k])]
+    rows = [[k, v.kind, _dtype_text(v, values.get(k)),
+             "-" if v.shape is None else str(list(v.shape)).replace(" ", ""), str(v.nbytes),
+             sharding_text(v.sharding) if k not in values else _value_text(values[k])]
             for k, v in info.leaves.items()]
     head = (f"{info.path}\nformat {info.format}  step {info.step}  serializer {info.serializer}  processes "
             f"{info.process_count}  created {_time_text(info.created)}\nmetrics: {_metrics_text(info.metrics)}"
@@ -363,12 +366,13 @@ def cmd_prune(args: argparse.Namespace) -> int:
     r = fi.prune(args.directory, keep=args.keep, keep_period=args.keep_period, best_metric=args.best_metric,
                  best_mode=args.best_mode, keep_best=args.keep_best, dry_run=args.dry_run, format=args.format)
     doc = {"directory": args.directory, "dry_run": r.dry_run, "would_delete" if r.dry_run else "deleted": r.deleted,
-           "kept": r.kept, "formats": list(r.formats), "left_alone": r.left_alone}  # a dry run deletes nothing
+           "kept": r.kept, "formats": list(r.formats), "left_alone": r.left_alone}  # a dry run: would_delete
     verb = "would delete" if r.dry_run else "deleted"
     text = f"{verb}: {', '.join(map(str, r.deleted)) or 'nothing'}\nkept: {', '.join(map(str, r.kept)) or 'nothing'}"
     if r.left_alone:
+        more = f", ... ({len(r.left_alone)} in all)" if len(r.left_alone) > 10 else ""
         text += (f"\nleft alone (not {' or '.join(r.formats)} steps; --format names the format to prune): "
-                 + ", ".join(r.left_alone[:10]) + (f", ... ({len(r.left_alone)} in all)" if len(r.left_alone) > 10 else ""))
+                 + ", ".join(r.left_alone[:10]) + more)
     _emit(args, doc, text)
     return EXIT_OK
 
@@ -391,8 +395,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (CheckpointError, OSError, ValueError) as e:
         return _error(args, e, str(e) + _hint(args))
     except Exception as e:  # noqa: BLE001 - a bug of ours: one line that says so, never a traceback
-        return _error(args, e, f"{e} (an unexpected error, at {_where(e)}: a bug in flax_ckpt; please report it "
-                               "with this line)")
+        return _error(args, e, f"{e} (an unexpected error, at {_where(e)}: a bug in flax_ckpt; please "
+                               "report it with this line)")
 
 
 def _cpu_only() -> None:
@@ -423,7 +427,8 @@ def _where(e: BaseException) -> str:
         return "?"
     code = tb.tb_frame.f_code
     name = code.co_filename
-    return f"{name[name.rfind('flax_ckpt/') if 'flax_ckpt/' in name else 0:]}:{tb.tb_lineno} in {code.co_name}"
+    name = name[name.rfind("flax_ckpt/"):] if "flax_ckpt/" in name else name
+    return f"{name}:{tb.tb_lineno} in {code.co_name}"
 
 
 def _hint(args: argparse.Namespace) -> str:

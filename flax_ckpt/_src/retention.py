@@ -87,5 +87,5 @@ class Retention:
         """The steps of {step: its saved metrics} that retention removes, oldest first; ``formats``
         ({step: its format}): each format's steps apart (``steps_to_delete``)."""
         return steps_to_delete(metrics, max_to_keep=self.max_to_keep, keep_period=self.keep_period,
-                               metrics=self.values(metrics), best_mode=self.best_mode, keep_best=self.keep_best,
-                               formats=formats)
+                               metrics=self.values(metrics), best_mode=self.best_mode,
+                               keep_best=self.keep_best, formats=formats)

@@ -22,7 +22,7 @@ from flax_ckpt._src.storage.endpoints import ObjectStoreOptions, check_endpoint,
 from flax_ckpt._src.lazy import lazy
 ts = lazy("tensorstore", globals(), "ts")  # imported on first use (lazy.py)
 
-_MEMORY_CONTEXT: list[Any] = []  # the one in-process memory kvstore of every memory:// path, made on first use
+_MEMORY_CONTEXT: list[Any] = []  # the in-process memory kvstore of every memory:// path, made on first use
 _MEMORY_LOCK = threading.Lock()
 _PART = 16 << 20  # a read_into of more bytes than this is split into parallel ranged requests
 

@@ -67,8 +67,8 @@ def read_info(path: Any, tries: int = 3) -> tuple[Any, dict[str, Any]]:
     if layouts.recognize(folder) is None:
         steps, temporary = layouts.step_folders(folder, files=True)
         if not steps and is_empty_run(folder, temporary):
-            raise CheckpointNotFoundError(f"no steps in {folder.url}: a run directory without committed steps "
-                                          "(yet), so there is no checkpoint to show")
+            raise CheckpointNotFoundError(f"no steps in {folder.url}: a run directory without committed "
+                                          "steps (yet), so there is no checkpoint to show")
     for _ in range(tries):
         before = identity(folder, layouts.detect(folder).record)
         try:
@@ -81,15 +81,17 @@ def read_info(path: Any, tries: int = 3) -> tuple[Any, dict[str, Any]]:
             if after == before:
                 raise
             if after is None:
-                raise CheckpointNotFoundError(f"{folder.url} was deleted while it was read (by a live manager's "
-                                              "retention?): it is gone, not damaged") from None
-    raise CheckpointNotFoundError(f"{folder.url} changed under each of {tries} reads (rewritten over and over?); "
-                                  "read it once it is left alone")
+                raise CheckpointNotFoundError(f"{folder.url} was deleted while it was read (by a live "
+                                              "manager's retention?): it is gone, not damaged") from None
+    raise CheckpointNotFoundError(f"{folder.url} changed under each of {tries} reads (rewritten over and "
+                                  "over?); read it once it is left alone")
 
 
 def _value(leaf: Any) -> Any:
     """The value the record of a leaf that is no array holds, as a restore without a target gives it."""
-    return {"none": None, "dict": {}, "list": [], "tuple": ()}[leaf.value] if leaf.kind == "empty" else leaf.value
+    if leaf.kind == "empty":
+        return {"none": None, "dict": {}, "list": [], "tuple": ()}[leaf.value]
+    return leaf.value
 
 
 def is_empty_run(folder: Storage, temporary: list[str]) -> bool:

@@ -104,7 +104,7 @@ def _failed(folder: Storage, f: layouts.StepFolder, tier: str, e: Exception) -> 
     """The entry of a step folder that fails to open with ``e`` (and stays as it was)."""
     fmt = f.layout.name if f.layout.evident else None
     if isinstance(e, (InvalidManifestError, CorruptCheckpointError)) or f.layout.evident:
-        # a damaged manifest; or its files said it is a checkpoint of this format: failing to open, it is damaged
+        # a damaged manifest, or files that say it is a checkpoint of this format: failing to open, damaged
         return StepEntry(f.name, f.step, "invalid", tier, fmt, _disk_size(folder), problem=str(e))
     return StepEntry(f.name, f.step, "uncommitted", tier, None, _disk_size(folder), problem=str(e))
 

@@ -79,10 +79,12 @@ def prune(directory: Any, *, keep: int | None, keep_period: int | None = None, b
     finally:
         if lock is not None:
             lock.release()
-    return PruneResult(sorted(set(acted) - set(doomed)), doomed, dry_run, formats, _left_alone(root, entries, formats))
+    kept = sorted(set(acted) - set(doomed))
+    return PruneResult(kept, doomed, dry_run, formats, _left_alone(root, entries, formats))
 
 
-def _check_options(keep: int | None, keep_best: int | None, best_metric: str | None, format: str | None) -> None:
+def _check_options(keep: int | None, keep_best: int | None, best_metric: str | None,
+                   format: str | None) -> None:
     if keep is not None and keep < 1:
         raise ValueError(f"--keep must be >= 1, got {keep}")
     if keep_best is not None and best_metric is None:
@@ -122,9 +124,10 @@ def _delete(root: Storage, doomed: list[StepEntry]) -> None:
         try:
             remove()
         except OSError as err:
-            raise StorageError(f"prune could not delete {root.url.rstrip('/')}/{e.name} ({err}); deleted before "
-                               f"it: {', '.join(done) or 'nothing'}. The step is either still whole or gone (a "
-                               f"deletion starts with an atomic rename); run prune again once fixed") from err
+            raise StorageError(
+                f"prune could not delete {root.url.rstrip('/')}/{e.name} ({err}); deleted before it: "
+                f"{', '.join(done) or 'nothing'}. The step is either still whole or gone (a deletion starts "
+                "with an atomic rename); run prune again once fixed") from err
         done.append(e.name)
 
 
@@ -132,13 +135,15 @@ def _plan(root: Storage, e: StepEntry, f: layouts.StepFolder | None) -> Callable
     """How to delete step ``e`` (``f``: its step folder, listed again now), checked now: a
     CheckpointNotFoundError if it is no longer as it was listed."""
     where = f"{root.url.rstrip('/')}/{e.name}"
-    changed = CheckpointNotFoundError(f"prune deleted nothing: {where} (step {e.step}, {e.format}) is no longer "
-                                      "as it was listed (another process changed the directory); run prune again")
+    changed = CheckpointNotFoundError(f"prune deleted nothing: {where} (step {e.step}, {e.format}) is no "
+                                      "longer as it was listed (another process changed the directory); run "
+                                      "prune again")
     if f is None or f.layout.name != e.format:
         raise changed
     if root.sub(e.name).kind() == "file":  # another library's checkpoint file, named by format=
         try:
-            regular = root.local_path is not None and stat.S_ISREG(os.lstat(os.path.join(root.local_path, e.name)).st_mode)
+            path = os.path.join(root.local_path or "", e.name)
+            regular = root.local_path is not None and stat.S_ISREG(os.lstat(path).st_mode)
         except OSError:
             regular = False
         if not regular:
