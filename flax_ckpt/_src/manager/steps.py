@@ -191,10 +191,12 @@ class StepIndex:
 
     def retain(self, retention: Retention) -> None:
         """Deletes the steps ``retention`` removes (every process drops them; process 0 deletes the
-        folders). Every committed step of the directory counts, also those this manager did not write
-        (an earlier run's, an Orbax job's); the first time some of those go, a warning names them and
-        the option that keeps them."""
-        doomed = retention.doomed(self.all_metrics())
+        folders), each format's steps apart (retention.py). Every committed step of the directory counts,
+        also those this manager did not write (an earlier run's, an Orbax job's); the first time some of
+        those go, a warning names them and the option that keeps them."""
+        with self._mutex:
+            formats = {s: f.layout.name for s, f in self._folders.items()}
+        doomed = retention.doomed(self.all_metrics(), formats)  # each format's steps apart
         for step in doomed:
             with self._mutex:
                 folder = self._folders.pop(step, None)

@@ -23,6 +23,7 @@ chunk keys and the sharding index, about 200 lines.
 
 from __future__ import annotations
 
+import functools
 import errno
 import itertools
 import json
@@ -33,11 +34,12 @@ import threading
 from typing import Any, Sequence
 
 import crc32c
-import ml_dtypes
 import numpy as np
 import zstandard
 
 from flax_ckpt._src.errors import CorruptCheckpointError
+from flax_ckpt._src.lazy import lazy
+ml_dtypes = lazy("ml_dtypes", globals())  # imported on first use (lazy.py)
 
 MAX_CHUNKS = 1 << 16  # chunk files of one array looked at when it is opened; more: Unsupported
 MAX_METADATA = 1 << 20
@@ -168,14 +170,16 @@ def check_chunk(chunk: Sequence[int], shape: Sequence[int], dtype: np.dtype) -> 
                          f"shape {list(shape)}: more than a chunk of it can hold; refusing to decode them")
 
 
-_ML_DTYPES = frozenset(n for n in dir(ml_dtypes) if isinstance(getattr(ml_dtypes, n), type)
-                       and issubclass(getattr(ml_dtypes, n), np.generic))
+@functools.cache
+def _ml_dtypes() -> frozenset[str]:
+    return frozenset(n for n in dir(ml_dtypes) if isinstance(getattr(ml_dtypes, n), type)
+                     and issubclass(getattr(ml_dtypes, n), np.generic))
 
 
 def _dtype(name: Any, zarr3: bool) -> np.dtype:
     """The numpy dtype of a zarr v2 ``dtype`` ("<f4", "|b1", "bfloat16") or zarr3 ``data_type``."""
     bare = name.lstrip("<>|") if isinstance(name, str) else None
-    if bare in _ML_DTYPES:
+    if bare in _ml_dtypes():
         return np.dtype(getattr(ml_dtypes, bare))
     if bare is None or (zarr3 and bare != name):
         raise Unsupported(f"dtype {name!r}")

@@ -19,7 +19,6 @@ from collections.abc import Mapping
 from typing import Any, Callable, Sequence
 
 import numpy as np
-import tensorstore as ts
 
 from flax_ckpt._src import tree as tree_mod
 from flax_ckpt._src.engine.leaves import CheckpointInfo, checkpoint_info, key_data_shape
@@ -34,6 +33,8 @@ from flax_ckpt._src.orbax.locate import (OCDBT_MANIFEST, SHARDING, STRINGS, TEST
                                          step_metrics, stored_size, walk)
 from flax_ckpt._src.serializers import Box
 from flax_ckpt._src.storage import Storage
+from flax_ckpt._src.lazy import lazy
+ts = lazy("tensorstore", globals(), "ts")  # imported on first use (lazy.py)
 
 _ARRAY_TYPES = {"jax.Array": "jax", "np.ndarray": "numpy", "scalar": "numpy"}
 _EMPTY_TYPES = {"None": "none", "Dict": "dict", "List": "list", "Tuple": "tuple", "NamedTuple": "none"}

@@ -26,9 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import crc32c
-import jax
 import numpy as np
-import tensorstore as ts
 
 from flax_ckpt._src import commit as commit_mod
 from flax_ckpt._src.commit import distributed
@@ -41,6 +39,9 @@ from flax_ckpt._src.orbax.locate import (CHECKPOINT_METADATA, COMMIT_SUCCESS, CR
                                          TREE_METADATA, handler_kind)
 from flax_ckpt._src.orbax.read import OCDBT_FILE_SIZE, array_kvstore, context_for
 from flax_ckpt._src.storage import Storage
+from flax_ckpt._src.lazy import lazy
+jax = lazy("jax", globals())  # imported on first use (lazy.py)
+ts = lazy("tensorstore", globals(), "ts")  # imported on first use (lazy.py)
 
 _EMPTY_VALUE_TYPES = {"none": "None", "dict": "Dict", "list": "List", "tuple": "Tuple"}
 

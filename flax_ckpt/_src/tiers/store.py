@@ -34,7 +34,6 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import crc32c
-import jax
 import numpy as np
 
 from flax_ckpt._src import commit as commit_mod
@@ -47,6 +46,8 @@ from flax_ckpt._src.serializers import Box, Shard, box_of
 from flax_ckpt._src.storage import LocalStorage
 from flax_ckpt._src.tiers import files as tier_files
 from flax_ckpt._src.tiers.files import Spares
+from flax_ckpt._src.lazy import lazy
+jax = lazy("jax", globals())  # imported on first use (lazy.py)
 
 CHUNK = 1 << 20
 INDEX, DATA, COMMIT = "index.json", "data.bin", "commit.json"
