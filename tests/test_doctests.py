@@ -29,25 +29,49 @@ MODULES = (
 # The public callables of the contract; methods by their class. Those that raise nothing of their own
 # (a read of what the manager already knows) need no Raises section.
 CALLABLES = [
-    fc.save, fc.restore, fc.metadata,
-    fc.CheckpointManager, fc.CheckpointManager.save, fc.CheckpointManager.restore,
-    fc.CheckpointManager.wait_until_finished, fc.CheckpointManager.close, fc.CheckpointManager.all_steps,
-    fc.CheckpointManager.latest_step, fc.CheckpointManager.best_step, fc.CheckpointManager.metrics,
-    fc.CheckpointManager.should_save, fc.CheckpointManager.item_metadata,
+    fc.save,
+    fc.restore,
+    fc.metadata,
+    fc.CheckpointManager,
+    fc.CheckpointManager.save,
+    fc.CheckpointManager.restore,
+    fc.CheckpointManager.wait_until_finished,
+    fc.CheckpointManager.close,
+    fc.CheckpointManager.all_steps,
+    fc.CheckpointManager.latest_step,
+    fc.CheckpointManager.best_step,
+    fc.CheckpointManager.metrics,
+    fc.CheckpointManager.should_save,
+    fc.CheckpointManager.item_metadata,
     fc.Tiers,
-    CheckpointCallback, CheckpointCallback.restore_or, CheckpointCallback.__call__, CheckpointCallback.finish,
+    CheckpointCallback,
+    CheckpointCallback.restore_or,
+    CheckpointCallback.__call__,
+    CheckpointCallback.finish,
     CheckpointCallback.close,
-    fc.Serializer, fc.Serializer.write, fc.Serializer.read, fc.Serializer.read_many, fc.Serializer.view,
+    fc.Serializer,
+    fc.Serializer.write,
+    fc.Serializer.read,
+    fc.Serializer.read_many,
+    fc.Serializer.view,
     fc.Serializer.validate,
 ]
 RAISE_NOTHING = {
-    fc.CheckpointManager.all_steps, fc.CheckpointManager.latest_step, fc.CheckpointManager.best_step,
-    fc.CheckpointManager.metrics, fc.CheckpointManager.should_save,
+    fc.CheckpointManager.all_steps,
+    fc.CheckpointManager.latest_step,
+    fc.CheckpointManager.best_step,
+    fc.CheckpointManager.metrics,
+    fc.CheckpointManager.should_save,
     fc.Serializer,  # a protocol: its methods, which a user implements, say what they raise
 }
 # Methods a user implements rather than calls: the protocol's own example implements them all.
-EXAMPLE_ON_CLASS = {fc.Serializer.write, fc.Serializer.read, fc.Serializer.read_many, fc.Serializer.view,
-                    fc.Serializer.validate}
+EXAMPLE_ON_CLASS = {
+    fc.Serializer.write,
+    fc.Serializer.read,
+    fc.Serializer.read_many,
+    fc.Serializer.view,
+    fc.Serializer.validate,
+}
 
 
 def _doctests() -> list[doctest.DocTest]:
@@ -91,12 +115,16 @@ def test_public_callables_document_args_returns_raises_and_an_example(f):
         params = list(dataclass_fields(f))
     if getattr(f, "_is_protocol", False):  # constructed by its implementations, not by a user
         params = []
-    missing = [section for section, needed in (
-        ("Args:", bool(params)),
-        ("Returns:", not inspect.isclass(f) and sig.return_annotation not in ("None", None, inspect.Signature.empty)),
-        ("Raises:", f not in RAISE_NOTHING),
-        (">>>", f not in EXAMPLE_ON_CLASS),
-    ) if needed and section not in doc]
+    missing = [
+        section
+        for section, needed in (
+            ("Args:", bool(params)),
+            ("Returns:", not inspect.isclass(f) and sig.return_annotation not in ("None", None, sig.empty)),
+            ("Raises:", f not in RAISE_NOTHING),
+            (">>>", f not in EXAMPLE_ON_CLASS),
+        )
+        if needed and section not in doc
+    ]
     assert not missing, f"{_name(f)}'s docstring lacks {missing}"
 
 

@@ -102,7 +102,7 @@ class CheckpointManager:
                  max_to_keep: int | None = None,
                  keep_period: int | None = None, best_metric: str | None = None,
                  best_mode: Literal["min", "max"] = "min", keep_best: int | None = None,
-                 async_save: bool = True, serializer: "str | Serializer | None" = None, tiers: Any = None,
+                 async_save: bool = True, serializer: str | Serializer | None = None, tiers: Tiers | None = None,
                  strict: bool = False, metadata: Any = None, format: Literal["native", "orbax"] | None = None,
                  overhead_budget: float = 0.01, mtbf_s: float | None = None, metric_writer: Any = None,
                  storage_options: "ObjectStoreOptions | dict[str, Any] | None" = None):
