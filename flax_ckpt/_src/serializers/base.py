@@ -98,7 +98,7 @@ class Serializer(Protocol):
 
     Example:
       One object per shard, read back whole (a restore into another sharding would read parts of
-      several chunks: see examples/npy_serializer.py)::
+      several chunks: see examples/npy_serializer.py):
 
       >>> import numpy as np
       >>> class Bytes(fc.Serializer):
