@@ -19,7 +19,7 @@ from flax_ckpt._src.storage import split_location
 
 
 def save(path: Any, tree: Any, *, metadata: Any = None, serializer: "str | Serializer | None" = None,
-         step: int | None = None, metrics: dict | None = None, format: str = "native") -> None:
+         step: int | None = None, metrics: dict[str, Any] | None = None, format: str = "native") -> None:
     """Saves ``tree`` to ``path`` synchronously and atomically: the checkpoint is visible only once complete.
 
     Args:
