@@ -13,6 +13,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import tomllib
 
 import pytest
 
@@ -43,3 +44,11 @@ def test_ruff_format():
 def test_pyright_basic():
     r = _run("pyright", "--pythonpath", sys.executable)
     assert r.returncode == 0 and "\n0 errors," in "\n" + r.stdout, r.stdout + r.stderr
+
+
+def test_configured_paths_exist():
+    """A module that moved leaves no stale path behind: pyright would skip a missing one silently."""
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]
+    paths = [*config["pyright"]["include"], *config["pyright"]["exclude"]]
+    paths += list(config["ruff"]["lint"]["per-file-ignores"]) + FORMATTED
+    assert [p for p in paths if not (ROOT / p).exists()] == []
