@@ -58,6 +58,26 @@ class CheckpointCallback:
       force_after: the number of signals after which the previous handler runs, abandoning the save.
       **manager_options: any other ``fc.CheckpointManager`` option (``keep_period``, ``best_metric``,
         ``best_mode``, ``keep_best``, ``async_save``, ``serializer``, ...).
+
+    Raises:
+      TypeError: ``save_interval_steps`` is given (``every_steps`` is that option here).
+      CheckpointLockedError: another live manager holds the directory (and whatever
+        ``fc.CheckpointManager`` raises for its options).
+
+    Example:
+      >>> import numpy as np
+      >>> from flax_ckpt.callbacks import CheckpointCallback
+      >>> state = {"w": np.zeros(2, np.float32)}
+      >>> ckpt = CheckpointCallback("run", every_steps=2)
+      >>> state, start = ckpt.restore_or(state)
+      >>> for step in range(start, 5):
+      ...     state = {"w": state["w"] + 1}
+      ...     _ = ckpt(step + 1, state, {"loss": 1 / (step + 1)})
+      >>> ckpt.close()  # saves step 5, which the schedule skipped
+      >>> ckpt = CheckpointCallback("run", every_steps=2)
+      >>> ckpt.restore_or({"w": np.zeros(2, np.float32)})
+      ({'w': array([5., 5.], dtype=float32)}, 5)
+      >>> ckpt.close()
     """
 
     def __init__(self, directory: str | os.PathLike, every_steps: int = 100, max_to_keep: int | None = 3, *,
@@ -88,14 +108,37 @@ class CheckpointCallback:
                    missing: str = "error", unexpected: str = "error", cast: bool = False) -> tuple[Any, int]:
         """``(state restored from the newest good checkpoint, its step)``, or ``(state, 0)`` if there is none.
 
-        ``state`` is the freshly initialised state: it gives the structure, dtypes and placement. nnx
-        objects and stateful iterators in it are updated in place.
+        nnx objects and stateful iterators in ``state`` are updated in place. A resumed run restores
+        its own newest step, exactly; ``init_from`` applies only to a run with no checkpoint yet.
 
-        ``init_from``: a checkpoint (any path fc.restore takes, e.g. a pretrained model's) that a fresh
-        run starts from: with no checkpoint of its own in the directory, the run restores ``init_from``
-        into ``state`` with ``rename``, ``missing``, ``unexpected`` and ``cast`` (as fc.restore's; e.g.
-        ``missing="keep"`` for the new head and the optimizer state) and starts at step 0. A resumed
-        run restores its own newest step, exactly, as without ``init_from``."""
+        Args:
+          state: the freshly initialised state: it gives the structure, dtypes and placement.
+          init_from: a checkpoint (any path fc.restore takes, e.g. a pretrained model's) that a fresh
+            run starts from, at step 0.
+          rename: as fc.restore's, for ``init_from``.
+          missing: as fc.restore's, for ``init_from`` (e.g. "keep" for a new head and the optimizer
+            state).
+          unexpected: as fc.restore's, for ``init_from``.
+          cast: as fc.restore's, for ``init_from``.
+
+        Returns:
+          ``(state, step)``: the restored state and the step to continue from.
+
+        Raises:
+          TypeError: ``rename``, ``missing``, ``unexpected`` or ``cast`` without ``init_from``.
+          TargetMismatchError: ``state`` does not fit the checkpoint (the message lists every leaf).
+          CorruptCheckpointError: every step is damaged (or, when strict, the newest).
+
+        Example:
+          >>> import numpy as np
+          >>> from flax_ckpt.callbacks import CheckpointCallback
+          >>> fc.save("pretrained", {"w": np.ones(2, np.float32)})
+          >>> ckpt = CheckpointCallback("run")
+          >>> ckpt.restore_or({"head": np.zeros(1, np.float32), "w": np.zeros(2, np.float32)},
+          ...                 init_from="pretrained", missing="keep")
+          ({'head': array([0.], dtype=float32), 'w': array([1., 1.], dtype=float32)}, 0)
+          >>> ckpt.close()
+        """
         options = dict(rename=rename, missing=missing, unexpected=unexpected, cast=cast)
         if init_from is None and options != dict(rename=None, missing="error", unexpected="error", cast=False):
             raise TypeError("restore_or: rename, missing, unexpected and cast apply to the init_from checkpoint; "
@@ -117,14 +160,35 @@ class CheckpointCallback:
     # ------------------------------------------------------------------------------------------ saving
 
     def __call__(self, step: int, state: Any, metrics: Metrics = None, *, force: bool = False) -> bool:
-        """Call at each step boundary with the state after ``step`` steps. Saves when the schedule says so,
-        or off schedule with ``force=True`` (e.g. after an evaluation worth keeping); on preemption saves
-        this step, waits for it, and stops. Returns whether it saved. The last state given is saved by
-        ``close()`` if its step was not.
+        """Call at each step boundary with the state after ``step`` steps; saves when the schedule says so.
 
-        ``metrics`` (JSON scalars, or a function returning them, called only when saving; an array with
-        one element counts as its number) are stored with the checkpoint and rank it for
-        ``best_metric``."""
+        On preemption (a signal of ``preemption_signals``) saves this step, waits until it is durable,
+        and exits (or, with ``exit_on_preemption=False``, sets ``preempted``). The last state given is
+        saved by ``close()`` if its step was not.
+
+        Args:
+          step: the number of steps done.
+          state: the training state (a pytree; nnx objects and stateful iterators are converted).
+          metrics: JSON scalars, or a function returning them (called only when saving; an array
+            with one element counts as its number), stored with the checkpoint and ranking it for
+            ``best_metric``.
+          force: save off the schedule (e.g. after an evaluation worth keeping).
+
+        Returns:
+          Whether it saved.
+
+        Raises:
+          SystemExit: after a preemption save, with ``exit_on_preemption=True``.
+          SaveFailedError: a previous background save failed.
+          CheckpointError: the callback is closed.
+
+        Example:
+          >>> import numpy as np
+          >>> from flax_ckpt.callbacks import CheckpointCallback
+          >>> with CheckpointCallback("run", every_steps=10) as ckpt:
+          ...     ckpt(9, {"w": np.zeros(2)}), ckpt(10, {"w": np.ones(2)})
+          (False, True)
+        """
         if self._closed:
             raise fc.CheckpointError("CheckpointCallback is closed")
         stop = not self.preempted and self._guard.reached(step)
@@ -157,7 +221,27 @@ class CheckpointCallback:
     def finish(self, step: int, state: Any, metrics: Metrics = None) -> bool:
         """Saves ``step`` (off schedule if need be) unless it is saved already, and waits until every save
         is durable: the end of a run whose length is not a multiple of ``every_steps``, or whose final
-        state is not the one the loop last passed. Returns whether it saved."""
+        state is not the one the loop last passed.
+
+        Args:
+          step: the final step.
+          state: the final state.
+          metrics: as for a call.
+
+        Returns:
+          Whether it saved.
+
+        Raises:
+          SaveFailedError: this or a previous save failed.
+          CheckpointError: the callback is closed.
+
+        Example:
+          >>> import numpy as np
+          >>> from flax_ckpt.callbacks import CheckpointCallback
+          >>> with CheckpointCallback("run", every_steps=10) as ckpt:
+          ...     ckpt.finish(7, {"w": np.zeros(2)}), ckpt.manager.all_steps()
+          (True, [7])
+        """
         if self._closed:
             raise fc.CheckpointError("CheckpointCallback is closed")
         self._pending = None
@@ -170,7 +254,23 @@ class CheckpointCallback:
 
     def close(self) -> None:
         """Saves the state of the last call if its step was not saved (not after a preemption save),
-        waits for the save in flight, releases the directory and puts back the signal handlers."""
+        waits for the save in flight, releases the directory and puts back the signal handlers.
+
+        Also run at interpreter exit for a callback still open, and by ``with CheckpointCallback(...)``.
+
+        Raises:
+          SaveFailedError: the final or an earlier save failed (the directory is released all the same).
+
+        Example:
+          >>> import numpy as np
+          >>> from flax_ckpt.callbacks import CheckpointCallback
+          >>> ckpt = CheckpointCallback("run", every_steps=10)
+          >>> ckpt(3, {"w": np.zeros(2)})
+          False
+          >>> ckpt.close()
+          >>> fc.metadata("run/3").step
+          3
+        """
         self._close(final_save=True, at_exit=False)
 
     def _close(self, *, final_save: bool, at_exit: bool) -> None:

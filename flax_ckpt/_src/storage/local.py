@@ -9,10 +9,10 @@ Large files on a local block-device file system (ext4, xfs, btrfs) are written w
 from memory where the buffers lie back to back from a page boundary (an async save's arena,
 engine/arena.py), else through a page-aligned staging buffer: the disk reads the bytes from there,
 instead of the kernel copying them into the page cache and writing them back later. That copy is
-what a write costs the CPU (about 1 ms of kernel time per MiB on a small VM, taken from the cores a
-training step is using); the staging copy costs about a sixth of it. Elsewhere (tmpfs, NFS, FUSE, any
-file system that refuses O_DIRECT, or FLAX_CKPT_DIRECT_IO=0) files go through the page cache as before. Either way the bytes on disk
-are the same and fsynced before ``write`` returns.
+most of what a write costs the CPU, taken from the cores a training step is using; the staging copy
+costs a fraction of it (benchmarks/README.md, "Figures from the module docstrings"). Elsewhere (tmpfs,
+NFS, FUSE, any file system that refuses O_DIRECT, or FLAX_CKPT_DIRECT_IO=0) files go through the page
+cache. Either way the bytes on disk are the same and fsynced before ``write`` returns.
 """
 
 from __future__ import annotations

@@ -101,9 +101,9 @@ class Copy:
 
     ``index``: instead of a body, the sealed index bytes this process just wrote, parsed when the body
     is first needed (``step``: its step). A memory tier at every step makes each copy of adam's state
-    a new base whose body is hardly ever read; kept parsed, its ~1,500 lists and dicts would outlive
-    one save each and drive Python's full collections (100-150 ms each, holding the GIL, on a
-    Transformer loop: 4 in 120 saves)."""
+    a new base whose body is hardly ever read; kept parsed, its lists and dicts would outlive one save
+    each and drive Python's full collections, which hold the GIL (benchmarks/README.md, "Figures from
+    the module docstrings")."""
 
     where: str
     _body: dict[str, Any] | None
