@@ -17,6 +17,7 @@ import numpy as np
 
 from flax_ckpt._src.checks import canonical
 from flax_ckpt._src.lazy import lazy
+
 ml_dtypes = lazy("ml_dtypes", globals())  # imported on first use (lazy.py)
 
 ARRAY_KINDS = ("jax", "numpy", "prng_key")  # leaf kinds with a dtype, a shape and chunks

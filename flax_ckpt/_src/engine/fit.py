@@ -21,8 +21,8 @@ from typing import Any, Callable, Mapping, NamedTuple, Sequence
 import numpy as np
 
 from flax_ckpt._src.errors import CastOverflowError, InvalidArgumentError, RenameCollisionError, format_list
-from flax_ckpt._src.records import LeafRecord
 from flax_ckpt._src.lazy import lazy
+from flax_ckpt._src.records import LeafRecord
 from flax_ckpt._src.tree import KeyPath
 
 ml_dtypes = lazy("ml_dtypes", globals())  # imported on first use (lazy.py)

@@ -26,9 +26,10 @@ from flax_ckpt._src.engine.arena import Arena
 from flax_ckpt._src.engine.leaves import key_data_shape
 from flax_ckpt._src.engine.pause import gc_paused
 from flax_ckpt._src.errors import CheckpointError
+from flax_ckpt._src.lazy import lazy
 from flax_ckpt._src.records import LeafRecord
 from flax_ckpt._src.serializers import ArrayItem, Box, Shard, box_of
-from flax_ckpt._src.lazy import lazy
+
 jax = lazy("jax", globals())  # imported on first use (lazy.py)
 
 _BIG = 1 << 20  # leaves of more bytes are copied on a small pool

@@ -23,8 +23,8 @@ chunk keys and the sharding index, about 200 lines.
 
 from __future__ import annotations
 
-import functools
 import errno
+import functools
 import itertools
 import json
 import math
@@ -39,6 +39,7 @@ import zstandard
 
 from flax_ckpt._src.errors import CorruptCheckpointError
 from flax_ckpt._src.lazy import lazy
+
 ml_dtypes = lazy("ml_dtypes", globals())  # imported on first use (lazy.py)
 
 MAX_CHUNKS = 1 << 16  # chunk files of one array looked at when it is opened; more: Unsupported

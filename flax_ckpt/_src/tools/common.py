@@ -14,8 +14,8 @@ import numpy as np
 
 from flax_ckpt._src import layouts
 from flax_ckpt._src.engine.reader import Reader
-from flax_ckpt._src.lazy import lazy
 from flax_ckpt._src.errors import CheckpointError, CheckpointNotFoundError
+from flax_ckpt._src.lazy import lazy
 from flax_ckpt._src.storage import Storage, split_location
 from flax_ckpt._src.storage.lock import LOCK_FILE
 
