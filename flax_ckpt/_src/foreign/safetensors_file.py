@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from flax_ckpt._src.checks import MAX_PATH_DEPTH, check_tree, shape_problem
 from flax_ckpt._src.errors import CorruptCheckpointError, format_list
 from flax_ckpt._src.foreign.files import CheckpointFile, FileSource, whole
 from flax_ckpt._src.records import LeafRecord, dtype_from_name
@@ -92,14 +93,15 @@ def _entry(entry: Any, data_len: int) -> tuple[str | None, Any, Any, Any]:
     if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
         return "not {dtype, shape, data_offsets}", None, None, None
     name, shape, span = entry["dtype"], entry["shape"], entry["data_offsets"]
-    if name not in DTYPES:
+    if not isinstance(name, str) or name not in DTYPES:
         return f"dtype {str(name)[:20]!r} is none of {', '.join(DTYPES)}", None, None, None
-    if not isinstance(shape, list) or len(shape) > 64 or not all(type(d) is int and 0 <= d < 1 << 62 for d in shape):
-        return f"shape {str(shape)[:60]} is not a list of sizes", None, None, None
+    dtype = dtype_from_name(DTYPES[name])
+    problem = shape_problem(shape, dtype.itemsize)
+    if problem:
+        return problem, None, None, None
     if (not isinstance(span, list) or len(span) != 2 or not all(type(x) is int for x in span)
             or not 0 <= span[0] <= span[1] <= data_len):
         return f"data_offsets {str(span)[:60]} are not within the {data_len} bytes of data", None, None, None
-    dtype = dtype_from_name(DTYPES[name])
     need = math.prod(shape) * dtype.itemsize
     if need != span[1] - span[0]:
         return f"{DTYPES[name]}{shape} needs {need} bytes, its offsets span {span[1] - span[0]}", None, None, None
@@ -123,25 +125,28 @@ def _check_tiling(doc: dict, paths: dict, data_len: int, where: str) -> None:
                                      "(damaged, or two files concatenated); nothing was restored")
 
 
+class _NameCheck:
+    """check_tree's ``fail`` for tensor names: a CorruptCheckpointError naming the file and the name."""
+
+    def __init__(self, where: str, sep: str):
+        self.where, self.sep = where, sep
+
+    def fail(self, field: str, why: str):
+        raise CorruptCheckpointError(f"{self.where}: tensor names that make no tree (split at {self.sep!r}): "
+                                     f"{field}: {why}; rename them in the file (nothing was restored)")
+
+
 def _paths(names: list[str], where: str) -> dict[str, tuple[tuple[str, str], ...]]:
     """{tensor name: key path}: split at "/" when any name has one, else at "."; names that give one
-    key path twice, or a leaf that another name's path passes through, are refused."""
+    key path twice, a leaf that another name's path passes through, or a path deeper than
+    MAX_PATH_DEPTH are refused (checks.check_tree: linear in the names' length)."""
     sep = "/" if any("/" in n for n in names) else "."
+    check = _NameCheck(where, sep)
+    for n in names:
+        if n.count(sep) >= MAX_PATH_DEPTH:
+            check.fail(repr(n[:100]), f"{n.count(sep) + 1} keys deep, deeper than {MAX_PATH_DEPTH}")
     paths = {n: tuple(("key", k) for k in n.split(sep)) for n in names}
-    seen: dict[tuple, str] = {}
-    clash = []
-    for n, p in paths.items():
-        if p in seen:
-            clash.append(f"{seen[p]!r} and {n!r} are one key path")
-        seen[p] = n
-    for n, p in paths.items():
-        for i in range(1, len(p)):
-            if p[:i] in seen:
-                clash.append(f"{seen[p[:i]]!r} is a leaf, and {n!r} a leaf below it")
-                break
-    if clash:
-        raise CorruptCheckpointError(f"{where}: tensor names that make no tree (split at {sep!r}): "
-                                     f"{format_list(clash)}; rename them in the file")
+    check_tree(list(paths.values()), check, lambda i: repr(names[i][:200]))
     return paths
 
 
