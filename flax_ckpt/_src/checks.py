@@ -277,7 +277,7 @@ def check_tree(paths: Sequence[Sequence[Sequence[Any]]], c: Any,
     if sum(n.top + 1 for n in lists) > len(paths) + MAX_LIST_GAPS:
         c.fail(label(max(range(len(paths)), key=lambda i: _top(paths[i]))),
                f"sequence indices up to {max(map(_top, paths))} leave more gaps than any saved tree has "
-               f"(more than {MAX_LIST_GAPS} list slots without a leaf); damaged or crafted")
+               f"(more than {MAX_LIST_GAPS} list slots without a leaf)")
 
 
 def _top(path: Sequence[Sequence[Any]]) -> int:
