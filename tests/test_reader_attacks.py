@@ -71,20 +71,24 @@ def _versions(kind: str, path) -> tuple[bytes, bytes]:
 
 
 def _rewrite(path, versions: tuple[bytes, bytes], stop: threading.Event, rounds: list[int]) -> None:
-    """Rewrites the file in place, 8 MiB at a time, alternating the two versions, until ``stop``."""
+    """Rewrites the file in place, one write of the whole file at a time (as `cp` over it or a writer
+    that rewrites it does), alternating the two versions, 20 ms apart, until ``stop``."""
     fd = os.open(path, os.O_WRONLY)
     try:
         while not stop.is_set():
-            data = memoryview(versions[rounds[0] % 2 == 0])
-            for at in range(0, len(data), 8 << 20):
-                os.pwrite(fd, data[at:at + (8 << 20)], at)
+            data, at = memoryview(versions[rounds[0] % 2 == 0]), 0
+            while at < len(data):
+                at += os.pwrite(fd, data[at:], at)
             rounds[0] += 1
+            stop.wait(0.02)
     finally:
         os.close(fd)
 
 
 @pytest.mark.parametrize("kind", ["safetensors", "msgpack"])
 def test_a_file_rewritten_in_place_during_restores_is_never_read_as_a_mix(tmp_path, kind):
+    """Before: safetensors restores gave mixed arrays about every other restore, msgpack about one in five
+    (a write begun before the file was opened changes no mtime the reader could compare)."""
     path = str(tmp_path / ("m.safetensors" if kind == "safetensors" else "checkpoint_1"))
     versions = _versions(kind, path)
     stop, rounds = threading.Event(), [0]
@@ -93,7 +97,7 @@ def test_a_file_rewritten_in_place_during_restores_is_never_read_as_a_mix(tmp_pa
     mixed, whole, refused = [], 0, 0
     try:
         deadline = time.monotonic() + 20
-        while time.monotonic() < deadline and (refused < 5 or whole + refused < 20):
+        while time.monotonic() < deadline and not mixed:
             try:
                 w = fc.restore(path)["w"]
             except fc.CorruptCheckpointError as e:
@@ -108,7 +112,7 @@ def test_a_file_rewritten_in_place_during_restores_is_never_read_as_a_mix(tmp_pa
         stop.set()
         writer.join()
     assert rounds[0] > 2, rounds  # the file was rewritten during the restores
-    assert not mixed, f"{len(mixed)} restores of {whole + refused} returned a mix of two versions: {mixed[:3]}"
+    assert not mixed, f"a restore (of {whole + refused}) returned a mix of two versions: {mixed}"
     assert refused, (whole, refused)  # the writes were seen
 
 
