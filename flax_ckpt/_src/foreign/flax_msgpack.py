@@ -27,7 +27,8 @@ import msgpack
 import numpy as np
 
 from flax_ckpt._src.checks import check_tree, shape_problem
-from flax_ckpt._src.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedLeafError, format_list
+from flax_ckpt._src.errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError,
+                                   UnsupportedLeafError, format_list)
 from flax_ckpt._src.foreign.files import CheckpointFile, FileSource, whole
 from flax_ckpt._src.records import LeafRecord, dtype_from_name, keystr
 from flax_ckpt._src.serializers import Box
@@ -123,6 +124,9 @@ def _unpack(data: bytearray, where: str) -> Any:
     except msgpack.ExtraData:
         raise CorruptCheckpointError(f"{where}: bytes after the end of the msgpack tree (two files concatenated, "
                                      "or damage); restore an older step or re-save it") from None
+    except MemoryError:
+        raise CheckpointError(f"{where}: out of memory decoding its {len(data)} bytes; read it on a machine with "
+                              "more memory") from None
     except msgpack.StackError:
         raise CorruptCheckpointError(f"{where}: msgpack nested too deep to read (damaged or crafted); nothing "
                                      "was restored") from None

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from flax_ckpt._src.checks import MAX_PATH_DEPTH, check_tree, shape_problem
-from flax_ckpt._src.errors import CorruptCheckpointError, format_list
+from flax_ckpt._src.errors import CheckpointError, CorruptCheckpointError, format_list
 from flax_ckpt._src.foreign.files import CheckpointFile, FileSource, whole
 from flax_ckpt._src.records import LeafRecord, dtype_from_name
 from flax_ckpt._src.serializers import Box
@@ -35,6 +35,8 @@ DTYPES = {"BOOL": "bool", "U8": "uint8", "I8": "int8", "U16": "uint16", "I16": "
           "F64": "float64", "C64": "complex64", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
           "F8_E4M3FNUZ": "float8_e4m3fnuz", "F8_E5M2FNUZ": "float8_e5m2fnuz"}
 _BUDGET_SLACK = 64 << 20
+FREE_KEYS = 1 << 20  # key paths' keys any header may hold (see _paths)
+HEADER_BYTES_PER_KEY = 8  # and one per this many bytes of header (a real name's key takes about 16)
 
 
 def looks_like(head: bytes, size: int) -> bool:
@@ -59,6 +61,9 @@ def _header(file: CheckpointFile) -> tuple[dict[str, Any], int]:
         doc = json.loads(raw.decode("utf-8"))
     except (ValueError, RecursionError) as e:
         raise CorruptCheckpointError(f"{where}: its header is not valid JSON ({str(e)[:100]}); damaged") from None
+    except MemoryError:
+        raise CheckpointError(f"{where}: out of memory parsing its {n}-byte header; read it on a machine with "
+                              "more memory") from None
     if not isinstance(doc, dict):
         raise CorruptCheckpointError(f"{where}: its header is not a JSON object")
     return doc, 8 + n
@@ -72,7 +77,7 @@ def parse(file: CheckpointFile) -> tuple[list[LeafRecord], dict[str, tuple[int, 
     meta = doc.pop("__metadata__", None)
     if meta is not None and (not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values())):
         raise CorruptCheckpointError(f"{where}: its __metadata__ is not a map of strings")
-    paths = _paths(list(doc), where)
+    paths = _paths(list(doc), where, start - 8)
     leaves, spans, bad = [], {}, []
     for name, path in paths.items():
         entry = doc[name]
@@ -136,15 +141,21 @@ class _NameCheck:
                                      f"{field}: {why}; rename them in the file (nothing was restored)")
 
 
-def _paths(names: list[str], where: str) -> dict[str, tuple[tuple[str, str], ...]]:
+def _paths(names: list[str], where: str, header_bytes: int) -> dict[str, tuple[tuple[str, str], ...]]:
     """{tensor name: key path}: split at "/" when any name has one, else at "."; names that give one
-    key path twice, a leaf that another name's path passes through, or a path deeper than
-    MAX_PATH_DEPTH are refused (checks.check_tree: linear in the names' length)."""
+    key path twice, a leaf that another name's path passes through, a path deeper than MAX_PATH_DEPTH,
+    or more keys than FREE_KEYS plus one per HEADER_BYTES_PER_KEY bytes of the header (each key takes
+    about a hundred bytes of memory) are refused (checks.check_tree: linear in the names' length)."""
     sep = "/" if any("/" in n for n in names) else "."
     check = _NameCheck(where, sep)
+    keys = 0
     for n in names:
         if n.count(sep) >= MAX_PATH_DEPTH:
             check.fail(repr(n[:100]), f"{n.count(sep) + 1} keys deep, deeper than {MAX_PATH_DEPTH}")
+        keys += n.count(sep) + 1
+    if keys > FREE_KEYS + header_bytes // HEADER_BYTES_PER_KEY:
+        check.fail(f"{len(names)} names", f"{keys} keys in a {header_bytes}-byte header, more than its size "
+                   f"allows ({FREE_KEYS} and one per {HEADER_BYTES_PER_KEY} bytes)")
     paths = {n: tuple(("key", k) for k in n.split(sep)) for n in names}
     check_tree(list(paths.values()), check, lambda i: repr(names[i][:200]))
     return paths
