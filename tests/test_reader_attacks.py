@@ -341,6 +341,19 @@ def test_local_read_allocates_the_file_and_refuses_one_that_changes_size(tmp_pat
     monkeypatch.setattr(os, "fstat", lambda fd: os.stat_result((*real(fd)[:6], 400, *real(fd)[7:])))
     with pytest.raises(fc.CorruptCheckpointError, match=r"changed size while it was being read \(400 bytes, then 401"):
         store.read("f", 256 << 20)
+    monkeypatch.undo()
+    fstats = []
+
+    def fstat_then_write(fd):  # a write lands between the read's first fstat and the read
+        fstats.append(real(fd))
+        if len(fstats) == 2:
+            time.sleep(0.01)  # a timestamp tick
+            (tmp_path / "f").write_bytes(b"y" * 417)
+        return fstats[-1]
+
+    monkeypatch.setattr(os, "fstat", fstat_then_write)
+    with pytest.raises(fc.CorruptCheckpointError, match=f"{tmp_path / 'f'} changed while it was being read"):
+        store.read("f", 256 << 20)
 
 
 def test_an_orbax_chunk_file_written_while_it_is_read_is_refused(tmp_path, monkeypatch):
@@ -369,3 +382,15 @@ def test_an_orbax_chunk_file_written_while_it_is_read_is_refused(tmp_path, monke
     assert rewritten
     monkeypatch.setattr(os, "pread", real)
     np.testing.assert_array_equal(fc.restore(path)["w"], w)
+
+
+@pytest.mark.parametrize("key", [True, -1, 2 ** 31, "1" * 11, "٣", None, 1.5])
+def test_an_orbax_sequence_key_that_is_no_index_is_invalid_metadata(tmp_path, key):
+    fc.save(tmp_path / "o", {"c": [np.zeros(2, np.float32)]}, format="orbax")
+    meta = tmp_path / "o" / "_METADATA"
+    doc = json.loads(meta.read_text())
+    [entry] = doc["tree_metadata"].values()
+    entry["key_metadata"][1]["key"] = key
+    meta.write_text(json.dumps(doc))
+    with pytest.raises(fc.InvalidManifestError, match="_METADATA: entry .*: (sequence key .* is not an index|bad key)"):
+        fc.restore(tmp_path / "o")

@@ -177,7 +177,8 @@ def _entry_path(key_meta: Any, where: str, key: str) -> tuple[tree_mod.KeyPath, 
                                    f"{MAX_PATH_DEPTH}; the Orbax checkpoint is damaged or crafted")
     path = []
     for e in key_meta:
-        if not isinstance(e, dict) or not isinstance(e.get("key"), (str, int)) or e.get("key_type") not in (1, 2):
+        if (not isinstance(e, dict) or not isinstance(e.get("key"), (str, int)) or isinstance(e["key"], bool)
+                or e.get("key_type") not in (1, 2)):
             raise InvalidManifestError(f"{where}: entry {key[:100]}: bad key entry {str(e)[:100]}")
         name = e["key"] if isinstance(e["key"], str) else None
         if e["key_type"] == 1:

@@ -181,17 +181,22 @@ class LocalStorage:
     def read(self, name: str, max_bytes: int) -> bytes:
         """The whole file ``name``; CorruptCheckpointError when it holds more than ``max_bytes``.
         Allocates what the file holds (plus one byte, to see it grow), never ``max_bytes``; a file
-        whose size changes while it is read is a CorruptCheckpointError."""
+        whose size or times change while it is read is a CorruptCheckpointError."""
         fd, path = self._open_regular(name)
         with os.fdopen(fd, "rb") as f:
-            size = os.fstat(fd).st_size
+            before = os.fstat(fd)
+            size = before.st_size
             if size > max_bytes:
                 raise CorruptCheckpointError(f"{path} holds {size} bytes, more than the {max_bytes} it may; "
                                              "refusing to read it")
             data = f.read(size + 1)
+            after = os.fstat(fd)
         if len(data) != size:
             raise CorruptCheckpointError(f"{path} changed size while it was being read ({size} bytes, then "
                                          f"{len(data)}{'+' if len(data) > size else ''}); read it again once "
+                                         "nothing writes it")
+        if (after.st_size, after.st_mtime_ns, after.st_ctime_ns) != (size, before.st_mtime_ns, before.st_ctime_ns):
+            raise CorruptCheckpointError(f"{path} changed while it was being read (rewritten); read it again once "
                                          "nothing writes it")
         return data
 
