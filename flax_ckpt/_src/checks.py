@@ -2,9 +2,12 @@
 
 Scope: ``seal``/``unseal`` (the checksummed JSON codec of every document flax_ckpt writes: the native
 manifest, the memory tiers' indexes), ``check_relpath`` (a stored location is a plain relative path
-inside its folder; used by the serializers and Orbax's reader) and ``tiling_problem`` (a leaf's chunks
+inside its folder; used by the serializers and Orbax's reader), ``tiling_problem`` (a leaf's chunks
 cover it exactly: disjoint and complete, used wherever chunk records are trusted: the native manifest's
-validation, the restore placement, the memory tiers' copies). Nothing here reads storage.
+validation, the restore placement, the memory tiers' copies), ``check_path``/``check_tree`` (key paths
+that make one tree a restore can nest, in linear time: the native manifest, Orbax's ``_METADATA``,
+safetensors names, Flax msgpack trees) and ``shape_problem`` (a shape numpy can make an array of).
+Nothing here reads storage.
 """
 
 from __future__ import annotations

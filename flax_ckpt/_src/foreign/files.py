@@ -2,7 +2,8 @@
 
 Scope: ``CheckpointFile`` (a regular file opened without blocking: a FIFO, device or socket is refused
 before anything is read; a file found by listing a run directory is never a symlink; a file that
-changes while it is read is an error, never a mix of two versions), the step a file name gives
+changes while it is read is an error, never a mix of two versions: its identity is checked before and
+after every read, and a file modified lately is read twice), the step a file name gives
 (``step_of``: ``checkpoint_<step>``, ``<prefix>_<step>`` or ``<step>``), and ``FileSource``, the part
 of a restore Source every foreign file shares (no checksums: every leaf is unverified). Decoding a
 format is its own module's (flax_msgpack.py, safetensors_file.py).

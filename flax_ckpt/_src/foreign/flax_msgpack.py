@@ -11,9 +11,11 @@ maps of flat chunks. Arrays from ``save_checkpoint_multiprocess`` (``//GDAPlaceh
 their data in a ``<file>_gda`` folder) are not read.
 
 Hostile input: every length msgpack may allocate is bounded by the file's size, nesting deeper than
-MAX_DEPTH is refused, dtype names are numpy's and ml_dtypes' numeric types only (records.dtype_from_name:
-no object, string or structured dtypes), and an array's bytes must be exactly its shape times its
-itemsize. Every array is decoded when the file is opened (the format has no index: shapes and dtypes
+MAX_DEPTH is refused, the tree's nodes and key paths may cost at most FREE_WORK plus WORK_PER_BYTE per
+byte of the file (a file of one-byte leaves is refused before its leaves are built), its key paths
+must make one tree (checks.check_tree), dtype names are numpy's and ml_dtypes' numeric types only
+(records.dtype_from_name: no object, string or structured dtypes), and an array's bytes must be
+exactly its shape times its itemsize, its shape one numpy can make (checks.shape_problem). Every array is decoded when the file is opened (the format has no index: shapes and dtypes
 are inside the arrays' own bytes), so a file takes about twice its size in memory while it is opened
 and its size after.
 """

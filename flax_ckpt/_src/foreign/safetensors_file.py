@@ -4,8 +4,9 @@ Scope: the format (huggingface/safetensors' README): 8 bytes, the little-endian 
 header; the header, ``{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {str:
 str}}``; then the tensors' bytes, C order, little-endian, offsets relative to the end of the header.
 Checked before any tensor byte is read: N within the file and MAX_HEADER, every dtype one of
-DTYPES, every tensor's bytes exactly its shape times its itemsize, and the tensors tiling the data
-exactly (no overlap, no gap, nothing after). Tensor names are key paths: split at "/" when any name
+DTYPES, every shape one numpy can make, every tensor's bytes exactly its shape times its itemsize,
+the tensors tiling the data exactly (no overlap, no gap, nothing after), and the names making one tree
+of at most MAX_PATH_DEPTH levels and FREE_KEYS plus one key per HEADER_BYTES_PER_KEY header bytes. Tensor names are key paths: split at "/" when any name
 has one, else at "." (``params.dense.kernel`` and ``params/dense/kernel`` are the same leaf). The
 metadata of flax_ckpt's own export (tools/convert.py: ``"format": "flax_ckpt export"`` and the
 JSON strings ``step``, ``metrics``, ``metadata``) give the step, metrics and user metadata back; any

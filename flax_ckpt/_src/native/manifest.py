@@ -4,8 +4,8 @@ A checkpoint is a folder holding ``manifest.json`` plus whatever the serializer 
 also the commit record: a folder without a valid manifest is not a checkpoint. Its body is covered by
 a crc32c, and every field is validated before anything it names is read, so a damaged or hostile
 manifest gives an InvalidManifestError and never a read outside the folder or an absurd allocation. The
-typed record of a leaf is records.py's; the checksummed JSON codec (``seal``/``unseal``) and the
-tiling check are checks.py's, shared with the other layouts.
+typed record of a leaf is records.py's; the checksummed JSON codec (``seal``/``unseal``), the
+tiling check and the key-path tree check are checks.py's, shared with the other layouts.
 Nothing here touches array bytes; storage access goes through a Storage.
 """
 

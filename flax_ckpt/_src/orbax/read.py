@@ -7,6 +7,9 @@ engine's LeafRecords. The engine checks the target and places the leaves (engine
 as for its own checkpoints. Value types read: ``jax.Array``, ``np.ndarray``, ``scalar`` (Python
 numbers stored as 0-d arrays, given back as numbers), ``string`` and the empty ``None``/``Dict``/
 ``List``/``Tuple``/``NamedTuple``; anything else is an UnsupportedOrbaxCheckpointError naming it.
+The key paths of ``_METADATA`` pass the native manifest's checks (checks.check_tree: one tree, at most
+MAX_PATH_DEPTH keys, indices below MAX_INDEX, lists without vast gaps, in linear time): damaged or
+crafted metadata is an InvalidManifestError, which a manager treats as damage (it falls back a step).
 """
 
 from __future__ import annotations
