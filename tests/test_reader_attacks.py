@@ -297,6 +297,24 @@ def test_a_zero_element_array_numpy_cannot_make_is_refused_when_opened(tmp_path)
         fc.metadata(tmp_path / "native")
 
 
+def test_an_orbax_array_of_zero_elements_numpy_cannot_make_is_corrupt(tmp_path):
+    ocp = pytest.importorskip("orbax.checkpoint")
+    path = tmp_path / "plain"
+    ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_ocdbt=False, use_zarr3=True)).save(
+        path, args=ocp.args.PyTreeSave({"w": np.zeros((1, 2, 2), np.float32)}))
+    meta = json.loads((path / "w" / "zarr.json").read_text())
+    meta["shape"] = [0, 2 ** 61, 2 ** 61]  # before: MemoryError (a tuple of 2**60 chunk indices)
+    (path / "w" / "zarr.json").write_text(json.dumps(meta))
+    for call in (fc.metadata, fc.restore):
+        with pytest.raises(fc.CorruptCheckpointError, match=r"w/zarr.json: .*shape \[0, 2305843009213693952, .* spans"):
+            call(path)
+    meta["codecs"].insert(0, {"name": "transpose", "configuration": {"order": [0, 1, 2]}})  # read by tensorstore
+    (path / "w" / "zarr.json").write_text(json.dumps(meta))
+    for call in (fc.metadata, fc.restore):
+        with pytest.raises(fc.CorruptCheckpointError, match=r"the array of 'w' .*: shape \[0, 2305843009213693952, "):
+            call(path)
+
+
 def test_zero_element_arrays_numpy_can_make_still_restore(tmp_path):
     fc.save(tmp_path / "native", {"w": np.zeros((0, 1 << 20, 4), np.float32)})
     assert fc.restore(tmp_path / "native")["w"].shape == (0, 1 << 20, 4)

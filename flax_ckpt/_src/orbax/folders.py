@@ -37,6 +37,7 @@ import ml_dtypes
 import numpy as np
 import zstandard
 
+from flax_ckpt._src.checks import shape_problem
 from flax_ckpt._src.errors import CorruptCheckpointError
 
 MAX_CHUNKS = 1 << 16  # chunk files of one array looked at when it is opened; more: Unsupported
@@ -298,13 +299,16 @@ class _Layout:
             raise ValueError("not a JSON object")
         self.index: _Chain | None = None
         (self._zarr3 if zarr3 else self._zarr2)(self.metadata)
+        problem = shape_problem(list(self.shape), self.dtype.itemsize)
+        if problem:  # e.g. [0, 2**61, 2**61]: nothing to read, but no array numpy can make
+            raise ValueError(problem)
         self.grid = tuple(-(-d // c) for d, c in zip(self.shape, self.chunk))
         self.chunks = math.prod(self.grid)
         if self.chunks > MAX_CHUNKS or (self.index is not None and math.prod(self.per_shard) > MAX_CHUNKS):
             raise Unsupported(f"{self.chunks} chunks")
         check_chunk(self.inner.shape, self.shape, self.dtype)
         self.folders: dict[tuple[str, ...], list[str]] = {}  # chunk files by their folder below the array's
-        for idx in itertools.product(*map(range, self.grid)):
+        for idx in itertools.product(*map(range, self.grid)) if self.chunks else ():  # product makes tuples
             key = self.key(idx)
             self.folders.setdefault(key[:-1], []).append(key[-1])
 

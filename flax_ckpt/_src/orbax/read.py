@@ -29,7 +29,7 @@ from flax_ckpt._src.engine.leaves import CheckpointInfo, checkpoint_info, key_da
 from flax_ckpt._src.engine.reader import Damage, read_back
 from flax_ckpt._src.errors import (CorruptCheckpointError, InvalidManifestError, StructureMismatchError,
                                    UnsupportedOrbaxCheckpointError, format_list)
-from flax_ckpt._src.checks import MAX_INDEX, MAX_PATH_DEPTH, check_relpath, check_tree
+from flax_ckpt._src.checks import MAX_INDEX, MAX_PATH_DEPTH, check_relpath, check_tree, shape_problem
 from flax_ckpt._src.records import LeafRecord
 from flax_ckpt._src.orbax.folders import FolderArray, Unsupported, check_chunk
 from flax_ckpt._src.orbax.locate import (OCDBT_MANIFEST, SHARDING, STRINGS, TESTED_ORBAX_VERSION, TREE_METADATA,
@@ -154,6 +154,9 @@ class _Opened:
     def __init__(self, store: Any):
         self.store = store
         self.shape, self.dtype = tuple(int(d) for d in store.shape), np.dtype(store.dtype.numpy_dtype)
+        problem = shape_problem(list(self.shape), self.dtype.itemsize)
+        if problem:
+            raise ValueError(problem)
         chunk = store.chunk_layout.read_chunk.shape  # None for a 0-d array
         check_chunk(tuple(chunk or ()), self.shape, self.dtype)  # else tensorstore aborts (std::bad_alloc)
 
