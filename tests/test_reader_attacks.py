@@ -28,8 +28,7 @@ import numpy as np
 import pytest
 
 import flax_ckpt as fc
-
-from helpers import worker_env, write_manifest_body, manifest_body
+from helpers import manifest_body, worker_env, write_manifest_body
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # orbax: "Sharding info not provided"
 
@@ -329,7 +328,7 @@ def test_an_orbax_path_that_is_not_utf8_is_a_storage_error(tmp_path):
     for call in (fc.restore, fc.metadata):
         with pytest.raises(fc.StorageError, match=r"is not a valid UTF-8 path: tensorstore"):
             call(bad)
-    with pytest.raises(fc.StorageError, match=r"is not a valid UTF-8 path"):
+    with pytest.raises(fc.StorageError, match=r"is not (a )?valid UTF-8"):  # api.save checks first
         fc.save(bad + "2", {"a": np.zeros(2)}, format="orbax")
 
 
