@@ -16,8 +16,9 @@ when that step was not saved, so a run whose length is not a multiple of ``every
 last steps; ``finish(step, state)`` does the same for an explicit step and state. On SIGTERM or SIGINT
 the step in progress finishes; at its boundary the callback saves that step (off schedule), waits
 until it is durable and exits (``SystemExit``, status ``128 + signal`` unless ``exit_code`` says
-otherwise), or, with ``exit_on_preemption=False``, sets ``ckpt.preempted`` and returns so the loop can
-break.
+otherwise; in IPython, Jupyter or at the Python prompt it raises ``Preempted`` instead, which ends the
+cell with one line and keeps the kernel), or, with ``exit_on_preemption=False``, sets ``ckpt.preempted``
+and returns so the loop can break.
 """
 
 from __future__ import annotations
@@ -51,7 +52,9 @@ class CheckpointCallback:
       directory: where the checkpoints go (a local path or a URL the manager accepts).
       every_steps: save the steps divisible by this (the manager's ``save_interval_steps``).
       max_to_keep: the newest N checkpoints are kept (None keeps all).
-      exit_on_preemption: on preemption, exit after the save (True) or set ``preempted`` (False).
+      exit_on_preemption: on preemption, exit after the save (True: ``SystemExit``; in an interactive
+        session, IPython, Jupyter or the Python prompt, ``Preempted``, shown as one line) or set
+        ``preempted`` and return (False).
       exit_code: the exit status after a preemption save; None gives 128 + the signal number (143 for
         SIGTERM), the status a scheduler sees for a job the signal killed, so it is not taken for success.
       preemption_signals: the signals that mean "preempted"; ``()`` installs no handler.
@@ -68,6 +71,7 @@ class CheckpointCallback:
             raise TypeError("CheckpointCallback takes every_steps (it is the manager's save_interval_steps); "
                             "pass one of them, not save_interval_steps")
         self.every_steps = every_steps
+        _close_earlier(directory)
         self.manager = fc.CheckpointManager(directory, save_interval_steps=every_steps,
                                             max_to_keep=max_to_keep, **manager_options)
         self.preempted = False
@@ -149,6 +153,10 @@ class CheckpointCallback:
         code = self._exit_code
         if code is None:
             code = 128 + (self._guard.signum or signal.SIGTERM)
+        if _interactive():  # SystemExit would print a traceback and IPython's "To exit: use 'exit'" warning
+            log.warning("preemption: %s; stopping the training loop (run it again to resume)", where)
+            self.close()
+            raise Preempted(step, self.manager.directory, code, self._guard.signum)
         log.warning("preemption: %s; exiting with status %d (restart to resume from step %d)", where, code,
                     step)
         self.close()
@@ -228,6 +236,33 @@ class CheckpointCallback:
             self._close(final_save=False, at_exit=False)
 
 
+class Preempted(KeyboardInterrupt):
+    """Raised by ``CheckpointCallback`` instead of ``SystemExit`` in an interactive session (IPython,
+    Jupyter, the Python prompt) after a preemption save: it ends the cell's training loop, leaves the
+    kernel running, and shows one line instead of a traceback. A ``KeyboardInterrupt``, so that an
+    ``except Exception`` in the loop does not swallow it.
+
+    Attributes: ``step`` (saved and durable), ``directory``, ``code`` (the exit status a script would
+    have had), ``signum`` (the signal received, or None)."""
+
+    def __init__(self, step: int, directory: str, code: int, signum: int | None):
+        name = signal.Signals(signum).name if signum in set(signal.Signals) else "preemption"
+        super().__init__(f"{name}: step {step} is saved in {directory} and durable; the training loop stopped. "
+                         f"Run the cell again to resume from step {step}")
+        self.step, self.directory, self.code, self.signum = step, directory, code, signum
+
+    def _render_traceback_(self) -> list[str]:  # IPython shows these lines in place of a traceback
+        return [f"Preempted: {self}"]
+
+
+def _interactive() -> bool:
+    """Whether this is an interactive session (an IPython shell or Jupyter kernel, or the Python prompt),
+    where SystemExit would end the kernel's cell with a traceback, or the interpreter itself."""
+    ipython = sys.modules.get("IPython")
+    get = getattr(ipython, "get_ipython", None)
+    return (get is not None and get() is not None) or hasattr(sys, "ps1") or bool(sys.flags.interactive)
+
+
 def _restore_everywhere(path: Any, target: Any, options: dict[str, Any]) -> Any:
     """fc.restore of ``path`` into ``target`` on every process of a job, or a CheckpointError on every
     one: a process reads only its own shards, so a failure (a value its shards hold that cast cannot
@@ -285,6 +320,30 @@ def _close_at_exit(cb: CheckpointCallback) -> None:
         (register or atexit.register)(_close_open_callbacks)
     except RuntimeError:  # already shutting down threads
         atexit.register(_close_open_callbacks)
+
+
+def _same_directory(a: Any, b: Any) -> bool:
+    a, b = os.fspath(a), os.fspath(b)
+    return a == b if "://" in a or "://" in b else os.path.realpath(a) == os.path.realpath(b)
+
+
+def _close_earlier(directory: Any) -> None:
+    """Closes the callbacks of this process still open on ``directory`` (a notebook cell run again after
+    its loop raised, before ``ckpt.close()``), with a warning: each waits for its save in flight and puts
+    back its signal handlers; the state of its last call is not saved (the loop failed after it)."""
+    for cb in list(_OPEN):
+        if not _same_directory(cb.manager.directory, directory):
+            continue
+        log.warning("CheckpointCallback(%s), made earlier in this process, was never closed (a notebook cell "
+                    "whose loop raised before ckpt.close()?); closing it now, after its save in flight, without "
+                    "saving its last state. Use `with CheckpointCallback(...) as ckpt:` to close it even when "
+                    "the loop raises", cb.manager.directory)
+        cb._pending = None
+        try:
+            cb._close(final_save=False, at_exit=False)
+        except Exception as e:
+            log.warning("closing the earlier CheckpointCallback(%s) raised %s: %s; its last save may be lost",
+                        cb.manager.directory, type(e).__name__, e)
 
 
 def _close_open_callbacks() -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import atexit
 import functools
 import logging
+import os
 import threading
 import time
 import weakref
@@ -27,7 +28,7 @@ from flax_ckpt._src.commit.spares import SpareFiles
 from flax_ckpt._src.engine.fit import Fit, RenameArg
 from flax_ckpt._src.engine.leaves import CheckpointInfo
 from flax_ckpt._src.engine.snapshot import Snapshot, metrics_json
-from flax_ckpt._src.errors import CheckpointError, CheckpointNotFoundError
+from flax_ckpt._src.errors import CheckpointError, CheckpointLockedError, CheckpointNotFoundError
 from flax_ckpt._src.manager.agreed import DAMAGE, AgreedRestore, TargetOf, targets
 from flax_ckpt._src.manager.schedule import Schedule
 from flax_ckpt._src.manager.steps import StepIndex, run_format
@@ -147,6 +148,7 @@ class CheckpointManager:
         if self._claimed:
             return
         if self.storage.local_path is not None and distributed.process_index() == 0:
+            _held_here(self.storage.local_path)
             self._lock = DirectoryLock(self.storage.local_path, tidy=self.layout.foreign)
         self._claimed = True
         if self.layout.foreign:
@@ -480,6 +482,23 @@ class _Directory:
 
 _OPEN: "weakref.WeakSet[CheckpointManager]" = weakref.WeakSet()  # managers to close at interpreter exit
 _MIGRATING = threading.local()  # ``now``: this thread is in a migration's write (_Directory.write)
+
+
+def _held_here(path: str) -> None:
+    """CheckpointLockedError when a manager of this process, still open, holds the lock of ``path`` (a
+    notebook cell run again after an exception, before ``close()``): the lock's own error would name
+    this process's pid as if it were another's."""
+    here = os.path.realpath(path)
+    for earlier in list(_OPEN):
+        lock = earlier._lock
+        if lock is not None and lock.fd >= 0 and os.path.realpath(os.path.dirname(lock.path)) == here:
+            raise CheckpointLockedError(
+                f"{earlier.directory} is in use by an earlier CheckpointManager of this process (pid {os.getpid()}), "
+                "which was never closed (a notebook cell or a loop that raised before close()?). Close it "
+                "first: call close() on it (the variable that held it, e.g. mgr.close() or ckpt.close() for a "
+                "CheckpointCallback, which closes an earlier callback of its directory itself); its save in "
+                "flight is committed. Use `with fc.CheckpointManager(...) as mgr:` to close it even when the "
+                "code raises")
 
 
 def _close_open_managers() -> None:
