@@ -38,6 +38,7 @@ import numpy as np
 import flax_ckpt as fc
 
 from .preemption import PreemptionGuard
+from .replicated import first_replica, replicate_like
 from .state import from_tree, match_saved_scalars, to_tree
 
 log = logging.getLogger("flax_ckpt.callbacks")
@@ -59,6 +60,14 @@ class CheckpointCallback:
         SIGTERM), the status a scheduler sees for a job the signal killed, so it is not taken for success.
       preemption_signals: the signals that mean "preempted"; ``()`` installs no handler.
       force_after: the number of signals after which the previous handler runs, abandoning the save.
+      replicated: the state given is replicated for ``jax.pmap`` (every jax array leaf stacked on a leading
+        axis of the local devices, as ``flax.jax_utils.replicate`` makes it). Pass it as it is, every
+        step: only when a step is saved is its first replica taken (device 0's copy of each leaf, in one
+        jitted call: about a millisecond for 200 leaves, against a dispatch per leaf for
+        ``jax_utils.unreplicate``), so the checkpoint holds the unreplicated state, which restores on
+        any device count, with or without pmap; the steps that are not saved cost nothing.
+        ``restore_or`` replicates the restored state onto the local devices again. The replicas are
+        assumed equal (kept in sync by ``pmean``): the first is saved.
       **manager_options: any other ``fc.CheckpointManager`` option (``keep_period``, ``best_metric``,
         ``best_mode``, ``keep_best``, ``async_save``, ``serializer``, ...).
     """
@@ -66,11 +75,12 @@ class CheckpointCallback:
     def __init__(self, directory: str | os.PathLike, every_steps: int = 100, max_to_keep: int | None = 3, *,
                  exit_on_preemption: bool = True, exit_code: int | None = None,
                  preemption_signals: Sequence[int] = (signal.SIGTERM, signal.SIGINT),
-                 force_after: int | None = 3, **manager_options: Any):
+                 force_after: int | None = 3, replicated: bool = False, **manager_options: Any):
         if "save_interval_steps" in manager_options:
             raise TypeError("CheckpointCallback takes every_steps (it is the manager's save_interval_steps); "
                             "pass one of them, not save_interval_steps")
         self.every_steps = every_steps
+        self.replicated = replicated
         _close_earlier(directory)
         self.manager = fc.CheckpointManager(directory, save_interval_steps=every_steps,
                                             max_to_keep=max_to_keep, **manager_options)
@@ -108,15 +118,24 @@ class CheckpointCallback:
             if init_from is None:
                 _announce("no checkpoint in %s; starting from step 0", self.manager.directory)
                 return state, 0
-            restored = _restore_everywhere(init_from, to_tree(state), options)
+            restored = _restore_everywhere(init_from, self._tree(state), options)
+            if self.replicated:
+                restored = replicate_like(to_tree(state), restored)
             _announce("no checkpoint in %s; starting from step 0 with %s", self.manager.directory, init_from)
             return from_tree(state, restored), 0
-        target = to_tree(state)
+        target = self._tree(state)
         # the manager decides the step: the newest that restores, alike on every process of a job
         restored = self.manager.restore(target_for=lambda info: match_saved_scalars(target, info))
         step = self.manager.restore_stats[-1].step
         _announce("resumed from step %d of %s", step, self.manager.directory)
+        if self.replicated:
+            restored = replicate_like(to_tree(state), restored)
         return from_tree(state, restored), step
+
+    def _tree(self, state: Any) -> Any:
+        """The pytree saved for ``state`` (its first replica with ``replicated=True``)."""
+        tree = to_tree(state)
+        return first_replica(tree) if self.replicated else tree
 
     # ------------------------------------------------------------------------------------------ saving
 
@@ -135,7 +154,7 @@ class CheckpointCallback:
         saved = False
         if force or stop or self.manager.should_save(step):
             values = metrics() if callable(metrics) else metrics
-            saved = self.manager.save(step, to_tree(state), metrics=values, force=force or stop)
+            saved = self.manager.save(step, self._tree(state), metrics=values, force=force or stop)
         self._pending = None if saved else (step, state, metrics)
         if saved and not stop and not self.preempted and self._guard.requested:
             stop = True  # a signal arrived while this step was being saved: it is the one to stop at
@@ -170,7 +189,7 @@ class CheckpointCallback:
             raise fc.CheckpointError("CheckpointCallback is closed")
         self._pending = None
         saved = step not in self.manager.all_steps() and self.manager.save(
-            step, to_tree(state), metrics=metrics() if callable(metrics) else metrics, force=True)
+            step, self._tree(state), metrics=metrics() if callable(metrics) else metrics, force=True)
         self.manager.wait_until_finished()
         return saved
 
@@ -216,7 +235,7 @@ class CheckpointCallback:
                         "after the loop", step, step)
             return
         try:
-            self.manager.save(step, tree, metrics=metrics() if callable(metrics) else metrics, force=True)
+            self.manager.save(step, first_replica(tree) if self.replicated else tree, metrics=metrics() if callable(metrics) else metrics, force=True)
             self.manager.wait_until_finished()
         except Exception as e:
             if not at_exit:
