@@ -206,7 +206,7 @@ def _write_arrays(storage: Storage, arrays: list[HostLeaf], use_ocdbt: bool, use
 # crc32c, then the shard index, (offset, length) as little-endian uint64, and its crc32c), and all of
 # them are written into the item's OCDBT database in one transaction: one commit instead of one each.
 
-_SMALL = 1 << 20
+_SMALL = 64 << 10  # larger arrays: tensorstore, which compresses them on several threads
 _ZARR3_TYPES = {"bool": False, "int8": 0, "int16": 0, "int32": 0, "int64": 0, "uint8": 0, "uint16": 0,
                 "uint32": 0, "uint64": 0, "float16": 0.0, "bfloat16": 0.0, "float32": 0.0, "float64": 0.0,
                 "complex64": [0.0, 0.0], "complex128": [0.0, 0.0]}  # data_type: fill_value, as tensorstore writes
