@@ -39,7 +39,7 @@ import flax_ckpt as fc
 
 from .preemption import PreemptionGuard
 from .replicated import first_replica, replicate_like
-from .state import from_tree, match_saved_scalars, to_tree
+from .state import from_tree, match_saved_scalars, target_tree, to_tree
 
 log = logging.getLogger("flax_ckpt.callbacks")
 
@@ -118,18 +118,24 @@ class CheckpointCallback:
             if init_from is None:
                 _announce("no checkpoint in %s; starting from step 0", self.manager.directory)
                 return state, 0
-            restored = _restore_everywhere(init_from, self._tree(state), options)
+            live = target_tree(state, _metadata_or_none(init_from))
+            restored = _restore_everywhere(init_from, first_replica(live) if self.replicated else live, options)
             if self.replicated:
-                restored = replicate_like(to_tree(state), restored)
+                restored = replicate_like(live, restored)
             _announce("no checkpoint in %s; starting from step 0 with %s", self.manager.directory, init_from)
             return from_tree(state, restored), 0
-        target = self._tree(state)
+        used: list[Any] = []  # the target of the step restored (the last one tried)
+
+        def target_for(info: fc.CheckpointInfo) -> Any:
+            used[:] = [target_tree(state, info)]  # nnx parts as the step holds them: State or pure dict
+            return match_saved_scalars(first_replica(used[0]) if self.replicated else used[0], info)
+
         # the manager decides the step: the newest that restores, alike on every process of a job
-        restored = self.manager.restore(target_for=lambda info: match_saved_scalars(target, info))
+        restored = self.manager.restore(target_for=target_for)
         step = self.manager.restore_stats[-1].step
         _announce("resumed from step %d of %s", step, self.manager.directory)
         if self.replicated:
-            restored = replicate_like(to_tree(state), restored)
+            restored = replicate_like(used[0], restored)
         return from_tree(state, restored), step
 
     def _tree(self, state: Any) -> Any:
@@ -280,6 +286,14 @@ def _interactive() -> bool:
     ipython = sys.modules.get("IPython")
     get = getattr(ipython, "get_ipython", None)
     return (get is not None and get() is not None) or hasattr(sys, "ps1") or bool(sys.flags.interactive)
+
+
+def _metadata_or_none(path: Any) -> fc.CheckpointInfo | None:
+    """fc.metadata of ``path``, or None where it has none to give (the restore then says why)."""
+    try:
+        return fc.metadata(path)
+    except (fc.CheckpointError, OSError, ValueError):
+        return None
 
 
 def _restore_everywhere(path: Any, target: Any, options: dict[str, Any]) -> Any:

@@ -546,3 +546,42 @@ def test_replicated_refuses_a_leaf_without_the_device_axis(ckpt_dir):
     with CheckpointCallback(ckpt_dir, every_steps=1, replicated=True, preemption_signals=()) as ckpt:
         with pytest.raises(ValueError, match=r"leaf \['w'\] has shape \(3,\), not a leading axis of the 8 local"):
             ckpt(1, {"w": jnp.zeros(3)})
+
+
+# ------------------------------------------------------------------- nnx.State targets (issue 43, 5)
+
+def _trained_tiny(seed: int) -> tuple[Tiny, Any]:
+    model = Tiny(nnx.Rngs(params=seed, dropout=seed + 1))
+    return model, nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+
+
+def test_callback_checkpoint_restores_into_an_nnx_state_target(ckpt_dir, signals_restored):
+    """What the callback saved for an nnx model and optimizer restores with the NNX guides' target,
+    nnx.state(model), through fc.restore and the manager, bit-exact, and nnx.update puts it in place."""
+    model, opt = _trained_tiny(1)
+    with CheckpointCallback(ckpt_dir, every_steps=1) as ckpt:
+        ckpt(1, {"model": model, "opt": opt})
+    fresh, fresh_opt = _trained_tiny(7)
+    target = {"model": nnx.state(fresh), "opt": nnx.state(fresh_opt)}
+    got = fc.restore(ckpt_dir / "1", target)
+    assert isinstance(got["model"], nnx.State)
+    assert leaf_bytes(got) == leaf_bytes({"model": nnx.state(model), "opt": nnx.state(opt)})
+    with fc.CheckpointManager(ckpt_dir, read_only=True) as mgr:
+        again = mgr.restore(target={"model": nnx.state(fresh)}, partial=True)["model"]  # the model alone
+    nnx.update(fresh, again)
+    assert leaf_bytes(nnx.state(fresh)) == leaf_bytes(nnx.state(model))
+
+
+@pytest.mark.parametrize("stored", ["state", "pure"])
+def test_restore_or_resumes_from_fc_save_of_an_nnx_state(ckpt_dir, signals_restored, stored):
+    """A run step saved by fc.save from nnx.state(model) (as the NNX guides save), or from its pure dict
+    (an earlier version of the callback stored that), is resumed by restore_or into live nnx objects."""
+    model, opt = _trained_tiny(2)
+    as_saved = (lambda s: s) if stored == "state" else nnx.to_pure_dict
+    fc.save(ckpt_dir / "5", {"model": as_saved(nnx.state(model)), "opt": as_saved(nnx.state(opt))})
+    fresh, fresh_opt = _trained_tiny(9)
+    with CheckpointCallback(ckpt_dir, every_steps=1) as ckpt:
+        got, start = ckpt.restore_or({"model": fresh, "opt": fresh_opt})
+    assert start == 5 and got["model"] is fresh and got["opt"] is fresh_opt
+    assert leaf_bytes(nnx.state(fresh)) == leaf_bytes(nnx.state(model))
+    assert leaf_bytes(nnx.state(fresh_opt)) == leaf_bytes(nnx.state(opt))
