@@ -176,3 +176,14 @@ def test_named_step_deleted_while_read_is_a_clear_error(ckpt_dir):
 def test_read_only_refuses_tiers(ckpt_dir):
     with pytest.raises(ValueError, match="drop tiers="):
         fc.CheckpointManager(ckpt_dir, read_only=True, tiers=fc.Tiers(local_dir=str(ckpt_dir / "m")))
+
+
+def test_reader_sees_metrics_and_best_step_of_new_steps(ckpt_dir):
+    reader = fc.CheckpointManager(ckpt_dir, read_only=True, best_metric="loss")
+    with fc.CheckpointManager(ckpt_dir, async_save=False) as writer:
+        writer.save(1, state(1), metrics={"loss": 0.5})
+        writer.save(2, state(2), metrics={"loss": 0.25})
+        assert reader.metrics(2) == {"loss": 0.25} and reader.best_step() == 2
+        writer.save(3, state(3), metrics={"loss": 0.75})
+        assert reader.best_step() == 2 and reader.metrics(3) == {"loss": 0.75}
+    reader.close()

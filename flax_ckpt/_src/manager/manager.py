@@ -64,6 +64,14 @@ class CheckpointManager:
     directory, also those this manager did not write; its first deletion of such steps logs a warning
     naming them.
 
+    ``read_only=True`` follows a run another process writes (an evaluation job beside training): it
+    takes no lock and never writes or deletes anything (no directory created, no leftovers removed;
+    ``save`` raises), rereads the committed steps in ``all_steps``, ``latest_step``, ``metrics``,
+    ``best_step``, ``item_metadata`` and ``restore`` (``reload()`` does so explicitly), and a step that
+    the run's retention deletes while it is restored is followed, for ``restore(step=None)``, by the
+    newest step committed then; for a named step it is a CheckpointNotFoundError saying so. It reads
+    the persistent directory only (``tiers=`` is refused).
+
     The directory lock (local folders) keeps two live managers from writing one directory. A native
     run takes it when the manager opens; an Orbax run at its first save (then also removing leftovers
     of crashed saves), and removes the lock file again at close, so a manager that only restores an
@@ -175,9 +183,13 @@ class CheckpointManager:
         return steps[-1] if steps else None
 
     def metrics(self, step: int) -> dict[str, Any] | None:
+        if self.read_only and step not in self._steps:
+            self.reload()
         return self._steps.metrics(step)
 
     def best_step(self) -> int | None:
+        if self.read_only:
+            self.reload()
         return self._retention.best_step(self._steps.all_metrics())
 
     @property
