@@ -21,8 +21,10 @@ import dataclasses
 import functools
 import json
 import math
+import threading
 import time
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -335,19 +337,54 @@ def _array_metadatas(arrays: list[HostLeaf]) -> dict[str, Any]:
 
 def write_item(storage: Storage, snap: Snapshot, *, use_ocdbt: bool = True, use_zarr3: bool = True,
                compression: bool = True) -> None:
-    """Writes one Orbax pytree item (arrays, ``_METADATA`` and side files) into ``storage``."""
+    """Writes one Orbax pytree item (arrays, ``_METADATA`` and side files) into ``storage``. The side
+    files are written (each fsynced) on other threads while the arrays are: their fsyncs overlap."""
     arrays = [lf for lf in snap.leaves if _array(lf) is not None]
-    _write_arrays(storage, arrays, use_ocdbt, use_zarr3, compression)
+    files = _side_files(snap, arrays, use_ocdbt, use_zarr3)
+    _overlapped([functools.partial(storage.write, name, [data]) for name, data in files],
+                lambda: _write_arrays(storage, arrays, use_ocdbt, use_zarr3, compression))
+
+
+def _overlapped(writes: list[Callable[[], Any]], main: Callable[[], Any]) -> None:
+    """Runs ``writes`` (small files, each written and fsynced) on other threads while ``main`` runs on
+    this one, so that their fsyncs overlap; returns once all ended, raising the first failure."""
+    pending = [_files_pool().submit(w) for w in writes]
+    try:
+        main()
+    finally:
+        for f in pending:  # every write ended, even after a failure, before anyone deletes the folder
+            f.exception()
+    for f in pending:
+        f.result()
+
+
+def _side_files(snap: Snapshot, arrays: list[HostLeaf], use_ocdbt: bool, use_zarr3: bool) -> list[tuple[str, bytes]]:
+    """An item's files besides its arrays: ``_sharding``, ``_strings.json`` (with its crc32c),
+    ``array_metadatas/process_0`` and ``_METADATA``, as (name, bytes)."""
+    files = []
     shardings = {base64.urlsafe_b64encode(param(lf).encode()).decode(): text for lf in arrays
                  if lf.sharding is not None and (text := _sharding_json(lf.sharding)) is not None}
     strings = {param(lf): lf.record.value for lf in snap.leaves if lf.record.kind == "string"}
     if shardings:
-        storage.write(SHARDING, [_json_bytes(shardings)])
+        files.append((SHARDING, _json_bytes(shardings)))
     if strings:
-        _write_checked(storage, STRINGS, _json_bytes(strings))
+        data = _json_bytes(strings)
+        files += [(STRINGS, data), (STRINGS + CRC_SUFFIX, str(crc32c.crc32c(data)).encode())]
     if any(value_type(lf) == "jax.Array" for lf in arrays):
-        storage.write("array_metadatas/process_0", [_json_bytes(_array_metadatas(arrays))])
-    storage.write(TREE_METADATA, [_json_bytes(_tree_metadata(snap, use_ocdbt, use_zarr3))])
+        files.append(("array_metadatas/process_0", _json_bytes(_array_metadatas(arrays))))
+    files.append((TREE_METADATA, _json_bytes(_tree_metadata(snap, use_ocdbt, use_zarr3))))
+    return files
+
+
+_POOL: list[ThreadPoolExecutor] = []
+_POOL_LOCK = threading.Lock()
+
+
+def _files_pool() -> ThreadPoolExecutor:
+    with _POOL_LOCK:
+        if not _POOL:
+            _POOL.append(ThreadPoolExecutor(4, thread_name_prefix="flax_ckpt-orbax-files"))
+        return _POOL[0]
 
 
 def _handler_for(snap: Snapshot) -> str:
@@ -360,16 +397,17 @@ def _success(storage: Storage) -> bytes:
 
 
 def _commit_folder(parent: Storage, name: str, write: Callable[[Storage], Any], meta: dict[str, Any]) -> None:
-    """Writes ``name`` atomically with the engine's commit: ``_CHECKPOINT_METADATA``, then
-    ``commit_success.txt`` as the commit record. Refuses an existing checkpoint."""
+    """Writes ``name`` atomically with the engine's commit: ``write(folder)`` and, beside it,
+    ``_CHECKPOINT_METADATA``, then ``commit_success.txt`` as the commit record. Refuses an existing
+    checkpoint."""
     staging = commit_mod.staging_name(parent, name, record=COMMIT_SUCCESS, mark=TMP_SUFFIX + "-",
                                       nonce=str(time.time_ns()))
     folder = parent.sub(staging)
     try:
-        write(folder)
         meta = dict(meta, commit_timestamp_nsecs=time.time_ns())
-        commit_mod.commit(parent, staging, name, COMMIT_SUCCESS, _success(folder),
-                          before=[(CHECKPOINT_METADATA, _json_bytes(meta))])
+        _overlapped([functools.partial(folder.write, CHECKPOINT_METADATA, [_json_bytes(meta)])],
+                    lambda: write(folder))
+        commit_mod.commit(parent, staging, name, COMMIT_SUCCESS, _success(folder))
     except BaseException:
         commit_mod.abort(parent, staging, COMMIT_SUCCESS)
         raise
@@ -502,8 +540,8 @@ def save_step(root: Storage, step: int, snap: Snapshot, *, metrics: dict[str, An
     def write(folder: Storage) -> None:
         for n, tree in trees.items():
             item = folder.sub(n)
-            write_item(item, tree, use_ocdbt=use_ocdbt, use_zarr3=use_zarr3)
-            item.write(COMMIT_SUCCESS, [_success(item)])
+            _overlapped([functools.partial(item.write, COMMIT_SUCCESS, [_success(item)])],
+                        functools.partial(write_item, item, tree, use_ocdbt=use_ocdbt, use_zarr3=use_zarr3))
         for n, value in json_items.items():
             _write_json_item(folder.sub(n), _json_file(handlers[n]), value)
         if metrics is not None:
