@@ -266,7 +266,7 @@ def _write_small(storage: Storage, arrays: list[tuple[HostLeaf, np.ndarray]], co
     import zstandard
     compressor = zstandard.ZstdCompressor(level=3) if compression else None
     kv = ts.KvStore.open(array_kvstore(storage, "", True, write=True), context=context).result()
-    txn = ts.Transaction()
+    txn = ts.Transaction(atomic=True)
     view, writes = kv.with_transaction(txn), []
     for lf, data in arrays:
         name, shape = param(lf), tuple(data.shape)
