@@ -9,8 +9,9 @@ pays per leaf), fc.save, fc.restore into the jax target, into a target sharded o
 without a target, fc.metadata, opening a CheckpointManager on the run (scan + restore of the newest
 step), an async manager save (the time it blocks the caller; then the same structure saved again, each
 save timed until durable: the writer's work per leaf), the same in Orbax's layout (format="orbax")
-and a memory-tier save (blocked, and to committed in memory). At ``--peer-leaves`` (20k) Orbax's StandardCheckpointer and torch DCP are timed
-in the same rounds. Ratios: flax_ckpt / device_put per leaf, and growth of the per-leaf cost with N.
+and a memory-tier save (blocked, and to committed in memory). At ``--peer-leaves`` (20k) Orbax's
+StandardCheckpointer and torch DCP are timed in the same rounds. Ratios: flax_ckpt / device_put per
+leaf, and growth of the per-leaf cost with N.
 
 Part 2, bytes: ``make_tree`` states (a few large arrays and ~400 small ones) of 1 and 4 GiB
 (``--sizes-gb``; a size is skipped when free memory is short). Per GB: save and restore (warm page cache: the disk is not what is measured) for flax_ckpt and Orbax, and
@@ -174,8 +175,8 @@ class Leaves:
 
 
 LEAF_MEASURES = ["save", "restore", "restore_sharded", "restore_no_target", "metadata", "manager_save_blocked",
-                 "manager_save_again_durable", "manager_open_restore", "tier_save_blocked", "tier_save_memory",
-                 "orbax_format_save_blocked", "orbax_format_save_again_durable"]
+                 "manager_save_again_durable", "manager_open_restore", "tier_save_blocked",
+                 "tier_save_memory", "orbax_format_save_blocked", "orbax_format_save_again_durable"]
 
 
 def leaves_part(ns: list[int], rounds: int, peer_n: int, peers: list[str], scratch: Path) -> dict[str, Any]:

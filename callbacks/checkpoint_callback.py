@@ -119,7 +119,8 @@ class CheckpointCallback:
                 _announce("no checkpoint in %s; starting from step 0", self.manager.directory)
                 return state, 0
             live = target_tree(state, _metadata_or_none(init_from))
-            restored = _restore_everywhere(init_from, first_replica(live) if self.replicated else live, options)
+            restored = _restore_everywhere(init_from, first_replica(live) if self.replicated else live,
+                                           options)
             if self.replicated:
                 restored = replicate_like(live, restored)
             _announce("no checkpoint in %s; starting from step 0 with %s", self.manager.directory, init_from)
@@ -241,7 +242,8 @@ class CheckpointCallback:
                         "after the loop", step, step)
             return
         try:
-            self.manager.save(step, first_replica(tree) if self.replicated else tree, metrics=metrics() if callable(metrics) else metrics, force=True)
+            self.manager.save(step, first_replica(tree) if self.replicated else tree,
+                              metrics=metrics() if callable(metrics) else metrics, force=True)
             self.manager.wait_until_finished()
         except Exception as e:
             if not at_exit:
@@ -272,8 +274,8 @@ class Preempted(KeyboardInterrupt):
 
     def __init__(self, step: int, directory: str, code: int, signum: int | None):
         name = signal.Signals(signum).name if signum in set(signal.Signals) else "preemption"
-        super().__init__(f"{name}: step {step} is saved in {directory} and durable; the training loop stopped. "
-                         f"Run the cell again to resume from step {step}")
+        super().__init__(f"{name}: step {step} is saved in {directory} and durable; the training loop "
+                         f"stopped. Run the cell again to resume from step {step}")
         self.step, self.directory, self.code, self.signum = step, directory, code, signum
 
     def _render_traceback_(self) -> list[str]:  # IPython shows these lines in place of a traceback
@@ -367,10 +369,10 @@ def _close_earlier(directory: Any) -> None:
     for cb in list(_OPEN):
         if not _same_directory(cb.manager.directory, directory):
             continue
-        log.warning("CheckpointCallback(%s), made earlier in this process, was never closed (a notebook cell "
-                    "whose loop raised before ckpt.close()?); closing it now, after its save in flight, without "
-                    "saving its last state. Use `with CheckpointCallback(...) as ckpt:` to close it even when "
-                    "the loop raises", cb.manager.directory)
+        log.warning("CheckpointCallback(%s), made earlier in this process, was never closed (a notebook "
+                    "cell whose loop raised before ckpt.close()?); closing it now, after its save in flight, "
+                    "without saving its last state. Use `with CheckpointCallback(...) as ckpt:` to close it "
+                    "even when the loop raises", cb.manager.directory)
         cb._pending = None
         try:
             cb._close(final_save=False, at_exit=False)

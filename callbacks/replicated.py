@@ -31,9 +31,9 @@ def _replicated_leaves(tree: Any) -> tuple[list[Any], list[int], Any]:
             continue  # Python scalars, numpy arrays, strings: saved as they are
         if x.ndim == 0 or x.shape[0] != n:
             raise ValueError(
-                f"CheckpointCallback(replicated=True): leaf {jax.tree_util.keystr(path)} has shape {x.shape}, "
-                f"not a leading axis of the {n} local devices (a state replicated for jax.pmap, e.g. with "
-                "flax.jax_utils.replicate); pass the replicated state, or drop replicated=True")
+                f"CheckpointCallback(replicated=True): leaf {jax.tree_util.keystr(path)} has shape "
+                f"{x.shape}, not a leading axis of the {n} local devices (a state replicated for jax.pmap, "
+                "e.g. with flax.jax_utils.replicate); pass the replicated state, or drop replicated=True")
         where.append(i)
     return [x for _, x in with_path], where, treedef
 

@@ -510,7 +510,8 @@ PMAP_WORKER = textwrap.dedent("""
     one = jax_utils.unreplicate(state) if mode == "pmap" else state
     if mode == "pmap":  # every replica holds the restored state, on every local device
         assert state.params["w"].shape[0] == jax.local_device_count()
-        assert all(np.array_equal(state.params["w"][i], one.params["w"]) for i in range(jax.local_device_count()))
+        assert all(np.array_equal(state.params["w"][i], one.params["w"])
+                   for i in range(jax.local_device_count()))
     print("restored", start, digest(one), flush=True)
     for step in range(start, until):
         state = step_fn(state)
@@ -544,7 +545,7 @@ def test_pmap_state_saved_replicated_restores_on_other_device_counts(ckpt_dir):
 
 def test_replicated_refuses_a_leaf_without_the_device_axis(ckpt_dir):
     with CheckpointCallback(ckpt_dir, every_steps=1, replicated=True, preemption_signals=()) as ckpt:
-        with pytest.raises(ValueError, match=r"leaf \['w'\] has shape \(3,\), not a leading axis of the 8 local"):
+        with pytest.raises(ValueError, match=r"leaf \['w'\] has shape \(3,\), not a leading axis of the 8"):
             ckpt(1, {"w": jnp.zeros(3)})
 
 

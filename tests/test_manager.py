@@ -210,7 +210,8 @@ def test_second_manager_of_this_process_is_refused_saying_so(ckpt_dir):
     the error says that this process's own earlier manager holds it, and how to close it."""
     earlier = fc.CheckpointManager(ckpt_dir)
     earlier.save(1, state(1))
-    with pytest.raises(fc.CheckpointLockedError, match=r"in use by an earlier CheckpointManager of this process "
+    with pytest.raises(fc.CheckpointLockedError,
+                       match=r"in use by an earlier CheckpointManager of this process "
                        rf"\(pid {os.getpid()}\), which was never closed .* mgr.close\(\)"):
         fc.CheckpointManager(str(ckpt_dir) + "/../" + ckpt_dir.name)
     earlier.close()

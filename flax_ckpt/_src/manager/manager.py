@@ -90,10 +90,11 @@ class CheckpointManager:
                  async_save: bool = True, serializer: "str | Serializer | None" = None, tiers: Any = None,
                  strict: bool = False, metadata: Any = None, format: Literal["native", "orbax"] | None = None,
                  overhead_budget: float = 0.01, mtbf_s: float | None = None, metric_writer: Any = None,
-                 storage_options: "ObjectStoreOptions | dict[str, Any] | None" = None, read_only: bool = False):
+                 storage_options: "ObjectStoreOptions | dict[str, Any] | None" = None,
+                 read_only: bool = False):
         if read_only and tiers is not None:
-            raise ValueError("read_only=True reads the steps committed in the directory; it does not open memory "
-                             "tiers (they belong to the run that writes them): drop tiers=")
+            raise ValueError("read_only=True reads the steps committed in the directory; it does not open "
+                             "memory tiers (they belong to the run that writes them): drop tiers=")
         self.read_only = read_only
         self._schedule = Schedule(save_interval_steps, overhead_budget, mtbf_s)
         self._retention = Retention(max_to_keep, keep_period, best_metric, best_mode, keep_best)
@@ -227,8 +228,9 @@ class CheckpointManager:
         if self._closed:
             raise CheckpointError(f"CheckpointManager({self.directory}) is closed")
         if self.read_only:
-            raise CheckpointError(f"CheckpointManager({self.directory}, read_only=True) does not save (step {step}); "
-                                  "save through the run's own manager, or open one without read_only=True")
+            raise CheckpointError(f"CheckpointManager({self.directory}, read_only=True) does not save "
+                                  f"(step {step}); save through the run's own manager, or open one without "
+                                  "read_only=True")
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
         t0 = time.perf_counter()
@@ -360,8 +362,8 @@ class CheckpointManager:
                         f"{self._steps.steps()}. Restore one of those (step=None: the newest), or have the "
                         "run keep the steps an evaluator reads (keep_period)") from e
                 else:
-                    log.info("step %d of %s was deleted while it was being restored; restoring the newest step",
-                             s, self.directory)
+                    log.info("step %d of %s was deleted while it was being restored; restoring the newest "
+                             "step", s, self.directory)
                 skip.add(s)
 
     def _restore_tiered(self, step: int | None, target_of: TargetOf, shardings: Any, fit: Fit) -> Any:
@@ -505,12 +507,12 @@ def _held_here(path: str) -> None:
         lock = earlier._lock
         if lock is not None and lock.fd >= 0 and os.path.realpath(os.path.dirname(lock.path)) == here:
             raise CheckpointLockedError(
-                f"{earlier.directory} is in use by an earlier CheckpointManager of this process (pid {os.getpid()}), "
-                "which was never closed (a notebook cell or a loop that raised before close()?). Close it "
-                "first: call close() on it (the variable that held it, e.g. mgr.close() or ckpt.close() for a "
-                "CheckpointCallback, which closes an earlier callback of its directory itself); its save in "
-                "flight is committed. Use `with fc.CheckpointManager(...) as mgr:` to close it even when the "
-                "code raises")
+                f"{earlier.directory} is in use by an earlier CheckpointManager of this process (pid "
+                f"{os.getpid()}), which was never closed (a notebook cell or a loop that raised before "
+                "close()?). Close it first: call close() on it (the variable that held it, e.g. mgr.close(), "
+                "or ckpt.close() for a CheckpointCallback, which closes an earlier callback of its directory "
+                "itself); its save in flight is committed. Use `with fc.CheckpointManager(...) as mgr:` to "
+                "close it even when the code raises")
 
 
 def _close_open_managers() -> None:

@@ -211,7 +211,7 @@ def _write_arrays(storage: Storage, arrays: list[HostLeaf], use_ocdbt: bool, use
 _SMALL = 64 << 10  # larger arrays: tensorstore, which compresses them on several threads
 _ZARR3_TYPES = {"bool": False, "int8": 0, "int16": 0, "int32": 0, "int64": 0, "uint8": 0, "uint16": 0,
                 "uint32": 0, "uint64": 0, "float16": 0.0, "bfloat16": 0.0, "float32": 0.0, "float64": 0.0,
-                "complex64": [0.0, 0.0], "complex128": [0.0, 0.0]}  # data_type: fill_value, as tensorstore writes
+                "complex64": [0.0, 0.0], "complex128": [0.0, 0.0]}  # data_type: fill_value (tensorstore's)
 
 
 def _one_chunk(lf: HostLeaf) -> np.ndarray | None:
@@ -278,7 +278,8 @@ def _write_small(storage: Storage, arrays: list[tuple[HostLeaf, np.ndarray]], co
             w.result()
         txn.commit_async().result()
     except Exception as e:
-        raise CheckpointError(f"{storage.url}: writing {len(arrays)} arrays into its OCDBT database failed: {e}") from e
+        raise CheckpointError(f"{storage.url}: writing {len(arrays)} arrays into its OCDBT database failed: "
+                              f"{e}") from e
 
 
 def _json_bytes(obj: Any) -> bytes:
@@ -358,7 +359,8 @@ def _overlapped(writes: list[Callable[[], Any]], main: Callable[[], Any]) -> Non
         f.result()
 
 
-def _side_files(snap: Snapshot, arrays: list[HostLeaf], use_ocdbt: bool, use_zarr3: bool) -> list[tuple[str, bytes]]:
+def _side_files(snap: Snapshot, arrays: list[HostLeaf], use_ocdbt: bool,
+                use_zarr3: bool) -> list[tuple[str, bytes]]:
     """An item's files besides its arrays: ``_sharding``, ``_strings.json`` (with its crc32c),
     ``array_metadatas/process_0`` and ``_METADATA``, as (name, bytes)."""
     files = []
