@@ -16,6 +16,7 @@ from __future__ import annotations
 import atexit
 import functools
 import logging
+import os
 import threading
 import time
 import weakref
@@ -27,8 +28,8 @@ from flax_ckpt._src.commit.spares import SpareFiles
 from flax_ckpt._src.engine.fit import Fit, RenameArg
 from flax_ckpt._src.engine.leaves import CheckpointInfo
 from flax_ckpt._src.engine.snapshot import Snapshot, metrics_json
-from flax_ckpt._src.errors import CheckpointError, CheckpointNotFoundError
-from flax_ckpt._src.manager.agreed import AgreedRestore, TargetOf, targets
+from flax_ckpt._src.errors import CheckpointError, CheckpointLockedError, CheckpointNotFoundError
+from flax_ckpt._src.manager.agreed import DAMAGE, AgreedRestore, TargetOf, targets
 from flax_ckpt._src.manager.schedule import Schedule
 from flax_ckpt._src.manager.steps import StepIndex, run_format
 from flax_ckpt._src.retention import Retention
@@ -57,6 +58,14 @@ class CheckpointManager:
     finished, the lock released); one that is garbage collected finishes its save and releases the
     lock. Neither raises nor prints a traceback.
 
+    ``read_only=True`` follows a run another process writes (an evaluation job beside training): it
+    takes no lock and never writes or deletes anything (no directory created, no leftovers removed;
+    ``save`` raises), rereads the committed steps in ``all_steps``, ``latest_step``, ``metrics``,
+    ``best_step``, ``item_metadata`` and ``restore`` (``reload()`` does so explicitly), and a step that
+    the run's retention deletes while it is restored is followed, for ``restore(step=None)``, by the
+    newest step committed then; for a named step it is a CheckpointNotFoundError saying so. It reads
+    the persistent directory only (``tiers=`` is refused).
+
     Args:
       directory: the run's folder (a local path, ``file://``, ``s3://``, ``gs://`` or ``memory://``
         URL), created if missing.
@@ -81,6 +90,7 @@ class CheckpointManager:
       metric_writer: anything with ``write_scalars(step, dict)`` (e.g. a clu MetricWriter): gets each
         save's statistics.
       storage_options: ``fc.ObjectStoreOptions`` (or a dict of them): how to reach s3:// and gs://.
+      read_only: follow a run another process writes (see above): no lock, nothing written.
 
     Raises:
       CheckpointLockedError: another live manager holds the directory.
@@ -105,7 +115,12 @@ class CheckpointManager:
                  async_save: bool = True, serializer: str | Serializer | None = None, tiers: Tiers | None = None,
                  strict: bool = False, metadata: Any = None, format: Literal["native", "orbax"] | None = None,
                  overhead_budget: float = 0.01, mtbf_s: float | None = None, metric_writer: Any = None,
-                 storage_options: "ObjectStoreOptions | dict[str, Any] | None" = None):
+                 storage_options: "ObjectStoreOptions | dict[str, Any] | None" = None,
+                 read_only: bool = False):
+        if read_only and tiers is not None:
+            raise ValueError("read_only=True reads the steps committed in the directory; it does not open "
+                             "memory tiers (they belong to the run that writes them): drop tiers=")
+        self.read_only = read_only
         self._schedule = Schedule(save_interval_steps, overhead_budget, mtbf_s)
         self._retention = Retention(max_to_keep, keep_period, best_metric, best_mode, keep_best)
         if tiers is not None and not isinstance(tiers, Tiers):
@@ -114,10 +129,11 @@ class CheckpointManager:
         self.storage: Storage = open_storage(directory, options=storage_options)
         self.directory = self.storage.url
         self._prefix = distributed.job_prefix("manager", self.directory)  # this run's agreement rounds
-        self.storage.makedirs()
+        if not read_only:  # a reader may start before the writer made the directory: it then sees no steps
+            self.storage.makedirs()
         self.format = run_format(self.storage, format, serializer, tiers)
         self.layout: layouts.Layout = layouts.layout(self.format, serializer)
-        if self.format == "native" and isinstance(self.storage, LocalStorage) and \
+        if self.format == "native" and isinstance(self.storage, LocalStorage) and not read_only and \
                 getattr(self.layout.serializer, "name", None) == "raw":  # a removed step's files: the next save's
             self.storage.spares = SpareFiles(self.storage.local_path)
         self._steps = StepIndex(self.storage, self.layout, self._prefix, serializer)
@@ -134,7 +150,7 @@ class CheckpointManager:
         self._saved_at: float | None = None  # when the last save call that started a write began
         self._closed = False
         try:
-            if not self.layout.foreign:
+            if not self.layout.foreign and not read_only:
                 self._claim()
             self._steps.scan(tidy=self._claimed)
             if tiers is not None:  # after the scan: the tiers need the persistent steps
@@ -166,10 +182,21 @@ class CheckpointManager:
         if self._claimed:
             return
         if self.storage.local_path is not None and distributed.process_index() == 0:
+            _held_here(self.storage.local_path)
             self._lock = DirectoryLock(self.storage.local_path, tidy=self.layout.foreign)
         self._claimed = True
         if self.layout.foreign:
             self._steps.scan(tidy=True)  # the view from the open may be stale by now; this scan removes the leftovers
+
+    def reload(self) -> None:
+        """Reads the directory's committed steps again: steps committed since (by the run a read-only
+        manager follows) appear, steps deleted since (by its retention) disappear. A read-only manager
+        reloads by itself in ``all_steps``, ``latest_step``, ``restore`` and ``item_metadata``; a
+        writing manager's own saves are in its view already (this waits for the one in flight). With
+        several processes, a collective: every process adopts process 0's view."""
+        if not self.read_only:
+            self._writer.wait()
+        self._steps.scan(tidy=False)
 
     def all_steps(self) -> list[int]:
         """The committed steps, in the directory or (with tiers) in any memory tier.
@@ -184,6 +211,8 @@ class CheckpointManager:
           ...     mgr.all_steps()
           [1, 2]
         """
+        if self.read_only:
+            self.reload()
         steps = self._steps.steps()
         return sorted(set(steps) | set(self._tiers.steps())) if self._tiers is not None else steps
 
@@ -218,6 +247,8 @@ class CheckpointManager:
           ...     mgr.metrics(1)
           {'loss': 0.25}
         """
+        if self.read_only and step not in self._steps:
+            self.reload()
         return self._steps.metrics(step)
 
     def best_step(self) -> int | None:
@@ -234,6 +265,8 @@ class CheckpointManager:
           ...     mgr.best_step()
           2
         """
+        if self.read_only:
+            self.reload()
         return self._retention.best_step(self._steps.all_metrics())
 
     @property
@@ -304,6 +337,10 @@ class CheckpointManager:
         """
         if self._closed:
             raise CheckpointError(f"CheckpointManager({self.directory}) is closed")
+        if self.read_only:
+            raise CheckpointError(f"CheckpointManager({self.directory}, read_only=True) does not save "
+                                  f"(step {step}); save through the run's own manager, or open one without "
+                                  "read_only=True")
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
         t0 = time.perf_counter()
@@ -434,11 +471,51 @@ class CheckpointManager:
             if item is not None:
                 raise ValueError("item= selects an item of an Orbax step; a tiered manager holds native steps")
             out = self._restore_tiered(step, target_of, shardings, fit)
+        elif self.read_only:
+            return self._restore_following(step, target_of, shardings, fit, item)
         else:
             out = self._restore.restore(step, target_of, shardings, fit, item)
         if len(self.restore_stats) > restores:  # resumed the run: its steps up to this one are this run's
             self._steps.resumed(self.restore_stats[-1].step)
         return out
+
+    def _restore_following(self, step: int | None, target_of: TargetOf, shardings: Any, fit: Fit,
+                           item: str | None) -> Any:
+        """A read-only manager's restore, beside a run that commits and deletes steps meanwhile: the steps
+        are read again first; a step that the run's retention deleted while it was read (gone from the
+        directory after the failure) is followed, for ``step=None``, by the newest step committed then,
+        and is for a named step a CheckpointNotFoundError saying so. A step still there that fails to
+        read is damage: for ``step=None`` the next newest step is tried with a warning (unless strict)."""
+        skip: set[int] = set()  # steps deleted or damaged under this restore
+        while True:
+            self.reload()
+            steps = self._steps.steps()
+            if step is not None and step not in steps:
+                return self._restore.restore(step, target_of, shardings, fit, item)  # its not-found error
+            left = [s for s in steps if s not in skip]
+            if not left:
+                raise CheckpointNotFoundError(f"no committed checkpoint in {self.directory}" + (
+                    f" (steps {sorted(skip)} were deleted or damaged while being read)" if skip else ""))
+            s = left[-1] if step is None else step
+            try:
+                return self._restore.restore(s, target_of, shardings, fit, item)
+            except (CheckpointError, OSError) as e:
+                self.reload()
+                if s in self._steps.steps():  # still committed: damage, or a target that does not fit
+                    if step is not None or self.strict or type(e).__name__ not in DAMAGE:
+                        raise
+                    log.warning("step %d in %s is damaged (%s: %s); trying the next newest step", s,
+                                self.directory, type(e).__name__, e)
+                elif step is not None:
+                    raise CheckpointNotFoundError(
+                        f"step {step} of {self.directory} was deleted while it was being restored (the run "
+                        f"writing there removes old steps: its max_to_keep); committed steps now: "
+                        f"{self._steps.steps()}. Restore one of those (step=None: the newest), or have the "
+                        "run keep the steps an evaluator reads (keep_period)") from e
+                else:
+                    log.info("step %d of %s was deleted while it was being restored; restoring the newest "
+                             "step", s, self.directory)
+                skip.add(s)
 
     def _restore_tiered(self, step: int | None, target_of: TargetOf, shardings: Any, fit: Fit) -> Any:
         """With tiers= (every process calls it): the newest step complete across processes in some
@@ -609,6 +686,23 @@ class _Directory:
 
 _OPEN: "weakref.WeakSet[CheckpointManager]" = weakref.WeakSet()  # managers to close at interpreter exit
 _MIGRATING = threading.local()  # ``now``: this thread is in a migration's write (_Directory.write)
+
+
+def _held_here(path: str) -> None:
+    """CheckpointLockedError when a manager of this process, still open, holds the lock of ``path`` (a
+    notebook cell run again after an exception, before ``close()``): the lock's own error would name
+    this process's pid as if it were another's."""
+    here = os.path.realpath(path)
+    for earlier in list(_OPEN):
+        lock = earlier._lock
+        if lock is not None and lock.fd >= 0 and os.path.realpath(os.path.dirname(lock.path)) == here:
+            raise CheckpointLockedError(
+                f"{earlier.directory} is in use by an earlier CheckpointManager of this process (pid "
+                f"{os.getpid()}), which was never closed (a notebook cell or a loop that raised before "
+                "close()?). Close it first: call close() on it (the variable that held it, e.g. mgr.close(), "
+                "or ckpt.close() for a CheckpointCallback, which closes an earlier callback of its directory "
+                "itself); its save in flight is committed. Use `with fc.CheckpointManager(...) as mgr:` to "
+                "close it even when the code raises")
 
 
 def _close_open_managers() -> None:

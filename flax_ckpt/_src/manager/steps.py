@@ -114,6 +114,8 @@ class StepIndex:
             except StorageError:
                 raise  # the store failed (after its retries): say so rather than hide a committed step
             except (CheckpointError, OSError) as e:
+                if f.name not in self.storage.list():
+                    continue  # deleted while this scan read it (a writer's retention, seen by a reader): gone
                 if not self.storage.supports_rename and not self.storage.sub(f.name).exists(f.layout.record):
                     self._leftovers.append(f.name)  # an uncommitted object-store step: its commit object never came
                 else:
