@@ -243,6 +243,7 @@ class Table:
 
     def __init__(self, state: Any, copy: Callable[[Any], Any], scratch: Path, rep: Report):
         import jax
+
         import flax_ckpt as fc
         self.jax, self.fc, self.state, self.copy, self.rep = jax, fc, state, copy, rep
         self.scratch = scratch

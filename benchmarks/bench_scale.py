@@ -8,9 +8,10 @@ Part 1, leaves: N float32 leaves of 1 KiB, as jax arrays on the CPU. Per leaf, i
 pays per leaf), fc.save, fc.restore into the jax target, into a target sharded over 4 devices,
 without a target, fc.metadata, opening a CheckpointManager on the run (scan + restore of the newest
 step), an async manager save (the time it blocks the caller; then the same structure saved again, each
-save timed until durable: the writer's work per leaf) and a memory-tier save (blocked, and to
-committed in memory). At ``--peer-leaves`` (20k) Orbax's StandardCheckpointer and torch DCP are timed
-in the same rounds. Ratios: flax_ckpt / device_put per leaf, and growth of the per-leaf cost with N.
+save timed until durable: the writer's work per leaf), the same in Orbax's layout (format="orbax")
+and a memory-tier save (blocked, and to committed in memory). At ``--peer-leaves`` (20k) Orbax's
+StandardCheckpointer and torch DCP are timed in the same rounds. Ratios: flax_ckpt / device_put per
+leaf, and growth of the per-leaf cost with N.
 
 Part 2, bytes: ``make_tree`` states (a few large arrays and ~400 small ones) of 1 and 4 GiB
 (``--sizes-gb``; a size is skipped when free memory is short). Per GB: save and restore (warm page cache: the disk is not what is measured) for flax_ckpt and Orbax, and
@@ -116,18 +117,8 @@ class Leaves:
         t, _ = C.timed(lambda: fc.metadata(ck))
         res.add("flax_ckpt", "metadata", t)
         run = d / "run"
-        with fc.CheckpointManager(run, async_save=True) as mgr:
-            t0 = time.perf_counter()
-            mgr.save(1, self.state)
-            res.add("flax_ckpt", "manager_save_blocked", time.perf_counter() - t0)
-            mgr.wait_until_finished()
-            again = []
-            for step in (2, 3, 4):  # the structure saved again, each save timed until durable (the writer's work)
-                t0 = time.perf_counter()
-                mgr.save(step, self.state)
-                mgr.wait_until_finished()
-                again.append(time.perf_counter() - t0)
-            res.add("flax_ckpt", "manager_save_again_durable", statistics.median(again))
+        self.manager_saves(run, "native", "manager_save", res)
+        self.manager_saves(d / "orbax_format", "orbax", "orbax_format_save", res)  # format="orbax"
         def open_and_restore():
             with fc.CheckpointManager(run) as m:
                 jax.block_until_ready(m.restore(target=self.state))
@@ -144,6 +135,22 @@ class Leaves:
         for peer in self.peers:
             self.run_peer(peer, d / peer, res)
         shutil.rmtree(d, ignore_errors=True)
+
+    def manager_saves(self, run: Path, fmt: str, name: str, res: C.Results) -> None:
+        """An async manager save of the state in ``fmt`` (the time it blocks), then the same structure
+        saved again, each save timed until durable (the writer's work per leaf)."""
+        with fc.CheckpointManager(run, async_save=True, format=fmt) as mgr:
+            t0 = time.perf_counter()
+            mgr.save(1, self.state)
+            res.add("flax_ckpt", f"{name}_blocked", time.perf_counter() - t0)
+            mgr.wait_until_finished()
+            again = []
+            for step in (2, 3, 4):
+                t0 = time.perf_counter()
+                mgr.save(step, self.state)
+                mgr.wait_until_finished()
+                again.append(time.perf_counter() - t0)
+            res.add("flax_ckpt", f"{name}_again_durable", statistics.median(again))
 
     def run_peer(self, peer: str, path: Path, res: C.Results) -> None:
         if peer == "orbax":
@@ -168,7 +175,8 @@ class Leaves:
 
 
 LEAF_MEASURES = ["save", "restore", "restore_sharded", "restore_no_target", "metadata", "manager_save_blocked",
-                 "manager_save_again_durable", "manager_open_restore", "tier_save_blocked", "tier_save_memory"]
+                 "manager_save_again_durable", "manager_open_restore", "tier_save_blocked",
+                 "tier_save_memory", "orbax_format_save_blocked", "orbax_format_save_again_durable"]
 
 
 def leaves_part(ns: list[int], rounds: int, peer_n: int, peers: list[str], scratch: Path) -> dict[str, Any]:
@@ -259,7 +267,8 @@ def size_part(sizes: list[float], rounds: int, scratch: Path, with_orbax: bool) 
 def markdown(leaves: dict[str, Any], sizes: dict[str, Any], rounds: int) -> str:
     lines = [f"Leaves of 1 KiB, {rounds} interleaved rounds, medians; us per leaf (x one jax.device_put per leaf).", ""]
     cols = ["save", "restore", "restore_sharded", "restore_no_target", "metadata", "manager_open_restore",
-            "manager_save_blocked", "manager_save_again_durable", "tier_save_blocked", "tier_save_memory"]
+            "manager_save_blocked", "manager_save_again_durable", "tier_save_blocked", "tier_save_memory",
+            "orbax_format_save_blocked", "orbax_format_save_again_durable"]
     lines.append("| leaves | device_put | " + " | ".join(cols) + " |")
     lines.append("|---:|---:|" + "---:|" * len(cols))
     for row in leaves.values():

@@ -6,9 +6,12 @@ params plus optax state, PRNG keys, Python ints such as a data position) and pas
 Two kinds of leaf are mutable objects that are not stored as themselves:
 
 * ``flax.nnx`` objects (modules, ``nnx.Optimizer``, ``nnx.Rngs``; anything ``nnx.Pytree``, called
-  ``nnx.Object`` before flax 0.11) and ``nnx.State``: stored as ``nnx.to_pure_dict(nnx.state(obj))``;
-  restored in place with ``nnx.replace_by_pure_dict`` + ``nnx.update``, so the caller's objects hold
-  the restored values.
+  ``nnx.Object`` before flax 0.11) and ``nnx.State``: stored as ``nnx.state(obj)``, each variable's
+  array under ``<path>/value``, exactly as ``fc.save(path, nnx.state(model))`` (and Orbax) store a
+  State, so ``fc.restore(path, nnx.state(model))`` restores what the callback saved and the callback
+  resumes from what ``fc.save`` saved; restored in place (``nnx.update``), so the caller's objects
+  hold the restored values. Checkpoints of earlier versions, which stored the pure dict
+  (``nnx.to_pure_dict``: no ``/value``), are recognised by their key paths and restore as well.
 * objects with ``get_state()`` / ``set_state(state)`` (the protocol of grain's data iterators): stored as
   ``get_state()``, restored with ``set_state``.
 
@@ -70,23 +73,52 @@ def _is_object_leaf(x: Any) -> bool:
     return _is_nnx(x) or (isinstance(x, Stateful) and not isinstance(x, type))
 
 
-def _pure(x: Any) -> Any:
-    if isinstance(x, nnx.State):
-        return _to_pure_dict(x)
+def _pure(x: Any, pure_nnx: bool = False) -> Any:
     if _is_nnx(x):
-        return _to_pure_dict(nnx.state(x))
+        st = x if isinstance(x, nnx.State) else nnx.state(x)
+        return _to_pure_dict(st) if pure_nnx else st
     if isinstance(x, Stateful) and not isinstance(x, type):
         return x.get_state()
     return x
 
 
 def to_tree(state: Any) -> Any:
-    """The pytree that is saved for ``state``: nnx objects and stateful iterators replaced by their
-    pure state; everything else as it is. Reads, never mutates."""
+    """The pytree that is saved for ``state``: nnx objects as their ``nnx.State``, stateful iterators
+    as their ``get_state()``; everything else as it is. Reads, never mutates."""
     return jax.tree_util.tree_map(_pure, state, is_leaf=_is_object_leaf)
 
 
+def target_tree(state: Any, info: "fc.CheckpointInfo | None") -> Any:
+    """``to_tree(state)`` as the target of a restore of the checkpoint ``info`` describes: an nnx part
+    that the checkpoint holds as a pure dict (an earlier version's, or ``nnx.to_pure_dict``'s: no
+    ``/value`` under its variables) as that pure dict."""
+    flat, treedef = jax.tree_util.tree_flatten_with_path(state, is_leaf=_is_object_leaf)
+    out = []
+    for path, x in flat:
+        pure = info is not None and _is_nnx(x) and _saved_pure(x, _saved_node(info.tree, path))
+        out.append(_pure(x, pure_nnx=pure))
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _leaf_paths(tree: Any) -> set[tuple[str, ...]]:
+    """The key paths of ``tree``'s leaves as tuples of strings (dict keys, attribute names, indices)."""
+    flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: isinstance(x, fc.LeafInfo))[0]
+    return {tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+            for path, _ in flat}
+
+
+def _saved_pure(obj: Any, saved: Any) -> bool:
+    """Whether ``saved`` (the checkpoint's sub-tree at an nnx object) holds its pure dict, not its State."""
+    if saved is None:
+        return False
+    st = obj if isinstance(obj, nnx.State) else nnx.state(obj)
+    have = _leaf_paths(saved)
+    return not _leaf_paths(st) <= have and _leaf_paths(_to_pure_dict(st)) <= have
+
+
 def _put_back(live: Any, restored: Any) -> Any:
+    if _is_nnx(live) and isinstance(restored, nnx.State):
+        restored = _to_pure_dict(restored)
     if isinstance(live, nnx.State):
         _replace_by_pure_dict(live, restored)
         return live
@@ -109,8 +141,8 @@ def from_tree(state: Any, restored: Any) -> Any:
     return jax.tree_util.tree_unflatten(treedef, [_put_back(a, b) for a, b in zip(leaves, parts)])
 
 
-def _saved_leaf(tree: Any, path: tuple[Any, ...]) -> Any:
-    """The LeafInfo at a jax key path in ``fc.CheckpointInfo.tree`` (nested dicts/lists), or None."""
+def _saved_node(tree: Any, path: tuple[Any, ...]) -> Any:
+    """The node at a jax key path in ``fc.CheckpointInfo.tree`` (nested dicts/lists), or None."""
     node = tree
     for k in path:
         key = getattr(k, "key", getattr(k, "name", getattr(k, "idx", None)))
@@ -118,6 +150,12 @@ def _saved_leaf(tree: Any, path: tuple[Any, ...]) -> Any:
             node = node[key]
         except (KeyError, IndexError, TypeError):
             return None
+    return node
+
+
+def _saved_leaf(tree: Any, path: tuple[Any, ...]) -> Any:
+    """The LeafInfo at a jax key path in ``fc.CheckpointInfo.tree`` (nested dicts/lists), or None."""
+    node = _saved_node(tree, path)
     return node if isinstance(node, fc.LeafInfo) else None
 
 

@@ -477,3 +477,113 @@ def test_two_processes_stop_at_the_same_step_when_one_gets_sigterm(tmp_path):
         assert mgr.all_steps() == [int(steps[0][1])]
         assert np.asarray(mgr.restore(int(steps[0][1]))["w"]).tolist() == [float(steps[0][1])] * 4
 
+
+
+# ------------------------------------------------------------------------------- pmap (issue 43, 3)
+
+PMAP_WORKER = textwrap.dedent("""
+    import hashlib, sys
+    import jax, jax.numpy as jnp, numpy as np, optax
+    from flax import jax_utils
+    from flax.training import train_state
+    from flax_ckpt.callbacks import CheckpointCallback
+    from helpers import leaf_bytes
+    directory, mode, until = sys.argv[1], sys.argv[2], int(sys.argv[3])
+
+    def digest(tree):
+        return hashlib.sha256(repr(sorted(leaf_bytes(tree).items())).encode()).hexdigest()[:16]
+
+    params = {"w": jnp.arange(12.0).reshape(3, 4), "b": jnp.zeros(4)}
+    state = train_state.TrainState.create(apply_fn=None, params=params, tx=optax.adam(0.1))
+
+    def train_step(s):
+        grads = jax.tree_util.tree_map(lambda p: jnp.sin(p + s.step), s.params)
+        return s.apply_gradients(grads=grads)
+
+    if mode == "pmap":  # the loop of Flax's wmt example: the state replicated, the step pmapped
+        state = jax_utils.replicate(state)
+        step_fn = jax.pmap(train_step)
+    else:
+        step_fn = jax.jit(train_step)
+    ckpt = CheckpointCallback(directory, every_steps=3, max_to_keep=None, replicated=mode == "pmap")
+    state, start = ckpt.restore_or(state)
+    one = jax_utils.unreplicate(state) if mode == "pmap" else state
+    if mode == "pmap":  # every replica holds the restored state, on every local device
+        assert state.params["w"].shape[0] == jax.local_device_count()
+        assert all(np.array_equal(state.params["w"][i], one.params["w"])
+                   for i in range(jax.local_device_count()))
+    print("restored", start, digest(one), flush=True)
+    for step in range(start, until):
+        state = step_fn(state)
+        ckpt(step + 1, state)
+    ckpt.close()
+    print("saved", until, digest(jax_utils.unreplicate(state) if mode == "pmap" else state), flush=True)
+""")
+
+
+def _pmap_run(directory, mode: str, devices: int, until: int) -> tuple[tuple[int, str], tuple[int, str]]:
+    r = subprocess.run([sys.executable, "-c", PMAP_WORKER, str(directory), mode, str(until)],
+                       env=worker_env(devices), capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = dict(line.split(" ", 1) for line in r.stdout.splitlines())
+    restored, saved = lines["restored"].split(), lines["saved"].split()
+    return (int(restored[0]), restored[1]), (int(saved[0]), saved[1])
+
+
+def test_pmap_state_saved_replicated_restores_on_other_device_counts(ckpt_dir):
+    """A pmap loop on 8 devices passes its replicated state every step (replicated=True); the checkpoint
+    restores bit-exact into an unreplicated TrainState on 1 device, whose run continues and saves, and
+    that checkpoint restores into the replicated state of an 8-device pmap loop again."""
+    _, (six, on_eight) = _pmap_run(ckpt_dir, "pmap", 8, 6)
+    (start, restored), (nine, on_one) = _pmap_run(ckpt_dir, "single", 1, 9)
+    assert (start, restored) == (six, on_eight)
+    (start, restored), _ = _pmap_run(ckpt_dir, "pmap", 8, 12)
+    assert (start, restored) == (nine, on_one)
+    info = fc.metadata(ckpt_dir / "12")
+    assert info.tree["params"]["w"].shape == (3, 4)  # stored unreplicated
+
+
+def test_replicated_refuses_a_leaf_without_the_device_axis(ckpt_dir):
+    with CheckpointCallback(ckpt_dir, every_steps=1, replicated=True, preemption_signals=()) as ckpt:
+        with pytest.raises(ValueError, match=r"leaf \['w'\] has shape \(3,\), not a leading axis of the 8"):
+            ckpt(1, {"w": jnp.zeros(3)})
+
+
+# ------------------------------------------------------------------- nnx.State targets (issue 43, 5)
+
+def _trained_tiny(seed: int) -> tuple[Tiny, Any]:
+    model = Tiny(nnx.Rngs(params=seed, dropout=seed + 1))
+    return model, nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+
+
+def test_callback_checkpoint_restores_into_an_nnx_state_target(ckpt_dir, signals_restored):
+    """What the callback saved for an nnx model and optimizer restores with the NNX guides' target,
+    nnx.state(model), through fc.restore and the manager, bit-exact, and nnx.update puts it in place."""
+    model, opt = _trained_tiny(1)
+    with CheckpointCallback(ckpt_dir, every_steps=1) as ckpt:
+        ckpt(1, {"model": model, "opt": opt})
+    fresh, fresh_opt = _trained_tiny(7)
+    target = {"model": nnx.state(fresh), "opt": nnx.state(fresh_opt)}
+    got = fc.restore(ckpt_dir / "1", target)
+    assert isinstance(got["model"], nnx.State)
+    assert leaf_bytes(got) == leaf_bytes({"model": nnx.state(model), "opt": nnx.state(opt)})
+    with fc.CheckpointManager(ckpt_dir, read_only=True) as mgr:
+        again = mgr.restore(target={"model": nnx.state(fresh)}, partial=True)["model"]  # the model alone
+    nnx.update(fresh, again)
+    assert leaf_bytes(nnx.state(fresh)) == leaf_bytes(nnx.state(model))
+
+
+@pytest.mark.parametrize("stored", ["state", "pure"])
+def test_restore_or_resumes_from_fc_save_of_an_nnx_state(ckpt_dir, signals_restored, stored):
+    """A run step saved by fc.save from nnx.state(model) (as the NNX guides save), or from its pure dict
+    (an earlier version of the callback stored that), is resumed by restore_or into live nnx objects."""
+    model, opt = _trained_tiny(2)
+    pure = getattr(nnx, "to_pure_dict", None) or (lambda s: s.to_pure_dict())  # flax 0.10.0: a method
+    as_saved = (lambda s: s) if stored == "state" else pure
+    fc.save(ckpt_dir / "5", {"model": as_saved(nnx.state(model)), "opt": as_saved(nnx.state(opt))})
+    fresh, fresh_opt = _trained_tiny(9)
+    with CheckpointCallback(ckpt_dir, every_steps=1) as ckpt:
+        got, start = ckpt.restore_or({"model": fresh, "opt": fresh_opt})
+    assert start == 5 and got["model"] is fresh and got["opt"] is fresh_opt
+    assert leaf_bytes(nnx.state(fresh)) == leaf_bytes(nnx.state(model))
+    assert leaf_bytes(nnx.state(fresh_opt)) == leaf_bytes(nnx.state(opt))

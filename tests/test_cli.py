@@ -141,12 +141,14 @@ def test_every_subcommand_has_help_and_json(cmd, capsys):
 def test_ls_shows_steps_state_size_and_metrics(ck):
     doc = run_json("ls", ck["run"], "--local-dir", ck["shm"])
     by = {e["name"]: e for e in doc["steps"] if e["tier"] == "persistent"}
-    assert [e["step"] for e in doc["steps"]] == [1, 2, 3, 3, 3, 4, 5, 6, 7, 8]
+    assert [e["step"] for e in doc["steps"]] == [1, 2, 3, 3, 3, 5, 6, 7]  # steps only: leftovers apart
     memory = [(e["step"], e["tier"], e["state"]) for e in doc["steps"] if e["tier"] != "persistent"]
     assert memory == [(3, "local-memory p0", "committed"), (3, "peer-memory p0 (of p1)", "committed"),
-                      (7, "local-memory p0", "uncommitted"), (8, "local-memory p0", "in-flight")]
-    assert [by[n]["state"] for n in ("1", "2", "3", "4.tmp-0123abcd0123abcd0123abcd0123abcd", "5", "6")] == [
-        "committed", "committed", "committed", "in-flight", "invalid", "uncommitted"]
+                      (7, "local-memory p0", "uncommitted")]
+    assert [(e["step"], e["tier"], e["state"]) for e in doc["leftovers"]] == [
+        (4, "persistent", "in-flight"), (8, "local-memory p0", "in-flight")]
+    assert [by[n]["state"] for n in ("1", "2", "3", "5", "6")] == [
+        "committed", "committed", "committed", "invalid", "uncommitted"]
     assert by["3"]["committed"] and not by["5"]["committed"] and by["3"]["tier"] == "persistent"
     assert by["2"]["metrics"] == {"loss": 0.5} and by["3"]["nbytes"] > 400
     assert "checksum mismatch" in by["5"]["problem"]
@@ -154,7 +156,8 @@ def test_ls_shows_steps_state_size_and_metrics(ck):
     assert text.returncode == 0
     line3 = next(ln for ln in text.stdout.splitlines() if ln.startswith("3 "))
     assert "committed" in line3 and "loss=0.333333" in line3 and "KiB" in line3
-    assert "4.tmp-0123abcd0123abcd0123abcd0123abcd" in text.stdout and "in-flight" in text.stdout
+    assert text.stdout.splitlines()[-1] == ("leftovers: 1 save in flight (or interrupted: the next manager to open "
+                                            "the directory removes them), 0 B: 4.tmp-0123abcd0123abcd0123abcd0123abcd")
 
 
 # ---------------------------------------------------------------------------------------- info
@@ -192,7 +195,8 @@ def test_verify_sound_checkpoint_exits_0_with_progress_on_stderr_only(ck):
     r = run("verify", ck["s3"], "--json", "--progress")  # stderr is a pipe here: bars only when asked for
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout) == {"path": ck["s3"], "ok": True, "problems": [], "verified": True, "leaves": 6,
-                                    "unverified": 0, "unverified_leaves": [], "steps": None, "skipped": [], "linked": []}
+                                    "unverified": 0, "unverified_leaves": [], "steps": None, "skipped": [], "linked": [],
+                                    "gone": []}
     assert "verify" in r.stderr  # the tqdm bar, never in stdout
     quiet = run("verify", ck["zarr"], "-q")
     assert quiet.returncode == 0 and quiet.stdout.startswith("OK ") and quiet.stderr == ""
@@ -364,7 +368,8 @@ def test_prune_uses_manager_retention_with_dry_run(ck, tmp_path):
     d = tmp_path / "run"
     shutil.copytree(ck["run"], d)
     dry = run_json("prune", str(d), "--keep", "1", "--dry-run")
-    assert dry == {"directory": str(d), "dry_run": True, "would_delete": [1, 2], "kept": [3]}  # no "deleted"
+    assert dry == {"directory": str(d), "dry_run": True, "would_delete": [1, 2], "kept": [3],  # no "deleted"
+                   "formats": ["native", "orbax"], "left_alone": []}
     assert sorted(os.listdir(d)) == ["1", "2", "3", "4.tmp-0123abcd0123abcd0123abcd0123abcd", "5", "6"]
     r = run("prune", str(d), "--keep", "1", "--best-metric", "loss", "--best-mode", "max", "--keep-best", "1")
     assert r.returncode == 0, r.stderr

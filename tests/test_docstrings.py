@@ -33,7 +33,7 @@ RETIRED = {
     "conftest_s3": "s3_fixtures.py",
 }
 
-FILE_TYPES = {"py", "sh", "ipynb", "json", "txt", "bin", "md", "toml", "yaml", "tmp", "npy", "zarr"}
+FILE_TYPES = {"py", "sh", "ipynb", "json", "txt", "bin", "md", "rst", "toml", "yaml", "tmp", "npy", "zarr"}
 PATH = re.compile(r"(?<![\w./-])((?:[A-Za-z_][\w-]*/)*[A-Za-z_][\w-]*\.(?:py|sh|ipynb))\b")
 DOTTED = re.compile(r"(?<![\w./-])([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+)")
 

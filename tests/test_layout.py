@@ -17,7 +17,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 # Lower layers never import higher ones (a module may import its own rank and below).
 RANKS = {
-    "flax_ckpt._src.errors": 0,
+    "flax_ckpt._src.errors": 0, "flax_ckpt._src.lazy": 0,  # heavy imports (jax, tensorstore) on first use
     "flax_ckpt._src.records": 1, "flax_ckpt._src.checks": 1, "flax_ckpt._src.tree": 1, "flax_ckpt._src.storage": 1,
     "flax_ckpt._src.serializers": 2,
     "flax_ckpt._src.commit": 3,  # the commit and the multi-process agreement (commit/distributed.py)

@@ -221,7 +221,7 @@ def test_nesting_deeper_than_any_model_is_refused_by_its_depth(tmp_path):
     (_ext_array([2], "U4", b"x" * 32), r"'params/w': its dtype U4 is not a numeric dtype"),
     (_ext_array([2], "V8", b"x" * 16), r"'params/w': its dtype V8"),
     (_ext_array([2, 3], "float32", b"x" * 20), r"'params/w': float32\[2,3\] needs 24 bytes but 20 are stored"),
-    (_ext_array([2 ** 40, 2 ** 40], "float32", b"x" * 8), r"'params/w': float32.* needs \d+ bytes but 8"),
+    (_ext_array([2 ** 40, 2 ** 40], "float32", b"x" * 8), r"'params/w': its array shape \[1099511627776, .* spans more"),
     (_ext_array([-1], "float32", b""), r"'params/w': its array shape \[-1\]"),
     (msgpack.ExtType(1, b"\xc1garbage"), r"'params/w': its array record does not decode"),
     (msgpack.ExtType(9, b"abc"), r"'params/w': msgpack extension type 9 is none of Flax's"),
@@ -335,9 +335,9 @@ def _good_header(n: int = 2) -> dict:
     ({"a": {"dtype": "OBJ", "shape": [1], "data_offsets": [0, 8]}}, b"x" * 8, None, r"'a': dtype 'OBJ' is none of"),
     ({"a": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}, b"x" * 8, None,
      r"'a': float32\[3\] needs 12 bytes, its offsets span 8"),
-    ({"a": {"dtype": "F32", "shape": [2 ** 61, 2 ** 61], "data_offsets": [0, 8]}}, b"x" * 8, None, r"'a': float32"),
+    ({"a": {"dtype": "F32", "shape": [2 ** 61, 2 ** 61], "data_offsets": [0, 8]}}, b"x" * 8, None, r"'a': shape \[2305843009213693952, .* spans more"),
     ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
-      "a.b": {"dtype": "F32", "shape": [0], "data_offsets": [8, 8]}}, b"x" * 8, None, r"'a' is a leaf, and 'a\.b'"),
+      "a.b": {"dtype": "F32", "shape": [0], "data_offsets": [8, 8]}}, b"x" * 8, None, r"'a\.b': its key path passes through the leaf 'a'"),
     ({"__metadata__": {"step": 3}}, b"", None, r"__metadata__ is not a map of strings"),
 ])
 def test_a_crafted_safetensors_header_is_corrupt_fast(tmp_path, header, data, length, match):

@@ -16,7 +16,7 @@ import pytest
 
 import flax_ckpt as fc
 from flax_ckpt._src.retention import Retention, ranked, steps_to_delete
-from helpers import manifest_body
+from helpers import assert_bit_exact, manifest_body
 
 
 def state(step: int) -> dict:
@@ -205,11 +205,18 @@ def test_damaged_newest_step_falls_back_unless_strict(ckpt_dir, caplog):
 
 # ------------------------------------------------------------------------------------ lock, cleanup
 
-def test_second_manager_is_refused(ckpt_dir):
-    with fc.CheckpointManager(ckpt_dir):
-        with pytest.raises(fc.CheckpointLockedError, match="in use by another CheckpointManager"):
-            fc.CheckpointManager(ckpt_dir)
-    fc.CheckpointManager(ckpt_dir).close()  # free again once closed
+def test_second_manager_of_this_process_is_refused_saying_so(ckpt_dir):
+    """An earlier, unclosed manager of this process on the same directory (a notebook cell run again):
+    the error says that this process's own earlier manager holds it, and how to close it."""
+    earlier = fc.CheckpointManager(ckpt_dir)
+    earlier.save(1, state(1))
+    with pytest.raises(fc.CheckpointLockedError,
+                       match=r"in use by an earlier CheckpointManager of this process "
+                       rf"\(pid {os.getpid()}\), which was never closed .* mgr.close\(\)"):
+        fc.CheckpointManager(str(ckpt_dir) + "/../" + ckpt_dir.name)
+    earlier.close()
+    with fc.CheckpointManager(ckpt_dir) as mgr:  # free again once closed
+        assert_bit_exact(mgr.restore(1), state(1), types=False)
 
 
 def test_lock_of_a_killed_process_is_released(ckpt_dir):

@@ -425,3 +425,47 @@ def test_manager_writes_orbax_steps(ckpt_dir):
     with ocp.CheckpointManager(root) as omgr:
         assert omgr.all_steps() == [5]
         assert_bit_exact(tree, omgr.restore(5, args=ocp.args.StandardRestore(_abstract(tree))), types=False)
+
+
+# ----------------------------------------------------------- small arrays encoded without tensorstore
+
+def _ocdbt_items(folder) -> dict[bytes, bytes]:
+    import tensorstore as ts
+    kv = ts.KvStore.open({"driver": "ocdbt", "base": {"driver": "file", "path": str(folder) + "/"}}).result()
+    return {k: kv.read(k).result().value for k in kv.list().result()}
+
+
+@pytest.mark.parametrize("compression", [True, False])
+def test_small_arrays_are_stored_byte_for_byte_as_tensorstore_stores_them(tmp_path, monkeypatch, compression):
+    """The small arrays that orbax/write.py encodes itself (one OCDBT transaction instead of a tensorstore
+    open and write each, issue 43 item 10) are the same keys and bytes tensorstore writes, for every
+    dtype encoded there, 0-d to 3-d, one-byte types and sharded jax arrays included; Orbax restores them."""
+    orbax_write = write
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("x",))
+    tree = {"f32": jnp.arange(12.0).reshape(3, 4), "scalar": jnp.float32(2.5), "py": 7,
+            "bf16": jnp.ones(5, jnp.bfloat16), "b": np.array([True, False, True]),
+            "i8": np.arange(-3, 3, dtype=np.int8), "u64": np.arange(4, dtype=np.uint64),
+            "c64": np.array([1 + 2j, -1j], np.complex64), "f16": np.full((2, 2, 2), 1.5, np.float16),
+            "rep": jax.device_put(jnp.arange(6.0), jax.sharding.NamedSharding(mesh, P())),
+            "split": jax.device_put(jnp.arange(8.0), jax.sharding.NamedSharding(mesh, P("x")))}
+    encoded = []
+    real = orbax_write._write_small
+    monkeypatch.setattr(orbax_write, "_write_small",
+                        lambda st, arrays, *a: (encoded.extend(arrays), real(st, arrays, *a)))
+    opened = []
+    real_open = orbax_write.ts.open
+    monkeypatch.setattr(orbax_write.ts, "open",
+                        lambda spec, *a, **k: (opened.append(spec), real_open(spec, *a, **k))[1])
+    orbax_write.save_item(open_storage(tmp_path), "here", snapshot(tree, copy=True), compression=compression)
+    assert [spec["kvstore"]["path"] for spec in opened] == ["split"]  # tensorstore opens the sharded leaf
+    monkeypatch.setattr(orbax_write.ts, "open", real_open)
+    monkeypatch.setattr(orbax_write, "_SMALL", 0)  # every array through tensorstore
+    orbax_write.save_item(open_storage(tmp_path), "tensorstore", snapshot(tree, copy=True),
+                          compression=compression)
+    assert {orbax_write.param(lf) for lf, _ in encoded} == set(tree) - {"split"}  # "split": two chunks
+    assert _ocdbt_items(tmp_path / "here") == _ocdbt_items(tmp_path / "tensorstore")
+    got = ocp.PyTreeCheckpointer().restore(tmp_path / "here")
+    for k, v in tree.items():
+        want = np.asarray(v)
+        assert np.array_equal(np.asarray(got[k]), want) and np.asarray(got[k]).dtype == want.dtype, k
+    assert_bit_exact(fc.restore(tmp_path / "here", tree), tree)

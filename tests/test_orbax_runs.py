@@ -72,7 +72,8 @@ def test_cli_ls_and_prune_see_prefixed_orbax_steps_like_the_manager(run_copy):
     with fc.CheckpointManager(run_copy) as mgr:
         assert mgr.all_steps() == [e["step"] for e in doc["steps"]] and mgr.format == "orbax"
     assert run_json("prune", str(run_copy), "--keep", "2") == {
-        "directory": str(run_copy), "dry_run": False, "deleted": [1], "kept": [2, 3]}
+        "directory": str(run_copy), "dry_run": False, "deleted": [1], "kept": [2, 3], "formats": ["native", "orbax"],
+        "left_alone": []}
     assert sorted(os.listdir(run_copy)) == ["ckpt_000002", "ckpt_000003"]  # no lock file left behind
     with ocp.CheckpointManager(run_copy, options=orbax_options()) as omgr:  # Orbax agrees
         assert omgr.all_steps() == [2, 3]

@@ -21,16 +21,35 @@ from flax_ckpt._src.storage import split_location
 
 
 def save(path: Any, tree: Any, *, metadata: Any = None, serializer: "str | Serializer | None" = None,
-         step: int | None = None, metrics: dict | None = None, format: str = "native") -> None:
-    """Synchronous, atomic save of ``tree`` to ``path`` (which must not exist: CheckpointExistsError).
+         step: int | None = None, metrics: dict[str, Any] | None = None, format: str = "native") -> None:
+    """Saves ``tree`` to ``path`` synchronously and atomically: the checkpoint is visible only once complete.
 
-    ``format``: "native" (flax_ckpt's layout, with ``serializer`` "raw" (default) or "zarr3") or
-    "orbax" (Orbax's StandardCheckpointer layout, restorable by orbax-checkpoint). ``metadata``: any
-    JSON, given back by ``fc.metadata``; ``step`` and ``metrics`` are recorded with it. Orbax's layout
-    records a step only as a CheckpointManager step folder's name: with ``format="orbax"`` and
-    ``step``, ``path`` is named for the step (``.../5`` or ``.../<prefix>_5``; else a ValueError) and
-    becomes such a step (item ``default``, ``metrics`` as its JSON item), which Orbax's
-    CheckpointManager lists."""
+    Args:
+      path: a folder that must not exist yet (a local path, ``file://``, ``s3://``, ``gs://`` or
+        ``memory://`` URL).
+      tree: a pytree of arrays (jax, numpy) and Python scalars; other leaves are refused.
+      metadata: any JSON value, given back by ``fc.metadata(path).metadata``.
+      serializer: "raw" (the default) or "zarr3", or a ``fc.Serializer`` instance; native format only.
+      step: the step number recorded with the checkpoint. With ``format="orbax"``, ``path`` must be
+        named for it (``.../5`` or ``.../<prefix>_5``) and becomes a step folder of Orbax's
+        CheckpointManager (item ``default``, ``metrics`` as its JSON item).
+      metrics: JSON scalars recorded with the checkpoint.
+      format: "native" (flax_ckpt's layout) or "orbax" (Orbax's StandardCheckpointer layout,
+        restorable by orbax-checkpoint).
+
+    Raises:
+      CheckpointExistsError: ``path`` holds a committed checkpoint already.
+      UnsupportedLeafError: a leaf is not an array or a Python scalar.
+      StorageError: the storage refused a write; nothing is committed.
+      ValueError: an unknown ``format`` or ``serializer``, ``metadata`` that is not JSON, or a
+        ``step`` that ``path``'s name does not carry with ``format="orbax"``.
+
+    Example:
+      >>> import numpy as np
+      >>> fc.save("ckpt", {"w": np.ones((2, 3), np.float32), "step": 7}, metadata={"lr": 0.1})
+      >>> fc.metadata("ckpt").metadata
+      {'lr': 0.1}
+    """
     fmt = layouts.layout(format, serializer)
     parent, name = split_location(path)
     jsonable(metadata, "metadata")
@@ -73,29 +92,52 @@ def _folder(path: Any):
 def restore(path: Any, target: Any = None, *, shardings: Any = None, partial: bool = False,
             rename: RenameArg = None, missing: str = "error", unexpected: str = "error", cast: bool = False,
             report: bool = False, item: str | None = None, serializer: "str | Serializer | None" = None) -> Any:
-    """Restores the checkpoint at ``path`` (either format) into ``target``'s structure, checked leaf by
-    leaf (a pytree of arrays or jax.ShapeDtypeStruct giving structure, dtypes and placement), or without
-    a target into nested dicts/lists of numpy arrays. Each leaf keeps the target's type: a Python
-    scalar target leaf gets a Python scalar, a weak-typed one a weak-typed array. ``shardings`` (one,
-    or a tree) overrides the target's placement.
+    """Restores the checkpoint at ``path`` (either format), checked leaf by leaf against ``target``.
 
-    A target that differs from the checkpoint (fine-tuning, serving; README: Fine-tuning and serving):
-    ``rename``: ordered (regex, replacement) pairs or a dict of them, matched against each checkpoint
-    key path as a whole (``{"encoder/(.*)": r"backbone/\1"}``; the first rule that matches wins; a
-    replacement ``None`` does not restore the leaf; a rule that matches nothing warns), or a function of
-    the key path; applied before the structure check. ``missing="keep"``: target leaves the checkpoint
-    lacks keep the target's own values (concrete arrays, never a ShapeDtypeStruct).
-    ``unexpected="ignore"``: checkpoint leaves the target lacks are not read (``partial=True`` is its
-    older name). ``cast=True``: each array is converted to the target's dtype as it is read, slab by
-    slab (bool -> integer -> float -> complex, never back; a value the target's dtype cannot hold is a
-    CastOverflowError naming the leaf). ``report=True``: returns ``(tree, fc.RestoreReport)``; any of
-    these options logs the report's one-line summary.
+    Each leaf keeps the target's type: a Python scalar target leaf gets a Python scalar, a weak-typed
+    one a weak-typed array. A target that differs from the checkpoint (fine-tuning, serving) is fitted
+    with ``rename``, ``missing``, ``unexpected`` and ``cast``; any of these logs a one-line report.
 
-    An Orbax step saved with named items (``args.Composite``) restores as ``{item name: value}``
-    (JSON items as their JSON) and takes a target keyed by item names; ``item="state"`` restores
-    one item by itself (see the orbax package's docstring). ``serializer``: the user serializer (an
-    instance) that wrote the checkpoint, when no installed package declares it (README: Writing a
-    serializer); used only when the manifest names it."""
+    Args:
+      path: the checkpoint's folder (as for ``fc.save``), native or Orbax.
+      target: a pytree of arrays or ``jax.ShapeDtypeStruct`` giving structure, dtypes and placement;
+        None restores nested dicts/lists of numpy arrays.
+      shardings: one sharding, or a tree of them, overriding the target's placement.
+      partial: the older name of ``unexpected="ignore"``.
+      rename: ordered (regex, replacement) pairs or a dict of them, matched against each checkpoint
+        key path as a whole (``{"encoder/(.*)": r"backbone/\1"}``; the first rule that matches wins;
+        a replacement None does not restore the leaf; a rule that matches nothing warns), or a
+        function of the key path; applied before the structure check.
+      missing: "error", or "keep": target leaves the checkpoint lacks keep the target's own values.
+      unexpected: "error", or "ignore": checkpoint leaves the target lacks are not read.
+      cast: convert each array to the target's dtype as it is read (bool -> integer -> float ->
+        complex, never back).
+      report: also return a ``fc.RestoreReport`` of what was restored, kept, ignored, renamed, cast.
+      item: one named item of an Orbax step saved with ``args.Composite`` (without it, such a step
+        restores as ``{item name: value}``).
+      serializer: the user serializer (an instance) that wrote the checkpoint, when no installed
+        package declares it; used only when the manifest names it.
+
+    Returns:
+      The restored tree, or ``(tree, fc.RestoreReport)`` with ``report=True``.
+
+    Raises:
+      CheckpointNotFoundError: nothing is committed at ``path``.
+      StructureMismatchError: the key paths of target and checkpoint differ (the message lists them).
+      LeafMismatchError: shapes or dtypes differ (pass ``cast=True`` for dtypes).
+      CastOverflowError: with ``cast=True``, a value the target's dtype cannot hold.
+      CorruptCheckpointError: stored bytes do not match their checksum (the message names the file).
+
+    Example:
+      >>> import jax
+      >>> import numpy as np
+      >>> fc.save("ckpt", {"w": np.arange(3, dtype=np.float32)})
+      >>> fc.restore("ckpt")
+      {'w': array([0., 1., 2.], dtype=float32)}
+      >>> target = {"w": jax.ShapeDtypeStruct((3,), np.float32)}
+      >>> fc.restore("ckpt", target)["w"]
+      Array([0., 1., 2.], dtype=float32)
+    """
     fit = Fit.of(partial=partial, rename=rename, missing=missing, unexpected=unexpected, cast=cast,
                  report=report)
     source = layouts.open_checkpoint(_folder(path), item, _reader(serializer))
@@ -103,9 +145,28 @@ def restore(path: Any, target: Any = None, *, shardings: Any = None, partial: bo
 
 
 def metadata(path: Any, *, item: str | None = None, serializer: "str | Serializer | None" = None) -> CheckpointInfo:
-    """What the checkpoint at ``path`` holds (tree of shapes, dtypes, shardings; step, metrics, user
-    metadata), read without any array bytes; ``item``: one named item of an Orbax step; ``serializer``:
-    as for restore."""
+    """What the checkpoint at ``path`` holds, read without any array bytes.
+
+    Args:
+      path: the checkpoint's folder (as for ``fc.save``), native or Orbax.
+      item: one named item of an Orbax step saved with ``args.Composite``.
+      serializer: as for ``fc.restore``.
+
+    Returns:
+      A ``fc.CheckpointInfo``: the tree of ``fc.LeafInfo`` (shape, dtype, sharding), step, metrics,
+      user metadata, format.
+
+    Raises:
+      CheckpointNotFoundError: nothing is committed at ``path``.
+      InvalidManifestError: the checkpoint's manifest is damaged or of an unknown version.
+
+    Example:
+      >>> import numpy as np
+      >>> fc.save("ckpt", {"w": np.zeros((2, 3), np.float32)}, step=10, metrics={"loss": 0.5})
+      >>> info = fc.metadata("ckpt")
+      >>> info.step, info.metrics, info.leaves["w"].shape
+      (10, {'loss': 0.5}, (2, 3))
+    """
     with gc_paused():
         return layouts.open_checkpoint(_folder(path), item, _reader(serializer)).info()
 

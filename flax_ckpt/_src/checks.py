@@ -2,9 +2,12 @@
 
 Scope: ``seal``/``unseal`` (the checksummed JSON codec of every document flax_ckpt writes: the native
 manifest, the memory tiers' indexes), ``check_relpath`` (a stored location is a plain relative path
-inside its folder; used by the serializers and Orbax's reader) and ``tiling_problem`` (a leaf's chunks
+inside its folder; used by the serializers and Orbax's reader), ``tiling_problem`` (a leaf's chunks
 cover it exactly: disjoint and complete, used wherever chunk records are trusted: the native manifest's
-validation, the restore placement, the memory tiers' copies). Nothing here reads storage.
+validation, the restore placement, the memory tiers' copies), ``check_path``/``check_tree`` (key paths
+that make one tree a restore can nest, in linear time: the native manifest, Orbax's ``_METADATA``,
+safetensors names, Flax msgpack trees) and ``shape_problem`` (a shape numpy can make an array of).
+Nothing here reads storage.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from __future__ import annotations
 import json
 import math
 import posixpath
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import crc32c
 import numpy as np
@@ -21,6 +24,8 @@ from flax_ckpt._src.errors import CheckpointError, InvalidManifestError
 
 MANIFEST = "manifest.json"  # the native layout's commit record (native/manifest.py): no stored location names it
 MAX_MANIFEST_BYTES = 256 << 20  # the largest sealed document read (a manifest, a process's part of one)
+MAX_NDIM = 64  # numpy's own limit
+MAX_ARRAY_BYTES = 1 << 50  # more than any array a checkpoint holds
 
 
 def seal(body: dict[str, Any], *, name: str, version: int) -> bytes:
@@ -199,3 +204,106 @@ def _corner_problem(items: list[tuple[int, Any]], bounds: list[tuple[int, int]])
 def _gap(volume: int, total: int, at: list[int] | None) -> str:
     where = f"element {at} is covered by no chunk; " if at is not None and volume < total else ""
     return f"{where}the chunks hold {volume} elements, the array {total}"
+
+
+# ------------------------------------------------------------------ key paths and trees (every layout)
+
+MAX_PATH_DEPTH = 512  # keys in one leaf's key path; a model's tree is a few tens deep
+MAX_LIST_GAPS = 1 << 20  # list slots without a leaf (children with no leaves, e.g. dataclasses of static fields)
+MAX_INDEX = 1 << 31  # a sequence index
+
+
+def check_path(path: Any, field: str, c: Any) -> None:
+    """A key path as manifests store it: a list of at most MAX_PATH_DEPTH ``["key"|"attr"|"idx", key]``
+    (an index an int in [0, MAX_INDEX), an attribute a str); else ``c.fail(field, why)``, which raises."""
+    if not isinstance(path, list):
+        c.fail(field, f"expected a list of keys, found {type(path).__name__}")
+    if len(path) > MAX_PATH_DEPTH:
+        c.fail(field, f"{len(path)} keys deep, deeper than {MAX_PATH_DEPTH}")
+    for j, e in enumerate(path):
+        if (not isinstance(e, list) or len(e) != 2 or e[0] not in ("key", "attr", "idx")
+                or isinstance(e[1], bool) or not isinstance(e[1], (str, int))
+                or (e[0] == "idx" and (not isinstance(e[1], int) or not 0 <= e[1] < MAX_INDEX))
+                or (e[0] == "attr" and not isinstance(e[1], str))):
+            c.fail(f"{field}[{j}]", f"expected [\"key\"|\"attr\"|\"idx\", key], found {str(e)[:100]}")
+
+
+class _Node:
+    """A folder of the key-path trie: its children by key string, and whether they are indices."""
+
+    __slots__ = ("children", "group", "top")
+
+    def __init__(self):
+        self.children: dict[str, tuple[tuple[str, Any], Any]] = {}
+        self.group: str | None = None  # "idx", "int" (dict keys) or "name"
+        self.top = -1  # the largest index seen (a list of top + 1 slots is built on restore)
+
+
+_LEAF = object()
+
+
+def check_tree(paths: Sequence[Sequence[Sequence[Any]]], c: Any,
+               label: Callable[[int], str] = lambda i: f"leaves[{i}].path") -> None:
+    """The key paths (each checked by check_path, or built as it would accept them) must form one
+    tree: no path is a prefix or a duplicate of another, also as key strings (what restore matches
+    leaves by: ["key", 1], ["key", "1"] and ["attr", "1"] are one key), the children of a node are all
+    indices or all names, and lists stay small (their slots total at most the number of leaves plus
+    MAX_LIST_GAPS), so that nesting the result can neither fail nor allocate without bound. One pass
+    over the keys: linear time. ``c.fail(field, why)`` raises, the field ``label(i)`` for the i-th path
+    (a manifest's ``leaves[i].path``, another layout's leaf name)."""
+    if len(paths) > 1 and not all(paths):
+        c.fail(label([bool(p) for p in paths].index(False)), "the root is a leaf beside others")
+    root, lists = _Node(), []
+    for i, path in enumerate(paths):
+        node = root
+        for j, (kind, key) in enumerate(path):
+            if node is _LEAF:
+                c.fail(label(i), f"its key path passes through the leaf {_keys(path[:j])!r}")
+            group = "idx" if kind == "idx" else "int" if isinstance(key, int) else "name"
+            if node.group not in (None, group):  # jax flattens no such node: it cannot sort mixed keys
+                c.fail(f"{label(i)}[{j}]", "a node mixes sequence indices, integer keys and names")
+            if node.group is None and group == "idx":
+                lists.append(node)
+            node.group = group
+            if kind == "idx":
+                node.top = max(node.top, key)
+            last = j == len(path) - 1
+            prev = node.children.get(str(key))
+            if prev is None:
+                child = _LEAF if last else _Node()
+                node.children[str(key)] = ((kind, key), child)
+            elif prev[0] != (kind, key) or last:
+                c.fail(label(i), f"its key path {_keys(path)!r} duplicates or contains another leaf's")
+            else:
+                child = prev[1]
+            node = child
+    if sum(n.top + 1 for n in lists) > len(paths) + MAX_LIST_GAPS:
+        c.fail(label(max(range(len(paths)), key=lambda i: _top(paths[i]))),
+               f"sequence indices up to {max(map(_top, paths))} leave more gaps than any saved tree has "
+               f"(more than {MAX_LIST_GAPS} list slots without a leaf)")
+
+
+def _top(path: Sequence[Sequence[Any]]) -> int:
+    return max((key for kind, key in path if kind == "idx"), default=-1)
+
+
+def _keys(path: Sequence[Sequence[Any]]) -> str:
+    text = "/".join(str(key) for _, key in path)
+    return text if len(text) <= 200 else text[:200] + "..."
+
+
+def numpy_bytes(shape: Sequence[int], itemsize: int) -> int:
+    """The bytes numpy reckons an array of ``shape`` spans before it makes one: the product of every
+    dimension but zeros (np.empty refuses [0, 2**61, 2**61], which holds nothing)."""
+    return math.prod(d for d in shape if d) * itemsize
+
+
+def shape_problem(shape: Any, itemsize: int) -> str | None:
+    """Why ``shape`` is no shape a stored array may have (not a list of at most MAX_NDIM sizes, or
+    spanning more than MAX_ARRAY_BYTES as numpy_bytes counts them); None when it is one."""
+    if (not isinstance(shape, (list, tuple)) or len(shape) > MAX_NDIM
+            or not all(type(d) is int and d >= 0 for d in shape)):
+        return f"shape {str(shape)[:60]} is not a list of at most {MAX_NDIM} sizes"
+    if numpy_bytes(shape, itemsize) > MAX_ARRAY_BYTES:
+        return f"shape {str(list(shape))[:60]} spans more than the {MAX_ARRAY_BYTES} bytes any array holds"
+    return None

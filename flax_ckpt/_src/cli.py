@@ -86,18 +86,39 @@ def build_parser() -> argparse.ArgumentParser:
                    help="safetensors: key path of the sub-tree to export (default: 'params' if present, else all)")
     p = sub.add_parser("prune", parents=common, help="delete old steps with the manager's retention rules",
                        description="Delete committed steps that CheckpointManager(max_to_keep=N, ...) would "
-                                   "delete. Takes the directory lock; never touches in-flight folders.")
+                                   "delete: each format's steps apart, native and Orbax steps by default "
+                                   "(the steps a manager resumes from). Every deletion is checked before the "
+                                   "first; --dry-run lists the same steps. Takes the directory lock; never "
+                                   "touches in-flight folders or damaged steps. Other libraries' files (legacy "
+                                   "Flax checkpoint_<step> files, .safetensors files) are listed, never "
+                                   "deleted, unless --format names theirs.")
     p.add_argument("directory", metavar="DIR")
-    p.add_argument("--keep", type=int, required=True, metavar="N", help="keep the newest N steps")
-    p.add_argument("--keep-period", type=int, metavar="P", help="also keep every step divisible by P")
+    p.add_argument("--keep", type=_positive, required=True, metavar="N",
+                   help="keep the newest N steps (of each format)")
+    p.add_argument("--keep-period", type=_positive, metavar="P", help="also keep every step divisible by P")
     p.add_argument("--best-metric", metavar="NAME", help="metric to rank steps by for --keep-best")
     p.add_argument("--best-mode", choices=["min", "max"], default="min")
-    p.add_argument("--keep-best", type=int, metavar="K", help="also keep the K best steps by --best-metric")
+    p.add_argument("--keep-best", type=_positive, metavar="K",
+                   help="also keep the K best steps by --best-metric")
+    p.add_argument("--format", choices=["native", "orbax", "flax_msgpack"],
+                   help="act on this format's steps only (flax_msgpack: legacy Flax checkpoint_<step> files, "
+                        "pruned only when named here); default: native and Orbax steps, each format apart")
     p.add_argument("--dry-run", action="store_true", help="print what would be deleted; delete nothing")
     return parser
 
 
 # ------------------------------------------------------------------------------------------ helpers
+
+def _positive(text: str) -> int:
+    """An argparse type: an integer >= 1 (a usage error, exit status 2, otherwise)."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    return n
+
 
 def human_bytes(n: int | None) -> str:
     if n is None:
@@ -177,40 +198,78 @@ def cmd_ls(args: argparse.Namespace) -> int:
     if args.local_dir:
         entries = sorted(entries + fi.list_memory_tiers(args.directory, args.local_dir),
                          key=lambda e: (e.step, e.tier != "persistent", e.tier))
+    steps = [e for e in entries if e.state not in _LEFTOVERS]
+    leftovers = [e for e in entries if e.state in _LEFTOVERS]
     rows = [[str(e.step), e.state, e.tier, e.format or "-", human_bytes(e.nbytes), _time_text(e.created),
-             _ls_note(e)] for e in entries]
+             _ls_note(e)] for e in steps]
     doc = {"directory": os.fspath(args.directory), "steps": [
         {"step": e.step, "name": e.name, "state": e.state, "committed": e.committed, "tier": e.tier,
          "format": e.format, "nbytes": e.nbytes, "metrics": e.metrics, "created": e.created, "problem": e.problem}
-        for e in entries]}
-    text = _table(rows, ["STEP", "STATE", "TIER", "FORMAT", "SIZE", "CREATED", "METRICS / NOTE"]) if entries \
+        for e in steps], "leftovers": [{"name": e.name, "step": e.step, "state": e.state, "tier": e.tier,
+                                        "nbytes": e.nbytes} for e in leftovers]}
+    text = _table(rows, ["STEP", "STATE", "TIER", "FORMAT", "SIZE", "CREATED", "METRICS / NOTE"]) if steps \
         else f"no steps in {args.directory}"
-    _emit(args, doc, text)
+    _emit(args, doc, text + _leftovers_line(leftovers))
     return EXIT_OK
 
 
-def cmd_info(args: argparse.Namespace) -> int:
-    from flax_ckpt._src import api
+_LEFTOVERS = {"in-flight": ("save in flight", "saves in flight"),
+              "deleting": ("deletion in progress", "deletions in progress")}
 
-    info = api.metadata(args.path)
+
+def _leftovers_line(leftovers: list[Any]) -> str:
+    """One line for the temporary folders beside the steps: how many of each kind, their size and names."""
+    if not leftovers:
+        return ""
+    counts = {state: sum(e.state == state for e in leftovers) for state in _LEFTOVERS}
+    kinds = ", ".join(f"{n} {_LEFTOVERS[state][n > 1]}" for state, n in counts.items() if n)
+    names = ", ".join(e.name for e in leftovers[:3]) + (", ..." if len(leftovers) > 3 else "")
+    return (f"\nleftovers: {kinds} (or interrupted: the next manager to open the directory removes them), "
+            f"{human_bytes(sum(e.nbytes or 0 for e in leftovers))}: {names}")
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    from flax_ckpt._src.tools.common import read_info
+
+    info, values = read_info(args.path)
     leaves = [{"key": k, "kind": v.kind, "dtype": None if v.dtype is None else v.dtype.name,
-               "shape": None if v.shape is None else list(v.shape), "nbytes": v.nbytes, "sharding": v.sharding}
+               "shape": None if v.shape is None else list(v.shape), "nbytes": v.nbytes,
+               "sharding": v.sharding, **({"value": _jsonable(values[k])} if k in values else {})}
               for k, v in info.leaves.items()]
     arrays = sum(1 for v in info.leaves.values() if v.dtype is not None)
     doc = {"path": info.path, "format": info.format, "step": info.step, "metrics": info.metrics,
            "metadata": info.metadata, "created": info.created, "serializer": info.serializer,
            "process_count": info.process_count, "leaves": leaves,
            "total": {"leaves": len(leaves), "arrays": arrays, "nbytes": info.nbytes}}
-    rows = [[k, v.kind, "-" if v.dtype is None else v.dtype.name,
-             "-" if v.shape is None else str(list(v.shape)).replace(" ", ""), str(v.nbytes), sharding_text(v.sharding)]
+    rows = [[k, v.kind, _dtype_text(v, values.get(k)),
+             "-" if v.shape is None else str(list(v.shape)).replace(" ", ""), str(v.nbytes),
+             sharding_text(v.sharding) if k not in values else _value_text(values[k])]
             for k, v in info.leaves.items()]
     head = (f"{info.path}\nformat {info.format}  step {info.step}  serializer {info.serializer}  processes "
             f"{info.process_count}  created {_time_text(info.created)}\nmetrics: {_metrics_text(info.metrics)}"
             + ("" if info.metadata is None else f"\nmetadata: {json.dumps(info.metadata, default=str)}"))
     total = f"total: {len(leaves)} leaves ({arrays} arrays), {info.nbytes} bytes ({human_bytes(info.nbytes)})"
-    _emit(args, doc, "\n".join([head, _table(rows, ["KEY PATH", "KIND", "DTYPE", "SHAPE", "BYTES", "SHARDING"]),
-                                total]))
+    _emit(args, doc, "\n".join([head, _table(rows, ["KEY PATH", "KIND", "DTYPE", "SHAPE", "BYTES",
+                                                     "SHARDING / VALUE"]), total]))
     return EXIT_OK
+
+
+def _dtype_text(v: Any, value: Any) -> str:
+    """An array's dtype; a Python scalar's type (int, float, ...)."""
+    if v.dtype is not None:
+        return v.dtype.name
+    return type(value).__name__ if v.kind == "scalar" else "-"
+
+
+def _value_text(value: Any, width: int = 60) -> str:
+    """A leaf's value as the table shows it: a number or None as Python writes it, a text quoted and cut."""
+    text = json.dumps(value) if isinstance(value, str) else repr(value)
+    return text if len(text) <= width else text[:width - 3] + "..."
+
+
+def _jsonable(value: Any) -> Any:
+    """A leaf's value in --json: numbers and text as they are, complex numbers as their text."""
+    return str(value) if isinstance(value, complex) else value
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -221,11 +280,14 @@ def cmd_verify(args: argparse.Namespace) -> int:
     doc = {"path": os.fspath(args.path), "ok": not problems,
            "problems": [{"leaf": p.leaf, "file": p.file, "message": p.message, "step": p.step} for p in problems],
            "verified": r.sound, "leaves": r.leaves, "unverified": len(r.unverified),
-           "unverified_leaves": r.unverified, "steps": r.steps, "skipped": r.skipped, "linked": r.linked}
+           "unverified_leaves": r.unverified, "steps": r.steps, "skipped": r.skipped, "linked": r.linked,
+           "gone": r.gone}
     damaged = sorted({(p.step, p.leaf) for p in problems if p.leaf})
-    run = "" if r.steps is None else f" ({len(r.steps)} steps" + (
-        f"; skipped {', '.join(r.skipped)}: not committed)" if r.skipped else ")")
-    if problems:
+    run = "" if r.steps is None else f" ({len(r.steps)} steps" + "".join(
+        f"; {what}" for what in _run_notes(r)) + ")"
+    if r.steps == [] and not problems:
+        text = f"no steps in {args.path}: nothing to verify" + ("" if run == " (0 steps)" else run)
+    elif problems:
         bad_steps = sorted({p.step for p in problems if p.step is not None})
         head = (f"DAMAGED {args.path}: {len(problems)} problems" + (f" in {len(damaged)} leaves" if damaged else "")
                 + (f" of steps {', '.join(map(str, bad_steps))}" if bad_steps else "") + run)
@@ -246,6 +308,15 @@ def cmd_verify(args: argparse.Namespace) -> int:
     if problems:
         return EXIT_FOUND
     return EXIT_UNVERIFIED if r.unverified and args.strict else EXIT_OK
+
+
+def _run_notes(r: Any) -> list[str]:
+    """What a run's verification passed over: steps not committed, steps deleted while read."""
+    notes = [f"skipped {', '.join(r.skipped)}: not committed"] if r.skipped else []
+    if r.gone:
+        notes.append(f"{len(r.gone)} deleted while being read (a live manager's retention), not damaged: step"
+                     f"{'s' if len(r.gone) > 1 else ''} {', '.join(map(str, r.gone))}")
+    return notes
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
@@ -293,11 +364,15 @@ def cmd_prune(args: argparse.Namespace) -> int:
     from flax_ckpt._src import tools as fi
 
     r = fi.prune(args.directory, keep=args.keep, keep_period=args.keep_period, best_metric=args.best_metric,
-                 best_mode=args.best_mode, keep_best=args.keep_best, dry_run=args.dry_run)
+                 best_mode=args.best_mode, keep_best=args.keep_best, dry_run=args.dry_run, format=args.format)
     doc = {"directory": args.directory, "dry_run": r.dry_run, "would_delete" if r.dry_run else "deleted": r.deleted,
-           "kept": r.kept}  # a dry run deletes nothing: its list has a name that says so
+           "kept": r.kept, "formats": list(r.formats), "left_alone": r.left_alone}  # a dry run: would_delete
     verb = "would delete" if r.dry_run else "deleted"
     text = f"{verb}: {', '.join(map(str, r.deleted)) or 'nothing'}\nkept: {', '.join(map(str, r.kept)) or 'nothing'}"
+    if r.left_alone:
+        more = f", ... ({len(r.left_alone)} in all)" if len(r.left_alone) > 10 else ""
+        text += (f"\nleft alone (not {' or '.join(r.formats)} steps; --format names the format to prune): "
+                 + ", ".join(r.left_alone[:10]) + more)
     _emit(args, doc, text)
     return EXIT_OK
 
@@ -309,9 +384,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if "JAX_PLATFORMS" not in os.environ:  # inspecting a checkpoint must not take a training job's GPUs
-        import jax
-        jax.config.update("jax_platforms", "cpu")
+    _cpu_only()
     from flax_ckpt._src.errors import CheckpointError
 
     try:
@@ -320,12 +393,42 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_OK
     except (CheckpointError, OSError, ValueError) as e:
-        message = str(e) + _hint(args)
-        if args.json:
-            json.dump({"error": {"type": type(e).__name__, "message": message}}, sys.stdout)
-            sys.stdout.write("\n")
-        print(f"flax-ckpt {args.command}: error: {type(e).__name__}: {message}", file=sys.stderr)
-        return EXIT_ERROR
+        return _error(args, e, str(e) + _hint(args))
+    except Exception as e:  # noqa: BLE001 - a bug of ours: one line that says so, never a traceback
+        return _error(args, e, f"{e} (an unexpected error, at {_where(e)}: a bug in flax_ckpt; please "
+                               "report it with this line)")
+
+
+def _cpu_only() -> None:
+    """Inspecting a checkpoint must not take a training job's accelerators: jax (imported only by the
+    steps that need it) runs on the CPU, unless JAX_PLATFORMS says otherwise."""
+    if "JAX_PLATFORMS" in os.environ:
+        return
+    if "jax" in sys.modules:  # main() called in a process that already uses jax
+        sys.modules["jax"].config.update("jax_platforms", "cpu")
+    else:
+        os.environ["JAX_PLATFORMS"] = "cpu"
+
+
+def _error(args: argparse.Namespace, e: Exception, message: str) -> int:
+    if args.json:
+        json.dump({"error": {"type": type(e).__name__, "message": message}}, sys.stdout)
+        sys.stdout.write("\n")
+    print(f"flax-ckpt {args.command}: error: {type(e).__name__}: {message}", file=sys.stderr)
+    return EXIT_ERROR
+
+
+def _where(e: BaseException) -> str:
+    """file:line where ``e`` was raised (the innermost frame), for a bug report."""
+    tb = e.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    if tb is None:
+        return "?"
+    code = tb.tb_frame.f_code
+    name = code.co_filename
+    name = name[name.rfind("flax_ckpt/"):] if "flax_ckpt/" in name else name
+    return f"{name}:{tb.tb_lineno} in {code.co_name}"
 
 
 def _hint(args: argparse.Namespace) -> str:

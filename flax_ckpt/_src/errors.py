@@ -51,12 +51,14 @@ class TargetMismatchError(CheckpointError):
 class StructureMismatchError(TargetMismatchError):
     """The target's tree structure differs from the checkpoint's: the message lists the key paths
     missing from the checkpoint and those in the checkpoint but not in the target. Pass
-    ``partial=True`` to restore a sub-tree of what was saved."""
+    ``unexpected="ignore"`` to restore a sub-tree of what was saved, ``missing="keep"`` to keep the
+    target's own values where the checkpoint lacks a leaf, or ``rename=`` to map key paths."""
 
 
 class LeafMismatchError(TargetMismatchError):
     """Some leaves' shape, dtype or kind differ between target and checkpoint; the message lists
-    every one with both values. Fix the target (for example the model config) or cast after restore."""
+    every one with both values. Fix the target (for example the model config), or pass ``cast=True``
+    to convert each array to the target's dtype as it is read."""
 
 
 class AbstractTargetLeafError(StructureMismatchError):

@@ -13,10 +13,12 @@ import math
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-import ml_dtypes
 import numpy as np
 
 from flax_ckpt._src.checks import canonical
+from flax_ckpt._src.lazy import lazy
+
+ml_dtypes = lazy("ml_dtypes", globals())  # imported on first use (lazy.py)
 
 ARRAY_KINDS = ("jax", "numpy", "prng_key")  # leaf kinds with a dtype, a shape and chunks
 
@@ -30,13 +32,18 @@ def dtype_from_name(name: str) -> np.dtype:
 
 @functools.lru_cache(maxsize=256)
 def _dtype_named(name: str) -> np.dtype:
+    try:  # numpy's own numbers first: ml_dtypes (seconds to import) only for the names numpy lacks
+        dt = np.dtype(name)
+    except TypeError:
+        dt = None
+    if dt is not None and dt.kind in "biufc":
+        return dt
     ml = getattr(ml_dtypes, name, None)
     if isinstance(ml, type) and issubclass(ml, np.generic):  # not ml_dtypes.finfo: np.dtype(class) is object
         return np.dtype(ml)
-    dt = np.dtype(name)
-    if dt.kind not in "biufc":
-        raise ValueError(f"unsupported dtype {name!r}")
-    return dt
+    if dt is None:
+        raise TypeError(f"data type {name!r} not understood")
+    raise ValueError(f"unsupported dtype {name!r}")
 
 
 def dtype_name(dt: np.dtype) -> str:

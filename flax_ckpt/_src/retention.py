@@ -1,6 +1,8 @@
 """Retention: which committed steps a run keeps, and which one is its best. One pure policy, shared by
 the manager (``Retention``) and the flax-ckpt command's prune (``steps_to_delete``; never a copy of it).
-One ranking (``ranked``) decides both the best step and the best steps kept. No I/O.
+One ranking (``ranked``) decides both the best step and the best steps kept. The policy acts on one
+format's steps at a time: in a directory holding steps of two formats, each keeps its own newest
+steps, so the newest step of the directory (the one a manager resumes from) is always kept. No I/O.
 """
 
 from __future__ import annotations
@@ -20,12 +22,21 @@ def ranked(values: Mapping[int, float | None], mode: Literal["min", "max"] = "mi
 
 def steps_to_delete(steps: Iterable[int], *, max_to_keep: int | None = None, keep_period: int | None = None,
                     metrics: dict[int, float | None] | None = None, best_mode: Literal["min", "max"] = "min",
-                    keep_best: int | None = None) -> list[int]:
+                    keep_best: int | None = None, formats: Mapping[int, str] | None = None) -> list[int]:
     """The committed steps that retention removes, oldest first.
 
     Kept: the newest step always; the newest ``max_to_keep`` (all, when None); every step divisible by
     ``keep_period``; the ``keep_best`` best steps by ``metrics`` (steps without a value never count).
+    ``formats``: {step: its format}; the rules then apply to each format's steps apart (the newest
+    ``max_to_keep`` of each format kept, and so on). Steps it does not name are of one more format.
     """
+    if formats:
+        groups: dict[str | None, list[int]] = {}
+        for s in set(steps):
+            groups.setdefault(formats.get(s), []).append(s)
+        return sorted(s for group in groups.values() for s in steps_to_delete(
+            group, max_to_keep=max_to_keep, keep_period=keep_period, metrics=metrics, best_mode=best_mode,
+            keep_best=keep_best))
     steps = sorted(set(steps))
     if not steps or max_to_keep is None:
         return []
@@ -71,7 +82,10 @@ class Retention:
         best = ranked(self.values(metrics), self.best_mode)
         return best[0] if best else None
 
-    def doomed(self, metrics: Mapping[int, dict[str, Any] | None]) -> list[int]:
-        """The steps of {step: its saved metrics} that retention removes, oldest first."""
+    def doomed(self, metrics: Mapping[int, dict[str, Any] | None],
+               formats: Mapping[int, str] | None = None) -> list[int]:
+        """The steps of {step: its saved metrics} that retention removes, oldest first; ``formats``
+        ({step: its format}): each format's steps apart (``steps_to_delete``)."""
         return steps_to_delete(metrics, max_to_keep=self.max_to_keep, keep_period=self.keep_period,
-                               metrics=self.values(metrics), best_mode=self.best_mode, keep_best=self.keep_best)
+                               metrics=self.values(metrics), best_mode=self.best_mode,
+                               keep_best=self.keep_best, formats=formats)

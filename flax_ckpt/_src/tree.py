@@ -12,11 +12,13 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
-import jax
 import numpy as np
 
 from flax_ckpt._src.errors import UnsupportedLeafError
+from flax_ckpt._src.lazy import lazy
 from flax_ckpt._src.records import dtype_from_name, keystr
+
+jax = lazy("jax", globals())  # imported on first use (lazy.py)
 
 # A key path: a tuple of (kind, key) with kind "key" (a dict key), "attr" (an attribute or namedtuple /
 # dataclass field) or "idx" (a sequence index).

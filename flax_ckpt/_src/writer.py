@@ -9,7 +9,8 @@ original exception, with its traceback) from the next ``submit``, ``wait`` or ``
 A job may start after a ``grace``: the caller, back from ``save``, dispatches its next training step
 in about a millisecond, releasing and taking back the GIL as it goes; a writer running Python code
 meanwhile takes the GIL at the first release and keeps it up to the interpreter's switch interval
-(5 ms) each time, which measured 2-4 ms more per dispatch (benchmarks/README.md). Anything that waits
+each time, which slows the dispatch (benchmarks/README.md, "Figures from the module docstrings").
+Anything that waits
 for the job (``wait``, the next ``submit``, ``close``) ends the grace at once.
 """
 

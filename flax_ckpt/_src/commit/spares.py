@@ -5,9 +5,9 @@ Scope: ``SpareFiles``, which a manager's retention hands the data files of the s
 ``spares``: storage imports nothing of this). Not here: which steps are removed (manager/steps.py), the
 un-commit before (commit.remove), the write itself (storage/local.py).
 
-Writing over a file costs a file system less than creating one and deleting another: on ext4 here, 50
-MiB written with O_DIRECT into a new file took 27 ms, over the blocks of an old one 19 ms, and the
-unlink of the old one 8 ms more (block allocation, freeing, discards). A manager saving often with
+Writing over a file costs a file system less than creating one and deleting another (no block
+allocation, freeing or discards; benchmarks/README.md, "Figures from the module docstrings"). A
+manager saving often with
 ``max_to_keep`` removes one step at each save; its data files become the next save's.
 
 Safety: the files are moved (renamed, never copied) from the un-committed folder of the removed step

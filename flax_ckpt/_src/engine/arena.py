@@ -15,8 +15,8 @@ a save that is written to files:
 - the pages are faulted once, when the arena is first filled, not at every save;
 - on Linux the map is advised to use transparent huge pages (``MADV_HUGEPAGE``; a no-op where the
   host's THP setting is "never"): 2 MiB pages fault 512 times fewer when the arena is first filled, and
-  an O_DIRECT write pins 512 times fewer pages (benchmarks/README.md: a 48 MiB state's write 15 ms
-  instead of 23-27, the writer's CPU 1.2 ms less a save). Where the host's ``defrag`` setting compacts
+  an O_DIRECT write pins 512 times fewer pages (measured: benchmarks/README.md, "Figures from the
+  module docstrings"). Where the host's ``defrag`` setting compacts
   memory for advised maps, faulting a new arena waits for that once, on the writer's thread.
 
 An arena is reset and filled again only when nothing reads its previous contents (the manager takes a

@@ -18,12 +18,14 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
-import ml_dtypes
 import numpy as np
 
 from flax_ckpt._src.errors import CastOverflowError, InvalidArgumentError, RenameCollisionError, format_list
+from flax_ckpt._src.lazy import lazy
 from flax_ckpt._src.records import LeafRecord
 from flax_ckpt._src.tree import KeyPath
+
+ml_dtypes = lazy("ml_dtypes", globals())  # imported on first use (lazy.py)
 
 Rules = tuple[tuple["re.Pattern[str]", "str | None"], ...]
 RenameArg = Mapping[str, "str | None"] | Sequence[tuple[str, "str | None"]] | Callable[[str], "str | None"] | None
@@ -399,14 +401,14 @@ def _shown(x: Any) -> str:
     return str(int(x)) if isinstance(x, (int, np.integer)) else repr(float(x))
 
 
-_EXPONENT = {np.dtype(ml_dtypes.bfloat16): (np.uint16, 0x7F80), np.dtype(np.float16): (np.uint16, 0x7C00),
-             np.dtype(np.float32): (np.uint32, 0x7F800000)}  # IEEE layouts: all exponent bits set = inf/NaN
+_EXPONENT = {"bfloat16": (np.uint16, 0x7F80), "float16": (np.uint16, 0x7C00),
+             "float32": (np.uint32, 0x7F800000)}  # IEEE layouts: all exponent bits set = inf/NaN
 
 
 def _non_finite(dst: np.ndarray) -> bool:
     """Whether ``dst`` holds an inf or NaN: one pass over its exponent bits for the IEEE layouts (the
     common casts), else numpy's isfinite. Only then is the exact check against the source made."""
-    bits = _EXPONENT.get(dst.dtype)
+    bits = _EXPONENT.get(dst.dtype.name) if dst.dtype.isnative else None
     if bits is None or not dst.flags.c_contiguous:
         return not np.isfinite(dst).all()
     view, mask = bits

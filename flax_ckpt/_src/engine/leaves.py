@@ -13,7 +13,6 @@ import functools
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Sequence
 
-import jax
 import numpy as np
 
 from flax_ckpt._src import tree as tree_mod
@@ -22,6 +21,8 @@ from flax_ckpt._src.engine.fit import Fit, RestoreReport, cast_problem, renamed
 from flax_ckpt._src.errors import (AbstractTargetLeafError, LeafMismatchError, StructureMismatchError,
                                   format_list)
 from flax_ckpt._src.records import LeafRecord
+from flax_ckpt._src.lazy import lazy
+jax = lazy("jax", globals())  # imported on first use (lazy.py)
 
 
 _SHOWN = 20  # leaves an error lists, then a count of the rest

@@ -19,7 +19,6 @@ import math
 import threading
 from typing import Any, Callable, NamedTuple, Protocol, Sequence
 
-import jax
 import numpy as np
 
 from flax_ckpt._src.engine.fit import cast_into
@@ -28,6 +27,8 @@ from flax_ckpt._src.errors import CheckpointError, CorruptCheckpointError, Targe
 from flax_ckpt._src.checks import tiling_problem
 from flax_ckpt._src.records import LeafRecord
 from flax_ckpt._src.serializers import Box, box_of
+from flax_ckpt._src.lazy import lazy
+jax = lazy("jax", globals())  # imported on first use (lazy.py)
 
 _ALIGN = 64  # restored host buffers start on this boundary (see aligned_empty)
 _CAST_SLAB = 8 << 20  # a cast reads at most this many saved bytes at a time (or one row of its first axis)

@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import crc32c
-import jax
 import numpy as np
 
 from flax_ckpt._src import tree as tree_mod
@@ -27,8 +26,11 @@ from flax_ckpt._src.engine.arena import Arena
 from flax_ckpt._src.engine.leaves import key_data_shape
 from flax_ckpt._src.engine.pause import gc_paused
 from flax_ckpt._src.errors import CheckpointError
+from flax_ckpt._src.lazy import lazy
 from flax_ckpt._src.records import LeafRecord
 from flax_ckpt._src.serializers import ArrayItem, Box, Shard, box_of
+
+jax = lazy("jax", globals())  # imported on first use (lazy.py)
 
 _BIG = 1 << 20  # leaves of more bytes are copied on a small pool
 

@@ -21,14 +21,16 @@ from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-import jax
 import numpy as np
 
 from flax_ckpt._src import tree as tree_mod
-from flax_ckpt._src.errors import CheckpointError
 from flax_ckpt._src.engine.snapshot import HostLeaf, Snapshot, learned, snapshot
+from flax_ckpt._src.errors import CheckpointError
+from flax_ckpt._src.lazy import lazy
 from flax_ckpt._src.serializers import ArrayItem, Box, Serializer, Shard, Written, box_of
 from flax_ckpt._src.storage import Storage
+
+jax = lazy("jax", globals())  # imported on first use (lazy.py)
 
 THREADS = 8  # batches written at once
 WINDOW = 256 << 20  # bytes of transfers in flight at once (0: every transfer started at once)

@@ -2,7 +2,8 @@
 
 Scope: ``CheckpointFile`` (a regular file opened without blocking: a FIFO, device or socket is refused
 before anything is read; a file found by listing a run directory is never a symlink; a file that
-changes while it is read is an error, never a mix of two versions), the step a file name gives
+changes while it is read is an error, never a mix of two versions: its identity is checked before and
+after every read, and a file modified lately is read twice), the step a file name gives
 (``step_of``: ``checkpoint_<step>``, ``<prefix>_<step>`` or ``<step>``), and ``FileSource``, the part
 of a restore Source every foreign file shares (no checksums: every leaf is unverified). Decoding a
 format is its own module's (flax_msgpack.py, safetensors_file.py).
@@ -13,7 +14,10 @@ from __future__ import annotations
 import errno
 import os
 import re
+import time
 from typing import Any, Callable
+
+import numpy as np
 
 from flax_ckpt._src.engine.leaves import CheckpointInfo, checkpoint_info
 from flax_ckpt._src.engine.reader import Damage, read_back
@@ -21,6 +25,14 @@ from flax_ckpt._src.errors import CheckpointError, CheckpointNotFoundError, Corr
 from flax_ckpt._src.storage.local import open_regular
 
 _STEP_NAME = re.compile(r"(?:.+_)?([0-9]+)")  # ASCII digits only, as orbax/locate.py's step folder names
+
+
+SETTLE_S = 10  # a file modified this recently is read twice (CheckpointFile)
+_AGAIN = 4 << 20  # bytes compared at a time
+
+
+def _identity(st: os.stat_result) -> tuple[int, ...]:
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
 
 def step_of(name: str) -> int | None:
@@ -32,9 +44,12 @@ def step_of(name: str) -> int | None:
 
 class CheckpointFile:
     """A regular file, opened once to learn its identity (device, inode, size, mtime); every later read
-    reopens it and refuses a file that is no longer the same one (replaced or rewritten meanwhile).
-    ``follow``: follow a symlink at ``path`` (a file the user names, e.g. a Hugging Face cache link);
-    False for a file found by listing a run directory, where a link could lead out of it."""
+    reopens it, refuses a file that is no longer the same one (replaced or rewritten meanwhile), and
+    checks the same after reading, so that a write while it reads is an error, never a mix of two
+    versions. A write that had begun before the file was opened changes nothing it could see: a file
+    modified within the last SETTLE_S seconds is read twice and the two compared (these formats carry
+    no checksum). ``follow``: follow a symlink at ``path`` (a file the user names, e.g. a Hugging Face
+    cache link); False for a file found by listing a run directory, where a link could lead out of it."""
 
     def __init__(self, path: str, *, follow: bool = True):
         self.path, self.follow = path, follow
@@ -44,7 +59,8 @@ class CheckpointFile:
         finally:
             os.close(fd)
         self.size, self.mtime = st.st_size, st.st_mtime
-        self._identity = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        self._identity = _identity(st)
+        self._recent = abs(time.time_ns() - max(st.st_mtime_ns, st.st_ctime_ns)) < SETTLE_S * 10**9
 
     def _open(self) -> int:
         try:
@@ -61,26 +77,50 @@ class CheckpointFile:
     def open_same(self) -> int:
         """A read-only fd of the file, which must still be the one opened first."""
         fd = self._open()
-        st = os.fstat(fd)
-        if (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns) != self._identity:
+        try:
+            self._same(fd)
+        except BaseException:
             os.close(fd)
-            raise CorruptCheckpointError(f"{self.path} changed while it was being read (replaced or rewritten); "
-                                         "restore it again once nothing writes it")
+            raise
         return fd
 
+    def _same(self, fd: int) -> None:
+        if _identity(os.fstat(fd)) != self._identity:
+            raise CorruptCheckpointError(f"{self.path} changed while it was being read (replaced or rewritten); "
+                                         "restore it again once nothing writes it")
+
     def read(self, offset: int, out: memoryview) -> None:
-        """Fills ``out`` with the bytes from ``offset`` on (CorruptCheckpointError when the file ends first)."""
+        """Fills ``out`` with the bytes from ``offset`` on (CorruptCheckpointError when the file ends
+        first, or changes meanwhile)."""
         fd = self.open_same()
         try:
-            done = 0
-            while done < len(out):
-                n = os.preadv(fd, [out[done:done + (1 << 30)]], offset + done)
-                if n == 0:
-                    raise CorruptCheckpointError(f"{self.path}: ends at byte {offset + done}, before the "
-                                                 f"{len(out)} bytes from {offset} (truncated)")
-                done += n
+            self._pread(fd, offset, out)
+            if self._recent:
+                self._read_again(fd, offset, out)
+            self._same(fd)
         finally:
             os.close(fd)
+
+    def _pread(self, fd: int, offset: int, out: memoryview) -> None:
+        done = 0
+        while done < len(out):
+            n = os.preadv(fd, [out[done:done + (1 << 30)]], offset + done)
+            if n == 0:
+                raise CorruptCheckpointError(f"{self.path}: ends at byte {offset + done}, before the "
+                                             f"{len(out)} bytes from {offset} (truncated)")
+            done += n
+
+    def _read_again(self, fd: int, offset: int, out: memoryview) -> None:
+        """Reads the bytes of ``out`` again, a part at a time, and compares: a file modified recently
+        may be in the middle of a write that began before it was opened."""
+        scratch = memoryview(bytearray(min(len(out), _AGAIN)))
+        for at in range(0, len(out), _AGAIN):
+            n = min(_AGAIN, len(out) - at)
+            self._pread(fd, offset + at, scratch[:n])
+            if not np.array_equal(np.frombuffer(scratch[:n], np.uint8), np.frombuffer(out[at:at + n], np.uint8)):
+                raise CorruptCheckpointError(f"{self.path} changed while it was being read (bytes {offset + at} to "
+                                             f"{offset + at + n} differ when read again: it is being written); "
+                                             "restore it again once nothing writes it")
 
     def head(self, n: int) -> bytes:
         """The first ``n`` bytes (fewer when the file is shorter)."""

@@ -11,9 +11,11 @@ maps of flat chunks. Arrays from ``save_checkpoint_multiprocess`` (``//GDAPlaceh
 their data in a ``<file>_gda`` folder) are not read.
 
 Hostile input: every length msgpack may allocate is bounded by the file's size, nesting deeper than
-MAX_DEPTH is refused, dtype names are numpy's and ml_dtypes' numeric types only (records.dtype_from_name:
-no object, string or structured dtypes), and an array's bytes must be exactly its shape times its
-itemsize. Every array is decoded when the file is opened (the format has no index: shapes and dtypes
+MAX_DEPTH is refused, the tree's nodes and key paths may cost at most FREE_WORK plus WORK_PER_BYTE per
+byte of the file (a file of one-byte leaves is refused before its leaves are built), its key paths
+must make one tree (checks.check_tree), dtype names are numpy's and ml_dtypes' numeric types only
+(records.dtype_from_name: no object, string or structured dtypes), and an array's bytes must be
+exactly its shape times its itemsize, its shape one numpy can make (checks.shape_problem). Every array is decoded when the file is opened (the format has no index: shapes and dtypes
 are inside the arrays' own bytes), so a file takes about twice its size in memory while it is opened
 and its size after.
 """
@@ -26,13 +28,18 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from flax_ckpt._src.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedLeafError, format_list
+from flax_ckpt._src.checks import check_tree, shape_problem
+from flax_ckpt._src.errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError,
+                                   UnsupportedLeafError, format_list)
 from flax_ckpt._src.foreign.files import CheckpointFile, FileSource, whole
 from flax_ckpt._src.records import LeafRecord, dtype_from_name, keystr
 from flax_ckpt._src.serializers import Box
 
 MAX_DEPTH = 512  # a model's tree is a few tens deep; msgpack itself stops at 1024
 MAX_NDIM = 64  # numpy's own limit
+LEAF_COST = 64  # the work of one node of the tree, in units of a key's character (see _Budget)
+FREE_WORK = 1 << 24  # what any file's tree may cost: 200,000 leaves named by 20 characters
+WORK_PER_BYTE = 2  # and per byte of the file
 CHUNKED = "__msgpack_chunked_array__"
 GDA_PLACEHOLDER = "//GDAPlaceholder:"
 EXT_NDARRAY, EXT_COMPLEX, EXT_NPSCALAR = 1, 2, 3
@@ -68,15 +75,15 @@ def _ndarray(payload: bytes) -> np.ndarray | _Bad:
     if not isinstance(obj, list) or len(obj) != 3:
         return _Bad("its array record is not (shape, dtype, bytes)")
     shape, name, data = obj
-    if (not isinstance(shape, list) or len(shape) > MAX_NDIM
-            or not all(type(d) is int and 0 <= d < 1 << 62 for d in shape)):
-        return _Bad(f"its array shape {str(shape)[:80]} is not a list of at most {MAX_NDIM} sizes")
     name = name.decode("ascii", "replace") if isinstance(name, bytes) else name
     try:
         dtype = dtype_from_name(name)
     except (ValueError, TypeError):
         return _Bad(f"its dtype {str(name)[:40]} is not a numeric dtype (object, string and structured dtypes "
                     "are never read)")
+    problem = shape_problem(shape, dtype.itemsize)
+    if problem:
+        return _Bad(f"its array {problem}")
     if not isinstance(data, bytes):
         return _Bad("its array bytes are not a msgpack bin")
     need = math.prod(shape) * dtype.itemsize
@@ -119,6 +126,9 @@ def _unpack(data: bytearray, where: str) -> Any:
     except msgpack.ExtraData:
         raise CorruptCheckpointError(f"{where}: bytes after the end of the msgpack tree (two files concatenated, "
                                      "or damage); restore an older step or re-save it") from None
+    except MemoryError:
+        raise CheckpointError(f"{where}: out of memory decoding its {len(data)} bytes; read it on a machine with "
+                              "more memory") from None
     except msgpack.StackError:
         raise CorruptCheckpointError(f"{where}: msgpack nested too deep to read (damaged or crafted); nothing "
                                      "was restored") from None
@@ -132,12 +142,14 @@ def _unpack(data: bytearray, where: str) -> Any:
 def decode(data: bytearray, where: str) -> tuple[list[LeafRecord], dict[str, np.ndarray | _Chunks]]:
     """The leaves of a Flax msgpack file (in file order) and the arrays by leaf name. Every damaged
     leaf is named in one CorruptCheckpointError; leaves flax_ckpt has no kind for (bytes, multiprocess
-    placeholders) in one UnsupportedLeafError."""
+    placeholders) in one UnsupportedLeafError. The tree's work is bounded by the file's size (``_Budget``)
+    and its key paths checked as a native manifest's are (checks.check_tree)."""
     root = _unpack(data, where)
     leaves, arrays, bad, unsupported = [], {}, [], []
-    stack: list[tuple[tuple, Any]] = [((), root)]
+    budget = _Budget(len(data), where)
+    stack: list[tuple[tuple, Any, int]] = [((), root, 0)]
     while stack:
-        path, node = stack.pop()
+        path, node, name_len = stack.pop()
         if len(path) > MAX_DEPTH:
             raise CorruptCheckpointError(f"{where}: the tree is nested more than {MAX_DEPTH} deep at "
                                          f"{keystr(path[:8])!r}/...: damaged or crafted; nothing was restored")
@@ -147,9 +159,14 @@ def decode(data: bytearray, where: str) -> tuple[list[LeafRecord], dict[str, np.
             if wrong:
                 bad.append(f"{keystr(path)!r}: map key {str(wrong[0])[:40]} is not a str or int")
                 continue
-            stack.extend((path + (("key", k),), node[k]) for k in reversed(keys))
+            lens = [len(str(k)) for k in keys]
+            budget.spend(path, len(keys), name_len, sum(lens))
+            stack.extend((path + (("key", k),), node[k], name_len + n + 1) for k, n in zip(reversed(keys),
+                                                                                        reversed(lens)))
         elif isinstance(node, list) and node:
-            stack.extend((path + (("idx", i),), node[i]) for i in reversed(range(len(node))))
+            budget.spend(path, len(node), name_len, len(node) * len(str(len(node))))
+            stack.extend((path + (("idx", i),), node[i], name_len + len(str(i)) + 1)
+                         for i in reversed(range(len(node))))
         else:
             leaf = _leaf(path, node, arrays, bad, unsupported)
             if leaf is not None:
@@ -160,7 +177,37 @@ def decode(data: bytearray, where: str) -> tuple[list[LeafRecord], dict[str, np.
     if unsupported:
         raise UnsupportedLeafError(f"{where}: leaves flax_ckpt does not restore (nothing was restored): "
                                    f"{format_list(unsupported)}")
+    check_tree([leaf.path for leaf in leaves], _TreeCheck(where), lambda i: repr(leaves[i].name[:200]))
     return leaves, arrays
+
+
+class _Budget:
+    """The work a file's tree may cost: LEAF_COST per node plus the lengths of its key path and name,
+    at most FREE_WORK plus WORK_PER_BYTE per byte of the file. A tree of real arrays costs a fraction
+    of it; a file of one-byte empty leaves, or of many leaves below one long key, is refused before
+    its leaves are built (each takes hundreds of bytes of memory wherever a restore goes)."""
+
+    def __init__(self, size: int, where: str):
+        self.left, self.size, self.where = FREE_WORK + WORK_PER_BYTE * size, size, where
+
+    def spend(self, path: tuple, children: int, name_len: int, key_chars: int) -> None:
+        self.left -= children * (LEAF_COST + len(path) + 1 + name_len + 1) + key_chars
+        if self.left < 0:
+            raise CorruptCheckpointError(
+                f"{self.where}: its tree costs more than its {self.size} bytes can hold (at "
+                f"{keystr(path[:8])[:200]!r}: {children} children); a file of tiny or deeply named leaves, "
+                "damaged or crafted: nothing was restored")
+
+
+class _TreeCheck:
+    """check_tree's ``fail``: a CorruptCheckpointError naming the file and the leaf."""
+
+    def __init__(self, where: str):
+        self.where = where
+
+    def fail(self, field: str, why: str):
+        raise CorruptCheckpointError(f"{self.where}: leaves that make no tree: {field}: {why}; damaged or "
+                                     "crafted, nothing was restored")
 
 
 def _leaf(path: tuple, node: Any, arrays: dict, bad: list[str], unsupported: list[str]) -> LeafRecord | None:

@@ -4,8 +4,9 @@ Scope: the format (huggingface/safetensors' README): 8 bytes, the little-endian 
 header; the header, ``{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {str:
 str}}``; then the tensors' bytes, C order, little-endian, offsets relative to the end of the header.
 Checked before any tensor byte is read: N within the file and MAX_HEADER, every dtype one of
-DTYPES, every tensor's bytes exactly its shape times its itemsize, and the tensors tiling the data
-exactly (no overlap, no gap, nothing after). Tensor names are key paths: split at "/" when any name
+DTYPES, every shape one numpy can make, every tensor's bytes exactly its shape times its itemsize,
+the tensors tiling the data exactly (no overlap, no gap, nothing after), and the names making one tree
+of at most MAX_PATH_DEPTH levels and FREE_KEYS plus one key per HEADER_BYTES_PER_KEY header bytes. Tensor names are key paths: split at "/" when any name
 has one, else at "." (``params.dense.kernel`` and ``params/dense/kernel`` are the same leaf). The
 metadata of flax_ckpt's own export (tools/convert.py: ``"format": "flax_ckpt export"`` and the
 JSON strings ``step``, ``metrics``, ``metadata``) give the step, metrics and user metadata back; any
@@ -22,7 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from flax_ckpt._src.errors import CorruptCheckpointError, format_list
+from flax_ckpt._src.checks import MAX_PATH_DEPTH, check_tree, shape_problem
+from flax_ckpt._src.errors import CheckpointError, CorruptCheckpointError, format_list
 from flax_ckpt._src.foreign.files import CheckpointFile, FileSource, whole
 from flax_ckpt._src.records import LeafRecord, dtype_from_name
 from flax_ckpt._src.serializers import Box
@@ -34,6 +36,8 @@ DTYPES = {"BOOL": "bool", "U8": "uint8", "I8": "int8", "U16": "uint16", "I16": "
           "F64": "float64", "C64": "complex64", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
           "F8_E4M3FNUZ": "float8_e4m3fnuz", "F8_E5M2FNUZ": "float8_e5m2fnuz"}
 _BUDGET_SLACK = 64 << 20
+FREE_KEYS = 1 << 20  # key paths' keys any header may hold (see _paths)
+HEADER_BYTES_PER_KEY = 8  # and one per this many bytes of header (a real name's key takes about 16)
 
 
 def looks_like(head: bytes, size: int) -> bool:
@@ -58,6 +62,9 @@ def _header(file: CheckpointFile) -> tuple[dict[str, Any], int]:
         doc = json.loads(raw.decode("utf-8"))
     except (ValueError, RecursionError) as e:
         raise CorruptCheckpointError(f"{where}: its header is not valid JSON ({str(e)[:100]}); damaged") from None
+    except MemoryError:
+        raise CheckpointError(f"{where}: out of memory parsing its {n}-byte header; read it on a machine with "
+                              "more memory") from None
     if not isinstance(doc, dict):
         raise CorruptCheckpointError(f"{where}: its header is not a JSON object")
     return doc, 8 + n
@@ -71,7 +78,7 @@ def parse(file: CheckpointFile) -> tuple[list[LeafRecord], dict[str, tuple[int, 
     meta = doc.pop("__metadata__", None)
     if meta is not None and (not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values())):
         raise CorruptCheckpointError(f"{where}: its __metadata__ is not a map of strings")
-    paths = _paths(list(doc), where)
+    paths = _paths(list(doc), where, start - 8)
     leaves, spans, bad = [], {}, []
     for name, path in paths.items():
         entry = doc[name]
@@ -92,14 +99,15 @@ def _entry(entry: Any, data_len: int) -> tuple[str | None, Any, Any, Any]:
     if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
         return "not {dtype, shape, data_offsets}", None, None, None
     name, shape, span = entry["dtype"], entry["shape"], entry["data_offsets"]
-    if name not in DTYPES:
+    if not isinstance(name, str) or name not in DTYPES:
         return f"dtype {str(name)[:20]!r} is none of {', '.join(DTYPES)}", None, None, None
-    if not isinstance(shape, list) or len(shape) > 64 or not all(type(d) is int and 0 <= d < 1 << 62 for d in shape):
-        return f"shape {str(shape)[:60]} is not a list of sizes", None, None, None
+    dtype = dtype_from_name(DTYPES[name])
+    problem = shape_problem(shape, dtype.itemsize)
+    if problem:
+        return problem, None, None, None
     if (not isinstance(span, list) or len(span) != 2 or not all(type(x) is int for x in span)
             or not 0 <= span[0] <= span[1] <= data_len):
         return f"data_offsets {str(span)[:60]} are not within the {data_len} bytes of data", None, None, None
-    dtype = dtype_from_name(DTYPES[name])
     need = math.prod(shape) * dtype.itemsize
     if need != span[1] - span[0]:
         return f"{DTYPES[name]}{shape} needs {need} bytes, its offsets span {span[1] - span[0]}", None, None, None
@@ -123,25 +131,34 @@ def _check_tiling(doc: dict, paths: dict, data_len: int, where: str) -> None:
                                      "(damaged, or two files concatenated); nothing was restored")
 
 
-def _paths(names: list[str], where: str) -> dict[str, tuple[tuple[str, str], ...]]:
+class _NameCheck:
+    """check_tree's ``fail`` for tensor names: a CorruptCheckpointError naming the file and the name."""
+
+    def __init__(self, where: str, sep: str):
+        self.where, self.sep = where, sep
+
+    def fail(self, field: str, why: str):
+        raise CorruptCheckpointError(f"{self.where}: tensor names that make no tree (split at {self.sep!r}): "
+                                     f"{field}: {why}; rename them in the file (nothing was restored)")
+
+
+def _paths(names: list[str], where: str, header_bytes: int) -> dict[str, tuple[tuple[str, str], ...]]:
     """{tensor name: key path}: split at "/" when any name has one, else at "."; names that give one
-    key path twice, or a leaf that another name's path passes through, are refused."""
+    key path twice, a leaf that another name's path passes through, a path deeper than MAX_PATH_DEPTH,
+    or more keys than FREE_KEYS plus one per HEADER_BYTES_PER_KEY bytes of the header (each key takes
+    about a hundred bytes of memory) are refused (checks.check_tree: linear in the names' length)."""
     sep = "/" if any("/" in n for n in names) else "."
+    check = _NameCheck(where, sep)
+    keys = 0
+    for n in names:
+        if n.count(sep) >= MAX_PATH_DEPTH:
+            check.fail(repr(n[:100]), f"{n.count(sep) + 1} keys deep, deeper than {MAX_PATH_DEPTH}")
+        keys += n.count(sep) + 1
+    if keys > FREE_KEYS + header_bytes // HEADER_BYTES_PER_KEY:
+        check.fail(f"{len(names)} names", f"{keys} keys in a {header_bytes}-byte header, more than its size "
+                   f"allows ({FREE_KEYS} and one per {HEADER_BYTES_PER_KEY} bytes)")
     paths = {n: tuple(("key", k) for k in n.split(sep)) for n in names}
-    seen: dict[tuple, str] = {}
-    clash = []
-    for n, p in paths.items():
-        if p in seen:
-            clash.append(f"{seen[p]!r} and {n!r} are one key path")
-        seen[p] = n
-    for n, p in paths.items():
-        for i in range(1, len(p)):
-            if p[:i] in seen:
-                clash.append(f"{seen[p[:i]]!r} is a leaf, and {n!r} a leaf below it")
-                break
-    if clash:
-        raise CorruptCheckpointError(f"{where}: tensor names that make no tree (split at {sep!r}): "
-                                     f"{format_list(clash)}; rename them in the file")
+    check_tree(list(paths.values()), check, lambda i: repr(names[i][:200]))
     return paths
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import atexit
 import functools
 import logging
+import os
 import threading
 import time
 import weakref
@@ -27,8 +28,8 @@ from flax_ckpt._src.commit.spares import SpareFiles
 from flax_ckpt._src.engine.fit import Fit, RenameArg
 from flax_ckpt._src.engine.leaves import CheckpointInfo
 from flax_ckpt._src.engine.snapshot import Snapshot, metrics_json
-from flax_ckpt._src.errors import CheckpointError, CheckpointNotFoundError
-from flax_ckpt._src.manager.agreed import AgreedRestore, TargetOf, targets
+from flax_ckpt._src.errors import CheckpointError, CheckpointLockedError, CheckpointNotFoundError
+from flax_ckpt._src.manager.agreed import DAMAGE, AgreedRestore, TargetOf, targets
 from flax_ckpt._src.manager.schedule import Schedule
 from flax_ckpt._src.manager.steps import StepIndex, run_format
 from flax_ckpt._src.retention import Retention
@@ -49,39 +50,77 @@ _GRACE = 0.005  # seconds an async save's write waits, so that the caller's next
 class CheckpointManager:
     """Periodic, asynchronous, retained checkpoints of a training run in ``directory``.
 
-    Each option has one meaning: ``save_interval_steps`` (save steps divisible by it; "auto": see
-    interval.py), ``max_to_keep`` (newest N kept; None keeps all), ``keep_period`` (steps divisible by
-    it kept forever), ``best_metric``/``best_mode``/``keep_best`` (the best N by that metric also kept),
-    ``async_save``, ``serializer`` ('raw', 'zarr3' or an instance), ``strict`` (restore(step=None)
-    raises on a damaged newest step instead of falling back to an older one with a warning),
-    ``format`` (the layout new steps are written in: None, the default, follows the directory, so a run
-    stays in one format: "orbax" when its steps are Orbax's, else "native"; an explicit "native" or
-    "orbax" that contradicts the steps there is a ValueError; a directory holding both follows its
-    newest step, with a warning; in an Orbax run of named items, ``args.Composite``'s, a step is a
-    dict keyed by exactly those items), ``tiers`` (memory tiers, fc.Tiers), ``storage_options``
-    (fc.ObjectStoreOptions: how to reach s3:// and gs://). Retention covers every committed step of the
-    directory, also those this manager did not write; its first deletion of such steps logs a warning
-    naming them.
+    Retention covers every committed step of the directory, also those this manager did not write;
+    its first deletion of such steps logs a warning naming them. The directory lock (local folders)
+    keeps two live managers from writing one directory: a native run takes it when the manager opens,
+    an Orbax run at its first save (and removes it at close, so a manager that only restores an Orbax
+    run writes nothing there). A manager left open is closed at interpreter exit (the save in flight
+    finished, the lock released); one that is garbage collected finishes its save and releases the
+    lock. Neither raises nor prints a traceback.
 
-    The directory lock (local folders) keeps two live managers from writing one directory. A native
-    run takes it when the manager opens; an Orbax run at its first save (then also removing leftovers
-    of crashed saves), and removes the lock file again at close, so a manager that only restores an
-    Orbax run writes nothing into it.
+    ``read_only=True`` follows a run another process writes (an evaluation job beside training): it
+    takes no lock and never writes or deletes anything (no directory created, no leftovers removed;
+    ``save`` raises), rereads the committed steps in ``all_steps``, ``latest_step``, ``metrics``,
+    ``best_step``, ``item_metadata`` and ``restore`` (``reload()`` does so explicitly), and a step that
+    the run's retention deletes while it is restored is followed, for ``restore(step=None)``, by the
+    newest step committed then; for a named step it is a CheckpointNotFoundError saying so. It reads
+    the persistent directory only (``tiers=`` is refused).
 
-    A manager left open is closed at interpreter exit, before Python tears its modules down: the save in
-    flight is finished (or its failure logged as a warning naming the step), the lock released, and,
-    in a single-process job, the memory tiers closed as ``close()`` closes them. One that is garbage
-    collected finishes its save in flight and releases the lock. Neither raises nor prints a traceback.
+    Args:
+      directory: the run's folder (a local path, ``file://``, ``s3://``, ``gs://`` or ``memory://``
+        URL), created if missing.
+      save_interval_steps: save the steps divisible by it; "auto" tunes the interval to
+        ``overhead_budget`` and ``mtbf_s``.
+      max_to_keep: the newest N steps are kept; None keeps all.
+      keep_period: steps divisible by it are kept forever.
+      best_metric: the metric that ranks steps for ``keep_best`` and ``best_step``.
+      best_mode: "min" or "max": which end of ``best_metric`` is best.
+      keep_best: the best N steps by ``best_metric`` are also kept.
+      async_save: ``save`` returns once the state is copied to host memory; the write runs in the
+        background.
+      serializer: "raw", "zarr3" or a ``fc.Serializer`` instance (native format).
+      tiers: memory tiers (``fc.Tiers``) in front of the directory; None writes every save there.
+      strict: ``restore(step=None)`` raises on a damaged newest step instead of falling back to an
+        older one with a warning.
+      metadata: any JSON value recorded with every step.
+      format: the layout new steps are written in: None follows the directory ("orbax" when its steps
+        are Orbax's, else "native"; a directory holding both follows its newest step, with a warning).
+      overhead_budget: with "auto", the share of training time saves may take.
+      mtbf_s: with "auto", the expected seconds between failures.
+      metric_writer: anything with ``write_scalars(step, dict)`` (e.g. a clu MetricWriter): gets each
+        save's statistics.
+      storage_options: ``fc.ObjectStoreOptions`` (or a dict of them): how to reach s3:// and gs://.
+      read_only: follow a run another process writes (see above): no lock, nothing written.
+
+    Raises:
+      CheckpointLockedError: another live manager holds the directory.
+      StorageError: the directory cannot be created or listed.
+      TypeError: ``tiers`` is not a ``fc.Tiers``.
+      ValueError: an option out of range, or a ``format`` that contradicts the steps there.
+
+    Example:
+      >>> import numpy as np
+      >>> with fc.CheckpointManager("run", save_interval_steps=2, max_to_keep=2) as mgr:
+      ...     for step in range(1, 7):
+      ...         saved = mgr.save(step, {"w": np.full(3, step, np.float32)}, metrics={"loss": 1 / step})
+      ...     mgr.wait_until_finished()
+      ...     print(mgr.all_steps(), mgr.restore()["w"])
+      [4, 6] [6. 6. 6.]
     """
 
     def __init__(self, directory: Any, *, save_interval_steps: "int | Literal['auto']" = 1,
                  max_to_keep: int | None = None,
                  keep_period: int | None = None, best_metric: str | None = None,
                  best_mode: Literal["min", "max"] = "min", keep_best: int | None = None,
-                 async_save: bool = True, serializer: "str | Serializer | None" = None, tiers: Any = None,
+                 async_save: bool = True, serializer: str | Serializer | None = None, tiers: Tiers | None = None,
                  strict: bool = False, metadata: Any = None, format: Literal["native", "orbax"] | None = None,
                  overhead_budget: float = 0.01, mtbf_s: float | None = None, metric_writer: Any = None,
-                 storage_options: "ObjectStoreOptions | dict[str, Any] | None" = None):
+                 storage_options: "ObjectStoreOptions | dict[str, Any] | None" = None,
+                 read_only: bool = False):
+        if read_only and tiers is not None:
+            raise ValueError("read_only=True reads the steps committed in the directory; it does not open "
+                             "memory tiers (they belong to the run that writes them): drop tiers=")
+        self.read_only = read_only
         self._schedule = Schedule(save_interval_steps, overhead_budget, mtbf_s)
         self._retention = Retention(max_to_keep, keep_period, best_metric, best_mode, keep_best)
         if tiers is not None and not isinstance(tiers, Tiers):
@@ -90,10 +129,11 @@ class CheckpointManager:
         self.storage: Storage = open_storage(directory, options=storage_options)
         self.directory = self.storage.url
         self._prefix = distributed.job_prefix("manager", self.directory)  # this run's agreement rounds
-        self.storage.makedirs()
+        if not read_only:  # a reader may start before the writer made the directory: it then sees no steps
+            self.storage.makedirs()
         self.format = run_format(self.storage, format, serializer, tiers)
         self.layout: layouts.Layout = layouts.layout(self.format, serializer)
-        if self.format == "native" and isinstance(self.storage, LocalStorage) and \
+        if self.format == "native" and isinstance(self.storage, LocalStorage) and not read_only and \
                 getattr(self.layout.serializer, "name", None) == "raw":  # a removed step's files: the next save's
             self.storage.spares = SpareFiles(self.storage.local_path)
         self._steps = StepIndex(self.storage, self.layout, self._prefix, serializer)
@@ -110,7 +150,7 @@ class CheckpointManager:
         self._saved_at: float | None = None  # when the last save call that started a write began
         self._closed = False
         try:
-            if not self.layout.foreign:
+            if not self.layout.foreign and not read_only:
                 self._claim()
             self._steps.scan(tidy=self._claimed)
             if tiers is not None:  # after the scan: the tiers need the persistent steps
@@ -142,23 +182,91 @@ class CheckpointManager:
         if self._claimed:
             return
         if self.storage.local_path is not None and distributed.process_index() == 0:
+            _held_here(self.storage.local_path)
             self._lock = DirectoryLock(self.storage.local_path, tidy=self.layout.foreign)
         self._claimed = True
         if self.layout.foreign:
             self._steps.scan(tidy=True)  # the view from the open may be stale by now; this scan removes the leftovers
 
+    def reload(self) -> None:
+        """Reads the directory's committed steps again: steps committed since (by the run a read-only
+        manager follows) appear, steps deleted since (by its retention) disappear. A read-only manager
+        reloads by itself in ``all_steps``, ``latest_step``, ``restore`` and ``item_metadata``; a
+        writing manager's own saves are in its view already (this waits for the one in flight). With
+        several processes, a collective: every process adopts process 0's view."""
+        if not self.read_only:
+            self._writer.wait()
+        self._steps.scan(tidy=False)
+
     def all_steps(self) -> list[int]:
+        """The committed steps, in the directory or (with tiers) in any memory tier.
+
+        Returns:
+          The step numbers, ascending.
+
+        Example:
+          >>> import numpy as np
+          >>> with fc.CheckpointManager("run", async_save=False) as mgr:
+          ...     _ = [mgr.save(s, {"w": np.zeros(2)}) for s in (1, 2)]
+          ...     mgr.all_steps()
+          [1, 2]
+        """
+        if self.read_only:
+            self.reload()
         steps = self._steps.steps()
         return sorted(set(steps) | set(self._tiers.steps())) if self._tiers is not None else steps
 
     def latest_step(self) -> int | None:
+        """The newest committed step.
+
+        Returns:
+          The largest of ``all_steps()``, or None when there is none.
+
+        Example:
+          >>> import numpy as np
+          >>> with fc.CheckpointManager("run", async_save=False) as mgr:
+          ...     print(mgr.latest_step(), mgr.save(3, {"w": np.zeros(2)}), mgr.latest_step())
+          None True 3
+        """
         steps = self.all_steps()
         return steps[-1] if steps else None
 
     def metrics(self, step: int) -> dict[str, Any] | None:
+        """The metrics saved with ``step``.
+
+        Args:
+          step: a committed step of the directory.
+
+        Returns:
+          The metrics as saved, or None when the step has none or is not in the directory.
+
+        Example:
+          >>> import numpy as np
+          >>> with fc.CheckpointManager("run", async_save=False) as mgr:
+          ...     _ = mgr.save(1, {"w": np.zeros(2)}, metrics={"loss": 0.25})
+          ...     mgr.metrics(1)
+          {'loss': 0.25}
+        """
+        if self.read_only and step not in self._steps:
+            self.reload()
         return self._steps.metrics(step)
 
     def best_step(self) -> int | None:
+        """The committed step with the best ``best_metric`` (by ``best_mode``).
+
+        Returns:
+          That step, or None without ``best_metric`` or without a step that recorded it.
+
+        Example:
+          >>> import numpy as np
+          >>> with fc.CheckpointManager("run", best_metric="loss", async_save=False) as mgr:
+          ...     for step, loss in ((1, 0.5), (2, 0.1), (3, 0.3)):
+          ...         _ = mgr.save(step, {"w": np.zeros(2)}, metrics={"loss": loss})
+          ...     mgr.best_step()
+          2
+        """
+        if self.read_only:
+            self.reload()
         return self._retention.best_step(self._steps.all_metrics())
 
     @property
@@ -174,6 +282,19 @@ class CheckpointManager:
         return self._tiers
 
     def should_save(self, step: int) -> bool:
+        """Whether ``save(step, ...)`` would save: the schedule has it and it is not saved already.
+
+        Args:
+          step: a step number.
+
+        Returns:
+          True when the step is due and not in the directory.
+
+        Example:
+          >>> with fc.CheckpointManager("run", save_interval_steps=10) as mgr:
+          ...     mgr.should_save(10), mgr.should_save(11)
+          (True, False)
+        """
         return step not in self._steps and self._schedule.due(step)
 
     @property
@@ -185,16 +306,41 @@ class CheckpointManager:
     # ----------------------------------------------------------------------------------------- save
 
     def save(self, step: int, state: Any, *, metrics: dict[str, Any] | None = None, force: bool = False) -> bool:
-        """Saves ``state`` as ``step`` if the schedule says so, or off schedule with ``force=True`` (e.g. the
-        last step of a run whose length is not a multiple of ``save_interval_steps``); False when skipped
-        (off schedule without ``force``, or a step that is saved already, which is never overwritten).
+        """Saves ``state`` as ``step`` if the schedule says so, or off schedule with ``force=True``.
 
-        Returns once the state is copied to host memory (async) or committed (sync). Raises a previous
-        background failure as SaveFailedError. The snapshot is taken on the caller's thread; the write
-        and commit run on the background writer (the path: tests/test_layout.py), starting 5 ms later
-        (``_GRACE``: the caller's next step is dispatched first) unless something waits for them."""
+        Returns once the state is copied to host memory (async) or committed (sync). The snapshot is
+        taken on the caller's thread; the write and commit run on the background writer, starting a
+        few milliseconds later (the caller's next step is dispatched first) unless something waits.
+
+        Args:
+          step: a non-negative step number; a step that is saved already is never overwritten.
+          state: a pytree of arrays and Python scalars.
+          metrics: JSON scalars stored with the step (they rank it for ``best_metric``).
+          force: save even off the schedule (e.g. the last step of a run whose length is not a
+            multiple of ``save_interval_steps``).
+
+        Returns:
+          True when the step is saved (or being saved); False when skipped: off the schedule without
+          ``force``, already saved, or (with ``fc.Tiers(on_busy="skip")``) the previous save still in
+          flight.
+
+        Raises:
+          SaveFailedError: a previous background save failed (its cause attached).
+          CheckpointError: the manager is closed.
+          ValueError: ``step`` is not a non-negative int.
+
+        Example:
+          >>> import numpy as np
+          >>> with fc.CheckpointManager("run", save_interval_steps=5) as mgr:
+          ...     mgr.save(4, {"w": np.zeros(2)}), mgr.save(5, {"w": np.ones(2)})
+          (False, True)
+        """
         if self._closed:
             raise CheckpointError(f"CheckpointManager({self.directory}) is closed")
+        if self.read_only:
+            raise CheckpointError(f"CheckpointManager({self.directory}, read_only=True) does not save "
+                                  f"(step {step}); save through the run's own manager, or open one without "
+                                  "read_only=True")
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
         t0 = time.perf_counter()
@@ -253,7 +399,19 @@ class CheckpointManager:
             self._spare = snap.reusable()  # durable now: the next snapshot may overwrite its buffers
 
     def wait_until_finished(self) -> None:
-        """Blocks until the save in flight is durable; raises its failure as SaveFailedError."""
+        """Blocks until the save in flight (and, with tiers, its peer copy and migration) is durable.
+
+        Raises:
+          SaveFailedError: the save failed (its cause attached).
+
+        Example:
+          >>> import numpy as np
+          >>> with fc.CheckpointManager("run") as mgr:
+          ...     _ = mgr.save(1, {"w": np.zeros(2)})
+          ...     mgr.wait_until_finished()
+          ...     fc.metadata("run/1").step
+          1
+        """
         self._writer.wait()
         if self._tiers is not None:  # the peer copy of the last save, and the migration in flight
             self._tiers.flush()
@@ -264,17 +422,46 @@ class CheckpointManager:
                 partial: bool = False, item: str | None = None,
                 target_for: Callable[[CheckpointInfo], Any] | None = None, rename: RenameArg = None,
                 missing: str = "error", unexpected: str = "error", cast: bool = False, report: bool = False) -> Any:
-        """Restores ``step`` (default: the newest committed step; if it is damaged and the manager is not
-        strict, the newest older one that is good, with a warning). ``item``: one named item of an
-        Orbax step (saved with args.Composite), as fc.restore's. ``target_for``: instead of ``target``,
-        a function giving the target from the step's CheckpointInfo (called for each step tried).
-        ``rename``, ``missing``, ``unexpected``, ``cast``, ``report``: as fc.restore's (with
-        ``report=True``, returns ``(tree, fc.RestoreReport)``).
+        """Restores ``step``, or the newest good step, checked leaf by leaf against ``target``.
 
-        With several processes (every process calls it), the step is decided once for all: each process
-        restores what it must read, checking every checksum as it reads, then they compare; all return
-        the same step, or all fall back together to an older one (each discarding what it read), or all
-        raise the same CheckpointError naming the process and file that failed."""
+        Without ``step``, the newest committed step is restored; if it is damaged and the manager is not
+        strict, the newest older one that is good, with a warning. With several processes (every
+        process calls it), the step is decided once for all: all return the same step, or all fall
+        back together to an older one, or all raise the same CheckpointError naming the process and
+        file that failed.
+
+        Args:
+          step: the step to restore; None: the newest good one.
+          target: a pytree of arrays or ``jax.ShapeDtypeStruct`` (as for ``fc.restore``); None gives
+            nested dicts/lists of numpy arrays.
+          shardings: one sharding, or a tree of them, overriding the target's placement.
+          partial: the older name of ``unexpected="ignore"``.
+          item: one named item of an Orbax step (saved with ``args.Composite``).
+          target_for: instead of ``target``, a function giving the target from the step's
+            ``fc.CheckpointInfo`` (called for each step tried).
+          rename: as for ``fc.restore``.
+          missing: as for ``fc.restore``.
+          unexpected: as for ``fc.restore``.
+          cast: as for ``fc.restore``.
+          report: also return a ``fc.RestoreReport``.
+
+        Returns:
+          The restored tree, or ``(tree, fc.RestoreReport)`` with ``report=True``.
+
+        Raises:
+          CheckpointNotFoundError: no committed step (or not ``step``).
+          CorruptCheckpointError: ``step`` (or, when strict, the newest step) is damaged.
+          TargetMismatchError: the target does not fit the checkpoint (the message lists every leaf).
+          SaveFailedError: the save in flight failed.
+
+        Example:
+          >>> import numpy as np
+          >>> with fc.CheckpointManager("run") as mgr:
+          ...     _ = mgr.save(1, {"w": np.zeros(2, np.float32)})
+          ...     _ = mgr.save(2, {"w": np.ones(2, np.float32)})
+          ...     mgr.restore()["w"], mgr.restore(1)["w"]
+          (array([1., 1.], dtype=float32), array([0., 0.], dtype=float32))
+        """
         fit = Fit.of(partial=partial, rename=rename, missing=missing, unexpected=unexpected,
                      cast=cast, report=report)
         self._writer.wait()
@@ -284,11 +471,51 @@ class CheckpointManager:
             if item is not None:
                 raise ValueError("item= selects an item of an Orbax step; a tiered manager holds native steps")
             out = self._restore_tiered(step, target_of, shardings, fit)
+        elif self.read_only:
+            return self._restore_following(step, target_of, shardings, fit, item)
         else:
             out = self._restore.restore(step, target_of, shardings, fit, item)
         if len(self.restore_stats) > restores:  # resumed the run: its steps up to this one are this run's
             self._steps.resumed(self.restore_stats[-1].step)
         return out
+
+    def _restore_following(self, step: int | None, target_of: TargetOf, shardings: Any, fit: Fit,
+                           item: str | None) -> Any:
+        """A read-only manager's restore, beside a run that commits and deletes steps meanwhile: the steps
+        are read again first; a step that the run's retention deleted while it was read (gone from the
+        directory after the failure) is followed, for ``step=None``, by the newest step committed then,
+        and is for a named step a CheckpointNotFoundError saying so. A step still there that fails to
+        read is damage: for ``step=None`` the next newest step is tried with a warning (unless strict)."""
+        skip: set[int] = set()  # steps deleted or damaged under this restore
+        while True:
+            self.reload()
+            steps = self._steps.steps()
+            if step is not None and step not in steps:
+                return self._restore.restore(step, target_of, shardings, fit, item)  # its not-found error
+            left = [s for s in steps if s not in skip]
+            if not left:
+                raise CheckpointNotFoundError(f"no committed checkpoint in {self.directory}" + (
+                    f" (steps {sorted(skip)} were deleted or damaged while being read)" if skip else ""))
+            s = left[-1] if step is None else step
+            try:
+                return self._restore.restore(s, target_of, shardings, fit, item)
+            except (CheckpointError, OSError) as e:
+                self.reload()
+                if s in self._steps.steps():  # still committed: damage, or a target that does not fit
+                    if step is not None or self.strict or type(e).__name__ not in DAMAGE:
+                        raise
+                    log.warning("step %d in %s is damaged (%s: %s); trying the next newest step", s,
+                                self.directory, type(e).__name__, e)
+                elif step is not None:
+                    raise CheckpointNotFoundError(
+                        f"step {step} of {self.directory} was deleted while it was being restored (the run "
+                        f"writing there removes old steps: its max_to_keep); committed steps now: "
+                        f"{self._steps.steps()}. Restore one of those (step=None: the newest), or have the "
+                        "run keep the steps an evaluator reads (keep_period)") from e
+                else:
+                    log.info("step %d of %s was deleted while it was being restored; restoring the newest "
+                             "step", s, self.directory)
+                skip.add(s)
 
     def _restore_tiered(self, step: int | None, target_of: TargetOf, shardings: Any, fit: Fit) -> Any:
         """With tiers= (every process calls it): the newest step complete across processes in some
@@ -303,7 +530,27 @@ class CheckpointManager:
         return out
 
     def item_metadata(self, step: int | None = None, *, item: str | None = None) -> CheckpointInfo:
-        """fc.metadata of ``step`` (default: the newest), or of one named item of an Orbax step."""
+        """``fc.metadata`` of a step of the run: what it holds, read without any array bytes.
+
+        Args:
+          step: a committed step; None: the newest.
+          item: one named item of an Orbax step.
+
+        Returns:
+          A ``fc.CheckpointInfo``.
+
+        Raises:
+          CheckpointNotFoundError: no committed step.
+
+        Example:
+          >>> import numpy as np
+          >>> with fc.CheckpointManager("run") as mgr:
+          ...     _ = mgr.save(1, {"w": np.zeros((2, 3))}, metrics={"loss": 0.5})
+          ...     mgr.wait_until_finished()
+          ...     info = mgr.item_metadata()
+          >>> info.step, info.metrics, info.leaves["w"].shape
+          (1, {'loss': 0.5}, (2, 3))
+        """
         step = self.latest_step() if step is None else step
         if step is None:
             raise CheckpointNotFoundError(f"no committed checkpoint in {self.directory}")
@@ -312,7 +559,22 @@ class CheckpointManager:
     # ---------------------------------------------------------------------------------------- close
 
     def close(self) -> None:
-        """Waits for the save in flight, then releases the directory. Raises a background failure."""
+        """Waits for the save in flight, then releases the directory (and, with tiers, closes them).
+
+        Closing twice is harmless; ``with fc.CheckpointManager(...) as mgr:`` closes at the block's end.
+
+        Raises:
+          SaveFailedError: the save in flight failed (the directory is released all the same).
+
+        Example:
+          >>> import numpy as np
+          >>> mgr = fc.CheckpointManager("run")
+          >>> _ = mgr.save(1, {"w": np.zeros(2)})
+          >>> mgr.close()
+          >>> with fc.CheckpointManager("run") as again:
+          ...     again.all_steps()
+          [1]
+        """
         if self._closed:
             return
         self._closed = True
@@ -424,6 +686,23 @@ class _Directory:
 
 _OPEN: "weakref.WeakSet[CheckpointManager]" = weakref.WeakSet()  # managers to close at interpreter exit
 _MIGRATING = threading.local()  # ``now``: this thread is in a migration's write (_Directory.write)
+
+
+def _held_here(path: str) -> None:
+    """CheckpointLockedError when a manager of this process, still open, holds the lock of ``path`` (a
+    notebook cell run again after an exception, before ``close()``): the lock's own error would name
+    this process's pid as if it were another's."""
+    here = os.path.realpath(path)
+    for earlier in list(_OPEN):
+        lock = earlier._lock
+        if lock is not None and lock.fd >= 0 and os.path.realpath(os.path.dirname(lock.path)) == here:
+            raise CheckpointLockedError(
+                f"{earlier.directory} is in use by an earlier CheckpointManager of this process (pid "
+                f"{os.getpid()}), which was never closed (a notebook cell or a loop that raised before "
+                "close()?). Close it first: call close() on it (the variable that held it, e.g. mgr.close(), "
+                "or ckpt.close() for a CheckpointCallback, which closes an earlier callback of its directory "
+                "itself); its save in flight is committed. Use `with fc.CheckpointManager(...) as mgr:` to "
+                "close it even when the code raises")
 
 
 def _close_open_managers() -> None:

@@ -114,6 +114,8 @@ class StepIndex:
             except StorageError:
                 raise  # the store failed (after its retries): say so rather than hide a committed step
             except (CheckpointError, OSError) as e:
+                if f.name not in self.storage.list():
+                    continue  # deleted while this scan read it (a writer's retention, seen by a reader): gone
                 if not self.storage.supports_rename and not self.storage.sub(f.name).exists(f.layout.record):
                     self._leftovers.append(f.name)  # an uncommitted object-store step: its commit object never came
                 else:
@@ -191,10 +193,12 @@ class StepIndex:
 
     def retain(self, retention: Retention) -> None:
         """Deletes the steps ``retention`` removes (every process drops them; process 0 deletes the
-        folders). Every committed step of the directory counts, also those this manager did not write
-        (an earlier run's, an Orbax job's); the first time some of those go, a warning names them and
-        the option that keeps them."""
-        doomed = retention.doomed(self.all_metrics())
+        folders), each format's steps apart (retention.py). Every committed step of the directory counts,
+        also those this manager did not write (an earlier run's, an Orbax job's); the first time some of
+        those go, a warning names them and the option that keeps them."""
+        with self._mutex:
+            formats = {s: f.layout.name for s, f in self._folders.items()}
+        doomed = retention.doomed(self.all_metrics(), formats)  # each format's steps apart
         for step in doomed:
             with self._mutex:
                 folder = self._folders.pop(step, None)

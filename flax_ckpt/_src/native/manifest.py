@@ -4,18 +4,19 @@ A checkpoint is a folder holding ``manifest.json`` plus whatever the serializer 
 also the commit record: a folder without a valid manifest is not a checkpoint. Its body is covered by
 a crc32c, and every field is validated before anything it names is read, so a damaged or hostile
 manifest gives an InvalidManifestError and never a read outside the folder or an absurd allocation. The
-typed record of a leaf is records.py's; the checksummed JSON codec (``seal``/``unseal``) and the
-tiling check are checks.py's, shared with the other layouts.
+typed record of a leaf is records.py's; the checksummed JSON codec (``seal``/``unseal``), the
+tiling check and the key-path tree check are checks.py's, shared with the other layouts.
 Nothing here touches array bytes; storage access goes through a Storage.
 """
 
 from __future__ import annotations
 
-import math
 import threading
 from typing import Any, Sequence
 
-from flax_ckpt._src.checks import MAX_MANIFEST_BYTES, canonical, check_relpath, seal, seal_text, tiling_problem, unseal
+from flax_ckpt._src.checks import (MAX_LIST_GAPS, MAX_MANIFEST_BYTES, MAX_PATH_DEPTH,  # noqa: F401 (re-exported)
+                                   canonical, check_path, check_relpath, check_tree, numpy_bytes, seal, seal_text,
+                                   tiling_problem, unseal)
 from flax_ckpt._src.errors import CheckpointError, InvalidManifestError
 from flax_ckpt._src.records import LeafRecord, dtype_from_name, leaf_name
 
@@ -24,10 +25,8 @@ FORMAT_VERSION = 1
 MAX_NDIM = 64
 MAX_DIM = 1 << 48
 MAX_ARRAY_BYTES = 1 << 50
-MAX_PATH_DEPTH = 512
 MAX_CHUNKS_PER_LEAF = 1 << 20
 MAX_JSON_DEPTH = 64  # metrics and user metadata; json.loads' recursion stays far off
-MAX_LIST_GAPS = 1 << 20  # list slots without a leaf (children with no leaves, e.g. dataclasses of static fields)
 LEAF_KINDS = ("jax", "numpy", "prng_key", "scalar", "string", "empty")
 EMPTY_KINDS = ("none", "dict", "list", "tuple")
 PY_TYPES = ("bool", "int", "float", "complex")
@@ -148,15 +147,7 @@ class _Check:
 
 def validate_leaf(leaf: Any, i: int, c: _Check) -> None:
     f = f"leaves[{i}]"
-    path = c.typed(leaf, "path", list, f)
-    if len(path) > MAX_PATH_DEPTH:
-        c.fail(f + ".path", f"deeper than {MAX_PATH_DEPTH}")
-    for j, e in enumerate(path):
-        if (not isinstance(e, list) or len(e) != 2 or e[0] not in ("key", "attr", "idx")
-                or isinstance(e[1], bool) or not isinstance(e[1], (str, int))
-                or (e[0] == "idx" and (not isinstance(e[1], int) or not 0 <= e[1] < 1 << 31))
-                or (e[0] == "attr" and not isinstance(e[1], str))):
-            c.fail(f"{f}.path[{j}]", f"expected [\"key\"|\"attr\"|\"idx\", key], found {e!r}")
+    check_path(c.typed(leaf, "path", list, f), f + ".path", c)
     kind = c.typed(leaf, "kind", str, f)
     if kind not in LEAF_KINDS:
         c.fail(f + ".kind", f"unknown leaf kind {kind!r}")
@@ -189,9 +180,9 @@ def validate_array(leaf: dict, f: str, c: _Check) -> None:
         c.fail(f + ".shape", f"more than {MAX_NDIM} dimensions")
     for d in shape:
         c.nonneg_int(d, f + ".shape", MAX_DIM)
-    nbytes = math.prod(shape) * dt.itemsize
+    nbytes = numpy_bytes(shape, dt.itemsize)  # zero dimensions aside: numpy refuses [0, 2**61, 2**61]
     if nbytes > MAX_ARRAY_BYTES:
-        c.fail(f + ".shape", f"{shape} of {dt} is {nbytes} bytes, more than any checkpoint holds")
+        c.fail(f + ".shape", f"{shape} of {dt} spans {nbytes} bytes, more than any checkpoint holds")
     if leaf["kind"] == "prng_key":
         c.typed(leaf, "key_impl", str, f)
         key_shape = c.typed(leaf, "key_shape", list, f)
@@ -251,53 +242,3 @@ def json_depth(obj: Any) -> int:
             return depth
         depth += 1
         level = [v for x in containers for v in (x.values() if isinstance(x, dict) else x)]
-
-
-class _Node:
-    """A folder of the key-path trie: its children by key string, and whether they are indices."""
-
-    __slots__ = ("children", "group", "top")
-
-    def __init__(self):
-        self.children: dict[str, tuple[tuple[str, Any], Any]] = {}
-        self.group: str | None = None  # "idx", "int" (dict keys) or "name"
-        self.top = -1  # the largest index seen (a list of top + 1 slots is built on restore)
-
-
-_LEAF = object()
-
-
-def check_tree(paths: list[list], c: _Check) -> None:
-    """The key paths must form one tree: no path is a prefix or a duplicate of another, also as key
-    strings (what restore matches leaves by: ["key", 1], ["key", "1"] and ["attr", "1"] are one key),
-    the children of a node are all indices or all names, and lists stay small (their slots total at
-    most the number of leaves plus MAX_LIST_GAPS), so that nesting the result can neither fail nor
-    allocate without bound."""
-    if len(paths) > 1 and not all(paths):
-        c.fail(f"leaves[{[bool(p) for p in paths].index(False)}].path", "the root is a leaf beside others")
-    root, lists = _Node(), []
-    for i, path in enumerate(paths):
-        node = root
-        for j, (kind, key) in enumerate(path):
-            if node is _LEAF:
-                c.fail(f"leaves[{i}].path", f"{path!r} passes through another leaf")
-            group = "idx" if kind == "idx" else "int" if isinstance(key, int) else "name"
-            if node.group not in (None, group):  # jax flattens no such node: it cannot sort mixed keys
-                c.fail(f"leaves[{i}].path[{j}]", "a node mixes sequence indices, integer keys and names")
-            if node.group is None and group == "idx":
-                lists.append(node)
-            node.group = group
-            if kind == "idx":
-                node.top = max(node.top, key)
-            last = j == len(path) - 1
-            prev = node.children.get(str(key))
-            if prev is None:
-                child = _LEAF if last else _Node()
-                node.children[str(key)] = ((kind, key), child)
-            elif prev[0] != (kind, key) or last:
-                c.fail(f"leaves[{i}].path", f"{path!r} duplicates or contains the key path of another leaf")
-            else:
-                child = prev[1]
-            node = child
-    if sum(n.top + 1 for n in lists) > len(paths) + MAX_LIST_GAPS:
-        c.fail("leaves", "sequence indices leave more gaps than any saved tree has")

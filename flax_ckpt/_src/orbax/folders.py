@@ -24,6 +24,7 @@ chunk keys and the sharding index, about 200 lines.
 from __future__ import annotations
 
 import errno
+import functools
 import itertools
 import json
 import math
@@ -33,11 +34,14 @@ import threading
 from typing import Any, Sequence
 
 import crc32c
-import ml_dtypes
 import numpy as np
 import zstandard
 
+from flax_ckpt._src.checks import shape_problem
 from flax_ckpt._src.errors import CorruptCheckpointError
+from flax_ckpt._src.lazy import lazy
+
+ml_dtypes = lazy("ml_dtypes", globals())  # imported on first use (lazy.py)
 
 MAX_CHUNKS = 1 << 16  # chunk files of one array looked at when it is opened; more: Unsupported
 MAX_METADATA = 1 << 20
@@ -111,8 +115,8 @@ def _look(folder: int, where: str, name: str) -> os.stat_result | None:
     return st
 
 
-def _open_file(folder: int, where: str, name: str, max_bytes: int) -> tuple[int, int]:
-    """An fd of the regular file ``name`` in ``folder``, and its size (refused above ``max_bytes``):
+def _open_file(folder: int, where: str, name: str, max_bytes: int) -> tuple[int, os.stat_result]:
+    """An fd of the regular file ``name`` in ``folder``, and its fstat (refused above ``max_bytes``):
     opened O_NOFOLLOW|O_NONBLOCK (a symlink is Unsupported; a FIFO is opened without blocking, then
     refused)."""
     try:
@@ -133,25 +137,32 @@ def _open_file(folder: int, where: str, name: str, max_bytes: int) -> tuple[int,
     except BaseException:
         os.close(fd)
         raise
-    return fd, st.st_size
+    return fd, st
 
 
-def _pread(fd: int, path: str, size: int, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
-    """The bytes at each (offset, length) of ``ranges`` in the open file ``path`` of ``size`` bytes."""
+def _pread(fd: int, path: str, st: os.stat_result, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
+    """The bytes at each (offset, length) of ``ranges`` in the open file ``path`` (``st``: its fstat
+    when opened, checked again after reading: a file written meanwhile is a CorruptCheckpointError,
+    never a mix of two versions; Orbax's chunks carry no checksum)."""
     out = []
     for offset, length in ranges:
         data = os.pread(fd, length, offset)
         if len(data) != length:
-            raise CorruptCheckpointError(f"{path}: {length} bytes at offset {offset} lie past its end ({size} bytes)")
+            raise CorruptCheckpointError(f"{path}: {length} bytes at offset {offset} lie past its end "
+                                         f"({st.st_size} bytes)")
         out.append(data)
+    after = os.fstat(fd)
+    if (after.st_size, after.st_mtime_ns, after.st_ctime_ns) != (st.st_size, st.st_mtime_ns, st.st_ctime_ns):
+        raise CorruptCheckpointError(f"{path} changed while it was being read (rewritten); restore it again once "
+                                     "nothing writes it")
     return out
 
 
 def _read_file(folder: int, where: str, name: str, max_bytes: int) -> bytes:
     """The whole of regular file ``name`` in ``folder`` (see _open_file)."""
-    fd, size = _open_file(folder, where, name, max_bytes)
+    fd, st = _open_file(folder, where, name, max_bytes)
     try:
-        return _pread(fd, f"{where}/{name}", size, [(0, size)])[0]
+        return _pread(fd, f"{where}/{name}", st, [(0, st.st_size)])[0]
     finally:
         os.close(fd)
 
@@ -168,14 +179,16 @@ def check_chunk(chunk: Sequence[int], shape: Sequence[int], dtype: np.dtype) -> 
                          f"shape {list(shape)}: more than a chunk of it can hold; refusing to decode them")
 
 
-_ML_DTYPES = frozenset(n for n in dir(ml_dtypes) if isinstance(getattr(ml_dtypes, n), type)
-                       and issubclass(getattr(ml_dtypes, n), np.generic))
+@functools.cache
+def _ml_dtypes() -> frozenset[str]:
+    return frozenset(n for n in dir(ml_dtypes) if isinstance(getattr(ml_dtypes, n), type)
+                     and issubclass(getattr(ml_dtypes, n), np.generic))
 
 
 def _dtype(name: Any, zarr3: bool) -> np.dtype:
     """The numpy dtype of a zarr v2 ``dtype`` ("<f4", "|b1", "bfloat16") or zarr3 ``data_type``."""
     bare = name.lstrip("<>|") if isinstance(name, str) else None
-    if bare in _ML_DTYPES:
+    if bare in _ml_dtypes():
         return np.dtype(getattr(ml_dtypes, bare))
     if bare is None or (zarr3 and bare != name):
         raise Unsupported(f"dtype {name!r}")
@@ -291,13 +304,16 @@ class _Layout:
             raise ValueError("not a JSON object")
         self.index: _Chain | None = None
         (self._zarr3 if zarr3 else self._zarr2)(self.metadata)
+        problem = shape_problem(list(self.shape), self.dtype.itemsize)
+        if problem:  # e.g. [0, 2**61, 2**61]: nothing to read, but no array numpy can make
+            raise ValueError(problem)
         self.grid = tuple(-(-d // c) for d, c in zip(self.shape, self.chunk))
         self.chunks = math.prod(self.grid)
         if self.chunks > MAX_CHUNKS or (self.index is not None and math.prod(self.per_shard) > MAX_CHUNKS):
             raise Unsupported(f"{self.chunks} chunks")
         check_chunk(self.inner.shape, self.shape, self.dtype)
         self.folders: dict[tuple[str, ...], list[str]] = {}  # chunk files by their folder below the array's
-        for idx in itertools.product(*map(range, self.grid)):
+        for idx in itertools.product(*map(range, self.grid)) if self.chunks else ():  # product makes tuples
             key = self.key(idx)
             self.folders.setdefault(key[:-1], []).append(key[-1])
 
@@ -442,12 +458,13 @@ class FolderArray:
         lay, path = self.layout, f"{where}/{name}"
         inner, n = lay.inner, math.prod(lay.per_shard)
         most = n * (2 * inner.raw + (1 << 16)) + lay.index_size
-        fd, size = _open_file(folder, where, name, most)
+        fd, st = _open_file(folder, where, name, most)
+        size = st.st_size
         try:
             at_index = size - lay.index_size if lay.index_at_end else 0
             if at_index < 0:
                 raise CorruptCheckpointError(f"{path}: {size} bytes, too short for its shard index")
-            index = lay.index.decode(_pread(fd, path, size, [(at_index, lay.index_size)])[0],
+            index = lay.index.decode(_pread(fd, path, st, [(at_index, lay.index_size)])[0],
                                      f"{path} (shard index)").reshape(n, 2)
             wanted = []
             for j, sub in enumerate(itertools.product(*map(range, lay.per_shard))):
@@ -459,7 +476,7 @@ class FolderArray:
                     if offset + length > size:
                         raise CorruptCheckpointError(f"{path}: inner chunk {list(sub)} lies past the file's end")
                     wanted.append((at, offset, length))
-            for (at, _, _), data in zip(wanted, _pread(fd, path, size, [(o, ln) for _, o, ln in wanted])):
+            for (at, _, _), data in zip(wanted, _pread(fd, path, st, [(o, ln) for _, o, ln in wanted])):
                 _decode_into(inner, data, path, at, box, out)
         finally:
             os.close(fd)

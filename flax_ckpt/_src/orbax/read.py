@@ -7,6 +7,9 @@ engine's LeafRecords. The engine checks the target and places the leaves (engine
 as for its own checkpoints. Value types read: ``jax.Array``, ``np.ndarray``, ``scalar`` (Python
 numbers stored as 0-d arrays, given back as numbers), ``string`` and the empty ``None``/``Dict``/
 ``List``/``Tuple``/``NamedTuple``; anything else is an UnsupportedOrbaxCheckpointError naming it.
+The key paths of ``_METADATA`` pass the native manifest's checks (checks.check_tree: one tree, at most
+MAX_PATH_DEPTH keys, indices below MAX_INDEX, lists without vast gaps, in linear time): damaged or
+crafted metadata is an InvalidManifestError, which a manager treats as damage (it falls back a step).
 """
 
 from __future__ import annotations
@@ -19,14 +22,13 @@ from collections.abc import Mapping
 from typing import Any, Callable, Sequence
 
 import numpy as np
-import tensorstore as ts
 
 from flax_ckpt._src import tree as tree_mod
 from flax_ckpt._src.engine.leaves import CheckpointInfo, checkpoint_info, key_data_shape
 from flax_ckpt._src.engine.reader import Damage, read_back
 from flax_ckpt._src.errors import (CorruptCheckpointError, InvalidManifestError, StructureMismatchError,
                                    UnsupportedOrbaxCheckpointError, format_list)
-from flax_ckpt._src.checks import check_relpath
+from flax_ckpt._src.checks import MAX_INDEX, MAX_PATH_DEPTH, check_relpath, check_tree, shape_problem
 from flax_ckpt._src.records import LeafRecord
 from flax_ckpt._src.orbax.folders import FolderArray, Unsupported, check_chunk
 from flax_ckpt._src.orbax.locate import (OCDBT_MANIFEST, SHARDING, STRINGS, TESTED_ORBAX_VERSION, TREE_METADATA,
@@ -34,6 +36,8 @@ from flax_ckpt._src.orbax.locate import (OCDBT_MANIFEST, SHARDING, STRINGS, TEST
                                          step_metrics, stored_size, walk)
 from flax_ckpt._src.serializers import Box
 from flax_ckpt._src.storage import Storage
+from flax_ckpt._src.lazy import lazy
+ts = lazy("tensorstore", globals(), "ts")  # imported on first use (lazy.py)
 
 _ARRAY_TYPES = {"jax.Array": "jax", "np.ndarray": "numpy", "scalar": "numpy"}
 _EMPTY_TYPES = {"None": "none", "Dict": "dict", "List": "list", "Tuple": "tuple", "NamedTuple": "none"}
@@ -114,17 +118,23 @@ class _Item:
         out = []
         for key, entry in self.doc["tree_metadata"].items():
             if not isinstance(entry, dict) or not isinstance(entry.get("value_metadata"), dict):
-                raise InvalidManifestError(f"{self.where}: entry {key}: missing 'value_metadata'")
+                raise InvalidManifestError(f"{self.where}: entry {key[:100]}: missing 'value_metadata'")
             path, param = _entry_path(entry.get("key_metadata"), self.where, key)
             vt = entry["value_metadata"].get("value_type")
             if not isinstance(vt, str):
-                raise InvalidManifestError(f"{self.where}: entry {key}: 'value_type' must be a string")
+                raise InvalidManifestError(f"{self.where}: entry {key[:100]}: 'value_type' must be a string")
             if vt != "placeholder":
                 out.append((prefix + path, param, vt))
-        # Orbax keeps an empty-container entry next to entries below it after partial saves: drop those.
-        names = [tuple(str(k) for _, k in p) for p, _, _ in out]
-        inner = {n[:i] for n in names for i in range(len(n))}
-        return [e for e, n in zip(out, names) if n not in inner]
+        # Orbax keeps an empty-container entry next to entries below it after partial saves: drop those
+        # (its node in a trie of the key strings has children; one pass over the keys).
+        trie: dict[str, Any] = {}
+        ends = []
+        for p, _, _ in out:
+            node = trie
+            for _, k in p:
+                node = node.setdefault(str(k), {})
+            ends.append(node)
+        return [e for e, end in zip(out, ends) if not end]
 
     def read_spec(self, path: tree_mod.KeyPath, param: str) -> dict[str, Any]:
         if not self.use_ocdbt:  # one folder per parameter: the name must stay inside the item folder
@@ -145,6 +155,9 @@ class _Opened:
     def __init__(self, store: Any):
         self.store = store
         self.shape, self.dtype = tuple(int(d) for d in store.shape), np.dtype(store.dtype.numpy_dtype)
+        problem = shape_problem(list(self.shape), self.dtype.itemsize)
+        if problem:
+            raise ValueError(problem)
         chunk = store.chunk_layout.read_chunk.shape  # None for a 0-d array
         check_chunk(tuple(chunk or ()), self.shape, self.dtype)  # else tensorstore aborts (std::bad_alloc)
 
@@ -162,17 +175,47 @@ class _Opened:
 
 
 def _entry_path(key_meta: Any, where: str, key: str) -> tuple[tree_mod.KeyPath, str]:
+    """An entry's key path and parameter name; InvalidManifestError unless it is a list of at most
+    MAX_PATH_DEPTH keys, each a name (key_type 2) or a sequence index (key_type 1) below MAX_INDEX."""
     if not isinstance(key_meta, list) or not key_meta:
-        raise InvalidManifestError(f"{where}: entry {key}: 'key_metadata' must be a non-empty list")
+        raise InvalidManifestError(f"{where}: entry {key[:100]}: 'key_metadata' must be a non-empty list")
+    if len(key_meta) > MAX_PATH_DEPTH:
+        raise InvalidManifestError(f"{where}: entry {key[:100]}...: {len(key_meta)} keys deep, deeper than "
+                                   f"{MAX_PATH_DEPTH}; the Orbax checkpoint is damaged or crafted")
     path = []
     for e in key_meta:
-        if not isinstance(e, dict) or not isinstance(e.get("key"), (str, int)) or e.get("key_type") not in (1, 2):
-            raise InvalidManifestError(f"{where}: entry {key}: bad key entry {e!r}")
-        name = str(e["key"])
-        if e["key_type"] == 1 and not (name.isascii() and name.isdigit()):
-            raise InvalidManifestError(f"{where}: entry {key}: sequence key {name!r} is not an index")
-        path.append(("idx", int(name)) if e["key_type"] == 1 else ("key", name))
+        if (not isinstance(e, dict) or not isinstance(e.get("key"), (str, int)) or isinstance(e["key"], bool)
+                or e.get("key_type") not in (1, 2)):
+            raise InvalidManifestError(f"{where}: entry {key[:100]}: bad key entry {str(e)[:100]}")
+        name = e["key"] if isinstance(e["key"], str) else None
+        if e["key_type"] == 1:
+            index = e["key"] if type(e["key"]) is int else int(name) if (
+                len(name) <= 10 and name.isascii() and name.isdigit()) else -1
+            if not 0 <= index < MAX_INDEX:
+                raise InvalidManifestError(f"{where}: entry {key[:100]}: sequence key {str(e['key'])[:40]!r} is "
+                                           f"not an index below {MAX_INDEX}")
+            path.append(("idx", index))
+        else:
+            path.append(("key", name if name is not None else _int_name(e["key"], where, key)))
     return tuple(path), ".".join(str(k) for _, k in path)
+
+
+def _int_name(number: int, where: str, key: str) -> str:
+    """A name key stored as a JSON number, as its string (Orbax writes names as strings)."""
+    if abs(number) >= MAX_INDEX:
+        raise InvalidManifestError(f"{where}: entry {key[:100]}: key {str(number)[:40]} is not a name")
+    return str(number)
+
+
+class _MetadataCheck:
+    """checks.check_tree's ``fail``: an InvalidManifestError naming the item's _METADATA and the leaf."""
+
+    def __init__(self, where: str):
+        self.where = where
+
+    def fail(self, field: str, why: str):
+        raise InvalidManifestError(f"{self.where}: key paths that make no tree: {field}: {why}; the Orbax "
+                                   "checkpoint is damaged or crafted")
 
 
 def _flax_sharding(desc: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -212,6 +255,8 @@ class OrbaxSource:
         keyed = located.names is not None or len(items) > 1
         entries = [(item, path, param, vt) for name, item in items
                    for path, param, vt in item.entries((("key", name),) if keyed else ())]
+        check_tree([p for _, p, _, _ in entries], _MetadataCheck(self.where),
+                   lambda i: repr(tree_mod.keystr(entries[i][1])[:200]))
         unknown = [f"{tree_mod.keystr(p)!r} ({vt})" for _, p, _, vt in entries
                    if vt not in _ARRAY_TYPES and vt not in _EMPTY_TYPES and vt != "string"]
         if unknown:

@@ -18,17 +18,18 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import functools
 import json
 import math
+import threading
 import time
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import crc32c
-import jax
 import numpy as np
-import tensorstore as ts
 
 from flax_ckpt._src import commit as commit_mod
 from flax_ckpt._src.commit import distributed
@@ -41,13 +42,21 @@ from flax_ckpt._src.orbax.locate import (CHECKPOINT_METADATA, COMMIT_SUCCESS, CR
                                          TREE_METADATA, handler_kind)
 from flax_ckpt._src.orbax.read import OCDBT_FILE_SIZE, array_kvstore, context_for
 from flax_ckpt._src.storage import Storage
+from flax_ckpt._src.lazy import lazy
+jax = lazy("jax", globals())  # imported on first use (lazy.py)
+ts = lazy("tensorstore", globals(), "ts")  # imported on first use (lazy.py)
 
 _EMPTY_VALUE_TYPES = {"none": "None", "dict": "Dict", "list": "List", "tuple": "Tuple"}
 
 
 def param(lf: HostLeaf) -> str:
     """Orbax's parameter name: the key path joined with '.'."""
-    return ".".join(str(k) for _, k in lf.path)
+    return _param(lf.path)
+
+
+@functools.lru_cache(maxsize=1 << 16)  # a run saves the same key paths at every step
+def _param(path: tuple) -> str:
+    return ".".join([str(k) for _, k in path])
 
 
 def value_type(lf: HostLeaf) -> str:
@@ -77,7 +86,12 @@ def write_shape(lf: HostLeaf) -> tuple[int, ...] | None:
     """The per-device shard shape of a jax.Array (what Orbax chunks by); None for host values."""
     if lf.sharding is None:
         return None
-    return tuple(int(d) for d in lf.sharding.shard_shape(lf.record.shape))
+    return _shard_shape(lf.sharding, tuple(lf.record.shape))
+
+
+@functools.lru_cache(maxsize=4096)  # a state's leaves share a few shardings and shapes
+def _shard_shape(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(int(d) for d in sharding.shard_shape(shape))
 
 
 def check(snap: Snapshot) -> None:
@@ -106,6 +120,7 @@ def check(snap: Snapshot) -> None:
             + "rename those keys or cast those leaves, or save in flax_ckpt's own format.")
 
 
+@functools.lru_cache(maxsize=None)
 def _ts_dtype_ok(dtype: np.dtype) -> bool:
     try:
         ts.dtype(dtype.name)
@@ -152,6 +167,13 @@ def _zarr_metadata(shape: tuple[int, ...], chunk: list[int], use_zarr3: bool, co
 def _write_arrays(storage: Storage, arrays: list[HostLeaf], use_ocdbt: bool, use_zarr3: bool,
                   compression: bool) -> None:
     context = context_for(storage)
+    if use_ocdbt and use_zarr3:  # small arrays first, as key-value pairs of one OCDBT commit
+        small = [(lf, data) for lf in arrays if (data := _one_chunk(lf)) is not None]
+        _write_small(storage, small, compression, context)
+        if len(small) == len(arrays):
+            return
+        done = {id(lf) for lf, _ in small}
+        arrays = [lf for lf in arrays if id(lf) not in done]
     opened = []
     for lf in arrays:
         shape, dtype, shards = _array(lf)
@@ -179,6 +201,88 @@ def _write_arrays(storage: Storage, arrays: list[HostLeaf], use_ocdbt: bool, use
         raise failure
 
 
+# ------------------------------------------------------------------ small arrays, encoded here
+# Tensorstore opens each array on its own (spec parsing, its metadata written and read back, a write of
+# its own): about 0.1 ms of CPU an array, which is most of a save of many small leaves. An array that is
+# one chunk of at most _SMALL bytes is encoded here instead, exactly as tensorstore encodes it for
+# _zarr_metadata's codecs (zarr3, one sharding_indexed shard holding one chunk: the bytes, zstd, their
+# crc32c, then the shard index, (offset, length) as little-endian uint64, and its crc32c), and all of
+# them are written into the item's OCDBT database in one transaction: one commit instead of one each.
+
+_SMALL = 64 << 10  # larger arrays: tensorstore, which compresses them on several threads
+_ZARR3_TYPES = {"bool": False, "int8": 0, "int16": 0, "int32": 0, "int64": 0, "uint8": 0, "uint16": 0,
+                "uint32": 0, "uint64": 0, "float16": 0.0, "bfloat16": 0.0, "float32": 0.0, "float64": 0.0,
+                "complex64": [0.0, 0.0], "complex128": [0.0, 0.0]}  # data_type: fill_value (tensorstore's)
+
+
+def _one_chunk(lf: HostLeaf) -> np.ndarray | None:
+    """The whole array of a leaf stored as one chunk of at most _SMALL bytes, in a dtype encoded here."""
+    arr = _array(lf)
+    if arr is None:
+        return None
+    shape, dtype, shards = arr
+    if _zarr3_type(dtype) is None or dtype.itemsize * math.prod(shape) > _SMALL or 0 in shape:
+        return None
+    if _chunk_shape(shape, dtype, write_shape(lf)) != [max(1, d) for d in shape]:
+        return None
+    whole = tuple((0, d) for d in shape)
+    return next((np.asarray(data) for box, data in shards if tuple(map(tuple, box)) == whole
+                 and data.shape == tuple(shape)), None)
+
+
+@functools.lru_cache(maxsize=None)
+def _zarr3_type(dtype: np.dtype) -> str | None:
+    return dtype.name if dtype.name in _ZARR3_TYPES and dtype.byteorder in "=<|" else None
+
+
+@functools.lru_cache(maxsize=4096)
+def _zarr_json(shape: tuple[int, ...], dtype: np.dtype, compression: bool) -> bytes:
+    """The zarr.json tensorstore writes for _zarr_metadata's array of one chunk."""
+    meta = _zarr_metadata(shape, [max(1, d) for d in shape], True, compression)
+    del meta["codecs"][0]["configuration"]["index_location"]  # "end", the default, which tensorstore omits
+    for codec in meta["codecs"][0]["configuration"]["codecs"]:
+        if codec["name"] == "bytes" and dtype.itemsize == 1:
+            del codec["configuration"]  # tensorstore's normal form: no byte order for one-byte types
+        elif codec["name"] == "zstd":
+            codec["configuration"]["checksum"] = False
+    meta.update(chunk_key_encoding={"name": "default"}, data_type=dtype.name,
+                fill_value=_ZARR3_TYPES[dtype.name], node_type="array", zarr_format=3)
+    return json.dumps(meta, sort_keys=True, separators=(",", ":")).encode()
+
+
+def _shard(data: np.ndarray, compressor: Any) -> bytes:
+    """One zarr3 shard holding ``data`` as its only chunk."""
+    raw = np.ascontiguousarray(data, dtype=data.dtype.newbyteorder("<")).tobytes()
+    body = compressor.compress(raw) if compressor is not None else raw
+    chunk = body + crc32c.crc32c(body).to_bytes(4, "little")
+    index = (0).to_bytes(8, "little") + len(chunk).to_bytes(8, "little")
+    return chunk + index + crc32c.crc32c(index).to_bytes(4, "little")
+
+
+def _write_small(storage: Storage, arrays: list[tuple[HostLeaf, np.ndarray]], compression: bool,
+                 context: ts.Context) -> None:
+    """Writes ``arrays`` (leaves with their _one_chunk) into the item's OCDBT database, in one transaction."""
+    if not arrays:
+        return
+    import zstandard
+    compressor = zstandard.ZstdCompressor(level=3) if compression else None
+    kv = ts.KvStore.open(array_kvstore(storage, "", True, write=True), context=context).result()
+    txn = ts.Transaction(atomic=True)
+    view, writes = kv.with_transaction(txn), []
+    for lf, data in arrays:
+        name, shape = param(lf), tuple(data.shape)
+        key = "/".join(["c"] + ["0"] * len(shape))
+        writes.append(view.write(f"{name}/zarr.json", _zarr_json(shape, data.dtype, compression)))
+        writes.append(view.write(f"{name}/{key}", _shard(data, compressor)))
+    try:
+        for w in writes:
+            w.result()
+        txn.commit_async().result()
+    except Exception as e:
+        raise CheckpointError(f"{storage.url}: writing {len(arrays)} arrays into its OCDBT database failed: "
+                              f"{e}") from e
+
+
 def _json_bytes(obj: Any) -> bytes:
     return json.dumps(obj).encode()
 
@@ -202,6 +306,13 @@ def _tree_metadata(snap: Snapshot, use_ocdbt: bool, use_zarr3: bool) -> dict[str
         entries[str(tuple(str(k) for _, k in lf.path))] = {"key_metadata": keys, "value_metadata": value}
     return {"tree_metadata": entries, "use_ocdbt": use_ocdbt, "use_zarr3": use_zarr3,
             "store_array_data_equal_to_fill_value": True, "custom_metadata": None}
+
+
+@functools.lru_cache(maxsize=1024)
+def _sharding_json(s: jax.sharding.Sharding) -> str | None:
+    """json.dumps of _sharding_of(s), or None."""
+    d = _sharding_of(s)
+    return None if d is None else json.dumps(d)
 
 
 def _sharding_of(s: jax.sharding.Sharding | None) -> dict[str, Any] | None:
@@ -228,19 +339,55 @@ def _array_metadatas(arrays: list[HostLeaf]) -> dict[str, Any]:
 
 def write_item(storage: Storage, snap: Snapshot, *, use_ocdbt: bool = True, use_zarr3: bool = True,
                compression: bool = True) -> None:
-    """Writes one Orbax pytree item (arrays, ``_METADATA`` and side files) into ``storage``."""
+    """Writes one Orbax pytree item (arrays, ``_METADATA`` and side files) into ``storage``. The side
+    files are written (each fsynced) on other threads while the arrays are: their fsyncs overlap."""
     arrays = [lf for lf in snap.leaves if _array(lf) is not None]
-    _write_arrays(storage, arrays, use_ocdbt, use_zarr3, compression)
-    shardings = {base64.urlsafe_b64encode(param(lf).encode()).decode(): json.dumps(_sharding_of(lf.sharding))
-                 for lf in arrays if _sharding_of(lf.sharding) is not None}
+    files = _side_files(snap, arrays, use_ocdbt, use_zarr3)
+    _overlapped([functools.partial(storage.write, name, [data]) for name, data in files],
+                lambda: _write_arrays(storage, arrays, use_ocdbt, use_zarr3, compression))
+
+
+def _overlapped(writes: list[Callable[[], Any]], main: Callable[[], Any]) -> None:
+    """Runs ``writes`` (small files, each written and fsynced) on other threads while ``main`` runs on
+    this one, so that their fsyncs overlap; returns once all ended, raising the first failure."""
+    pending = [_files_pool().submit(w) for w in writes]
+    try:
+        main()
+    finally:
+        for f in pending:  # every write ended, even after a failure, before anyone deletes the folder
+            f.exception()
+    for f in pending:
+        f.result()
+
+
+def _side_files(snap: Snapshot, arrays: list[HostLeaf], use_ocdbt: bool,
+                use_zarr3: bool) -> list[tuple[str, bytes]]:
+    """An item's files besides its arrays: ``_sharding``, ``_strings.json`` (with its crc32c),
+    ``array_metadatas/process_0`` and ``_METADATA``, as (name, bytes)."""
+    files = []
+    shardings = {base64.urlsafe_b64encode(param(lf).encode()).decode(): text for lf in arrays
+                 if lf.sharding is not None and (text := _sharding_json(lf.sharding)) is not None}
     strings = {param(lf): lf.record.value for lf in snap.leaves if lf.record.kind == "string"}
     if shardings:
-        storage.write(SHARDING, [_json_bytes(shardings)])
+        files.append((SHARDING, _json_bytes(shardings)))
     if strings:
-        _write_checked(storage, STRINGS, _json_bytes(strings))
+        data = _json_bytes(strings)
+        files += [(STRINGS, data), (STRINGS + CRC_SUFFIX, str(crc32c.crc32c(data)).encode())]
     if any(value_type(lf) == "jax.Array" for lf in arrays):
-        storage.write("array_metadatas/process_0", [_json_bytes(_array_metadatas(arrays))])
-    storage.write(TREE_METADATA, [_json_bytes(_tree_metadata(snap, use_ocdbt, use_zarr3))])
+        files.append(("array_metadatas/process_0", _json_bytes(_array_metadatas(arrays))))
+    files.append((TREE_METADATA, _json_bytes(_tree_metadata(snap, use_ocdbt, use_zarr3))))
+    return files
+
+
+_POOL: list[ThreadPoolExecutor] = []
+_POOL_LOCK = threading.Lock()
+
+
+def _files_pool() -> ThreadPoolExecutor:
+    with _POOL_LOCK:
+        if not _POOL:
+            _POOL.append(ThreadPoolExecutor(4, thread_name_prefix="flax_ckpt-orbax-files"))
+        return _POOL[0]
 
 
 def _handler_for(snap: Snapshot) -> str:
@@ -253,16 +400,17 @@ def _success(storage: Storage) -> bytes:
 
 
 def _commit_folder(parent: Storage, name: str, write: Callable[[Storage], Any], meta: dict[str, Any]) -> None:
-    """Writes ``name`` atomically with the engine's commit: ``_CHECKPOINT_METADATA``, then
-    ``commit_success.txt`` as the commit record. Refuses an existing checkpoint."""
+    """Writes ``name`` atomically with the engine's commit: ``write(folder)`` and, beside it,
+    ``_CHECKPOINT_METADATA``, then ``commit_success.txt`` as the commit record. Refuses an existing
+    checkpoint."""
     staging = commit_mod.staging_name(parent, name, record=COMMIT_SUCCESS, mark=TMP_SUFFIX + "-",
                                       nonce=str(time.time_ns()))
     folder = parent.sub(staging)
     try:
-        write(folder)
         meta = dict(meta, commit_timestamp_nsecs=time.time_ns())
-        commit_mod.commit(parent, staging, name, COMMIT_SUCCESS, _success(folder),
-                          before=[(CHECKPOINT_METADATA, _json_bytes(meta))])
+        _overlapped([functools.partial(folder.write, CHECKPOINT_METADATA, [_json_bytes(meta)])],
+                    lambda: write(folder))
+        commit_mod.commit(parent, staging, name, COMMIT_SUCCESS, _success(folder))
     except BaseException:
         commit_mod.abort(parent, staging, COMMIT_SUCCESS)
         raise
@@ -395,8 +543,8 @@ def save_step(root: Storage, step: int, snap: Snapshot, *, metrics: dict[str, An
     def write(folder: Storage) -> None:
         for n, tree in trees.items():
             item = folder.sub(n)
-            write_item(item, tree, use_ocdbt=use_ocdbt, use_zarr3=use_zarr3)
-            item.write(COMMIT_SUCCESS, [_success(item)])
+            _overlapped([functools.partial(item.write, COMMIT_SUCCESS, [_success(item)])],
+                        functools.partial(write_item, item, tree, use_ocdbt=use_ocdbt, use_zarr3=use_zarr3))
         for n, value in json_items.items():
             _write_json_item(folder.sub(n), _json_file(handlers[n]), value)
         if metrics is not None:

@@ -94,37 +94,117 @@ class Serializer(Protocol):
     installed packages in the group ``serializers.ENTRY_POINTS``, built with no arguments (so whatever
     ``read`` needs goes into the chunk records). ``write`` may run in several processes at once (one
     ``tag`` each) and ``read`` in several threads. Raise CorruptCheckpointError for damage you find;
-    every byte read through the Storage is already checked against its checksum."""
+    every byte read through the Storage is already checked against its checksum.
+
+    Example:
+      One object per shard, read back whole (a restore into another sharding would read parts of
+      several chunks: see examples/npy_serializer.py):
+
+      >>> import numpy as np
+      >>> class Bytes(fc.Serializer):
+      ...     name = "bytes-example"
+      ...     def write(self, storage, items, *, tag):
+      ...         chunks = {}
+      ...         for item in items:
+      ...             chunks[item.leaf] = []
+      ...             for j, shard in enumerate(item.shards):
+      ...                 file = f"{tag}/{item.leaf}.{j}"
+      ...                 storage.write(file, [shard.data.tobytes()])
+      ...                 chunks[item.leaf].append({"index": [list(b) for b in shard.box], "file": file})
+      ...         return fc.Written(chunks)
+      ...     def read(self, storage, leaf, box, out, where):
+      ...         (chunk,) = leaf.chunks
+      ...         storage.read_into(chunk["file"], 0, memoryview(out).cast("B"))
+      >>> fc.save("ckpt", {"w": np.arange(4, dtype=np.int32)}, serializer=Bytes())
+      >>> fc.metadata("ckpt", serializer=Bytes()).serializer
+      'bytes-example'
+      >>> fc.restore("ckpt", serializer=Bytes())
+      {'w': array([0, 1, 2, 3], dtype=int32)}
+    """
 
     name: str
 
     def write(self, storage: Storage, items: Sequence[ArrayItem], *, tag: str) -> Written:
-        """Writes every shard of ``items`` below ``storage`` (object names unique per ``tag``, which
-        differs per process; not ending in ``.crc32c``) and returns their chunk records."""
+        """Writes every shard of ``items`` below ``storage`` (see the class's example).
+
+        Args:
+          storage: where to write; object names are relative to it.
+          items: the arrays to write, each with the shards this process holds.
+          tag: differs per process: object names must be unique per tag (and not end in ``.crc32c``).
+
+        Returns:
+          The chunk records per ``ArrayItem.leaf`` (each with ``"index"``, its box as lists, and
+          whatever ``read`` needs) and, optionally, the objects written and their sizes.
+
+        Raises:
+          StorageError: the storage refused a write (raised by ``storage`` itself).
+        """
         raise NotImplementedError(f"{type(self).__name__} does not implement write")
 
     def read(self, storage: Storage, leaf: StoredArray, box: Box, out: np.ndarray, where: str) -> None:
-        """Fills ``out`` (extents of ``box``, the leaf's dtype, C-contiguous) with the leaf's data in
-        ``box``, which any chunks of ``leaf`` may overlap (a restore into another sharding reads parts
-        of several). ``where`` names the checkpoint and leaf for error messages."""
+        """Fills ``out`` with the leaf's data in ``box`` (see the class's example).
+
+        Args:
+          storage: the storage ``write`` wrote to.
+          leaf: the leaf's name, dtype, shape and the chunk records ``write`` returned for it.
+          box: the part to read, per dimension [start, stop); any chunks of ``leaf`` may overlap it (a
+            restore into another sharding reads parts of several).
+          out: the extents of ``box``, the leaf's dtype, C-contiguous.
+          where: the checkpoint and leaf, for error messages.
+
+        Raises:
+          CorruptCheckpointError: the chunk records or the stored bytes are damaged (a checksum
+            mismatch is raised by ``storage`` itself).
+        """
         raise NotImplementedError(f"{type(self).__name__} does not implement read")
 
     def read_many(self, storage: Storage, requests: Sequence[tuple[StoredArray, Box, np.ndarray]],
                   where: str) -> None:
-        """Optional: ``read`` for many (leaf, box, out) at once (``where``: the manifest); a serializer
-        may batch them (raw: one ranged read per run of adjacent chunks). Default: one ``read`` each."""
+        """Optional: ``read`` for many (leaf, box, out) at once; a serializer may batch them (raw: one
+        ranged read per run of adjacent chunks). Default: one ``read`` each.
+
+        Args:
+          storage: the storage ``write`` wrote to.
+          requests: (leaf, box, out) triples, as ``read`` takes them.
+          where: the manifest, for error messages.
+
+        Raises:
+          CorruptCheckpointError: as ``read``.
+        """
         for leaf, box, out in requests:
             self.read(storage, leaf, box, out, f"{where} leaf {leaf.name!r}")
 
     def view(self, storage: Storage, leaf: StoredArray, box: Box, where: str) -> np.ndarray | None:
-        """Optional: the box as a read-only, verified array over bytes never written again, or None (the
-        default: read instead). Only the memory tiers' copies have such bytes; a file may change."""
+        """Optional: the box as a read-only, verified array over bytes never written again, or None.
+
+        Only the memory tiers' copies have such bytes; a file may change, so the default reads instead.
+
+        Args:
+          storage: the storage ``write`` wrote to.
+          leaf: as for ``read``.
+          box: as for ``read``.
+          where: as for ``read``.
+
+        Returns:
+          The array, or None (the default): the caller reads instead.
+
+        Raises:
+          CorruptCheckpointError: as ``read``.
+        """
         return None
 
     def validate(self, leaf: StoredArray, files: dict[str, int], where: str) -> None:
-        """Optional: checks this serializer's fields of the chunk records of a manifest leaf when the
-        checkpoint is opened (InvalidManifestError otherwise); ``files``: the manifest's objects and
-        sizes. Default: accept (the manifest's own checksum already covers the records)."""
+        """Optional: checks this serializer's fields of a manifest leaf's chunk records when the
+        checkpoint is opened. Default: accept (the manifest's own checksum already covers the records).
+
+        Args:
+          leaf: as for ``read``.
+          files: the manifest's objects and their sizes.
+          where: the manifest and leaf, for error messages.
+
+        Raises:
+          InvalidManifestError: a record this serializer could not read.
+        """
         return None
 
 

@@ -33,10 +33,12 @@ class Storage(Protocol):
         """Writes the buffers back to back as object ``name``, durably once it returns (replacing any
         object of that name). Returns the seconds of it spent making the bytes durable (fsync; 0.0
         where a store has no such step)."""
+        ...
 
     def read(self, name: str, max_bytes: int) -> bytes:
         """The whole object ``name`` (FileNotFoundError when missing; CorruptCheckpointError when it
         holds more than ``max_bytes``)."""
+        ...
 
     def read_into(self, name: str, offset: int, out: memoryview) -> None:
         """Fills ``out`` with the bytes of ``name`` from ``offset`` on (CorruptCheckpointError when the
@@ -69,3 +71,4 @@ class TensorstoreStorage(Storage, Protocol):
 
     def kvstore_spec(self, name: str = "") -> dict[str, Any]:
         """The tensorstore kvstore spec of the folder ``name`` below the root (the root for "")."""
+        ...

@@ -35,9 +35,9 @@ from urllib.parse import urlparse
 from dataclasses import dataclass, field
 from typing import Any
 
-import tensorstore as ts
-
 from flax_ckpt._src.errors import StorageError
+from flax_ckpt._src.lazy import lazy
+ts = lazy("tensorstore", globals(), "ts")  # imported on first use (lazy.py)
 
 _open_lock = threading.Lock()
 _contexts: dict[str, Any] = {}  # one tensorstore context per resolved set of options

@@ -13,16 +13,25 @@ request retries), the gs:// endpoint, the fail-fast endpoint check, and ``explai
 from __future__ import annotations
 
 import re
+import threading
 from typing import Any, Literal, Sequence
-
-import tensorstore as ts
 
 from flax_ckpt._src.errors import CorruptCheckpointError, StorageError
 from flax_ckpt._src.storage.base import Buffer
 from flax_ckpt._src.storage.endpoints import ObjectStoreOptions, check_endpoint, explain, gcs_setup, open_gcs, s3_setup
+from flax_ckpt._src.lazy import lazy
+ts = lazy("tensorstore", globals(), "ts")  # imported on first use (lazy.py)
 
-_MEMORY_CONTEXT = ts.Context()  # one in-process memory kvstore shared by every memory:// path
+_MEMORY_CONTEXT: list[Any] = []  # the in-process memory kvstore of every memory:// path, made on first use
+_MEMORY_LOCK = threading.Lock()
 _PART = 16 << 20  # a read_into of more bytes than this is split into parallel ranged requests
+
+
+def _memory_context() -> Any:
+    with _MEMORY_LOCK:
+        if not _MEMORY_CONTEXT:
+            _MEMORY_CONTEXT.append(ts.Context())
+        return _MEMORY_CONTEXT[0]
 
 
 class KvStorage:
@@ -38,7 +47,7 @@ class KvStorage:
         spec["path"] = path if not path or path.endswith("/") else path + "/"
         self.spec, self.url = spec, url if url.endswith("://") else url.rstrip("/")
         self.context = context if context is not None else (
-            _MEMORY_CONTEXT if spec["driver"] == "memory" else None)
+            _memory_context() if spec["driver"] == "memory" else None)
         self.endpoint = endpoint  # gcs only: the server's base URL, when not tensorstore's default
         self._kv = None
 

@@ -9,10 +9,10 @@ Large files on a local block-device file system (ext4, xfs, btrfs) are written w
 from memory where the buffers lie back to back from a page boundary (an async save's arena,
 engine/arena.py), else through a page-aligned staging buffer: the disk reads the bytes from there,
 instead of the kernel copying them into the page cache and writing them back later. That copy is
-what a write costs the CPU (about 1 ms of kernel time per MiB on a small VM, taken from the cores a
-training step is using); the staging copy costs about a sixth of it. Elsewhere (tmpfs, NFS, FUSE, any
-file system that refuses O_DIRECT, or FLAX_CKPT_DIRECT_IO=0) files go through the page cache as before. Either way the bytes on disk
-are the same and fsynced before ``write`` returns.
+most of what a write costs the CPU, taken from the cores a training step is using; the staging copy
+costs a fraction of it (benchmarks/README.md, "Figures from the module docstrings"). Elsewhere (tmpfs,
+NFS, FUSE, any file system that refuses O_DIRECT, or FLAX_CKPT_DIRECT_IO=0) files go through the page
+cache. Either way the bytes on disk are the same and fsynced before ``write`` returns.
 """
 
 from __future__ import annotations
@@ -179,13 +179,25 @@ class LocalStorage:
             raise CorruptCheckpointError(f"{path}: cannot be read ({e.strerror})") from None
 
     def read(self, name: str, max_bytes: int) -> bytes:
+        """The whole file ``name``; CorruptCheckpointError when it holds more than ``max_bytes``.
+        Allocates what the file holds (plus one byte, to see it grow), never ``max_bytes``; a file
+        whose size or times change while it is read is a CorruptCheckpointError."""
         fd, path = self._open_regular(name)
         with os.fdopen(fd, "rb") as f:
-            size = os.fstat(fd).st_size
+            before = os.fstat(fd)
+            size = before.st_size
             if size > max_bytes:
                 raise CorruptCheckpointError(f"{path} holds {size} bytes, more than the {max_bytes} it may; "
                                              "refusing to read it")
-            data = f.read(max_bytes + 1)
+            data = f.read(size + 1)
+            after = os.fstat(fd)
+        if len(data) != size:
+            raise CorruptCheckpointError(f"{path} changed size while it was being read ({size} bytes, then "
+                                         f"{len(data)}{'+' if len(data) > size else ''}); read it again once "
+                                         "nothing writes it")
+        if (after.st_size, after.st_mtime_ns, after.st_ctime_ns) != (size, before.st_mtime_ns, before.st_ctime_ns):
+            raise CorruptCheckpointError(f"{path} changed while it was being read (rewritten); read it again once "
+                                         "nothing writes it")
         return data
 
     def read_into(self, name: str, offset: int, out: memoryview) -> None:
@@ -289,7 +301,16 @@ class LocalStorage:
         return total
 
     def kvstore_spec(self, name: str = "") -> dict[str, Any]:
-        return {"driver": "file", "path": self._p(name) + "/"}
+        """tensorstore's spec of the folder ``name``; StorageError when its path is not valid UTF-8
+        (tensorstore takes UTF-8 paths only)."""
+        path = self._p(name)
+        try:
+            path.encode("utf-8")
+        except UnicodeEncodeError:
+            raise StorageError(f"{path!r} is not a valid UTF-8 path: tensorstore (the Orbax format, the zarr3 "
+                               "serializer) cannot open it. Rename the folder, or use format='native' with the "
+                               "raw serializer") from None
+        return {"driver": "file", "path": path + "/"}
 
 
 def _pread_all(fd: int, path: str, offset: int, views: list[memoryview], total: int) -> None:

@@ -58,26 +58,45 @@ def default_local_dir() -> str:
 
 @dataclass(frozen=True)
 class Tiers:
-    """Where a CheckpointManager's checkpoints live besides its directory.
+    """Where a CheckpointManager's checkpoints live besides its directory: memory tiers in front of it.
 
-    ``local_dir``: host tmpfs folder of the memory tiers (one per host; processes whose local_dir or
-    host differ count as different failure domains); by default ``/dev/shm/flax_ckpt-<uid>``. It must
-    be this user's own folder (created with mode 0700 when missing) or root's sticky one (like
-    /dev/shm); every folder and file the tiers use in it must be this user's, writable by nobody
-    else (files.py). ``peer``: replicate each process's copy to another domain.
-    ``persist_interval_steps``: the first saved step at or after each multiple of it is migrated to
-    the manager's directory (None: never; ``save(force=True)`` always is).
-    ``differential``: store only chunks changed since the tier's base. ``max_to_keep``: committed
-    steps kept per memory tier. ``rebase_interval``: a new full base after this many differential
-    copies. ``cleanup``: at ``close``, migrate the newest step if it is only in memory, then delete
-    this job's memory tiers. ``on_busy``: what a ``save`` does when it finds the previous save still
-    being written into the memory tiers: "skip" (the default) returns False at once, without a
-    snapshot, so that training never waits for a copy (the newest state wins: the next save after the
-    writer is free is taken; skipped steps are counted in ``tier_stats`` and the first is logged);
-    "wait" holds the step until the previous save is committed, then saves it (the persistent path's
-    back-pressure), and a migration that falls due while the previous one runs waits for it (with
-    "skip" it is put off to a later step). With several processes, a step is skipped by all of them
-    when any one is busy. ``save(force=True)`` always waits.
+    Every save goes to this process's memory (and a replica to a peer's); every
+    ``persist_interval_steps``-th is migrated to the manager's directory in the background; restore
+    picks the newest step complete across all processes in any combination of tiers.
+
+    Args:
+      local_dir: host tmpfs folder of the memory tiers (one per host; processes whose local_dir or host
+        differ count as different failure domains); by default ``/dev/shm/flax_ckpt-<uid>``. It must be
+        this user's own folder (created with mode 0700 when missing) or root's sticky one (like
+        /dev/shm); every folder and file the tiers use in it must be this user's, writable by nobody
+        else.
+      peer: replicate each process's copy to another failure domain (off with one domain).
+      persist_interval_steps: the first saved step at or after each multiple of it is migrated to the
+        manager's directory (None: never; ``save(force=True)`` always is).
+      differential: store only the chunks changed since the tier's base copy.
+      max_to_keep: committed steps kept per memory tier.
+      rebase_interval: a new full base after this many differential copies.
+      cleanup: at ``close``, migrate the newest step if it is only in memory, then delete this job's
+        memory tiers.
+      on_busy: what a ``save`` does when the previous save is still being written into the memory
+        tiers: "skip" returns False at once, so that training never waits for a copy (skipped steps
+        are counted in ``tier_stats``, the first is logged); "wait" holds the step until the previous
+        save is committed. With several processes, a step is skipped by all when any one is busy.
+        ``save(force=True)`` always waits.
+
+    Raises:
+      ValueError: ``on_busy`` is neither "skip" nor "wait", or an interval or count is not a positive
+        int.
+
+    Example:
+      >>> import numpy as np
+      >>> tiers = fc.Tiers(local_dir="shm", persist_interval_steps=2, on_busy="wait")
+      >>> with fc.CheckpointManager("run", tiers=tiers) as mgr:
+      ...     for step in range(1, 4):
+      ...         _ = mgr.save(step, {"w": np.full(2, step, np.float32)})
+      ...     mgr.wait_until_finished()
+      ...     print(mgr.all_steps(), fc.metadata("run/2").step, mgr.restore()["w"])  # 2: migrated
+      [2, 3] 2 [3. 3.]
     """
 
     local_dir: str = field(default_factory=default_local_dir)

@@ -34,7 +34,6 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import crc32c
-import jax
 import numpy as np
 
 from flax_ckpt._src import commit as commit_mod
@@ -47,6 +46,8 @@ from flax_ckpt._src.serializers import Box, Shard, box_of
 from flax_ckpt._src.storage import LocalStorage
 from flax_ckpt._src.tiers import files as tier_files
 from flax_ckpt._src.tiers.files import Spares
+from flax_ckpt._src.lazy import lazy
+jax = lazy("jax", globals())  # imported on first use (lazy.py)
 
 CHUNK = 1 << 20
 INDEX, DATA, COMMIT = "index.json", "data.bin", "commit.json"
@@ -100,9 +101,9 @@ class Copy:
 
     ``index``: instead of a body, the sealed index bytes this process just wrote, parsed when the body
     is first needed (``step``: its step). A memory tier at every step makes each copy of adam's state
-    a new base whose body is hardly ever read; kept parsed, its ~1,500 lists and dicts would outlive
-    one save each and drive Python's full collections (100-150 ms each, holding the GIL, on a
-    Transformer loop: 4 in 120 saves)."""
+    a new base whose body is hardly ever read; kept parsed, its lists and dicts would outlive one save
+    each and drive Python's full collections, which hold the GIL (benchmarks/README.md, "Figures from
+    the module docstrings")."""
 
     where: str
     _body: dict[str, Any] | None

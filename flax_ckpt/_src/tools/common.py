@@ -6,19 +6,26 @@ the engine's Reader, as a restore without a target would give them. No policy, n
 
 from __future__ import annotations
 
+import os
+import stat
 from typing import Any
 
-import jax
 import numpy as np
-from tqdm import tqdm
 
 from flax_ckpt._src import layouts
 from flax_ckpt._src.engine.reader import Reader
+from flax_ckpt._src.errors import CheckpointError, CheckpointNotFoundError
+from flax_ckpt._src.lazy import lazy
 from flax_ckpt._src.storage import Storage, split_location
+from flax_ckpt._src.storage.lock import LOCK_FILE
+
+jax = lazy("jax", globals())  # imported on first use (lazy.py)
 
 
-def bar(total: int, desc: str, progress: bool) -> tqdm:
+def bar(total: int, desc: str, progress: bool) -> Any:
     """A tqdm bar of bytes on stderr, shown only with ``progress``."""
+    from tqdm import tqdm
+
     return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, disable=not progress,
                 leave=False, dynamic_ncols=True)
 
@@ -26,6 +33,74 @@ def bar(total: int, desc: str, progress: bool) -> tqdm:
 def folder_of(path: Any) -> Storage:
     parent, name = split_location(path)
     return parent.sub(name)
+
+
+def identity(folder: Storage, record: str | None) -> tuple | None:
+    """What tells a step at its name from another one, now: on a local file system, the folder's (or
+    file's) inode and modification time and its commit record's; on an object store, whether its commit
+    record is there. None when it is gone (deleted, or renamed away to be deleted)."""
+    if folder.local_path is None:
+        if record and folder.exists(record):
+            return ("committed",)
+        return ("uncommitted",) if folder.list() else None
+    try:
+        st = os.lstat(folder.local_path)
+    except OSError:
+        return None
+    found = (st.st_dev, st.st_ino, st.st_mtime_ns)
+    if record and stat.S_ISDIR(st.st_mode):
+        try:
+            r = os.lstat(os.path.join(folder.local_path, record))
+            found += (r.st_ino, r.st_mtime_ns, r.st_size)
+        except OSError:
+            found += (None,)
+    return found
+
+
+def read_info(path: Any, tries: int = 3) -> tuple[Any, dict[str, Any]]:
+    """``fc.metadata(path)`` (a CheckpointInfo) for the tools, and {key path: value} of the leaves whose
+    value the checkpoint's records hold (Python scalars, strings, empty containers and None: no array
+    bytes read). A checkpoint that fails to open counts as damaged only if it stayed the same from
+    before the read to after it; one deleted meanwhile (a live manager's retention) is a
+    CheckpointNotFoundError that says so; one replaced is read again."""
+    folder = folder_of(path)
+    if layouts.recognize(folder) is None:
+        steps, temporary = layouts.step_folders(folder, files=True)
+        if not steps and is_empty_run(folder, temporary):
+            raise CheckpointNotFoundError(f"no steps in {folder.url}: a run directory without committed "
+                                          "steps (yet), so there is no checkpoint to show")
+    for _ in range(tries):
+        before = identity(folder, layouts.detect(folder).record)
+        try:
+            source = layouts.open_checkpoint(folder)
+            return source.info(), {leaf.name: _value(leaf) for leaf in source.leaves if not leaf.is_array}
+        except CheckpointNotFoundError:
+            raise
+        except (CheckpointError, OSError, ValueError):
+            after = identity(folder, layouts.detect(folder).record)
+            if after == before:
+                raise
+            if after is None:
+                raise CheckpointNotFoundError(f"{folder.url} was deleted while it was read (by a live "
+                                              "manager's retention?): it is gone, not damaged") from None
+    raise CheckpointNotFoundError(f"{folder.url} changed under each of {tries} reads (rewritten over and "
+                                  "over?); read it once it is left alone")
+
+
+def _value(leaf: Any) -> Any:
+    """The value the record of a leaf that is no array holds, as a restore without a target gives it."""
+    if leaf.kind == "empty":
+        return {"none": None, "dict": {}, "list": [], "tuple": ()}[leaf.value]
+    return leaf.value
+
+
+def is_empty_run(folder: Storage, temporary: list[str]) -> bool:
+    """Whether ``folder``, which holds no checkpoint and no step, is a run directory without steps
+    yet: a folder that is empty, or holds only saves in flight, interrupted deletions and a
+    manager's lock file (whatever the run's format)."""
+    if folder.kind() != "folder":
+        return False
+    return all(n in temporary or n == LOCK_FILE for n in folder.list())
 
 
 class Leaves:

@@ -18,6 +18,7 @@ from flax_ckpt._src.errors import CheckpointError, CheckpointNotFoundError, Corr
 from flax_ckpt._src.orbax.locate import step_number
 from flax_ckpt._src.storage import LocalStorage, Storage, open_storage
 from flax_ckpt._src.tiers import store as tier_store
+from flax_ckpt._src.tools.common import identity
 
 
 @dataclass(frozen=True)
@@ -48,11 +49,19 @@ def _disk_size(storage: Storage) -> int | None:
     if storage.local_path is None:
         return None
     if os.path.isfile(storage.local_path) and not os.path.islink(storage.local_path):
-        return os.lstat(storage.local_path).st_size
+        return _size(storage.local_path)
     total = 0
     for dirpath, _, names in os.walk(storage.local_path):
-        total += sum(os.lstat(os.path.join(dirpath, f)).st_size for f in names)
+        total += sum(_size(os.path.join(dirpath, f)) for f in names)
     return total
+
+
+def _size(path: str) -> int:
+    """A file's size; 0 for one removed meanwhile (a live run deletes and renames folders)."""
+    try:
+        return os.lstat(path).st_size
+    except FileNotFoundError:
+        return 0
 
 
 def _step_of(name: str) -> int | None:
@@ -65,7 +74,7 @@ def list_steps(directory: Any, *, tier: str = "persistent") -> list[StepEntry]:
     if root.kind() == "file" or (root.supports_rename and root.kind() == "missing"):
         raise CheckpointNotFoundError(f"{root.url} is not a folder of checkpoints")
     folders, temporary = layouts.step_folders(root, files=True)
-    entries = [_entry(root, f, tier) for f in folders]
+    entries = [e for e in (_entry(root, f, tier) for f in folders) if e is not None]
     for name in temporary:
         step = step_number(commit_mod.base_name(name))  # "<step>" or Orbax's "<prefix>_<step>"
         state = "deleting" if commit_mod.DELETING_MARK in name else "in-flight"
@@ -73,20 +82,31 @@ def list_steps(directory: Any, *, tier: str = "persistent") -> list[StepEntry]:
     return sorted(entries, key=lambda e: (e.step if e.step is not None else -1, e.name))
 
 
-def _entry(root: Storage, f: layouts.StepFolder, tier: str) -> StepEntry:
+def _entry(root: Storage, f: layouts.StepFolder, tier: str, tries: int = 3) -> StepEntry | None:
+    """Step folder ``f``'s entry; None when it is gone, deleted while it was read (a live manager's
+    retention): a failure to open it counts only if the step was there, unchanged, before and after."""
     folder = root.sub(f.name)
+    before = identity(folder, f.layout.record)
+    if before is None:
+        return None
     try:
         source = f.layout.open(folder)
         info = source.info()
-    except (InvalidManifestError, CorruptCheckpointError) as e:
-        return StepEntry(f.name, f.step, "invalid", tier, f.layout.name if f.layout.evident else None,
-                         _disk_size(folder), problem=str(e))
     except (CheckpointError, OSError, ValueError) as e:
-        if f.layout.evident:  # its files said it is a checkpoint of this format: failing to open, it is damaged
-            return StepEntry(f.name, f.step, "invalid", tier, f.layout.name, _disk_size(folder), problem=str(e))
-        return StepEntry(f.name, f.step, "uncommitted", tier, None, _disk_size(folder), problem=str(e))
+        if identity(folder, f.layout.record) != before:
+            return _entry(root, f, tier, tries - 1) if tries > 1 else None
+        return _failed(folder, f, tier, e)
     size = _disk_size(folder) if folder.local_path is not None else info.nbytes
     return StepEntry(f.name, f.step, "committed", tier, f.layout.name, size, info.metrics, info.created)
+
+
+def _failed(folder: Storage, f: layouts.StepFolder, tier: str, e: Exception) -> StepEntry:
+    """The entry of a step folder that fails to open with ``e`` (and stays as it was)."""
+    fmt = f.layout.name if f.layout.evident else None
+    if isinstance(e, (InvalidManifestError, CorruptCheckpointError)) or f.layout.evident:
+        # a damaged manifest, or files that say it is a checkpoint of this format: failing to open, damaged
+        return StepEntry(f.name, f.step, "invalid", tier, fmt, _disk_size(folder), problem=str(e))
+    return StepEntry(f.name, f.step, "uncommitted", tier, None, _disk_size(folder), problem=str(e))
 
 
 def memory_tier_root(directory: Any, local_dir: str) -> str:

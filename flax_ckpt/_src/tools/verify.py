@@ -21,7 +21,7 @@ from flax_ckpt._src import layouts
 from flax_ckpt._src.errors import (CheckpointError, CheckpointNotCommittedError, CorruptCheckpointError,
                                    InvalidManifestError)
 from flax_ckpt._src.storage import Storage
-from flax_ckpt._src.tools.common import bar, folder_of
+from flax_ckpt._src.tools.common import bar, folder_of, identity, is_empty_run
 
 _READ_ERRORS = (CheckpointError, OSError, ValueError)
 
@@ -46,7 +46,8 @@ class Report:
     checkpoint. ``linked``: files of a local checkpoint that have other hard links (relative paths,
     "<step folder>/<file>" in a run): the same bytes under another name, maybe outside the checkpoint,
     where a write changes the checkpoint too. Not damage (``cp -al`` backups make them), so reported
-    only; restores read such files as any other."""
+    only; restores read such files as any other. ``gone``: steps of a run deleted (or replaced) while
+    they were read, e.g. by a live manager's retention: not damage, and not counted in ``steps``."""
 
     problems: list[Problem]
     unverified: list[str]
@@ -54,6 +55,7 @@ class Report:
     steps: list[int] | None = None
     skipped: list[str] = field(default_factory=list)
     linked: list[str] = field(default_factory=list)
+    gone: list[int] = field(default_factory=list)
 
     @property
     def sound(self) -> bool:
@@ -74,8 +76,8 @@ def check(path: Any, *, progress: bool = False) -> Report:
     checkpoint to verify (a folder that is neither a checkpoint nor a run directory)."""
     folder = folder_of(path)
     if layouts.recognize(folder) is None:  # no checkpoint's files: maybe a run directory
-        steps, _ = layouts.step_folders(folder, files=True)
-        if steps:
+        steps, temporary = layouts.step_folders(folder, files=True)
+        if steps or is_empty_run(folder, temporary):
             return _check_run(folder, steps, progress)
     return dataclasses.replace(_check_one(folder, progress), linked=hard_links(folder))
 
@@ -98,19 +100,44 @@ def _check_one(folder: Storage, progress: bool, fmt: layouts.Layout | None = Non
 
 
 def _check_run(root: Storage, steps: list[layouts.StepFolder], progress: bool) -> Report:
-    problems, unverified, verified, skipped, leaves, linked = [], [], [], [], 0, []
+    problems, unverified, verified, skipped, leaves, linked, gone = [], [], [], [], 0, [], []
     for f in steps:
         try:
-            r = _check_one(root.sub(f.name), progress, f.layout)
+            r = _check_step(root, f, progress)
         except CheckpointNotCommittedError:
             skipped.append(f.name)
+            continue
+        if r is None:
+            gone.append(f.step)
             continue
         verified.append(f.step)
         leaves += r.leaves
         problems += [Problem(p.leaf, p.file, p.message, f.step) for p in r.problems]
         unverified += [f"{f.name}/{k}" for k in r.unverified]
         linked += [f"{f.name}/{k}" for k in hard_links(root.sub(f.name))]
-    return Report(problems, unverified, leaves, verified, skipped, linked)
+    return Report(problems, unverified, leaves, verified, skipped, linked, gone)
+
+
+def _check_step(root: Storage, f: layouts.StepFolder, progress: bool, tries: int = 3) -> Report | None:
+    """One step of a run, checked while it stays the same folder (``identity``): damage, or a failure
+    to open it, counts only if the step was there, unchanged, from before the read to after it. A step
+    deleted meanwhile (a live manager's retention) is None; one replaced meanwhile is checked again."""
+    folder = root.sub(f.name)
+    for _ in range(tries):
+        before = identity(folder, f.layout.record)
+        if before is None:
+            return None
+        try:
+            r = _check_one(folder, progress, f.layout)
+        except CheckpointNotCommittedError:
+            raise
+        except _READ_ERRORS:
+            if identity(folder, f.layout.record) == before:
+                raise
+            continue
+        if not r.problems or identity(folder, f.layout.record) == before:
+            return r
+    return None  # changed under every read: a step being rewritten over and over, never seen whole
 
 
 def hard_links(folder: Storage) -> list[str]:
