@@ -23,10 +23,11 @@ import jax
 import numpy as np
 
 from flax_ckpt._src import tree as tree_mod
+from flax_ckpt._src.engine import device
 from flax_ckpt._src.engine.arena import Arena
 from flax_ckpt._src.engine.leaves import key_data_shape
 from flax_ckpt._src.engine.pause import gc_paused
-from flax_ckpt._src.errors import CheckpointError
+from flax_ckpt._src.errors import CheckpointError, format_list
 from flax_ckpt._src.records import LeafRecord
 from flax_ckpt._src.serializers import ArrayItem, Box, Shard, box_of
 
@@ -62,6 +63,38 @@ class Snapshot:
     #   of every n bytes of it, made as it was copied
     checksum: int | None = None  # that n
     arena: Arena | None = None  # the arena ``into`` was (engine/arena.py): kept by ``reusable``
+    pending: list[device.Pending] = field(default_factory=list)  # shards copied on their devices, brought
+    #   to host by ``complete`` (their shards' ``data`` is None until then)
+    choice: device.Choice | None = None  # what was copied on the devices, what to host
+    waited_s: float = 0.0  # of the caller's time, spent waiting for the device (not a checkpoint's cost)
+    ready_at: float | None = None  # when ``complete`` found the device copies done (perf_counter)
+
+    @property
+    def waiting_for_device(self) -> bool:
+        """Whether the writer has yet to see this snapshot's device copies done (``complete``)."""
+        return bool(self.pending) and self.ready_at is None
+
+    def complete(self) -> None:
+        """Brings the shards copied on their devices to host (the writer's thread, before anything reads
+        the shards): into the buffers ``into`` gave for them (checksummed as copied, as at the snapshot)
+        or else the transfer's own buffer, the one host copy. A failed step that produced the state is
+        raised here (engine/device.py ``to_host``); nothing has been written then."""
+        if not self.pending:
+            return
+        hosts, self.ready_at = device.to_host(self.pending)
+        copies: list[tuple[np.ndarray, np.ndarray]] = []
+        got: dict[tuple[int, int], np.ndarray] = {}
+        for p, a in zip(self.pending, hosts):
+            if p.dest is not None:
+                copies.append((p.dest, a))
+                a = p.dest
+            got[(p.leaf, p.shard)] = a
+        crcs = copy_all(copies, self.checksum)
+        self.crcs.update({id(d): c for (d, _), c in zip(copies, crcs or ()) if d.size})
+        for i in sorted({p.leaf for p in self.pending}):
+            lf = self.leaves[i]
+            lf.shards = tuple(Shard(s.box, got.get((i, n), s.data)) for n, s in enumerate(lf.shards))
+        self.pending = []  # the device copies are freed
 
     def spare_buffers(self) -> dict[tuple[Any, Box], np.ndarray]:
         """This snapshot's buffers by (key path, box), for ``snapshot(reuse=...)``; none unless owned.
@@ -334,12 +367,19 @@ def snapshot(tree: Any, *, copy: bool = True, reuse: Snapshot | None = None, int
     spare = reuse.spare_buffers() if (copy and reuse is not None) else {}
     flat = tree if isinstance(tree, tree_mod.Flat) else tree_mod.flat(tree)
     only = range(len(flat.leaves)) if only is None else only
+    _refuse_deleted(flat, only)
     seen = learned(flat, only)
+    arrays = [(j, jax.random.key_data(x) if k.kind == "prng_key" else x, k.whole, k.cpu)
+              for j, k in enumerate(seen) if k.kind in ("jax", "prng_key") for x in (flat.leaves[only[j]],)]
+    on_dev, choice = device.choose(arrays) if copy else (set(), device.Choice("host", 0, 0))
+    waited = _wait_for_host_part(arrays, on_dev, choice)
     for i, k in zip(only, seen):  # start every device-to-host transfer before waiting on any
-        if k.kind == "jax" and not k.cpu:
+        if k.kind == "jax" and not k.cpu and i not in on_dev:
             flat.leaves[i].copy_to_host_async()
 
     copies: list[tuple[np.ndarray, np.ndarray]] = []  # (buffer from ``into``, source), made at the end
+    pending: list[device.Pending] = []  # shards copied on their devices
+    data_of = {j: x for j, x, _, _ in arrays if j in on_dev}
 
     def leaf(j: int) -> HostLeaf:
         x, k = flat.leaves[only[j]], seen[j]
@@ -350,13 +390,16 @@ def snapshot(tree: Any, *, copy: bool = True, reuse: Snapshot | None = None, int
     leaves: list[Any] = [None] * len(seen)
     if into is None:  # ``into`` is called in order: one thread
         big = [j for j, k in enumerate(seen) if k.record is not None and not k.cpu  # copied, not a CPU
-               and k.record.nbytes > _BIG]  # array's view
+               and k.record.nbytes > _BIG and j not in on_dev]  # array's view
         if len(big) > 1:
             with ThreadPoolExecutor(min(4, len(big))) as pool:
                 for j, hl in zip(big, pool.map(leaf, big)):
                     leaves[j] = hl
     for j, k in enumerate(seen):
         if leaves[j] is not None:
+            continue
+        if j in on_dev:
+            leaves[j] = _device_leaf(j, data_of[j], k, into, pending)
             continue
         if into is not None and k.whole and k.kind in ("jax", "prng_key"):  # most leaves: one shard, one
             x = flat.leaves[only[j]]  # buffer (without _array_leaf's general path)
@@ -368,11 +411,58 @@ def snapshot(tree: Any, *, copy: bool = True, reuse: Snapshot | None = None, int
                 leaves[j] = _array_leaf(x, k, copy, spare, None, copies)
             continue
         leaves[j] = leaf(j)
+    device.dispatch(pending)
     crcs = copy_all(copies, checksum)
-    nbytes = sum(s.data.nbytes for hl in leaves for s in hl.shards)
+    nbytes = sum(s.data.nbytes for hl in leaves for s in hl.shards if s.data is not None) + \
+        sum(p.nbytes for p in pending)
+    device.tell(choice)
     return Snapshot(leaves, nbytes, time.perf_counter() - t0, owned=copy,
                     crcs={id(d): c for (d, _), c in zip(copies, crcs or ()) if d.size}, checksum=checksum,
-                    arena=into if isinstance(into, Arena) else None)
+                    arena=into if isinstance(into, Arena) else None, pending=pending, choice=choice,
+                    waited_s=waited)
+
+
+def _refuse_deleted(flat: tree_mod.Flat, only: Sequence[int]) -> None:
+    """A CheckpointError naming every jax.Array leaf that was deleted (donated to a step) before it was
+    saved; nothing is copied or written then."""
+    gone = [flat.names[i] for i in only if isinstance(x := flat.leaves[i], jax.Array) and x.is_deleted()]
+    if gone:
+        raise CheckpointError(
+            f"cannot save: {len(gone)} jax.Array leaves were deleted, e.g. donated to a jitted step "
+            f"(donate_argnums) before this save: {format_list(gone)}. Save "
+            "the state the step returned (save before the step that donates it, or after, its output); "
+            "nothing was written")
+
+
+def _wait_for_host_part(arrays: list[tuple[int, Any, bool, bool]], on_dev: set[int],
+                        choice: device.Choice) -> float:
+    """Seconds spent waiting for the arrays that are copied to host now to be computed (the device's
+    time, not a checkpoint's: the statistics report it apart from ``blocked_s``)."""
+    if not choice.device_bytes and choice.mode == "host" and device.mode() == "auto" and \
+            all(cpu for *_, cpu in arrays):
+        return 0.0  # ``choose`` found them all ready (or ``copy=False``: a synchronous save)
+    rest = [x for j, x, _, _ in arrays if j not in on_dev]
+    if not rest or all(x.is_ready() for x in rest):
+        return 0.0
+    t0 = time.perf_counter()
+    jax.block_until_ready(rest)
+    return time.perf_counter() - t0
+
+
+def _device_leaf(j: int, data: jax.Array, seen: _Learned, into: Into | None,
+                 pending: list[device.Pending]) -> HostLeaf:
+    """A leaf whose shards are copied on their devices (``pending``; dispatched together at the end of
+    the snapshot): its shards' data comes with ``Snapshot.complete``. A CPU array's host copy goes into
+    ``into``'s buffer where it gives one (the arena, the memory tier's pages), as without the device."""
+    rec = seen.record
+    parts = [(data, seen.box)] if seen.whole else \
+        [(s.data, box_of(s.index, rec.shape)) for s in data.addressable_shards if s.replica_id == 0]
+    shards = []
+    for a, b in parts:
+        dest = into(tuple(a.shape), np.dtype(a.dtype)) if into is not None and seen.cpu else None
+        pending.append(device.Pending(j, len(shards), a, dest))
+        shards.append(Shard(b, None))
+    return HostLeaf(rec, tuple(shards), data.sharding, whole=seen.whole)
 
 
 def jsonable(obj: Any, what: str) -> Any:

@@ -81,7 +81,10 @@ class CheckpointManager:
                  async_save: bool = True, serializer: "str | Serializer | None" = None, tiers: Any = None,
                  strict: bool = False, metadata: Any = None, format: Literal["native", "orbax"] | None = None,
                  overhead_budget: float = 0.01, mtbf_s: float | None = None, metric_writer: Any = None,
-                 storage_options: "ObjectStoreOptions | dict[str, Any] | None" = None):
+                 storage_options: "ObjectStoreOptions | dict[str, Any] | None" = None,
+                 on_busy: Literal["wait", "skip"] | None = None):
+        self.on_busy = _on_busy(on_busy, tiers)
+        self.skipped = 0  # saves skipped because the writer was busy (on_busy="skip")
         self._schedule = Schedule(save_interval_steps, overhead_budget, mtbf_s)
         self._retention = Retention(max_to_keep, keep_period, best_metric, best_mode, keep_best)
         if tiers is not None and not isinstance(tiers, Tiers):
@@ -108,6 +111,7 @@ class CheckpointManager:
         self.restore_stats: list[RestoreStats] = self._restore.stats
         self._writer = AsyncWriter()
         self._saved_at: float | None = None  # when the last save call that started a write began
+        self._inflight: Any = None  # the snapshot the writer holds (or held last)
         self._closed = False
         try:
             if not self.layout.foreign:
@@ -217,14 +221,17 @@ class CheckpointManager:
                     log.info("step %d already saved in %s; skipped", step, self.directory)
                     return False
             metrics = metrics_json(metrics)
-            if self._tiers is not None and not self._tiers.admit(step, self._writer.busy, force):
-                return False  # Tiers(on_busy="skip"): the previous save is in flight; training never waits for it
+            waited = self._wait_for_device()
+            if not self._admit(step, force):
+                return False  # on_busy="skip": the previous save is being written; training never waits for it
             self._writer.wait()  # back-pressure: one save in flight
             if self._tiers is not None:  # first sends the previous step's copy to its peer (a collective)
                 snap = self._tiers.snapshot(step, state, copy=self.async_save, force=force)
             else:  # refill the previous durable snapshot's buffers: no page faults of fresh memory
                 snap, self._spare = self.layout.snapshot(state, copy=self.async_save, reuse=self._spare), None
-            blocked = time.perf_counter() - t0
+            snap.waited_s += waited
+            blocked = time.perf_counter() - t0 - snap.waited_s
+            self._inflight = snap
             self._schedule.saved(step, blocked, self._prefix)
             persist = self._tiers.save if self._tiers is not None else self._persist  # tiers migrate via _Directory
             grace = _GRACE if self._saved_at is None else min(_GRACE, 0.1 * (t0 - self._saved_at))
@@ -237,15 +244,53 @@ class CheckpointManager:
         finally:
             self._schedule.call_ended()
 
+    def _wait_for_device(self) -> float:
+        """When the save in flight still waits for its device copies (the device runs behind the loop:
+        steps dispatched ahead), waits for it to end: the device is the bottleneck then, so the caller
+        loses nothing the loop would not lose at its next sync. Returns the seconds of that wait spent
+        before the copies were done (the rest, the writer's own work, counts as blocked)."""
+        snap = self._inflight
+        if snap is None or not self._writer.busy or not snap.waiting_for_device:
+            return 0.0
+        t1 = time.perf_counter()
+        try:
+            self._writer.wait()
+        finally:
+            ready = snap.ready_at if snap.ready_at is not None else time.perf_counter()
+        return max(0.0, min(ready, time.perf_counter()) - t1)
+
+    def _admit(self, step: int, force: bool) -> bool:
+        """Whether to save ``step`` now, the writer busy or not (``on_busy``): "wait" always (the next
+        ``wait`` holds the caller until the writer is free); "skip" not while the writer is busy (with
+        several processes: busy on any one of them; every process decides alike), unless ``force``."""
+        busy = self._writer.busy
+        if self._tiers is not None:
+            return self._tiers.admit(step, busy, force)
+        if self.on_busy == "wait" or force:
+            return True
+        if distributed.process_count() > 1:
+            votes = distributed.allgather(self._prefix, "admit", {"step": step, "busy": busy})
+            busy = any(v["busy"] for v in votes)
+        if busy:
+            self.skipped += 1
+            if self.skipped == 1:
+                log.warning("step %d not saved in %s: the previous save is still being written, and on_busy='skip' "
+                            "never holds training for it; further skips are counted in mgr.skipped, not logged",
+                            step, self.directory)
+        return not busy
+
     def _persist(self, step: int, snap: Snapshot, metrics: dict | None, t0: float, blocked: float) -> None:
         """Background: writes and commits ``step`` in the directory, records it, applies retention."""
+        snap.complete()  # the device copies to host (a failed step that produced the state is raised here)
         name = self._steps.new_folder(step)
         times = self.layout.persist(snap, self.storage, name, step=step, metrics=metrics, metadata=self.metadata)
         self._steps.add(step, name, metrics)
         stats = SaveStats(step, snap.nbytes, blocked, snap.seconds, times.write, times.commit,
                           time.perf_counter() - t0, fsync_s=times.fsync, start_s=t0 - self._created,
                           serialize_s=times.serialize, written_bytes=times.written,
-                          migrate_s=times.write + times.commit if self._tiers is not None else 0.0)
+                          migrate_s=times.write + times.commit if self._tiers is not None else 0.0,
+                          waited_for_device_s=snap.waited_s, snapshot_mode=snap.choice.mode if snap.choice else "",
+                          device_bytes=snap.choice.device_bytes if snap.choice else 0)
         self.stats.append(stats)
         publish(stats, self.directory, self.metric_writer)
         self._steps.retain(self._retention)
@@ -385,6 +430,18 @@ class CheckpointManager:
         except Exception as e:
             log.warning("CheckpointManager(%s) was garbage-collected without close(): %s: %s", self.directory,
                         type(e).__name__, e)
+
+
+def _on_busy(on_busy: str | None, tiers: Any) -> str:
+    """The manager's ``on_busy``: given, or the tiers' (fc.Tiers(on_busy=...)), or "wait"."""
+    if on_busy not in (None, "wait", "skip"):
+        raise ValueError(f"on_busy must be 'wait' or 'skip', got {on_busy!r}")
+    if tiers is not None and isinstance(tiers, Tiers):
+        if on_busy is not None and on_busy != tiers.on_busy:
+            raise ValueError(f"on_busy={on_busy!r} contradicts tiers=Tiers(on_busy={tiers.on_busy!r}); give it once, "
+                             "in Tiers")
+        return tiers.on_busy
+    return on_busy or "wait"
 
 
 class _Directory:
