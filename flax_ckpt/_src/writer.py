@@ -16,6 +16,7 @@ for the job (``wait``, the next ``submit``, ``close``) ends the grace at once.
 from __future__ import annotations
 
 import threading
+from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
@@ -58,6 +59,17 @@ class AsyncWriter:
         if exc is not None:
             raise SaveFailedError(f"background save of {self._label} failed: {type(exc).__name__}: {exc}. "
                                   "It was not committed; older checkpoints are untouched.") from exc
+
+    def settle(self, timeout: float) -> bool:
+        """Waits up to ``timeout`` seconds for the job in flight (ending its grace); whether none is in
+        flight now. Raises nothing: its failure is for the next ``wait``."""
+        pending = self._pending
+        if pending is None:
+            return True
+        if self._hurry is not None:
+            self._hurry.set()
+        futures.wait([pending], timeout)
+        return pending.done()
 
     @property
     def busy(self) -> bool:

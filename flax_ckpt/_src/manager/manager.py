@@ -21,6 +21,8 @@ import time
 import weakref
 from typing import Any, Callable, Literal
 
+import jax
+
 from flax_ckpt._src import layouts
 from flax_ckpt._src.commit import distributed
 from flax_ckpt._src.commit.spares import SpareFiles
@@ -41,6 +43,7 @@ from flax_ckpt._src.tiers.tierset import TierSet
 from flax_ckpt._src.writer import AsyncWriter
 
 log = logging.getLogger("flax_ckpt")
+_POLL = 0.001  # seconds between looks at the state's progress while the writer is busy (_wait_for_device)
 _GRACE = 0.005  # seconds an async save's write waits, so that the caller's next step is dispatched before the
 #                 writer's Python competes with it for the GIL (writer.py); a tenth of the time between saves
 #                 when they come faster; ended by anything that waits for the write
@@ -221,7 +224,7 @@ class CheckpointManager:
                     log.info("step %d already saved in %s; skipped", step, self.directory)
                     return False
             metrics = metrics_json(metrics)
-            waited = self._wait_for_device()
+            waited = self._wait_for_device(state)
             if not self._admit(step, force):
                 return False  # on_busy="skip": the previous save is being written; training never waits for it
             self._writer.wait()  # back-pressure: one save in flight
@@ -244,20 +247,25 @@ class CheckpointManager:
         finally:
             self._schedule.call_ended()
 
-    def _wait_for_device(self) -> float:
-        """When the save in flight still waits for its device copies (the device runs behind the loop:
-        steps dispatched ahead), waits for it to end: the device is the bottleneck then, so the caller
-        loses nothing the loop would not lose at its next sync. Returns the seconds of that wait spent
-        before the copies were done (the rest, the writer's own work, counts as blocked)."""
-        snap = self._inflight
-        if snap is None or not self._writer.busy or not snap.waiting_for_device:
+    def _wait_for_device(self, state: Any) -> float:
+        """When the writer is busy and ``state`` is still being computed (the loop dispatches steps ahead
+        of the device), waits until the writer is free or the state is computed, whichever comes first:
+        the device is the bottleneck meanwhile, so the loop loses nothing it would not lose at its next
+        sync. Returns the seconds waited (reported as ``waited_for_device_s``, not ``blocked_s``); a
+        writer still busy once the state is computed is the writer's own work (``on_busy`` decides)."""
+        if not self._writer.busy:
+            return 0.0
+        computing = [x for x in jax.tree_util.tree_leaves(state)
+                     if isinstance(x, jax.Array) and not x.is_deleted() and not x.is_ready()]
+        if not computing:
             return 0.0
         t1 = time.perf_counter()
-        try:
-            self._writer.wait()
-        finally:
-            ready = snap.ready_at if snap.ready_at is not None else time.perf_counter()
-        return max(0.0, min(ready, time.perf_counter()) - t1)
+        while not self._writer.settle(_POLL):
+            while computing and computing[-1].is_ready():
+                computing.pop()
+            if not computing:
+                break
+        return time.perf_counter() - t1
 
     def _admit(self, step: int, force: bool) -> bool:
         """Whether to save ``step`` now, the writer busy or not (``on_busy``): "wait" always (the next
