@@ -306,10 +306,10 @@ def _array_leaf(x: Any, seen: _Learned, copy: bool, spare: dict, into: Into | No
             [(s.data, box_of(s.index, rec.shape)) for s in x.addressable_shards if s.replica_id == 0]
 
         def host(a: Any, b: Box) -> np.ndarray:
+            if not seen.cpu:  # the transfer's own host buffer (started at the snapshot's beginning) is
+                return host_array(a, False)  # the copy: nothing can change it; another copy would be a second
             buf = _copied_into(into, a, copies) if into is not None else None
-            if buf is not None:
-                return buf
-            return host_array(a, False) if seen.cpu else _host_into(spare, (rec.path, b), a, True)
+            return buf if buf is not None else host_array(a, False)
         return HostLeaf(rec, tuple(Shard(b, host(a, b)) for a, b in parts), x.sharding, whole=seen.whole)
     buf = _copied_into(into, x, copies) if into is not None and copy else None
     buf = buf if buf is not None else _host_into(spare, (rec.path, seen.box), x, copy)
@@ -401,7 +401,7 @@ def snapshot(tree: Any, *, copy: bool = True, reuse: Snapshot | None = None, int
         if j in on_dev:
             leaves[j] = _device_leaf(j, data_of[j], k, into, pending)
             continue
-        if into is not None and k.whole and k.kind in ("jax", "prng_key"):  # most leaves: one shard, one
+        if into is not None and k.whole and k.cpu and k.kind in ("jax", "prng_key"):  # most leaves: one shard, one
             x = flat.leaves[only[j]]  # buffer (without _array_leaf's general path)
             data = jax.random.key_data(x) if k.kind == "prng_key" else x
             buf = _copied_into(into, data, copies)

@@ -255,8 +255,7 @@ class CheckpointManager:
         writer still busy once the state is computed is the writer's own work (``on_busy`` decides)."""
         if not self._writer.busy:
             return 0.0
-        computing = [x for x in jax.tree_util.tree_leaves(state)
-                     if isinstance(x, jax.Array) and not x.is_deleted() and not x.is_ready()]
+        computing = [x for x in map(_data, jax.tree_util.tree_leaves(state)) if x is not None and not x.is_ready()]
         if not computing:
             return 0.0
         t1 = time.perf_counter()
@@ -438,6 +437,13 @@ class CheckpointManager:
         except Exception as e:
             log.warning("CheckpointManager(%s) was garbage-collected without close(): %s: %s", self.directory,
                         type(e).__name__, e)
+
+
+def _data(x: Any) -> jax.Array | None:
+    """The jax.Array holding leaf ``x``'s bytes (a PRNG key's data), or None (not a jax.Array, deleted)."""
+    if not isinstance(x, jax.Array) or x.is_deleted():
+        return None
+    return jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x
 
 
 def _on_busy(on_busy: str | None, tiers: Any) -> str:
