@@ -203,4 +203,4 @@ def test_a_step_that_fails_on_the_device_is_a_clear_error_and_nothing_is_written
         assert mgr.all_steps() == [1]
         np.testing.assert_array_equal(mgr.restore(1)["w"], np.full((1024, 1024), 2, np.float32))
         mgr.save(3, {"w": big})  # the manager goes on
-    assert not [e for e in os.listdir(tmp_path / "run") if e.startswith("2")]  # nothing of step 2, even staged
+    assert not [e for e in os.listdir(tmp_path / "run") if e.startswith("2")]  # nothing of step 2 at all

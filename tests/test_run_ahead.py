@@ -57,8 +57,8 @@ def _start():
 
 @pytest.mark.parametrize("on_busy", ["skip", "wait"])
 def test_memory_tier_every_step_of_a_loop_running_ahead_saves_most_steps(tmp_path, on_busy):
-    tiers = fc.Tiers(local_dir=str(tmp_path / "shm"), peer=False, persist_interval_steps=None, on_busy=on_busy,
-                     max_to_keep=2)
+    tiers = fc.Tiers(local_dir=str(tmp_path / "shm"), peer=False, persist_interval_steps=None,
+                     on_busy=on_busy, max_to_keep=2)
     state = _train(_start())  # compiled
     jax.block_until_ready(state)
     with fc.CheckpointManager(tmp_path / "run", tiers=tiers) as mgr:
@@ -86,7 +86,7 @@ def test_persistent_manager_on_busy_skip_judged_by_the_device(tmp_path):
         state, saved, _ = _run(mgr, state)
         assert len(saved) >= 0.8 * _N, (len(saved), saved)
         assert mgr.skipped == _N - len(saved)
-        assert {s.snapshot_mode for s in mgr.stats[1:]} <= {"device", "host"}  # "host": a state computed already
+        assert {s.snapshot_mode for s in mgr.stats[1:]} <= {"device", "host"}  # "host": a state computed
         assert sum(s.snapshot_mode == "device" for s in mgr.stats[1:]) >= len(saved) / 2
         np.testing.assert_array_equal(mgr.restore(saved[-1])["w"], np.asarray(state["w"]))
 

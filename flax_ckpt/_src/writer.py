@@ -1,10 +1,11 @@
 """The async writer: one background save at a time, failures re-raised on the caller's next call.
 
-Scope: threading and error propagation only. The caller snapshots the state to host memory first
-(engine/snapshot.py, on its own thread); the job given to ``submit`` serializes, writes, fsyncs and
-commits. At most one job is in flight: ``submit`` waits for the previous one (back-pressure keeps host
-memory bounded by one snapshot). A job's exception is raised as SaveFailedError (its cause is the
-original exception, with its traceback) from the next ``submit``, ``wait`` or ``close``.
+Scope: threading and error propagation only. The caller snapshots the state first (engine/snapshot.py,
+on its own thread: to host, or on the devices' streams); the job given to ``submit`` brings device
+copies to host, serializes, writes, fsyncs and commits. At most one job is in flight: ``submit`` waits
+for the previous one (back-pressure keeps host memory bounded by one snapshot). A job's exception is
+raised as SaveFailedError (its cause is the original exception, with its traceback) from the next
+``submit``, ``wait`` or ``close``.
 
 A job may start after a ``grace``: the caller, back from ``save``, dispatches its next training step
 in about a millisecond, releasing and taking back the GIL as it goes; a writer running Python code

@@ -170,8 +170,9 @@ def dispatch(pending: Sequence[Pending]) -> None:
 
 def to_host(pending: Sequence[Pending]) -> tuple[list[np.ndarray], float]:
     """The host copies of ``pending``'s device copies (the writer's thread), and when the device copies
-    were found done (perf_counter): every transfer started, then each waited for. A failure of the computation that produced a copy's source (an XLA error of
-    the training step) is raised as a CheckpointError whose cause it is."""
+    were found done (perf_counter): every transfer started, then each waited for. A failure of the
+    computation that produced a copy's source (an XLA error of the training step) is raised as a
+    CheckpointError whose cause it is."""
     try:
         for p in pending:
             if not _on_cpu(p.dev):
@@ -204,7 +205,8 @@ def tell(choice: Choice) -> None:
                      "returns",
             "host": "to host before save returns (FLAX_CKPT_DEVICE_SNAPSHOT, a ready CPU state, or no free "
                     "device memory)"}[choice.mode]
-    log.info("snapshots are taken %s: %s on device, %s to host", what, mb(choice.device_bytes), mb(choice.host_bytes))
+    log.info("snapshots are taken %s: %s on device, %s to host", what, mb(choice.device_bytes),
+             mb(choice.host_bytes))
 
 
 __all__ = ["Choice", "Pending", "choose", "dispatch", "headroom", "mode", "tell", "to_host"]

@@ -1,7 +1,9 @@
-"""The blocking half of every save: a host copy of a tree that later mutation or donation cannot change.
+"""The blocking half of every save: a copy of a tree that later mutation or donation cannot change.
 
 Scope: one snapshot for every layout (native steps, Orbax items, memory-tier copies). It classifies
-the leaves, starts every device-to-host transfer, and holds per leaf its typed record (what the
+the leaves, copies jax.Array shards on their devices where that is chosen (engine/device.py: the copy is
+dispatched on the device's stream and brought to host by ``Snapshot.complete`` on the writer's thread),
+starts every other device-to-host transfer, and holds per leaf its typed record (what the
 checkpoint will say of it) and this process's shards (arrays only: one per distinct box whose
 replica_id is 0, so a replicated shard has exactly one writer). How the shards are stored is a
 layout's business (native/layout.py, orbax/write.py, tiers/store.py). A training loop saves one
@@ -68,11 +70,6 @@ class Snapshot:
     choice: device.Choice | None = None  # what was copied on the devices, what to host
     waited_s: float = 0.0  # of the caller's time, spent waiting for the device (not a checkpoint's cost)
     ready_at: float | None = None  # when ``complete`` found the device copies done (perf_counter)
-
-    @property
-    def waiting_for_device(self) -> bool:
-        """Whether the writer has yet to see this snapshot's device copies done (``complete``)."""
-        return bool(self.pending) and self.ready_at is None
 
     def complete(self) -> None:
         """Brings the shards copied on their devices to host (the writer's thread, before anything reads
@@ -362,7 +359,13 @@ def snapshot(tree: Any, *, copy: bool = True, reuse: Snapshot | None = None, int
     the pages of the data file the copy becomes, tiers/files.py ``Lent``); a shard it gives no buffer
     for is snapshotted as without it. Copying at once also releases the arrays: XLA can then donate
     them to the next step (host views would make it allocate new buffers). ``checksum``: the copies into
-    those buffers also give the crc32c of every ``checksum`` bytes of each (``Snapshot.crcs``)."""
+    those buffers also give the crc32c of every ``checksum`` bytes of each (``Snapshot.crcs``).
+
+    With ``copy``, jax.Array leaves may be copied on their devices instead (engine/device.py decides:
+    ``FLAX_CKPT_DEVICE_SNAPSHOT``, whether the state is still being computed, the devices' free memory):
+    those shards' data is None until ``Snapshot.complete`` brings them to host, into the buffers
+    ``into`` gave for them (CPU arrays) or else the transfer's own buffer. A leaf that was deleted
+    (donated to a step) is a CheckpointError naming it, before anything is copied."""
     t0 = time.perf_counter()
     spare = reuse.spare_buffers() if (copy and reuse is not None) else {}
     flat = tree if isinstance(tree, tree_mod.Flat) else tree_mod.flat(tree)
@@ -401,8 +404,8 @@ def snapshot(tree: Any, *, copy: bool = True, reuse: Snapshot | None = None, int
         if j in on_dev:
             leaves[j] = _device_leaf(j, data_of[j], k, into, pending)
             continue
-        if into is not None and k.whole and k.cpu and k.kind in ("jax", "prng_key"):  # most leaves: one shard, one
-            x = flat.leaves[only[j]]  # buffer (without _array_leaf's general path)
+        if into is not None and k.whole and k.cpu and k.kind in ("jax", "prng_key"):  # most leaves: one
+            x = flat.leaves[only[j]]  # shard, one buffer (without _array_leaf's general path)
             data = jax.random.key_data(x) if k.kind == "prng_key" else x
             buf = _copied_into(into, data, copies)
             if buf is not None:

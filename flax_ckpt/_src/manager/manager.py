@@ -62,7 +62,10 @@ class CheckpointManager:
     "orbax" that contradicts the steps there is a ValueError; a directory holding both follows its
     newest step, with a warning; in an Orbax run of named items, ``args.Composite``'s, a step is a
     dict keyed by exactly those items), ``tiers`` (memory tiers, fc.Tiers), ``storage_options``
-    (fc.ObjectStoreOptions: how to reach s3:// and gs://). Retention covers every committed step of the
+    (fc.ObjectStoreOptions: how to reach s3:// and gs://), ``on_busy`` (what a save does while the previous
+    one is still being written: "wait", the default, or "skip", which returns False at once, counted in
+    ``skipped``; with tiers= it is ``Tiers.on_busy``, see ``save``). Retention covers every committed step of
+    the
     directory, also those this manager did not write; its first deletion of such steps logs a warning
     naming them.
 
@@ -114,7 +117,6 @@ class CheckpointManager:
         self.restore_stats: list[RestoreStats] = self._restore.stats
         self._writer = AsyncWriter()
         self._saved_at: float | None = None  # when the last save call that started a write began
-        self._inflight: Any = None  # the snapshot the writer holds (or held last)
         self._closed = False
         try:
             if not self.layout.foreign:
@@ -196,10 +198,20 @@ class CheckpointManager:
         last step of a run whose length is not a multiple of ``save_interval_steps``); False when skipped
         (off schedule without ``force``, or a step that is saved already, which is never overwritten).
 
-        Returns once the state is copied to host memory (async) or committed (sync). Raises a previous
-        background failure as SaveFailedError. The snapshot is taken on the caller's thread; the write
-        and commit run on the background writer (the path: tests/test_layout.py), starting 5 ms later
-        (``_GRACE``: the caller's next step is dispatched first) unless something waits for them."""
+        Returns once a snapshot exists that the caller's next steps cannot change (async): jax.Array
+        leaves copied on their devices' streams where they fit (engine/device.py; the copy is ordered
+        before any step that donates them, and ``save`` waits neither for the step computing the state
+        nor for the transfer), the rest copied to host; or once committed (sync). Raises a previous
+        background failure as SaveFailedError. The snapshot is taken on the caller's thread; the
+        transfer, write and commit run on the background writer (the path: tests/test_layout.py),
+        starting 5 ms later (``_GRACE``: the caller's next step is dispatched first) unless something
+        waits for them.
+
+        One save is in flight at a time. A save that finds it still in flight while ``state`` is still
+        being computed (a loop that dispatches steps ahead of the device) waits until the writer is free
+        or the state is computed, whichever first: the device is the bottleneck then (the time is
+        ``waited_for_device_s`` in the statistics, apart from ``blocked_s``). A writer still busy after
+        that follows ``on_busy``: "wait" holds the caller until it is free, "skip" returns False."""
         if self._closed:
             raise CheckpointError(f"CheckpointManager({self.directory}) is closed")
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
@@ -226,7 +238,7 @@ class CheckpointManager:
             metrics = metrics_json(metrics)
             waited = self._wait_for_device(state)
             if not self._admit(step, force):
-                return False  # on_busy="skip": the previous save is being written; training never waits for it
+                return False  # on_busy="skip": the previous save is being written; training does not wait
             self._writer.wait()  # back-pressure: one save in flight
             if self._tiers is not None:  # first sends the previous step's copy to its peer (a collective)
                 snap = self._tiers.snapshot(step, state, copy=self.async_save, force=force)
@@ -234,7 +246,6 @@ class CheckpointManager:
                 snap, self._spare = self.layout.snapshot(state, copy=self.async_save, reuse=self._spare), None
             snap.waited_s += waited
             blocked = time.perf_counter() - t0 - snap.waited_s
-            self._inflight = snap
             self._schedule.saved(step, blocked, self._prefix)
             persist = self._tiers.save if self._tiers is not None else self._persist  # tiers migrate via _Directory
             grace = _GRACE if self._saved_at is None else min(_GRACE, 0.1 * (t0 - self._saved_at))
@@ -255,7 +266,8 @@ class CheckpointManager:
         writer still busy once the state is computed is the writer's own work (``on_busy`` decides)."""
         if not self._writer.busy:
             return 0.0
-        computing = [x for x in map(_data, jax.tree_util.tree_leaves(state)) if x is not None and not x.is_ready()]
+        computing = [x for x in map(_data, jax.tree_util.tree_leaves(state))
+                     if x is not None and not x.is_ready()]
         if not computing:
             return 0.0
         t1 = time.perf_counter()
@@ -281,8 +293,9 @@ class CheckpointManager:
         if busy:
             self.skipped += 1
             if self.skipped == 1:
-                log.warning("step %d not saved in %s: the previous save is still being written, and on_busy='skip' "
-                            "never holds training for it; further skips are counted in mgr.skipped, not logged",
+                log.warning("step %d not saved in %s: the previous save is still being written, and "
+                            "on_busy='skip' never holds training for it; further skips are counted in "
+                            "mgr.skipped, not logged",
                             step, self.directory)
         return not busy
 
@@ -296,7 +309,8 @@ class CheckpointManager:
                           time.perf_counter() - t0, fsync_s=times.fsync, start_s=t0 - self._created,
                           serialize_s=times.serialize, written_bytes=times.written,
                           migrate_s=times.write + times.commit if self._tiers is not None else 0.0,
-                          waited_for_device_s=snap.waited_s, snapshot_mode=snap.choice.mode if snap.choice else "",
+                          waited_for_device_s=snap.waited_s,
+                          snapshot_mode=snap.choice.mode if snap.choice else "",
                           device_bytes=snap.choice.device_bytes if snap.choice else 0)
         self.stats.append(stats)
         publish(stats, self.directory, self.metric_writer)
@@ -452,8 +466,8 @@ def _on_busy(on_busy: str | None, tiers: Any) -> str:
         raise ValueError(f"on_busy must be 'wait' or 'skip', got {on_busy!r}")
     if tiers is not None and isinstance(tiers, Tiers):
         if on_busy is not None and on_busy != tiers.on_busy:
-            raise ValueError(f"on_busy={on_busy!r} contradicts tiers=Tiers(on_busy={tiers.on_busy!r}); give it once, "
-                             "in Tiers")
+            raise ValueError(f"on_busy={on_busy!r} contradicts tiers=Tiers(on_busy={tiers.on_busy!r}); "
+                             "give it once, in Tiers")
         return tiers.on_busy
     return on_busy or "wait"
 

@@ -73,7 +73,9 @@ class Tiers:
     "wait" holds the step until the previous save is committed, then saves it (the persistent path's
     back-pressure), and a migration that falls due while the previous one runs waits for it (with
     "skip" it is put off to a later step). With several processes, a step is skipped by all of them
-    when any one is busy. ``save(force=True)`` always waits.
+    when any one is busy. ``save(force=True)`` always waits. "Busy" is judged against the device: a
+    save whose state is still being computed (the loop runs ahead of the device) first waits for the
+    writer or the state, whichever is first (CheckpointManager.save).
     """
 
     local_dir: str = field(default_factory=default_local_dir)

@@ -179,8 +179,6 @@ class TierSnapshot:
     part: Snapshot | None = field(default=None, repr=False)  # the snapshot of the leaves copied now
 
     # the device copies (engine/device.py): those of ``part``, brought to host by ``complete``
-    waiting_for_device = property(lambda self: self.part is not None and self.part.waiting_for_device)
-    ready_at = property(lambda self: self.part.ready_at if self.part is not None else None)
     choice = property(lambda self: self.part.choice if self.part is not None else None)
 
     @property
@@ -314,7 +312,8 @@ def take_snapshot(state: Any, *, copy: bool, force: bool, step: int, seen: Seen,
     if into is not None and into.used:  # its pages are this snapshot's while it lives (a migration reads them)
         tier_files.pin(into.key, ts)
     ts.snap.nbytes = part.nbytes + sum(s.data.nbytes for i in reuse for s in plans[i].shards)
-    ts.snap.seconds, ts.snap.choice, ts.snap.waited_s, ts.part = part.seconds, part.choice, part.waited_s, part
+    ts.snap.seconds, ts.snap.choice, ts.snap.waited_s = part.seconds, part.choice, part.waited_s
+    ts.part = part
     return ts
 
 

@@ -224,7 +224,7 @@ class TierSet:
         t1 = time.perf_counter()
         enc, err = None, None
         try:
-            ts.complete()  # the device copies to host (a failed step that produced the state: raised after the vote)
+            ts.complete()  # the device copies to host (a step failed on the device: raised after the vote)
             self._budget.refill(t1)
             base = None if self._next_full() or not self._pays(ts) else self._base
             zipped = self._budget.zipped
@@ -235,6 +235,7 @@ class TierSet:
             store.write_copy(self.local_dir, step, enc, self.holdings.spare(self.local_dir))
         except Exception as e:  # every process votes, so that none waits for a failed one
             err = e
+            self.holdings.spare(self.local_dir).give_back(ts.lent)  # a loan no write took (a failed step)
         t3 = time.perf_counter()
         self._commit("local", step, self.local_dir, err, enc.base if enc else None)
         now = time.perf_counter()
