@@ -149,19 +149,26 @@ def choose(arrays: Sequence[tuple[int, jax.Array, bool, bool]]) -> tuple[set[int
     return chosen, Choice(kind, dev_bytes, host)
 
 
+_HOW: str | None = None  # how the copy is made: a jitted jnp.copy ("jit": accelerators, where it was measured
+#   at the device's bandwidth), or jax.device_put(may_alias=False) (None: CPU devices, where a jitted call
+#   whose inputs are ready runs on the caller's thread, and this one does not)
+
+
 @jax.jit
 def _copy(xs: list[jax.Array]) -> list[jax.Array]:
     return [jnp.copy(x) for x in xs]
 
 
 def dispatch(pending: Sequence[Pending]) -> None:
-    """Dispatches the copies of ``pending``'s shards, one jitted call per device (it returns before the
-    copies, or the computations producing their sources, have run)."""
+    """Dispatches the copies of ``pending``'s shards, one call per device (it returns before the copies,
+    or the computations producing their sources, have run); a copy is a new buffer, never an alias."""
     by_dev: dict[Any, list[Pending]] = {}
     for p in pending:
         by_dev.setdefault(next(iter(p.src.sharding.device_set)), []).append(p)
     for d, ps in by_dev.items():
-        outs = _copy([p.src for p in ps])
+        srcs = [p.src for p in ps]
+        how = _HOW or ("device_put" if d.platform == "cpu" else "jit")
+        outs = jax.device_put(srcs, may_alias=False) if how == "device_put" else _copy(srcs)
         for p, o in zip(ps, outs):
             p.dev, p.src = o, None
         n = sum(o.nbytes for o in outs)
