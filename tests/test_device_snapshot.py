@@ -75,8 +75,10 @@ def test_a_save_of_a_state_still_computing_returns_before_the_step_ends(tmp_path
         assert_bit_exact(mgr.restore(1), {"w": np.asarray(state["w"])})
 
 
+@pytest.mark.parametrize("how", ["device_put", "jit"])
 @pytest.mark.parametrize("manager", ["persistent", "memory"])
-def test_save_then_donate_at_once_restores_bit_exact(tmp_path, always, manager):
+def test_save_then_donate_at_once_restores_bit_exact(tmp_path, always, manager, how, monkeypatch):
+    monkeypatch.setattr(dev, "_HOW", how)  # CPU devices copy by device_put, accelerators by a jitted copy
     tiers = fc.Tiers(local_dir=str(tmp_path / "shm"), peer=False, persist_interval_steps=None) \
         if manager == "memory" else None
     state = _state()
@@ -92,7 +94,9 @@ def test_save_then_donate_at_once_restores_bit_exact(tmp_path, always, manager):
                       if k != "step"}, {k: v for k, v in want.items() if k != "step"})
 
 
-def test_the_device_copy_is_a_new_buffer(always):
+@pytest.mark.parametrize("how", ["device_put", "jit"])
+def test_the_device_copy_is_a_new_buffer(always, how, monkeypatch):
+    monkeypatch.setattr(dev, "_HOW", how)
     x = jnp.arange(1 << 16, dtype=jnp.float32)
     snap = snapshot({"x": x}, copy=True)
     (p,) = snap.pending
