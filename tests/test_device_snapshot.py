@@ -150,6 +150,19 @@ def test_device_budget_none_some_enough(tmp_path, always, monkeypatch):
     assert _modes(tmp_path, None, monkeypatch) == ("device", 48 << 10)
 
 
+def test_no_room_waits_for_the_step_and_says_so(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLAX_CKPT_DEVICE_BUDGET", "0")
+    big = jnp.ones((1024, 1024), jnp.float32)
+    _slow(big).block_until_ready()
+    with fc.CheckpointManager(tmp_path / "run") as mgr:
+        state = {"w": _slow(big)}
+        mgr.save(1, state)
+        mgr.wait_until_finished()
+        s = mgr.stats[-1]
+    assert s.snapshot_mode == "host" and s.device_bytes == 0
+    assert s.waited_for_device_s > 2 * s.blocked_s, s  # the step's time, reported apart from blocked_s
+
+
 def test_headroom_from_memory_stats_leaves_a_margin():
     class Fake:
         id = 12345

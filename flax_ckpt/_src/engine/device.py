@@ -108,6 +108,7 @@ class Choice:
     mode: str
     device_bytes: int
     host_bytes: int
+    ready: bool = False  # every array was found computed already
 
 
 def _jax_parts(x: jax.Array, whole: bool) -> list[tuple[Any, Any]]:
@@ -120,14 +121,13 @@ def _jax_parts(x: jax.Array, whole: bool) -> list[tuple[Any, Any]]:
 def choose(arrays: Sequence[tuple[int, jax.Array, bool, bool]]) -> tuple[set[int], Choice]:
     """Which of ``arrays`` (index, array, whole, on CPU) are copied on their devices: per the mode,
     whether the state is still being computed (CPU devices, "auto") and each device's headroom, in
-    order, a leaf taken when all its shards fit. Raises a CheckpointError naming the leaves that were
-    deleted (donated to a step) before anything is copied."""
+    order, a leaf taken when all its shards fit."""
     m = mode()
     total = sum(x.nbytes for _, x, _, _ in arrays)
     if m == "never" or not arrays:
-        return set(), Choice("host", 0, total)
+        return set(), Choice("host", 0, total, ready=not arrays)
     if m == "auto" and all(cpu for *_, cpu in arrays) and all(x.is_ready() for _, x, _, _ in arrays):
-        return set(), Choice("host", 0, total)
+        return set(), Choice("host", 0, total, ready=True)
     room: dict[int, int | None] = {}
     chosen: set[int] = set()
     dev_bytes = 0

@@ -376,8 +376,8 @@ def snapshot(tree: Any, *, copy: bool = True, reuse: Snapshot | None = None, int
               for j, k in enumerate(seen) if k.kind in ("jax", "prng_key") for x in (flat.leaves[only[j]],)]
     on_dev, choice = device.choose(arrays) if copy else (set(), device.Choice("host", 0, 0))
     waited = _wait_for_host_part(arrays, on_dev, choice)
-    for i, k in zip(only, seen):  # start every device-to-host transfer before waiting on any
-        if k.kind == "jax" and not k.cpu and i not in on_dev:
+    for j, (i, k) in enumerate(zip(only, seen)):  # start every device-to-host transfer before waiting
+        if k.kind == "jax" and not k.cpu and j not in on_dev:  # on any
             flat.leaves[i].copy_to_host_async()
 
     copies: list[tuple[np.ndarray, np.ndarray]] = []  # (buffer from ``into``, source), made at the end
@@ -441,9 +441,8 @@ def _wait_for_host_part(arrays: list[tuple[int, Any, bool, bool]], on_dev: set[i
                         choice: device.Choice) -> float:
     """Seconds spent waiting for the arrays that are copied to host now to be computed (the device's
     time, not a checkpoint's: the statistics report it apart from ``blocked_s``)."""
-    if not choice.device_bytes and choice.mode == "host" and device.mode() == "auto" and \
-            all(cpu for *_, cpu in arrays):
-        return 0.0  # ``choose`` found them all ready (or ``copy=False``: a synchronous save)
+    if choice.ready:  # ``choose`` found them all computed
+        return 0.0
     rest = [x for j, x, _, _ in arrays if j not in on_dev]
     if not rest or all(x.is_ready() for x in rest):
         return 0.0
