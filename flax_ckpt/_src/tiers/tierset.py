@@ -225,6 +225,7 @@ class TierSet:
         enc, err = None, None
         try:
             ts.complete()  # the device copies to host (a step failed on the device: raised after the vote)
+            t1 = time.perf_counter()  # encode_s and the delta budget leave the transfer out
             self._budget.refill(t1)
             base = None if self._next_full() or not self._pays(ts) else self._base
             zipped = self._budget.zipped
