@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -70,6 +71,12 @@ class Snapshot:
     choice: device.Choice | None = None  # what was copied on the devices, what to host
     waited_s: float = 0.0  # of the caller's time, spent waiting for the device (not a checkpoint's cost)
     ready_at: float | None = None  # when ``complete`` found the device copies done (perf_counter)
+    on_host: threading.Event = field(default_factory=threading.Event, repr=False)  # set once nothing of it
+    #   waits for a device (``complete`` has run, or there was nothing to bring to host)
+
+    def __post_init__(self) -> None:
+        if not self.pending:
+            self.on_host.set()
 
     def complete(self) -> None:
         """Brings the shards copied on their devices to host (the writer's thread, before anything reads
@@ -78,7 +85,10 @@ class Snapshot:
         raised here (engine/device.py ``to_host``); nothing has been written then."""
         if not self.pending:
             return
-        hosts, self.ready_at = device.to_host(self.pending)
+        try:
+            hosts, self.ready_at = device.to_host(self.pending)
+        finally:
+            self.on_host.set()
         copies: list[tuple[np.ndarray, np.ndarray]] = []
         got: dict[tuple[int, int], np.ndarray] = {}
         for p, a in zip(self.pending, hosts):

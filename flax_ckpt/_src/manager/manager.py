@@ -43,7 +43,8 @@ from flax_ckpt._src.tiers.tierset import TierSet
 from flax_ckpt._src.writer import AsyncWriter
 
 log = logging.getLogger("flax_ckpt")
-_POLL = 0.001  # seconds between looks at the state's progress while the writer is busy (_wait_for_device)
+_POLL = 0.002  # seconds between looks at the state's progress while the writer writes (_wait_for_device)
+_POLL_LONG = 0.1  # seconds between looks at the writer while it waits for its device copies
 _GRACE = 0.005  # seconds an async save's write waits, so that the caller's next step is dispatched before the
 #                 writer's Python competes with it for the GIL (writer.py); a tenth of the time between saves
 #                 when they come faster; ended by anything that waits for the write
@@ -117,6 +118,7 @@ class CheckpointManager:
         self.restore_stats: list[RestoreStats] = self._restore.stats
         self._writer = AsyncWriter()
         self._saved_at: float | None = None  # when the last save call that started a write began
+        self._inflight: Any = None  # the snapshot given to the writer last
         self._closed = False
         try:
             if not self.layout.foreign:
@@ -246,6 +248,7 @@ class CheckpointManager:
                 snap, self._spare = self.layout.snapshot(state, copy=self.async_save, reuse=self._spare), None
             snap.waited_s += waited
             blocked = time.perf_counter() - t0 - snap.waited_s
+            self._inflight = snap
             self._schedule.saved(step, blocked, self._prefix)
             persist = self._tiers.save if self._tiers is not None else self._persist  # tiers migrate via _Directory
             grace = _GRACE if self._saved_at is None else min(_GRACE, 0.1 * (t0 - self._saved_at))
@@ -271,7 +274,11 @@ class CheckpointManager:
         if not computing:
             return 0.0
         t1 = time.perf_counter()
-        while not self._writer.settle(_POLL):
+        snap = self._inflight
+        self._writer.settle(0.0)  # ends its grace: it starts now
+        while snap is not None and not snap.on_host.wait(_POLL_LONG) and self._writer.busy:
+            pass  # its device copies are not done: the device is behind this state too
+        while not self._writer.settle(_POLL):  # the writer's own work, while the state is computed
             while computing and computing[-1].is_ready():
                 computing.pop()
             if not computing:

@@ -180,6 +180,7 @@ class TierSnapshot:
 
     # the device copies (engine/device.py): those of ``part``, brought to host by ``complete``
     choice = property(lambda self: self.part.choice if self.part is not None else None)
+    on_host = property(lambda self: (self.part if self.part is not None else self.snap).on_host)
 
     @property
     def waited_s(self) -> float:
