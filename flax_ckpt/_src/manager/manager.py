@@ -63,12 +63,11 @@ class CheckpointManager:
     "orbax" that contradicts the steps there is a ValueError; a directory holding both follows its
     newest step, with a warning; in an Orbax run of named items, ``args.Composite``'s, a step is a
     dict keyed by exactly those items), ``tiers`` (memory tiers, fc.Tiers), ``storage_options``
-    (fc.ObjectStoreOptions: how to reach s3:// and gs://), ``on_busy`` (what a save does while the previous
-    one is still being written: "wait", the default, or "skip", which returns False at once, counted in
-    ``skipped``; with tiers= it is ``Tiers.on_busy``, see ``save``). Retention covers every committed step of
-    the
-    directory, also those this manager did not write; its first deletion of such steps logs a warning
-    naming them.
+    (fc.ObjectStoreOptions: how to reach s3:// and gs://), ``on_busy`` (what a save does while the
+    previous one is still being written: "wait", the default, or "skip", which returns False at once,
+    counted in ``skipped``; with tiers= it is ``Tiers.on_busy``; see ``save``). Retention covers every
+    committed step of the directory, also those this manager did not write; its first deletion of such
+    steps logs a warning naming them.
 
     The directory lock (local folders) keeps two live managers from writing one directory. A native
     run takes it when the manager opens; an Orbax run at its first save (then also removing leftovers
