@@ -9,6 +9,7 @@ step, and ``Tiers(on_busy="skip")`` skips only where the writer itself is the bo
 
 from __future__ import annotations
 
+import os
 import time
 
 import jax
@@ -91,6 +92,12 @@ def test_persistent_manager_on_busy_skip_judged_by_the_device(tmp_path):
         np.testing.assert_array_equal(mgr.restore(saved[-1])["w"], np.asarray(state["w"]))
 
 
-def test_on_busy_is_given_once():
+def test_on_busy_is_given_once(tmp_path):
     with pytest.raises(ValueError, match="on_busy"):
-        fc.CheckpointManager("/nonexistent/never", on_busy="later")
+        fc.CheckpointManager(tmp_path / "a", on_busy="later")
+    with pytest.raises(ValueError, match=r"on_busy='wait' contradicts tiers=Tiers\(on_busy='skip'\)"):
+        fc.CheckpointManager(tmp_path / "b", on_busy="wait", tiers=fc.Tiers(local_dir=str(tmp_path / "shm")))
+    assert not os.path.exists(tmp_path / "a") and not os.path.exists(tmp_path / "b")  # nothing made
+    with fc.CheckpointManager(tmp_path / "c", tiers=fc.Tiers(local_dir=str(tmp_path / "shm"), peer=False,
+                                                             on_busy="wait")) as mgr:
+        assert mgr.on_busy == "wait"
