@@ -24,18 +24,20 @@ Settings (environment, read at each save):
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from flax_ckpt._src.errors import CheckpointError
+from flax_ckpt._src.lazy import lazy
+
+jax = lazy("jax", globals())  # imported on first use (lazy.py)
 
 log = logging.getLogger("flax_ckpt")
 
@@ -154,9 +156,14 @@ _HOW: str | None = None  # how the copy is made: a jitted jnp.copy ("jit": accel
 #   whose inputs are ready runs on the caller's thread, and this one does not)
 
 
-@jax.jit
-def _copy(xs: list[jax.Array]) -> list[jax.Array]:
-    return [jnp.copy(x) for x in xs]
+def _copy_all(xs: list[jax.Array]) -> list[jax.Array]:
+    return [jax.numpy.copy(x) for x in xs]
+
+
+@functools.cache
+def _jitted_copy() -> Callable[[list[jax.Array]], list[jax.Array]]:
+    """The jitted copy, made at its first use (so that importing this module imports no jax)."""
+    return jax.jit(_copy_all)
 
 
 def dispatch(pending: Sequence[Pending]) -> None:
@@ -168,7 +175,7 @@ def dispatch(pending: Sequence[Pending]) -> None:
     for d, ps in by_dev.items():
         srcs = [p.src for p in ps]
         how = _HOW or ("device_put" if d.platform == "cpu" else "jit")
-        outs = jax.device_put(srcs, may_alias=False) if how == "device_put" else _copy(srcs)
+        outs = jax.device_put(srcs, may_alias=False) if how == "device_put" else _jitted_copy()(srcs)
         for p, o in zip(ps, outs):
             p.dev, p.src = o, None
         n = sum(o.nbytes for o in outs)

@@ -22,8 +22,6 @@ import time
 import weakref
 from typing import Any, Callable, Literal
 
-import jax
-
 from flax_ckpt._src import layouts
 from flax_ckpt._src.commit import distributed
 from flax_ckpt._src.commit.spares import SpareFiles
@@ -31,6 +29,7 @@ from flax_ckpt._src.engine.fit import Fit, RenameArg
 from flax_ckpt._src.engine.leaves import CheckpointInfo
 from flax_ckpt._src.engine.snapshot import Snapshot, metrics_json
 from flax_ckpt._src.errors import CheckpointError, CheckpointLockedError, CheckpointNotFoundError
+from flax_ckpt._src.lazy import lazy
 from flax_ckpt._src.manager.agreed import DAMAGE, AgreedRestore, TargetOf, targets
 from flax_ckpt._src.manager.schedule import Schedule
 from flax_ckpt._src.manager.steps import StepIndex, run_format
@@ -42,6 +41,8 @@ from flax_ckpt._src.storage.lock import DirectoryLock
 from flax_ckpt._src.tiers import Tiers
 from flax_ckpt._src.tiers.tierset import TierSet
 from flax_ckpt._src.writer import AsyncWriter
+
+jax = lazy("jax", globals())  # imported on first use (lazy.py)
 
 log = logging.getLogger("flax_ckpt")
 _POLL = 0.002  # seconds between looks at the state's progress while the writer writes (_wait_for_device)
