@@ -15,7 +15,12 @@ log = logging.getLogger("flax_ckpt")
 @dataclass(frozen=True)
 class SaveStats:
     """One save's costs. ``blocked_s``: time ``save`` held the caller (waiting for the previous save +
-    snapshot); ``durable_s``: from the ``save`` call to the commit being durable."""
+    snapshot), not counting ``waited_for_device_s``: time it waited for the device to compute the state
+    (a loop that dispatches steps ahead of the device would wait for that at its next sync anyway);
+    ``durable_s``: from the ``save`` call to the commit being durable. ``snapshot_mode``: "device" (the
+    arrays copied on their devices, brought to host by the writer), "split" (those that fit in the
+    devices' free memory; the rest to host before ``save`` returned) or "host"; ``device_bytes``: the
+    bytes copied on devices."""
 
     step: int
     nbytes: int
@@ -29,6 +34,9 @@ class SaveStats:
     start_s: float = 0.0  # when save was called, seconds since the manager was created
     serialize_s: float = 0.0  # part of write_s: checksums of the data, summed over writer threads
     written_bytes: int = 0  # bytes of data files written (local file systems)
+    waited_for_device_s: float = 0.0
+    snapshot_mode: str = ""
+    device_bytes: int = 0
 
     @property
     def throughput_gbps(self) -> float:
@@ -53,4 +61,5 @@ def publish(stats: SaveStats, directory: str, metric_writer: Any = None) -> None
              directory, stats.nbytes / 1e6, stats.blocked_s * 1e3, stats.durable_s, stats.throughput_gbps)
     log.debug("save statistics: %s", asdict(stats))
     if metric_writer is not None:
-        metric_writer.write_scalars(stats.step, {f"checkpoint/{k}": v for k, v in asdict(stats).items() if k != "step"})
+        metric_writer.write_scalars(stats.step, {f"checkpoint/{k}": v for k, v in asdict(stats).items()
+                                                 if k != "step" and not isinstance(v, str)})

@@ -1,10 +1,11 @@
 """The async writer: one background save at a time, failures re-raised on the caller's next call.
 
-Scope: threading and error propagation only. The caller snapshots the state to host memory first
-(engine/snapshot.py, on its own thread); the job given to ``submit`` serializes, writes, fsyncs and
-commits. At most one job is in flight: ``submit`` waits for the previous one (back-pressure keeps host
-memory bounded by one snapshot). A job's exception is raised as SaveFailedError (its cause is the
-original exception, with its traceback) from the next ``submit``, ``wait`` or ``close``.
+Scope: threading and error propagation only. The caller snapshots the state first (engine/snapshot.py,
+on its own thread: to host, or on the devices' streams); the job given to ``submit`` brings device
+copies to host, serializes, writes, fsyncs and commits. At most one job is in flight: ``submit`` waits
+for the previous one (back-pressure keeps host memory bounded by one snapshot). A job's exception is
+raised as SaveFailedError (its cause is the original exception, with its traceback) from the next
+``submit``, ``wait`` or ``close``.
 
 A job may start after a ``grace``: the caller, back from ``save``, dispatches its next training step
 in about a millisecond, releasing and taking back the GIL as it goes; a writer running Python code
@@ -17,6 +18,7 @@ for the job (``wait``, the next ``submit``, ``close``) ends the grace at once.
 from __future__ import annotations
 
 import threading
+from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
@@ -59,6 +61,17 @@ class AsyncWriter:
         if exc is not None:
             raise SaveFailedError(f"background save of {self._label} failed: {type(exc).__name__}: {exc}. "
                                   "It was not committed; older checkpoints are untouched.") from exc
+
+    def settle(self, timeout: float) -> bool:
+        """Waits up to ``timeout`` seconds for the job in flight (ending its grace); whether none is in
+        flight now. Raises nothing: its failure is for the next ``wait``."""
+        pending = self._pending
+        if pending is None:
+            return True
+        if self._hurry is not None:
+            self._hurry.set()
+        futures.wait([pending], timeout)
+        return pending.done()
 
     @property
     def busy(self) -> bool:

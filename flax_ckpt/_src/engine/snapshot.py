@@ -1,7 +1,9 @@
-"""The blocking half of every save: a host copy of a tree that later mutation or donation cannot change.
+"""The blocking half of every save: a copy of a tree that later mutation or donation cannot change.
 
 Scope: one snapshot for every layout (native steps, Orbax items, memory-tier copies). It classifies
-the leaves, starts every device-to-host transfer, and holds per leaf its typed record (what the
+the leaves, copies jax.Array shards on their devices where that is chosen (engine/device.py: the copy is
+dispatched on the device's stream and brought to host by ``Snapshot.complete`` on the writer's thread),
+starts every other device-to-host transfer, and holds per leaf its typed record (what the
 checkpoint will say of it) and this process's shards (arrays only: one per distinct box whose
 replica_id is 0, so a replicated shard has exactly one writer). How the shards are stored is a
 layout's business (native/layout.py, orbax/write.py, tiers/store.py). A training loop saves one
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -22,10 +25,11 @@ import crc32c
 import numpy as np
 
 from flax_ckpt._src import tree as tree_mod
+from flax_ckpt._src.engine import device
 from flax_ckpt._src.engine.arena import Arena
 from flax_ckpt._src.engine.leaves import key_data_shape
 from flax_ckpt._src.engine.pause import gc_paused
-from flax_ckpt._src.errors import CheckpointError
+from flax_ckpt._src.errors import CheckpointError, format_list
 from flax_ckpt._src.lazy import lazy
 from flax_ckpt._src.records import LeafRecord
 from flax_ckpt._src.serializers import ArrayItem, Box, Shard, box_of
@@ -64,6 +68,42 @@ class Snapshot:
     #   of every n bytes of it, made as it was copied
     checksum: int | None = None  # that n
     arena: Arena | None = None  # the arena ``into`` was (engine/arena.py): kept by ``reusable``
+    pending: list[device.Pending] = field(default_factory=list)  # shards copied on their devices, brought
+    #   to host by ``complete`` (their shards' ``data`` is None until then)
+    choice: device.Choice | None = None  # what was copied on the devices, what to host
+    waited_s: float = 0.0  # of the caller's time, spent waiting for the device (not a checkpoint's cost)
+    ready_at: float | None = None  # when ``complete`` found the device copies done (perf_counter)
+    on_host: threading.Event = field(default_factory=threading.Event, repr=False)  # set once nothing of it
+    #   waits for a device (``complete`` has run, or there was nothing to bring to host)
+
+    def __post_init__(self) -> None:
+        if not self.pending:
+            self.on_host.set()
+
+    def complete(self) -> None:
+        """Brings the shards copied on their devices to host (the writer's thread, before anything reads
+        the shards): into the buffers ``into`` gave for them (checksummed as copied, as at the snapshot)
+        or else the transfer's own buffer, the one host copy. A failed step that produced the state is
+        raised here (engine/device.py ``to_host``); nothing has been written then."""
+        if not self.pending:
+            return
+        try:
+            hosts, self.ready_at = device.to_host(self.pending)
+        finally:
+            self.on_host.set()
+        copies: list[tuple[np.ndarray, np.ndarray]] = []
+        got: dict[tuple[int, int], np.ndarray] = {}
+        for p, a in zip(self.pending, hosts):
+            if p.dest is not None:
+                copies.append((p.dest, a))
+                a = p.dest
+            got[(p.leaf, p.shard)] = a
+        crcs = copy_all(copies, self.checksum)
+        self.crcs.update({id(d): c for (d, _), c in zip(copies, crcs or ()) if d.size})
+        for i in sorted({p.leaf for p in self.pending}):
+            lf = self.leaves[i]
+            lf.shards = tuple(Shard(s.box, got.get((i, n), s.data)) for n, s in enumerate(lf.shards))
+        self.pending = []  # the device copies are freed
 
     def spare_buffers(self) -> dict[tuple[Any, Box], np.ndarray]:
         """This snapshot's buffers by (key path, box), for ``snapshot(reuse=...)``; none unless owned.
@@ -275,10 +315,10 @@ def _array_leaf(x: Any, seen: _Learned, copy: bool, spare: dict, into: Into | No
             [(s.data, box_of(s.index, rec.shape)) for s in x.addressable_shards if s.replica_id == 0]
 
         def host(a: Any, b: Box) -> np.ndarray:
+            if not seen.cpu:  # the transfer's own host buffer (started at the snapshot's beginning) is
+                return host_array(a, False)  # the copy: nothing can change it; another copy would be a second
             buf = _copied_into(into, a, copies) if into is not None else None
-            if buf is not None:
-                return buf
-            return host_array(a, False) if seen.cpu else _host_into(spare, (rec.path, b), a, True)
+            return buf if buf is not None else host_array(a, False)
         return HostLeaf(rec, tuple(Shard(b, host(a, b)) for a, b in parts), x.sharding, whole=seen.whole)
     buf = _copied_into(into, x, copies) if into is not None and copy else None
     buf = buf if buf is not None else _host_into(spare, (rec.path, seen.box), x, copy)
@@ -331,17 +371,30 @@ def snapshot(tree: Any, *, copy: bool = True, reuse: Snapshot | None = None, int
     the pages of the data file the copy becomes, tiers/files.py ``Lent``); a shard it gives no buffer
     for is snapshotted as without it. Copying at once also releases the arrays: XLA can then donate
     them to the next step (host views would make it allocate new buffers). ``checksum``: the copies into
-    those buffers also give the crc32c of every ``checksum`` bytes of each (``Snapshot.crcs``)."""
+    those buffers also give the crc32c of every ``checksum`` bytes of each (``Snapshot.crcs``).
+
+    With ``copy``, jax.Array leaves may be copied on their devices instead (engine/device.py decides:
+    ``FLAX_CKPT_DEVICE_SNAPSHOT``, whether the state is still being computed, the devices' free memory):
+    those shards' data is None until ``Snapshot.complete`` brings them to host, into the buffers
+    ``into`` gave for them (CPU arrays) or else the transfer's own buffer. A leaf that was deleted
+    (donated to a step) is a CheckpointError naming it, before anything is copied."""
     t0 = time.perf_counter()
     spare = reuse.spare_buffers() if (copy and reuse is not None) else {}
     flat = tree if isinstance(tree, tree_mod.Flat) else tree_mod.flat(tree)
     only = range(len(flat.leaves)) if only is None else only
+    _refuse_deleted(flat, only)
     seen = learned(flat, only)
-    for i, k in zip(only, seen):  # start every device-to-host transfer before waiting on any
-        if k.kind == "jax" and not k.cpu:
+    arrays = [(j, jax.random.key_data(x) if k.kind == "prng_key" else x, k.whole, k.cpu)
+              for j, k in enumerate(seen) if k.kind in ("jax", "prng_key") for x in (flat.leaves[only[j]],)]
+    on_dev, choice = device.choose(arrays) if copy else (set(), device.Choice("host", 0, 0))
+    waited = _wait_for_host_part(arrays, on_dev, choice)
+    for j, (i, k) in enumerate(zip(only, seen)):  # start every device-to-host transfer before waiting
+        if k.kind == "jax" and not k.cpu and j not in on_dev:  # on any
             flat.leaves[i].copy_to_host_async()
 
     copies: list[tuple[np.ndarray, np.ndarray]] = []  # (buffer from ``into``, source), made at the end
+    pending: list[device.Pending] = []  # shards copied on their devices
+    data_of = {j: x for j, x, _, _ in arrays if j in on_dev}
 
     def leaf(j: int) -> HostLeaf:
         x, k = flat.leaves[only[j]], seen[j]
@@ -352,7 +405,7 @@ def snapshot(tree: Any, *, copy: bool = True, reuse: Snapshot | None = None, int
     leaves: list[Any] = [None] * len(seen)
     if into is None:  # ``into`` is called in order: one thread
         big = [j for j, k in enumerate(seen) if k.record is not None and not k.cpu  # copied, not a CPU
-               and k.record.nbytes > _BIG]  # array's view
+               and k.record.nbytes > _BIG and j not in on_dev]  # array's view
         if len(big) > 1:
             with ThreadPoolExecutor(min(4, len(big))) as pool:
                 for j, hl in zip(big, pool.map(leaf, big)):
@@ -360,8 +413,11 @@ def snapshot(tree: Any, *, copy: bool = True, reuse: Snapshot | None = None, int
     for j, k in enumerate(seen):
         if leaves[j] is not None:
             continue
-        if into is not None and k.whole and k.kind in ("jax", "prng_key"):  # most leaves: one shard, one
-            x = flat.leaves[only[j]]  # buffer (without _array_leaf's general path)
+        if j in on_dev:
+            leaves[j] = _device_leaf(j, data_of[j], k, into, pending)
+            continue
+        if into is not None and k.whole and k.cpu and k.kind in ("jax", "prng_key"):  # most leaves: one
+            x = flat.leaves[only[j]]  # shard, one buffer (without _array_leaf's general path)
             data = jax.random.key_data(x) if k.kind == "prng_key" else x
             buf = _copied_into(into, data, copies)
             if buf is not None:
@@ -370,11 +426,57 @@ def snapshot(tree: Any, *, copy: bool = True, reuse: Snapshot | None = None, int
                 leaves[j] = _array_leaf(x, k, copy, spare, None, copies)
             continue
         leaves[j] = leaf(j)
+    device.dispatch(pending)
     crcs = copy_all(copies, checksum)
-    nbytes = sum(s.data.nbytes for hl in leaves for s in hl.shards)
+    nbytes = sum(s.data.nbytes for hl in leaves for s in hl.shards if s.data is not None) + \
+        sum(p.nbytes for p in pending)
+    device.tell(choice)
     return Snapshot(leaves, nbytes, time.perf_counter() - t0, owned=copy,
                     crcs={id(d): c for (d, _), c in zip(copies, crcs or ()) if d.size}, checksum=checksum,
-                    arena=into if isinstance(into, Arena) else None)
+                    arena=into if isinstance(into, Arena) else None, pending=pending, choice=choice,
+                    waited_s=waited)
+
+
+def _refuse_deleted(flat: tree_mod.Flat, only: Sequence[int]) -> None:
+    """A CheckpointError naming every jax.Array leaf that was deleted (donated to a step) before it was
+    saved; nothing is copied or written then."""
+    gone = [flat.names[i] for i in only if isinstance(x := flat.leaves[i], jax.Array) and x.is_deleted()]
+    if gone:
+        raise CheckpointError(
+            f"cannot save: {len(gone)} jax.Array leaves were deleted, e.g. donated to a jitted step "
+            f"(donate_argnums) before this save: {format_list(gone)}. Save "
+            "the state the step returned (save before the step that donates it, or after, its output); "
+            "nothing was written")
+
+
+def _wait_for_host_part(arrays: list[tuple[int, Any, bool, bool]], on_dev: set[int],
+                        choice: device.Choice) -> float:
+    """Seconds spent waiting for the arrays that are copied to host now to be computed (the device's
+    time, not a checkpoint's: the statistics report it apart from ``blocked_s``)."""
+    if choice.ready:  # ``choose`` found them all computed
+        return 0.0
+    rest = [x for j, x, _, _ in arrays if j not in on_dev]
+    if not rest or all(x.is_ready() for x in rest):
+        return 0.0
+    t0 = time.perf_counter()
+    jax.block_until_ready(rest)
+    return time.perf_counter() - t0
+
+
+def _device_leaf(j: int, data: jax.Array, seen: _Learned, into: Into | None,
+                 pending: list[device.Pending]) -> HostLeaf:
+    """A leaf whose shards are copied on their devices (``pending``; dispatched together at the end of
+    the snapshot): its shards' data comes with ``Snapshot.complete``. A CPU array's host copy goes into
+    ``into``'s buffer where it gives one (the arena, the memory tier's pages), as without the device."""
+    rec = seen.record
+    parts = [(data, seen.box)] if seen.whole else \
+        [(s.data, box_of(s.index, rec.shape)) for s in data.addressable_shards if s.replica_id == 0]
+    shards = []
+    for a, b in parts:
+        dest = into(tuple(a.shape), np.dtype(a.dtype)) if into is not None and seen.cpu else None
+        pending.append(device.Pending(j, len(shards), a, dest))
+        shards.append(Shard(b, None))
+    return HostLeaf(rec, tuple(shards), data.sharding, whole=seen.whole)
 
 
 def jsonable(obj: Any, what: str) -> Any:

@@ -29,6 +29,7 @@ from flax_ckpt._src.engine.fit import Fit, RenameArg
 from flax_ckpt._src.engine.leaves import CheckpointInfo
 from flax_ckpt._src.engine.snapshot import Snapshot, metrics_json
 from flax_ckpt._src.errors import CheckpointError, CheckpointLockedError, CheckpointNotFoundError
+from flax_ckpt._src.lazy import lazy
 from flax_ckpt._src.manager.agreed import DAMAGE, AgreedRestore, TargetOf, targets
 from flax_ckpt._src.manager.schedule import Schedule
 from flax_ckpt._src.manager.steps import StepIndex, run_format
@@ -41,7 +42,11 @@ from flax_ckpt._src.tiers import Tiers
 from flax_ckpt._src.tiers.tierset import TierSet
 from flax_ckpt._src.writer import AsyncWriter
 
+jax = lazy("jax", globals())  # imported on first use (lazy.py)
+
 log = logging.getLogger("flax_ckpt")
+_POLL = 0.002  # seconds between looks at the state's progress while the writer writes (_wait_for_device)
+_POLL_LONG = 0.1  # seconds between looks at the writer while it waits for its device copies
 _GRACE = 0.005  # seconds an async save's write waits, so that the caller's next step is dispatched before the
 #                 writer's Python competes with it for the GIL (writer.py); a tenth of the time between saves
 #                 when they come faster; ended by anything that waits for the write
@@ -91,6 +96,9 @@ class CheckpointManager:
         save's statistics.
       storage_options: ``fc.ObjectStoreOptions`` (or a dict of them): how to reach s3:// and gs://.
       read_only: follow a run another process writes (see above): no lock, nothing written.
+      on_busy: what a save does while the previous one is still being written: "wait" (the default)
+        or "skip" (returns False at once, counted in ``skipped``); with ``tiers=`` it is
+        ``Tiers.on_busy``.
 
     Raises:
       CheckpointLockedError: another live manager holds the directory.
@@ -116,11 +124,13 @@ class CheckpointManager:
                  strict: bool = False, metadata: Any = None, format: Literal["native", "orbax"] | None = None,
                  overhead_budget: float = 0.01, mtbf_s: float | None = None, metric_writer: Any = None,
                  storage_options: "ObjectStoreOptions | dict[str, Any] | None" = None,
-                 read_only: bool = False):
+                 read_only: bool = False, on_busy: Literal["wait", "skip"] | None = None):
         if read_only and tiers is not None:
             raise ValueError("read_only=True reads the steps committed in the directory; it does not open "
                              "memory tiers (they belong to the run that writes them): drop tiers=")
         self.read_only = read_only
+        self.on_busy = _on_busy(on_busy, tiers)
+        self.skipped = 0  # saves skipped because the writer was busy (on_busy="skip")
         self._schedule = Schedule(save_interval_steps, overhead_budget, mtbf_s)
         self._retention = Retention(max_to_keep, keep_period, best_metric, best_mode, keep_best)
         if tiers is not None and not isinstance(tiers, Tiers):
@@ -148,6 +158,7 @@ class CheckpointManager:
         self.restore_stats: list[RestoreStats] = self._restore.stats
         self._writer = AsyncWriter()
         self._saved_at: float | None = None  # when the last save call that started a write began
+        self._inflight: Any = None  # the snapshot given to the writer last
         self._closed = False
         try:
             if not self.layout.foreign and not read_only:
@@ -308,9 +319,18 @@ class CheckpointManager:
     def save(self, step: int, state: Any, *, metrics: dict[str, Any] | None = None, force: bool = False) -> bool:
         """Saves ``state`` as ``step`` if the schedule says so, or off schedule with ``force=True``.
 
-        Returns once the state is copied to host memory (async) or committed (sync). The snapshot is
-        taken on the caller's thread; the write and commit run on the background writer, starting a
-        few milliseconds later (the caller's next step is dispatched first) unless something waits.
+        Returns once a snapshot exists that the caller's next steps cannot change (async): jax.Array
+        leaves copied on their devices' streams where they fit (the copy is ordered before any step that
+        donates them, and ``save`` waits neither for the step computing the state nor for the
+        transfer), the rest copied to host; or once committed (sync). The transfer, write and commit
+        run on the background writer, starting a few milliseconds later (the caller's next step is
+        dispatched first) unless something waits for them.
+
+        One save is in flight at a time. A save that finds it still in flight while ``state`` is still
+        being computed (a loop that dispatches steps ahead of the device) waits until the writer is free
+        or the state is computed, whichever first: the device is the bottleneck then (the time is
+        ``waited_for_device_s`` in the statistics, apart from ``blocked_s``). A writer still busy after
+        that follows ``on_busy``: "wait" holds the caller until it is free, "skip" returns False.
 
         Args:
           step: a non-negative step number; a step that is saved already is never overwritten.
@@ -321,12 +341,11 @@ class CheckpointManager:
 
         Returns:
           True when the step is saved (or being saved); False when skipped: off the schedule without
-          ``force``, already saved, or (with ``fc.Tiers(on_busy="skip")``) the previous save still in
-          flight.
+          ``force``, already saved, or (with ``on_busy="skip"``) the previous save still in flight.
 
         Raises:
           SaveFailedError: a previous background save failed (its cause attached).
-          CheckpointError: the manager is closed.
+          CheckpointError: the manager is closed, or a leaf of ``state`` was deleted (donated).
           ValueError: ``step`` is not a non-negative int.
 
         Example:
@@ -363,14 +382,17 @@ class CheckpointManager:
                     log.info("step %d already saved in %s; skipped", step, self.directory)
                     return False
             metrics = metrics_json(metrics)
-            if self._tiers is not None and not self._tiers.admit(step, self._writer.busy, force):
-                return False  # Tiers(on_busy="skip"): the previous save is in flight; training never waits for it
+            waited = self._wait_for_device(state)
+            if not self._admit(step, force):
+                return False  # on_busy="skip": the previous save is being written; training does not wait
             self._writer.wait()  # back-pressure: one save in flight
             if self._tiers is not None:  # first sends the previous step's copy to its peer (a collective)
                 snap = self._tiers.snapshot(step, state, copy=self.async_save, force=force)
             else:  # refill the previous durable snapshot's buffers: no page faults of fresh memory
                 snap, self._spare = self.layout.snapshot(state, copy=self.async_save, reuse=self._spare), None
-            blocked = time.perf_counter() - t0
+            snap.waited_s += waited
+            blocked = time.perf_counter() - t0 - snap.waited_s
+            self._inflight = snap
             self._schedule.saved(step, blocked, self._prefix)
             persist = self._tiers.save if self._tiers is not None else self._persist  # tiers migrate via _Directory
             grace = _GRACE if self._saved_at is None else min(_GRACE, 0.1 * (t0 - self._saved_at))
@@ -383,15 +405,64 @@ class CheckpointManager:
         finally:
             self._schedule.call_ended()
 
+    def _wait_for_device(self, state: Any) -> float:
+        """When the writer is busy and ``state`` is still being computed (the loop dispatches steps ahead
+        of the device), waits until the writer is free or the state is computed, whichever comes first:
+        the device is the bottleneck meanwhile, so the loop loses nothing it would not lose at its next
+        sync. Returns the seconds waited (reported as ``waited_for_device_s``, not ``blocked_s``); a
+        writer still busy once the state is computed is the writer's own work (``on_busy`` decides)."""
+        if not self._writer.busy:
+            return 0.0
+        computing = [x for x in map(_data, jax.tree_util.tree_leaves(state))
+                     if x is not None and not x.is_ready()]
+        if not computing:
+            return 0.0
+        t1 = time.perf_counter()
+        snap = self._inflight
+        self._writer.settle(0.0)  # ends its grace: it starts now
+        while snap is not None and not snap.on_host.wait(_POLL_LONG) and self._writer.busy:
+            pass  # its device copies are not done: the device is behind this state too
+        while not self._writer.settle(_POLL):  # the writer's own work, while the state is computed
+            while computing and computing[-1].is_ready():
+                computing.pop()
+            if not computing:
+                break
+        return time.perf_counter() - t1
+
+    def _admit(self, step: int, force: bool) -> bool:
+        """Whether to save ``step`` now, the writer busy or not (``on_busy``): "wait" always (the next
+        ``wait`` holds the caller until the writer is free); "skip" not while the writer is busy (with
+        several processes: busy on any one of them; every process decides alike), unless ``force``."""
+        busy = self._writer.busy
+        if self._tiers is not None:
+            return self._tiers.admit(step, busy, force)
+        if self.on_busy == "wait" or force:
+            return True
+        if distributed.process_count() > 1:
+            votes = distributed.allgather(self._prefix, "admit", {"step": step, "busy": busy})
+            busy = any(v["busy"] for v in votes)
+        if busy:
+            self.skipped += 1
+            if self.skipped == 1:
+                log.warning("step %d not saved in %s: the previous save is still being written, and "
+                            "on_busy='skip' never holds training for it; further skips are counted in "
+                            "mgr.skipped, not logged",
+                            step, self.directory)
+        return not busy
+
     def _persist(self, step: int, snap: Snapshot, metrics: dict | None, t0: float, blocked: float) -> None:
         """Background: writes and commits ``step`` in the directory, records it, applies retention."""
+        snap.complete()  # the device copies to host (a failed step that produced the state is raised here)
         name = self._steps.new_folder(step)
         times = self.layout.persist(snap, self.storage, name, step=step, metrics=metrics, metadata=self.metadata)
         self._steps.add(step, name, metrics)
         stats = SaveStats(step, snap.nbytes, blocked, snap.seconds, times.write, times.commit,
                           time.perf_counter() - t0, fsync_s=times.fsync, start_s=t0 - self._created,
                           serialize_s=times.serialize, written_bytes=times.written,
-                          migrate_s=times.write + times.commit if self._tiers is not None else 0.0)
+                          migrate_s=times.write + times.commit if self._tiers is not None else 0.0,
+                          waited_for_device_s=snap.waited_s,
+                          snapshot_mode=snap.choice.mode if snap.choice else "",
+                          device_bytes=snap.choice.device_bytes if snap.choice else 0)
         self.stats.append(stats)
         publish(stats, self.directory, self.metric_writer)
         self._steps.retain(self._retention)
@@ -647,6 +718,25 @@ class CheckpointManager:
         except Exception as e:
             log.warning("CheckpointManager(%s) was garbage-collected without close(): %s: %s", self.directory,
                         type(e).__name__, e)
+
+
+def _data(x: Any) -> jax.Array | None:
+    """The jax.Array holding leaf ``x``'s bytes (a PRNG key's data), or None (not a jax.Array, deleted)."""
+    if not isinstance(x, jax.Array) or x.is_deleted():
+        return None
+    return jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x
+
+
+def _on_busy(on_busy: str | None, tiers: Any) -> str:
+    """The manager's ``on_busy``: given, or the tiers' (fc.Tiers(on_busy=...)), or "wait"."""
+    if on_busy not in (None, "wait", "skip"):
+        raise ValueError(f"on_busy must be 'wait' or 'skip', got {on_busy!r}")
+    if tiers is not None and isinstance(tiers, Tiers):
+        if on_busy is not None and on_busy != tiers.on_busy:
+            raise ValueError(f"on_busy={on_busy!r} contradicts tiers=Tiers(on_busy={tiers.on_busy!r}); "
+                             "give it once, in Tiers")
+        return tiers.on_busy
+    return on_busy or "wait"
 
 
 class _Directory:

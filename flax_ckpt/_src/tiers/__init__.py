@@ -82,7 +82,9 @@ class Tiers:
         tiers: "skip" returns False at once, so that training never waits for a copy (skipped steps
         are counted in ``tier_stats``, the first is logged); "wait" holds the step until the previous
         save is committed. With several processes, a step is skipped by all when any one is busy.
-        ``save(force=True)`` always waits.
+        ``save(force=True)`` always waits. "Busy" is judged against the device: a save whose state is
+        still being computed (the loop runs ahead of the device) first waits for the writer or the
+        state, whichever is first, and that wait is reported as ``waited_for_device_s``.
 
     Raises:
       ValueError: ``on_busy`` is neither "skip" nor "wait", or an interval or count is not a positive

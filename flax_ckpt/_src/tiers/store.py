@@ -176,6 +176,28 @@ class TierSnapshot:
     #                                                           by id() of their ``data`` (Snapshot.crcs)
     _shards: list[HostShard] | None = field(default=None, repr=False)  # shards(), made once
     _at: list[int | None] | None = field(default=None, repr=False)  # where they lie in ``lent``
+    part: Snapshot | None = field(default=None, repr=False)  # the snapshot of the leaves copied now
+
+    # the device copies (engine/device.py): those of ``part``, brought to host by ``complete``
+    choice = property(lambda self: self.part.choice if self.part is not None else None)
+    on_host = property(lambda self: (self.part if self.part is not None else self.snap).on_host)
+
+    @property
+    def waited_s(self) -> float:
+        return self.snap.waited_s
+
+    @waited_s.setter
+    def waited_s(self, value: float) -> None:
+        self.snap.waited_s = value
+
+    def complete(self) -> None:
+        """Brings the shards copied on their devices to host (the writer's first call; see
+        ``Snapshot.complete``), with their checksums where they went into the spare on loan."""
+        if self.part is None or not self.part.pending:
+            return
+        self.part.complete()
+        if self.crcs is not self.part.crcs:
+            self.crcs.update(self.part.crcs)
 
     def shards(self) -> list[HostShard]:
         """Every shard, in the order a copy stores them: those copied into a spare on loan first, as
@@ -291,7 +313,8 @@ def take_snapshot(state: Any, *, copy: bool, force: bool, step: int, seen: Seen,
     if into is not None and into.used:  # its pages are this snapshot's while it lives (a migration reads them)
         tier_files.pin(into.key, ts)
     ts.snap.nbytes = part.nbytes + sum(s.data.nbytes for i in reuse for s in plans[i].shards)
-    ts.snap.seconds = part.seconds
+    ts.snap.seconds, ts.snap.choice, ts.snap.waited_s = part.seconds, part.choice, part.waited_s
+    ts.part = part
     return ts
 
 

@@ -59,6 +59,7 @@ class TierStats:
     memory_s: float
     skipped: int = 0
     delta: int = 0
+    waited_for_device_s: float = 0.0  # of the caller's time, waiting for the device (not in blocked_s)
 
 
 class TierSet:
@@ -225,6 +226,7 @@ class TierSet:
             self._store_replica()
         self._migrating = False
         if step in self._kept["local"]:
+            ts.complete()
             log.info("step %d is already in the memory tiers; not replaced", step)
         else:
             self._save_local(step, ts, metrics, t0, blocked)
@@ -246,6 +248,8 @@ class TierSet:
         t1 = time.perf_counter()
         enc, err = None, None
         try:
+            ts.complete()  # the device copies to host (a step failed on the device: raised after the vote)
+            t1 = time.perf_counter()  # encode_s and the delta budget leave the transfer out
             self._budget.refill(t1)
             base = None if self._next_full() or not self._pays(ts) else self._base
             zipped = self._budget.zipped
@@ -256,12 +260,13 @@ class TierSet:
             store.write_copy(self.local_dir, step, enc, self.holdings.spare(self.local_dir))
         except Exception as e:  # every process votes, so that none waits for a failed one
             err = e
+            self.holdings.spare(self.local_dir).give_back(ts.lent)  # a loan no write took (a failed step)
         t3 = time.perf_counter()
         self._commit("local", step, self.local_dir, err, enc.base if enc else None)
         now = time.perf_counter()
         reused = sum(sh.data.nbytes for sh in ts.shards() if sh.base is not None)
         self.stats.append(TierStats(step, ts.nbytes, enc.written, reused, enc.full, blocked, t2 - t1, t3 - t2,
-                                    now - t3, now - t0, ts.skipped, zipped))
+                                    now - t3, now - t0, ts.skipped, zipped, ts.waited_s))
         if enc.full:  # the new base: the index just written, its data file checked (store.Data)
             folder = os.path.join(self.local_dir, str(step))
             self._base = store.Copy(folder, None, store.Data(os.path.join(folder, store.DATA)), None,

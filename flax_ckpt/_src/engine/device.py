@@ -1,0 +1,226 @@
+"""The device half of a snapshot: copies of jax arrays' shards made on their devices' own streams.
+
+Scope: which jax.Array leaves a snapshot copies on their devices rather than to host at once (``choose``),
+within the headroom each device has (``headroom``), the jitted copy itself (``dispatch``), and bringing
+the copies to host later, on the writer's thread (``to_host``). Not here: the host copies, the records
+and the ``Snapshot`` that holds both (snapshot.py).
+
+A copy dispatched on the device is ordered by XLA after the computation that produces the array and
+before any later one that reuses its buffers (a donating step), so ``save`` returns without waiting for
+either; the transfer to host, the checksums and the writes run on the writer, overlapping the next steps.
+The copy uses only memory the device has to spare: ``bytes_limit`` less the peak in use (with our own
+earlier copies counted out of that peak, as they are freed once on host) less a margin (a tenth of the
+limit). Leaves that do not fit are copied to host before ``save`` returns, as without a device copy.
+
+Settings (environment, read at each save):
+
+- ``FLAX_CKPT_DEVICE_SNAPSHOT``: ``auto`` (the default: on accelerators every jax.Array leaf that fits;
+  on CPU devices, whose host copy is a plain memory copy, only when the state is still being computed,
+  so that ``save`` does not wait for the step), ``always`` (CPU devices too) or ``never`` (copies to host
+  before ``save`` returns, as older releases did).
+- ``FLAX_CKPT_DEVICE_BUDGET``: bytes each device may give the copies of one save, in place of what its
+  ``memory_stats()`` reports (CPU devices report nothing: no limit but this one).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from flax_ckpt._src.errors import CheckpointError
+from flax_ckpt._src.lazy import lazy
+
+jax = lazy("jax", globals())  # imported on first use (lazy.py)
+
+log = logging.getLogger("flax_ckpt")
+
+MODES = ("auto", "always", "never")
+_MARGIN = 0.10  # of a device's bytes_limit, left free beside the copies
+
+
+def mode() -> str:
+    """``FLAX_CKPT_DEVICE_SNAPSHOT`` (see the module); a ValueError for another value."""
+    m = os.environ.get("FLAX_CKPT_DEVICE_SNAPSHOT", "auto").strip().lower() or "auto"
+    if m not in MODES:
+        raise ValueError(f"FLAX_CKPT_DEVICE_SNAPSHOT={m!r}: use one of {', '.join(MODES)}")
+    return m
+
+
+def _budget_env() -> int | None:
+    v = os.environ.get("FLAX_CKPT_DEVICE_BUDGET", "").strip()
+    if not v:
+        return None
+    try:
+        n = int(float(v))
+    except ValueError:
+        raise ValueError(f"FLAX_CKPT_DEVICE_BUDGET={v!r}: give a number of bytes") from None
+    return max(0, n)
+
+
+_ours: dict[int, int] = {}  # device id -> the most bytes our copies have held on it at once
+
+
+def headroom(device: Any) -> int | None:
+    """Bytes ``device`` can give one save's copies (None: no limit known: CPU devices, or a backend
+    without memory statistics); ``FLAX_CKPT_DEVICE_BUDGET`` when set."""
+    env = _budget_env()
+    if env is not None:
+        return env
+    try:
+        stats = device.memory_stats()
+    except Exception:  # a backend without memory statistics
+        stats = None
+    if not stats or "bytes_limit" not in stats:
+        return None
+    limit = int(stats["bytes_limit"])
+    peak = int(stats.get("peak_bytes_in_use", stats.get("bytes_in_use", 0)))
+    peak = max(peak - _ours.get(device.id, 0), int(stats.get("bytes_in_use", 0)))
+    return max(0, limit - peak - int(_MARGIN * limit))
+
+
+@dataclass
+class Pending:
+    """One shard copied on its device (``src`` until dispatched, then ``dev``), for ``to_host``: into
+    ``dest`` (a buffer of the snapshot's ``into``) when given, else the transfer's own host buffer."""
+
+    leaf: int  # index in the snapshot's leaves
+    shard: int  # index in that leaf's shards
+    src: Any
+    dest: np.ndarray | None
+    dev: Any = None
+    nbytes: int = 0
+
+    def __post_init__(self) -> None:
+        self.nbytes = math.prod(self.src.shape) * np.dtype(self.src.dtype).itemsize
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What one snapshot copies where: ``mode`` is "device" (every jax.Array leaf on its device),
+    "split" (those that fit; the rest to host before ``save`` returns), "host" (none on the device);
+    the bytes each way. Recorded in the manager's statistics."""
+
+    mode: str
+    device_bytes: int
+    host_bytes: int
+    ready: bool = False  # every array was found computed already
+
+
+def _jax_parts(x: jax.Array, whole: bool) -> list[tuple[Any, Any]]:
+    """(shard data, device) of the shards of ``x`` this process writes."""
+    if whole:
+        return [(x, next(iter(x.sharding.device_set)))]
+    return [(s.data, s.device) for s in x.addressable_shards if s.replica_id == 0]
+
+
+def choose(arrays: Sequence[tuple[int, jax.Array, bool, bool]]) -> tuple[set[int], Choice]:
+    """Which of ``arrays`` (index, array, whole, on CPU) are copied on their devices: per the mode,
+    whether the state is still being computed (CPU devices, "auto") and each device's headroom, in
+    order, a leaf taken when all its shards fit."""
+    m = mode()
+    total = sum(x.nbytes for _, x, _, _ in arrays)
+    if m == "never" or not arrays:
+        return set(), Choice("host", 0, total, ready=not arrays)
+    if m == "auto" and all(cpu for *_, cpu in arrays) and all(x.is_ready() for _, x, _, _ in arrays):
+        return set(), Choice("host", 0, total, ready=True)
+    room: dict[int, int | None] = {}
+    chosen: set[int] = set()
+    dev_bytes = 0
+    for i, x, whole, _ in arrays:
+        parts = _jax_parts(x, whole)
+        need: dict[int, int] = {}
+        for a, d in parts:
+            if d.id not in room:
+                room[d.id] = headroom(d)
+            need[d.id] = need.get(d.id, 0) + a.nbytes
+        if all(room[d] is None or room[d] >= n for d, n in need.items()):
+            for d, n in need.items():
+                if room[d] is not None:
+                    room[d] -= n
+            chosen.add(i)
+            dev_bytes += sum(need.values())
+    host = total - sum(x.nbytes for i, x, _, _ in arrays if i in chosen)
+    kind = "device" if len(chosen) == len(arrays) else "split" if chosen else "host"
+    return chosen, Choice(kind, dev_bytes, host)
+
+
+_HOW: str | None = None  # how the copy is made: a jitted jnp.copy ("jit": accelerators, where it was measured
+#   at the device's bandwidth), or jax.device_put(may_alias=False) (None: CPU devices, where a jitted call
+#   whose inputs are ready runs on the caller's thread, and this one does not)
+
+
+def _copy_all(xs: list[jax.Array]) -> list[jax.Array]:
+    return [jax.numpy.copy(x) for x in xs]
+
+
+@functools.cache
+def _jitted_copy() -> Callable[[list[jax.Array]], list[jax.Array]]:
+    """The jitted copy, made at its first use (so that importing this module imports no jax)."""
+    return jax.jit(_copy_all)
+
+
+def dispatch(pending: Sequence[Pending]) -> None:
+    """Dispatches the copies of ``pending``'s shards, one call per device (it returns before the copies,
+    or the computations producing their sources, have run); a copy is a new buffer, never an alias."""
+    by_dev: dict[Any, list[Pending]] = {}
+    for p in pending:
+        by_dev.setdefault(next(iter(p.src.sharding.device_set)), []).append(p)
+    for d, ps in by_dev.items():
+        srcs = [p.src for p in ps]
+        how = _HOW or ("device_put" if d.platform == "cpu" else "jit")
+        outs = jax.device_put(srcs, may_alias=False) if how == "device_put" else _jitted_copy()(srcs)
+        for p, o in zip(ps, outs):
+            p.dev, p.src = o, None
+        n = sum(o.nbytes for o in outs)
+        _ours[d.id] = max(_ours.get(d.id, 0), n)
+
+
+def to_host(pending: Sequence[Pending]) -> tuple[list[np.ndarray], float]:
+    """The host copies of ``pending``'s device copies (the writer's thread), and when the device copies
+    were found done (perf_counter): every transfer started, then each waited for. A failure of the
+    computation that produced a copy's source (an XLA error of the training step) is raised as a
+    CheckpointError whose cause it is."""
+    try:
+        for p in pending:
+            if not _on_cpu(p.dev):
+                p.dev.copy_to_host_async()
+        jax.block_until_ready([p.dev for p in pending])
+        ready = time.perf_counter()
+        return [np.asarray(p.dev) for p in pending], ready
+    except Exception as e:
+        raise CheckpointError(
+            f"the computation that produced the saved state failed on the device ({type(e).__name__}: "
+            f"{str(e).splitlines()[0] if str(e) else ''}); nothing of this step was written. Earlier steps "
+            "are intact; the cause is attached") from e
+
+
+def _on_cpu(x: jax.Array) -> bool:
+    return all(d.platform == "cpu" for d in x.sharding.device_set)
+
+
+_told: set[str] = set()
+
+
+def tell(choice: Choice) -> None:
+    """Logs the first snapshot of each kind (INFO), saying why a state was not copied on its devices."""
+    if choice.mode in _told:
+        return
+    _told.add(choice.mode)
+    mb = lambda n: f"{n / 2**20:.1f} MiB"  # noqa: E731
+    what = {"device": "on the devices' streams (save returns before the step and the transfer end)",
+            "split": "partly on the devices, within their free memory; the rest copied to host before save "
+                     "returns",
+            "host": "to host before save returns (FLAX_CKPT_DEVICE_SNAPSHOT, a ready CPU state, or no free "
+                    "device memory)"}[choice.mode]
+    log.info("snapshots are taken %s: %s on device, %s to host", what, mb(choice.device_bytes),
+             mb(choice.host_bytes))
+
+
+__all__ = ["Choice", "Pending", "choose", "dispatch", "headroom", "mode", "tell", "to_host"]

@@ -1,0 +1,223 @@
+"""The snapshot taken on the device's stream (engine/device.py), on CPU devices.
+
+- A save of a state still being computed returns long before the step ends (a jitted copy is
+  dispatched behind it; the writer brings it to host), and restores bit-exact.
+- The copy is a new buffer: a donating step dispatched right after ``save`` cannot change what is saved
+  (one device, and 8 devices sharded).
+- Device memory: FLAX_CKPT_DEVICE_BUDGET=0 (no room) copies to host before ``save`` returns; a budget
+  for some leaves copies those on the device and the rest to host; enough room copies all on the
+  device. The choice and its bytes are in ``mgr.stats``.
+- A donated (deleted) array passed to ``save``: a CheckpointError naming the leaf, nothing written.
+- A step that fails on the device (an XLA error) after ``save`` returned: the next ``wait`` raises
+  SaveFailedError whose cause names the failed computation; nothing of that step is written; the
+  earlier steps restore.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import flax_ckpt as fc
+from flax_ckpt._src.engine import device as dev
+from flax_ckpt._src.engine.snapshot import snapshot
+from helpers import assert_bit_exact
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture
+def always(monkeypatch):
+    monkeypatch.setenv("FLAX_CKPT_DEVICE_SNAPSHOT", "always")
+
+
+@jax.jit
+def _slow(a):
+    """About a tenth of a second or more of one CPU core, its result the same as ``a``'s."""
+    def body(_, c):
+        m = jnp.tanh(c @ c.T) * 1e-6
+        return c + (m[:, :1] - m[:, :1])
+    return jax.lax.fori_loop(0, 30, body, a)
+
+
+_step = jax.jit(lambda s: jax.tree.map(lambda x: x * 2 + 1, s), donate_argnums=0)
+
+
+def _state(n: int = 256) -> dict:
+    rng = np.random.default_rng(0)
+    return {"w": jnp.asarray(rng.standard_normal((n, n)).astype(np.float32)),
+            "b": jnp.arange(n, dtype=jnp.int32), "key": jax.random.key(3), "step": 7}
+
+
+def test_a_save_of_a_state_still_computing_returns_before_the_step_ends(tmp_path):
+    big = jnp.asarray(np.random.default_rng(1).standard_normal((1024, 1024)).astype(np.float32))
+    _slow(big).block_until_ready()
+    t = time.perf_counter()
+    _slow(big).block_until_ready()
+    step_s = time.perf_counter() - t
+    with fc.CheckpointManager(tmp_path / "run") as mgr:
+        mgr.save(0, {"w": big})  # warm: the copy compiled
+        mgr.wait_until_finished()
+        state = {"w": _slow(big)}
+        assert not state["w"].is_ready()
+        t = time.perf_counter()
+        mgr.save(1, state)
+        blocked = time.perf_counter() - t
+        mgr.wait_until_finished()
+        assert blocked < 0.15 * step_s, (blocked, step_s)
+        assert mgr.stats[-1].snapshot_mode == "device"
+        assert mgr.stats[-1].blocked_s < 0.15 * step_s
+        assert_bit_exact(mgr.restore(1), {"w": np.asarray(state["w"])})
+
+
+@pytest.mark.parametrize("how", ["device_put", "jit"])
+@pytest.mark.parametrize("manager", ["persistent", "memory"])
+def test_save_then_donate_at_once_restores_bit_exact(tmp_path, always, manager, how, monkeypatch):
+    monkeypatch.setattr(dev, "_HOW", how)  # CPU devices copy by device_put, accelerators by a jitted copy
+    tiers = fc.Tiers(local_dir=str(tmp_path / "shm"), peer=False, persist_interval_steps=None) \
+        if manager == "memory" else None
+    state = _state()
+    want = {k: np.asarray(jax.random.key_data(v) if k == "key" else v) for k, v in state.items()}
+    with fc.CheckpointManager(tmp_path / "run", tiers=tiers) as mgr:
+        mgr.save(1, state)
+        state = _step({k: v for k, v in state.items() if k != "key"})  # donates the saved arrays
+        state["w"].block_until_ready()
+        mgr.wait_until_finished()
+        got = mgr.restore(1)
+    assert got["step"] == 7
+    assert_bit_exact({k: np.asarray(jax.random.key_data(v) if k == "key" else v) for k, v in got.items()
+                      if k != "step"}, {k: v for k, v in want.items() if k != "step"})
+
+
+@pytest.mark.parametrize("how", ["device_put", "jit"])
+def test_the_device_copy_is_a_new_buffer(always, how, monkeypatch):
+    monkeypatch.setattr(dev, "_HOW", how)
+    x = jnp.arange(1 << 16, dtype=jnp.float32)
+    snap = snapshot({"x": x}, copy=True)
+    (p,) = snap.pending
+    assert p.dev.unsafe_buffer_pointer() != x.unsafe_buffer_pointer()
+    x.delete()  # the copy does not depend on the original
+    snap.complete()
+    np.testing.assert_array_equal(snap.leaves[0].shards[0].data, np.arange(1 << 16, dtype=np.float32))
+
+
+def test_sharded_on_eight_devices_then_donated_restores_bit_exact(tmp_path, always):
+    assert len(jax.devices()) == 8
+    mesh = jax.make_mesh((4, 2), ("a", "b"))
+    P, NS = jax.sharding.PartitionSpec, jax.sharding.NamedSharding
+    shardings = {"w": NS(mesh, P("a", "b")), "v": NS(mesh, P("a")), "r": NS(mesh, P())}
+    host = {"w": np.arange(64 * 32, dtype=np.float32).reshape(64, 32), "v": np.arange(16, dtype=np.int32),
+            "r": np.float32([1.5, 2.5, 3.5])}
+    state = {k: jax.device_put(v, shardings[k]) for k, v in host.items()}
+    state = _step(state)  # computed: its shards are XLA's buffers
+    want = {k: v * 2 + 1 for k, v in host.items()}
+    with fc.CheckpointManager(tmp_path / "run") as mgr:
+        mgr.save(1, state)
+        nxt = _step(state)
+        assert all(x.is_deleted() for x in state.values())
+        jax.block_until_ready(nxt)
+        mgr.wait_until_finished()
+        assert mgr.stats[-1].snapshot_mode == "device"
+        assert mgr.stats[-1].device_bytes == sum(v.nbytes for v in host.values())  # one copy of each box
+        target = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=shardings[k]) for k, v in host.items()}
+        got = mgr.restore(1, target)
+    assert_bit_exact(got, want, shardings, types=False)
+
+
+def _modes(tmp_path, budget: int | None, monkeypatch) -> tuple[str, int]:
+    if budget is not None:
+        monkeypatch.setenv("FLAX_CKPT_DEVICE_BUDGET", str(budget))
+    state = {"a": jnp.ones((64, 64), jnp.float32), "b": jnp.ones((128, 64), jnp.float32)}  # 16 and 32 KiB
+    with fc.CheckpointManager(tmp_path / f"run{budget}") as mgr:
+        mgr.save(1, state)
+        mgr.wait_until_finished()
+        s = mgr.stats[-1]
+        assert_bit_exact(mgr.restore(1), {k: np.asarray(v) for k, v in state.items()})
+    return s.snapshot_mode, s.device_bytes
+
+
+def test_device_budget_none_some_enough(tmp_path, always, monkeypatch):
+    assert _modes(tmp_path, 0, monkeypatch) == ("host", 0)  # no room: copied to host before save returns
+    assert _modes(tmp_path, 20 << 10, monkeypatch) == ("split", 16 << 10)  # "a" fits, "b" does not
+    assert _modes(tmp_path, 1 << 20, monkeypatch) == ("device", 48 << 10)
+    monkeypatch.delenv("FLAX_CKPT_DEVICE_BUDGET")
+    assert dev.headroom(jax.devices()[0]) is None  # CPU devices report no limit
+    assert _modes(tmp_path, None, monkeypatch) == ("device", 48 << 10)
+
+
+def test_no_room_waits_for_the_step_and_says_so(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLAX_CKPT_DEVICE_BUDGET", "0")
+    big = jnp.ones((1024, 1024), jnp.float32)
+    _slow(big).block_until_ready()
+    with fc.CheckpointManager(tmp_path / "run") as mgr:
+        state = {"w": _slow(big)}
+        mgr.save(1, state)
+        mgr.wait_until_finished()
+        s = mgr.stats[-1]
+    assert s.snapshot_mode == "host" and s.device_bytes == 0
+    assert s.waited_for_device_s > 2 * s.blocked_s, s  # the step's time, reported apart from blocked_s
+
+
+def test_headroom_from_memory_stats_leaves_a_margin():
+    class Fake:
+        id = 12345
+        def memory_stats(self):
+            return {"bytes_limit": 1000 << 20, "peak_bytes_in_use": 600 << 20, "bytes_in_use": 100 << 20}
+    assert dev.headroom(Fake()) == (1000 - 600 - 100) << 20  # a tenth of the limit kept free
+
+
+def test_a_donated_array_passed_to_save_is_refused_naming_it(tmp_path, always):
+    state = _step({"params": {"w": jnp.ones(8)}, "opt": jnp.zeros(4)})
+    _step(state)  # donates every leaf of ``state``
+    with fc.CheckpointManager(tmp_path / "run") as mgr:
+        with pytest.raises(fc.CheckpointError, match=r"deleted.*donate.*'opt', 'params/w'"):
+            mgr.save(1, state)
+        mgr.wait_until_finished()
+        assert mgr.all_steps() == []
+    assert os.listdir(tmp_path / "run") in ([], [".flax_ckpt.lock"]) or all(
+        not e[0].isdigit() for e in os.listdir(tmp_path / "run"))
+
+
+_fail = {"on": False}
+
+
+def _check(v):
+    if _fail["on"]:
+        raise ValueError("injected device failure")
+    return np.asarray(v) + 1
+
+
+@jax.jit
+def _failing(a):  # a pure callback: its failure is the step's outputs', no effect token poisoned
+    return jax.pure_callback(_check, jax.ShapeDtypeStruct(a.shape, a.dtype), a)
+
+
+@pytest.mark.parametrize("manager", ["persistent", "memory"])
+def test_a_step_that_fails_on_the_device_is_a_clear_error_and_nothing_is_written(tmp_path, always, manager):
+    tiers = fc.Tiers(local_dir=str(tmp_path / "shm"), peer=False, persist_interval_steps=None) \
+        if manager == "memory" else None
+    big = jnp.ones((1024, 1024), jnp.float32)
+    _failing(_slow(big)).block_until_ready()
+    with fc.CheckpointManager(tmp_path / "run", tiers=tiers) as mgr:
+        mgr.save(1, {"w": _failing(big)})
+        mgr.wait_until_finished()
+        _fail["on"] = True
+        try:
+            state = {"w": _failing(_slow(big))}  # fails once the slow step is done: after save returned
+            mgr.save(2, state)
+            with pytest.raises(fc.SaveFailedError, match="step 2") as info:
+                mgr.wait_until_finished()
+        finally:
+            _fail["on"] = False
+        cause = info.value.__cause__
+        assert isinstance(cause, fc.CheckpointError) and "failed on the device" in str(cause)
+        assert isinstance(cause.__cause__, jax.errors.JaxRuntimeError)
+        assert mgr.all_steps() == [1]
+        np.testing.assert_array_equal(mgr.restore(1)["w"], np.full((1024, 1024), 2, np.float32))
+        mgr.save(3, {"w": big})  # the manager goes on
+    assert not [e for e in os.listdir(tmp_path / "run") if e.startswith("2")]  # nothing of step 2 at all
