@@ -34,6 +34,7 @@ import flax_ckpt as fc
 from flax_ckpt._src import commit as commit_mod
 from flax_ckpt._src.checks import MANIFEST
 from flax_ckpt._src.manager import LOCK_FILE
+from flax_ckpt._src.tiers.holdings import RUN_FILE
 from helpers import bit_exact, crash_state, step_state
 from workers.reliability_worker import CRASH_KEEP, Zygote, big_state, crash_tiers, small_state, spawn, stop
 
@@ -140,10 +141,10 @@ def judge_crash(run: CrashRun) -> Outcome:
     """After a kill: temporary folders are refused, every step folder restores bit-exact, reported
     steps and keep_period steps survive, retention holds, and a resumed manager restores the newest."""
     d = run.directory
-    entries = os.listdir(d)
+    entries = os.listdir(d) if os.path.isdir(d) else []  # killed before its manager made the folder
     steps = sorted(int(e) for e in entries if e.isdigit())
     for e in entries:
-        if e.isdigit() or e == LOCK_FILE:
+        if e.isdigit() or e in (LOCK_FILE, RUN_FILE):  # RUN_FILE: the run's id, tied to its memory tiers
             continue
         if not commit_mod.is_temporary(e):
             return Outcome("error", f"unexpected entry {e!r} in {d}")

@@ -187,3 +187,52 @@ def test_reader_sees_metrics_and_best_step_of_new_steps(ckpt_dir):
         writer.save(3, state(3), metrics={"loss": 0.75})
         assert reader.best_step() == 2 and reader.metrics(3) == {"loss": 0.75}
     reader.close()
+
+
+def _saves_once_after(monkeypatch, module, name: str, writer, steps: list[int]) -> list[int]:
+    """Replaces ``module.name`` (a directory listing of the reader's scan) by a function that, the first
+    time it returns, has ``writer`` save ``steps``: the run commits (and its retention deletes) right after
+    the reader listed the directory, as a busy machine can arrange. Returns the steps saved so far."""
+    real, saved = getattr(module, name), []
+
+    def listing_then_saves(*args, **kwargs):
+        out = real(*args, **kwargs)
+        while len(saved) < len(steps):
+            saved.append(steps[len(saved)])
+            writer.save(saved[-1], state(saved[-1]))
+        return out
+
+    monkeypatch.setattr(module, name, listing_then_saves)
+    return saved
+
+
+@pytest.mark.parametrize("fmt", ["native", "orbax"])
+def test_reader_scan_outrun_by_the_writer_still_sees_steps(ckpt_dir, monkeypatch, fmt):
+    """The run saves two steps (max_to_keep=2) between the reader's listing of the directory and its
+    reading of the steps listed: every step it listed is gone by then, yet steps are committed all along.
+    The reader sees the new ones (it once concluded 'no committed checkpoint')."""
+    from flax_ckpt._src import layouts
+    with fc.CheckpointManager(ckpt_dir, max_to_keep=2, async_save=False, format=fmt) as writer:
+        writer.save(1, state(1))
+        writer.save(2, state(2))
+        reader = fc.CheckpointManager(ckpt_dir, read_only=True)
+        saved = _saves_once_after(monkeypatch, layouts, "step_folders", writer, [3, 4])
+        assert reader.latest_step() == 4 and saved == [3, 4]
+        assert_bit_exact(reader.restore(), _as_saved(state(4)), types=False)
+        reader.close()
+
+
+def test_reader_never_takes_a_new_orbax_step_for_a_damaged_one(ckpt_dir, monkeypatch, caplog):
+    """An Orbax step committed while the reader's scan lists the directory is not read as a native step
+    and reported damaged (the scan once listed the directory twice: Orbax steps first, the rest after)."""
+    from flax_ckpt._src.orbax import locate
+    with fc.CheckpointManager(ckpt_dir, max_to_keep=2, async_save=False, format="orbax") as writer:
+        writer.save(1, state(1))
+        writer.save(2, state(2))
+        reader = fc.CheckpointManager(ckpt_dir, read_only=True)
+        _saves_once_after(monkeypatch, locate, "step_dirs", writer, [3])
+        with caplog.at_level("WARNING", logger="flax_ckpt"):
+            assert reader.all_steps() == [2, 3]
+        assert "damaged" not in caplog.text
+        assert_bit_exact(reader.restore(), _as_saved(state(3)), types=False)
+        reader.close()

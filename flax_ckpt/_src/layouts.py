@@ -132,11 +132,13 @@ def step_folders(root: Storage, serializer: "Serializer | None" = None, *, files
     opened to know whether it is committed, and whose manifest must name that step), and the names of
     the steps' temporary folders (saves in flight or crashed, interrupted deletions: never read).
     ``files``: also legacy Flax ``checkpoint_<step>`` files (foreign.step_files), for the tools that
-    list and verify them; a manager, which never continues such a run, leaves them out."""
-    orbax = orbax_locate.step_dirs(root)
+    list and verify them; a manager, which never continues such a run, leaves them out.
+    The directory is listed once: an Orbax step committed meanwhile is never taken for a native one."""
+    entries = root.list()
+    orbax = orbax_locate.step_dirs(root, entries)
     found = [StepFolder(s, n, OrbaxLayout()) for s, n in orbax.items()]
     temporary = []
-    for entry in root.list():
+    for entry in entries:
         if commit_mod.is_temporary(entry):
             if orbax_locate.step_number(commit_mod.base_name(entry)) is not None:
                 temporary.append(entry)  # only a step's: another temporary name there may be a user's

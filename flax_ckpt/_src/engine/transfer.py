@@ -33,7 +33,7 @@ from flax_ckpt._src.storage import Storage
 jax = lazy("jax", globals())  # imported on first use (lazy.py)
 
 THREADS = 8  # batches written at once
-WINDOW = 256 << 20  # bytes of transfers in flight at once (0: every transfer started at once)
+WINDOW = 0  # bytes of transfers in flight at once (0: every transfer started at once)
 _BATCH_MIN, _BATCH_MAX = 4 << 20, 64 << 20  # bytes of one batch (see _batch_bytes)
 
 

@@ -158,7 +158,8 @@ class CheckpointManager:
         self.restore_stats: list[RestoreStats] = self._restore.stats
         self._writer = AsyncWriter()
         self._saved_at: float | None = None  # when the last save call that started a write began
-        self._inflight: Any = None  # the snapshot given to the writer last
+        self._inflight: Any = None  # the on_host event of the snapshot given to the writer last (not the
+        #   snapshot: its buffers are freed on the writer's thread when its job ends, never on the caller's)
         self._closed = False
         try:
             if not self.layout.foreign and not read_only:
@@ -392,7 +393,7 @@ class CheckpointManager:
                 snap, self._spare = self.layout.snapshot(state, copy=self.async_save, reuse=self._spare), None
             snap.waited_s += waited
             blocked = time.perf_counter() - t0 - snap.waited_s
-            self._inflight = snap
+            self._inflight = snap.on_host
             self._schedule.saved(step, blocked, self._prefix)
             persist = self._tiers.save if self._tiers is not None else self._persist  # tiers migrate via _Directory
             grace = _GRACE if self._saved_at is None else min(_GRACE, 0.1 * (t0 - self._saved_at))
@@ -418,9 +419,9 @@ class CheckpointManager:
         if not computing:
             return 0.0
         t1 = time.perf_counter()
-        snap = self._inflight
+        on_host = self._inflight
         self._writer.settle(0.0)  # ends its grace: it starts now
-        while snap is not None and not snap.on_host.wait(_POLL_LONG) and self._writer.busy:
+        while on_host is not None and not on_host.wait(_POLL_LONG) and self._writer.busy:
             pass  # its device copies are not done: the device is behind this state too
         while not self._writer.settle(_POLL):  # the writer's own work, while the state is computed
             while computing and computing[-1].is_ready():

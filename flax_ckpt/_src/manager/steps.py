@@ -24,6 +24,7 @@ from flax_ckpt._src.retention import Retention
 from flax_ckpt._src.storage import Storage
 
 log = logging.getLogger("flax_ckpt")
+_LISTINGS = 20  # listings of the directory in one scan at most, while the run deletes the steps listed
 
 
 def run_format(storage: Storage, requested: str | None, serializer: Any, tiers: Any) -> str:
@@ -105,24 +106,7 @@ class StepIndex:
         if distributed.process_count() > 1 and not lead:
             self.agree()
             return
-        folders, temporary = layouts.step_folders(self.storage, self._serializer)
-        metrics, found, damaged = {}, {}, {}
-        self._leftovers = list(temporary)
-        for f in folders:
-            try:
-                metrics[f.step] = f.layout.metrics(self.storage.sub(f.name))
-            except StorageError:
-                raise  # the store failed (after its retries): say so rather than hide a committed step
-            except (CheckpointError, OSError) as e:
-                if f.name not in self.storage.list():
-                    continue  # deleted while this scan read it (a writer's retention, seen by a reader): gone
-                if not self.storage.supports_rename and not self.storage.sub(f.name).exists(f.layout.record):
-                    self._leftovers.append(f.name)  # an uncommitted object-store step: its commit object never came
-                else:
-                    log.warning("ignoring damaged step %d in %s: %s", f.step, self.directory, e)
-                    damaged[f.step] = (e, f)
-                continue
-            found[f.step] = f
+        metrics, found, damaged, self._leftovers = self._read_directory()
         with self._mutex:
             self._metrics, self._folders, self._damaged = metrics, found, damaged
         if self.layout.name == "orbax":  # new steps get the items of the run's newest step (args.Composite's names)
@@ -135,6 +119,45 @@ class StepIndex:
             self._leftovers = []
         if distributed.process_count() > 1:
             self.agree()
+
+    def _read_directory(self) -> tuple[dict, dict, dict, list[str]]:
+        """(metrics, folders, damaged, leftovers) of the committed steps of one listing of the directory
+        in which no step left while it was read. A run that deletes steps meanwhile (its retention, seen
+        by a reader following it) may have deleted every step listed, having committed newer ones: the
+        directory is then listed again (what was read already is not read again), until a listing whose
+        steps all stay while read, _LISTINGS at most (the last one's view): a view lacks every step only if
+        the run deleted every step listed that many times over."""
+        read: dict[tuple[str, str], Any] = {}  # (folder, format) -> its metrics, read during this scan
+        for _ in range(_LISTINGS):
+            folders, temporary = layouts.step_folders(self.storage, self._serializer)
+            metrics, found, damaged, leftovers, vanished = {}, {}, {}, list(temporary), False
+            for f in sorted(folders, key=lambda f: f.step, reverse=True):  # the newest first: the last to go
+                key = (f.name, f.layout.name)
+                if key not in read:
+                    try:
+                        read[key] = f.layout.metrics(self.storage.sub(f.name))
+                    except StorageError:
+                        raise  # the store failed (after its retries): say so, never hide a step
+                    except (CheckpointError, OSError) as e:
+                        vanished |= self._unreadable(f, e, damaged, leftovers)
+                        continue
+                metrics[f.step], found[f.step] = read[key], f
+            if not vanished:
+                break
+        for step, (e, _) in sorted(damaged.items()):
+            log.warning("ignoring damaged step %d in %s: %s", step, self.directory, e)
+        return dict(sorted(metrics.items())), dict(sorted(found.items())), damaged, leftovers
+
+    def _unreadable(self, f: layouts.StepFolder, e: Exception, damaged: dict, leftovers: list[str]) -> bool:
+        """Sorts a step folder that failed to open with ``e``: True when it is gone (deleted while the
+        scan read it); else it is a leftover (an object-store step whose commit never came) or damaged."""
+        if f.name not in self.storage.list():
+            return True
+        if not self.storage.supports_rename and not self.storage.sub(f.name).exists(f.layout.record):
+            leftovers.append(f.name)  # an uncommitted object-store step: its commit object never came
+        else:
+            damaged[f.step] = (e, f)
+        return False
 
     def agree(self) -> None:
         """Every process adopts process 0's view of the directory (a collective: at open and at each

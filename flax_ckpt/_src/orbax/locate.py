@@ -381,12 +381,13 @@ def run_items(step: Storage) -> dict[str, str] | None:
 
 # ------------------------------------------------------------------- an Orbax CheckpointManager dir
 
-def step_dirs(root: Storage) -> dict[int, str]:
+def step_dirs(root: Storage, entries: list[str] | None = None) -> dict[int, str]:
     """{step: folder name} of the committed Orbax steps under a run directory ``root`` (``<step>`` or
     ``<prefix>_<step>`` folders, e.g. Orbax's ``step_prefix="ckpt"`` with a fixed length:
-    ``ckpt_000010``); in-flight folders and flax_ckpt steps are ignored."""
+    ``ckpt_000010``); in-flight folders and flax_ckpt steps are ignored. ``entries``: a listing of
+    ``root`` already made (None: listed here)."""
     found: dict[int, str] = {}
-    for entry in root.list():
+    for entry in root.list() if entries is None else entries:
         m = _STEP_NAME.fullmatch(entry)
         if m is None or commit_mod.is_temporary(entry) or not committed_step(root.sub(entry)):
             continue

@@ -12,6 +12,8 @@ module on first use (``__getattr__``), so that ``flax-ckpt ls`` imports neither 
 from __future__ import annotations
 
 import importlib
+import sys
+import types
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -38,6 +40,21 @@ def __getattr__(name: str) -> Any:
     value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
     globals()[name] = value
     return value
+
+
+class _Tools(types.ModuleType):
+    """This package, which keeps each command's function (not the module of the same name) under the
+    command's name: importing ``tools.verify`` directly (``from flax_ckpt._src.tools.verify import ...``,
+    as the CLI does) makes Python bind the submodule on its package, over the function."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if isinstance(value, types.ModuleType) and value.__name__ == f"{self.__name__}.{name}" \
+                and _MODULE_OF.get(name) == name:
+            value = getattr(value, name)
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Tools
 
 
 __all__ = ["ConvertResult", "DiffResult", "Format", "LeafDiff", "Problem", "PruneResult", "Report", "StepEntry",
