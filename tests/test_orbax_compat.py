@@ -312,7 +312,11 @@ def test_save_step_restored_by_orbax_manager(ckpt_dir):
         oc.save_step(root, 10, trees[10])
 
 
-def test_snapshot_is_independent_of_later_mutation(ckpt_dir):
+@pytest.mark.parametrize("device_copy", ["auto", "always"])
+def test_snapshot_is_independent_of_later_mutation(ckpt_dir, monkeypatch, device_copy):
+    # "always": the jax leaf is copied on its device and comes to host only in the background half,
+    # which must bring it there itself (it failed with a shard of None before the layouts did)
+    monkeypatch.setenv("FLAX_CKPT_DEVICE_SNAPSHOT", device_copy)
     host = np.arange(6, dtype=np.float32)
     tree = {"h": host, "d": jax.device_put(jnp.ones((8, 2)), NamedSharding(_mesh(), P("x")))}
     expected = jax.tree_util.tree_map(np.array, tree)

@@ -87,6 +87,7 @@ class NativeLayout:
         """Writes a snapshot under ``parent/name`` and commits it atomically; on any failure removes what
         it wrote and re-raises. This is the whole path from a snapshot to durable bytes. With several
         processes (jax.distributed), every process calls it with its own snapshot; see _persist_shared."""
+        snap.complete()  # shards still on their devices come to host first (a no-op once they are)
         serializer = self.serializer
         if distributed.process_count() > 1:
             return _persist_shared(snap, parent, name, serializer, step=step, metrics=metrics, metadata=metadata)

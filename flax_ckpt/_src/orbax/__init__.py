@@ -98,6 +98,7 @@ class OrbaxLayout:
                 f"Save step {step} as {parent.url}/{step} (or <prefix>_{step}), or use "
                 "fc.CheckpointManager(directory, format='orbax'), which names its steps; or save without "
                 "step= (a StandardCheckpointer folder), or with format='native', whose manifest records it")
+        snap.complete()  # shards still on their devices come to host first (a no-op once they are)
         t0 = time.perf_counter()
         if step is None:
             write.save_item(parent, name, snap, metadata=metadata, metrics=metrics)

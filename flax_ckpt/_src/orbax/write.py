@@ -527,6 +527,7 @@ def save_step(root: Storage, step: int, snap: Snapshot, *, metrics: dict[str, An
     ``default`` (or, for a StepSnapshot, the run's named items, each with the handler the run records
     for it), plus a ``metrics`` JSON item; returns its URL."""
     single_process()
+    snap.complete()  # shards still on their devices come to host first (a no-op once they are)
     metrics = metrics_json(metrics)
     custom = jsonable(metadata, "metadata")
     if isinstance(snap, StepSnapshot):
