@@ -7,6 +7,7 @@ adapter lives in ``flax_ckpt.callbacks.clu_adapter`` and is not imported here (c
 """
 
 from .checkpoint_callback import CheckpointCallback as CheckpointCallback
+from .checkpoint_callback import Preempted as Preempted
 from .preemption import PreemptionGuard as PreemptionGuard
 from .state import Stateful as Stateful
 from .state import from_tree as from_tree
@@ -14,6 +15,7 @@ from .state import to_tree as to_tree
 
 __all__ = [
     "CheckpointCallback",
+    "Preempted",
     "PreemptionGuard",
     "Stateful",
     "from_tree",

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from flax_ckpt._src.errors import CheckpointNotFoundError as CheckpointNotFoundError
     from flax_ckpt._src.errors import CorruptCheckpointError as CorruptCheckpointError
     from flax_ckpt._src.errors import DistributedError as DistributedError
+    from flax_ckpt._src.errors import InvalidArgumentError as InvalidArgumentError
     from flax_ckpt._src.errors import InvalidManifestError as InvalidManifestError
     from flax_ckpt._src.errors import LeafMismatchError as LeafMismatchError
     from flax_ckpt._src.errors import RenameCollisionError as RenameCollisionError
@@ -62,9 +63,10 @@ _SOURCES: dict[str, tuple[str, ...]] = {
     "flax_ckpt._src.engine.leaves": ("CheckpointInfo", "LeafInfo"),
     "flax_ckpt._src.errors": (
         "AbstractTargetLeafError", "CastOverflowError", "CheckpointError", "CheckpointExistsError",
-        "CheckpointLockedError", "CheckpointNotCommittedError", "CheckpointNotFoundError", "CorruptCheckpointError",
-        "DistributedError", "InvalidManifestError", "LeafMismatchError", "RenameCollisionError", "SaveFailedError",
-        "StorageError", "StructureMismatchError", "TargetMismatchError", "UnsupportedLeafError",
+        "CheckpointLockedError", "CheckpointNotCommittedError", "CheckpointNotFoundError",
+        "CorruptCheckpointError", "DistributedError", "InvalidArgumentError", "InvalidManifestError",
+        "LeafMismatchError", "RenameCollisionError", "SaveFailedError", "StorageError",
+        "StructureMismatchError", "TargetMismatchError", "UnsupportedLeafError",
         "UnsupportedOrbaxCheckpointError"),
     "flax_ckpt._src.manager": ("CheckpointManager",),
     "flax_ckpt._src.plot": ("plot_timeline",),
