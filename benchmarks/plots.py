@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import statistics
 from typing import Any
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -206,9 +207,15 @@ def per_leaf_chart(body: dict[str, Any], out: pathlib.Path, svg: bool) -> list[p
 # ---------------------------------------------------------------------------------------- accelerator
 
 def accelerator_rows(body: dict[str, Any]) -> list[tuple[str, dict[str, float]]]:
-    """``(contender, {measure: seconds})`` from an accelerator report: its list of row dicts under "rows"
-    (or "table"), each named by its first text field, with every numeric field a measure."""
+    """``(contender, {measure: value})`` from an accelerator report. bench_accelerator.py's own report
+    keeps each contender's seconds per round under "table" ({name: [s, ...]}, "name:until_durable"
+    beside it): each becomes the median in ms, as "blocked_ms" for what returns before its write
+    (the asynchronous saves and the two floors a save blocks on: an on-device copy, device_get) and
+    "time_ms" for the rest, with "until_durable_ms" where recorded. A list of row dicts under "rows"
+    (or "table"), each named by its first text field, is taken as it is."""
     rows = body.get("rows") or body.get("table") or []
+    if isinstance(rows, dict):
+        return _bench_rows(rows)
     out = []
     for row in rows if isinstance(rows, list) else []:
         name = next((v for v in row.values() if isinstance(v, str)), "?")
@@ -218,12 +225,28 @@ def accelerator_rows(body: dict[str, Any]) -> list[tuple[str, dict[str, float]]]
     return out
 
 
+_BLOCKING = ("device-copy", "device-get", "fc-async", "fc-memory", "orbax-async")
+
+
+def _bench_rows(table: dict[str, list[float]]) -> list[tuple[str, dict[str, float]]]:
+    out = []
+    for name, values in table.items():
+        if ":" in name or not values:
+            continue
+        numbers = {("blocked_ms" if name in _BLOCKING else "time_ms"): 1e3 * statistics.median(values)}
+        durable = table.get(f"{name}:until_durable")
+        if durable:
+            numbers["until_durable_ms"] = 1e3 * statistics.median(durable)
+        out.append((name, numbers))
+    return out
+
+
 def accelerator_table(body: dict[str, Any] | None) -> str:
     if body is None or not accelerator_rows(body):
         return ACCELERATOR_PLACEHOLDER
     rows = accelerator_rows(body)
     measures = sorted({k for _, numbers in rows for k in numbers})
-    device = body.get("device") or body.get("machine", {}).get("device", "the accelerator")
+    device = body.get("device") or body.get("machine", {}).get("devices", "the accelerator")
     lines = [f"<!-- accelerator_table.md: written by benchmarks/plots.py from bench_out/{body['_file']} -->",
              "| contender | " + " | ".join(measures) + " |", "|---|" + "---:|" * len(measures)]
     for name, numbers in rows:
@@ -245,7 +268,8 @@ def accelerator_chart(body: dict[str, Any], out: pathlib.Path, svg: bool) -> lis
     ax.bar_label(bars, fmt="%.3g", fontsize=8, padding=2)
     ax.invert_yaxis()
     ax.set_xlabel(f"{key} (lower is better)")
-    ax.set_title(f"What a save blocks on {body.get('device', 'the accelerator')}", fontsize=11)
+    device = body.get("device") or body.get("machine", {}).get("devices", "the accelerator")
+    ax.set_title(f"What a save blocks on {device}", fontsize=11)
     return _save(fig, out, "accelerator", svg)
 
 

@@ -81,9 +81,25 @@ def test_accelerator_report_fills_the_table_and_its_chart(tmp_path):
     assert (out / "accelerator.png").read_bytes().startswith(PNG)
 
 
+def test_bench_accelerators_own_report_gives_medians_in_ms(tmp_path):
+    """bench_accelerator.py's report keeps seconds per round by contender: the table gives their
+    medians in ms, what a save blocks apart from the synchronous calls' whole time."""
+    plots, bench_out, out = _plots(), tmp_path / "bench_out", tmp_path / "static"
+    bench_out.mkdir()
+    (bench_out / "accelerator-20260102-030405.json").write_text(json.dumps(
+        {"machine": dict(MACHINE, devices="1 x tpu TPU v5 lite"), "table": {
+            "device-copy": [0.005, 0.004, 0.006], "fc-async": [0.002, 0.003, 0.001],
+            "fc-async:until_durable": [2.0, 3.0, 1.0], "fc-save": [1.5, 1.4, 1.6]}}))
+    written = plots.main(["--bench-out", str(bench_out), "--out", str(out)])
+    assert sorted(p.name for p in written) == ["accelerator.png", "accelerator_table.md"]
+    table = (out / "accelerator_table.md").read_text()
+    assert "| fc-async | 2 | - | 2e+03 |" in table and "| fc-save | - | 1.5e+03 | - |" in table, table
+    assert "TPU v5 lite" in table, table
+
+
 def test_the_committed_charts_are_the_ones_the_pages_show():
     static = ROOT / "docs" / "_static"
-    for name in ("save_restore.png", "every_step.png", "per_leaf.png"):
+    for name in ("save_restore.png", "every_step.png", "per_leaf.png", "accelerator.png"):
         assert (static / name).read_bytes().startswith(PNG), name
         assert (static / name).stat().st_size < 200_000, f"{name}: keep committed charts small"
     assert "_static/save_restore.png" in (ROOT / "README.md").read_text()
