@@ -30,12 +30,15 @@ The first round checks that ``fc.save`` then ``fc.restore`` gives back the state
 (``--steps``: the steps timed for each; the saves come after steps 1, 1+every, ...), with and without
 a sync per step (``jax.block_until_ready`` on the state after every step, or only at the end):
 ``none``, ``device-get`` (``jax.device_get`` of the state: a blocking host copy), ``device-copy``
-(a jitted on-device copy kept until the next), ``fc-async`` (a persistent ``CheckpointManager``,
-max_to_keep 1), ``fc-memory`` (memory tiers only) and ``orbax-async`` (Orbax's ``CheckpointManager``,
-max_to_keep 1). Each run: warm-up steps and a save first (untimed), then the timed steps and the final
-``wait_until_finished``. Reported: ms per step, the overhead against ``none`` of the same round and
-setting (median of per-round ratios − 1), the saves made of those asked for, and the median blocked
-time of a ``save`` call.
+(a jitted on-device copy kept until the next), ``device-copy-thread`` (that copy brought to host and
+written raw by a thread: the floor of a background save), ``fc-async`` (a persistent
+``CheckpointManager``, max_to_keep 1; ``fc-async-skip``: with ``on_busy="skip"``), ``fc-memory``
+(memory tiers only) and ``orbax-async`` (Orbax's ``CheckpointManager``, max_to_keep 1). Each run:
+warm-up steps and a save first (untimed), then the timed steps and the final ``wait_until_finished``.
+Reported: ms per step, the overhead against ``none`` of the same round and setting (median of
+per-round ratios − 1), the saves made of those asked for, the median blocked time of a ``save`` call,
+and the median, 90th percentile and longest step (a step that waits for the device or the host shows
+there).
 
 Every contender is guarded (a failure is recorded, the others go on); the JSON report is rewritten in
 bench_out/ after every measurement; ``--budget-s`` stops starting measurements past that many
@@ -64,7 +67,8 @@ import _common as C  # noqa: E402
 
 TABLE = ["device-copy", "device-get", "raw-write", "raw-read", "device-put", "fc-async", "fc-memory",
          "fc-save", "fc-save@window=0", "fc-restore", "orbax-async", "orbax-save", "orbax-restore"]
-LOOP = ["none", "device-get", "device-copy", "fc-async", "fc-memory", "orbax-async"]
+LOOP = ["none", "device-get", "device-copy", "device-copy-thread", "fc-async", "fc-async-skip", "fc-memory",
+        "orbax-async"]
 FULL = dict(d=1024, layers=6, heads=16, vocab=8192, seq=512, batch=8)
 SMALL = dict(d=128, layers=2, heads=4, vocab=1024, seq=32, batch=2)
 
@@ -464,12 +468,41 @@ class DeviceCopy(Saver):
         return True
 
 
+class DeviceCopyThread(Saver):
+    """The floor of a background save: a jitted on-device copy, then one thread brings it to host
+    (``jax.device_get``) and writes it as 8 files on 8 threads, fsynced; a save asked while the
+    previous one runs waits for it."""
+
+    def __init__(self, copy: Callable[[Any], Any], d: Path):
+        self.copy, self.d, self.thread = copy, d, None
+
+    def save(self, step: int, state: Any) -> bool:
+        import jax
+        self.finish()
+        kept = self.copy(state)
+
+        def run() -> None:
+            host = leaves_of(jax.device_get(kept))
+            raw_write(host, C.fresh_dir(self.d / "raw"))
+
+        self.thread = threading.Thread(target=run, daemon=True)
+        self.thread.start()
+        return True
+
+    def finish(self) -> None:
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+
+
 class FcManager(Saver):
-    def __init__(self, d: Path, tiers: bool):
+    def __init__(self, d: Path, tiers: bool, on_busy: str | None = None):
         import flax_ckpt as fc
         self.shm = Path(tempfile.mkdtemp(prefix="flax_ckpt_bench-", dir="/dev/shm")) if tiers else None
-        kw = {"tiers": fc.Tiers(local_dir=str(self.shm), peer=False, persist_interval_steps=None)} \
-            if tiers else {}
+        kw: dict[str, Any] = {"tiers": fc.Tiers(local_dir=str(self.shm), peer=False,
+                                                persist_interval_steps=None)} if tiers else {}
+        if on_busy is not None:
+            kw["on_busy"] = on_busy
         self.mgr = fc.CheckpointManager(d, max_to_keep=1, **kw)
 
     def save(self, step: int, state: Any) -> bool:
@@ -502,7 +535,9 @@ class OrbaxManager(Saver):
 
 def saver(name: str, d: Path, copy: Callable) -> Saver | None:
     return {"none": lambda: None, "device-get": DeviceGet, "device-copy": lambda: DeviceCopy(copy),
-            "fc-async": lambda: FcManager(d, False), "fc-memory": lambda: FcManager(d, True),
+            "device-copy-thread": lambda: DeviceCopyThread(copy, d),
+            "fc-async": lambda: FcManager(d, False),
+            "fc-async-skip": lambda: FcManager(d, False, "skip"), "fc-memory": lambda: FcManager(d, True),
             "orbax-async": lambda: OrbaxManager(d)}[name]()
 
 
@@ -518,13 +553,18 @@ def loop_once(name: str, state: Any, step: Callable, copy: Callable, every: int,
         if s is not None:  # step 0: a first save (allocations, compilation) untimed
             s.save(0, state)
             s.finish()
-        blocked, made = [], 0
+        blocked, made, each, after = [], 0, [], []
+        saved_at = None
         t0 = time.perf_counter()
         for i in range(1, steps + 1):
+            a0 = time.perf_counter()
             state = step(state)
             if sync:
                 state = jax.block_until_ready(state)
+            each.append(time.perf_counter() - a0)  # the step alone (with a sync: until it is done)
+            after.append(i - saved_at if saved_at is not None else -1)
             if s is not None and (i - 1) % every == 0:
+                saved_at = i
                 b0 = time.perf_counter()
                 made += s.save(i, state)
                 blocked.append(time.perf_counter() - b0)
@@ -536,15 +576,21 @@ def loop_once(name: str, state: Any, step: Callable, copy: Callable, every: int,
         if s is not None:
             s.close()
         shutil.rmtree(d, ignore_errors=True)
-    return state, {"step_s": wall / steps, "saves": made, "asked": len(range(1, steps + 1, every)),
-                   "blocked_s": statistics.median(blocked) if blocked else 0.0}
+    slow = sorted(range(len(each)), key=each.__getitem__)[-3:]  # the slowest steps: how long after a save
+    slowest = [(round(each[k] * 1e3, 1), after[k]) for k in reversed(slow)]
+    each.sort()
+    return state, {"slowest_ms_and_steps_after_save": slowest, "step_s": wall / steps, "saves": made, "asked": len(range(1, steps + 1, every)),
+                   "blocked_s": statistics.median(blocked) if blocked else 0.0,
+                   "step_p50_s": each[len(each) // 2], "step_p90_s": each[len(each) * 9 // 10],
+                   "step_max_s": each[-1]}
 
 
 def run_loop(state: Any, init: Callable, step: Callable, copy: Callable, scratch: Path, rep: Report,
-             rounds: int, clock: Clock, contenders: list[str], plan: dict[int, int]) -> None:
+             rounds: int, clock: Clock, contenders: list[str], plan: dict[int, int],
+             syncs: tuple[bool, ...] = (True, False)) -> None:
     import jax
     for r in range(rounds):
-        for sync in (True, False):
+        for sync in syncs:
             for every, steps in plan.items():
                 key = f"{'sync' if sync else 'nosync'}/{every}"
                 for name in C.rotated(contenders, r):
@@ -555,7 +601,10 @@ def run_loop(state: Any, init: Callable, step: Callable, copy: Callable, scratch
                         state, res = loop_once(name, state, step, copy, every, steps, sync, scratch)
                         rep.loop(key, name, res)
                         print(f"round {r} loop {key:11s} {name:12s} {res['step_s'] * 1e3:8.1f} ms/step  "
-                              f"saves {res['saves']}/{res['asked']}  blocked {res['blocked_s'] * 1e3:.1f} ms",
+                              f"saves {res['saves']}/{res['asked']}  "
+                              f"blocked {res['blocked_s'] * 1e3:.1f} ms  "
+                              f"step p50/p90/max {res['step_p50_s'] * 1e3:.1f}/{res['step_p90_s'] * 1e3:.1f}/"
+                              f"{res['step_max_s'] * 1e3:.1f} ms  slowest {res['slowest_ms_and_steps_after_save']}",
                               flush=True)
                     except Exception as e:
                         rep.error(f"loop round {r} {key} {name}", e)
@@ -660,9 +709,15 @@ def main() -> None:
     ap.add_argument("--table", default=",".join(TABLE), help="table contenders")
     ap.add_argument("--loop", default=",".join(LOOP), help="loop contenders")
     ap.add_argument("--model", default=None, help="d,layers,heads,vocab,seq,batch")
+    ap.add_argument("--sync", choices=["both", "sync", "nosync"], default="both",
+                    help="loops with a sync per step, without, or both")
+    ap.add_argument("--switch-interval", type=float, default=None,
+                    help="sys.setswitchinterval for the run (a diagnosis of GIL contention)")
     ap.add_argument("--budget-s", type=float, default=None,
                     help="start no measurement after this many seconds")
     args = ap.parse_args()
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     import jax
     import numpy as np
@@ -687,8 +742,9 @@ def main() -> None:
         if "table" in args.parts:
             run_table(state, copy, scratch, rep, args.rounds, clock, args.table.split(","))
         if "loop" in args.parts:
+            syncs = {"both": (True, False), "sync": (True,), "nosync": (False,)}[args.sync]
             run_loop(state, init, step, copy, scratch, rep, args.loop_rounds, clock, args.loop.split(","),
-                     plan)
+                     plan, syncs)
     except Exception as e:
         rep.error("setup", e)
     finally:

@@ -274,3 +274,25 @@ def test_buffers_back_to_back_in_page_aligned_memory_are_written_from_it(small_e
         assert from_memory == [(0, STAGE, 0)] and len(takes) == 1
     else:  # a run that does not start on a page: staged, whatever its length
         assert from_memory == [] and len(takes) == 1
+
+
+def test_page_cache_writes_are_bounded_per_call_and_keep_every_byte(tmp_path, monkeypatch):
+    """Through the page cache (tmpfs, or FLAX_CKPT_DIRECT_IO=0), no writev call carries more than
+    WRITE_STEP bytes (one long write holds up the process's other threads, a training step's among
+    them), and the file still holds exactly the buffers, in order, where the step cuts a buffer or
+    spans several."""
+    monkeypatch.setenv("FLAX_CKPT_DIRECT_IO", "0")
+    monkeypatch.setattr(local, "WRITE_STEP", 1000)
+    calls: list[int] = []
+    real = os.writev
+
+    def writev(fd, bufs):
+        calls.append(sum(len(memoryview(b)) for b in bufs))
+        return real(fd, bufs)
+
+    monkeypatch.setattr(os, "writev", writev)
+    rng = np.random.default_rng(7)
+    bufs = [rng.integers(0, 256, n, dtype=np.uint8) for n in (1, 999, 1000, 1001, 2500, 7, 0, 3333)]
+    LocalStorage(str(tmp_path)).write("f.bin", bufs)
+    assert max(calls) <= 1000 and len(calls) >= sum(b.nbytes for b in bufs) // 1000
+    assert (tmp_path / "f.bin").read_bytes() == b"".join(b.tobytes() for b in bufs)

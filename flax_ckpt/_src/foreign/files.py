@@ -28,6 +28,7 @@ _STEP_NAME = re.compile(r"(?:.+_)?([0-9]+)")  # ASCII digits only, as orbax/loca
 
 
 SETTLE_S = 10  # a file modified this recently is read twice (CheckpointFile)
+QUIET_S = 0.5  # ... and must then have been left alone this long since its last change (CheckpointFile)
 _AGAIN = 4 << 20  # bytes compared at a time
 
 
@@ -48,7 +49,8 @@ class CheckpointFile:
     checks the same after reading, so that a write while it reads is an error, never a mix of two
     versions. A write that had begun before the file was opened changes nothing it could see: a file
     modified within the last SETTLE_S seconds is read twice and the two compared (these formats carry
-    no checksum). ``follow``: follow a symlink at ``path`` (a file the user names, e.g. a Hugging Face
+    no checksum), and is accepted only once it has been left alone for QUIET_S seconds. ``follow``:
+    follow a symlink at ``path`` (a file the user names, e.g. a Hugging Face
     cache link); False for a file found by listing a run directory, where a link could lead out of it."""
 
     def __init__(self, path: str, *, follow: bool = True):
@@ -98,8 +100,20 @@ class CheckpointFile:
             if self._recent:
                 self._read_again(fd, offset, out)
             self._same(fd)
+            if self._recent:
+                self._quiet(fd)
         finally:
             os.close(fd)
+
+    def _quiet(self, fd: int) -> None:
+        """Waits until the file's last change is QUIET_S old, then checks it is still the same: a writer
+        that paused in the middle of a write (so that both reads saw the same half-written bytes and the
+        file's times did not move) shows itself when it resumes."""
+        last = max(self._identity[3], self._identity[4])
+        wait = QUIET_S - (time.time_ns() - last) / 1e9
+        if wait > 0:
+            time.sleep(min(wait, QUIET_S))
+            self._same(fd)
 
     def _pread(self, fd: int, offset: int, out: memoryview) -> None:
         done = 0

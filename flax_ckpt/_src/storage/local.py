@@ -33,7 +33,8 @@ import numpy as np
 from flax_ckpt._src.errors import CorruptCheckpointError, StorageError
 from flax_ckpt._src.storage.base import Buffer
 
-_IO_STEP = 1 << 30  # bytes per os.write / preadv call
+_IO_STEP = 1 << 30  # bytes per preadv call
+WRITE_STEP = 1 << 20  # bytes per writev call (see _write_all)
 _IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)  # buffers per writev/preadv
 _O_DIRECT = getattr(os, "O_DIRECT", 0)  # Linux; 0 elsewhere: every write through the page cache
 DIRECT_MIN = 1 << 20  # files of at least this many bytes are written with O_DIRECT where the file system allows
@@ -482,10 +483,18 @@ def _pwrite_all(fd: int, buf: memoryview, pos: int, direct: bool, folder: str) -
 
 
 def _write_all(fd: int, views: list[memoryview]) -> None:
-    """Writes the buffers back to back with writev, in batches of IOV_MAX (one syscall for many small leaves)."""
+    """Writes the buffers back to back with writev: one syscall for many small leaves (at most IOV_MAX
+    buffers), at most WRITE_STEP bytes per call (one long write holds up other threads of the process
+    in the kernel: a training step waiting on its accelerator among them)."""
     i = 0
     while i < len(views):
-        n = os.writev(fd, [v[:_IO_STEP] for v in views[i:i + _IOV_MAX]])
+        iov, held = [], 0
+        for v in views[i:i + _IOV_MAX]:
+            iov.append(v[:WRITE_STEP - held])
+            held += len(iov[-1])
+            if held >= WRITE_STEP:
+                break
+        n = os.writev(fd, iov)
         while n and i < len(views):
             if n >= len(views[i]):
                 n -= len(views[i])
