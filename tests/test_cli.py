@@ -25,7 +25,7 @@ from flax_ckpt._src.commit import ORBAX_TMP_MARK
 from flax_ckpt._src.engine.snapshot import snapshot
 from flax_ckpt._src.orbax import locate, write
 from flax_ckpt._src.storage import open_storage
-from flax_ckpt._src.cli import build_parser
+from flax_ckpt._src.tools.cli import build_parser
 from flax_ckpt._src.manager import CheckpointManager
 from helpers import leaf_chunks
 

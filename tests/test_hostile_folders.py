@@ -23,7 +23,7 @@ import pytest
 import flax_ckpt as fc
 from flax_ckpt._src import commit as commit_mod
 from flax_ckpt._src import layouts
-from flax_ckpt._src.cli import main as cli
+from flax_ckpt._src.tools.cli import main as cli
 from flax_ckpt._src.engine.snapshot import snapshot
 from flax_ckpt._src.checks import MANIFEST
 from flax_ckpt._src.orbax import locate, write

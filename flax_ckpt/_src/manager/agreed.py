@@ -19,8 +19,8 @@ from flax_ckpt._src.engine.fit import Fit
 from flax_ckpt._src.engine.leaves import CheckpointInfo
 from flax_ckpt._src.engine.reader import Source
 from flax_ckpt._src.errors import CheckpointError, CheckpointNotFoundError, error_class
+from flax_ckpt._src.manager.stats import RestoreStats
 from flax_ckpt._src.manager.steps import StepIndex
-from flax_ckpt._src.stats import RestoreStats
 
 log = logging.getLogger("flax_ckpt")
 TargetOf = Callable[[Source], Any]  # the restore target for an opened step (restore's target_for)

@@ -32,15 +32,15 @@ from flax_ckpt._src.errors import CheckpointError, CheckpointLockedError, Checkp
 from flax_ckpt._src.lazy import lazy
 from flax_ckpt._src.manager.agreed import DAMAGE, AgreedRestore, TargetOf, targets
 from flax_ckpt._src.manager.schedule import Schedule
+from flax_ckpt._src.manager.stats import RestoreStats, SaveStats, publish
 from flax_ckpt._src.manager.steps import StepIndex, run_format
+from flax_ckpt._src.manager.writer import AsyncWriter
 from flax_ckpt._src.retention import Retention
 from flax_ckpt._src.serializers import Serializer
-from flax_ckpt._src.stats import RestoreStats, SaveStats, publish
 from flax_ckpt._src.storage import LocalStorage, ObjectStoreOptions, Storage, open_storage
 from flax_ckpt._src.storage.lock import DirectoryLock
 from flax_ckpt._src.tiers import Tiers
 from flax_ckpt._src.tiers.tierset import TierSet
-from flax_ckpt._src.writer import AsyncWriter
 
 jax = lazy("jax", globals())  # imported on first use (lazy.py)
 
