@@ -23,7 +23,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import flax_ckpt as fc
 from flax_ckpt._src import commit
 from flax_ckpt._src.engine.snapshot import snapshot
-from flax_ckpt._src.orbax import OrbaxLayout, locate, write
+from flax_ckpt._src.orbax import locate, write
+from flax_ckpt._src.orbax.layout import OrbaxLayout
 from flax_ckpt._src.storage import open_storage, split_location
 from helpers import as_bytes, assert_bit_exact
 
