@@ -78,7 +78,7 @@ class AgreedRestore:
         t0 = time.perf_counter()
         source = self._steps.open(step, item)
         target = target_of(source)
-        out = engine.restore(source, target, shardings=shardings, partial=fit)
+        out = engine.restore(source, target, shardings=shardings, fit=fit)
         stats = RestoreStats(step, "persistent", engine.restored_nbytes(source, target, fit),
                              time.perf_counter() - t0)
         self.stats.append(stats)
