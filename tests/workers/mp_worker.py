@@ -258,7 +258,7 @@ def mode_s3(cfg: dict) -> dict:
 
 def mode_spares(cfg: dict) -> dict:
     """2 processes x 2 devices, an async manager with max_to_keep=2 saving a 8 MiB sharded leaf five
-    times: process 0, which removes steps, writes its next files over the removed step's (commit/spares.py);
+    times: process 0, which removes steps, writes its next files over the removed step's (commit/recycler.py);
     every process restores every kept step bit-exact. Reports each step's data files (name -> inode)."""
     d = cfg["dir"] + "/mgr"
     mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("a", "b"))

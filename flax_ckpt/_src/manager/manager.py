@@ -24,7 +24,7 @@ from typing import Any, Callable, Literal
 
 from flax_ckpt._src import layouts
 from flax_ckpt._src.commit import distributed
-from flax_ckpt._src.commit.spares import SpareFiles
+from flax_ckpt._src.commit.recycler import Recycler
 from flax_ckpt._src.engine.fit import Fit, RenameArg
 from flax_ckpt._src.engine.leaves import CheckpointInfo
 from flax_ckpt._src.engine.snapshot import Snapshot, metrics_json
@@ -145,7 +145,7 @@ class CheckpointManager:
         self.layout: layouts.Layout = layouts.layout(self.format, serializer)
         if self.format == "native" and isinstance(self.storage, LocalStorage) and not read_only and \
                 getattr(self.layout.serializer, "name", None) == "raw":  # a removed step's files: the next save's
-            self.storage.spares = SpareFiles(self.storage.local_path)
+            self.storage.recycler = Recycler(self.storage.local_path)
         self._steps = StepIndex(self.storage, self.layout, self._prefix, serializer)
         self._restore = AgreedRestore(self._steps, self._prefix, strict=strict)
         self.async_save, self.metadata = async_save, metadata
@@ -662,7 +662,7 @@ class CheckpointManager:
                 self._lock.release()
 
     def _drop_spares(self) -> None:
-        spares = getattr(self.storage, "spares", None)
+        spares = getattr(self.storage, "recycler", None)
         if spares is not None:
             spares.close()
 

@@ -227,7 +227,7 @@ class StepIndex:
                 folder = self._folders.pop(step, None)
                 self._metrics.pop(step, None)
             if folder is not None and distributed.process_index() == 0:
-                spares = getattr(self.storage, "spares", None)  # its data files kept for the next save
+                spares = getattr(self.storage, "recycler", None)  # its data files kept for the next save
                 commit_mod.remove(self.storage, folder.name, folder.layout.record,
                                   salvage=spares.retire if spares is not None and folder.layout.name == "native" else None)
             log.info("retention removed step %d from %s", step, self.directory)
