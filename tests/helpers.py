@@ -44,8 +44,8 @@ from typing import Any, Callable, Mapping
 import jax
 import numpy as np
 
-from flax_ckpt._src.native import manifest as fmt  # the manifest codec (encode, FORMAT_*)
 from flax_ckpt._src.checks import MANIFEST
+from flax_ckpt._src.native import manifest as fmt  # the manifest codec (encode, FORMAT_*)
 from flax_ckpt._src.serializers.raw import RawSerializer  # the one serializer the crash hooks wrap
 
 TESTS = Path(__file__).resolve().parent

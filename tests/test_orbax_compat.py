@@ -18,7 +18,8 @@ import optax
 import pytest
 from flax import linen as nn
 from flax.training import train_state
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import flax_ckpt as fc
 from flax_ckpt._src import commit

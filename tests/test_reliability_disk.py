@@ -17,8 +17,17 @@ import numpy as np
 import pytest
 
 import flax_ckpt as fc
-from reliability_trials import (DAMAGE_CLASSES, DAMAGE_MODES, MountRefused, damage, damage_trial, disk_full_trial,
-                                is_enospc, small_state, tmpfs)
+from reliability_trials import (
+    DAMAGE_CLASSES,
+    DAMAGE_MODES,
+    MountRefused,
+    damage,
+    damage_trial,
+    disk_full_trial,
+    is_enospc,
+    small_state,
+    tmpfs,
+)
 
 CASES = [(ser, cls, mode) for ser, classes in DAMAGE_CLASSES.items() for cls in classes for mode in DAMAGE_MODES]
 

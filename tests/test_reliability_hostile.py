@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 
 import flax_ckpt as fc
-
 from reliability_hostile import CASES, fuzz_trial, hostile_trial, wrong_types_trial
 from reliability_trials import Tally
 

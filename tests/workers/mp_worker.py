@@ -27,14 +27,15 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax.training import train_state  # noqa: E402
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSharding  # noqa: E402
+from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import flax_ckpt as fc  # noqa: E402
 from flax_ckpt._src import tree as tree_mod  # noqa: E402
+from flax_ckpt._src.commit import distributed  # noqa: E402
 from flax_ckpt._src.engine import restore as engine  # noqa: E402
 from flax_ckpt._src.native.layout import open_native  # noqa: E402
 from flax_ckpt._src.records import leaf_name  # noqa: E402
-from flax_ckpt._src.commit import distributed  # noqa: E402
 from flax_ckpt._src.serializers import box_of  # noqa: E402
 from flax_ckpt._src.storage import LocalStorage  # noqa: E402
 from helpers import AfterWrite, assert_bit_exact, kill_self, report, start_worker  # noqa: E402

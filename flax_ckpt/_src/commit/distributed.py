@@ -34,11 +34,12 @@ from typing import Any, Callable
 
 import crc32c
 
-from flax_ckpt._src.errors import DistributedError
 from flax_ckpt._src.checks import MAX_MANIFEST_BYTES
+from flax_ckpt._src.errors import DistributedError
+from flax_ckpt._src.lazy import lazy
 from flax_ckpt._src.serializers import Written, intersect
 from flax_ckpt._src.storage import Storage
-from flax_ckpt._src.lazy import lazy
+
 jax = lazy("jax", globals())  # imported on first use (lazy.py)
 
 PARTS = "parts"
