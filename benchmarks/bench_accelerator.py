@@ -61,6 +61,7 @@ from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
+from _savers import FcManager, OrbaxManager, Saver  # noqa: E402
 
 TABLE = ["device-copy", "device-get", "raw-write", "raw-read", "device-put", "fc-async", "fc-memory",
          "fc-save", "fc-save@window=0", "fc-restore", "orbax-async", "orbax-save", "orbax-restore"]
@@ -435,19 +436,6 @@ def run_table(state: Any, copy: Callable, scratch: Path, rep: Report, rounds: in
 
 # ------------------------------------------------------------------------------------------ (b) loop
 
-class Saver:
-    """One loop contender: ``save(step, state)`` (whether it saved), ``finish()`` (timed), ``close()``."""
-
-    def save(self, step: int, state: Any) -> bool:
-        return True
-
-    def finish(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
 class DeviceGet(Saver):
     def save(self, step: int, state: Any) -> bool:
         import jax
@@ -464,46 +452,11 @@ class DeviceCopy(Saver):
         return True
 
 
-class FcManager(Saver):
-    def __init__(self, d: Path, tiers: bool):
-        import flax_ckpt as fc
-        self.shm = Path(tempfile.mkdtemp(prefix="flax_ckpt_bench-", dir="/dev/shm")) if tiers else None
-        kw = {"tiers": fc.Tiers(local_dir=str(self.shm), peer=False, persist_interval_steps=None)} \
-            if tiers else {}
-        self.mgr = fc.CheckpointManager(d, max_to_keep=1, **kw)
-
-    def save(self, step: int, state: Any) -> bool:
-        return bool(self.mgr.save(step, state))
-
-    def finish(self) -> None:
-        self.mgr.wait_until_finished()
-
-    def close(self) -> None:
-        self.mgr.close()
-        if self.shm is not None:
-            shutil.rmtree(self.shm, ignore_errors=True)
-
-
-class OrbaxManager(Saver):
-    def __init__(self, d: Path):
-        import orbax.checkpoint as ocp
-        self.ocp = ocp
-        self.mgr = ocp.CheckpointManager(d, options=ocp.CheckpointManagerOptions(max_to_keep=1))
-
-    def save(self, step: int, state: Any) -> bool:
-        return bool(self.mgr.save(step, args=self.ocp.args.StandardSave(state)))
-
-    def finish(self) -> None:
-        self.mgr.wait_until_finished()
-
-    def close(self) -> None:
-        self.mgr.close()
-
-
 def saver(name: str, d: Path, copy: Callable) -> Saver | None:
     return {"none": lambda: None, "device-get": DeviceGet, "device-copy": lambda: DeviceCopy(copy),
-            "fc-async": lambda: FcManager(d, False), "fc-memory": lambda: FcManager(d, True),
-            "orbax-async": lambda: OrbaxManager(d)}[name]()
+            "fc-async": lambda: FcManager(d, max_to_keep=1),
+            "fc-memory": lambda: FcManager(d, max_to_keep=1, tiers=True),
+            "orbax-async": lambda: OrbaxManager(d, max_to_keep=1)}[name]()
 
 
 def loop_once(name: str, state: Any, step: Callable, copy: Callable, every: int, steps: int, sync: bool,
