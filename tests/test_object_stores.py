@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+from s3_server import Faults
 
 import flax_ckpt as fc
 from flax_ckpt._src import commit as commit_mod
@@ -29,7 +30,6 @@ from flax_ckpt._src.storage import kv as kv_mod
 from flax_ckpt._src.storage import open_storage
 from helpers import assert_bit_exact
 from object_stores import SERIALIZERS, STORES, Store, manifest_keys, small_tree
-from s3_server import Faults
 from trees import mixed_tree
 
 

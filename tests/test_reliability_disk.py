@@ -15,8 +15,6 @@ import random
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-import flax_ckpt as fc
 from reliability_trials import (
     DAMAGE_CLASSES,
     DAMAGE_MODES,
@@ -28,6 +26,8 @@ from reliability_trials import (
     small_state,
     tmpfs,
 )
+
+import flax_ckpt as fc
 
 CASES = [(ser, cls, mode) for ser, classes in DAMAGE_CLASSES.items() for cls in classes for mode in DAMAGE_MODES]
 
