@@ -33,8 +33,8 @@ from basics import bit_exact, crash_state, step_state
 from reliability_worker import CRASH_KEEP, Zygote, big_state, crash_tiers, small_state, spawn, stop
 
 import flax_ckpt as fc
-from flax_ckpt._src import commit as commit_mod
 from flax_ckpt._src.checks import MANIFEST
+from flax_ckpt._src.commit import atomic as commit_mod
 from flax_ckpt._src.manager import LOCK_FILE
 from flax_ckpt._src.tiers.holdings import RUN_FILE
 

@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 import flax_ckpt as fc
 from flax_ckpt._src import tools as fi
-from flax_ckpt._src.commit import ORBAX_TMP_MARK
+from flax_ckpt._src.commit.atomic import ORBAX_TMP_MARK
 from flax_ckpt._src.engine.snapshot import snapshot
 from flax_ckpt._src.manager import CheckpointManager
 from flax_ckpt._src.orbax import locate, write

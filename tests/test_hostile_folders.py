@@ -21,9 +21,9 @@ import numpy as np
 import pytest
 
 import flax_ckpt as fc
-from flax_ckpt._src import commit as commit_mod
 from flax_ckpt._src import layouts
 from flax_ckpt._src.checks import MANIFEST
+from flax_ckpt._src.commit import atomic as commit_mod
 from flax_ckpt._src.engine.snapshot import snapshot
 from flax_ckpt._src.orbax import locate, write
 from flax_ckpt._src.storage import open_storage

@@ -23,8 +23,8 @@ from jax.sharding import PartitionSpec as P
 from s3_server import Faults
 
 import flax_ckpt as fc
-from flax_ckpt._src import commit as commit_mod
 from flax_ckpt._src.checks import MANIFEST
+from flax_ckpt._src.commit import atomic as commit_mod
 from flax_ckpt._src.native.layout import open_native
 from flax_ckpt._src.storage import kv as kv_mod
 from flax_ckpt._src.storage import open_storage

@@ -22,7 +22,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import flax_ckpt as fc
-from flax_ckpt._src import commit
+from flax_ckpt._src.commit import atomic as commit
 from flax_ckpt._src.engine.snapshot import snapshot
 from flax_ckpt._src.orbax import locate, write
 from flax_ckpt._src.orbax.layout import OrbaxLayout

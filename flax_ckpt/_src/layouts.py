@@ -18,7 +18,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from flax_ckpt._src import commit as commit_mod
+from flax_ckpt._src.commit import atomic as commit_mod
 from flax_ckpt._src.native.layout import NativeLayout
 from flax_ckpt._src.records import PersistTimes
 from flax_ckpt._src.engine.reader import Source

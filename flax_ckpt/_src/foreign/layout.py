@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from flax_ckpt._src import commit as commit_mod
+from flax_ckpt._src.commit import atomic as commit_mod
 from flax_ckpt._src.engine.snapshot import Snapshot
 from flax_ckpt._src.errors import TargetMismatchError
 from flax_ckpt._src.foreign.files import CheckpointFile, step_of

@@ -15,8 +15,8 @@ import threading
 import uuid
 from typing import Any
 
-from flax_ckpt._src import commit as commit_mod
 from flax_ckpt._src import layouts
+from flax_ckpt._src.commit import atomic as commit_mod
 from flax_ckpt._src.commit import distributed
 from flax_ckpt._src.engine.reader import Source
 from flax_ckpt._src.errors import CheckpointError, CheckpointNotFoundError, StorageError, error_class

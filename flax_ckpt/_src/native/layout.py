@@ -16,8 +16,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from flax_ckpt._src import commit as commit_mod
 from flax_ckpt._src.checks import MANIFEST, MAX_MANIFEST_BYTES
+from flax_ckpt._src.commit import atomic as commit_mod
 from flax_ckpt._src.commit import distributed
 from flax_ckpt._src.engine.arena import Arena
 from flax_ckpt._src.engine.leaves import CheckpointInfo, checkpoint_info, key_data_shape

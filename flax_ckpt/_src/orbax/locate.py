@@ -18,8 +18,8 @@ from typing import Any
 
 import crc32c
 
-from flax_ckpt._src import commit as commit_mod
 from flax_ckpt._src.checks import MANIFEST
+from flax_ckpt._src.commit import atomic as commit_mod
 from flax_ckpt._src.errors import (
     CheckpointNotCommittedError,
     CheckpointNotFoundError,

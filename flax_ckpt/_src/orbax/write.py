@@ -31,7 +31,7 @@ from typing import Any, Callable
 import crc32c
 import numpy as np
 
-from flax_ckpt._src import commit as commit_mod
+from flax_ckpt._src.commit import atomic as commit_mod
 from flax_ckpt._src.commit import distributed
 from flax_ckpt._src.engine.snapshot import HostLeaf, Snapshot, jsonable, metrics_json
 from flax_ckpt._src.errors import (

@@ -12,8 +12,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from flax_ckpt._src import commit as commit_mod
 from flax_ckpt._src import layouts
+from flax_ckpt._src.commit import atomic as commit_mod
 from flax_ckpt._src.errors import (
     CheckpointError,
     CheckpointNotFoundError,
