@@ -77,9 +77,7 @@ def make_model(d: int, layers: int, heads: int, vocab: int, seq: int, batch: int
     import jax
     import jax.numpy as jnp
     import numpy as np
-    import optax
     from flax import linen as nn
-    from flax.training import train_state
 
     class Block(nn.Module):
         @nn.compact
@@ -100,21 +98,9 @@ def make_model(d: int, layers: int, heads: int, vocab: int, seq: int, batch: int
     rng = np.random.default_rng(0)
     xs = jnp.asarray(rng.integers(0, vocab, (batch, seq)))
     ys = jnp.asarray(rng.integers(0, vocab, (batch, seq)))
-    model = Net()
-
-    def init():
-        params = jax.jit(model.init)(jax.random.key(0), xs)["params"]
-        return train_state.TrainState.create(apply_fn=model.apply, params=params, tx=optax.adam(1e-4))
-
-    def loss_fn(params, x, y):
-        return optax.softmax_cross_entropy_with_integer_labels(model.apply({"params": params}, x), y).mean()
-
-    def _step(state, x, y):
-        return state.apply_gradients(grads=jax.grad(loss_fn)(state.params, x, y))
-
-    step = jax.jit(_step, donate_argnums=0)
+    init, step = C.adam_training(Net(), xs, ys, 1e-4)
     copy = jax.jit(lambda t: jax.tree_util.tree_map(jnp.copy, t))
-    return init, (lambda s: step(s, xs, ys)), copy
+    return init, step, copy
 
 
 def leaves_of(state: Any) -> list[Any]:

@@ -61,12 +61,9 @@ MODELS = ["mlp", "transformer"]
 # ------------------------------------------------------------------------------------------- models
 
 def make_model(name: str) -> tuple[Callable[[], Any], Callable[[Any], Any]]:
-    import jax
     import jax.numpy as jnp
     import numpy as np
-    import optax
     from flax import linen as nn
-    from flax.training import train_state
 
     rng = np.random.default_rng(0)
     if name == "mlp":
@@ -100,20 +97,7 @@ def make_model(name: str) -> tuple[Callable[[], Any], Callable[[Any], Any]]:
         ys = jnp.asarray(rng.integers(0, vocab, (batch, seq)))
     else:
         raise ValueError(f"unknown model {name!r}")
-    model = Net()
-
-    def init():
-        params = model.init(jax.random.key(0), xs)["params"]
-        return train_state.TrainState.create(apply_fn=model.apply, params=params, tx=optax.adam(1e-3))
-
-    def loss_fn(params, x, y):
-        return optax.softmax_cross_entropy_with_integer_labels(model.apply({"params": params}, x), y).mean()
-
-    def _step(state, x, y):
-        return state.apply_gradients(grads=jax.grad(loss_fn)(state.params, x, y))
-
-    step = jax.jit(_step, donate_argnums=0)
-    return init, lambda s: step(s, xs, ys)
+    return C.adam_training(Net(), xs, ys, 1e-3)
 
 
 # ------------------------------------------------------------------------------------- contenders
