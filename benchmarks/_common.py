@@ -259,3 +259,25 @@ def jax_cpu_env() -> None:
     """Benchmarks run jax on the host CPU, one device, quietly."""
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+
+def adam_training(model: Any, xs: Any, ys: Any, lr: float) -> tuple[Callable[[], Any], Callable[[Any], Any]]:
+    """(init, step) of a Flax Linen ``model`` trained with optax adam (learning rate ``lr``) on one batch
+    ``xs`` of integer labels ``ys``: ``init()`` gives a fresh TrainState, ``step(state)`` the next one
+    (jitted, the state donated, as a training loop runs it)."""
+    import jax
+    import optax
+    from flax.training import train_state
+
+    def init():
+        params = jax.jit(model.init)(jax.random.key(0), xs)["params"]
+        return train_state.TrainState.create(apply_fn=model.apply, params=params, tx=optax.adam(lr))
+
+    def loss_fn(params, x, y):
+        return optax.softmax_cross_entropy_with_integer_labels(model.apply({"params": params}, x), y).mean()
+
+    def _step(state, x, y):
+        return state.apply_gradients(grads=jax.grad(loss_fn)(state.params, x, y))
+
+    step = jax.jit(_step, donate_argnums=0)
+    return init, lambda s: step(s, xs, ys)

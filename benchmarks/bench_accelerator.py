@@ -64,6 +64,7 @@ from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
+from _savers import FcManager, OrbaxManager, Saver  # noqa: E402
 
 TABLE = ["device-copy", "device-get", "raw-write", "raw-read", "device-put", "fc-async", "fc-memory",
          "fc-save", "fc-save@window=0", "fc-restore", "orbax-async", "orbax-save", "orbax-restore"]
@@ -80,9 +81,7 @@ def make_model(d: int, layers: int, heads: int, vocab: int, seq: int, batch: int
     import jax
     import jax.numpy as jnp
     import numpy as np
-    import optax
     from flax import linen as nn
-    from flax.training import train_state
 
     class Block(nn.Module):
         @nn.compact
@@ -103,21 +102,9 @@ def make_model(d: int, layers: int, heads: int, vocab: int, seq: int, batch: int
     rng = np.random.default_rng(0)
     xs = jnp.asarray(rng.integers(0, vocab, (batch, seq)))
     ys = jnp.asarray(rng.integers(0, vocab, (batch, seq)))
-    model = Net()
-
-    def init():
-        params = jax.jit(model.init)(jax.random.key(0), xs)["params"]
-        return train_state.TrainState.create(apply_fn=model.apply, params=params, tx=optax.adam(1e-4))
-
-    def loss_fn(params, x, y):
-        return optax.softmax_cross_entropy_with_integer_labels(model.apply({"params": params}, x), y).mean()
-
-    def _step(state, x, y):
-        return state.apply_gradients(grads=jax.grad(loss_fn)(state.params, x, y))
-
-    step = jax.jit(_step, donate_argnums=0)
+    init, step = C.adam_training(Net(), xs, ys, 1e-4)
     copy = jax.jit(lambda t: jax.tree_util.tree_map(jnp.copy, t))
-    return init, (lambda s: step(s, xs, ys)), copy
+    return init, step, copy
 
 
 def leaves_of(state: Any) -> list[Any]:
@@ -439,19 +426,6 @@ def run_table(state: Any, copy: Callable, scratch: Path, rep: Report, rounds: in
 
 # ------------------------------------------------------------------------------------------ (b) loop
 
-class Saver:
-    """One loop contender: ``save(step, state)`` (whether it saved), ``finish()`` (timed), ``close()``."""
-
-    def save(self, step: int, state: Any) -> bool:
-        return True
-
-    def finish(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
 class DeviceGet(Saver):
     def save(self, step: int, state: Any) -> bool:
         import jax
@@ -495,50 +469,13 @@ class DeviceCopyThread(Saver):
             self.thread = None
 
 
-class FcManager(Saver):
-    def __init__(self, d: Path, tiers: bool, on_busy: str | None = None):
-        import flax_ckpt as fc
-        self.shm = Path(tempfile.mkdtemp(prefix="flax_ckpt_bench-", dir="/dev/shm")) if tiers else None
-        kw: dict[str, Any] = {"tiers": fc.Tiers(local_dir=str(self.shm), peer=False,
-                                                persist_interval_steps=None)} if tiers else {}
-        if on_busy is not None:
-            kw["on_busy"] = on_busy
-        self.mgr = fc.CheckpointManager(d, max_to_keep=1, **kw)
-
-    def save(self, step: int, state: Any) -> bool:
-        return bool(self.mgr.save(step, state))
-
-    def finish(self) -> None:
-        self.mgr.wait_until_finished()
-
-    def close(self) -> None:
-        self.mgr.close()
-        if self.shm is not None:
-            shutil.rmtree(self.shm, ignore_errors=True)
-
-
-class OrbaxManager(Saver):
-    def __init__(self, d: Path):
-        import orbax.checkpoint as ocp
-        self.ocp = ocp
-        self.mgr = ocp.CheckpointManager(d, options=ocp.CheckpointManagerOptions(max_to_keep=1))
-
-    def save(self, step: int, state: Any) -> bool:
-        return bool(self.mgr.save(step, args=self.ocp.args.StandardSave(state)))
-
-    def finish(self) -> None:
-        self.mgr.wait_until_finished()
-
-    def close(self) -> None:
-        self.mgr.close()
-
-
 def saver(name: str, d: Path, copy: Callable) -> Saver | None:
     return {"none": lambda: None, "device-get": DeviceGet, "device-copy": lambda: DeviceCopy(copy),
             "device-copy-thread": lambda: DeviceCopyThread(copy, d),
-            "fc-async": lambda: FcManager(d, False),
-            "fc-async-skip": lambda: FcManager(d, False, "skip"), "fc-memory": lambda: FcManager(d, True),
-            "orbax-async": lambda: OrbaxManager(d)}[name]()
+            "fc-async": lambda: FcManager(d, max_to_keep=1),
+            "fc-async-skip": lambda: FcManager(d, max_to_keep=1, on_busy="skip"),
+            "fc-memory": lambda: FcManager(d, max_to_keep=1, tiers=True),
+            "orbax-async": lambda: OrbaxManager(d, max_to_keep=1)}[name]()
 
 
 def loop_once(name: str, state: Any, step: Callable, copy: Callable, every: int, steps: int, sync: bool,

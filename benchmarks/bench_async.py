@@ -167,6 +167,7 @@ class TorchDCP(Async):
 
     def __init__(self, flat: dict[str, np.ndarray], directory: Path):
         import torch.distributed.checkpoint as dcp
+
         from bench_save_restore import to_torch
 
         self.dcp, self.dir = dcp, directory
@@ -329,8 +330,9 @@ def train_run(init, step, n: int, saver: Callable[[int, Any], None] | None, ever
 
 def run_training(args, scratch: Path) -> tuple[C.Results, dict[str, Any]]:
     import jax
-    import flax_ckpt as fc
     import orbax.checkpoint as ocp
+
+    import flax_ckpt as fc
 
     init, step = make_training(args.train_width, args.train_depth, args.train_batch)
     s0 = init()

@@ -46,7 +46,8 @@ import flax_ckpt as fc  # noqa: E402
 from flax_ckpt._src import checks  # noqa: E402
 from flax_ckpt._src.engine import reader as engine_reader  # noqa: E402
 from flax_ckpt._src.native import manifest  # noqa: E402
-from flax_ckpt._src.orbax import folders, locate, read as orbax_read  # noqa: E402
+from flax_ckpt._src.orbax import folders, locate  # noqa: E402
+from flax_ckpt._src.orbax import read as orbax_read  # noqa: E402
 from flax_ckpt._src.tiers import load as tier_load  # noqa: E402
 
 SPENT = [0.0]

@@ -90,7 +90,8 @@ def worker(cfg: dict[str, Any]) -> None:
         jax.distributed.initialize(coordinator_address=addr, num_processes=n, process_id=cfg["rank"],
                                    coordinator_bind_address=addr)
     import numpy as np
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     import flax_ckpt as fc
     from flax_ckpt._src.commit import distributed
@@ -182,7 +183,8 @@ def agreement_worker(cfg: dict[str, Any]) -> None:
     jax.distributed.initialize(coordinator_address=addr, num_processes=n, process_id=rank,
                                coordinator_bind_address=addr, initialization_timeout=300)
     import numpy as np
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     import flax_ckpt as fc
     from flax_ckpt._src.commit import distributed

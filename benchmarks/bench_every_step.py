@@ -52,6 +52,7 @@ from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
+from _savers import FcManager, OrbaxManager, Saver  # noqa: E402
 
 CONTENDERS = ["none", "floor", "write-floor", "memory", "persistent", "orbax", "orbax-emergency"]
 MODELS = ["mlp", "transformer"]
@@ -60,12 +61,9 @@ MODELS = ["mlp", "transformer"]
 # ------------------------------------------------------------------------------------------- models
 
 def make_model(name: str) -> tuple[Callable[[], Any], Callable[[Any], Any]]:
-    import jax
     import jax.numpy as jnp
     import numpy as np
-    import optax
     from flax import linen as nn
-    from flax.training import train_state
 
     rng = np.random.default_rng(0)
     if name == "mlp":
@@ -99,35 +97,10 @@ def make_model(name: str) -> tuple[Callable[[], Any], Callable[[Any], Any]]:
         ys = jnp.asarray(rng.integers(0, vocab, (batch, seq)))
     else:
         raise ValueError(f"unknown model {name!r}")
-    model = Net()
-
-    def init():
-        params = model.init(jax.random.key(0), xs)["params"]
-        return train_state.TrainState.create(apply_fn=model.apply, params=params, tx=optax.adam(1e-3))
-
-    def loss_fn(params, x, y):
-        return optax.softmax_cross_entropy_with_integer_labels(model.apply({"params": params}, x), y).mean()
-
-    def _step(state, x, y):
-        return state.apply_gradients(grads=jax.grad(loss_fn)(state.params, x, y))
-
-    step = jax.jit(_step, donate_argnums=0)
-    return init, lambda s: step(s, xs, ys)
+    return C.adam_training(Net(), xs, ys, 1e-3)
 
 
 # ------------------------------------------------------------------------------------- contenders
-
-class Saver:
-    """One contender: ``save(step, state)`` in the loop (whether it saved), ``finish()`` inside the timed
-    region."""
-
-    saves: int | None = None  # saves actually made (None: those save() said it made)
-    skipped: int | None = None
-
-    def save(self, step: int, state: Any) -> bool: ...
-    def finish(self) -> None: ...
-    def close(self) -> None: ...
-
 
 class Floor(Saver):
     def __init__(self, state: Any, _: Path):
@@ -170,50 +143,6 @@ class WriteFloor(Saver):
             self.thread = None
 
 
-class Manager(Saver):
-    def __init__(self, state: Any, d: Path, tiers: bool):
-        import flax_ckpt as fc
-        self.shm = Path(tempfile.mkdtemp(prefix="flax_ckpt_bench-", dir="/dev/shm")) if tiers else None
-        kw = {"tiers": fc.Tiers(local_dir=str(self.shm), peer=False, persist_interval_steps=50)} if tiers else {}
-        self.mgr = fc.CheckpointManager(d, max_to_keep=2, **kw)
-        self.tiers = tiers
-
-    def save(self, step: int, state: Any) -> bool:
-        return self.mgr.save(step, state)
-
-    def finish(self) -> None:
-        self.mgr.wait_until_finished()
-
-    def mark(self) -> None:
-        self.first = len(self.mgr.tier_stats)
-
-    def count(self) -> None:
-        if self.tiers:
-            st = self.mgr.tier_stats[self.first:]
-            self.saves, self.skipped = len(st), sum(s.skipped for s in st)
-
-    def close(self) -> None:
-        self.mgr.close()
-        if self.shm is not None:
-            shutil.rmtree(self.shm, ignore_errors=True)
-
-
-class Orbax(Saver):
-    def __init__(self, state: Any, d: Path):
-        import orbax.checkpoint as ocp
-        self.ocp = ocp
-        self.mgr = ocp.CheckpointManager(d, options=ocp.CheckpointManagerOptions(max_to_keep=2))
-
-    def save(self, step: int, state: Any) -> bool:
-        return bool(self.mgr.save(step, args=self.ocp.args.StandardSave(state)))
-
-    def finish(self) -> None:
-        self.mgr.wait_until_finished()
-
-    def close(self) -> None:
-        self.mgr.close()
-
-
 class OrbaxEmergency(Saver):
     """Orbax's emergency CheckpointManager: local checkpoints in tmpfs every save, persistent every 50."""
 
@@ -245,8 +174,10 @@ class OrbaxEmergency(Saver):
 
 def saver(name: str, state: Any, d: Path) -> Saver | None:
     return {"none": lambda: None, "floor": lambda: Floor(state, d),
-            "write-floor": lambda: WriteFloor(state, d), "memory": lambda: Manager(state, d, True),
-            "persistent": lambda: Manager(state, d, False), "orbax": lambda: Orbax(state, d),
+            "write-floor": lambda: WriteFloor(state, d),
+            "memory": lambda: FcManager(d, max_to_keep=2, tiers=True, persist_interval_steps=50),
+            "persistent": lambda: FcManager(d, max_to_keep=2),
+            "orbax": lambda: OrbaxManager(d, max_to_keep=2),
             "orbax-emergency": lambda: OrbaxEmergency(state, d)}[name.split("@")[0]]()
 
 

@@ -45,7 +45,8 @@ def main(argv: list[str] | None = None) -> dict:
     import jax.numpy as jnp
     import numpy as np
     import orbax.checkpoint as ocp
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     import flax_ckpt as fc
 

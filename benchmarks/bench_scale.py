@@ -26,11 +26,11 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import warnings
 import shutil
 import statistics
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Callable
 
@@ -43,7 +43,8 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import flax_ckpt as fc  # noqa: E402
 

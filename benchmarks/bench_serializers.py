@@ -61,6 +61,7 @@ class Case:
 
 def one_round(case: Case, ser: str, where: str, scratch: Path, r: int, res: C.Results, check: bool) -> str:
     import jax
+
     import flax_ckpt as fc
     from flax_ckpt._src.storage import open_storage
 

@@ -169,7 +169,8 @@ def worker(i: int, port: int, root: str, mb: int) -> None:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(f"127.0.0.1:{port}", 2, i, coordinator_bind_address=f"127.0.0.1:{port}",
                                initialization_timeout=60)
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
     mesh = Mesh(np.array(jax.devices()), ("p",))
     sh = NamedSharding(mesh, P("p"))
     rows = mb * (1 << 20) // 4 // 1024

@@ -18,7 +18,7 @@ naming it, and the newest good step restored bit-exact instead); lost (a committ
 step beside a damaged one, could not be restored); corrupt (a restore returned other bytes, or took
 damaged, crafted or temporary data for a checkpoint); other failures (an undocumented exception, an
 error not naming the damage, a hang, a broken retention rule). The goal is zero in the last three.
-The trial code is tests/reliability_*.py (its child processes: tests/workers/reliability_worker.py),
+The trial code is harness/reliability_*.py (its child processes: harness/reliability_worker.py),
 the same the default test suite runs a few of. The table is printed and written to
 bench_out/faults-<time>.md.
 """
@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Callable
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO / "harness"))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 warnings.filterwarnings("ignore")
 logging.getLogger("flax_ckpt").addHandler(logging.NullHandler())  # fallbacks warn by design; the trials
@@ -47,7 +47,7 @@ logging.getLogger("flax_ckpt").propagate = False  # check those warnings themsel
 
 import reliability_hostile as RH  # noqa: E402
 import reliability_trials as RT  # noqa: E402
-from workers.reliability_worker import Zygote  # noqa: E402
+from reliability_worker import Zygote  # noqa: E402
 
 Runner = Callable[[argparse.Namespace, str, "Zygote"], list[RT.Tally]]
 

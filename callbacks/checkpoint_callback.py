@@ -224,8 +224,7 @@ class CheckpointCallback:
         stop = not self.preempted and self._guard.reached(step)
         saved = False
         if force or stop or self.manager.should_save(step):
-            values = metrics() if callable(metrics) else metrics
-            saved = self.manager.save(step, self._tree(state), metrics=values, force=force or stop)
+            saved = self.manager.save(step, self._tree(state), metrics=_values(metrics), force=force or stop)
         self._pending = None if saved else (step, state, metrics)
         if saved and not stop and not self.preempted and self._guard.requested:
             stop = True  # a signal arrived while this step was being saved: it is the one to stop at
@@ -280,7 +279,7 @@ class CheckpointCallback:
             raise fc.CheckpointError("CheckpointCallback is closed")
         self._pending = None
         saved = step not in self.manager.all_steps() and self.manager.save(
-            step, self._tree(state), metrics=metrics() if callable(metrics) else metrics, force=True)
+            step, self._tree(state), metrics=_values(metrics), force=True)
         self.manager.wait_until_finished()
         return saved
 
@@ -343,7 +342,7 @@ class CheckpointCallback:
             return
         try:
             self.manager.save(step, first_replica(tree) if self.replicated else tree,
-                              metrics=metrics() if callable(metrics) else metrics, force=True)
+                              metrics=_values(metrics), force=True)
             self.manager.wait_until_finished()
         except Exception as e:
             if not at_exit:
@@ -380,6 +379,12 @@ class Preempted(KeyboardInterrupt):
 
     def _render_traceback_(self) -> list[str]:  # IPython shows these lines in place of a traceback
         return [f"Preempted: {self}"]
+
+
+def _values(metrics: Metrics) -> dict[str, Any] | None:
+    """The metrics of a step as the manager's ``save`` takes them: called if a callable, as a dict."""
+    values = metrics() if callable(metrics) else metrics
+    return None if values is None else dict(values)
 
 
 def _interactive() -> bool:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import time
 from typing import Any, Callable
 
-from clu import periodic_actions
+from clu import periodic_actions  # pyright: ignore[reportMissingImports] (the optional clu extra)
 
 from .checkpoint_callback import CheckpointCallback, Metrics
 

@@ -22,9 +22,8 @@ import numpy as np
 import optax
 from flax import nnx
 
-from train_linen import Data, load_data  # the same digits split (examples/ is on sys.path when run)
-
 from flax_ckpt.callbacks import CheckpointCallback  # ckpt
+from train_linen import Data, load_data  # the same digits split (examples/ is on sys.path when run)
 
 
 class MLP(nnx.Module):

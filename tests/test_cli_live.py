@@ -20,8 +20,8 @@ import pytest
 
 import flax_ckpt as fc
 from flax_ckpt._src import tools as fi
-from flax_ckpt._src.cli import main as cli
 from flax_ckpt._src.errors import CheckpointNotFoundError
+from flax_ckpt._src.tools.cli import main as cli
 from flax_ckpt._src.tools.common import read_info
 
 WRITER = textwrap.dedent("""

@@ -17,11 +17,11 @@ import pytest
 
 import flax_ckpt as fc
 from flax_ckpt._src import tools as fi
-from flax_ckpt._src.cli import main as cli
 from flax_ckpt._src.engine.snapshot import snapshot
 from flax_ckpt._src.orbax import write
 from flax_ckpt._src.storage import open_storage
 from flax_ckpt._src.storage.lock import LOCK_FILE
+from flax_ckpt._src.tools.cli import main as cli
 
 serialization = pytest.importorskip("flax.serialization")
 

@@ -20,10 +20,10 @@ import time
 
 import numpy as np
 import pytest
+from reliability_trials import MountRefused, disk_full_trial, ext4
 
 from flax_ckpt._src.storage import local
 from flax_ckpt._src.storage.local import DIRECT_FILE_SYSTEMS, DIRECT_MIN, LocalStorage
-from reliability_trials import MountRefused, disk_full_trial, ext4
 
 STAGE = local._STAGE
 SIZES = [  # each a list of buffer sizes written back to back as one file

@@ -172,7 +172,7 @@ def test_process_killed_during_a_save_leaves_no_partial_step(tmp_path):
 
 def test_process_0_writes_over_the_files_of_the_step_it_removed(tmp_path):
     """2 processes x 2 devices, max_to_keep=2: the process that removes steps (process 0) keeps their
-    data files and writes its next file over one of them (commit/spares.py); every kept step restores
+    data files and writes its next file over one of them (commit/recycler.py); every kept step restores
     bit-exact on every process; nothing is left after close."""
     job = mp_job(tmp_path, "spares", "spares", 2, 2, dir=str(tmp_path / "ck")).start()
     try:

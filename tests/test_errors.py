@@ -198,7 +198,8 @@ def test_non_json_metadata_is_refused_before_writing(tmp_path):
 
 def test_a_mesh_that_does_not_divide_the_saved_shape_is_a_target_mismatch_naming_the_leaf(tmp_path):
     import jax
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     fc.save(tmp_path / "ck", {"w": np.arange(48 * 8, dtype=np.float32).reshape(48, 8)})
     five = NamedSharding(Mesh(np.array(jax.devices()[:5]), ("x",)), P("x"))  # 48 rows over 5 devices
@@ -248,7 +249,8 @@ def test_a_run_path_that_is_not_utf8_works_natively_and_is_a_clear_error_for_orb
 def test_a_target_over_an_abstract_mesh_restores_with_the_mesh_in_context_or_is_a_clear_error(tmp_path):
     import jax
     from flax import nnx
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     mesh = jax.make_mesh((2, 2), ("a", "b"), devices=jax.devices()[:4])
 

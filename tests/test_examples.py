@@ -213,6 +213,7 @@ def test_readme_snippet_continues_an_orbax_run_of_named_items(tmp_path):
     import jax
     import jax.numpy as jnp
     import numpy as np
+
     from flax_ckpt.callbacks import CheckpointCallback
 
     @jax.jit

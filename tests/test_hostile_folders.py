@@ -21,15 +21,15 @@ import numpy as np
 import pytest
 
 import flax_ckpt as fc
-from flax_ckpt._src import commit as commit_mod
 from flax_ckpt._src import layouts
-from flax_ckpt._src.cli import main as cli
-from flax_ckpt._src.engine.snapshot import snapshot
 from flax_ckpt._src.checks import MANIFEST
+from flax_ckpt._src.commit import atomic as commit_mod
+from flax_ckpt._src.engine.snapshot import snapshot
 from flax_ckpt._src.orbax import locate, write
 from flax_ckpt._src.storage import open_storage
 from flax_ckpt._src.storage.local import LocalStorage
 from flax_ckpt._src.storage.lock import LOCK_FILE
+from flax_ckpt._src.tools.cli import main as cli
 
 OUTSIDE = b"the trainer's ssh config: must never be overwritten\n"
 

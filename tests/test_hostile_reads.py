@@ -28,7 +28,6 @@ import flax_ckpt as fc
 from flax_ckpt._src import checks as fmt
 from flax_ckpt._src import tools
 from flax_ckpt._src.tiers import store as tier_store
-
 from helpers import assert_bit_exact, manifest_body, worker_env, write_manifest_body
 
 ocp = pytest.importorskip("orbax.checkpoint")

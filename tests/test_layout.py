@@ -24,12 +24,10 @@ RANKS = {
     "flax_ckpt._src.engine": 4,
     "flax_ckpt._src.native": 5, "flax_ckpt._src.orbax": 5, "flax_ckpt._src.tiers": 5,  # the layouts, peers
     "flax_ckpt._src.foreign": 5,  # other libraries' files, read only: legacy Flax msgpack, safetensors
-    "flax_ckpt._src.layouts": 6, "flax_ckpt._src.api": 6, "flax_ckpt._src.writer": 6,
-    "flax_ckpt._src.interval": 6, "flax_ckpt._src.retention": 6, "flax_ckpt._src.plot": 6,
-    "flax_ckpt._src.stats": 6,
+    "flax_ckpt._src.layouts": 6, "flax_ckpt._src.api": 6, "flax_ckpt._src.retention": 6,
     "flax_ckpt._src.manager": 7,
     "flax_ckpt._src.tools": 8,
-    "flax_ckpt._src.cli": 9,
+    "flax_ckpt._src.tools.cli": 9,
     "flax_ckpt": 10, "flax_ckpt.__main__": 10,
     "flax_ckpt.callbacks": 11,  # the repository's callbacks/ folder (pyproject maps it into the package)
 }

@@ -20,7 +20,7 @@ import flax_ckpt as fc
 from flax_ckpt._src import layouts
 from flax_ckpt._src.engine.reader import Damage, Source
 from flax_ckpt._src.native.layout import NativeLayout, NativeSource
-from flax_ckpt._src.orbax import OrbaxLayout
+from flax_ckpt._src.orbax.layout import OrbaxLayout
 from flax_ckpt._src.orbax.read import OrbaxSource
 from flax_ckpt._src.storage import open_storage
 from flax_ckpt._src.tiers.load import CopySource

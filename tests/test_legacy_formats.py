@@ -133,7 +133,7 @@ def test_a_run_directory_of_files_is_listed_and_named(run):
 
 _CLI = """
 import contextlib, io, json, sys
-from flax_ckpt._src.cli import main
+from flax_ckpt._src.tools.cli import main
 results = []
 for args in json.loads(sys.argv[1]):
     out = io.StringIO()

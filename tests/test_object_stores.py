@@ -18,18 +18,18 @@ import time
 import jax
 import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+from s3_server import Faults
 
 import flax_ckpt as fc
-from flax_ckpt._src import commit as commit_mod
 from flax_ckpt._src.checks import MANIFEST
+from flax_ckpt._src.commit import atomic as commit_mod
 from flax_ckpt._src.native.layout import open_native
 from flax_ckpt._src.storage import kv as kv_mod
 from flax_ckpt._src.storage import open_storage
-
 from helpers import assert_bit_exact
 from object_stores import SERIALIZERS, STORES, Store, manifest_keys, small_tree
-from s3_server import Faults
 from trees import mixed_tree
 
 

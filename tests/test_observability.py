@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import flax_ckpt as fc
-from flax_ckpt._src.interval import AutoInterval
+from flax_ckpt._src.manager.interval import AutoInterval
 
 
 def test_formula_budget_and_young_daly():
@@ -107,7 +107,7 @@ def test_timeline_plot_draws_every_phase(ckpt_dir):
     import matplotlib
 
     matplotlib.use("Agg")
-    from flax_ckpt._src.plot import plot_timeline
+    from flax_ckpt._src.manager.plot import plot_timeline
 
     with fc.CheckpointManager(ckpt_dir) as mgr:
         for s in (1, 2, 3):

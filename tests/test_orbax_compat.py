@@ -18,12 +18,14 @@ import optax
 import pytest
 from flax import linen as nn
 from flax.training import train_state
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import flax_ckpt as fc
-from flax_ckpt._src import commit
+from flax_ckpt._src.commit import atomic as commit
 from flax_ckpt._src.engine.snapshot import snapshot
-from flax_ckpt._src.orbax import OrbaxLayout, locate, write
+from flax_ckpt._src.orbax import locate, write
+from flax_ckpt._src.orbax.layout import OrbaxLayout
 from flax_ckpt._src.storage import open_storage, split_location
 from helpers import as_bytes, assert_bit_exact
 

@@ -18,11 +18,13 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 import tensorstore as ts
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import flax_ckpt as fc
 from flax_ckpt._src import tools
-from flax_ckpt._src.orbax import folders, read as orbax_read
+from flax_ckpt._src.orbax import folders
+from flax_ckpt._src.orbax import read as orbax_read
 from helpers import assert_bit_exact
 from trees import every_dtype
 

@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 
 import flax_ckpt as fc
-from test_cli import run, run_json
 from helpers import assert_bit_exact
+from test_cli import run, run_json
 
 ocp = pytest.importorskip("orbax.checkpoint")
 

@@ -72,7 +72,7 @@ def test_the_wheel_holds_one_top_level_package_with_the_callbacks_inside(wheel):
     assert shipped == expected, f"missing: {sorted(expected - shipped)}; unexpected: {sorted(shipped - expected)}"
     assert wheel.read("flax_ckpt/callbacks/__init__.py") == (ROOT / "callbacks/__init__.py").read_bytes()
     entry_points = wheel.read(f"{dist_info[0]}/entry_points.txt").decode()
-    assert "flax-ckpt = flax_ckpt._src.cli:main" in entry_points
+    assert "flax-ckpt = flax_ckpt._src.tools.cli:main" in entry_points
 
 
 # A user's project: its own callbacks module, and a training script run from the project's folder

@@ -229,7 +229,8 @@ def test_an_open_callback_saves_its_last_step_at_interpreter_exit(tmp_path):
 
 
 def test_restore_keeps_the_target_leaf_type_and_weak_type(tmp_path):
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
     weak = jax.jit(lambda n: n + 1)(3)  # a Python int through jit: a weak-typed int32
     assert weak.weak_type
     fc.save(tmp_path / "c", {"step": weak, "count": jnp.int32(9), "lr": np.float32(0.5), "scale": jnp.asarray(1.5)})
@@ -248,6 +249,7 @@ def test_restore_keeps_the_target_leaf_type_and_weak_type(tmp_path):
 
 def test_which_zarr_codecs_checksum_the_data(tmp_path):
     import tensorstore as ts
+
     from flax_ckpt._src.orbax.read import data_checksummed
     made = []
 

@@ -9,9 +9,8 @@ saving plain states).
 from __future__ import annotations
 
 import pytest
-
 from reliability_trials import Tally, reader_trial, thread_saves_trial
-from workers.reliability_worker import Zygote
+from reliability_worker import Zygote
 
 
 @pytest.mark.timeout(120)

@@ -1,6 +1,6 @@
 """Crash consistency at scale and signals: real SIGKILLs of async manager saves, real SIGTERMs.
 
-Extends test_crash.py (a few spawned kills) with forked savers (workers/reliability_worker.Zygote) so that
+Extends test_crash.py (a few spawned kills) with forked savers (harness/reliability_worker.Zygote) so that
 many kills are cheap, both serializers, savers with a memory tier, keep_period survival and
 temporary-folder refusal after every kill. The 200-kill run is marked slow and skipped unless FLAX_CKPT_SLOW=1 (benchmarks/faults.py runs
 it too). The SIGTERM children are fresh interpreters, because their exit path is what is tested.
@@ -12,9 +12,8 @@ import os
 import random
 
 import pytest
-
 from reliability_trials import CrashRun, crash_trial, sigterm_trial
-from workers.reliability_worker import Zygote
+from reliability_worker import Zygote
 
 SLOW = os.environ.get("FLAX_CKPT_SLOW") == "1"
 DEFAULT_KILLS = int(os.environ.get("FLAX_CKPT_RELIABILITY_KILLS", "8"))

@@ -15,10 +15,19 @@ import random
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from reliability_trials import (
+    DAMAGE_CLASSES,
+    DAMAGE_MODES,
+    MountRefused,
+    damage,
+    damage_trial,
+    disk_full_trial,
+    is_enospc,
+    small_state,
+    tmpfs,
+)
 
 import flax_ckpt as fc
-from reliability_trials import (DAMAGE_CLASSES, DAMAGE_MODES, MountRefused, damage, damage_trial, disk_full_trial,
-                                is_enospc, small_state, tmpfs)
 
 CASES = [(ser, cls, mode) for ser, classes in DAMAGE_CLASSES.items() for cls in classes for mode in DAMAGE_MODES]
 

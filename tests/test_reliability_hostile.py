@@ -12,11 +12,10 @@ import os
 
 import numpy as np
 import pytest
-
-import flax_ckpt as fc
-
 from reliability_hostile import CASES, fuzz_trial, hostile_trial, wrong_types_trial
 from reliability_trials import Tally
+
+import flax_ckpt as fc
 
 HOSTILE = [(case, ser) for case, (sers, _) in CASES.items() for ser in sers]
 FUZZ_EXAMPLES = int(os.environ.get("FLAX_CKPT_FUZZ_EXAMPLES", "200"))

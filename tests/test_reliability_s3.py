@@ -1,5 +1,5 @@
 """Object-store faults during save and restore: 5xx answers, dropped and reset connections, truncated
-bodies and lost replies injected by tests/s3_server.py's FaultProxy in front of a real S3-protocol
+bodies and lost replies injected by harness/s3_server.py's FaultProxy in front of a real S3-protocol
 server on loopback. A save that fails is a SaveFailedError and commits nothing partial; a restore is
 bit-exact or a CheckpointError; nothing older is lost. Skipped where moto is not installed.
 """
@@ -13,9 +13,10 @@ import pytest
 
 pytest.importorskip("moto", reason="the S3 fault tests need moto[server] (the test extra)")
 
-import flax_ckpt as fc  # noqa: E402
 from reliability_s3 import s3_restore_trial, s3_rig, s3_save_trial, s3_state  # noqa: E402
 from s3_server import Faults  # noqa: E402
+
+import flax_ckpt as fc  # noqa: E402
 
 TRIALS = 3
 

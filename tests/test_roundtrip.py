@@ -13,7 +13,8 @@ import pytest
 from flax import nnx
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import flax_ckpt as fc
 from helpers import assert_bit_exact, leaf_chunks

@@ -14,17 +14,15 @@ import pytest
 import tensorstore as ts
 
 import flax_ckpt as fc
-from flax_ckpt._src.engine import restore as engine
-from flax_ckpt._src.native.layout import NativeLayout, open_native
-from flax_ckpt._src.engine.snapshot import snapshot
 from flax_ckpt._src.checks import MANIFEST
+from flax_ckpt._src.engine import restore as engine
+from flax_ckpt._src.engine.snapshot import snapshot
+from flax_ckpt._src.native.layout import NativeLayout, open_native
 from flax_ckpt._src.serializers import get_serializer
 from flax_ckpt._src.storage import KvStorage, LocalStorage, ObjectStoreOptions, open_storage, split_location
-
 from helpers import assert_bit_exact
 from object_stores import small_tree
 from s3_fixtures import S3Place, point_env_at
-
 
 # ------------------------------------------------------------------------------- explicit options
 

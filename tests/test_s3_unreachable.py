@@ -24,7 +24,6 @@ import pytest
 import flax_ckpt as fc
 from flax_ckpt._src.storage import ObjectStoreOptions, open_storage
 from flax_ckpt._src.storage import endpoints as endpoints_mod
-
 from helpers import HOST, free_port, worker_env
 
 ABSL_LINE = re.compile(r"^[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ ", re.M)  # e.g. "E1204 16:19:08.033383   11027 "

@@ -302,8 +302,9 @@ def test_full_copies_into_the_data_file_keep_every_dtype_and_layout_bit_exact(tm
 def _check_full_copy(folder: str) -> None:
     """A full copy's index (written as text, tiers/encode.py) is the canonical JSON of its body, and every
     chunk's crc32c is that of its bytes in data.bin, each shard's from a 64-byte boundary."""
-    import crc32c
     import json
+
+    import crc32c
 
     raw = open(os.path.join(folder, tier_store.INDEX), "rb").read()
     canon = raw[raw.index(b'"body": ') + len(b'"body": '):-2]
@@ -366,6 +367,7 @@ def test_the_copy_into_a_data_file_gives_the_crc32c_of_every_chunk_it_copied():
     destination's crc32c per ``chunk`` bytes from its start equals a separate pass over it, for
     contiguous, transposed and strided sources, a tail chunk and an empty array."""
     import crc32c
+
     from flax_ckpt._src.engine import snapshot as snap_mod
 
     rng = np.random.default_rng(9)

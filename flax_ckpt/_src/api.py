@@ -141,7 +141,7 @@ def restore(path: Any, target: Any = None, *, shardings: Any = None, partial: bo
     fit = Fit.of(partial=partial, rename=rename, missing=missing, unexpected=unexpected, cast=cast,
                  report=report)
     source = layouts.open_checkpoint(_folder(path), item, _reader(serializer))
-    return engine.restore(source, target, shardings=shardings, partial=fit)
+    return engine.restore(source, target, shardings=shardings, fit=fit)
 
 
 def metadata(path: Any, *, item: str | None = None, serializer: "str | Serializer | None" = None) -> CheckpointInfo:

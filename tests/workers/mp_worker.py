@@ -27,14 +27,15 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax.training import train_state  # noqa: E402
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSharding  # noqa: E402
+from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import flax_ckpt as fc  # noqa: E402
 from flax_ckpt._src import tree as tree_mod  # noqa: E402
+from flax_ckpt._src.commit import distributed  # noqa: E402
 from flax_ckpt._src.engine import restore as engine  # noqa: E402
 from flax_ckpt._src.native.layout import open_native  # noqa: E402
 from flax_ckpt._src.records import leaf_name  # noqa: E402
-from flax_ckpt._src.commit import distributed  # noqa: E402
 from flax_ckpt._src.serializers import box_of  # noqa: E402
 from flax_ckpt._src.storage import LocalStorage  # noqa: E402
 from helpers import AfterWrite, assert_bit_exact, kill_self, report, start_worker  # noqa: E402
@@ -258,7 +259,7 @@ def mode_s3(cfg: dict) -> dict:
 
 def mode_spares(cfg: dict) -> dict:
     """2 processes x 2 devices, an async manager with max_to_keep=2 saving a 8 MiB sharded leaf five
-    times: process 0, which removes steps, writes its next files over the removed step's (commit/spares.py);
+    times: process 0, which removes steps, writes its next files over the removed step's (commit/recycler.py);
     every process restores every kept step bit-exact. Reports each step's data files (name -> inode)."""
     d = cfg["dir"] + "/mgr"
     mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("a", "b"))

@@ -17,7 +17,7 @@ missing processes instead of a hang. No collectives are used, only the coordinat
 
 Not here: which shards a process owns (engine/snapshot.py keeps each process's addressable shards
 with replica_id == 0, so a replicated shard has exactly one writer), the byte layout (serializers),
-the commit itself (commit/__init__.py), and the orchestration of one save (native/layout.py's persist).
+the commit itself (commit/atomic.py), and the orchestration of one save (native/layout.py's persist).
 """
 
 from __future__ import annotations
@@ -34,11 +34,12 @@ from typing import Any, Callable
 
 import crc32c
 
-from flax_ckpt._src.errors import DistributedError
 from flax_ckpt._src.checks import MAX_MANIFEST_BYTES
+from flax_ckpt._src.errors import DistributedError
+from flax_ckpt._src.lazy import lazy
 from flax_ckpt._src.serializers import Written, intersect
 from flax_ckpt._src.storage import Storage
-from flax_ckpt._src.lazy import lazy
+
 jax = lazy("jax", globals())  # imported on first use (lazy.py)
 
 PARTS = "parts"

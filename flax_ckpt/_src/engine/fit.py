@@ -72,7 +72,7 @@ class Fit:
 
 
 def as_fit(partial: "bool | Fit") -> Fit:
-    """A Fit from what callers thread through as ``partial`` (a bool, or the Fit itself)."""
+    """A Fit from a bool (``partial``: the checkpoint may hold more than the target) or a Fit itself."""
     return partial if isinstance(partial, Fit) else Fit.of(partial=bool(partial))
 
 

@@ -10,6 +10,7 @@ implementations. No I/O.
 from __future__ import annotations
 
 import functools
+import typing
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Sequence
 
@@ -18,10 +19,15 @@ import numpy as np
 from flax_ckpt._src import tree as tree_mod
 from flax_ckpt._src.engine.diagnose import replicated_diagnosis, structure_diagnosis
 from flax_ckpt._src.engine.fit import Fit, RestoreReport, cast_problem, renamed
-from flax_ckpt._src.errors import (AbstractTargetLeafError, LeafMismatchError, StructureMismatchError,
-                                  format_list)
-from flax_ckpt._src.records import LeafRecord
+from flax_ckpt._src.errors import (
+    AbstractTargetLeafError,
+    LeafMismatchError,
+    StructureMismatchError,
+    format_list,
+)
 from flax_ckpt._src.lazy import lazy
+from flax_ckpt._src.records import LeafRecord
+
 jax = lazy("jax", globals())  # imported on first use (lazy.py)
 
 
@@ -77,7 +83,7 @@ def compatible(t: Any, leaf: LeafRecord) -> bool:
     scalar_kinds = python_scalar_kinds(t)
     if scalar_kinds is not None:
         if kind in ("jax", "numpy"):  # e.g. TrainState.create's step=0 against the int32 array a jitted step saved
-            return leaf.shape == () and leaf.dtype.kind in scalar_kinds
+            return leaf.shape == () and leaf.dtype is not None and leaf.dtype.kind in scalar_kinds
         return kind == "scalar" and type(leaf.value) is type(t)
     if isinstance(t, str):
         return kind == "string"
@@ -146,7 +152,8 @@ def match_target(saved: Sequence[LeafRecord], flat: Sequence[tuple[tree_mod.KeyP
                  what: str, where: str, hint: str = "") -> list[LeafRecord]:
     """fit_target without rename, keep or cast: the saved leaf of every target leaf (``partial``: the
     checkpoint may hold more)."""
-    return fit_target(saved, flat, Fit.of(partial=partial), what=what, where=where, hint=hint).chosen
+    chosen = fit_target(saved, flat, Fit.of(partial=partial), what=what, where=where, hint=hint).chosen
+    return typing.cast(list[LeafRecord], chosen)  # no None: without missing="keep" every target leaf has a match
 
 
 def _named(name: str, origin: dict[str, str]) -> str:
@@ -204,7 +211,8 @@ def castable(t: Any, leaf: LeafRecord) -> str | None:
     """Why cast=True does not convert ``leaf`` into target leaf ``t`` (a message's note; "" where the
     mismatch says it), or None: only arrays of one shape are cast, never PRNG keys, Python scalars or
     other leaves; fit.cast_problem is the dtype policy."""
-    if leaf.kind not in ("jax", "numpy") or tree_mod.is_prng_key(t) or python_scalar_kinds(t) is not None:
+    if leaf.kind not in ("jax", "numpy") or leaf.dtype is None or tree_mod.is_prng_key(t) \
+            or python_scalar_kinds(t) is not None:
         return ""
     if not (hasattr(t, "shape") and hasattr(t, "dtype")) or tuple(t.shape) != leaf.shape:
         return ""
@@ -223,8 +231,9 @@ def _mismatch_fix(flat: Sequence[tuple[tree_mod.KeyPath, Any]], chosen: Sequence
              and (not cast or castable(t, leaf) is not None)]
     shapes = [(_shape_of(t), leaf.logical_shape if leaf.is_array else () if leaf.kind == "scalar" else None)
               for t, leaf in pairs]
-    if all(t is not None and s is not None for t, s in shapes):
-        replicated = replicated_diagnosis(shapes)
+    known = [(t, s) for t, s in shapes if t is not None and s is not None]
+    if len(known) == len(shapes):
+        replicated = replicated_diagnosis(known)
         if replicated is not None:
             return replicated
     arrays = [(t, leaf) for t, leaf in pairs if leaf.is_array and hasattr(t, "shape") and hasattr(t, "dtype")]

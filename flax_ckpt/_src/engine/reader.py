@@ -21,13 +21,14 @@ from typing import Any, Callable, NamedTuple, Protocol, Sequence
 
 import numpy as np
 
+from flax_ckpt._src.checks import tiling_problem
 from flax_ckpt._src.engine.fit import cast_into
 from flax_ckpt._src.engine.leaves import CheckpointInfo, python_scalar_kinds
 from flax_ckpt._src.errors import CheckpointError, CorruptCheckpointError, TargetMismatchError, format_list
-from flax_ckpt._src.checks import tiling_problem
+from flax_ckpt._src.lazy import lazy
 from flax_ckpt._src.records import LeafRecord
 from flax_ckpt._src.serializers import Box, box_of
-from flax_ckpt._src.lazy import lazy
+
 jax = lazy("jax", globals())  # imported on first use (lazy.py)
 
 _ALIGN = 64  # restored host buffers start on this boundary (see aligned_empty)

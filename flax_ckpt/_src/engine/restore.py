@@ -21,7 +21,7 @@ import jax
 import numpy as np
 
 from flax_ckpt._src import tree as tree_mod
-from flax_ckpt._src.engine.fit import Fit, RestoreReport, as_fit, nestable, renamed
+from flax_ckpt._src.engine.fit import Fit, RestoreReport, nestable, renamed
 from flax_ckpt._src.engine.leaves import fit_target
 from flax_ckpt._src.engine.pause import gc_paused
 from flax_ckpt._src.engine.reader import Pending, Reader, Source, placements
@@ -47,13 +47,13 @@ def flat_shardings(shardings: Any, names: Sequence[str]) -> dict[str, Any]:
 
 
 @gc_paused()
-def restore(source: Source, target: Any = None, *, shardings: Any = None, partial: "bool | Fit" = False) -> Any:
+def restore(source: Source, target: Any = None, *, shardings: Any = None, fit: Fit | None = None) -> Any:
     """Restores ``source`` into ``target``'s structure (checked leaf by leaf), or without a target into
     nested dicts/lists of numpy arrays, Python scalars and strings (PRNG keys as key arrays).
-    ``partial``: a Fit (engine/fit.py: rename, missing, unexpected, cast, report), or a bool (True:
-    the checkpoint may hold more than the target). With Fit.report, returns (tree, RestoreReport).
+    ``fit``: how the checkpoint may differ from the target (engine/fit.py: rename, missing, unexpected,
+    cast, report); None: an exact restore. With Fit.report, returns (tree, RestoreReport).
     Every check comes before any read; a failed read or cast hands nothing back."""
-    fit = as_fit(partial)
+    fit = Fit.of() if fit is None else fit
     source, target = source.select(target)
     if target is None:
         if fit.cast:
@@ -101,9 +101,9 @@ def kept(t: Any, sharding: Any) -> Any:
     return t
 
 
-def restored_nbytes(source: Source, target: Any, partial: "bool | Fit") -> int:
-    """Array bytes a restore of ``source`` into ``target`` reads (``partial``: as restore's)."""
-    fit = as_fit(partial)
+def restored_nbytes(source: Source, target: Any, fit: Fit | None = None) -> int:
+    """Array bytes a restore of ``source`` into ``target`` reads (``fit``: as restore's)."""
+    fit = Fit.of() if fit is None else fit
     source, target = source.select(target)
     if target is None:
         return sum(leaf.nbytes for leaf in renamed(source.leaves, fit, source.url, warn=False).by_name.values())

@@ -105,7 +105,7 @@ class Snapshot:
             lf.shards = tuple(Shard(s.box, got.get((i, n), s.data)) for n, s in enumerate(lf.shards))
         self.pending = []  # the device copies are freed
 
-    def spare_buffers(self) -> dict[tuple[Any, Box], np.ndarray]:
+    def reuse_buffers(self) -> dict[tuple[Any, Box], np.ndarray]:
         """This snapshot's buffers by (key path, box), for ``snapshot(reuse=...)``; none unless owned.
         Read-only views (of CPU jax arrays) are never handed out."""
         if not self.owned:
@@ -115,18 +115,18 @@ class Snapshot:
 
     def reusable(self) -> "Snapshot | None":
         """What to keep for the next save: its arena alone when it was taken into one, else this
-        snapshot's own buffers (what ``spare_buffers`` gives), or None when it has none. It holds no view
+        snapshot's own buffers (what ``reuse_buffers`` gives), or None when it has none. It holds no view
         of the caller's arrays (that would keep a saved state alive, and stop XLA from donating its
         buffers)."""
         if self.arena is not None:  # the next save's arena holds all that this one asked for (made now if
             # this one was too small): keeping other buffers would be a second copy
             return Snapshot([], 0, owned=True, arena=self.arena.after())
-        spare = self.spare_buffers()
-        if not spare:
+        own = self.reuse_buffers()
+        if not own:
             return None
-        leaves = [HostLeaf(lf.record, tuple(s for s in lf.shards if (lf.path, s.box) in spare))
-                  for lf in self.leaves if any((lf.path, s.box) in spare for s in lf.shards)]
-        return Snapshot(leaves, sum(a.nbytes for a in spare.values()), owned=True)
+        leaves = [HostLeaf(lf.record, tuple(s for s in lf.shards if (lf.path, s.box) in own))
+                  for lf in self.leaves if any((lf.path, s.box) in own for s in lf.shards)]
+        return Snapshot(leaves, sum(a.nbytes for a in own.values()), owned=True)
 
     def items(self) -> list[ArrayItem]:
         """The arrays as a serializer takes them (``leaf``: the index in ``leaves``), each shard with the
@@ -157,10 +157,11 @@ def host_array(x: Any, copy: bool) -> np.ndarray:
     return np.array(a, order="C", copy=True) if copy else np.asarray(a, order="C")
 
 
-def _host_into(spare: dict, key: tuple[Any, Box], x: Any, copy: bool) -> np.ndarray:
-    """``host_array(x, copy)``, copying into the spare buffer of the same key, shape and dtype if there is
-    one (already-faulted memory: several times cheaper to fill than a fresh allocation)."""
-    buf = spare.get(key)
+def _host_into(old_buffers: dict, key: tuple[Any, Box], x: Any, copy: bool) -> np.ndarray:
+    """``host_array(x, copy)``, copying into the previous snapshot's buffer of the same key, shape and
+    dtype if there is one (already-faulted memory: several times cheaper to fill than a fresh
+    allocation)."""
+    buf = old_buffers.get(key)
     if buf is None:
         return host_array(x, copy)
     a = np.asarray(x)
@@ -301,7 +302,7 @@ def _learn(path: tree_mod.KeyPath, x: Any, kind: str, sig: tuple[Any, ...]) -> _
     return _Learned(sig, kind, rec, box, whole, cpu)
 
 
-def _array_leaf(x: Any, seen: _Learned, copy: bool, spare: dict, into: Into | None,
+def _array_leaf(x: Any, seen: _Learned, copy: bool, old_buffers: dict, into: Into | None,
                 copies: list[tuple[np.ndarray, np.ndarray]]) -> HostLeaf:
     if seen.kind == "prng_key":
         x = jax.random.key_data(x)
@@ -321,7 +322,7 @@ def _array_leaf(x: Any, seen: _Learned, copy: bool, spare: dict, into: Into | No
             return buf if buf is not None else host_array(a, False)
         return HostLeaf(rec, tuple(Shard(b, host(a, b)) for a, b in parts), x.sharding, whole=seen.whole)
     buf = _copied_into(into, x, copies) if into is not None and copy else None
-    buf = buf if buf is not None else _host_into(spare, (rec.path, seen.box), x, copy)
+    buf = buf if buf is not None else _host_into(old_buffers, (rec.path, seen.box), x, copy)
     return HostLeaf(rec, (Shard(seen.box, buf),), whole=True)
 
 
@@ -379,7 +380,7 @@ def snapshot(tree: Any, *, copy: bool = True, reuse: Snapshot | None = None, int
     ``into`` gave for them (CPU arrays) or else the transfer's own buffer. A leaf that was deleted
     (donated to a step) is a CheckpointError naming it, before anything is copied."""
     t0 = time.perf_counter()
-    spare = reuse.spare_buffers() if (copy and reuse is not None) else {}
+    old_buffers = reuse.reuse_buffers() if (copy and reuse is not None) else {}
     flat = tree if isinstance(tree, tree_mod.Flat) else tree_mod.flat(tree)
     only = range(len(flat.leaves)) if only is None else only
     _refuse_deleted(flat, only)
@@ -399,7 +400,7 @@ def snapshot(tree: Any, *, copy: bool = True, reuse: Snapshot | None = None, int
     def leaf(j: int) -> HostLeaf:
         x, k = flat.leaves[only[j]], seen[j]
         if k.record is not None:
-            return _array_leaf(x, k, copy, spare, into, copies)
+            return _array_leaf(x, k, copy, old_buffers, into, copies)
         return _value_leaf(flat.paths[only[j]], x, k.kind)
 
     leaves: list[Any] = [None] * len(seen)
@@ -423,7 +424,7 @@ def snapshot(tree: Any, *, copy: bool = True, reuse: Snapshot | None = None, int
             if buf is not None:
                 leaves[j] = HostLeaf(k.record, (Shard(k.box, buf),), data.sharding, whole=True)
             else:  # ``into`` gave none for it (asked once): snapshotted as without it
-                leaves[j] = _array_leaf(x, k, copy, spare, None, copies)
+                leaves[j] = _array_leaf(x, k, copy, old_buffers, None, copies)
             continue
         leaves[j] = leaf(j)
     device.dispatch(pending)

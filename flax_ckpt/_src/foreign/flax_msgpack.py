@@ -29,8 +29,13 @@ import msgpack
 import numpy as np
 
 from flax_ckpt._src.checks import check_tree, shape_problem
-from flax_ckpt._src.errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError,
-                                   UnsupportedLeafError, format_list)
+from flax_ckpt._src.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    UnsupportedLeafError,
+    format_list,
+)
 from flax_ckpt._src.foreign.files import CheckpointFile, FileSource, whole
 from flax_ckpt._src.records import LeafRecord, dtype_from_name, keystr
 from flax_ckpt._src.serializers import Box

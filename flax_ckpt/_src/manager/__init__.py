@@ -7,8 +7,8 @@ agreed restore (agreed.py). What does not belong here: the formats (layouts.py),
 """
 
 from flax_ckpt._src.manager.manager import CheckpointManager as CheckpointManager
-from flax_ckpt._src.stats import RestoreStats as RestoreStats
-from flax_ckpt._src.stats import SaveStats as SaveStats
+from flax_ckpt._src.manager.stats import RestoreStats as RestoreStats
+from flax_ckpt._src.manager.stats import SaveStats as SaveStats
 from flax_ckpt._src.storage.lock import LOCK_FILE as LOCK_FILE
 from flax_ckpt._src.storage.lock import DirectoryLock as DirectoryLock
 

@@ -19,8 +19,8 @@ from flax_ckpt._src.engine.fit import Fit
 from flax_ckpt._src.engine.leaves import CheckpointInfo
 from flax_ckpt._src.engine.reader import Source
 from flax_ckpt._src.errors import CheckpointError, CheckpointNotFoundError, error_class
+from flax_ckpt._src.manager.stats import RestoreStats
 from flax_ckpt._src.manager.steps import StepIndex
-from flax_ckpt._src.stats import RestoreStats
 
 log = logging.getLogger("flax_ckpt")
 TargetOf = Callable[[Source], Any]  # the restore target for an opened step (restore's target_for)
@@ -78,7 +78,7 @@ class AgreedRestore:
         t0 = time.perf_counter()
         source = self._steps.open(step, item)
         target = target_of(source)
-        out = engine.restore(source, target, shardings=shardings, partial=fit)
+        out = engine.restore(source, target, shardings=shardings, fit=fit)
         stats = RestoreStats(step, "persistent", engine.restored_nbytes(source, target, fit),
                              time.perf_counter() - t0)
         self.stats.append(stats)

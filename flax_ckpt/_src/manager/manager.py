@@ -24,7 +24,7 @@ from typing import Any, Callable, Literal
 
 from flax_ckpt._src import layouts
 from flax_ckpt._src.commit import distributed
-from flax_ckpt._src.commit.spares import SpareFiles
+from flax_ckpt._src.commit.recycler import Recycler
 from flax_ckpt._src.engine.fit import Fit, RenameArg
 from flax_ckpt._src.engine.leaves import CheckpointInfo
 from flax_ckpt._src.engine.snapshot import Snapshot, metrics_json
@@ -32,15 +32,15 @@ from flax_ckpt._src.errors import CheckpointError, CheckpointLockedError, Checkp
 from flax_ckpt._src.lazy import lazy
 from flax_ckpt._src.manager.agreed import DAMAGE, AgreedRestore, TargetOf, targets
 from flax_ckpt._src.manager.schedule import Schedule
+from flax_ckpt._src.manager.stats import RestoreStats, SaveStats, publish
 from flax_ckpt._src.manager.steps import StepIndex, run_format
+from flax_ckpt._src.manager.writer import AsyncWriter
 from flax_ckpt._src.retention import Retention
 from flax_ckpt._src.serializers import Serializer
-from flax_ckpt._src.stats import RestoreStats, SaveStats, publish
 from flax_ckpt._src.storage import LocalStorage, ObjectStoreOptions, Storage, open_storage
 from flax_ckpt._src.storage.lock import DirectoryLock
 from flax_ckpt._src.tiers import Tiers
 from flax_ckpt._src.tiers.tierset import TierSet
-from flax_ckpt._src.writer import AsyncWriter
 
 jax = lazy("jax", globals())  # imported on first use (lazy.py)
 
@@ -145,7 +145,7 @@ class CheckpointManager:
         self.layout: layouts.Layout = layouts.layout(self.format, serializer)
         if self.format == "native" and isinstance(self.storage, LocalStorage) and not read_only and \
                 getattr(self.layout.serializer, "name", None) == "raw":  # a removed step's files: the next save's
-            self.storage.spares = SpareFiles(self.storage.local_path)
+            self.storage.recycler = Recycler(self.storage.local_path)
         self._steps = StepIndex(self.storage, self.layout, self._prefix, serializer)
         self._restore = AgreedRestore(self._steps, self._prefix, strict=strict)
         self.async_save, self.metadata = async_save, metadata
@@ -662,7 +662,7 @@ class CheckpointManager:
                 self._lock.release()
 
     def _drop_spares(self) -> None:
-        spares = getattr(self.storage, "spares", None)
+        spares = getattr(self.storage, "recycler", None)
         if spares is not None:
             spares.close()
 

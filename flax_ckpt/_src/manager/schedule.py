@@ -12,7 +12,7 @@ import time
 from typing import Literal
 
 from flax_ckpt._src.commit import distributed
-from flax_ckpt._src.interval import AutoInterval
+from flax_ckpt._src.manager.interval import AutoInterval
 
 
 class Schedule:

@@ -15,8 +15,8 @@ import threading
 import uuid
 from typing import Any
 
-from flax_ckpt._src import commit as commit_mod
 from flax_ckpt._src import layouts
+from flax_ckpt._src.commit import atomic as commit_mod
 from flax_ckpt._src.commit import distributed
 from flax_ckpt._src.engine.reader import Source
 from flax_ckpt._src.errors import CheckpointError, CheckpointNotFoundError, StorageError, error_class
@@ -227,7 +227,7 @@ class StepIndex:
                 folder = self._folders.pop(step, None)
                 self._metrics.pop(step, None)
             if folder is not None and distributed.process_index() == 0:
-                spares = getattr(self.storage, "spares", None)  # its data files kept for the next save
+                spares = getattr(self.storage, "recycler", None)  # its data files kept for the next save
                 commit_mod.remove(self.storage, folder.name, folder.layout.record,
                                   salvage=spares.retire if spares is not None and folder.layout.name == "native" else None)
             log.info("retention removed step %d from %s", step, self.directory)

@@ -16,7 +16,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from flax_ckpt._src import commit as commit_mod
+from flax_ckpt._src.checks import MANIFEST, MAX_MANIFEST_BYTES
+from flax_ckpt._src.commit import atomic as commit_mod
 from flax_ckpt._src.commit import distributed
 from flax_ckpt._src.engine.arena import Arena
 from flax_ckpt._src.engine.leaves import CheckpointInfo, checkpoint_info, key_data_shape
@@ -24,9 +25,14 @@ from flax_ckpt._src.engine.pause import gc_paused
 from flax_ckpt._src.engine.reader import Damage
 from flax_ckpt._src.engine.snapshot import Snapshot, jsonable, metrics_json, snapshot
 from flax_ckpt._src.engine.transfer import Streamed, streamed, write_streamed
-from flax_ckpt._src.errors import (CheckpointNotCommittedError, CheckpointNotFoundError, CorruptCheckpointError,
-                                   InvalidManifestError, StorageError, TargetMismatchError)
-from flax_ckpt._src.checks import MANIFEST, MAX_MANIFEST_BYTES
+from flax_ckpt._src.errors import (
+    CheckpointNotCommittedError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    InvalidManifestError,
+    StorageError,
+    TargetMismatchError,
+)
 from flax_ckpt._src.native.manifest import SaveManifests, decode
 from flax_ckpt._src.records import LeafRecord, PersistTimes
 from flax_ckpt._src.serializers import Box, Serializer, Written, get_serializer, raw, serializer_for

@@ -14,9 +14,20 @@ from __future__ import annotations
 import threading
 from typing import Any, Sequence
 
-from flax_ckpt._src.checks import (MAX_LIST_GAPS, MAX_MANIFEST_BYTES, MAX_PATH_DEPTH,  # noqa: F401 (re-exported)
-                                   canonical, check_path, check_relpath, check_tree, numpy_bytes, seal, seal_text,
-                                   tiling_problem, unseal)
+from flax_ckpt._src.checks import (  # noqa: F401 (re-exported)
+    MAX_LIST_GAPS,
+    MAX_MANIFEST_BYTES,
+    MAX_PATH_DEPTH,
+    canonical,
+    check_path,
+    check_relpath,
+    check_tree,
+    numpy_bytes,
+    seal,
+    seal_text,
+    tiling_problem,
+    unseal,
+)
 from flax_ckpt._src.errors import CheckpointError, InvalidManifestError
 from flax_ckpt._src.records import LeafRecord, dtype_from_name, leaf_name
 

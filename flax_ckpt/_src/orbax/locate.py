@@ -18,11 +18,17 @@ from typing import Any
 
 import crc32c
 
-from flax_ckpt._src import commit as commit_mod
-from flax_ckpt._src.errors import (CheckpointNotCommittedError, CheckpointNotFoundError, CorruptCheckpointError,
-                                   InvalidManifestError, TargetMismatchError, UnsupportedOrbaxCheckpointError,
-                                   format_list)
 from flax_ckpt._src.checks import MANIFEST
+from flax_ckpt._src.commit import atomic as commit_mod
+from flax_ckpt._src.errors import (
+    CheckpointNotCommittedError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    InvalidManifestError,
+    TargetMismatchError,
+    UnsupportedOrbaxCheckpointError,
+    format_list,
+)
 from flax_ckpt._src.storage import Storage
 
 TESTED_ORBAX_VERSION = "0.12.8"

@@ -24,19 +24,38 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from flax_ckpt._src import tree as tree_mod
+from flax_ckpt._src.checks import MAX_INDEX, MAX_PATH_DEPTH, check_relpath, check_tree, shape_problem
 from flax_ckpt._src.engine.leaves import CheckpointInfo, checkpoint_info, key_data_shape
 from flax_ckpt._src.engine.reader import Damage, read_back
-from flax_ckpt._src.errors import (CorruptCheckpointError, InvalidManifestError, StructureMismatchError,
-                                   UnsupportedOrbaxCheckpointError, format_list)
-from flax_ckpt._src.checks import MAX_INDEX, MAX_PATH_DEPTH, check_relpath, check_tree, shape_problem
-from flax_ckpt._src.records import LeafRecord
+from flax_ckpt._src.errors import (
+    CorruptCheckpointError,
+    InvalidManifestError,
+    StructureMismatchError,
+    UnsupportedOrbaxCheckpointError,
+    format_list,
+)
+from flax_ckpt._src.lazy import lazy
 from flax_ckpt._src.orbax.folders import FolderArray, Unsupported, check_chunk
-from flax_ckpt._src.orbax.locate import (OCDBT_MANIFEST, SHARDING, STRINGS, TESTED_ORBAX_VERSION, TREE_METADATA,
-                                         Located, checksummed, item_roots, json_checksummed, json_value, read_json,
-                                         step_metrics, stored_size, walk)
+from flax_ckpt._src.orbax.locate import (
+    OCDBT_MANIFEST,
+    SHARDING,
+    STRINGS,
+    TESTED_ORBAX_VERSION,
+    TREE_METADATA,
+    Located,
+    checksummed,
+    item_roots,
+    json_checksummed,
+    json_value,
+    read_json,
+    step_metrics,
+    stored_size,
+    walk,
+)
+from flax_ckpt._src.records import LeafRecord
 from flax_ckpt._src.serializers import Box
 from flax_ckpt._src.storage import Storage
-from flax_ckpt._src.lazy import lazy
+
 ts = lazy("tensorstore", globals(), "ts")  # imported on first use (lazy.py)
 
 _ARRAY_TYPES = {"jax.Array": "jax", "np.ndarray": "numpy", "scalar": "numpy"}

@@ -31,18 +31,35 @@ from typing import Any, Callable
 import crc32c
 import numpy as np
 
-from flax_ckpt._src import commit as commit_mod
+from flax_ckpt._src.commit import atomic as commit_mod
 from flax_ckpt._src.commit import distributed
 from flax_ckpt._src.engine.snapshot import HostLeaf, Snapshot, jsonable, metrics_json
-from flax_ckpt._src.errors import (CheckpointError, StructureMismatchError, UnsupportedLeafError,
-                                   UnsupportedOrbaxCheckpointError, format_list)
-from flax_ckpt._src.orbax.locate import (CHECKPOINT_METADATA, COMMIT_SUCCESS, CRC_SUFFIX, DEFAULT_ITEM, JSON_HANDLER,
-                                         METRICS_ITEM,
-                                         PYTREE_HANDLER, SHARDING, STANDARD_HANDLER, STRINGS, TMP_SUFFIX,
-                                         TREE_METADATA, handler_kind)
+from flax_ckpt._src.errors import (
+    CheckpointError,
+    StructureMismatchError,
+    UnsupportedLeafError,
+    UnsupportedOrbaxCheckpointError,
+    format_list,
+)
+from flax_ckpt._src.lazy import lazy
+from flax_ckpt._src.orbax.locate import (
+    CHECKPOINT_METADATA,
+    COMMIT_SUCCESS,
+    CRC_SUFFIX,
+    DEFAULT_ITEM,
+    JSON_HANDLER,
+    METRICS_ITEM,
+    PYTREE_HANDLER,
+    SHARDING,
+    STANDARD_HANDLER,
+    STRINGS,
+    TMP_SUFFIX,
+    TREE_METADATA,
+    handler_kind,
+)
 from flax_ckpt._src.orbax.read import OCDBT_FILE_SIZE, array_kvstore, context_for
 from flax_ckpt._src.storage import Storage
-from flax_ckpt._src.lazy import lazy
+
 jax = lazy("jax", globals())  # imported on first use (lazy.py)
 ts = lazy("tensorstore", globals(), "ts")  # imported on first use (lazy.py)
 

@@ -10,20 +10,20 @@ fields: {"file", "offset", "nbytes", "block", "crc32c": [per block]}.
 from __future__ import annotations
 
 import math
-import time
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any, Sequence
 
 import crc32c
 import numpy as np
 
-from flax_ckpt._src.errors import CorruptCheckpointError, InvalidManifestError
 from flax_ckpt._src.checks import check_relpath
+from flax_ckpt._src.errors import CorruptCheckpointError, InvalidManifestError
 from flax_ckpt._src.records import LeafRecord
-from flax_ckpt._src.storage import Storage
-from flax_ckpt._src.serializers.base import ArrayItem, Box, Shard, Written
 from flax_ckpt._src.serializers import for_each_overlap, local
+from flax_ckpt._src.serializers.base import ArrayItem, Box, Shard, Written
+from flax_ckpt._src.storage import Storage
 
 BLOCK = 8 << 20
 SUBCHUNK = 64 << 20

@@ -9,18 +9,18 @@ storage protocol's tensorstore part: ``context``, ``kvstore_spec``), which both 
 
 from __future__ import annotations
 
-
 from typing import Any, Sequence
 
 import numpy as np
 
-from flax_ckpt._src.errors import CorruptCheckpointError, InvalidManifestError, StorageError
 from flax_ckpt._src.checks import check_relpath
-from flax_ckpt._src.records import LeafRecord
-from flax_ckpt._src.storage import TensorstoreStorage, explain
-from flax_ckpt._src.serializers.base import ArrayItem, Box, Written
-from flax_ckpt._src.serializers import for_each_overlap, local
+from flax_ckpt._src.errors import CorruptCheckpointError, InvalidManifestError, StorageError
 from flax_ckpt._src.lazy import lazy
+from flax_ckpt._src.records import LeafRecord
+from flax_ckpt._src.serializers import for_each_overlap, local
+from flax_ckpt._src.serializers.base import ArrayItem, Box, Written
+from flax_ckpt._src.storage import TensorstoreStorage, explain
+
 ts = lazy("tensorstore", globals(), "ts")  # imported on first use (lazy.py)
 
 CODECS = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]

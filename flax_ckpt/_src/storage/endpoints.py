@@ -31,12 +31,13 @@ import socket
 import tempfile
 import threading
 import urllib.request
-from urllib.parse import urlparse
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlparse
 
 from flax_ckpt._src.errors import StorageError
 from flax_ckpt._src.lazy import lazy
+
 ts = lazy("tensorstore", globals(), "ts")  # imported on first use (lazy.py)
 
 _open_lock = threading.Lock()

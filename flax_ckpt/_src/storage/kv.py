@@ -17,9 +17,17 @@ import threading
 from typing import Any, Literal, Sequence
 
 from flax_ckpt._src.errors import CorruptCheckpointError, StorageError
-from flax_ckpt._src.storage.base import Buffer
-from flax_ckpt._src.storage.endpoints import ObjectStoreOptions, check_endpoint, explain, gcs_setup, open_gcs, s3_setup
 from flax_ckpt._src.lazy import lazy
+from flax_ckpt._src.storage.base import Buffer
+from flax_ckpt._src.storage.endpoints import (
+    ObjectStoreOptions,
+    check_endpoint,
+    explain,
+    gcs_setup,
+    open_gcs,
+    s3_setup,
+)
+
 ts = lazy("tensorstore", globals(), "ts")  # imported on first use (lazy.py)
 
 _MEMORY_CONTEXT: list[Any] = []  # the in-process memory kvstore of every memory:// path, made on first use

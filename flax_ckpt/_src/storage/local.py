@@ -74,14 +74,14 @@ class LocalStorage:
     supports_rename = True
     context = None
 
-    def __init__(self, root: str | os.PathLike, *, spares: Any = None):
-        """``spares``: where a new large file may come from instead of being created (a manager's
-        commit/spares.SpareFiles, given to the folders below this one too): ``spares.take(path, size,
+    def __init__(self, root: str | os.PathLike, *, recycler: Any = None):
+        """``recycler``: where a new large file may come from instead of being created (a manager's
+        commit/recycler.Recycler, given to the folders below this one too): ``recycler.take(path, size,
         flags)`` moves an old file of its own to ``path`` and opens it, or returns None."""
         self.root = os.path.abspath(os.fspath(root))
         self.url = self.root
         self.local_path = self.root
-        self.spares = spares
+        self.recycler = recycler
         self._resolved: dict[str, str] = {}  # name -> checked real path (symlinks resolved once per file)
 
     def _p(self, name: str) -> str:
@@ -89,15 +89,15 @@ class LocalStorage:
 
     def sub(self, name: str) -> "LocalStorage":
         """The folder ``name`` below this one."""
-        return LocalStorage(self._p(name), spares=self.spares)
+        return LocalStorage(self._p(name), recycler=self.recycler)
 
     def parent(self) -> "tuple[LocalStorage, str]":
         return LocalStorage(os.path.dirname(self.root)), os.path.basename(self.root)
 
     def write(self, name: str, buffers: Sequence[Buffer]) -> float:
         """Writes and fsyncs the file ``name``; returns the seconds the fsync took. A large file on a
-        local block-device file system is written with O_DIRECT (see the module's docstring). With
-        ``spares``, a file of at least 1 MiB may be an old one they hand over, written from its start
+        local block-device file system is written with O_DIRECT (see the module's docstring). With a
+        ``recycler``, a file of at least 1 MiB may be an old one it hands over, written from its start
         and truncated to its new size."""
         path = self._p(name)
         folder = os.path.dirname(path)
@@ -105,7 +105,7 @@ class LocalStorage:
         views = [v for v in (memoryview(b).cast("B") for b in buffers) if len(v)]
         size = sum(len(v) for v in views)
         direct = size >= DIRECT_MIN and direct_io(folder)
-        fd = self.spares.take(path, size, os.O_WRONLY | (_O_DIRECT if direct else 0)) if self.spares else None
+        fd = self.recycler.take(path, size, os.O_WRONLY | (_O_DIRECT if direct else 0)) if self.recycler else None
         reused, flags = fd is not None, os.O_WRONLY | os.O_CREAT | os.O_TRUNC
         try:
             if fd is None:

@@ -6,8 +6,8 @@ link, e.g. a ``cp -al`` backup, is another path to the same bytes, perhaps outsi
 the file would change it there too), is owned by this user and, where asked (``private``), writable
 by nobody else. It is opened without following a symlink and without blocking on a FIFO, then checked
 on the open descriptor (fstat), so what is checked is what is used. Which folder a file lies in is the
-caller's: one it opened by descriptor (``dir_fd``), or one it checked with lstat. Users: the spare
-files of a run directory (commit/spares.py) and the memory tiers' files (tiers/files.py). Not here:
+caller's: one it opened by descriptor (``dir_fd``), or one it checked with lstat. Users: the recycled
+files of a run directory (commit/recycler.py) and the memory tiers' files (tiers/files.py). Not here:
 what the files hold, folders' checks (tiers/files.py), the directory lock (lock.py).
 """
 

@@ -25,7 +25,7 @@ import uuid
 import weakref
 from typing import Any
 
-from flax_ckpt._src import commit as commit_mod
+from flax_ckpt._src.commit import atomic as commit_mod
 from flax_ckpt._src.errors import CheckpointError, CheckpointLockedError, StorageError
 from flax_ckpt._src.storage import LocalStorage, Storage
 from flax_ckpt._src.storage.lock import DirectoryLock

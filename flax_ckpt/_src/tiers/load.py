@@ -203,7 +203,7 @@ def restore_copy(copy: Copy, target_of: Callable[[CopySource], Any], *, sharding
     """Restores the copy's tree into ``target_of(source)`` (checked per leaf); returns it and the array bytes."""
     source = CopySource(copy)
     target = target_of(source)
-    value = engine.restore(source, target, shardings=shardings, partial=fit)
+    value = engine.restore(source, target, shardings=shardings, fit=fit)
     return value, engine.restored_nbytes(source, target, fit)
 
 

@@ -36,7 +36,7 @@ from typing import Any, Sequence
 import crc32c
 import numpy as np
 
-from flax_ckpt._src import commit as commit_mod
+from flax_ckpt._src.commit import atomic as commit_mod
 from flax_ckpt._src import tree as tree_mod
 from flax_ckpt._src.engine.snapshot import HostLeaf, Snapshot, copy_all, snapshot
 from flax_ckpt._src.errors import CorruptCheckpointError

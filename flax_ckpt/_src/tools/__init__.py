@@ -1,12 +1,12 @@
-"""Library functions behind the ``flax-ckpt`` command: list, verify, diff, convert and prune checkpoints.
+"""The ``flax-ckpt`` command and the library functions behind it: list, verify, diff, convert, prune.
 
-Scope: read-mostly tools over committed checkpoints, native or Orbax (and, for listing, a tiered
-manager's memory-tier copies), each a typed function returning plain values (dataclasses) that the
-CLI (cli.py) prints as text or JSON. One module per command; what they share is common.py. Byte
-layouts belong to the engine, the serializers, orbax/ and tiers/; retention policy to retention.py.
-Progress bars (tqdm, on stderr) are off unless ``progress=True``. Each name is imported from its
-module on first use (``__getattr__``), so that ``flax-ckpt ls`` imports neither ``convert`` nor ``diff``
-(nor jax, which they need).
+Scope: the command itself (cli.py: parsing, printing, exit statuses) and read-mostly tools over
+committed checkpoints, native or Orbax (and, for listing, a tiered manager's memory-tier copies), each a
+typed function returning plain values (dataclasses) that cli.py prints as text or JSON. One module per
+command; what they share is common.py. Byte layouts belong to the engine, the serializers, orbax/ and
+tiers/; retention policy to retention.py. Progress bars (tqdm, on stderr) are off unless
+``progress=True``. Each name is imported from its module on first use (``__getattr__``), so that
+``flax-ckpt ls`` imports neither ``convert`` nor ``diff`` (nor jax, which they need).
 """
 
 from __future__ import annotations

@@ -18,8 +18,8 @@ import jax
 import numpy as np
 
 from flax_ckpt._src import api, layouts
-from flax_ckpt._src import commit as commit_mod
 from flax_ckpt._src import tree as tree_mod
+from flax_ckpt._src.commit import atomic as commit_mod
 from flax_ckpt._src.errors import CheckpointError, CheckpointExistsError, format_list
 from flax_ckpt._src.orbax import locate as orbax_locate
 from flax_ckpt._src.storage import LocalStorage, split_location

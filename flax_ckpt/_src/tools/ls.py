@@ -12,9 +12,14 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from flax_ckpt._src import commit as commit_mod
 from flax_ckpt._src import layouts
-from flax_ckpt._src.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, InvalidManifestError
+from flax_ckpt._src.commit import atomic as commit_mod
+from flax_ckpt._src.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    InvalidManifestError,
+)
 from flax_ckpt._src.orbax.locate import step_number
 from flax_ckpt._src.storage import LocalStorage, Storage, open_storage
 from flax_ckpt._src.tiers import store as tier_store

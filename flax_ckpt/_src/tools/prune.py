@@ -14,8 +14,8 @@ import stat
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal
 
-from flax_ckpt._src import commit as commit_mod
 from flax_ckpt._src import layouts
+from flax_ckpt._src.commit import atomic as commit_mod
 from flax_ckpt._src.errors import CheckpointError, CheckpointNotFoundError, StorageError
 from flax_ckpt._src.retention import steps_to_delete
 from flax_ckpt._src.storage import Storage, open_storage

@@ -18,8 +18,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from flax_ckpt._src import layouts
-from flax_ckpt._src.errors import (CheckpointError, CheckpointNotCommittedError, CorruptCheckpointError,
-                                   InvalidManifestError)
+from flax_ckpt._src.errors import (
+    CheckpointError,
+    CheckpointNotCommittedError,
+    CorruptCheckpointError,
+    InvalidManifestError,
+)
 from flax_ckpt._src.storage import Storage
 from flax_ckpt._src.tools.common import bar, folder_of, identity, is_empty_run
 

@@ -2,7 +2,7 @@
 
 Scope: the faults (SIGKILL, SIGTERM, a full tmpfs, damaged and crafted files, a concurrent reader)
 and the judgement, shared by tests/test_reliability_*.py (a few trials each) and benchmarks/faults.py
-(many). Processes live in workers/reliability_worker.py; crafted manifests in reliability_hostile.py. Every
+(many). Processes live in reliability_worker.py; crafted manifests in reliability_hostile.py. Every
 trial returns an Outcome:
 
 - "exact": the newest good state restores bit for bit, and the fault was detected or was harmless;
@@ -29,14 +29,14 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 import numpy as np
+from basics import bit_exact, crash_state, step_state
+from reliability_worker import CRASH_KEEP, Zygote, big_state, crash_tiers, small_state, spawn, stop
 
 import flax_ckpt as fc
-from flax_ckpt._src import commit as commit_mod
 from flax_ckpt._src.checks import MANIFEST
+from flax_ckpt._src.commit import atomic as commit_mod
 from flax_ckpt._src.manager import LOCK_FILE
 from flax_ckpt._src.tiers.holdings import RUN_FILE
-from helpers import bit_exact, crash_state, step_state
-from workers.reliability_worker import CRASH_KEEP, Zygote, big_state, crash_tiers, small_state, spawn, stop
 
 KINDS = ("exact", "lost", "corrupt", "error")
 

@@ -19,11 +19,11 @@ import stat
 from typing import Any, Callable, Iterator
 
 import numpy as np
+from basics import as_bytes, edit_manifest, encode_manifest, leaf_of, manifest_body, write_manifest_raw
+from reliability_trials import EXACT, Outcome, Tally, restore_exact, warnings_of
 
 import flax_ckpt as fc
 from flax_ckpt._src.checks import MANIFEST
-from helpers import as_bytes, edit_manifest, encode_manifest, leaf_of, manifest_body, write_manifest_raw
-from reliability_trials import EXACT, Outcome, Tally, restore_exact, warnings_of
 
 SKIP = "skip"  # a case this machine cannot build (mknod without privilege)
 

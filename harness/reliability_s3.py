@@ -1,4 +1,4 @@
-"""Object-store faults: saves and restores through tests/s3_server.py's FaultProxy in front of a real
+"""Object-store faults: saves and restores through harness/s3_server.py's FaultProxy in front of a real
 S3-protocol server (moto, on loopback), which answers 503/500, drops or resets connections, truncates
 bodies, or loses the reply of a request it did perform.
 
@@ -18,11 +18,11 @@ from dataclasses import dataclass
 from typing import Iterator
 
 import numpy as np
-
-import flax_ckpt as fc
-from helpers import bit_exact, step_state
+from basics import bit_exact, step_state
 from reliability_trials import EXACT, Outcome, restore_exact
 from s3_server import FaultProxy, Faults, MotoS3
+
+import flax_ckpt as fc
 
 RETRY_ENV = {"FLAX_CKPT_STORAGE_MAX_ATTEMPTS": "3", "FLAX_CKPT_STORAGE_RETRY_DELAY": "0.005"}  # some fail for good
 

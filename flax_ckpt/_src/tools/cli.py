@@ -1,7 +1,7 @@
 """The ``flax-ckpt`` command: ls, info, verify, diff, convert and prune, each with --help and --json.
 
 Scope: argument parsing, printing (text tables for people, one JSON document on stdout for scripts)
-and exit statuses. The work itself lives in tools/ and the engine; nothing here reads bytes.
+and exit statuses. The work itself lives in the tools beside it and the engine; nothing here reads bytes.
 Exit status: 0 success; 1 verify found damage or diff found differences; 2 usage errors and errors
 (no such checkpoint, a damaged manifest for info, a lock held by a live manager); 3 verify --strict
 found leaves that carry no checksum (unverified). Progress bars go to stderr (never into --json

@@ -1,0 +1,97 @@
+"""The savers a training-loop benchmark compares, shared by bench_every_step.py and bench_accelerator.py.
+
+Scope: ``Saver`` (one contender: ``save(step, state)`` in the loop, whether it saved; ``finish()``
+inside the timed region; ``close()`` after it) and the two managers both benchmarks race,
+``FcManager`` (flax_ckpt's, optionally with a local-memory tier in a fresh /dev/shm folder) and
+``OrbaxManager`` (Orbax's async CheckpointManager). Contenders only one benchmark uses stay there.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+
+class Saver:
+    """One loop contender; the base saves nothing."""
+
+    saves: int | None = None  # saves actually made (None: those save() said it made)
+    skipped: int | None = None
+
+    def save(self, step: int, state: Any) -> bool:
+        return True
+
+    def finish(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class FcManager(Saver):
+    """``fc.CheckpointManager(d, max_to_keep=...)``; with ``tiers``, a local-memory tier (no peer) in a
+    fresh /dev/shm folder, persisted every ``persist_interval_steps`` (None: never); ``on_busy`` as the
+    manager's (None: its default). ``mark`` and ``count`` give the tier's saves and busy-skips since
+    ``mark``."""
+
+    def __init__(
+        self,
+        d: Path,
+        *,
+        max_to_keep: int,
+        tiers: bool = False,
+        persist_interval_steps: int | None = None,
+        on_busy: str | None = None,
+    ):
+        import flax_ckpt as fc
+
+        self.shm = Path(tempfile.mkdtemp(prefix="flax_ckpt_bench-", dir="/dev/shm")) if tiers else None
+        kw = {}
+        if tiers:
+            kw["tiers"] = fc.Tiers(
+                local_dir=str(self.shm), peer=False, persist_interval_steps=persist_interval_steps
+            )
+        if on_busy is not None:
+            kw["on_busy"] = on_busy
+        self.mgr = fc.CheckpointManager(d, max_to_keep=max_to_keep, **kw)
+        self.tiers, self.first = tiers, 0
+
+    def save(self, step: int, state: Any) -> bool:
+        return bool(self.mgr.save(step, state))
+
+    def finish(self) -> None:
+        self.mgr.wait_until_finished()
+
+    def mark(self) -> None:
+        self.first = len(self.mgr.tier_stats)
+
+    def count(self) -> None:
+        if self.tiers:
+            st = self.mgr.tier_stats[self.first :]
+            self.saves, self.skipped = len(st), sum(s.skipped for s in st)
+
+    def close(self) -> None:
+        self.mgr.close()
+        if self.shm is not None:
+            shutil.rmtree(self.shm, ignore_errors=True)
+
+
+class OrbaxManager(Saver):
+    """Orbax's ``CheckpointManager(d, max_to_keep=...)``, saving with ``StandardSave`` (async)."""
+
+    def __init__(self, d: Path, *, max_to_keep: int):
+        import orbax.checkpoint as ocp
+
+        self.ocp = ocp
+        self.mgr = ocp.CheckpointManager(d, options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep))
+
+    def save(self, step: int, state: Any) -> bool:
+        return bool(self.mgr.save(step, args=self.ocp.args.StandardSave(state)))
+
+    def finish(self) -> None:
+        self.mgr.wait_until_finished()
+
+    def close(self) -> None:
+        self.mgr.close()
