@@ -206,7 +206,7 @@ def _write_arrays(storage: Storage, arrays: list[HostLeaf], use_ocdbt: bool, use
 def _sync_written(item: Storage) -> None:
     """fsyncs, all at once, every file below ``item`` except the side files (fsynced when written)."""
     root, side = item.local_path, {TREE_METADATA, SHARDING, STRINGS, STRINGS + CRC_SUFFIX, COMMIT_SUCCESS,
-                                   "array_metadatas/process_0"}
+                                   CHECKPOINT_METADATA, "array_metadatas/process_0"}
     assert root is not None
     files = [os.path.join(d, f) for d, _, names in os.walk(root) for f in names
              if os.path.relpath(os.path.join(d, f), root).replace(os.sep, "/") not in side]
@@ -415,15 +415,16 @@ def _sharding_of(s: jax.sharding.Sharding | None) -> dict[str, Any] | None:
     return None
 
 
-def _array_metadatas(arrays: list[HostLeaf]) -> bytes:
-    """``array_metadatas/process_0`` as json.dumps writes it, joined from each array's entry."""
+def _array_metadatas(arrays: list[HostLeaf], names: list[str]) -> bytes | None:
+    """``array_metadatas/process_0`` as json.dumps writes it, joined from each jax array's entry (``names``:
+    the arrays' parameter names); None without jax arrays."""
     entries = []
-    for lf in arrays:
+    for lf, name in zip(arrays, names):
         ws = write_shape(lf)
         if ws is not None and value_type(lf) == "jax.Array":
             chunk = _chunk_tuple(tuple(lf.record.shape), lf.record.dtype, ws)
-            entries.append(_array_entry(param(lf), ws, chunk, lf.record.key_impl))
-    return b'{"array_metadatas": [' + ", ".join(entries).encode() + b"]}"
+            entries.append(_array_entry(name, ws, chunk, lf.record.key_impl))
+    return b'{"array_metadatas": [' + ", ".join(entries).encode() + b"]}" if entries else None
 
 
 @functools.lru_cache(maxsize=1 << 16)  # a run saves the same arrays at every step
@@ -470,7 +471,8 @@ def _side_files(snap: Snapshot, arrays: list[HostLeaf], use_ocdbt: bool,
     """An item's files besides its arrays: ``_sharding``, ``_strings.json`` (with its crc32c),
     ``array_metadatas/process_0`` and ``_METADATA``, as (name, bytes)."""
     files = []
-    shardings = {_b64(param(lf)): text for lf in arrays
+    names = [param(lf) for lf in arrays]
+    shardings = {_b64(name): text for lf, name in zip(arrays, names)
                  if lf.sharding is not None and (text := _sharding_json(lf.sharding)) is not None}
     strings = {param(lf): lf.record.value for lf in snap.leaves if lf.record.kind == "string"}
     if shardings:
@@ -478,8 +480,9 @@ def _side_files(snap: Snapshot, arrays: list[HostLeaf], use_ocdbt: bool,
     if strings:
         data = _json_bytes(strings)
         files += [(STRINGS, data), (STRINGS + CRC_SUFFIX, str(crc32c.crc32c(data)).encode())]
-    if any(value_type(lf) == "jax.Array" for lf in arrays):
-        files.append(("array_metadatas/process_0", _array_metadatas(arrays)))
+    metadatas = _array_metadatas(arrays, names)
+    if metadatas is not None:
+        files.append(("array_metadatas/process_0", metadatas))
     files.append((TREE_METADATA, _tree_metadata(snap, use_ocdbt, use_zarr3)))
     return files
 
