@@ -661,7 +661,8 @@ def test_python_random_draws_after_a_preempted_resume_equal_an_uninterrupted_run
     env = worker_env(devices=1)
 
     def run(name: str, stop_at: int) -> list[int]:
-        cmd = [sys.executable, str(script), str(tmp_path / name), str(tmp_path / f"{name}.jsonl"), str(stop_at)]
+        out = tmp_path / f"{name}.jsonl"
+        cmd = [sys.executable, str(script), str(tmp_path / name), str(out), str(stop_at)]
         return [subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S, env=env).returncode]
 
     assert run("whole", -1) == [0]

@@ -509,9 +509,10 @@ class _SlowDisk:
         return n
 
 
-@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="reads fsynced paths from /proc/self/fd (Linux)")
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="reads fsynced paths in /proc/self/fd (Linux)")
 @pytest.mark.parametrize("fmt,step", [("orbax", None), ("orbax", 3), ("native", None)])
-def test_a_save_makes_every_file_and_folder_durable_in_four_rounds_of_fsyncs(tmp_path, monkeypatch, fmt, step):
+def test_a_save_makes_every_file_and_folder_durable_in_four_rounds_of_fsyncs(tmp_path, monkeypatch, fmt,
+                                                                              step):
     """Each file and folder of the checkpoint is fsynced before the rename that commits it, and the parent
     after it, with fsyncs that do not wait for each other run at once: on a disk where an fsync takes
     0.2 s, at most four rounds (the data; the commit record; the folders; the parent), in the Orbax layout
@@ -528,7 +529,8 @@ def test_a_save_makes_every_file_and_folder_durable_in_four_rounds_of_fsyncs(tmp
     want = {staging + os.path.join(d, n)[len(str(path)):] for d, dirs, files in os.walk(path)
             for n in [*dirs, *files]} | {staging}
     assert not want - before, f"not fsynced before the commit's rename: {sorted(want - before)}"
-    assert any(p == str(tmp_path) and start >= renamed_at for p, start, _ in disk.fsyncs), "parent not fsynced"
+    parent = [start for p, start, _ in disk.fsyncs if p == str(tmp_path)]
+    assert any(start >= renamed_at for start in parent), "the parent folder was not fsynced after the rename"
     listing = "\n".join(f"{s:.2f}-{e:.2f} {p}" for p, s, e in sorted(disk.fsyncs, key=lambda f: f[1]))
     assert disk.rounds() <= 4, f"fsyncs one after another:\n{listing}"
     assert_bit_exact(fc.restore(path, tree), tree)

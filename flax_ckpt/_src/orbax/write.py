@@ -194,8 +194,8 @@ def _write_arrays(storage: Storage, arrays: list[HostLeaf], use_ocdbt: bool, use
 
     def finish() -> None:
         try:
-            _write_with(storage, [lf for lf in arrays if id(lf) not in done], use_ocdbt, use_zarr3, compression,
-                        context)
+            rest = [lf for lf in arrays if id(lf) not in done]
+            _write_with(storage, rest, use_ocdbt, use_zarr3, compression, context)
         finally:
             wait_small()
         if unsynced:
@@ -379,8 +379,8 @@ def _write_checked(storage: Storage, name: str, data: bytes) -> None:
 def _tree_metadata(snap: Snapshot, use_ocdbt: bool, use_zarr3: bool) -> bytes:
     """``_METADATA`` as json.dumps writes it, joined from each leaf's entry (the same at every step)."""
     entries = ", ".join([_tree_entry(lf.path, value_type(lf), write_shape(lf)) for lf in snap.leaves])
-    rest = _json_bytes({"use_ocdbt": use_ocdbt, "use_zarr3": use_zarr3, "store_array_data_equal_to_fill_value": True,
-                        "custom_metadata": None})
+    rest = _json_bytes({"use_ocdbt": use_ocdbt, "use_zarr3": use_zarr3,
+                        "store_array_data_equal_to_fill_value": True, "custom_metadata": None})
     return b'{"tree_metadata": {' + entries.encode() + b"}, " + rest[1:]
 
 
@@ -429,8 +429,9 @@ def _array_metadatas(arrays: list[HostLeaf], names: list[str]) -> bytes | None:
 
 @functools.lru_cache(maxsize=1 << 16)  # a run saves the same arrays at every step
 def _array_entry(name: str, ws: tuple[int, ...], chunk: tuple[int, ...], key_impl: str | None) -> str:
-    return json.dumps({"array_metadata": {"param_name": name, "write_shape": list(ws), "chunk_shape": list(chunk),
-                                          "ext_metadata": {"random_key_impl": key_impl} if key_impl else None}})
+    ext = {"random_key_impl": key_impl} if key_impl else None
+    return json.dumps({"array_metadata": {"param_name": name, "write_shape": list(ws),
+                                          "chunk_shape": list(chunk), "ext_metadata": ext}})
 
 
 def write_item(storage: Storage, snap: Snapshot, *, use_ocdbt: bool = True, use_zarr3: bool = True,
@@ -538,6 +539,7 @@ def save_item(parent: Storage, name: str, snap: Snapshot, *, metadata: Any = Non
     abstract_tree)`` and ``ocp.PyTreeCheckpointer().restore`` read. ``metadata`` goes to
     ``_CHECKPOINT_METADATA``'s custom_metadata, ``metrics`` to its metrics."""
     single_process()
+    snap.complete()  # shards still on their devices come to host first (a no-op once they are)
     custom = jsonable(metadata, "metadata")
     metrics = metrics_json(metrics)
     _commit_folder(parent, name, lambda f: write_item(f, snap, use_ocdbt=use_ocdbt, use_zarr3=use_zarr3,
