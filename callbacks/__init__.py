@@ -2,8 +2,9 @@
 
 ``CheckpointCallback`` gives a Flax/Optax loop periodic checkpoints, automatic resume and preemption
 safety with three lines of code. ``PreemptionGuard`` is its signal handling, usable alone; ``to_tree`` /
-``from_tree`` map live state (nnx objects, stateful data iterators) to the saved pytree and back. The clu
-adapter lives in ``flax_ckpt.callbacks.clu_adapter`` and is not imported here (clu is an optional extra).
+``from_tree`` map live state (nnx objects, stateful data iterators, Python's ``random`` state) to the
+saved pytree and back. The clu adapter lives in ``flax_ckpt.callbacks.clu_adapter`` and is not imported
+here (clu is an optional extra).
 """
 
 from .checkpoint_callback import CheckpointCallback as CheckpointCallback

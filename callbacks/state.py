@@ -14,6 +14,11 @@ Two kinds of leaf are mutable objects that are not stored as themselves:
   (``nnx.to_pure_dict``: no ``/value``), are recognised by their key paths and restore as well.
 * objects with ``get_state()`` / ``set_state(state)`` (the protocol of grain's data iterators): stored as
   ``get_state()``, restored with ``set_state``.
+* Python's ``random`` state: a ``random.Random`` instance (or the ``random`` module itself) and the
+  tuple ``random.getstate()`` returns. Stored as one uint32 array of 628 words (see ``encode_random``),
+  not as the tuple's 627 numbers; an instance is restored in place (``setstate``), the tuple given back
+  equal to the one saved, so the run draws the same numbers as one never interrupted. Checkpoints that
+  hold the tuple as it is (an earlier version's) restore as well.
 
 ``match_saved_scalars`` reconciles one common difference between a fresh state and a saved one:
 ``TrainState.create`` starts ``step`` as the Python int 0, and after a jitted step it is a weak-typed
@@ -25,6 +30,7 @@ What does not belong here: scheduling, signals, anything about the manager.
 
 from __future__ import annotations
 
+import random
 from typing import Any, Protocol, runtime_checkable
 
 import jax
@@ -69,14 +75,66 @@ def _is_nnx(x: Any) -> bool:
     return isinstance(x, (_NNX_OBJECT, nnx.State))
 
 
+# ------------------------------------------------------------------ Python's random state, as one array
+# random.getstate() is (3, words, gauss_next): version 3, the Mersenne Twister's 624 words and its position
+# (625 Python ints below 2**32), and the value random.gauss() keeps for its next call (None or a float).
+
+_MT_WORDS = 625
+RANDOM_WORDS = _MT_WORDS + 3  # the words, whether gauss_next is set, gauss_next's float64 bits
+
+
+def _is_random_state(x: Any) -> bool:
+    """Whether ``x`` is a tuple as ``random.getstate()`` returns it (version 3)."""
+    return (type(x) is tuple and len(x) == 3 and type(x[1]) is tuple and len(x[1]) == _MT_WORDS
+            and x[0] == 3 and (x[2] is None or type(x[2]) is float)
+            and all(type(w) is int and 0 <= w < 1 << 32 for w in x[1]))
+
+
+def _is_random(x: Any) -> bool:
+    """A ``random.Random`` (its state in getstate()/setstate()) or the ``random`` module itself."""
+    return (isinstance(x, random.Random) and not isinstance(x, random.SystemRandom)) or x is random
+
+
+def encode_random(state: tuple[int, tuple[int, ...], float | None]) -> np.ndarray:
+    """``random.getstate()``'s tuple as the uint32 array stored for it: its 625 words, then 1 if
+    ``gauss_next`` is a float (else 0), then that float's 64 bits as two little-endian words."""
+    gauss = state[2]
+    bits = np.array([0.0 if gauss is None else gauss], "<f8").view("<u4")
+    return np.concatenate([np.asarray(state[1], np.uint32), np.asarray([gauss is not None], np.uint32), bits])
+
+
+def decode_random(words: Any) -> tuple[int, tuple[int, ...], float | None]:
+    """The ``random.getstate()`` tuple that ``encode_random`` made ``words`` of (bit-exact); a tuple as
+    it is (what checkpoints of earlier versions restore) is returned as such, its numbers as Python's."""
+    if isinstance(words, (tuple, list)):
+        return int(words[0]), tuple(int(w) for w in words[1]), None if words[2] is None else float(words[2])
+    a = np.asarray(words, np.uint32)
+    gauss = float(a[_MT_WORDS + 1:].astype("<u4").view("<f8")[0]) if a[_MT_WORDS] else None
+    return 3, tuple(a[:_MT_WORDS].tolist()), gauss
+
+
+def _random_target(saved: Any) -> Any:
+    """The restore target of a Python random state whose checkpoint node is ``saved``: the one array, or
+    for a checkpoint that holds the tuple leaf by leaf (an earlier version's) a tuple like the one saved."""
+    if not isinstance(saved, (list, tuple)) or len(saved) != 3:
+        return np.zeros(RANDOM_WORDS, np.uint32)
+    gauss = saved[2]
+    return 3, (0,) * _MT_WORDS, 0.0 if isinstance(gauss, fc.LeafInfo) and gauss.kind != "empty" else None
+
+
 def _is_object_leaf(x: Any) -> bool:
-    return _is_nnx(x) or (isinstance(x, Stateful) and not isinstance(x, type))
+    return (_is_nnx(x) or (isinstance(x, Stateful) and not isinstance(x, type)) or _is_random(x)
+            or _is_random_state(x))
 
 
 def _pure(x: Any, pure_nnx: bool = False) -> Any:
     if _is_nnx(x):
         st = x if isinstance(x, nnx.State) else nnx.state(x)
         return _to_pure_dict(st) if pure_nnx else st
+    if _is_random(x):
+        return encode_random(x.getstate())
+    if _is_random_state(x):
+        return encode_random(x)
     if isinstance(x, Stateful) and not isinstance(x, type):
         return x.get_state()
     return x
@@ -91,10 +149,14 @@ def to_tree(state: Any) -> Any:
 def target_tree(state: Any, info: "fc.CheckpointInfo | None") -> Any:
     """``to_tree(state)`` as the target of a restore of the checkpoint ``info`` describes: an nnx part
     that the checkpoint holds as a pure dict (an earlier version's, or ``nnx.to_pure_dict``'s: no
-    ``/value`` under its variables) as that pure dict."""
+    ``/value`` under its variables) as that pure dict; a Python random state that it holds as the tuple
+    of ``random.getstate()`` (an earlier version's) as that tuple."""
     flat, treedef = jax.tree_util.tree_flatten_with_path(state, is_leaf=_is_object_leaf)
     out = []
     for path, x in flat:
+        if _is_random(x) or _is_random_state(x):
+            out.append(_random_target(None if info is None else _saved_node(info.tree, path)))
+            continue
         pure = info is not None and _is_nnx(x) and _saved_pure(x, _saved_node(info.tree, path))
         out.append(_pure(x, pure_nnx=pure))
     return jax.tree_util.tree_unflatten(treedef, out)
@@ -127,6 +189,11 @@ def _put_back(live: Any, restored: Any) -> Any:
         _replace_by_pure_dict(current, restored)
         nnx.update(live, current)
         return live
+    if _is_random(live):
+        live.setstate(decode_random(restored))
+        return live
+    if _is_random_state(live):
+        return decode_random(restored)
     if isinstance(live, Stateful) and not isinstance(live, type):
         live.set_state(restored)
         return live
@@ -134,8 +201,9 @@ def _put_back(live: Any, restored: Any) -> Any:
 
 
 def from_tree(state: Any, restored: Any) -> Any:
-    """``state`` with the values of ``restored`` (a tree shaped like ``to_tree(state)``): nnx objects and
-    stateful iterators are updated in place and returned; pytree leaves are replaced."""
+    """``state`` with the values of ``restored`` (a tree shaped like ``to_tree(state)``): nnx objects,
+    stateful iterators and ``random.Random`` objects are updated in place and returned; a
+    ``random.getstate()`` tuple is replaced by the restored one; pytree leaves are replaced."""
     leaves, treedef = jax.tree_util.tree_flatten(state, is_leaf=_is_object_leaf)
     parts = treedef.flatten_up_to(restored)
     return jax.tree_util.tree_unflatten(treedef, [_put_back(a, b) for a, b in zip(leaves, parts)])

@@ -8,6 +8,7 @@ real subprocess. Nothing of the code under test is mocked.
 from __future__ import annotations
 
 import os
+import random
 import re
 import shutil
 import signal
@@ -587,3 +588,84 @@ def test_restore_or_resumes_from_fc_save_of_an_nnx_state(ckpt_dir, signals_resto
     assert start == 5 and got["model"] is fresh and got["opt"] is fresh_opt
     assert leaf_bytes(nnx.state(fresh)) == leaf_bytes(nnx.state(model))
     assert leaf_bytes(nnx.state(fresh_opt)) == leaf_bytes(nnx.state(opt))
+
+
+# ------------------------------------------------------------------------------ Python's random state
+
+def test_python_random_state_is_one_array_and_restores_bit_exact(ckpt_dir, signals_restored):
+    """random.getstate()'s tuple and a random.Random (gauss_next set in both) are stored as one uint32
+    array each; restore_or gives back an equal tuple and sets the Random in place, so both draw what
+    they would have drawn."""
+    src = random.Random(11)
+    src.gauss(0.0, 1.0)  # leaves gauss_next set: it is part of the state
+    other = random.Random(12)
+    state = {"tuple": src.getstate(), "rng": other, "step": 4}
+    other.gauss(0.0, 1.0)
+    with CheckpointCallback(ckpt_dir, every_steps=1) as ckpt:
+        ckpt(1, state)
+    tree = fc.metadata(ckpt_dir / "1").tree
+    for name in ("tuple", "rng"):
+        assert tree[name].shape == (628,) and tree[name].dtype == np.uint32, tree[name]
+    expected_tuple = [src.gauss(0.0, 1.0), src.random()]
+    expected_rng = [other.gauss(0.0, 1.0), other.random(), other.getrandbits(64)]
+    fresh = random.Random(99)
+    with CheckpointCallback(ckpt_dir, every_steps=1) as ckpt:
+        got, start = ckpt.restore_or({"tuple": random.Random(98).getstate(), "rng": fresh, "step": 0})
+    assert start == 1 and got["rng"] is fresh and got["tuple"] == state["tuple"]
+    again = random.Random()
+    again.setstate(got["tuple"])
+    assert [again.gauss(0.0, 1.0), again.random()] == expected_tuple
+    assert [fresh.gauss(0.0, 1.0), fresh.random(), fresh.getrandbits(64)] == expected_rng
+
+
+def test_python_random_state_stored_leaf_by_leaf_still_restores(ckpt_dir, signals_restored):
+    """A checkpoint holding random.getstate() as the tuple it is (627 leaves: what earlier versions
+    stored) restores into a tuple and into a random.Random target, gauss_next set or not."""
+    src = random.Random(21)
+    src.gauss(0.0, 1.0)
+    fc.save(ckpt_dir / "3", {"a": src.getstate(), "b": random.Random(22).getstate()})  # b: gauss_next None
+    expected = src.getstate()
+    target_rng = random.Random(0)
+    with CheckpointCallback(ckpt_dir, every_steps=1) as ckpt:
+        got, start = ckpt.restore_or({"a": target_rng, "b": random.Random(5).getstate()})
+    assert start == 3 and got["a"] is target_rng and target_rng.getstate() == expected
+    assert got["b"] == random.Random(22).getstate()
+
+
+RANDOM_CHILD = textwrap.dedent('''
+    import json, os, random, signal, sys
+    import numpy as np
+    from flax_ckpt.callbacks import CheckpointCallback
+
+    directory, out, stop_at = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    random.seed(7)
+    rng = random.Random(8)
+    ckpt = CheckpointCallback(directory, every_steps=1)
+    state, start = ckpt.restore_or({"global": random, "rng": rng, "w": np.zeros(2, np.float32)})
+    with open(out, "a") as f:
+        for step in range(start, 8):
+            f.write(json.dumps([step, random.random(), random.gauss(0, 1), rng.gauss(0, 1)]) + "\\n")
+            f.flush()
+            if step == stop_at and start == 0:
+                os.kill(os.getpid(), signal.SIGTERM)  # a preemption: this step is saved, then exit 143
+            ckpt(step + 1, {"global": random, "rng": rng, "w": state["w"] + step})
+    ckpt.close()
+''')
+
+
+def test_python_random_draws_after_a_preempted_resume_equal_an_uninterrupted_run(tmp_path):
+    """A real program draws from the random module and a random.Random each step; SIGTERMed at step 3 and
+    restarted, it draws exactly what a run never interrupted draws."""
+    script = tmp_path / "child.py"
+    script.write_text(RANDOM_CHILD)
+    env = worker_env(devices=1)
+
+    def run(name: str, stop_at: int) -> list[int]:
+        out = tmp_path / f"{name}.jsonl"
+        cmd = [sys.executable, str(script), str(tmp_path / name), str(out), str(stop_at)]
+        return [subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S, env=env).returncode]
+
+    assert run("whole", -1) == [0]
+    assert run("cut", 3) == [143] and run("cut", 3) == [0]
+    whole = (tmp_path / "whole.jsonl").read_text().splitlines()
+    assert len(whole) == 8 and (tmp_path / "cut.jsonl").read_text().splitlines() == whole

@@ -21,6 +21,7 @@ import dataclasses
 import functools
 import json
 import math
+import os
 import threading
 import time
 from collections.abc import Mapping
@@ -59,6 +60,7 @@ from flax_ckpt._src.orbax.locate import (
 )
 from flax_ckpt._src.orbax.read import OCDBT_FILE_SIZE, array_kvstore, context_for
 from flax_ckpt._src.storage import Storage
+from flax_ckpt._src.storage.local import fsync_all
 
 jax = lazy("jax", globals())  # imported on first use (lazy.py)
 ts = lazy("tensorstore", globals(), "ts")  # imported on first use (lazy.py)
@@ -101,9 +103,12 @@ def _array(lf: HostLeaf) -> tuple[tuple[int, ...], np.dtype, list[tuple[tuple, n
 
 def write_shape(lf: HostLeaf) -> tuple[int, ...] | None:
     """The per-device shard shape of a jax.Array (what Orbax chunks by); None for host values."""
-    if lf.sharding is None:
+    s = lf.sharding
+    if s is None:
         return None
-    return _shard_shape(lf.sharding, tuple(lf.record.shape))
+    if isinstance(s, jax.sharding.SingleDeviceSharding):  # the whole array (no hashing of the sharding)
+        return tuple(lf.record.shape)
+    return _shard_shape(s, tuple(lf.record.shape))
 
 
 @functools.lru_cache(maxsize=4096)  # a state's leaves share a few shardings and shapes
@@ -156,6 +161,11 @@ def single_process() -> None:
 def _chunk_shape(shape: tuple[int, ...], dtype: np.dtype, ws: tuple[int, ...] | None) -> list[int]:
     """The shard shape, halved along even dimensions while a chunk exceeds OCDBT's target file size
     (so chunks still tile each shard exactly and no two shards write one chunk)."""
+    return list(_chunk_tuple(tuple(shape), dtype, ws))
+
+
+@functools.lru_cache(maxsize=4096)  # a state's leaves share a few shapes
+def _chunk_tuple(shape: tuple[int, ...], dtype: np.dtype, ws: tuple[int, ...] | None) -> tuple[int, ...]:
     chunk = [max(1, d) for d in (ws if ws is not None else shape)]
     while math.prod(chunk) * dtype.itemsize > OCDBT_FILE_SIZE:
         even = [i for i, d in enumerate(chunk) if d % 2 == 0]
@@ -163,7 +173,7 @@ def _chunk_shape(shape: tuple[int, ...], dtype: np.dtype, ws: tuple[int, ...] | 
             break
         i = max(even, key=lambda j: chunk[j])
         chunk[i] //= 2
-    return chunk
+    return tuple(chunk)
 
 
 def _zarr_metadata(shape: tuple[int, ...], chunk: list[int], use_zarr3: bool, compression: bool) -> dict[str, Any]:
@@ -182,15 +192,47 @@ def _zarr_metadata(shape: tuple[int, ...], chunk: list[int], use_zarr3: bool, co
 
 
 def _write_arrays(storage: Storage, arrays: list[HostLeaf], use_ocdbt: bool, use_zarr3: bool,
-                  compression: bool) -> None:
+                  compression: bool) -> Callable[[], None]:
+    """Starts writing the array leaves with tensorstore; returns the call that finishes (waits for every
+    write, raising the first failure). The small arrays' OCDBT transaction commits on tensorstore's
+    threads until then. In a local folder, with OCDBT, tensorstore does not fsync (each of its fsyncs
+    would wait for the one before it: the data file, its folder, the manifest, the item folder): the
+    files it wrote are fsynced by the finishing call, all at once, and the commit fsyncs the folders.
+    Nothing is visible before the commit's rename, so the order of fsyncs within the folder is free."""
     context = context_for(storage)
-    if use_ocdbt and use_zarr3:  # small arrays first, as key-value pairs of one OCDBT commit
+    unsynced = use_ocdbt and storage.local_path is not None
+    if unsynced:
+        context = ts.Context(ts.Context.Spec({"file_io_sync": False}), context)
+    small = []
+    if use_ocdbt and use_zarr3:  # small arrays as key-value pairs of one OCDBT commit
         small = [(lf, data) for lf in arrays if (data := _one_chunk(lf)) is not None]
-        _write_small(storage, small, compression, context)
-        if len(small) == len(arrays):
-            return
-        done = {id(lf) for lf, _ in small}
-        arrays = [lf for lf in arrays if id(lf) not in done]
+    done = {id(lf) for lf, _ in small}
+    wait_small = _write_small(storage, small, compression, context)
+
+    def finish() -> None:
+        try:
+            rest = [lf for lf in arrays if id(lf) not in done]
+            _write_with(storage, rest, use_ocdbt, use_zarr3, compression, context)
+        finally:
+            wait_small()
+        if unsynced:
+            _sync_written(storage)
+    return finish
+
+
+def _sync_written(item: Storage) -> None:
+    """fsyncs, all at once, every file below ``item`` except the side files (fsynced when written)."""
+    root, side = item.local_path, {TREE_METADATA, SHARDING, STRINGS, STRINGS + CRC_SUFFIX, COMMIT_SUCCESS,
+                                   CHECKPOINT_METADATA, "array_metadatas/process_0"}
+    assert root is not None
+    files = [os.path.join(d, f) for d, _, names in os.walk(root) for f in names
+             if os.path.relpath(os.path.join(d, f), root).replace(os.sep, "/") not in side]
+    fsync_all(files)
+
+
+def _write_with(storage: Storage, arrays: list[HostLeaf], use_ocdbt: bool, use_zarr3: bool,
+                compression: bool, context: ts.Context) -> None:
+    """Writes ``arrays`` through tensorstore, each array opened on its own."""
     opened = []
     for lf in arrays:
         shape, dtype, shards = _array(lf)
@@ -238,13 +280,27 @@ def _one_chunk(lf: HostLeaf) -> np.ndarray | None:
     if arr is None:
         return None
     shape, dtype, shards = arr
+    shape = tuple(shape)
     if _zarr3_type(dtype) is None or dtype.itemsize * math.prod(shape) > _SMALL or 0 in shape:
         return None
-    if _chunk_shape(shape, dtype, write_shape(lf)) != [max(1, d) for d in shape]:
+    if _chunk_tuple(shape, dtype, write_shape(lf)) != _whole_chunk(shape):
         return None
+    if len(shards) == 1 and shards[0][1].shape == shape:  # one shard of the array's shape: all of it
+        return np.asarray(shards[0][1])
     whole = tuple((0, d) for d in shape)
     return next((np.asarray(data) for box, data in shards if tuple(map(tuple, box)) == whole
-                 and data.shape == tuple(shape)), None)
+                 and data.shape == shape), None)
+
+
+@functools.lru_cache(maxsize=None)
+def _chunk_key(rank: int) -> str:
+    """The key of an array's one chunk (zarr3's default chunk key encoding)."""
+    return "/".join(["c"] + ["0"] * rank)
+
+
+@functools.lru_cache(maxsize=4096)
+def _whole_chunk(shape: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(max(1, d) for d in shape)
 
 
 @functools.lru_cache(maxsize=None)
@@ -267,37 +323,63 @@ def _zarr_json(shape: tuple[int, ...], dtype: np.dtype, compression: bool) -> by
     return json.dumps(meta, sort_keys=True, separators=(",", ":")).encode()
 
 
-def _shard(data: np.ndarray, compressor: Any) -> bytes:
-    """One zarr3 shard holding ``data`` as its only chunk."""
-    raw = np.ascontiguousarray(data, dtype=data.dtype.newbyteorder("<")).tobytes()
-    body = compressor.compress(raw) if compressor is not None else raw
+def _shards(datas: list[np.ndarray], compressor: Any) -> list[bytes]:
+    """One zarr3 shard for each of ``datas``, holding it as its only chunk: its bytes (compressed, on
+    zstandard's threads where it can), their crc32c, the shard index ((offset, length) as little-endian
+    uint64) and its crc32c."""
+    raws = [np.ascontiguousarray(d, dtype=d.dtype.newbyteorder("<")).tobytes() for d in datas]
+    if compressor is None:
+        bodies = raws
+    else:
+        try:
+            bodies = [b.tobytes() for b in compressor.multi_compress_to_buffer(raws, threads=-1)]
+        except (AttributeError, NotImplementedError):  # zstandard's cffi backend has no batch compression
+            bodies = [compressor.compress(r) for r in raws]
+    return [_framed(body) for body in bodies]
+
+
+def _framed(body: bytes) -> bytes:
     chunk = body + crc32c.crc32c(body).to_bytes(4, "little")
-    index = (0).to_bytes(8, "little") + len(chunk).to_bytes(8, "little")
-    return chunk + index + crc32c.crc32c(index).to_bytes(4, "little")
+    index = _index(len(chunk))
+    return chunk + index
+
+
+@functools.lru_cache(maxsize=4096)
+def _index(length: int) -> bytes:
+    index = (0).to_bytes(8, "little") + length.to_bytes(8, "little")
+    return index + crc32c.crc32c(index).to_bytes(4, "little")
 
 
 def _write_small(storage: Storage, arrays: list[tuple[HostLeaf, np.ndarray]], compression: bool,
-                 context: ts.Context) -> None:
-    """Writes ``arrays`` (leaves with their _one_chunk) into the item's OCDBT database, in one transaction."""
+                 context: ts.Context) -> Callable[[], None]:
+    """Starts writing ``arrays`` (leaves with their _one_chunk) into the item's OCDBT database, in one
+    transaction; returns the call that waits for its commit (a CheckpointError if it failed)."""
     if not arrays:
-        return
+        return lambda: None
     import zstandard
     compressor = zstandard.ZstdCompressor(level=3) if compression else None
-    kv = ts.KvStore.open(array_kvstore(storage, "", True, write=True), context=context).result()
+    where = f"{storage.url}: writing {len(arrays)} arrays into its OCDBT database failed"
     txn = ts.Transaction(atomic=True)
-    view, writes = kv.with_transaction(txn), []
-    for lf, data in arrays:
-        name, shape = param(lf), tuple(data.shape)
-        key = "/".join(["c"] + ["0"] * len(shape))
-        writes.append(view.write(f"{name}/zarr.json", _zarr_json(shape, data.dtype, compression)))
-        writes.append(view.write(f"{name}/{key}", _shard(data, compressor)))
     try:
-        for w in writes:
-            w.result()
-        txn.commit_async().result()
+        kv = ts.KvStore.open(array_kvstore(storage, "", True, write=True), context=context).result()
+        view, writes = kv.with_transaction(txn), []
+        for (lf, data), shard in zip(arrays, _shards([data for _, data in arrays], compressor)):
+            name, shape = param(lf), data.shape
+            writes.append(view.write(f"{name}/zarr.json", _zarr_json(shape, data.dtype, compression)))
+            writes.append(view.write(f"{name}/{_chunk_key(len(shape))}", shard))
+        commit = txn.commit_async()
     except Exception as e:
-        raise CheckpointError(f"{storage.url}: writing {len(arrays)} arrays into its OCDBT database failed: "
-                              f"{e}") from e
+        txn.abort()
+        raise CheckpointError(f"{where}: {e}") from e
+
+    def wait() -> None:
+        try:
+            commit.result()
+            for w in writes:
+                w.result()
+        except Exception as e:
+            raise CheckpointError(f"{where}: {e}") from e
+    return wait
 
 
 def _json_bytes(obj: Any) -> bytes:
@@ -311,18 +393,22 @@ def _write_checked(storage: Storage, name: str, data: bytes) -> None:
     storage.write(name + CRC_SUFFIX, [str(crc32c.crc32c(data)).encode()])
 
 
-def _tree_metadata(snap: Snapshot, use_ocdbt: bool, use_zarr3: bool) -> dict[str, Any]:
-    entries = {}
-    for lf in snap.leaves:
-        vt = value_type(lf)
-        value: dict[str, Any] = {"value_type": vt, "skip_deserialize": vt in ("None", "Dict", "List", "Tuple")}
-        ws = write_shape(lf)
-        if ws is not None:
-            value["write_shape"] = list(ws)
-        keys = [{"key": str(k), "key_type": 1 if kind == "idx" else 2} for kind, k in lf.path]
-        entries[str(tuple(str(k) for _, k in lf.path))] = {"key_metadata": keys, "value_metadata": value}
-    return {"tree_metadata": entries, "use_ocdbt": use_ocdbt, "use_zarr3": use_zarr3,
-            "store_array_data_equal_to_fill_value": True, "custom_metadata": None}
+def _tree_metadata(snap: Snapshot, use_ocdbt: bool, use_zarr3: bool) -> bytes:
+    """``_METADATA`` as json.dumps writes it, joined from each leaf's entry (the same at every step)."""
+    entries = ", ".join([_tree_entry(lf.path, value_type(lf), write_shape(lf)) for lf in snap.leaves])
+    rest = _json_bytes({"use_ocdbt": use_ocdbt, "use_zarr3": use_zarr3,
+                        "store_array_data_equal_to_fill_value": True, "custom_metadata": None})
+    return b'{"tree_metadata": {' + entries.encode() + b"}, " + rest[1:]
+
+
+@functools.lru_cache(maxsize=1 << 16)  # a run saves the same key paths at every step
+def _tree_entry(path: tuple, vt: str, ws: tuple[int, ...] | None) -> str:
+    value: dict[str, Any] = {"value_type": vt, "skip_deserialize": vt in ("None", "Dict", "List", "Tuple")}
+    if ws is not None:
+        value["write_shape"] = list(ws)
+    keys = [{"key": str(k), "key_type": 1 if kind == "idx" else 2} for kind, k in path]
+    key = json.dumps(str(tuple(str(k) for _, k in path)))
+    return f"{key}: {json.dumps({'key_metadata': keys, 'value_metadata': value})}"
 
 
 @functools.lru_cache(maxsize=1024)
@@ -346,22 +432,38 @@ def _sharding_of(s: jax.sharding.Sharding | None) -> dict[str, Any] | None:
     return None
 
 
-def _array_metadatas(arrays: list[HostLeaf]) -> dict[str, Any]:
-    return {"array_metadatas": [
-        {"array_metadata": {"param_name": param(lf), "write_shape": list(write_shape(lf)),
-                            "chunk_shape": _chunk_shape(lf.record.shape, lf.record.dtype, write_shape(lf)),
-                            "ext_metadata": {"random_key_impl": lf.record.key_impl} if lf.record.key_impl else None}}
-        for lf in arrays if value_type(lf) == "jax.Array"]}
+def _array_metadatas(arrays: list[HostLeaf], names: list[str]) -> bytes | None:
+    """``array_metadatas/process_0`` as json.dumps writes it, joined from each jax array's entry (``names``:
+    the arrays' parameter names); None without jax arrays."""
+    entries = []
+    for lf, name in zip(arrays, names):
+        ws = write_shape(lf)
+        if ws is not None and value_type(lf) == "jax.Array":
+            chunk = _chunk_tuple(tuple(lf.record.shape), lf.record.dtype, ws)
+            entries.append(_array_entry(name, ws, chunk, lf.record.key_impl))
+    return b'{"array_metadatas": [' + ", ".join(entries).encode() + b"]}" if entries else None
+
+
+@functools.lru_cache(maxsize=1 << 16)  # a run saves the same arrays at every step
+def _array_entry(name: str, ws: tuple[int, ...], chunk: tuple[int, ...], key_impl: str | None) -> str:
+    ext = {"random_key_impl": key_impl} if key_impl else None
+    return json.dumps({"array_metadata": {"param_name": name, "write_shape": list(ws),
+                                          "chunk_shape": list(chunk), "ext_metadata": ext}})
 
 
 def write_item(storage: Storage, snap: Snapshot, *, use_ocdbt: bool = True, use_zarr3: bool = True,
                compression: bool = True) -> None:
     """Writes one Orbax pytree item (arrays, ``_METADATA`` and side files) into ``storage``. The side
-    files are written (each fsynced) on other threads while the arrays are: their fsyncs overlap."""
+    files are made while tensorstore commits the small arrays, and written (each fsynced) on other
+    threads while the other arrays are: their fsyncs overlap."""
     arrays = [lf for lf in snap.leaves if _array(lf) is not None]
-    files = _side_files(snap, arrays, use_ocdbt, use_zarr3)
-    _overlapped([functools.partial(storage.write, name, [data]) for name, data in files],
-                lambda: _write_arrays(storage, arrays, use_ocdbt, use_zarr3, compression))
+    finish = _write_arrays(storage, arrays, use_ocdbt, use_zarr3, compression)
+    try:
+        files = _side_files(snap, arrays, use_ocdbt, use_zarr3)
+    except BaseException:
+        finish()  # every write ended before anyone deletes the folder
+        raise
+    _overlapped([functools.partial(storage.write, name, [data]) for name, data in files], finish)
 
 
 def _overlapped(writes: list[Callable[[], Any]], main: Callable[[], Any]) -> None:
@@ -377,12 +479,18 @@ def _overlapped(writes: list[Callable[[], Any]], main: Callable[[], Any]) -> Non
         f.result()
 
 
+@functools.lru_cache(maxsize=1 << 16)  # a run saves the same key paths at every step
+def _b64(name: str) -> str:
+    return base64.urlsafe_b64encode(name.encode()).decode()
+
+
 def _side_files(snap: Snapshot, arrays: list[HostLeaf], use_ocdbt: bool,
                 use_zarr3: bool) -> list[tuple[str, bytes]]:
     """An item's files besides its arrays: ``_sharding``, ``_strings.json`` (with its crc32c),
     ``array_metadatas/process_0`` and ``_METADATA``, as (name, bytes)."""
     files = []
-    shardings = {base64.urlsafe_b64encode(param(lf).encode()).decode(): text for lf in arrays
+    names = [param(lf) for lf in arrays]
+    shardings = {_b64(name): text for lf, name in zip(arrays, names)
                  if lf.sharding is not None and (text := _sharding_json(lf.sharding)) is not None}
     strings = {param(lf): lf.record.value for lf in snap.leaves if lf.record.kind == "string"}
     if shardings:
@@ -390,9 +498,10 @@ def _side_files(snap: Snapshot, arrays: list[HostLeaf], use_ocdbt: bool,
     if strings:
         data = _json_bytes(strings)
         files += [(STRINGS, data), (STRINGS + CRC_SUFFIX, str(crc32c.crc32c(data)).encode())]
-    if any(value_type(lf) == "jax.Array" for lf in arrays):
-        files.append(("array_metadatas/process_0", _json_bytes(_array_metadatas(arrays))))
-    files.append((TREE_METADATA, _json_bytes(_tree_metadata(snap, use_ocdbt, use_zarr3))))
+    metadatas = _array_metadatas(arrays, names)
+    if metadatas is not None:
+        files.append(("array_metadatas/process_0", metadatas))
+    files.append((TREE_METADATA, _tree_metadata(snap, use_ocdbt, use_zarr3)))
     return files
 
 
@@ -403,7 +512,7 @@ _POOL_LOCK = threading.Lock()
 def _files_pool() -> ThreadPoolExecutor:
     with _POOL_LOCK:
         if not _POOL:
-            _POOL.append(ThreadPoolExecutor(4, thread_name_prefix="flax_ckpt-orbax-files"))
+            _POOL.append(ThreadPoolExecutor(8, thread_name_prefix="flax_ckpt-orbax-files"))
         return _POOL[0]
 
 
@@ -447,6 +556,7 @@ def save_item(parent: Storage, name: str, snap: Snapshot, *, metadata: Any = Non
     abstract_tree)`` and ``ocp.PyTreeCheckpointer().restore`` read. ``metadata`` goes to
     ``_CHECKPOINT_METADATA``'s custom_metadata, ``metrics`` to its metrics."""
     single_process()
+    snap.complete()  # shards still on their devices come to host first (a no-op once they are)
     custom = jsonable(metadata, "metadata")
     metrics = metrics_json(metrics)
     _commit_folder(parent, name, lambda f: write_item(f, snap, use_ocdbt=use_ocdbt, use_zarr3=use_zarr3,
