@@ -138,12 +138,13 @@ class CheckpointManager:
                                         retention=self._retention, on_busy=self.on_busy, read_only=read_only,
                                         strict=strict, metadata=metadata, metric_writer=metric_writer,
                                         storage_options=storage_options)
+            # For tests and tools, not a stable API: this process's memory tiers (their folders ``root``
+            # and ``local_dir``, ``committed(tier)``, ``last_plan`` of the last restore), or None.
+            self.memory_tiers: TierSet | None = _memory_tiers(tiers, self._directory)  # after the scan
         except BaseException:  # a manager that failed to open holds nothing: a retry can open the directory
             self._closed = True
             self._writer.close()
             raise
-        # after the directory's scan: the tiers need the persistent steps; they close the directory
-        self.memory_tiers: TierSet | None = _memory_tiers(tiers, self._directory, self._writer)
         self._store: Store = self.memory_tiers or self._directory
         self.storage: Storage = self._directory.storage
         self.directory, self.format, self.layout = self._directory.url, self._directory.format, self._directory.layout
@@ -572,15 +573,14 @@ def _on_busy(on_busy: str | None, tiers: Any) -> str:
 _OPEN: "weakref.WeakSet[CheckpointManager]" = weakref.WeakSet()  # managers to close at interpreter exit
 
 
-def _memory_tiers(tiers: Tiers | None, directory: Directory, writer: AsyncWriter) -> TierSet | None:
-    """The memory tiers in front of ``directory`` (None without ``tiers``); a failure to start them
-    releases the directory and the writer."""
+def _memory_tiers(tiers: Tiers | None, directory: Directory) -> TierSet | None:
+    """The memory tiers in front of ``directory`` (None without ``tiers``), which they hold and close; a
+    failure to start them releases the directory."""
     if tiers is None:
         return None
     try:
         return TierSet(tiers, directory)
     except BaseException:
-        writer.close()
         directory.let_go()
         raise
 
