@@ -238,10 +238,10 @@ class Directory:
 
     def close(self, *, at_exit: bool = False) -> None:
         """Releases the directory: the arena, the spare files, the lock."""
-        self._arena = None
         self.let_go()
 
     def let_go(self) -> None:
+        self._arena = None
         if self.recycler is not None:
             self.recycler.close()
         if self._lock is not None:

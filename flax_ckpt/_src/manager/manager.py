@@ -11,6 +11,7 @@ tests/test_layout.py (test_save_path_from_manager_to_file_write_is_six_calls).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import logging
 import threading
@@ -160,8 +161,10 @@ class CheckpointManager:
     best_mode = property(lambda self: self._retention.best_mode)
     keep_best = property(lambda self: self._retention.keep_best)
     strict = property(lambda self: self._directory.strict)
-    metadata = property(lambda self: self._directory.metadata)
-    metric_writer = property(lambda self: self._directory.metric_writer)
+    metadata = property(lambda self: self._directory.metadata,  # the JSON value recorded with every step
+                        lambda self, value: setattr(self._directory, "metadata", value))
+    metric_writer = property(lambda self: self._directory.metric_writer,
+                             lambda self, value: setattr(self._directory, "metric_writer", value))
     skipped = property(lambda self: self._store.skipped)  # saves skipped because the writer was busy
 
     # ------------------------------------------------------------------------------------ directory
@@ -505,8 +508,11 @@ class CheckpointManager:
         _OPEN.discard(self)
         try:
             self._writer.close()
-        finally:
-            self._store.close(at_exit=at_exit)  # the tiers close their directory: it releases the lock
+        except BaseException:  # the save in flight failed: its error is raised, the store let go
+            with contextlib.suppress(Exception):
+                self._store.let_go()
+            raise
+        self._store.close(at_exit=at_exit)  # the tiers close their directory: it releases the lock
 
     def __enter__(self) -> "CheckpointManager":
         return self
