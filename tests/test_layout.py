@@ -155,3 +155,30 @@ def test_the_manager_has_one_path_through_one_store():
                       and n.attr.startswith("_") and not n.attr.startswith("__")
                       and isinstance(n.value, ast.Attribute)})
     assert private == [], f"the manager reaches into its parts' private members: {private}"
+
+
+def test_both_stores_implement_the_whole_store_protocol():
+    """The run directory and the memory tiers are a manager's two stores: each has every member of
+    manager/store.Store; the directory is also all that the tiers ask of it (tiers.Persistent)."""
+    from flax_ckpt._src.manager.directory import Directory
+    from flax_ckpt._src.manager.store import Store
+    from flax_ckpt._src.tiers import Persistent
+    from flax_ckpt._src.tiers.tierset import TierSet
+
+    def members(protocol: type) -> set[str]:
+        return {n for n in vars(protocol) if not n.startswith("_")} | set(getattr(protocol, "__annotations__", {}))
+
+    assert {"admit", "snapshot", "save", "flush", "restore", "steps", "close"} <= members(Store)
+    for cls, protocol in ((Directory, Store), (TierSet, Store), (Directory, Persistent)):
+        missing = sorted(m for m in members(protocol) if not hasattr(cls, m) and m not in _assigned(cls))
+        assert not missing, f"{cls.__name__} lacks {missing} of {protocol.__name__}"
+
+
+def _assigned(cls: type) -> set[str]:
+    """The attributes ``cls``'s methods assign on ``self``."""
+    import inspect
+    import textwrap
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    return {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store)
+            and isinstance(n.value, ast.Name) and n.value.id == "self"}
