@@ -142,8 +142,8 @@ def test_saves_at_every_step_restore_exactly_whatever_the_caller_does_next(tmp_p
             tree["b_f64"] *= 3
             donate({"d": tree["d_jax_f32"], "j": tree["j_piece_plus"]})
             mgr.wait_until_finished()
-            arenas.append(mgr._spare.arena)
-            assert not mgr._spare.reuse_buffers()  # the arena is the one host copy kept between saves
+            arenas.append(mgr._directory._arena.arena)
+            assert not mgr._directory._arena.reuse_buffers()  # the arena is the one host copy kept between saves
         for step in range(8):
             assert_bit_exact(mgr.restore(step, target=_tree(0, extra=step in (4, 5))), saved[step], types=False)
     # the first save copies as without an arena and sizes the next, made once it is durable
@@ -203,16 +203,16 @@ def test_the_next_saves_arena_is_made_and_faulted_once_the_save_before_it_is_dur
     with fc.CheckpointManager(tmp_path / "run", max_to_keep=None) as mgr:
         mgr.save(0, state(0))
         mgr.wait_until_finished()
-        arena = mgr._spare.arena
+        arena = mgr._directory._arena.arena
         size = sum(a.nbytes for a in state(0).values())
         assert arena.capacity >= size and _resident(arena._bytes.ctypes.data) >= size
         for step in (1, 2):
             mgr.save(step, state(step))
             mgr.wait_until_finished()
-            assert mgr._spare.arena is arena
+            assert mgr._directory._arena.arena is arena
         mgr.save(3, state(3, 5 << 20))  # grown: no buffer for all of it in this arena
         mgr.wait_until_finished()
-        bigger = mgr._spare.arena
+        bigger = mgr._directory._arena.arena
         assert bigger is not arena and bigger.capacity >= sum(a.nbytes for a in state(3, 5 << 20).values())
         assert _resident(bigger._bytes.ctypes.data) >= bigger.capacity - (1 << 20)
         for step in range(4):

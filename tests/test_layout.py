@@ -120,6 +120,63 @@ def test_save_path_from_manager_to_file_write_is_six_calls(tmp_path, monkeypatch
         mgr.save(1, {"w": np.ones(4, np.float32)})
     (_, stack), = stacks
     ours = [f.name for f in stack if "flax_ckpt" in f.filename and "/tests/" not in f.filename]
-    # on the background writer: CheckpointManager._persist -> NativeLayout.persist -> RawSerializer.write
-    # -> its per-file write -> LocalStorage.write; save and AsyncWriter.submit ran on the caller's thread
-    assert ours == ["_persist", "persist", "write", "write_file"], ours
+    # on the background writer: Directory.save (the manager's store) -> NativeLayout.persist ->
+    # RawSerializer.write -> its per-file write -> LocalStorage.write; CheckpointManager.save and
+    # AsyncWriter.submit ran on the caller's thread
+    assert ours == ["save", "persist", "write", "write_file"], ours
+
+
+def test_the_tiers_import_nothing_of_the_manager():
+    """The memory tiers hold the run directory through tiers.Persistent; the manager composes them."""
+    modules = _modules()
+    tiers = {m: _imports(p, m, modules) for m, p in modules.items() if m.startswith("flax_ckpt._src.tiers")}
+    assert len(tiers) > 5
+    upward = sorted(f"{m} imports {d}" for m, deps in tiers.items() for d in deps
+                    if d.startswith("flax_ckpt._src.manager"))
+    assert not upward, upward
+
+
+def test_the_manager_has_one_path_through_one_store():
+    """CheckpointManager asks its store (manager/store.py), never which store it is: no branch on the
+    tiers, no back-call adapter, thread-local or weak reference for them, no thread started at its end."""
+    path = ROOT / "flax_ckpt" / "_src" / "manager" / "manager.py"
+    tree = ast.parse(path.read_text())
+    manager = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "CheckpointManager")
+    branches = [ast.unparse(n.test) for n in ast.walk(manager) if isinstance(n, (ast.If, ast.IfExp))
+                if any(isinstance(x, ast.Attribute) and "tier" in x.attr and ast.unparse(x.value) == "self"
+                       for x in ast.walk(n.test))]
+    assert branches == [], f"the manager branches on its tiers: {branches}"
+    names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)} | {
+        n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+    assert not names & {"local", "Thread", "_Directory", "ref"}, names & {"local", "Thread", "_Directory", "ref"}
+    private = sorted({f"{ast.unparse(n.value)}.{n.attr}" for n in ast.walk(manager) if isinstance(n, ast.Attribute)
+                      and n.attr.startswith("_") and not n.attr.startswith("__")
+                      and isinstance(n.value, ast.Attribute)})
+    assert private == [], f"the manager reaches into its parts' private members: {private}"
+
+
+def test_both_stores_implement_the_whole_store_protocol():
+    """The run directory and the memory tiers are a manager's two stores: each has every member of
+    manager/store.Store; the directory is also all that the tiers ask of it (tiers.Persistent)."""
+    from flax_ckpt._src.manager.directory import Directory
+    from flax_ckpt._src.manager.store import Store
+    from flax_ckpt._src.tiers import Persistent
+    from flax_ckpt._src.tiers.tierset import TierSet
+
+    def members(protocol: type) -> set[str]:
+        return {n for n in vars(protocol) if not n.startswith("_")} | set(getattr(protocol, "__annotations__", {}))
+
+    assert {"admit", "snapshot", "save", "flush", "restore", "steps", "close"} <= members(Store)
+    for cls, protocol in ((Directory, Store), (TierSet, Store), (Directory, Persistent)):
+        missing = sorted(m for m in members(protocol) if not hasattr(cls, m) and m not in _assigned(cls))
+        assert not missing, f"{cls.__name__} lacks {missing} of {protocol.__name__}"
+
+
+def _assigned(cls: type) -> set[str]:
+    """The attributes ``cls``'s methods assign on ``self``."""
+    import inspect
+    import textwrap
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    return {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store)
+            and isinstance(n.value, ast.Name) and n.value.id == "self"}

@@ -29,29 +29,46 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 SRC = ROOT / "flax_ckpt" / "_src"
 SOURCES = {"NativeSource", "OrbaxSource", "CopySource", "Source"}
 ASKERS = sorted((SRC / "tools").glob("*.py")) + [SRC / "api.py"]
+# the manager and the memory tiers too: whatever depends on the format is a member of layouts.Layout
+RUNNERS = sorted((SRC / "manager").glob("*.py")) + sorted((SRC / "tiers").glob("*.py"))
+SERIALIZERS = {"raw", "zarr3"}
+NAMED = {"name", "format", "fmt"}  # what holds a format's (or a serializer's) name
 
 
-def _inspections(path: pathlib.Path) -> list[str]:
+def _inspections(path: pathlib.Path, *, wide: bool = False) -> list[str]:
     """``isinstance(x, <a Source class>)``, ``<x>.name == "<format>"`` (or ``!=``) and imports of the
-    Source classes in one module, as "file:line: code"."""
+    Source classes in one module, as "file:line: code". ``wide`` (the manager and the tiers): also
+    ``isinstance(x, LocalStorage)``, a serializer's name, and a format's name held as ``format``,
+    ``fmt`` or ``getattr(x, "name")``; the Source protocol itself may be imported."""
+    sources = SOURCES - {"Source"} if wide else SOURCES
+    named_as = NAMED if wide else {"name"}
+    constants = {*layouts.FORMATS, *SERIALIZERS} if wide else set(layouts.FORMATS)
     found = []
     for node in ast.walk(ast.parse(path.read_text())):
         bad = False
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "isinstance":
             names = {n.id if isinstance(n, ast.Name) else n.attr for n in ast.walk(node.args[1])
                      if isinstance(n, (ast.Name, ast.Attribute))} if len(node.args) == 2 else set()
-            bad = bool(names & SOURCES)
+            bad = bool(names & (sources | ({"LocalStorage"} if wide else set())))
         elif isinstance(node, ast.Compare):
             sides = [node.left, *node.comparators]
-            named = any(isinstance(s, ast.Attribute) and s.attr == "name" for s in sides)
-            formats = any(isinstance(s, ast.Constant) and s.value in layouts.FORMATS for s in sides)
-            bad = named and formats
+            named = any(_holds_a_name(s, named_as, wide) for s in sides)
+            bad = named and any(isinstance(s, ast.Constant) and s.value in constants for s in sides)
         elif isinstance(node, ast.ImportFrom):
-            bad = bool({a.name for a in node.names} & SOURCES)
+            bad = bool({a.name for a in node.names} & sources)
         if bad:
             found.append(f"{path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}:{node.lineno}: "
                          f"{ast.unparse(node)}")
     return found
+
+
+def _holds_a_name(node: ast.expr, named_as: set[str], wide: bool) -> bool:
+    if isinstance(node, ast.Attribute):
+        return node.attr in named_as
+    if isinstance(node, ast.Name):
+        return wide and node.id in named_as
+    return (wide and isinstance(node, ast.Call) and ast.unparse(node.func) == "getattr" and len(node.args) > 1
+            and isinstance(node.args[1], ast.Constant) and node.args[1].value == "name")
 
 
 def test_tools_and_api_ask_the_layout_and_source_never_inspect_them():
@@ -60,13 +77,24 @@ def test_tools_and_api_ask_the_layout_and_source_never_inspect_them():
                        "question to the Source or Layout protocol instead:\n" + "\n".join(found))
 
 
+def test_the_manager_and_the_tiers_ask_the_layout_never_a_format_name():
+    found = [hit for path in RUNNERS for hit in _inspections(path, wide=True)]
+    assert len(RUNNERS) > 10 and not found, (
+        "the manager or the tiers compare a format's or serializer's name, or the storage's kind; add the "
+        "question to layouts.Layout instead:\n" + "\n".join(found))
+
+
 def test_the_inspection_check_sees_what_it_forbids(tmp_path):
     bad = tmp_path / "bad.py"
-    bad.write_text("from x import OrbaxSource\nif fmt.name == 'native' or isinstance(s, (NativeSource, int)):\n"
-                   "    pass\nif f.layout.name != \"orbax\":\n    pass\nif e.name == 'native-ish':\n    pass\n")
-    hits = sorted(hit.split(": ", 1)[1] for hit in _inspections(bad))
-    assert hits == ["f.layout.name != 'orbax'", "fmt.name == 'native'", "from x import OrbaxSource",
-                    "isinstance(s, (NativeSource, int))"]
+    bad.write_text("from x import OrbaxSource, Source\nif fmt.name == 'native' or isinstance(s, (NativeSource, int)):\n"
+                   "    pass\nif f.layout.name != \"orbax\":\n    pass\nif e.name == 'native-ish':\n    pass\n"
+                   "if self.format == 'orbax' and isinstance(st, LocalStorage):\n    pass\n"
+                   "if getattr(self.layout.serializer, 'name', None) == 'raw' or fmt != 'native':\n    pass\n")
+    hits = sorted(hit.split(": ", 1)[1] for hit in _inspections(bad, wide=True))
+    assert hits == ["f.layout.name != 'orbax'", "fmt != 'native'", "fmt.name == 'native'",
+                    "from x import OrbaxSource, Source", "getattr(self.layout.serializer, 'name', None) == 'raw'",
+                    "isinstance(s, (NativeSource, int))", "isinstance(st, LocalStorage)",
+                    "self.format == 'orbax'"]
 
 
 def _members(protocol: type) -> set[str]:
@@ -181,3 +209,45 @@ def test_orbax_save_without_a_step_keeps_its_metrics_where_orbax_does(tmp_path):
     meta = json.loads((tmp_path / "ck" / "_CHECKPOINT_METADATA").read_text())
     assert meta["metrics"] == {"loss": 0.5}  # the field Orbax's StepMetadata reads
     np.testing.assert_array_equal(ocp.StandardCheckpointer().restore(tmp_path / "ck")["w"], np.arange(3.0))
+
+
+# ------------------------------------------------------------------- the manager asks its layout
+
+def test_a_manager_takes_its_spare_files_from_its_layout(tmp_path, monkeypatch):
+    """The run's layout decides whether a removed step's data files serve the next save
+    (Layout.recycler): native steps written whole by the raw serializer on a local disk do; zarr3,
+    Orbax steps and a read-only manager do not. A layout that declines (monkeypatched) gets none, and
+    retention then deletes the files, as the manager asks nothing else."""
+    from flax_ckpt._src.commit.recycler import Recycler
+
+    tree = {"w": np.arange(1 << 18, dtype=np.float32)}
+    with fc.CheckpointManager(tmp_path / "raw", max_to_keep=1) as mgr:
+        assert isinstance(mgr.storage.recycler, Recycler)
+        for step in (1, 2):
+            mgr.save(step, tree)
+            mgr.wait_until_finished()
+        assert mgr.storage.recycler._files  # step 1's data file, kept for the next save
+    with fc.CheckpointManager(tmp_path / "raw", read_only=True) as reader:
+        assert reader.storage.recycler is None
+    with fc.CheckpointManager(tmp_path / "zarr", serializer="zarr3") as mgr:
+        assert mgr.storage.recycler is None
+    fc.save(tmp_path / "orbax" / "1", tree, format="orbax", step=1)
+    with fc.CheckpointManager(tmp_path / "orbax") as mgr:
+        assert mgr.storage.recycler is None
+
+    monkeypatch.setattr(NativeLayout, "recycler", lambda self, storage: None)
+    with fc.CheckpointManager(tmp_path / "declined", max_to_keep=1) as mgr:
+        for step in (1, 2):
+            mgr.save(step, tree)
+            mgr.wait_until_finished()
+        assert mgr.storage.recycler is None and mgr.all_steps() == [2]
+        assert sorted(os.listdir(tmp_path / "declined")) == [".flax_ckpt.lock", "2"]  # no folder of spares
+
+
+def test_a_tiered_manager_needs_a_native_run(tmp_path):
+    """layouts.run_format, the one place a run's format is decided, refuses tiers= for an Orbax run."""
+    fc.save(tmp_path / "run" / "1", {"w": np.ones(3)}, format="orbax", step=1)
+    with pytest.raises(ValueError, match=r"tiers= needs format='native'"):
+        fc.CheckpointManager(tmp_path / "run", tiers=fc.Tiers(local_dir=str(tmp_path / "shm")))
+    with fc.CheckpointManager(tmp_path / "run") as mgr:  # the failed open left nothing held
+        assert mgr.all_steps() == [1]

@@ -297,16 +297,17 @@ def test_an_async_write_waits_a_grace_for_the_callers_next_step_unless_something
     committed and restores."""
     import time
 
+    from flax_ckpt._src.manager import directory as directory_mod
     from flax_ckpt._src.manager import manager as manager_mod
 
     monkeypatch.setattr(manager_mod, "_GRACE", 30.0)
     started: list[int] = []
-    real = manager_mod.CheckpointManager._persist
+    real = directory_mod.Directory.save
 
-    def persist(self, step, *args):
+    def persist(self, step, *args, **kwargs):
         started.append(step)
-        return real(self, step, *args)
-    monkeypatch.setattr(manager_mod.CheckpointManager, "_persist", persist)
+        return real(self, step, *args, **kwargs)
+    monkeypatch.setattr(directory_mod.Directory, "save", persist)
 
     def until(n: int) -> None:
         deadline = time.monotonic() + 20

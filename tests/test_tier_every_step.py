@@ -30,7 +30,7 @@ import flax_ckpt as fc
 from flax_ckpt._src.records import leaf_name
 from flax_ckpt._src.tiers import encode as tier_encode
 from flax_ckpt._src.tiers import store as tier_store
-from flax_ckpt._src.tiers import tierset as tier_set
+from flax_ckpt._src.tiers.migration import Migration
 from helpers import assert_bit_exact, in_place_checked
 
 pytestmark = pytest.mark.timeout(120)
@@ -80,7 +80,7 @@ def test_encoder_stores_unchanged_as_references_small_changes_as_deltas_and_adam
 
 def test_no_delta_once_the_encoding_budget_is_spent(tmp_path):
     with fc.CheckpointManager(tmp_path / "ckpt", tiers=_tiers(tmp_path, max_to_keep=5)) as mgr:
-        mgr.memory_tiers._budget = tier_encode.DeltaBudget(share=0.0, credit_s=0.0)  # no time for zlib
+        mgr.memory_tiers.policy.budget = tier_encode.DeltaBudget(share=0.0, credit_s=0.0)  # no time for zlib
         backbone = np.random.default_rng(7).standard_normal(2 << 20).astype(np.float32)  # 8 MiB: raw "little"
         for step in (1, 2):  # and "adam" are then under half of the bytes, so the copy is a differential one
             mgr.save(step, dict(_state(step), backbone=backbone.copy()))
@@ -170,11 +170,11 @@ def test_on_busy_wait_and_force_hold_the_step_until_the_previous_save_is_done(tm
 
 def test_a_due_migration_is_put_off_while_the_previous_one_runs(tmp_path, monkeypatch):
     release = threading.Event()
-    real = tier_set.TierSet._migrate
+    real = Migration.start
 
     def slow_first(self, step, job):  # the first migration runs until released
         return real(self, step, (lambda: (release.wait(60), job())) if step == 1 else job)
-    monkeypatch.setattr(tier_set.TierSet, "_migrate", slow_first)
+    monkeypatch.setattr(Migration, "start", slow_first)
     mgr = fc.CheckpointManager(tmp_path / "ckpt", tiers=_tiers(tmp_path, persist_interval_steps=1,
                                                                max_to_keep=5))
     try:
@@ -187,12 +187,12 @@ def test_a_due_migration_is_put_off_while_the_previous_one_runs(tmp_path, monkey
         while len(mgr.tier_stats) < 3 or mgr.memory_tiers.deferred < 2:
             assert time.monotonic() < deadline, "the writer waits for the migration in flight"
             time.sleep(0.01)
-        assert mgr.memory_tiers.persistent.steps() == set()
+        assert mgr.memory_tiers.persistent.steps() == []
         release.set()
         mgr.wait_until_finished()  # waits for the migration in flight (step 1)
         assert mgr.save(4, _state(4))  # due, nothing in flight: migrated
         mgr.wait_until_finished()
-        assert mgr.memory_tiers.persistent.steps() == {1, 4} and mgr.memory_tiers.deferred == 2
+        assert mgr.memory_tiers.persistent.steps() == [1, 4] and mgr.memory_tiers.deferred == 2
     finally:
         release.set()
         mgr.close()
@@ -203,7 +203,7 @@ def test_every_kept_copy_restores_bit_exact(tmp_path):
     """Bases, deltas, raw chunks and references, across a rebase, each step restored from memory."""
     tiers = _tiers(tmp_path, max_to_keep=7, rebase_interval=3)
     with fc.CheckpointManager(tmp_path / "ckpt", tiers=tiers) as mgr:
-        mgr.memory_tiers._budget = tier_encode.DeltaBudget(share=1.0, credit_s=60.0)  # deltas however loaded
+        mgr.memory_tiers.policy.budget = tier_encode.DeltaBudget(share=1.0, credit_s=60.0)  # deltas however loaded
         for step in range(1, 8):
             mgr.save(step, _state(step))
             mgr.wait_until_finished()

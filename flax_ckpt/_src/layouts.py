@@ -7,8 +7,10 @@ written and read, and the read-only files of other libraries (foreign/): "flax_m
 msgpack files) and "safetensors"; ``detect`` and ``recognize`` (which format a folder or file holds)
 and ``step_folders`` (the steps of a run directory: native and Orbax step folders, and for the tools,
 legacy Flax ``checkpoint_<step>`` files), which the manager and the flax-ckpt command both use;
-``run_format`` (the format a manager writes a run's new steps in: the run's own) and ``step_name``
-(their folder names). The memory tiers keep their own copy format (tiers/store.py) and migrate
+``run_format`` (the format a manager writes a run's new steps in: the run's own), ``step_name``
+(their folder names) and ``newest_own`` (the newest step of a run's own format). No module outside this
+one and the formats' own compares format names: each question that depends on the format is a member
+of ``Layout``. The memory tiers keep their own copy format (tiers/store.py) and migrate
 native steps through the native layout.
 """
 
@@ -24,6 +26,7 @@ from flax_ckpt._src.records import PersistTimes
 from flax_ckpt._src.engine.reader import Source
 from flax_ckpt._src.engine.snapshot import Snapshot
 from flax_ckpt._src.checks import MANIFEST
+from flax_ckpt._src.commit.recycler import Recycler
 from flax_ckpt._src.errors import CheckpointNotFoundError
 from flax_ckpt._src.foreign import layout as foreign
 from flax_ckpt._src.orbax.layout import OrbaxLayout
@@ -46,6 +49,7 @@ class Layout(Protocol):
     manifest: str | None
     evident: bool
     foreign: bool  # a directory of this format is another library's: a manager writes nothing until it saves
+    recycles: bool  # a removed step's data files are worth handing to the next save (a run's ``recycler``)
 
     def snapshot(self, tree: Any, *, copy: bool, reuse: Snapshot | None = None) -> Snapshot:
         """The blocking half of a save (caller's thread); refuses what the format cannot store."""
@@ -62,6 +66,19 @@ class Layout(Protocol):
     def metrics(self, folder: Storage) -> dict[str, Any] | None:
         """The metrics saved with a committed step folder, read cheaply (a manager's scan); raises a
         CheckpointError for a damaged one."""
+
+    def recycler(self, storage: Storage) -> Recycler | None:
+        """The spare files of a run directory this layout writes into (``storage``, read-write): the data
+        files of removed steps, handed to the next save's writes (set as ``storage.recycler``); None where
+        the format's writes would not take them."""
+
+    def follow(self, root: Storage, newest: str | None) -> None:
+        """A run's new steps follow its newest committed step of this format, folder ``newest`` of
+        ``root`` (Orbax: its named items); nothing to follow for a format whose steps are alike."""
+
+    def check_items(self, tree: Any) -> None:
+        """Refuses, before anything is written, a tree that the run's steps cannot hold (Orbax: one that
+        does not fit the run's named items)."""
 
 
 def layout(name: str, serializer: "str | Serializer | None" = None) -> Layout:
@@ -150,16 +167,33 @@ def step_folders(root: Storage, serializer: "Serializer | None" = None, *, files
     return sorted(found, key=lambda f: f.step), temporary
 
 
-def run_format(requested: str | None, committed: list[StepFolder], directory: str) -> tuple[str, str | None]:
-    """The format a manager writes new steps of the run in ``directory`` in, and a warning (or None).
+def run_format(storage: Storage, requested: str | None, serializer: Any = None, *,
+               tiers: bool = False) -> tuple[str, str | None]:
+    """The format a manager writes new steps of the run in ``storage`` in, and a warning (or None).
 
     A run stays in one format: with ``requested`` None it follows the directory (the newest committed
     step's format; "native" for an empty directory); an explicit ``requested`` that contradicts it is
     a ValueError naming the ``format=`` to pass. A directory holding both formats (written by an older
-    flax_ckpt, which continued Orbax runs natively) follows its newest step, with a warning."""
+    flax_ckpt, which continued Orbax runs natively) follows its newest step, with a warning. A
+    ValueError too for ``serializer=`` or ``tiers`` (memory tiers) that the format has not."""
     requested = _renamed(requested)
     if requested is not None and requested not in FORMATS:
         raise ValueError(f"unknown format {requested!r}; use 'native', 'orbax' or None (follow the directory)")
+    folders, _ = step_folders(storage)
+    committed = [f for f in folders
+                 if f.layout.name == "orbax" or commit_mod.is_committed(storage, f.name, f.layout.record)]
+    fmt, warning = _followed(requested, committed, storage.url)
+    followed = f"{storage.url} holds Orbax steps, so this run's new steps are Orbax's too, and "
+    if fmt == "orbax" and requested is None and serializer is not None:
+        raise ValueError(followed + "serializer= applies to native steps only; drop serializer= (or give a "
+                         "native run a directory of its own)")
+    if tiers and fmt != "native":
+        raise ValueError((followed if requested is None else "") + "tiers= needs format='native' (the memory "
+                         "tiers migrate native checkpoints)")
+    return fmt, warning
+
+
+def _followed(requested: str | None, committed: list[StepFolder], directory: str) -> tuple[str, str | None]:
     if not committed:
         return requested or "native", None
     newest = committed[-1].layout.name
@@ -176,13 +210,27 @@ def run_format(requested: str | None, committed: list[StepFolder], directory: st
     return newest, warning
 
 
+def named(name: str, serializer: "str | Serializer | None" = None) -> Layout:
+    """The layout called ``name`` (a step folder's, as another process reported it), with ``serializer``
+    where the format takes one (native)."""
+    return layout(name, serializer if name == "native" else None)
+
+
+def newest_own(layout: Layout, folders: "list[StepFolder]") -> str | None:
+    """The folder name of the newest of ``folders`` in ``layout``'s format (what ``Layout.follow``
+    follows), or None."""
+    own = [f for f in folders if f.layout.name == layout.name]
+    return max(own, key=lambda f: f.step).name if own else None
+
+
 def _steps_text(steps: list[int]) -> str:
     return ", ".join(map(str, steps[:8])) + (f", ... ({len(steps)} in all)" if len(steps) > 8 else "")
 
 
-def step_name(format: str, step: int, committed: list[StepFolder]) -> str:
-    """The folder name of a new step: ``<step>`` for native steps; for Orbax steps the naming of the
-    run's Orbax steps (``step_prefix``, fixed length), so that Orbax's CheckpointManager lists it."""
-    if format != "orbax":
+def step_name(layout: Layout, step: int, committed: list[StepFolder]) -> str:
+    """The folder name of a new step in ``layout``: ``<step>`` for native steps; for Orbax steps the
+    naming of the run's Orbax steps (``step_prefix``, fixed length), so that Orbax's CheckpointManager
+    lists it."""
+    if layout.name != "orbax":
         return str(step)
     return orbax_locate.step_name(step, [f.name for f in committed if f.layout.name == "orbax"])

@@ -134,7 +134,7 @@ def mode_train(cfg: dict[str, Any]) -> dict[str, Any]:
     mgr.wait_until_finished()
     ts = mgr.memory_tiers
     return {"local": ts.committed("local"), "peer": ts.committed("peer"), "steps": mgr.all_steps(),
-            "peer_dst": ts.peer_dst, "written": [[s.step, s.written, s.nbytes, s.base] for s in mgr.tier_stats],
+            "peer_dst": ts.ring.dst, "written": [[s.step, s.written, s.nbytes, s.base] for s in mgr.tier_stats],
             "in_place": in_place}
 
 

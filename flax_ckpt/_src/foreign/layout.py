@@ -52,6 +52,14 @@ class _FileLayout:
     def metrics(self, folder: Storage) -> dict[str, Any] | None:
         return self.open(folder).metrics
 
+    recycles = False  # never written
+
+    def recycler(self, storage: Storage) -> None:
+        """None: these files are never written."""
+
+    def check_items(self, tree: Any) -> None:
+        self.snapshot(tree, copy=False)  # refused: never written
+
 
 class FlaxMsgpackLayout(_FileLayout):
     """A legacy Flax msgpack file (flax_msgpack.py); its step is its name's (``checkpoint_<step>``)."""

@@ -1,9 +1,10 @@
 """The manager: a run of checkpoints in one directory (``CheckpointManager``), a composition of parts.
 
-manager.py composes them: the step index (steps.py), the schedule (schedule.py), retention
-(retention.py, shared with the flax-ckpt command's prune), the memory tiers (tiers/tierset.py), the
-async writer (writer.py), the statistics (stats.py), the directory lock (storage/lock.py) and the
-agreed restore (agreed.py). What does not belong here: the formats (layouts.py), the engine.
+manager.py composes a schedule (schedule.py), the async writer (writer.py) and one store (store.py's
+protocol): the run directory (directory.py: the step index of steps.py, the layout, the directory
+lock, retention of retention.py, the agreed restore of agreed.py, the statistics of stats.py), or
+the memory tiers in front of it (tiers/tierset.py, which hold it). What does not belong here: the
+formats (layouts.py), the engine.
 """
 
 from flax_ckpt._src.manager.manager import CheckpointManager as CheckpointManager

@@ -1,44 +1,39 @@
-"""CheckpointManager: a run of checkpoints in one directory, composed of named parts.
+"""CheckpointManager: a run of checkpoints, a schedule, a writer and one store.
 
-Scope: the composition, and the two paths through it. The parts: the step index (steps.py: committed
-steps, their folders and metrics, one view across processes), the schedule (schedule.py), retention
-(retention.py: which steps are kept, which is best), the memory tiers (tiers/tierset.py, given this
-manager's directory once as their persistent tier: ``_Directory``, the tiers' ``Persistent``), the
-async writer (writer.py), the statistics (stats.py), the directory lock (storage/lock.py) and the
-agreed restore (agreed.py); and the end of a manager nobody closed (at interpreter exit or
-garbage collection). Steps
-are written in one format (layouts.Layout) and read in whichever format each step folder has. The path
-of a save, call by call, is stated once: tests/test_layout.py (test_save_path_from_manager_to_file_write_is_six_calls).
+Scope: the composition, and the end of a manager nobody closed (at interpreter exit or garbage
+collection). The parts: the schedule (schedule.py), the async writer (writer.py) and the store
+(store.py's protocol): the run directory (directory.py: step index, layout, lock, retention, agreed
+restore) or the memory tiers in front of it (tiers/tierset.py, holding that directory). The manager
+asks the store, never which store it is. The path of a save, call by call, is stated once:
+tests/test_layout.py (test_save_path_from_manager_to_file_write_is_six_calls).
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import logging
-import os
 import threading
 import time
 import weakref
 from typing import Any, Callable, Literal
 
 from flax_ckpt._src import layouts
-from flax_ckpt._src.commit import distributed
-from flax_ckpt._src.commit.recycler import Recycler
 from flax_ckpt._src.engine.fit import Fit, RenameArg
 from flax_ckpt._src.engine.leaves import CheckpointInfo
-from flax_ckpt._src.engine.snapshot import Snapshot, metrics_json
-from flax_ckpt._src.errors import CheckpointError, CheckpointLockedError, CheckpointNotFoundError
+from flax_ckpt._src.engine.snapshot import metrics_json
+from flax_ckpt._src.errors import CheckpointError, CheckpointNotFoundError
 from flax_ckpt._src.lazy import lazy
-from flax_ckpt._src.manager.agreed import DAMAGE, AgreedRestore, TargetOf, targets
+from flax_ckpt._src.manager.agreed import targets
+from flax_ckpt._src.manager.directory import Directory
 from flax_ckpt._src.manager.schedule import Schedule
-from flax_ckpt._src.manager.stats import RestoreStats, SaveStats, publish
-from flax_ckpt._src.manager.steps import StepIndex, run_format
+from flax_ckpt._src.manager.stats import RestoreStats, SaveStats
+from flax_ckpt._src.manager.store import Store
 from flax_ckpt._src.manager.writer import AsyncWriter
 from flax_ckpt._src.retention import Retention
 from flax_ckpt._src.serializers import Serializer
-from flax_ckpt._src.storage import LocalStorage, ObjectStoreOptions, Storage, open_storage
-from flax_ckpt._src.storage.lock import DirectoryLock
+from flax_ckpt._src.storage import ObjectStoreOptions, Storage
 from flax_ckpt._src.tiers import Tiers
 from flax_ckpt._src.tiers.tierset import TierSet
 
@@ -128,51 +123,34 @@ class CheckpointManager:
         if read_only and tiers is not None:
             raise ValueError("read_only=True reads the steps committed in the directory; it does not open "
                              "memory tiers (they belong to the run that writes them): drop tiers=")
-        self.read_only = read_only
-        self.on_busy = _on_busy(on_busy, tiers)
-        self.skipped = 0  # saves skipped because the writer was busy (on_busy="skip")
-        self._schedule = Schedule(save_interval_steps, overhead_budget, mtbf_s)
-        self._retention = Retention(max_to_keep, keep_period, best_metric, best_mode, keep_best)
         if tiers is not None and not isinstance(tiers, Tiers):
             raise TypeError(f"tiers must be a flax_ckpt.Tiers, got {type(tiers).__name__}")
-        self._tiers: TierSet | None = None
-        self.storage: Storage = open_storage(directory, options=storage_options)
-        self.directory = self.storage.url
-        self._prefix = distributed.job_prefix("manager", self.directory)  # this run's agreement rounds
-        if not read_only:  # a reader may start before the writer made the directory: it then sees no steps
-            self.storage.makedirs()
-        self.format = run_format(self.storage, format, serializer, tiers)
-        self.layout: layouts.Layout = layouts.layout(self.format, serializer)
-        if self.format == "native" and isinstance(self.storage, LocalStorage) and not read_only and \
-                getattr(self.layout.serializer, "name", None) == "raw":  # a removed step's files: the next save's
-            self.storage.recycler = Recycler(self.storage.local_path)
-        self._steps = StepIndex(self.storage, self.layout, self._prefix, serializer)
-        self._restore = AgreedRestore(self._steps, self._prefix, strict=strict)
-        self.async_save, self.metadata = async_save, metadata
-        self.metric_writer = metric_writer  # anything with write_scalars(step, dict), e.g. a clu MetricWriter
-        self._spare: Snapshot | None = None  # the last durable snapshot, refilled by the next save
-        self._created = time.perf_counter()
-        self._lock: DirectoryLock | None = None
-        self._claimed = False
-        self.stats: list[SaveStats] = []
-        self.restore_stats: list[RestoreStats] = self._restore.stats
+        self.read_only, self.async_save = read_only, async_save
+        self.on_busy = _on_busy(on_busy, tiers)
+        self._schedule = Schedule(save_interval_steps, overhead_budget, mtbf_s)
+        self._retention = Retention(max_to_keep, keep_period, best_metric, best_mode, keep_best)
         self._writer = AsyncWriter()
         self._saved_at: float | None = None  # when the last save call that started a write began
         self._inflight: Any = None  # the on_host event of the snapshot given to the writer last (not the
         #   snapshot: its buffers are freed on the writer's thread when its job ends, never on the caller's)
         self._closed = False
         try:
-            if not self.layout.foreign and not read_only:
-                self._claim()
-            self._steps.scan(tidy=self._claimed)
-            if tiers is not None:  # after the scan: the tiers need the persistent steps
-                self._tiers = TierSet(tiers, self.directory, _Directory(self))
+            self._directory = Directory(directory, format=format, serializer=serializer, tiered=tiers is not None,
+                                        retention=self._retention, on_busy=self.on_busy, read_only=read_only,
+                                        strict=strict, metadata=metadata, metric_writer=metric_writer,
+                                        storage_options=storage_options)
+            # For tests and tools, not a stable API: this process's memory tiers (their folders ``root``
+            # and ``local_dir``, ``committed(tier)``, ``last_plan`` of the last restore), or None.
+            self.memory_tiers: TierSet | None = _memory_tiers(tiers, self._directory)  # after the scan
         except BaseException:  # a manager that failed to open holds nothing: a retry can open the directory
             self._closed = True
             self._writer.close()
-            if self._lock is not None:
-                self._lock.release()
             raise
+        self._store: Store = self.memory_tiers or self._directory
+        self.storage: Storage = self._directory.storage
+        self.directory, self.format, self.layout = self._directory.url, self._directory.format, self._directory.layout
+        self.stats: list[SaveStats] = self._directory.stats
+        self.restore_stats: list[RestoreStats] = self._directory.restore_stats
         _OPEN.add(self)
 
     # the options as given (each part holds its own)
@@ -182,23 +160,14 @@ class CheckpointManager:
     best_metric = property(lambda self: self._retention.best_metric)
     best_mode = property(lambda self: self._retention.best_mode)
     keep_best = property(lambda self: self._retention.keep_best)
-    strict = property(lambda self: self._restore.strict)
+    strict = property(lambda self: self._directory.strict)
+    metadata = property(lambda self: self._directory.metadata,  # the JSON value recorded with every step
+                        lambda self, value: setattr(self._directory, "metadata", value))
+    metric_writer = property(lambda self: self._directory.metric_writer,
+                             lambda self, value: setattr(self._directory, "metric_writer", value))
+    skipped = property(lambda self: self._store.skipped)  # saves skipped because the writer was busy
 
     # ------------------------------------------------------------------------------------ directory
-
-    def _claim(self) -> None:
-        """Before the first write: the directory lock (one per job: its other processes share it) and
-        the removal of crashed saves' leftovers. A native run claims its directory when the manager
-        opens; an Orbax run at its first save (a restore-only manager writes nothing there), with a
-        lock file that is removed again at close."""
-        if self._claimed:
-            return
-        if self.storage.local_path is not None and distributed.process_index() == 0:
-            _held_here(self.storage.local_path)
-            self._lock = DirectoryLock(self.storage.local_path, tidy=self.layout.foreign)
-        self._claimed = True
-        if self.layout.foreign:
-            self._steps.scan(tidy=True)  # the view from the open may be stale by now; this scan removes the leftovers
 
     def reload(self) -> None:
         """Reads the directory's committed steps again: steps committed since (by the run a read-only
@@ -208,7 +177,7 @@ class CheckpointManager:
         several processes, a collective: every process adopts process 0's view."""
         if not self.read_only:
             self._writer.wait()
-        self._steps.scan(tidy=False)
+        self._directory.reload()
 
     def all_steps(self) -> list[int]:
         """The committed steps, in the directory or (with tiers) in any memory tier.
@@ -225,8 +194,7 @@ class CheckpointManager:
         """
         if self.read_only:
             self.reload()
-        steps = self._steps.steps()
-        return sorted(set(steps) | set(self._tiers.steps())) if self._tiers is not None else steps
+        return self._store.steps()
 
     def latest_step(self) -> int | None:
         """The newest committed step.
@@ -259,9 +227,9 @@ class CheckpointManager:
           ...     mgr.metrics(1)
           {'loss': 0.25}
         """
-        if self.read_only and step not in self._steps:
+        if self.read_only and step not in self._directory.index:
             self.reload()
-        return self._steps.metrics(step)
+        return self._directory.index.metrics(step)
 
     def best_step(self) -> int | None:
         """The committed step with the best ``best_metric`` (by ``best_mode``).
@@ -279,19 +247,12 @@ class CheckpointManager:
         """
         if self.read_only:
             self.reload()
-        return self._retention.best_step(self._steps.all_metrics())
+        return self._retention.best_step(self._directory.index.all_metrics())
 
     @property
     def tier_stats(self) -> list[Any]:
         """Per-save records of the memory tiers (bytes written, reused, seconds per phase); [] without tiers."""
-        return list(self._tiers.stats) if self._tiers is not None else []
-
-    @property
-    def memory_tiers(self) -> TierSet | None:
-        """For tests and tools, not a stable API: this process's memory tiers (their folders ``root`` and
-        ``local_dir``, ``committed(tier)``, ``last_plan`` of the last restore, ``persistent.steps()``: the
-        steps committed in this directory), or None without ``tiers=``."""
-        return self._tiers
+        return list(self._store.tier_stats)
 
     def should_save(self, step: int) -> bool:
         """Whether ``save(step, ...)`` would save: the schedule has it and it is not saved already.
@@ -307,7 +268,7 @@ class CheckpointManager:
           ...     mgr.should_save(10), mgr.should_save(11)
           (True, False)
         """
-        return step not in self._steps and self._schedule.due(step)
+        return step not in self._directory.index and self._schedule.due(step)
 
     @property
     def interval(self) -> int:
@@ -368,37 +329,31 @@ class CheckpointManager:
         try:
             if not self._writer.busy:
                 self._writer.wait()  # raise a finished save's failure now
-            if step in self._steps or (self._writer.busy and step == self._schedule.last_saved):
+            if step in self._directory.index or (self._writer.busy and step == self._schedule.last_saved):
                 log.info("step %d already saved in %s; skipped", step, self.directory)
                 return False
             if not force and not self.should_save(step):
                 log.debug("step %d is off the schedule (every %s steps) in %s: not saved; pass force=True to "
                           "save it anyway", step, self._schedule.interval, self.directory)
                 return False
-            if not self._claimed:
-                if self.format == "orbax":  # a tree that does not fit the run's items: nothing written, no lock
-                    self.layout.check_items(state)
-                self._claim()
-                if step in self._steps:
+            if not self._directory.claimed:  # a tree the run's steps cannot hold: nothing written, no lock
+                self._directory.claim(state)
+                if step in self._directory.index:
                     log.info("step %d already saved in %s; skipped", step, self.directory)
                     return False
             metrics = metrics_json(metrics)
             waited = self._wait_for_device(state)
-            if not self._admit(step, force):
+            if not self._store.admit(step, self._writer.busy, force):
                 return False  # on_busy="skip": the previous save is being written; training does not wait
             self._writer.wait()  # back-pressure: one save in flight
-            if self._tiers is not None:  # first sends the previous step's copy to its peer (a collective)
-                snap = self._tiers.snapshot(step, state, copy=self.async_save, force=force)
-            else:  # refill the previous durable snapshot's buffers: no page faults of fresh memory
-                snap, self._spare = self.layout.snapshot(state, copy=self.async_save, reuse=self._spare), None
+            snap = self._store.snapshot(step, state, copy=self.async_save, force=force)
             snap.waited_s += waited
             blocked = time.perf_counter() - t0 - snap.waited_s
             self._inflight = snap.on_host
-            self._schedule.saved(step, blocked, self._prefix)
-            persist = self._tiers.save if self._tiers is not None else self._persist  # tiers migrate via _Directory
+            self._schedule.saved(step, blocked, self._directory.prefix)
             grace = _GRACE if self._saved_at is None else min(_GRACE, 0.1 * (t0 - self._saved_at))
             self._saved_at = t0
-            self._writer.submit(functools.partial(persist, step, snap, metrics, t0, blocked),
+            self._writer.submit(functools.partial(self._store.save, step, snap, metrics, t0, blocked),
                                 f"step {step} in {self.directory}", grace=grace if self.async_save else 0.0)
             if not self.async_save:
                 self._writer.wait()
@@ -430,46 +385,6 @@ class CheckpointManager:
                 break
         return time.perf_counter() - t1
 
-    def _admit(self, step: int, force: bool) -> bool:
-        """Whether to save ``step`` now, the writer busy or not (``on_busy``): "wait" always (the next
-        ``wait`` holds the caller until the writer is free); "skip" not while the writer is busy (with
-        several processes: busy on any one of them; every process decides alike), unless ``force``."""
-        busy = self._writer.busy
-        if self._tiers is not None:
-            return self._tiers.admit(step, busy, force)
-        if self.on_busy == "wait" or force:
-            return True
-        if distributed.process_count() > 1:
-            votes = distributed.allgather(self._prefix, "admit", {"step": step, "busy": busy})
-            busy = any(v["busy"] for v in votes)
-        if busy:
-            self.skipped += 1
-            if self.skipped == 1:
-                log.warning("step %d not saved in %s: the previous save is still being written, and "
-                            "on_busy='skip' never holds training for it; further skips are counted in "
-                            "mgr.skipped, not logged",
-                            step, self.directory)
-        return not busy
-
-    def _persist(self, step: int, snap: Snapshot, metrics: dict | None, t0: float, blocked: float) -> None:
-        """Background: writes and commits ``step`` in the directory, records it, applies retention."""
-        snap.complete()  # the device copies to host (a failed step that produced the state is raised here)
-        name = self._steps.new_folder(step)
-        times = self.layout.persist(snap, self.storage, name, step=step, metrics=metrics, metadata=self.metadata)
-        self._steps.add(step, name, metrics)
-        stats = SaveStats(step, snap.nbytes, blocked, snap.seconds, times.write, times.commit,
-                          time.perf_counter() - t0, fsync_s=times.fsync, start_s=t0 - self._created,
-                          serialize_s=times.serialize, written_bytes=times.written,
-                          migrate_s=times.write + times.commit if self._tiers is not None else 0.0,
-                          waited_for_device_s=snap.waited_s,
-                          snapshot_mode=snap.choice.mode if snap.choice else "",
-                          device_bytes=snap.choice.device_bytes if snap.choice else 0)
-        self.stats.append(stats)
-        publish(stats, self.directory, self.metric_writer)
-        self._steps.retain(self._retention)
-        if self._tiers is None and self.async_save:
-            self._spare = snap.reusable()  # durable now: the next snapshot may overwrite its buffers
-
     def wait_until_finished(self) -> None:
         """Blocks until the save in flight (and, with tiers, its peer copy and migration) is durable.
 
@@ -485,8 +400,7 @@ class CheckpointManager:
           1
         """
         self._writer.wait()
-        if self._tiers is not None:  # the peer copy of the last save, and the migration in flight
-            self._tiers.flush()
+        self._store.flush()  # with tiers: the peer copy of the last save, and the migration in flight
 
     # -------------------------------------------------------------------------------------- restore
 
@@ -537,69 +451,7 @@ class CheckpointManager:
         fit = Fit.of(partial=partial, rename=rename, missing=missing, unexpected=unexpected,
                      cast=cast, report=report)
         self._writer.wait()
-        target_of = targets(target, target_for)
-        restores = len(self.restore_stats)
-        if self._tiers is not None:
-            if item is not None:
-                raise ValueError("item= selects an item of an Orbax step; a tiered manager holds native steps")
-            out = self._restore_tiered(step, target_of, shardings, fit)
-        elif self.read_only:
-            return self._restore_following(step, target_of, shardings, fit, item)
-        else:
-            out = self._restore.restore(step, target_of, shardings, fit, item)
-        if len(self.restore_stats) > restores:  # resumed the run: its steps up to this one are this run's
-            self._steps.resumed(self.restore_stats[-1].step)
-        return out
-
-    def _restore_following(self, step: int | None, target_of: TargetOf, shardings: Any, fit: Fit,
-                           item: str | None) -> Any:
-        """A read-only manager's restore, beside a run that commits and deletes steps meanwhile: the steps
-        are read again first; a step that the run's retention deleted while it was read (gone from the
-        directory after the failure) is followed, for ``step=None``, by the newest step committed then,
-        and is for a named step a CheckpointNotFoundError saying so. A step still there that fails to
-        read is damage: for ``step=None`` the next newest step is tried with a warning (unless strict)."""
-        skip: set[int] = set()  # steps deleted or damaged under this restore
-        while True:
-            self.reload()
-            steps = self._steps.steps()
-            if step is not None and step not in steps:
-                return self._restore.restore(step, target_of, shardings, fit, item)  # its not-found error
-            left = [s for s in steps if s not in skip]
-            if not left:
-                raise CheckpointNotFoundError(f"no committed checkpoint in {self.directory}" + (
-                    f" (steps {sorted(skip)} were deleted or damaged while being read)" if skip else ""))
-            s = left[-1] if step is None else step
-            try:
-                return self._restore.restore(s, target_of, shardings, fit, item)
-            except (CheckpointError, OSError) as e:
-                self.reload()
-                if s in self._steps.steps():  # still committed: damage, or a target that does not fit
-                    if step is not None or self.strict or type(e).__name__ not in DAMAGE:
-                        raise
-                    log.warning("step %d in %s is damaged (%s: %s); trying the next newest step", s,
-                                self.directory, type(e).__name__, e)
-                elif step is not None:
-                    raise CheckpointNotFoundError(
-                        f"step {step} of {self.directory} was deleted while it was being restored (the run "
-                        f"writing there removes old steps: its max_to_keep); committed steps now: "
-                        f"{self._steps.steps()}. Restore one of those (step=None: the newest), or have the "
-                        "run keep the steps an evaluator reads (keep_period)") from e
-                else:
-                    log.info("step %d of %s was deleted while it was being restored; restoring the newest "
-                             "step", s, self.directory)
-                skip.add(s)
-
-    def _restore_tiered(self, step: int | None, target_of: TargetOf, shardings: Any, fit: Fit) -> Any:
-        """With tiers= (every process calls it): the newest step complete across processes in some
-        combination of tiers, each process reading from the fastest tier holding its shards."""
-        t0 = time.perf_counter()
-        self._tiers.flush()
-        out, plan, nbytes = self._tiers.restore(step, target_of, shardings=shardings, fit=fit,
-                                                strict=self.strict)
-        tier = plan.sources[distributed.process_index()][0]
-        if tier != "persistent":  # AgreedRestore.read recorded the persistent ones
-            self.restore_stats.append(RestoreStats(plan.step, tier, nbytes, time.perf_counter() - t0))
-        return out
+        return self._store.restore(step, targets(target, target_for), shardings, fit, item)
 
     def item_metadata(self, step: int | None = None, *, item: str | None = None) -> CheckpointInfo:
         """``fc.metadata`` of a step of the run: what it holds, read without any array bytes.
@@ -626,7 +478,7 @@ class CheckpointManager:
         step = self.latest_step() if step is None else step
         if step is None:
             raise CheckpointNotFoundError(f"no committed checkpoint in {self.directory}")
-        return self._steps.open(step, item).info()
+        return self._directory.open(step, item).info()
 
     # ---------------------------------------------------------------------------------------- close
 
@@ -647,24 +499,20 @@ class CheckpointManager:
           ...     again.all_steps()
           [1]
         """
+        self._close()
+
+    def _close(self, *, at_exit: bool = False) -> None:
         if self._closed:
             return
         self._closed = True
         _OPEN.discard(self)
         try:
             self._writer.close()
-            if self._tiers is not None:  # may migrate the newest step through _Directory
-                self._tiers.close()
-        finally:
-            self._spare = None
-            self._drop_spares()
-            if self._lock is not None:
-                self._lock.release()
-
-    def _drop_spares(self) -> None:
-        spares = getattr(self.storage, "recycler", None)
-        if spares is not None:
-            spares.close()
+        except BaseException:  # the save in flight failed: its error is raised, the store let go
+            with contextlib.suppress(Exception):
+                self._store.let_go()
+            raise
+        self._store.close(at_exit=at_exit)  # the tiers close their directory: it releases the lock
 
     def __enter__(self) -> "CheckpointManager":
         return self
@@ -682,34 +530,22 @@ class CheckpointManager:
         _OPEN.discard(self)
         try:
             self._writer.close()
-            if self._tiers is not None:
-                self._tiers.let_go()
         finally:
-            self._drop_spares()
-            if self._lock is not None:
-                self._lock.release()
+            self._store.let_go()
 
     def _close_at_exit(self) -> None:
-        """At interpreter exit: close(), or in a multi-process job with tiers, _let_go() (closing the
-        tiers is a collective). A failure is logged as a warning, never raised."""
+        """At interpreter exit: close() (the store knows what it can still do: memory tiers across
+        processes let go instead, closing them being a collective). A failure is logged as a warning,
+        never raised."""
         try:
-            if self._tiers is not None and distributed.process_count() > 1:
-                self._let_go()
-                log.warning("CheckpointManager(%s) was not closed: at interpreter exit its memory tiers were left "
-                            "in %s, restorable by the next run (closing them is a collective); call close() after "
-                            "the training loop", self.directory, self._tiers.root)
-            else:
-                self.close()
+            self._close(at_exit=True)
         except Exception as e:
             log.warning("CheckpointManager(%s) was not closed; closing it at interpreter exit failed: %s: %s",
                         self.directory, type(e).__name__, e)
 
     def __del__(self):  # garbage collection may run anywhere, on any thread: never raises, never prints
         try:
-            if getattr(_MIGRATING, "now", False):  # dropped on a migration's thread, which _let_go waits for
-                threading.Thread(target=self._let_go_reporting, name="flax_ckpt-release").start()
-            else:
-                self._let_go_reporting()
+            self._let_go_reporting()
         except BaseException:  # interpreter teardown: module globals are gone, and the OS releases the lock
             pass
 
@@ -740,60 +576,19 @@ def _on_busy(on_busy: str | None, tiers: Any) -> str:
     return on_busy or "wait"
 
 
-class _Directory:
-    """The manager's directory as its memory tiers see it (the one interface between them, tiers'
-    ``Persistent``), given to its TierSet once: the steps committed there, a migration's write, a read
-    of one step."""
-
-    def __init__(self, manager: CheckpointManager):
-        # A weak reference: the tiers hold this, so a strong one would be a cycle that keeps a dropped
-        # manager, and its directory lock, until the garbage collector happens to run.
-        self._manager, self._directory = weakref.ref(manager), manager.directory
-
-    def _live(self) -> CheckpointManager:
-        manager = self._manager()
-        if manager is None:
-            raise CheckpointError(f"the CheckpointManager of {self._directory} is gone (garbage-collected); "
-                                  "keep it, and close() it after the training loop")
-        return manager
-
-    @property
-    def storage(self) -> Storage:
-        return self._live().storage
-
-    def steps(self) -> set[int]:
-        return set(self._live()._steps.steps())
-
-    def write(self, step: int, snap: Snapshot, metrics: dict | None, t0: float, blocked: float) -> None:
-        _MIGRATING.now = True  # the manager's finalizer may run here, at the end of the call (see __del__)
-        try:
-            self._live()._persist(step, snap, metrics, t0, blocked)
-        finally:
-            _MIGRATING.now = False
-
-    def read(self, step: int, target_of: TargetOf, shardings: Any, fit: Fit) -> Any:
-        return self._live()._restore.read(step, target_of, shardings, fit)
-
-
 _OPEN: "weakref.WeakSet[CheckpointManager]" = weakref.WeakSet()  # managers to close at interpreter exit
-_MIGRATING = threading.local()  # ``now``: this thread is in a migration's write (_Directory.write)
 
 
-def _held_here(path: str) -> None:
-    """CheckpointLockedError when a manager of this process, still open, holds the lock of ``path`` (a
-    notebook cell run again after an exception, before ``close()``): the lock's own error would name
-    this process's pid as if it were another's."""
-    here = os.path.realpath(path)
-    for earlier in list(_OPEN):
-        lock = earlier._lock
-        if lock is not None and lock.fd >= 0 and os.path.realpath(os.path.dirname(lock.path)) == here:
-            raise CheckpointLockedError(
-                f"{earlier.directory} is in use by an earlier CheckpointManager of this process (pid "
-                f"{os.getpid()}), which was never closed (a notebook cell or a loop that raised before "
-                "close()?). Close it first: call close() on it (the variable that held it, e.g. mgr.close(), "
-                "or ckpt.close() for a CheckpointCallback, which closes an earlier callback of its directory "
-                "itself); its save in flight is committed. Use `with fc.CheckpointManager(...) as mgr:` to "
-                "close it even when the code raises")
+def _memory_tiers(tiers: Tiers | None, directory: Directory) -> TierSet | None:
+    """The memory tiers in front of ``directory`` (None without ``tiers``), which they hold and close; a
+    failure to start them releases the directory."""
+    if tiers is None:
+        return None
+    try:
+        return TierSet(tiers, directory)
+    except BaseException:
+        directory.let_go()
+        raise
 
 
 def _close_open_managers() -> None:

@@ -1,8 +1,7 @@
 """The step index: which steps a run's directory holds committed, each step's folder and metrics, and
 which step folders are damaged; one view, agreed across processes.
 
-Scope: the format a run writes (``run_format``: its own), the scan of the directory (and, once the
-manager has claimed it, the removal of crashed saves' leftovers), the view every process adopts from
+Scope: the scan of the directory (and, once the manager has claimed it, the removal of crashed saves' leftovers), the view every process adopts from
 process 0, the bookkeeping of steps written and removed (``retain``: retention.py's policy carried
 out), and opening a step's folder as a restore Source. Not here: when to save (schedule.py), which
 steps to keep (retention.py), writing (manager.py) and restoring (agreed.py).
@@ -18,6 +17,7 @@ from typing import Any
 from flax_ckpt._src import layouts
 from flax_ckpt._src.commit import atomic as commit_mod
 from flax_ckpt._src.commit import distributed
+from flax_ckpt._src.commit.recycler import Recycler
 from flax_ckpt._src.engine.reader import Source
 from flax_ckpt._src.errors import CheckpointError, CheckpointNotFoundError, StorageError, error_class
 from flax_ckpt._src.retention import Retention
@@ -27,35 +27,19 @@ log = logging.getLogger("flax_ckpt")
 _LISTINGS = 20  # listings of the directory in one scan at most, while the run deletes the steps listed
 
 
-def run_format(storage: Storage, requested: str | None, serializer: Any, tiers: Any) -> str:
-    """The format of a run's new steps: the run's own (layouts.run_format), from the committed step
-    folders of ``storage``; a ValueError for ``serializer=`` or ``tiers=`` that the format has not."""
-    folders, _ = layouts.step_folders(storage)
-    committed = [f for f in folders
-                 if f.layout.name == "orbax" or commit_mod.is_committed(storage, f.name, f.layout.record)]
-    fmt, warning = layouts.run_format(requested, committed, storage.url)
-    if warning is not None:
-        log.warning("%s", warning)
-    followed = f"{storage.url} holds Orbax steps, so this run's new steps are Orbax's too, and "
-    if fmt == "orbax" and requested is None and serializer is not None:
-        raise ValueError(followed + "serializer= applies to native steps only; drop serializer= (or give a "
-                         "native run a directory of its own)")
-    if tiers is not None and fmt != "native":
-        raise ValueError((followed if requested is None else "") + "tiers= needs format='native' (the memory "
-                         "tiers migrate native checkpoints)")
-    return fmt
-
-
 class StepIndex:
     """The committed steps of ``storage`` (a run directory), as this process knows them.
 
     Thread-safe: the background writer adds and removes steps while the caller's thread reads them.
     ``layout``: the run's own layout (new steps' folder names; an Orbax run's items follow its newest step).
     ``serializer``: the manager's ``serializer=``, which reads native steps whose manifest names it.
+    ``recycler``: the run's recycled files (``Layout.recycler``), given the data files of removed steps.
     """
 
-    def __init__(self, storage: Storage, layout: layouts.Layout, prefix: str, serializer: Any = None):
+    def __init__(self, storage: Storage, layout: layouts.Layout, prefix: str, serializer: Any = None,
+                 recycler: Recycler | None = None):
         self.storage, self.layout, self._prefix, self._serializer = storage, layout, prefix, serializer
+        self.recycler = recycler
         self.directory = storage.url
         self._mutex = threading.Lock()
         self._metrics: dict[int, dict[str, Any] | None] = {}
@@ -109,9 +93,7 @@ class StepIndex:
         metrics, found, damaged, self._leftovers = self._read_directory()
         with self._mutex:
             self._metrics, self._folders, self._damaged = metrics, found, damaged
-        if self.layout.name == "orbax":  # new steps get the items of the run's newest step (args.Composite's names)
-            orbax = [f for f in found.values() if f.layout.name == "orbax"]
-            self.layout.follow(self.storage, max(orbax, key=lambda f: f.step).name if orbax else None)
+        self.layout.follow(self.storage, layouts.newest_own(self.layout, list(found.values())))
         if tidy and lead:
             for entry in self._leftovers:
                 log.warning("removing %s/%s, left by an interrupted save or deletion", self.directory, entry)
@@ -173,8 +155,7 @@ class StepIndex:
             return
 
         def folder(step: str, name: str, fmt: str) -> layouts.StepFolder:
-            serializer = self._serializer if fmt == "native" else None  # Orbax's layout takes none
-            return layouts.StepFolder(int(step), name, layouts.layout(fmt, serializer))
+            return layouts.StepFolder(int(step), name, layouts.named(fmt, self._serializer))
 
         with self._mutex:
             self._metrics = {int(s): m for s, (_, _, m) in lead["steps"].items()}
@@ -199,7 +180,7 @@ class StepIndex:
                 commit_mod.remove(self.storage, damaged[1].name, damaged[1].layout.record)
                 log.warning("step %d in %s was damaged; removed before saving it again", step, self.directory)
         with self._mutex:
-            return layouts.step_name(self.layout.name, step, sorted(self._folders.values(), key=lambda f: f.step))
+            return layouts.step_name(self.layout, step, sorted(self._folders.values(), key=lambda f: f.step))
 
     def add(self, step: int, name: str, metrics: dict[str, Any] | None) -> None:
         """Records ``step``, just committed (by this manager) as folder ``name`` in the run's layout."""
@@ -227,9 +208,9 @@ class StepIndex:
                 folder = self._folders.pop(step, None)
                 self._metrics.pop(step, None)
             if folder is not None and distributed.process_index() == 0:
-                spares = getattr(self.storage, "recycler", None)  # its data files kept for the next save
+                recycler = self.recycler if folder.layout.recycles else None  # its data files: the next save's
                 commit_mod.remove(self.storage, folder.name, folder.layout.record,
-                                  salvage=spares.retire if spares is not None and folder.layout.name == "native" else None)
+                                  salvage=recycler.retire if recycler is not None else None)
             log.info("retention removed step %d from %s", step, self.directory)
         others = [s for s in doomed if s not in self._written]
         if others and not self._retention_warned and distributed.process_index() == 0:

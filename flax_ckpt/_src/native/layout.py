@@ -19,6 +19,7 @@ import numpy as np
 from flax_ckpt._src.checks import MANIFEST, MAX_MANIFEST_BYTES
 from flax_ckpt._src.commit import atomic as commit_mod
 from flax_ckpt._src.commit import distributed
+from flax_ckpt._src.commit.recycler import Recycler
 from flax_ckpt._src.engine.arena import Arena
 from flax_ckpt._src.engine.leaves import CheckpointInfo, checkpoint_info, key_data_shape
 from flax_ckpt._src.engine.pause import gc_paused
@@ -36,7 +37,7 @@ from flax_ckpt._src.errors import (
 from flax_ckpt._src.native.manifest import SaveManifests, decode
 from flax_ckpt._src.records import LeafRecord, PersistTimes
 from flax_ckpt._src.serializers import Box, Serializer, Written, get_serializer, raw, serializer_for
-from flax_ckpt._src.storage import Storage
+from flax_ckpt._src.storage import LocalStorage, Storage
 
 _BUDGET_SLACK = 64 << 20  # see NativeSource.budget
 
@@ -124,6 +125,22 @@ class NativeLayout:
 
     def metrics(self, folder: Storage) -> dict[str, Any] | None:
         return open_native(folder, step=self.step, serializer=self.serializer).metrics
+
+    recycles = True  # a removed step's data files: whole files the raw serializer may write again
+
+    def recycler(self, storage: Storage) -> Recycler | None:
+        """The raw serializer writes whole files, so on a local file system a removed step's data files
+        become the next save's (``storage.recycler``, which the folders below it share); None otherwise."""
+        if not isinstance(storage, LocalStorage) or not isinstance(self.serializer, raw.RawSerializer):
+            return None
+        storage.recycler = Recycler(storage.local_path)
+        return storage.recycler
+
+    def follow(self, root: Storage, newest: str | None) -> None:
+        """Native steps are alike: nothing of an earlier step to follow."""
+
+    def check_items(self, tree: Any) -> None:
+        """A native step is one tree: any tree fits (the snapshot refuses what it cannot store)."""
 
 
 def _persist_shared(snap: Snapshot, parent: Storage, name: str, serializer: Serializer, *, step: int | None,

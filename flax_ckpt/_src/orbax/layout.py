@@ -84,3 +84,8 @@ class OrbaxLayout:
     def metrics(self, folder: Storage) -> dict[str, Any] | None:
         return locate.step_metrics(locate.locate(folder))
 
+    recycles = False  # tensorstore writes its own files
+
+    def recycler(self, storage: Storage) -> None:
+        """None: tensorstore creates its files itself."""
+

@@ -1,13 +1,15 @@
 """Tiered checkpoints: local memory, peer memory and persistent storage, with differential copies.
 
 Scope of the package: ``Tiers`` (the configuration) and ``Persistent`` (what the tiers need of the
-manager: its directory, the persistent tier; the one interface between them), here; and
-``tierset.TierSet``, which a CheckpointManager created with ``tiers=`` drives: every save goes to the
+persistent tier: a run directory, which they hold), here; and ``tierset.TierSet``, the store of a
+CheckpointManager created with ``tiers=`` (manager/store.py): every save goes to the
 memory tiers, every ``persist_interval_steps``-th is migrated to the manager's directory in the
 background; restore (recover.py) picks the newest step complete across all processes in any
 combination of tiers. What a process holds is holdings.py's, the copy format store.py's (files.py: the
 private folders and data files), agreement and transfer sync.py's, the restore plan plan.py's,
-reading a copy load.py's; persistent writes and reads are the manager's, through ``Persistent``.
+reading a copy load.py's; persistent writes and reads are the directory's, through ``Persistent``.
+TierSet's parts: policy.py (full or differential), ring.py (the peer exchange), migration.py,
+admission.py (the busy-skip).
 
 Per process, under ``<local_dir>/<digest of the manager's directory>/p<i>/``:
   local/<step>/          this process's shards of a step (the local-memory tier)
@@ -121,19 +123,40 @@ class Tiers:
 
 
 class Persistent(Protocol):
-    """The persistent tier, as the memory tiers use it: the manager's directory. The manager gives one
-    to its TierSet at start (tierset.py); the tiers reach the manager through nothing else."""
+    """The persistent tier, as the memory tiers use it: a run directory (the manager's
+    ``manager/directory.Directory``), given to a TierSet at start and held by it: the tiers migrate
+    into it, restore from it, and close it when they close. The tiers import nothing of the manager."""
+
+    url: str  # named in messages
+    strict: bool  # a damaged newest step is an error, not a fallback (the restore's default)
 
     @property
     def storage(self) -> Storage:
         """The directory's storage, where the run's identity is kept (holdings.RUN_FILE)."""
+        ...
 
-    def steps(self) -> set[int]:
+    def steps(self) -> list[int]:
         """The steps committed there now."""
+        ...
 
-    def write(self, step: int, snap: Snapshot, metrics: dict | None, t0: float, blocked: float) -> None:
+    def migrate(self, step: int, snap: Snapshot, metrics: dict | None, t0: float, blocked: float) -> None:
         """Migrates ``step`` there (the migration thread, or the caller's at close): writes and commits
         ``snap``, as a save begun at ``t0`` (perf_counter) that held its caller ``blocked`` seconds."""
+        ...
 
     def read(self, step: int, target_of: TargetOf, shardings: Any, fit: Fit) -> Any:
         """Restores ``step`` from there on this process (a restore plan's "persistent" source)."""
+        ...
+
+    def resumed(self, step: int, tier: str, nbytes: int, seconds: float) -> None:
+        """The tiers restored ``step``, this process's shards from ``tier`` (``nbytes`` read from memory
+        in ``seconds``): recorded, and the run resumed from it."""
+        ...
+
+    def close(self, *, at_exit: bool = False) -> None:
+        """Releases the directory (the tiers closed)."""
+        ...
+
+    def let_go(self) -> None:
+        """Releases the directory without a collective (a manager nobody closed)."""
+        ...

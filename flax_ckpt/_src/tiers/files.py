@@ -7,7 +7,7 @@ retiring data files. Which copies exist, and what their bytes mean, is store.py'
 
 Why reuse: in tmpfs, writing into pages that a file already has costs a memcpy; a new file's pages
 must first be allocated and zeroed by the kernel, which here costs about three times the copy. So a
-data file whose copy was removed by retention is kept (at most ``Spares.keep`` of them per tier
+data file whose copy was removed by retention is kept (at most ``SpareFolder.keep`` of them per tier
 folder, counting one that a snapshot still reads) and becomes the next copy's data file. A retired
 file that some map still shows (a restored array made of its pages, a snapshot viewing a base) is
 deleted instead: its pages stay with their readers and are freed with them. Pages are reserved with
@@ -43,7 +43,7 @@ import numpy as np
 from flax_ckpt._src.errors import CorruptCheckpointError, StorageError
 from flax_ckpt._src.storage import owned
 
-_lock = threading.RLock()  # orders map_read against Spares.retire (check for maps, then move)
+_lock = threading.RLock()  # orders map_read against SpareFolder.retire (check for maps, then move)
 _readers: dict[tuple[int, int], list[weakref.ref]] = {}
 _pool: ThreadPoolExecutor | None = None
 
@@ -172,7 +172,7 @@ def _mapped(st: os.stat_result) -> bool:
     return bool(alive)
 
 
-class Spares:
+class SpareFolder:
     """Retired data files of one tier folder, kept for the next copies to write into. The shared map
     each file was written through is kept with it (mapping 256 MiB again costs about half a copy)."""
 
@@ -421,7 +421,7 @@ class Spares:
 
 
 class Lent:
-    """A spare on loan (``Spares.lend``): its path, inode and writable map."""
+    """A spare on loan (``SpareFolder.lend``): its path, inode and writable map."""
 
     def __init__(self, path: str, key: tuple[int, int], m: mmap.mmap):
         self.path, self.key, self.map = path, key, m

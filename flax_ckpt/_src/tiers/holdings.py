@@ -66,7 +66,7 @@ class Holdings:
         self.i, self.n = i, n
         self.root = os.path.join(os.path.abspath(local_dir), digest, f"p{i}")
         self.local_dir = os.path.join(self.root, "local")
-        self._spares: dict[str, store.Spares] = {}  # tier folder -> its retired data files
+        self._spares: dict[str, store.SpareFolder] = {}  # tier folder -> its retired data files
         self._release: weakref.finalize | None = None  # the process folder's lock, released once
 
     def make(self) -> None:
@@ -132,10 +132,10 @@ class Holdings:
         """The folder of the replicas this process holds for process ``k``."""
         return os.path.join(self.root, f"peer-p{k}")
 
-    def spare(self, folder: str) -> store.Spares:
+    def spare(self, folder: str) -> store.SpareFolder:
         """The retired data files of tier folder ``folder``, whose pages the next copy reuses."""
         if folder not in self._spares:
-            self._spares[folder] = store.Spares(os.path.join(self.root, "spare-" + os.path.basename(folder)))
+            self._spares[folder] = store.SpareFolder(os.path.join(self.root, "spare-" + os.path.basename(folder)))
         return self._spares[folder]
 
     def folders(self) -> dict[str, str]:

@@ -40,7 +40,7 @@ class Recovery:
         restores; a copy that fails (damaged, layout not held) is excluded and the plan re-made.
         ``target_of``: the target for an opened copy (the manager's restore target, or one made from the
         copy's records). Returns what was restored, the plan, and the bytes read from memory."""
-        persistent = self.persistent.steps()
+        persistent = set(self.persistent.steps())
         invs = self.group.allgather("inventory", self.holdings.inventory())
         bad: set[tuple[int, str, int]] = set()
         done: tuple[tuple[int, str], Any] | None = None

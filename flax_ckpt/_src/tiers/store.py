@@ -45,7 +45,7 @@ from flax_ckpt._src.records import LeafRecord, dtype_from_name, leaf_name
 from flax_ckpt._src.serializers import Box, Shard, box_of
 from flax_ckpt._src.storage import LocalStorage
 from flax_ckpt._src.tiers import files as tier_files
-from flax_ckpt._src.tiers.files import Spares
+from flax_ckpt._src.tiers.files import SpareFolder
 from flax_ckpt._src.lazy import lazy
 jax = lazy("jax", globals())  # imported on first use (lazy.py)
 
@@ -455,7 +455,7 @@ def copy_parts(folder: str) -> list[list[memoryview]]:
     return parts
 
 
-def write_copy(tier_dir: str, step: int, enc: Encoded, spares: Spares | None = None) -> None:
+def write_copy(tier_dir: str, step: int, enc: Encoded, spares: SpareFolder | None = None) -> None:
     """Writes ``tier_dir/<step>`` atomically with the engine's commit (staging folder, the index as the
     commit record, rename), replacing a copy of that step left by an earlier run; a crash leaves only a
     staging folder, removed at the next start. data.bin goes into a spare's pages when ``spares`` has
@@ -474,7 +474,7 @@ def write_copy(tier_dir: str, step: int, enc: Encoded, spares: Spares | None = N
         lent = loan if (loan is not None and spares is not None and enc.full
                         and enc.data_nbytes == len(loan.map)) else None
         try:
-            crcs = (spares or Spares("", keep=0)).write(os.path.join(tier_dir, staging, DATA),
+            crcs = (spares or SpareFolder("", keep=0)).write(os.path.join(tier_dir, staging, DATA),
                                                         [_u8(p) for p in enc.pieces], flags, lent)
         finally:
             if loan is not None and spares is not None:
@@ -489,7 +489,7 @@ def write_copy(tier_dir: str, step: int, enc: Encoded, spares: Spares | None = N
         raise
 
 
-def remove_copy(tier_dir: str, step: int, spares: tier_files.Spares | None = None) -> None:
+def remove_copy(tier_dir: str, step: int, spares: tier_files.SpareFolder | None = None) -> None:
     """Deletes ``tier_dir/<step>`` (un-committed first, so it is never half-read); its data.bin
     becomes a spare when ``spares`` takes it."""
     salvage = (lambda gone: spares.retire(os.path.join(gone, DATA))) if spares is not None else None

@@ -1,12 +1,14 @@
 """TierSet: the memory tiers of one manager on this process (the package docstring describes them).
 
-Scope: the start (every process's holdings gathered, the run's session and the peer chosen, what an
-earlier run left kept only if restorable), each save into the local tier and its replica into the peer
-tier, the commit votes and retention of both, and the migration to persistent storage. The persistent
-tier is the manager's: the tiers reach it through ``Persistent`` (tiers/__init__.py), given once at
-start. Not here: what a process holds (holdings.py), restoring (recover.py), the copy format
-(store.py) and its encoding (encode.py), the transfer (sync.py), the choice of a restore plan
-(plan.py).
+Scope: a manager's store (manager/store.py's protocol) made of named parts: the start (every process's
+holdings gathered, the run's session and the peer chosen, what an earlier run left kept only if
+restorable), each save into the local tier and its replica into the peer tier, the commit votes and
+retention of both. The parts: the full-or-differential decision (policy.py), the peer exchange
+(ring.py), the migration to the persistent tier (migration.py), the busy-skip (admission.py). The
+persistent tier is a ``Persistent`` (tiers/__init__.py: the manager's run directory), given at start
+and held: saves migrate into it, restores read it, and closing the tiers closes it. Not here: what a
+process holds (holdings.py), restoring (recover.py), the copy format (store.py) and its encoding
+(encode.py), the transfer (sync.py), the choice of a restore plan (plan.py).
 """
 
 from __future__ import annotations
@@ -18,9 +20,8 @@ import socket
 import threading
 import time
 import uuid
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from flax_ckpt._src.engine.fit import Fit, as_fit
 from flax_ckpt._src.errors import CheckpointError, DistributedError, SaveFailedError, StorageError
@@ -29,14 +30,16 @@ from flax_ckpt._src.tiers import encode as tier_encode
 from flax_ckpt._src.tiers import holdings as holdings_mod
 from flax_ckpt._src.tiers import load as load
 from flax_ckpt._src.tiers import store as store
-from flax_ckpt._src.tiers import sync as tier_sync
+from flax_ckpt._src.tiers.admission import Admission
 from flax_ckpt._src.tiers.holdings import Holdings
-from flax_ckpt._src.tiers.plan import TIER_NAMES, Plan, choose, peer_shift
+from flax_ckpt._src.tiers.migration import Migration
+from flax_ckpt._src.tiers.plan import TIER_NAMES, Plan, choose
+from flax_ckpt._src.tiers.policy import CopyPolicy
 from flax_ckpt._src.tiers.recover import Recovery
+from flax_ckpt._src.tiers.ring import PeerRing
 from flax_ckpt._src.tiers.sync import Group
 
 log = logging.getLogger("flax_ckpt")
-_MAX_BACKOFF = 6  # full copies in a row after a poor differential one: at most rebase_interval * 2**6
 
 
 @dataclass(frozen=True)
@@ -63,50 +66,45 @@ class TierStats:
 
 
 class TierSet:
-    """The memory tiers of one manager on this process (see the module docstring). ``persistent``: the
-    manager's directory (the persistent tier), the one way the tiers reach the manager."""
+    """The memory tiers of one manager on this process, in front of ``persistent`` (the run directory,
+    which they migrate into and close; see the module docstring). A manager's ``Store``."""
 
-    def __init__(self, cfg: Tiers, directory: str, persistent: Persistent):
-        self.cfg, self.directory, self.persistent = cfg, directory, persistent
-        steps = persistent.steps()
-        digest = hashlib.sha256(directory.encode()).hexdigest()[:16]
+    def __init__(self, cfg: Tiers, persistent: Persistent):
+        self.cfg, self.persistent, self.directory = cfg, persistent, persistent.url
+        steps = set(persistent.steps())
+        digest = hashlib.sha256(self.directory.encode()).hexdigest()[:16]
         self.group = Group(digest)
-        self.i, self.n = self.group.index, self.group.count
-        self.holdings = Holdings(cfg.local_dir, digest, self.i, self.n)
+        self.holdings = Holdings(cfg.local_dir, digest, self.group.index, self.group.count)
         self.root, self.local_dir = self.holdings.root, self.holdings.local_dir
         try:
             self.holdings.make()  # and locked: one live manager per process folder
-            run = holdings_mod.run_id(persistent.storage) if self.i == 0 else None  # the directory's identity
+            run = holdings_mod.run_id(persistent.storage) if self.group.index == 0 else None  # the directory's
             refused = None
         except CheckpointError as e:  # every process still votes at start, so that none waits for this one
             run, refused = None, e
-        self._recovery = Recovery(self.group, self.holdings, persistent, directory)
+        self._recovery = Recovery(self.group, self.holdings, persistent, self.directory)
         self._kept: dict[str, dict[int, int | None]] = {"local": {}, "peer": {}}  # step -> its base
         self._mutex = threading.Lock()  # _kept: written by the writer thread, read by the caller's
         self._base: store.Copy | None = None
         self._seen = store.Seen()  # since when each jax.Array leaf has been the same object
-        self._since_base, self._poor = 0, 0  # _poor: copies still to store in full (see _save_local)
-        self._misses = 0  # differential copies in a row that saved less than half
-        self._unpaid = self._unsampled = 0  # samples in a row that said a differential copy would not pay;
-        #                                     would-be differential copies still to store full unsampled
-        self._outbox: tuple[int, list[memoryview]] | None = None
-        self._inbox: tuple[int, Any] | None = None
-        self._budget = tier_encode.DeltaBudget()  # when a changed chunk is worth a delta (measured)
         self._layouts = tier_encode.FullLayouts()  # the last full copy's layout, for the next ones
-        self._caller = Group(digest + "/caller")  # rounds of the caller's thread (admit), apart from the writer's
-        self.skipped, self._skipped, self._told = 0, 0, False  # steps skipped (on_busy="skip"): all, since the last save
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="flax_ckpt-migrate")
-        self._migration: tuple[int, Future] | None = None
-        self._migrating = False  # agreed at the last local commit: some process's migration was in flight
-        self.deferred = 0  # migrations put off to a later step because the previous one was still running
-        self._last_migrated = max(steps, default=None)
+        self.policy = CopyPolicy(cfg.differential, cfg.rebase_interval)
+        self.migration = Migration(self.directory, cfg.persist_interval_steps, cfg.on_busy, max(steps, default=None))
+        caller = Group(digest + "/caller")  # rounds of the caller's thread (admit), apart from the writer's
+        self.admission = Admission(cfg.on_busy, (lambda mine: caller.allgather("admit", mine))
+                                   if self.group.count > 1 else None, _warn_skipped)
         self.stats: list[TierStats] = []
         self.last_plan: Plan | None = None
         try:
             self._start(steps, refused, run)
         except BaseException:
+            self.migration.shutdown()
             self.holdings.release()
             raise
+
+    skipped = property(lambda self: self.admission.skipped)
+    deferred = property(lambda self: self.migration.deferred)
+    tier_stats = property(lambda self: self.stats)
 
     # ---------------------------------------------------------------------------------- start
 
@@ -123,13 +121,7 @@ class TierSet:
                 raise StorageError(f"memory tiers: process {j} refused its folders: {v['refused']}")
         self._disown(invs, invs[0]["run"])
         self.session = invs[0]["session"]
-        k = peer_shift([v["domain"] for v in invs]) if self.cfg.peer else None
-        self.peer_dst = (self.i + k) % self.n if k else None
-        self.peer_src = (self.i - k) % self.n if k else None
-        if self.peer_dst is None:
-            why = ("peer=False" if not self.cfg.peer else "a single process: no other host to hold a replica"
-                   if self.n == 1 else "every process shares one host and local_dir")
-            log.info("peer-memory tier disabled (%s); tiers: local memory, persistent", why)
+        self.ring = PeerRing(self.group, [v["domain"] for v in invs], self.cfg.peer)
         self._old = self._restorable(invs, persistent)
         self.holdings.claim(invs[0]["run"])  # after the removal of another run's copies
 
@@ -139,7 +131,7 @@ class TierSet:
         its URL): ignored, never restored or migrated, then removed. Every process decides alike."""
         for j, v in enumerate(invs):
             if v["owner"] != run and (v["local"] or v["peer"]):
-                if j == self.i:
+                if j == self.group.index:
                     log.warning("memory tiers: %s holds copies of steps %s of another run of %s (its run id "
                                 "%s, the directory's %s: the directory was deleted or replaced since, or "
                                 "another job used its URL); they are ignored, never restored or migrated, "
@@ -157,14 +149,18 @@ class TierSet:
             plan = choose(invs, persistent, s, set())
             if plan is not None and plan.session is not None:
                 good[s] = plan.session
-        self.holdings.keep_only(invs[self.i], good)
+        self.holdings.keep_only(invs[self.group.index], good)
         return good
 
-    def steps(self) -> list[int]:
+    def memory_steps(self) -> list[int]:
         """Steps restorable from the memory tiers, as this run knows them."""
         with self._mutex:
             own = set(self._kept["local"]) | set(self._kept["peer"])
         return sorted(own if own else set(self._old))
+
+    def steps(self) -> list[int]:
+        """Steps committed in any tier: memory, or the persistent directory."""
+        return sorted(set(self.persistent.steps()) | set(self.memory_steps()))
 
     def committed(self, tier: str) -> list[int]:
         """Steps committed in ``tier`` ("local" or "peer") by this run and still kept."""
@@ -175,27 +171,9 @@ class TierSet:
 
     def admit(self, step: int, busy: bool, force: bool) -> bool:
         """Caller's thread, for a step the schedule saves, before anything waits for the writer: whether
-        to save it. With ``on_busy="skip"`` a step that finds the previous save still in flight (``busy``;
-        with several processes, on any of them: one key-value round per call, every process decides
-        alike) is skipped instead of held: the newest state wins at the next call. ``force`` waits."""
-        if self.cfg.on_busy == "wait" or force:
-            return True
-        if self.n > 1:
-            votes = self._caller.allgather("admit", {"step": step, "busy": busy})
-            if any(v["step"] != step for v in votes):
-                raise DistributedError(f"memory tiers: processes save different steps ({[v['step'] for v in votes]})")
-            busy = any(v["busy"] for v in votes)
-        if not busy:
-            return True
-        self.skipped += 1
-        self._skipped += 1
-        if not self._told:
-            self._told = True
-            log.warning("memory tiers: step %d not saved: the previous save is still being written, and "
-                        "Tiers(on_busy='skip') never holds training for it (the newest state is saved once "
-                        "the writer is free); skipped steps are counted in tier_stats, not logged again. "
-                        "Tiers(on_busy='wait') waits instead.", step)
-        return False
+        to save it (admission.py: with ``on_busy="skip"``, not while the previous save is in flight on
+        any process; the newest state wins at the next call). ``force`` waits."""
+        return self.admission.admit(step, busy, force)
 
     def snapshot(self, step: int, state: Any, *, copy: bool, force: bool) -> store.TierSnapshot:
         """Caller's thread, writer idle: sends the previous step's copy to its peer, then copies
@@ -204,121 +182,87 @@ class TierSet:
         full, that is the copy's data file and its only copy, checksummed as it is made (the writer
         neither copies nor reads those pages again); the arrays are released at once either way, so
         the next step can donate them."""
-        self._exchange()
+        self.ring.exchange()
         base = self._base if self.cfg.differential else None
-        lent = None
-        if copy and self._base is not None:  # a differential copy too: the writer may store it full
-            lent = self.holdings.spare(self.local_dir).lend(len(self._base.data))
+        spares = self.holdings.spare(self.local_dir)
+        lent = spares.lend(len(self._base.data)) if copy and self._base is not None else None  # may be stored full
         try:
             ts = store.take_snapshot(state, copy=copy, force=force, step=step, seen=self._seen, base=base,
                                      into=lent)
         except BaseException:
-            self.holdings.spare(self.local_dir).give_back(lent)
+            spares.give_back(lent)
             raise
-        ts.skipped, self._skipped = self._skipped, 0
+        ts.skipped = self.admission.take_skipped()
         return ts
 
     def save(self, step: int, ts: store.TierSnapshot, metrics: dict | None, t0: float, blocked: float) -> None:
         """Background (the manager's writer): stores the received replica, then this step's local copy;
-        commits both tiers; starts the migration when it is due (after the previous one: its failure
-        is raised there, a point every process reaches, as are wait_until_finished and close)."""
-        if self._inbox is not None:
-            self._store_replica()
-        self._migrating = False
+        commits both tiers; starts the migration when it is due (migration.py)."""
+        self._store_replica()
+        self.migration.busy_somewhere = False
         if step in self._kept["local"]:
             ts.complete()
             log.info("step %d is already in the memory tiers; not replaced", step)
         else:
             self._save_local(step, ts, metrics, t0, blocked)
-        if ts.force or (self.cfg.persist_interval_steps is not None and step // self.cfg.persist_interval_steps
-                        > (self._last_migrated or 0) // self.cfg.persist_interval_steps):
-            if self._migrating and not ts.force and self.cfg.on_busy == "skip":  # throttled: a later step goes
-                # once the writer is free; on_busy="wait" waits for the previous migration instead
-                self.deferred += 1
-                log.debug("migration of step %d put off: the previous one is still running", step)
-                return
-            self._migrate(step, lambda: (ts.verify_views(),
-                                         self.persistent.write(step, ts.snap, metrics, t0, blocked)))
+        self.migration.offer(step, ts.force, lambda: (
+            ts.verify_views(), self.persistent.migrate(step, ts.snap, metrics, t0, blocked)))
 
     def _ident(self, step: int) -> dict[str, Any]:
-        return {"step": step, "session": self.session, "process": self.i, "process_count": self.n}
+        return {"step": step, "session": self.session, "process": self.group.index,
+                "process_count": self.group.count}
 
     def _save_local(self, step: int, ts: store.TierSnapshot, metrics: dict | None, t0: float,
                     blocked: float) -> None:
         t1 = time.perf_counter()
-        enc, err = None, None
+        enc, err, budget = None, None, self.policy.budget
+        spares = self.holdings.spare(self.local_dir)
         try:
             ts.complete()  # the device copies to host (a step failed on the device: raised after the vote)
             t1 = time.perf_counter()  # encode_s and the delta budget leave the transfer out
-            self._budget.refill(t1)
-            base = None if self._next_full() or not self._pays(ts) else self._base
-            zipped = self._budget.zipped
+            budget.refill(t1)
+            base = self.policy.base_for(ts, self._base)
+            zipped = budget.zipped
             enc = tier_encode.encode(ts, dict(self._ident(step), metrics=metrics, created=time.time()), base,
-                                     delta=self.cfg.differential, budget=self._budget, layouts=self._layouts)
-            zipped = self._budget.zipped - zipped
+                                     delta=self.cfg.differential, budget=budget, layouts=self._layouts)
+            zipped = budget.zipped - zipped
             t2 = time.perf_counter()
-            store.write_copy(self.local_dir, step, enc, self.holdings.spare(self.local_dir))
+            store.write_copy(self.local_dir, step, enc, spares)
         except Exception as e:  # every process votes, so that none waits for a failed one
             err = e
-            self.holdings.spare(self.local_dir).give_back(ts.lent)  # a loan no write took (a failed step)
+            spares.give_back(ts.lent)  # a loan no write took (a failed step)
         t3 = time.perf_counter()
         self._commit("local", step, self.local_dir, err, enc.base if enc else None)
         now = time.perf_counter()
         reused = sum(sh.data.nbytes for sh in ts.shards() if sh.base is not None)
         self.stats.append(TierStats(step, ts.nbytes, enc.written, reused, enc.full, blocked, t2 - t1, t3 - t2,
                                     now - t3, now - t0, ts.skipped, zipped, ts.waited_s))
+        self.policy.stored(enc.full, enc.data_nbytes, ts.nbytes)
         if enc.full:  # the new base: the index just written, its data file checked (store.Data)
             folder = os.path.join(self.local_dir, str(step))
             self._base = store.Copy(folder, None, store.Data(os.path.join(folder, store.DATA)), None,
                                     index=enc.index, _step=step)  # its body parsed where needed
             self._base.data.view(0, 0)  # mapped now, while it has one name: a second one given it
             #                             later (a `cp -al` backup) never stops the copies made against it
-            self._since_base = 0
-            self._poor = max(0, self._poor - 1)
-        else:
-            self._since_base += 1
-            if enc.data_nbytes > ts.nbytes / 2:  # most of the state changes: comparing costs more than it
-                # saves, so the next copies are full ones; twice as many after each such copy in a row
-                self._poor = self.cfg.rebase_interval << min(self._misses, _MAX_BACKOFF)
-                self._misses += 1
-            else:
-                self._misses = 0
-        if self.peer_dst is not None:
-            self._outbox = (step, tier_sync.frame([[enc.index], enc.pieces]))
+        self.ring.post(step, enc.index, enc.pieces)
         self._prune("local", self.local_dir)
+        self._ready_spare(spares)
+
+    def _ready_spare(self, spares: store.SpareFolder) -> None:
+        """After a local commit: the pages of the next snapshot, or the older base's file as the spare."""
         with self._mutex:  # a base older than this one, still kept: its file is the next spare
             older = any(b is not None and b != self._base.step for b in self._kept["local"].values())
         if older:
-            self.holdings.spare(self.local_dir).release()
+            spares.release()
         else:
-            self.holdings.spare(self.local_dir).prepare(len(self._base.data))  # the next snapshot's pages
-
-    def _pays(self, ts: store.TierSnapshot) -> bool:
-        """Whether ``ts``, which may be a differential copy, is worth one: sampled against the base
-        (encode.changed_share); where more than half would be stored, it is stored full, as the
-        snapshot lies, and sampled again only after 1, 3, 7, ... 63 more such copies."""
-        if self._unsampled > 0:
-            self._unsampled -= 1
-            return False
-        if tier_encode.changed_share(ts, self._base, self._budget) > 0.5:
-            self._unpaid = min(self._unpaid + 1, _MAX_BACKOFF)
-            self._unsampled = (1 << self._unpaid) - 1
-            return False
-        self._unpaid = 0
-        return True
-
-    def _next_full(self) -> bool:
-        """Whether the next local copy is stored in full (a new base) rather than against the base."""
-        return (not self.cfg.differential or self._base is None or self._poor > 0
-                or self._since_base >= self.cfg.rebase_interval)
+            spares.prepare(len(self._base.data))  # the next snapshot's pages
 
     def _commit(self, tier: str, step: int, folder: str, err: Exception | None, base: int | None) -> None:
         """Commits ``step`` in ``tier`` once every process voted that it holds its copy there."""
-        busy = self._migration is not None and not self._migration[1].done()
         votes = self.group.allgather(f"commit-{tier}", {"step": step, "error": None if err is None else repr(err),
-                                                        "migrating": busy})
+                                                        "migrating": self.migration.running()})
         if tier == "local":  # every process sees the same votes: all put a due migration off, or none
-            self._migrating = any(v.get("migrating") for v in votes)
+            self.migration.busy_somewhere = any(v.get("migrating") for v in votes)
         if err is not None:
             raise err
         failed = [f"process {j}: {v['error']}" for j, v in enumerate(votes) if v["error"] or v["step"] != step]
@@ -343,59 +287,51 @@ class TierSet:
         for s in needed - keep:  # kept only as a base: no longer a committed step of this tier
             store.unmark(os.path.join(folder, str(s)))
 
-    def _exchange(self) -> None:
-        """Caller's thread: the ring transfer of the copies made by the last save (a collective)."""
-        if self._outbox is None:
-            return
-        (step, parts), self._outbox = self._outbox, None
-        sizes = self.group.allgather("exchange", {"step": step, "n": sum(len(p) for p in parts)})
-        if any(v["step"] != step for v in sizes):
-            raise DistributedError(f"peer tier: processes sent different steps ({[v['step'] for v in sizes]})")
-        perm = [(j, (j + self.peer_dst - self.i) % self.n) for j in range(self.n)]
-        self._inbox = (step, self.group.transfer(perm, parts, [v["n"] for v in sizes]))
-
     def _store_replica(self) -> None:
-        (step, buf), self._inbox = self._inbox, None
-        folder, err, base = self.holdings.peer(self.peer_src), None, None
+        """Stores and commits, in the peer tier, the replica the last exchange brought (if any)."""
+        received = self.ring.received()
+        if received is None:
+            return
+        (step, buf), src = received, self.ring.src
+        folder, err, base = self.holdings.peer(src), None, None
         try:
-            parts = tier_sync.unframe(buf, f"step {step} from process {self.peer_src}")
+            parts = self.ring.unframe(step, buf)
             store.write_copy(folder, step, store.Encoded.received_from(parts[0], parts[1]), self.holdings.spare(folder))
             body = store.open_copy(os.path.join(folder, str(step))).body
-            if (body["step"], body["process"], body["session"]) != (step, self.peer_src, self.session):
-                raise DistributedError(f"process {self.peer_src} sent a copy of another step or run")
+            if (body["step"], body["process"], body["session"]) != (step, src, self.session):
+                raise DistributedError(f"process {src} sent a copy of another step or run")
             base = body["base"]
         except Exception as e:
             err = e
         self._commit("peer", step, folder, err, base)
         self._prune("peer", folder)
 
-    # ------------------------------------------------------------------------------- migration
-
-    def _migrate(self, step: int, job: Callable[[], None]) -> None:
-        self._check_migration()  # at most one migration in flight (back-pressure in the writer)
-        self._last_migrated = step
-        self._migration = (step, self._pool.submit(job))
-
-    def _check_migration(self) -> None:
-        """Waits for the migration in flight; raises its failure."""
-        if self._migration is None:
-            return
-        (step, fut), self._migration = self._migration, None
-        if fut.exception() is not None:
-            raise SaveFailedError(f"migration of step {step} to {self.directory} failed: "
-                                  f"{type(fut.exception()).__name__}: {fut.exception()}") from fut.exception()
+    # ------------------------------------------------------------------------------- the end
 
     def flush(self) -> None:
         """Caller's thread, writer idle: replicate the last copy, commit it in the peer tier, and wait
         for the migration in flight (raising its failure)."""
-        self._exchange()
-        if self._inbox is not None:
-            self._store_replica()
-        self._check_migration()
+        self.ring.exchange()
+        self._store_replica()
+        self.migration.wait()
 
-    def close(self) -> None:
+    def close(self, *, at_exit: bool = False) -> None:
         """Caller's thread, writer closed: flush; with ``cleanup``, migrate the newest step if it is only
-        in memory, then remove this process's folders. Spare data files go in any case."""
+        in memory, then remove this process's folders; then close the persistent tier. Spare data
+        files go in any case. ``at_exit`` with several processes: ``let_go`` (closing is a collective,
+        which another process may never join), with a warning."""
+        if at_exit and self.group.count > 1:
+            self.let_go()
+            log.warning("CheckpointManager(%s) was not closed: at interpreter exit its memory tiers were left "
+                        "in %s, restorable by the next run (closing them is a collective); call close() after "
+                        "the training loop", self.directory, self.root)
+            return
+        try:
+            self._close()
+        finally:
+            self.persistent.close()
+
+    def _close(self) -> None:
         try:
             self.flush()
             if self.cfg.cleanup:
@@ -406,7 +342,7 @@ class TierSet:
                 self.holdings.remove()
                 log.info("removed the memory tiers of %s from %s", self.directory, self.root)
         finally:
-            self._pool.shutdown(wait=True)
+            self.migration.shutdown()
             self.holdings.drop_spares()
             self.holdings.release()
 
@@ -416,8 +352,8 @@ class TierSet:
         log.info("migrating step %d to %s before removing the memory tiers", step, self.directory)
         try:
             copy = store.open_copy(os.path.join(self.local_dir, str(step)))
-            self.persistent.write(step, load.to_snapshot(copy), copy.body.get("metrics"), time.perf_counter(),
-                                  0.0)
+            self.persistent.migrate(step, load.to_snapshot(copy), copy.body.get("metrics"),
+                                    time.perf_counter(), 0.0)
         except Exception as e:
             raise SaveFailedError(
                 f"close: step {step}, held only in the memory tiers, could not be migrated to "
@@ -428,19 +364,39 @@ class TierSet:
 
     def let_go(self) -> None:
         """The end of a manager nobody closed (no collective): waits for the migration in flight (raising
-        its failure) and releases the process folder; the copies stay, restorable as after a crash."""
+        its failure) and releases the process folder and the persistent tier; the copies stay,
+        restorable as after a crash."""
         try:
-            self._check_migration()
+            self.migration.wait()
         finally:
-            self.holdings.release()
+            try:
+                self.holdings.release()
+            finally:
+                self.persistent.let_go()
 
     # --------------------------------------------------------------------------------- restore
 
-    def restore(self, step: int | None, target_of: TargetOf, *, shardings: Any, fit: "Fit | bool",
-                strict: bool) -> tuple[Any, Plan, int]:
-        """Collective (recover.py): what was restored, the plan (also kept as ``last_plan``), and the
-        bytes read from memory. ``fit``: how the target may differ (engine/fit.py; a bool: partial)."""
+    def restore(self, step: int | None, target_of: TargetOf, shardings: Any, fit: "Fit | bool",
+                item: str | None = None, *, strict: bool | None = None) -> Any:
+        """Collective (recover.py): the newest step complete across processes in some combination of
+        tiers (or ``step``), each process reading from the fastest tier holding its shards. The plan
+        is kept as ``last_plan``. ``fit``: how the target may differ (engine/fit.py; a bool: partial);
+        ``strict``: the persistent tier's when None."""
+        if item is not None:
+            raise ValueError("item= selects an item of an Orbax step; a tiered manager holds native steps")
+        t0 = time.perf_counter()
+        self.flush()
+        strict = self.persistent.strict if strict is None else strict
         out, plan, nbytes = self._recovery.restore(step, target_of, shardings=shardings, fit=as_fit(fit),
                                                    strict=strict)
         self.last_plan = plan
-        return out, plan, nbytes
+        tier = plan.sources[self.group.index][0]
+        self.persistent.resumed(plan.step, tier, nbytes, time.perf_counter() - t0)
+        return out
+
+
+def _warn_skipped(step: int) -> None:
+    log.warning("memory tiers: step %d not saved: the previous save is still being written, and "
+                "Tiers(on_busy='skip') never holds training for it (the newest state is saved once "
+                "the writer is free); skipped steps are counted in tier_stats, not logged again. "
+                "Tiers(on_busy='wait') waits instead.", step)

@@ -1,0 +1,66 @@
+"""Store: what a CheckpointManager saves into and restores from, one small protocol, two implementations.
+
+Scope: the protocol alone. Its implementations: ``directory.Directory`` (the run directory, the
+persistent store) and ``tiers.tierset.TierSet`` (the memory tiers in front of a Directory, which they
+migrate into). The manager is its schedule, its writer and one Store; it never asks which one.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Protocol
+
+from flax_ckpt._src.engine.fit import Fit
+from flax_ckpt._src.engine.snapshot import Snapshot
+
+TargetOf = Callable[[Any], Any]  # the restore target for an opened step or copy
+
+
+class Store(Protocol):
+    """Where a manager's saves go. The caller's thread calls ``admit``, ``snapshot``, ``flush``,
+    ``restore``, ``steps`` and ``close``; the manager's writer calls ``save``, one at a time, never
+    while ``snapshot`` or ``flush`` runs."""
+
+    @property
+    def skipped(self) -> int:
+        """Saves skipped because the previous one was still being written (``on_busy="skip"``)."""
+        ...
+
+    @property
+    def tier_stats(self) -> list[Any]:
+        """Per-save records of the memory tiers ([] for a store without them)."""
+        ...
+
+    def admit(self, step: int, busy: bool, force: bool) -> bool:
+        """Whether to save ``step`` now, the writer ``busy`` with the previous save or not (on_busy)."""
+        ...
+
+    def snapshot(self, step: int, state: Any, *, copy: bool, force: bool) -> Snapshot:
+        """The blocking half of a save (the writer idle): ``state`` as the caller's next steps cannot
+        change it (``copy``: copied to host memory)."""
+        ...
+
+    def save(self, step: int, snap: Any, metrics: dict | None, t0: float, blocked: float) -> None:
+        """The background half (the writer's thread): ``snap`` (from ``snapshot``) written and
+        committed as ``step``, a save begun at ``t0`` that held its caller ``blocked`` seconds."""
+        ...
+
+    def flush(self) -> None:
+        """Waits for background work beyond the writer's (a peer copy, a migration); raises its failure."""
+        ...
+
+    def restore(self, step: int | None, target_of: TargetOf, shardings: Any, fit: Fit, item: str | None) -> Any:
+        """``step`` (None: the newest good one), checked against ``target_of``'s target."""
+        ...
+
+    def steps(self) -> list[int]:
+        """The committed steps, ascending."""
+        ...
+
+    def close(self, *, at_exit: bool = False) -> None:
+        """Ends the store (the writer closed); ``at_exit``: at interpreter exit, where a collective may
+        never be joined."""
+        ...
+
+    def let_go(self) -> None:
+        """The end of a manager nobody closed: no collective; waits for background work, releases."""
+        ...
