@@ -30,6 +30,7 @@ MB = 1 << 20
 
 # ---------------------------------------------------------------------------------------- the pytree
 
+
 def make_tree(total_bytes: int, seed: int = 0) -> dict[str, np.ndarray]:
     """A model-like flat state of about ``total_bytes``: a few large float32/bfloat16 arrays (~88%) and
     many small ones (biases, norms, optimizer counters; ~12% in ~400 leaves), with random contents.
@@ -72,8 +73,10 @@ def make_tree(total_bytes: int, seed: int = 0) -> dict[str, np.ndarray]:
 def many_small_tree(n_leaves: int, leaf_bytes: int, seed: int = 0) -> dict[str, np.ndarray]:
     """``n_leaves`` float32 vectors of ``leaf_bytes`` each (a worst case for per-leaf overhead)."""
     rng = np.random.default_rng(seed)
-    return {f"layers/{i // 16}/w_{i % 16}": rng.standard_normal(leaf_bytes // 4, dtype=np.float32)
-            for i in range(n_leaves)}
+    return {
+        f"layers/{i // 16}/w_{i % 16}": rng.standard_normal(leaf_bytes // 4, dtype=np.float32)
+        for i in range(n_leaves)
+    }
 
 
 def nest(flat: dict[str, Any]) -> dict[str, Any]:
@@ -107,6 +110,7 @@ def same_bytes(expected: dict[str, np.ndarray], got: dict[str, Any]) -> None:
 
 
 # -------------------------------------------------------------------------------- files and the cache
+
 
 def files_under(path: Path) -> list[Path]:
     if path.is_file():
@@ -175,6 +179,7 @@ def fresh_dir(path: Path) -> Path:
 
 # ------------------------------------------------------------------------------------------- rounds
 
+
 @dataclass
 class Results:
     """Seconds per (contender, measure), one entry per round, in round order."""
@@ -208,6 +213,7 @@ def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
 
 
 # ------------------------------------------------------------------------------------------ reports
+
 
 def _sh(cmd: str) -> str:
     try:

@@ -66,15 +66,37 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
 from _savers import FcManager, OrbaxManager, Saver  # noqa: E402
 
-TABLE = ["device-copy", "device-get", "raw-write", "raw-read", "device-put", "fc-async", "fc-memory",
-         "fc-save", "fc-save@window=0", "fc-restore", "orbax-async", "orbax-save", "orbax-restore"]
-LOOP = ["none", "device-get", "device-copy", "device-copy-thread", "fc-async", "fc-async-skip", "fc-memory",
-        "orbax-async"]
+TABLE = [
+    "device-copy",
+    "device-get",
+    "raw-write",
+    "raw-read",
+    "device-put",
+    "fc-async",
+    "fc-memory",
+    "fc-save",
+    "fc-save@window=0",
+    "fc-restore",
+    "orbax-async",
+    "orbax-save",
+    "orbax-restore",
+]
+LOOP = [
+    "none",
+    "device-get",
+    "device-copy",
+    "device-copy-thread",
+    "fc-async",
+    "fc-async-skip",
+    "fc-memory",
+    "orbax-async",
+]
 FULL = dict(d=1024, layers=6, heads=16, vocab=8192, seq=512, batch=8)
 SMALL = dict(d=128, layers=2, heads=4, vocab=1024, seq=32, batch=2)
 
 
 # ------------------------------------------------------------------------------------------ the model
+
 
 def make_model(d: int, layers: int, heads: int, vocab: int, seq: int, batch: int):
     """(init, step, copy): a fresh TrainState, the donated training step, a jitted on-device copy."""
@@ -109,18 +131,23 @@ def make_model(d: int, layers: int, heads: int, vocab: int, seq: int, batch: int
 
 def leaves_of(state: Any) -> list[Any]:
     import jax
+
     return jax.tree_util.tree_leaves(state)
 
 
 def abstract(state: Any) -> Any:
     import jax
+
     return jax.tree_util.tree_map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
-        if isinstance(x, jax.Array) else x,
-        state)
+        lambda x: (
+            jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) if isinstance(x, jax.Array) else x
+        ),
+        state,
+    )
 
 
 # ------------------------------------------------------------------------------------ the raw floors
+
 
 def _shares(arrays: list[Any], n: int) -> list[list[int]]:
     """Leaf indices in ``n`` runs of about equal bytes."""
@@ -136,6 +163,7 @@ def _shares(arrays: list[Any], n: int) -> list[list[int]]:
 def raw_write(host: list[Any], folder: Path, threads: int = 8) -> None:
     """The host copy as ``threads`` files, each written by its own thread and fsynced."""
     import numpy as np
+
     C.fresh_dir(folder)
 
     def one(k: int, idx: list[int]) -> None:
@@ -144,16 +172,18 @@ def raw_write(host: list[Any], folder: Path, threads: int = 8) -> None:
             for i in idx:
                 mv = memoryview(np.ascontiguousarray(host[i]).reshape(-1).view(np.uint8))
                 while len(mv):
-                    mv = mv[os.write(fd, mv):]
+                    mv = mv[os.write(fd, mv) :]
             os.fsync(fd)
         finally:
             os.close(fd)
+
     _on_threads([lambda k=k, idx=idx: one(k, idx) for k, idx in enumerate(_shares(host, threads))])
 
 
 def raw_read(host: list[Any], folder: Path, threads: int = 8) -> list[Any]:
     """Those files read back by ``threads`` threads into new buffers."""
     import numpy as np
+
     out: list[Any] = [None] * len(host)
 
     def one(k: int, idx: list[int]) -> None:
@@ -162,6 +192,7 @@ def raw_read(host: list[Any], folder: Path, threads: int = 8) -> list[Any]:
                 a = np.empty(host[i].shape, host[i].dtype)
                 f.readinto(memoryview(a.reshape(-1).view(np.uint8)))
                 out[i] = a
+
     _on_threads([lambda k=k, idx=idx: one(k, idx) for k, idx in enumerate(_shares(host, threads))])
     return out
 
@@ -174,6 +205,7 @@ def _on_threads(jobs: list[Callable[[], None]]) -> None:
             job()
         except BaseException as e:  # re-raised on the caller's thread
             errors.append(e)
+
     ts = [threading.Thread(target=run, args=(j,)) for j in jobs]
     for t in ts:
         t.start()
@@ -185,6 +217,7 @@ def _on_threads(jobs: list[Callable[[], None]]) -> None:
 
 # ------------------------------------------------------------------------------------------ reports
 
+
 class Report:
     """Results as they come, rewritten to bench_out/accelerator-<stamp>.json after each one."""
 
@@ -192,8 +225,15 @@ class Report:
         C.OUT_DIR.mkdir(exist_ok=True)
         stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
         self.path = C.OUT_DIR / f"accelerator-{stamp}.json"
-        self.body: dict[str, Any] = {"machine": info, "args": args, "table": {}, "loop": {}, "errors": [],
-                                     "checks": {}, "skipped": []}
+        self.body: dict[str, Any] = {
+            "machine": info,
+            "args": args,
+            "table": {},
+            "loop": {},
+            "errors": [],
+            "checks": {},
+            "skipped": [],
+        }
 
     def table(self, name: str, seconds: float, extra: dict[str, float] | None = None) -> None:
         self.body["table"].setdefault(name, []).append(seconds)
@@ -229,6 +269,7 @@ class Clock:
 
 # ----------------------------------------------------------------------------------------- (a) table
 
+
 class Table:
     """The contenders of the table, sharing one state, its host copy and the files they read back."""
 
@@ -236,6 +277,7 @@ class Table:
         import jax
 
         import flax_ckpt as fc
+
         self.jax, self.fc, self.state, self.copy, self.rep = jax, fc, state, copy, rep
         self.scratch = scratch
         self.host = [a for a in jax.device_get(leaves_of(copy(state)))]
@@ -243,8 +285,11 @@ class Table:
         self.target = abstract(state)
         self.step = 0
         self.managers: dict[str, Any] = {}
-        self.shm = Path(tempfile.mkdtemp(prefix="flax_ckpt_bench-", dir="/dev/shm")) \
-            if os.path.isdir("/dev/shm") else scratch / "shm"
+        self.shm = (
+            Path(tempfile.mkdtemp(prefix="flax_ckpt_bench-", dir="/dev/shm"))
+            if os.path.isdir("/dev/shm")
+            else scratch / "shm"
+        )
 
     def fresh(self) -> Any:
         return self.jax.block_until_ready(self.copy(self.state))
@@ -254,6 +299,7 @@ class Table:
         threads / B bytes of transfers in flight (engine/transfer.py's THREADS, WINDOW; 0: all at once)."""
         if name.startswith("fc-save@"):
             from flax_ckpt._src.engine import transfer
+
             knob, value = name.split("@")[1].split("=")
             attr = {"threads": "THREADS", "window": "WINDOW"}[knob]
             old = getattr(transfer, attr)
@@ -304,6 +350,7 @@ class Table:
                 mgr = self.fc.CheckpointManager(self.scratch / name, max_to_keep=1)
             else:
                 import orbax.checkpoint as ocp
+
                 options = ocp.CheckpointManagerOptions(max_to_keep=1)
                 mgr = ocp.CheckpointManager(self.scratch / name, options=options)
             self.managers[name] = mgr
@@ -315,6 +362,7 @@ class Table:
         self.step += 1
         if name.startswith("orbax"):
             import orbax.checkpoint as ocp
+
             return mgr.save(self.step, args=ocp.args.StandardSave(s))
         return mgr.save(self.step, s)
 
@@ -357,11 +405,14 @@ class Table:
 
     def _check(self, name: str, out: Any) -> None:
         import numpy as np
+
         got = self.jax.device_get(leaves_of(out))
         same = len(got) == len(self.host) and all(
-            a.shape == b.shape and a.dtype == b.dtype and np.array_equal(a.reshape(-1).view(np.uint8),
-                                                                         b.reshape(-1).view(np.uint8))
-            for a, b in zip(got, self.host))
+            a.shape == b.shape
+            and a.dtype == b.dtype
+            and np.array_equal(a.reshape(-1).view(np.uint8), b.reshape(-1).view(np.uint8))
+            for a, b in zip(got, self.host)
+        )
         self.rep.body["checks"][name] = "bit-exact" if same else "DIFFERENT"
         print(f"  check {name}: {self.rep.body['checks'][name]}", flush=True)
 
@@ -371,6 +422,7 @@ class Table:
 
     def c_orbax_save(self, first: bool) -> None:
         import orbax.checkpoint as ocp
+
         path = self._orbax_path()
         shutil.rmtree(path.parent, ignore_errors=True)
         path.parent.mkdir(parents=True)
@@ -382,13 +434,17 @@ class Table:
 
     def c_orbax_restore(self, first: bool) -> None:
         import orbax.checkpoint as ocp
+
         path = self._orbax_path()
         if not path.exists():
             self.c_orbax_save(False)
         C.drop_cache(path)
         ckptr = ocp.Checkpointer(ocp.StandardCheckpointHandler())
-        t, out = C.timed(lambda: self.jax.block_until_ready(
-            ckptr.restore(path, args=ocp.args.StandardRestore(self.target))))
+        t, out = C.timed(
+            lambda: self.jax.block_until_ready(
+                ckptr.restore(path, args=ocp.args.StandardRestore(self.target))
+            )
+        )
         ckptr.close()
         self.rep.table("orbax-restore", t)
         if first:
@@ -405,8 +461,9 @@ class Table:
             shutil.rmtree(self.scratch / sub, ignore_errors=True)
 
 
-def run_table(state: Any, copy: Callable, scratch: Path, rep: Report, rounds: int, clock: Clock,
-              contenders: list[str]) -> None:
+def run_table(
+    state: Any, copy: Callable, scratch: Path, rep: Report, rounds: int, clock: Clock, contenders: list[str]
+) -> None:
     table = Table(state, copy, scratch, rep)
     try:
         for r in range(rounds):
@@ -426,9 +483,11 @@ def run_table(state: Any, copy: Callable, scratch: Path, rep: Report, rounds: in
 
 # ------------------------------------------------------------------------------------------ (b) loop
 
+
 class DeviceGet(Saver):
     def save(self, step: int, state: Any) -> bool:
         import jax
+
         jax.device_get(state)
         return True
 
@@ -452,6 +511,7 @@ class DeviceCopyThread(Saver):
 
     def save(self, step: int, state: Any) -> bool:
         import jax
+
         self.finish()
         kept = self.copy(state)
 
@@ -470,18 +530,24 @@ class DeviceCopyThread(Saver):
 
 
 def saver(name: str, d: Path, copy: Callable) -> Saver | None:
-    return {"none": lambda: None, "device-get": DeviceGet, "device-copy": lambda: DeviceCopy(copy),
-            "device-copy-thread": lambda: DeviceCopyThread(copy, d),
-            "fc-async": lambda: FcManager(d, max_to_keep=1),
-            "fc-async-skip": lambda: FcManager(d, max_to_keep=1, on_busy="skip"),
-            "fc-memory": lambda: FcManager(d, max_to_keep=1, tiers=True),
-            "orbax-async": lambda: OrbaxManager(d, max_to_keep=1)}[name]()
+    return {
+        "none": lambda: None,
+        "device-get": DeviceGet,
+        "device-copy": lambda: DeviceCopy(copy),
+        "device-copy-thread": lambda: DeviceCopyThread(copy, d),
+        "fc-async": lambda: FcManager(d, max_to_keep=1),
+        "fc-async-skip": lambda: FcManager(d, max_to_keep=1, on_busy="skip"),
+        "fc-memory": lambda: FcManager(d, max_to_keep=1, tiers=True),
+        "orbax-async": lambda: OrbaxManager(d, max_to_keep=1),
+    }[name]()
 
 
-def loop_once(name: str, state: Any, step: Callable, copy: Callable, every: int, steps: int, sync: bool,
-              scratch: Path) -> tuple[Any, dict[str, Any]]:
+def loop_once(
+    name: str, state: Any, step: Callable, copy: Callable, every: int, steps: int, sync: bool, scratch: Path
+) -> tuple[Any, dict[str, Any]]:
     """One timed loop; returns the state (donated along the way) and its figures."""
     import jax
+
     d = C.fresh_dir(scratch / f"loop-{name}")
     s = saver(name, d / "ckpt", copy)
     try:
@@ -516,16 +582,33 @@ def loop_once(name: str, state: Any, step: Callable, copy: Callable, every: int,
     slow = sorted(range(len(each)), key=each.__getitem__)[-3:]  # the slowest steps: how long after a save
     slowest = [(round(each[k] * 1e3, 1), after[k]) for k in reversed(slow)]
     each.sort()
-    return state, {"slowest_ms_and_steps_after_save": slowest, "step_s": wall / steps, "saves": made, "asked": len(range(1, steps + 1, every)),
-                   "blocked_s": statistics.median(blocked) if blocked else 0.0,
-                   "step_p50_s": each[len(each) // 2], "step_p90_s": each[len(each) * 9 // 10],
-                   "step_max_s": each[-1]}
+    return state, {
+        "slowest_ms_and_steps_after_save": slowest,
+        "step_s": wall / steps,
+        "saves": made,
+        "asked": len(range(1, steps + 1, every)),
+        "blocked_s": statistics.median(blocked) if blocked else 0.0,
+        "step_p50_s": each[len(each) // 2],
+        "step_p90_s": each[len(each) * 9 // 10],
+        "step_max_s": each[-1],
+    }
 
 
-def run_loop(state: Any, init: Callable, step: Callable, copy: Callable, scratch: Path, rep: Report,
-             rounds: int, clock: Clock, contenders: list[str], plan: dict[int, int],
-             syncs: tuple[bool, ...] = (True, False)) -> None:
+def run_loop(
+    state: Any,
+    init: Callable,
+    step: Callable,
+    copy: Callable,
+    scratch: Path,
+    rep: Report,
+    rounds: int,
+    clock: Clock,
+    contenders: list[str],
+    plan: dict[int, int],
+    syncs: tuple[bool, ...] = (True, False),
+) -> None:
     import jax
+
     for r in range(rounds):
         for sync in syncs:
             for every, steps in plan.items():
@@ -537,18 +620,21 @@ def run_loop(state: Any, init: Callable, step: Callable, copy: Callable, scratch
                     try:
                         state, res = loop_once(name, state, step, copy, every, steps, sync, scratch)
                         rep.loop(key, name, res)
-                        print(f"round {r} loop {key:11s} {name:12s} {res['step_s'] * 1e3:8.1f} ms/step  "
-                              f"saves {res['saves']}/{res['asked']}  "
-                              f"blocked {res['blocked_s'] * 1e3:.1f} ms  "
-                              f"step p50/p90/max {res['step_p50_s'] * 1e3:.1f}/{res['step_p90_s'] * 1e3:.1f}/"
-                              f"{res['step_max_s'] * 1e3:.1f} ms  slowest {res['slowest_ms_and_steps_after_save']}",
-                              flush=True)
+                        print(
+                            f"round {r} loop {key:11s} {name:12s} {res['step_s'] * 1e3:8.1f} ms/step  "
+                            f"saves {res['saves']}/{res['asked']}  "
+                            f"blocked {res['blocked_s'] * 1e3:.1f} ms  "
+                            f"step p50/p90/max {res['step_p50_s'] * 1e3:.1f}/{res['step_p90_s'] * 1e3:.1f}/"
+                            f"{res['step_max_s'] * 1e3:.1f} ms  slowest {res['slowest_ms_and_steps_after_save']}",
+                            flush=True,
+                        )
                     except Exception as e:
                         rep.error(f"loop round {r} {key} {name}", e)
                         state = jax.block_until_ready(step(init()))  # the donated state may be gone
 
 
 # ------------------------------------------------------------------------------------------ summary
+
 
 def _med(v: list[float] | None) -> float | None:
     return statistics.median(v) if v else None
@@ -557,10 +643,13 @@ def _med(v: list[float] | None) -> float | None:
 def summarize(body: dict[str, Any]) -> str:
     t = body["table"]
     m = {k: _med(v) for k, v in t.items()}
-    lines = [f"# Checkpoints on {body['machine'].get('devices')}\n",
-             f"state: {body.get('state_mib', 0):.0f} MiB in {body.get('state_leaves')} leaves; "
-             f"{body['args'].get('rounds')} rounds; date {body['machine'].get('date')}\n",
-             "| contender | median | note |", "|---|---:|---|"]
+    lines = [
+        f"# Checkpoints on {body['machine'].get('devices')}\n",
+        f"state: {body.get('state_mib', 0):.0f} MiB in {body.get('state_leaves')} leaves; "
+        f"{body['args'].get('rounds')} rounds; date {body['machine'].get('date')}\n",
+        "| contender | median | note |",
+        "|---|---:|---|",
+    ]
     for name in TABLE + sorted(k for k in m if "@" in k and ":" not in k and k not in TABLE):
         if m.get(name) is not None:
             note = ""
@@ -589,10 +678,15 @@ def summarize(body: dict[str, Any]) -> str:
         lines += [f"| {k} | {v:.2f} |" for k, v in ratios.items()]
     loop = body["loop"]
     if loop:
-        lines += ["", "Loop: ms per step; overhead against `none` (median of per-round ratios − 1); "
-                  "saves made / "
-                  "asked; median blocked per save", "", "| setting | " + " | ".join(LOOP) + " |",
-                  "|---|" + "---|" * len(LOOP)]
+        lines += [
+            "",
+            "Loop: ms per step; overhead against `none` (median of per-round ratios − 1); "
+            "saves made / "
+            "asked; median blocked per save",
+            "",
+            "| setting | " + " | ".join(LOOP) + " |",
+            "|---|" + "---|" * len(LOOP),
+        ]
         for key, by in loop.items():
             base = by.get("none", [])
             cells = []
@@ -603,8 +697,11 @@ def summarize(body: dict[str, Any]) -> str:
                     continue
                 ms = statistics.median(r["step_s"] for r in runs) * 1e3
                 pairs = [(b["step_s"], r["step_s"]) for b, r in zip(base, runs)]
-                over = "" if not pairs or c == "none" else \
-                    f" {statistics.median(y / x for x, y in pairs) - 1:+.0%}"
+                over = (
+                    ""
+                    if not pairs or c == "none"
+                    else f" {statistics.median(y / x for x, y in pairs) - 1:+.0%}"
+                )
                 made = statistics.median(r["saves"] for r in runs)
                 blocked = statistics.median(r["blocked_s"] for r in runs) * 1e3
                 saves = "" if c == "none" else f" ({made:g}/{runs[0]['asked']}, {blocked:.1f} ms)"
@@ -621,12 +718,16 @@ def summarize(body: dict[str, Any]) -> str:
 
 # --------------------------------------------------------------------------------------------- main
 
+
 def device_info() -> dict[str, Any]:
     import jax
+
     devs = jax.devices()
     kind = getattr(devs[0], "device_kind", "")
-    info: dict[str, Any] = {"devices": f"{len(devs)} x {devs[0].platform} {kind}",
-                            "backend": jax.default_backend()}
+    info: dict[str, Any] = {
+        "devices": f"{len(devs)} x {devs[0].platform} {kind}",
+        "backend": jax.default_backend(),
+    }
     try:
         stats = devs[0].memory_stats() or {}
         info["device_memory_gib"] = round(stats.get("bytes_limit", 0) / (1 << 30), 2)
@@ -637,8 +738,9 @@ def device_info() -> dict[str, Any]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--small", action="store_true",
-                    help="a tiny model and few steps (a CPU in under a minute)")
+    ap.add_argument(
+        "--small", action="store_true", help="a tiny model and few steps (a CPU in under a minute)"
+    )
     ap.add_argument("--parts", default="table,loop")
     ap.add_argument("--rounds", type=int, default=3, help="rounds of the table")
     ap.add_argument("--loop-rounds", type=int, default=2)
@@ -646,12 +748,21 @@ def main() -> None:
     ap.add_argument("--table", default=",".join(TABLE), help="table contenders")
     ap.add_argument("--loop", default=",".join(LOOP), help="loop contenders")
     ap.add_argument("--model", default=None, help="d,layers,heads,vocab,seq,batch")
-    ap.add_argument("--sync", choices=["both", "sync", "nosync"], default="both",
-                    help="loops with a sync per step, without, or both")
-    ap.add_argument("--switch-interval", type=float, default=None,
-                    help="sys.setswitchinterval for the run (a diagnosis of GIL contention)")
-    ap.add_argument("--budget-s", type=float, default=None,
-                    help="start no measurement after this many seconds")
+    ap.add_argument(
+        "--sync",
+        choices=["both", "sync", "nosync"],
+        default="both",
+        help="loops with a sync per step, without, or both",
+    )
+    ap.add_argument(
+        "--switch-interval",
+        type=float,
+        default=None,
+        help="sys.setswitchinterval for the run (a diagnosis of GIL contention)",
+    )
+    ap.add_argument(
+        "--budget-s", type=float, default=None, help="start no measurement after this many seconds"
+    )
     args = ap.parse_args()
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
@@ -680,8 +791,19 @@ def main() -> None:
             run_table(state, copy, scratch, rep, args.rounds, clock, args.table.split(","))
         if "loop" in args.parts:
             syncs = {"both": (True, False), "sync": (True,), "nosync": (False,)}[args.sync]
-            run_loop(state, init, step, copy, scratch, rep, args.loop_rounds, clock, args.loop.split(","),
-                     plan, syncs)
+            run_loop(
+                state,
+                init,
+                step,
+                copy,
+                scratch,
+                rep,
+                args.loop_rounds,
+                clock,
+                args.loop.split(","),
+                plan,
+                syncs,
+            )
     except Exception as e:
         rep.error("setup", e)
     finally:

@@ -198,7 +198,9 @@ def jax_state(flat: dict[str, np.ndarray]) -> Any:
     return jax.block_until_ready(C.nest({k: jax.device_put(a, cpu) for k, a in flat.items()}))
 
 
-def build(names: list[str], flat: dict[str, np.ndarray], scratch: Path, state: Any = None) -> dict[str, Async]:
+def build(
+    names: list[str], flat: dict[str, np.ndarray], scratch: Path, state: Any = None
+) -> dict[str, Async]:
     if state is None and {"flax_ckpt", "orbax"} & set(names):
         state = jax_state(flat)
     make: dict[str, Callable[[], Async]] = {
@@ -250,14 +252,28 @@ def run_rss(names: list[str], size_mb: float, scratch: Path) -> dict[str, float]
 
     out = {}
     for n in names:
-        p = subprocess.run([sys.executable, __file__, "--rss-child", n, "--size-mb", str(size_mb),
-                            "--scratch", str(scratch / f"rss-{n}")], capture_output=True, text=True)
+        p = subprocess.run(
+            [
+                sys.executable,
+                __file__,
+                "--rss-child",
+                n,
+                "--size-mb",
+                str(size_mb),
+                "--scratch",
+                str(scratch / f"rss-{n}"),
+            ],
+            capture_output=True,
+            text=True,
+        )
         if p.returncode:
             raise RuntimeError(f"RSS run of {n} failed:\n{p.stderr[-3000:]}")
         r = json.loads(p.stdout.strip().splitlines()[-1])
         out[n] = r["extra"] / C.MB
-        print(f"peak RSS {n:26s} +{out[n]:6.0f} MiB over the state's process ({r['extra'] / r['nbytes']:.2f}x state)",
-              flush=True)
+        print(
+            f"peak RSS {n:26s} +{out[n]:6.0f} MiB over the state's process ({r['extra'] / r['nbytes']:.2f}x state)",
+            flush=True,
+        )
     return out
 
 
@@ -275,6 +291,7 @@ def run_saves(contenders: dict[str, Async], rounds: int) -> C.Results:
 
 
 # ----------------------------------------------------------------------------------------- training
+
 
 def make_training(width: int, depth: int, batch: int, seed: int = 0):
     import jax
@@ -313,7 +330,9 @@ def make_training(width: int, depth: int, batch: int, seed: int = 0):
     return init, lambda s: step(s, xs, ys)
 
 
-def train_run(init, step, n: int, saver: Callable[[int, Any], None] | None, every: int) -> tuple[float, float]:
+def train_run(
+    init, step, n: int, saver: Callable[[int, Any], None] | None, every: int
+) -> tuple[float, float]:
     """(wall seconds, process CPU seconds) per step; CPU time counts every thread of the process, so
     it includes the checkpointer's background work and varies less with other users' load."""
     import jax
@@ -337,11 +356,20 @@ def run_training(args, scratch: Path) -> tuple[C.Results, dict[str, Any]]:
     init, step = make_training(args.train_width, args.train_depth, args.train_batch)
     s0 = init()
     nbytes = sum(np.asarray(x).nbytes for x in jax.tree_util.tree_leaves(s0))
-    info = {"state_mb": nbytes / C.MB, "params": sum(x.size for x in jax.tree_util.tree_leaves(s0.params)),
-            "width": args.train_width, "depth": args.train_depth, "batch": args.train_batch,
-            "steps": args.train_steps, "every": args.every}
-    print(f"training: MLP {args.train_depth}x{args.train_width}, state {nbytes / C.MB:.1f} MiB, "
-          f"{args.train_steps} steps, checkpoint every {args.every}", flush=True)
+    info = {
+        "state_mb": nbytes / C.MB,
+        "params": sum(x.size for x in jax.tree_util.tree_leaves(s0.params)),
+        "width": args.train_width,
+        "depth": args.train_depth,
+        "batch": args.train_batch,
+        "steps": args.train_steps,
+        "every": args.every,
+    }
+    print(
+        f"training: MLP {args.train_depth}x{args.train_width}, state {nbytes / C.MB:.1f} MiB, "
+        f"{args.train_steps} steps, checkpoint every {args.every}",
+        flush=True,
+    )
     res = C.Results()
     variants = ["no checkpoints", "flax_ckpt", "orbax"]
     for r in range(args.train_rounds):
@@ -355,8 +383,13 @@ def run_training(args, scratch: Path) -> tuple[C.Results, dict[str, Any]]:
                 mgr.close()
             else:
                 om = ocp.CheckpointManager(d, options=ocp.CheckpointManagerOptions(max_to_keep=2))
-                wall, cpu = train_run(init, step, args.train_steps,
-                                      lambda i, s: om.save(i, args=ocp.args.StandardSave(s)), args.every)
+                wall, cpu = train_run(
+                    init,
+                    step,
+                    args.train_steps,
+                    lambda i, s: om.save(i, args=ocp.args.StandardSave(s)),
+                    args.every,
+                )
                 om.wait_until_finished()
                 om.close()
             shutil.rmtree(d)
@@ -368,22 +401,44 @@ def run_training(args, scratch: Path) -> tuple[C.Results, dict[str, Any]]:
 
 # ------------------------------------------------------------------------------------------ report
 
-def markdown(res: C.Results, names: list[str], nbytes: int, rounds: int, rss: dict[str, float],
-             train: tuple[C.Results, dict[str, Any]] | None) -> str:
-    lines = [] if not nbytes else [
-             f"State: {nbytes / C.MB:.0f} MiB, {rounds} interleaved rounds after one warm-up save; medians.", "",
-             "| contender | blocked (s) | durable (s) | peak RSS over the state's (MiB, x state) |",
-             "|---|---:|---:|---:|"]
+
+def markdown(
+    res: C.Results,
+    names: list[str],
+    nbytes: int,
+    rounds: int,
+    rss: dict[str, float],
+    train: tuple[C.Results, dict[str, Any]] | None,
+) -> str:
+    lines = (
+        []
+        if not nbytes
+        else [
+            f"State: {nbytes / C.MB:.0f} MiB, {rounds} interleaved rounds after one warm-up save; medians.",
+            "",
+            "| contender | blocked (s) | durable (s) | peak RSS over the state's (MiB, x state) |",
+            "|---|---:|---:|---:|",
+        ]
+    )
     for n in names if nbytes else []:
         mem = f"{rss[n]:.0f} ({rss[n] * C.MB / nbytes:.2f}x)" if n in rss else "-"
-        lines.append(f"| {n} | {C.fmt(res.median(n, 'blocked'))} | "
-                     f"{C.fmt(res.median(n, 'durable')) if n not in BLOCK_ONLY else '-'} | "
-                     f"{mem} |")
+        lines.append(
+            f"| {n} | {C.fmt(res.median(n, 'blocked'))} | "
+            f"{C.fmt(res.median(n, 'durable')) if n not in BLOCK_ONLY else '-'} | "
+            f"{mem} |"
+        )
     timed_rounds = bool(res.times)
-    lines += [] if not (nbytes and timed_rounds) else [
-              "", "Ratios (median of per-round ratios): 'x memcpy' = t / t_memcpy; 'x faster than B' = t_B / t.", "",
-              "| contender | measure | x memcpy floor | x faster than orbax | x faster than torch-dcp |",
-              "|---|---|---:|---:|---:|"]
+    lines += (
+        []
+        if not (nbytes and timed_rounds)
+        else [
+            "",
+            "Ratios (median of per-round ratios): 'x memcpy' = t / t_memcpy; 'x faster than B' = t_B / t.",
+            "",
+            "| contender | measure | x memcpy floor | x faster than orbax | x faster than torch-dcp |",
+            "|---|---|---:|---:|---:|",
+        ]
+    )
     for n in names if nbytes and timed_rounds else []:
         if not n.startswith("flax_ckpt"):
             continue
@@ -391,20 +446,26 @@ def markdown(res: C.Results, names: list[str], nbytes: int, rounds: int, rss: di
             if m == "durable" and n in BLOCK_ONLY:
                 continue
             mc = res.paired_ratio(n, "memcpy", m) if m == "blocked" else None
-            lines.append(f"| {n} | {m} | {C.fmt(1 / mc if mc else None)} | {C.fmt(res.paired_ratio(n, 'orbax', m))}"
-                         f" | {C.fmt(res.paired_ratio(n, 'torch-dcp', m))} |")
+            lines.append(
+                f"| {n} | {m} | {C.fmt(1 / mc if mc else None)} | {C.fmt(res.paired_ratio(n, 'orbax', m))}"
+                f" | {C.fmt(res.paired_ratio(n, 'torch-dcp', m))} |"
+            )
     if train:
         tr, info = train
-        lines += ["", f"Training: flax MLP {info['depth']}x{info['width']} ({info['params']} params, state "
-                  f"{info['state_mb']:.1f} MiB incl. adam), batch {info['batch']}, {info['steps']} steps, "
-                  f"async checkpoint every {info['every']} steps (max_to_keep=2).", "",
-                  "| variant | steps/s (median) | wall overhead | CPU ms/step (median) | CPU overhead |",
-                  "|---|---:|---:|---:|---:|"]
+        lines += [
+            "",
+            f"Training: flax MLP {info['depth']}x{info['width']} ({info['params']} params, state "
+            f"{info['state_mb']:.1f} MiB incl. adam), batch {info['batch']}, {info['steps']} steps, "
+            f"async checkpoint every {info['every']} steps (max_to_keep=2).",
+            "",
+            "| variant | steps/s (median) | wall overhead | CPU ms/step (median) | CPU overhead |",
+            "|---|---:|---:|---:|---:|",
+        ]
         for v in ("no checkpoints", "flax_ckpt", "orbax"):
             wall, cpu = tr.median(v, "s_per_step"), tr.median(v, "cpu_s_per_step")
             ow = tr.paired_ratio("no checkpoints", v, "s_per_step")
             oc = tr.paired_ratio("no checkpoints", v, "cpu_s_per_step")
-            pct = (lambda x: "-" if v == "no checkpoints" or x is None else f"{(x - 1) * 100:+.1f}%")
+            pct = lambda x: "-" if v == "no checkpoints" or x is None else f"{(x - 1) * 100:+.1f}%"
             lines.append(f"| {v} | {1 / wall:.1f} | {pct(ow)} | {cpu * 1e3:.1f} | {pct(oc)} |")
     return "\n".join(lines) + "\n"
 
@@ -413,8 +474,10 @@ def targets(res: C.Results, train: tuple[C.Results, dict[str, Any]] | None) -> d
     mc = res.paired_ratio("flax_ckpt", "memcpy", "blocked")
     orb = res.paired_ratio("flax_ckpt", "orbax", "blocked")
     out: dict[str, Any] = {"blocked_x_memcpy": 1 / mc if mc else None, "blocked_faster_than_orbax": orb}
-    met = {"blocking <= 1.5x memcpy floor": mc is not None and 1 / mc <= 1.5,
-           "blocking no more than orbax's": orb is not None and orb >= 1.0}
+    met = {
+        "blocking <= 1.5x memcpy floor": mc is not None and 1 / mc <= 1.5,
+        "blocking no more than orbax's": orb is not None and orb >= 1.0,
+    }
     if train:
         slow = train[0].paired_ratio("no checkpoints", "flax_ckpt", "s_per_step")
         cpu = train[0].paired_ratio("no checkpoints", "flax_ckpt", "cpu_s_per_step")
@@ -476,11 +539,21 @@ def main(argv: list[str] | None = None) -> None:
     md = markdown(res, names, nbytes, args.rounds, rss, train)
     tg = targets(res, train) if "flax_ckpt" in names and "memcpy" in names and args.rounds else {}
     if tg:
-        md += "\nIssue 3 targets (flax_ckpt): " + "; ".join(
-            f"{k}: {'met' if v else 'MISSED'}" for k, v in tg["met"].items()) + "\n"
-    body = {"benchmark": "async", "args": {k: str(v) for k, v in vars(args).items()}, "machine": info,
-            "nbytes": nbytes, "values": res.times, "peak_rss_over_state_mb": rss, "training": {"info": train[1], "s_per_step": train[0].times}
-            if train else None, "targets": tg}
+        md += (
+            "\nIssue 3 targets (flax_ckpt): "
+            + "; ".join(f"{k}: {'met' if v else 'MISSED'}" for k, v in tg["met"].items())
+            + "\n"
+        )
+    body = {
+        "benchmark": "async",
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "machine": info,
+        "nbytes": nbytes,
+        "values": res.times,
+        "peak_rss_over_state_mb": rss,
+        "training": {"info": train[1], "s_per_step": train[0].times} if train else None,
+        "targets": tg,
+    }
     js, mdp = C.write_report("async", body, md)
     print("\n" + md)
     print(f"wrote {js} and {mdp}")

@@ -119,8 +119,16 @@ def peaks(scratch: Path, args: argparse.Namespace, names: list[str]) -> dict[str
 
     out = {}
     for name in names:
-        cmd = [sys.executable, __file__, "--child", str(scratch / "fc"), str(scratch / "orbax"),
-               str(args.size_mb), str(args.leaves), name]
+        cmd = [
+            sys.executable,
+            __file__,
+            "--child",
+            str(scratch / "fc"),
+            str(scratch / "orbax"),
+            str(args.size_mb),
+            str(args.leaves),
+            name,
+        ]
         out[name] = int(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.split()[-1])
     return out
 
@@ -158,21 +166,30 @@ def main(argv: list[str] | None = None) -> None:
     def ratio(a: str, b: str) -> float:
         return statistics.median(x / y for x, y in zip(times[a], times[b]))
 
-    ratios = {"fc cast / fc plain": ratio("fc cast", "fc plain"),
-              "fc then astype / fc cast": ratio("fc then astype", "fc cast"),
-              "orbax cast / orbax plain": ratio("orbax cast", "orbax plain"),
-              "orbax cast / fc cast": ratio("orbax cast", "fc cast")}
-    lines = [f"# A casting restore, {args.size_mb} MiB float32 -> bfloat16, {args.leaves} leaves, "
-             f"{args.rounds} rounds (page cache warm)", "", "| contender | median s | peak RSS growth MiB |",
-             "|---|---:|---:|"]
+    ratios = {
+        "fc cast / fc plain": ratio("fc cast", "fc plain"),
+        "fc then astype / fc cast": ratio("fc then astype", "fc cast"),
+        "orbax cast / orbax plain": ratio("orbax cast", "orbax plain"),
+        "orbax cast / fc cast": ratio("orbax cast", "fc cast"),
+    }
+    lines = [
+        f"# A casting restore, {args.size_mb} MiB float32 -> bfloat16, {args.leaves} leaves, "
+        f"{args.rounds} rounds (page cache warm)",
+        "",
+        "| contender | median s | peak RSS growth MiB |",
+        "|---|---:|---:|",
+    ]
     lines += [f"| {n} | {med[n]:.3f} | {peak[n] / 2**20:.0f} |" for n in runs]
     lines += ["", "| ratio (medians of per-round ratios) | x |", "|---|---:|"]
     lines += [f"| {n} | {v:.2f} |" for n, v in ratios.items()]
     md = "\n".join(lines) + "\n"
     print(md)
     C.remove_scratch(scratch)
-    C.write_report("cast", {"args": vars(args), "times": times, "medians": med, "ratios": ratios,
-                            "peak_rss_growth": peak}, md)
+    C.write_report(
+        "cast",
+        {"args": vars(args), "times": times, "medians": med, "ratios": ratios, "peak_rss_growth": peak},
+        md,
+    )
 
 
 if __name__ == "__main__":

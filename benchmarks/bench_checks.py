@@ -66,6 +66,7 @@ def _tiling(real):
             return real(boxes, bounds)
         finally:
             SPENT[0] += time.perf_counter() - t0
+
     return tiling_problem
 
 
@@ -81,18 +82,21 @@ def _folder(real):
             return list(FOUND[key])
         finally:
             SPENT[0] += time.perf_counter() - t0
+
     return walk
 
 
 def _look(real):
     """Not timed call by call: two clock reads cost more than the lstat itself (tens of thousands of
     calls), so the wall-time cost is this check's only measure."""
+
     @functools.wraps(real)
     def look(folder, where, name):
         if not CHECKING[0]:
             return LOOKED[where, name]
         out = LOOKED[where, name] = real(folder, where, name)
         return out
+
     return look
 
 
@@ -119,8 +123,11 @@ def main() -> None:
     ap.add_argument("--leaves", type=int, nargs="+", default=[20000])
     ap.add_argument("--leaf-bytes", type=int, default=1024)
     ap.add_argument("--rounds", type=int, default=6)
-    ap.add_argument("--layouts", default="native-raw,native-zarr3,orbax-ocdbt,orbax-per-array",
-                    help="comma-separated, of those named in the default")
+    ap.add_argument(
+        "--layouts",
+        default="native-raw,native-zarr3,orbax-ocdbt,orbax-per-array",
+        help="comma-separated, of those named in the default",
+    )
     args = ap.parse_args()
     _patch()
     rows = []
@@ -129,8 +136,11 @@ def main() -> None:
         for n in args.leaves:
             tree = C.nest({k: jax.numpy.asarray(v) for k, v in C.many_small_tree(n, args.leaf_bytes).items()})
             paths = {}
-            for name, kw in (("native raw", {}), ("native zarr3", {"serializer": "zarr3"}),
-                             ("orbax ocdbt", {"format": "orbax"})):
+            for name, kw in (
+                ("native raw", {}),
+                ("native zarr3", {"serializer": "zarr3"}),
+                ("orbax ocdbt", {"format": "orbax"}),
+            ):
                 paths[name] = C.SCRATCH / f"{n}-{name.replace(' ', '-')}"
                 fc.save(paths[name], tree, **kw)
             try:  # one folder per array (Orbax's use_ocdbt=False): the walk visits every array's folder
@@ -140,31 +150,45 @@ def main() -> None:
             else:
                 paths["orbax per-array (Orbax wrote it)"] = C.SCRATCH / f"{n}-orbax-plain"
                 ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_ocdbt=False, use_zarr3=True)).save(
-                    paths["orbax per-array (Orbax wrote it)"], args=ocp.args.PyTreeSave(tree))
+                    paths["orbax per-array (Orbax wrote it)"], args=ocp.args.PyTreeSave(tree)
+                )
             keep = set(args.layouts.split(","))
-            paths = {name: p for name, p in paths.items()
-                     if "-".join(name.split(" (")[0].split()) in keep}
+            paths = {name: p for name, p in paths.items() if "-".join(name.split(" (")[0].split()) in keep}
             for path in paths.values():
                 _restore(path, tree, True)  # warm up, and record what every check answers
             on: dict[str, list[tuple[float, float]]] = {name: [] for name in paths}
             off: dict[str, list[float]] = {name: [] for name in paths}
             for r in range(args.rounds):
                 for name, path in paths.items():  # interleaved, the order of on and off alternating
-                    for checking in ((True, False) if r % 2 == 0 else (False, True)):
+                    for checking in (True, False) if r % 2 == 0 else (False, True):
                         t, spent = _restore(path, tree, checking)
                         (on[name].append((t, spent)) if checking else off[name].append(t))
             for name in paths:
                 checked = statistics.median(t for t, _ in on[name])
                 unchecked = statistics.median(off[name])
                 spent = statistics.median(s for _, s in on[name])
-                rows.append({"leaves": n, "layout": name, "restore_s": checked, "unchecked_s": unchecked,
-                             "in_checks_s": spent, "cost_share": (checked - unchecked) / checked})
+                rows.append(
+                    {
+                        "leaves": n,
+                        "layout": name,
+                        "restore_s": checked,
+                        "unchecked_s": unchecked,
+                        "in_checks_s": spent,
+                        "cost_share": (checked - unchecked) / checked,
+                    }
+                )
     finally:
         C.remove_scratch(C.SCRATCH)
-    lines = ["| leaves | layout | restore (median s) | checks answered, not done (median s) | wall-time cost "
-             "| inside the checks (median s) |", "|---:|---|---:|---:|---:|---:|"]
-    lines += [f"| {r['leaves']} | {r['layout']} | {r['restore_s']:.3f} | {r['unchecked_s']:.3f} | "
-              f"{100 * r['cost_share']:+.2f}% | {r['in_checks_s']:.4f} |" for r in rows]
+    lines = [
+        "| leaves | layout | restore (median s) | checks answered, not done (median s) | wall-time cost "
+        "| inside the checks (median s) |",
+        "|---:|---|---:|---:|---:|---:|",
+    ]
+    lines += [
+        f"| {r['leaves']} | {r['layout']} | {r['restore_s']:.3f} | {r['unchecked_s']:.3f} | "
+        f"{100 * r['cost_share']:+.2f}% | {r['in_checks_s']:.4f} |"
+        for r in rows
+    ]
     text = "\n".join(lines)
     print(text)
     C.write_report("bench_checks", {"args": vars(args), "rows": rows}, text)

@@ -69,6 +69,7 @@ MEASURES = ("save", "restore_cold", "restore_warm", "restore_resharded_cold")
 
 # ------------------------------------------------------------------------------------------- worker
 
+
 def _block(leaf: int, rows: slice, cols: slice, nrows: int) -> Any:
     """Deterministic contents of rows x cols of leaf ``leaf`` (float32 bit patterns of a hash)."""
     import numpy as np
@@ -87,8 +88,9 @@ def worker(cfg: dict[str, Any]) -> None:
     n = cfg["procs"]
     if n > 1:
         addr = f"127.0.0.1:{cfg['port']}"
-        jax.distributed.initialize(coordinator_address=addr, num_processes=n, process_id=cfg["rank"],
-                                   coordinator_bind_address=addr)
+        jax.distributed.initialize(
+            coordinator_address=addr, num_processes=n, process_id=cfg["rank"], coordinator_bind_address=addr
+        )
     import numpy as np
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
@@ -104,8 +106,10 @@ def worker(cfg: dict[str, Any]) -> None:
     mesh = Mesh(np.array(jax.devices()), ("x",))
     rows, cols = NamedSharding(mesh, P("x")), NamedSharding(mesh, P(None, "x"))
     shape = (nrows, COLS)
-    tree = {f"w{i}": jax.make_array_from_callback(shape, rows, lambda idx, i=i: _block(i, *idx, nrows))
-            for i in range(LEAVES)}
+    tree = {
+        f"w{i}": jax.make_array_from_callback(shape, rows, lambda idx, i=i: _block(i, *idx, nrows))
+        for i in range(LEAVES)
+    }
     jax.block_until_ready(tree)
 
     def target(s):
@@ -141,6 +145,7 @@ def worker(cfg: dict[str, Any]) -> None:
 
 # -------------------------------------------------------------------------------- agreement worker
 
+
 class CountingClient:
     """The jax.distributed key-value client, counting calls and bytes (keys, values sent and received)
     per method; ``reset`` returns what was counted since the last reset."""
@@ -167,10 +172,14 @@ class CountingClient:
             finally:
                 self.nbytes[name] = self.nbytes.get(name, 0) + sent
                 self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
-            got = len(out) if isinstance(out, (str, bytes)) else (
-                sum(len(k) + len(v) for k, v in out) if isinstance(out, list) else 0)
+            got = (
+                len(out)
+                if isinstance(out, (str, bytes))
+                else (sum(len(k) + len(v) for k, v in out) if isinstance(out, list) else 0)
+            )
             self.nbytes[name] += got
             return out
+
         return call
 
 
@@ -180,8 +189,13 @@ def agreement_worker(cfg: dict[str, Any]) -> None:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     n, rank = cfg["procs"], cfg["rank"]
     addr = f"127.0.0.1:{cfg['port']}"
-    jax.distributed.initialize(coordinator_address=addr, num_processes=n, process_id=rank,
-                               coordinator_bind_address=addr, initialization_timeout=300)
+    jax.distributed.initialize(
+        coordinator_address=addr,
+        num_processes=n,
+        process_id=rank,
+        coordinator_bind_address=addr,
+        initialization_timeout=300,
+    )
     import numpy as np
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
@@ -206,7 +220,9 @@ def agreement_worker(cfg: dict[str, Any]) -> None:
             marks["written"] = time.time()
             return written
 
-    def wrap(owner: Any, name: str, before: str | None, after: str | None, seconds: str | None = None) -> None:
+    def wrap(
+        owner: Any, name: str, before: str | None, after: str | None, seconds: str | None = None
+    ) -> None:
         real = getattr(owner, name)
 
         def wrapper(*a: Any, **kw: Any) -> Any:
@@ -219,6 +235,7 @@ def agreement_worker(cfg: dict[str, Any]) -> None:
             if seconds:
                 marks[seconds] = marks.get(seconds, 0.0) + time.time() - t0
             return out
+
         setattr(owner, name, wrapper)
 
     wrap(distributed.SaveRound, "announce", None, "visible")
@@ -230,13 +247,19 @@ def agreement_worker(cfg: dict[str, Any]) -> None:
 
     mesh = Mesh(np.array(jax.devices()), ("x",))
     rows, whole = NamedSharding(mesh, P("x")), NamedSharding(mesh, P())
-    host = {f"w{i}": np.arange(4 * n * 8, dtype=np.float32).reshape(4 * n, 8) + i for i in range(cfg["leaves"])}
+    host = {
+        f"w{i}": np.arange(4 * n * 8, dtype=np.float32).reshape(4 * n, 8) + i for i in range(cfg["leaves"])
+    }
     host["b"] = np.ones(8, np.float32)
-    tree = {k: jax.make_array_from_callback(v.shape, whole if k == "b" else rows, lambda idx, v=v: v[idx])
-            for k, v in host.items()}
+    tree = {
+        k: jax.make_array_from_callback(v.shape, whole if k == "b" else rows, lambda idx, v=v: v[idx])
+        for k, v in host.items()
+    }
     tree["step"] = 0
-    target = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding) if k != "step" else 0
-              for k, v in tree.items()}
+    target = {
+        k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding) if k != "step" else 0
+        for k, v in tree.items()
+    }
     jax.block_until_ready(tree)
     out: dict[str, list] = {"save": [], "restore": [], "open": []}
     with fc.CheckpointManager(cfg["dir"], serializer=Marking(), max_to_keep=2) as mgr:
@@ -279,10 +302,21 @@ def run_agreement_job(procs: int, rounds: int, leaves: int, scratch: Path) -> di
     """One N-process job (agreement_worker); per round: the job-wide figures (see the docstring)."""
     folder = C.fresh_dir(scratch / f"a{procs}")
     out = str(scratch / f"a{procs}")
-    env = dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3",
-               XLA_FLAGS="--xla_force_host_platform_device_count=1")
-    cfg = {"procs": procs, "port": _free_port(), "rounds": rounds, "leaves": leaves, "dir": str(folder),
-           "out": out, "agreement": True}
+    env = dict(
+        os.environ,
+        JAX_PLATFORMS="cpu",
+        TF_CPP_MIN_LOG_LEVEL="3",
+        XLA_FLAGS="--xla_force_host_platform_device_count=1",
+    )
+    cfg = {
+        "procs": procs,
+        "port": _free_port(),
+        "rounds": rounds,
+        "leaves": leaves,
+        "dir": str(folder),
+        "out": out,
+        "agreement": True,
+    }
     t0 = time.time()
     _launch(procs, cfg, env, timeout=1800)
     per = [json.loads(Path(f"{out}.p{i}.json").read_text()) for i in range(procs)]
@@ -297,24 +331,36 @@ def run_agreement_job(procs: int, rounds: int, leaves: int, scratch: Path) -> di
 
     rows = []
     for r in range(rounds):
-        rows.append({
-            "commit_round_s": span("save", r, "written", "visible"),
-            "p0_gather_s": per[0]["save"][r]["marks"].get("gather_s", 0.0),
-            "p0_dedupe_s": per[0]["save"][r]["marks"].get("dedupe_s", 0.0),
-            "save_ops": total("save", r, "ops"), "save_bytes": total("save", r, "bytes"),
-            "save_ops_p0": total("save", r, "ops", 0), "save_bytes_p0": total("save", r, "bytes", 0),
-            "save_kinds": {k: sum(per[i]["save"][r]["kv"]["ops"].get(k, 0) for i in range(procs))
-                           for k in sorted({k for p in per for k in p["save"][r]["kv"]["ops"]})},
-            "view_round_s": span("restore", r, "agree_in", "agree_out"),
-            "vote_round_s": span("restore", r, "vote_in", "vote_out"),
-            "read_s_max": max(per[i]["restore"][r]["read_s"] for i in range(procs)),
-            "restore_ops": total("restore", r, "ops"), "restore_bytes": total("restore", r, "bytes"),
-            "restore_ops_p0": total("restore", r, "ops", 0), "restore_bytes_p0": total("restore", r, "bytes", 0),
-            "open_ops": total("open", r, "ops"), "open_bytes": total("open", r, "bytes"),
-            "open_s_max": max(per[i]["open"][r]["seconds"] for i in range(procs)),
-            "set_s": statistics.mean(per[i]["save"][r]["kv"]["seconds"]["key_value_set"]
-                                     / per[i]["save"][r]["kv"]["ops"]["key_value_set"] for i in range(procs)),
-        })
+        rows.append(
+            {
+                "commit_round_s": span("save", r, "written", "visible"),
+                "p0_gather_s": per[0]["save"][r]["marks"].get("gather_s", 0.0),
+                "p0_dedupe_s": per[0]["save"][r]["marks"].get("dedupe_s", 0.0),
+                "save_ops": total("save", r, "ops"),
+                "save_bytes": total("save", r, "bytes"),
+                "save_ops_p0": total("save", r, "ops", 0),
+                "save_bytes_p0": total("save", r, "bytes", 0),
+                "save_kinds": {
+                    k: sum(per[i]["save"][r]["kv"]["ops"].get(k, 0) for i in range(procs))
+                    for k in sorted({k for p in per for k in p["save"][r]["kv"]["ops"]})
+                },
+                "view_round_s": span("restore", r, "agree_in", "agree_out"),
+                "vote_round_s": span("restore", r, "vote_in", "vote_out"),
+                "read_s_max": max(per[i]["restore"][r]["read_s"] for i in range(procs)),
+                "restore_ops": total("restore", r, "ops"),
+                "restore_bytes": total("restore", r, "bytes"),
+                "restore_ops_p0": total("restore", r, "ops", 0),
+                "restore_bytes_p0": total("restore", r, "bytes", 0),
+                "open_ops": total("open", r, "ops"),
+                "open_bytes": total("open", r, "bytes"),
+                "open_s_max": max(per[i]["open"][r]["seconds"] for i in range(procs)),
+                "set_s": statistics.mean(
+                    per[i]["save"][r]["kv"]["seconds"]["key_value_set"]
+                    / per[i]["save"][r]["kv"]["ops"]["key_value_set"]
+                    for i in range(procs)
+                ),
+            }
+        )
     return {"rounds": rows, "job_s": time.time() - t0}
 
 
@@ -331,15 +377,36 @@ def synthetic_merge(ns: list[int], leaves: int, scratch: Path) -> dict[int, dict
 
     out = {}
     for n in ns:
-        parts = [Written({leaf: [{"index": [[4 * j, 4 * j + 4], [0, 8]], "file": f"p{j}.bin", "offset": 0,
-                                  "nbytes": 128, "crc32c": 0}] for leaf in range(leaves)}, {f"p{j}.bin": 128})
-                 for j in range(n)]
+        parts = [
+            Written(
+                {
+                    leaf: [
+                        {
+                            "index": [[4 * j, 4 * j + 4], [0, 8]],
+                            "file": f"p{j}.bin",
+                            "offset": 0,
+                            "nbytes": 128,
+                            "crc32c": 0,
+                        }
+                    ]
+                    for leaf in range(leaves)
+                },
+                {f"p{j}.bin": 128},
+            )
+            for j in range(n)
+        ]
         stage = LocalStorage(str(C.fresh_dir(scratch / f"parts{n}")))
         rnd = distributed.SaveRound("bench", "bench", 0, n)
         msgs = {}
         for j in range(1, n):
-            body = json.dumps({"process": j, "tree": "t", "files": parts[j].files,
-                               "chunks": {str(k): v for k, v in parts[j].chunks.items()}}).encode()
+            body = json.dumps(
+                {
+                    "process": j,
+                    "tree": "t",
+                    "files": parts[j].files,
+                    "chunks": {str(k): v for k, v in parts[j].chunks.items()},
+                }
+            ).encode()
             stage.write(f"parts/p{j}.json", [body])
             msgs[j] = {"part": f"parts/p{j}.json", "nbytes": len(body), "crc32c": crc32c.crc32c(body)}
         C.drop_cache(Path(stage.local_path))
@@ -354,6 +421,7 @@ def synthetic_merge(ns: list[int], leaves: int, scratch: Path) -> dict[int, dict
         t3 = time.perf_counter()
         out[n] = {"read_parts_s": t1 - t0, "dedupe_s": t2 - t1, "tiling_s": t3 - t2}
         import shutil
+
         shutil.rmtree(stage.local_path)
     return out
 
@@ -392,45 +460,81 @@ def agreement_main(args: argparse.Namespace) -> None:
     finally:
         if scratch.exists():
             import shutil
+
             shutil.rmtree(scratch)
-    med = {n: {k: statistics.median(r[k] for r in j["rounds"]) for k in j["rounds"][0] if k != "save_kinds"}
-           for n, j in jobs.items()}
-    cols = [("commit_round_s", "commit round (s)"), ("p0_gather_s", "p0 gather (s)"),
-            ("view_round_s", "restore view round (s)"), ("vote_round_s", "restore vote round (s)"),
-            ("read_s_max", "restore read, slowest (s)"), ("save_ops", "kv ops / save"),
-            ("save_ops_p0", "kv ops / save, p0"), ("save_bytes", "kv bytes / save"),
-            ("restore_ops", "kv ops / restore"), ("restore_bytes", "kv bytes / restore"),
-            ("open_ops", "kv ops / open")]
-    lines = [f"# What agreement costs, {args.leaves + 2} leaves, {args.rounds} rounds (medians)\n",
-             "| processes | " + " | ".join(c for _, c in cols) + " |", "|---" * (len(cols) + 1) + "|"]
+    med = {
+        n: {k: statistics.median(r[k] for r in j["rounds"]) for k in j["rounds"][0] if k != "save_kinds"}
+        for n, j in jobs.items()
+    }
+    cols = [
+        ("commit_round_s", "commit round (s)"),
+        ("p0_gather_s", "p0 gather (s)"),
+        ("view_round_s", "restore view round (s)"),
+        ("vote_round_s", "restore vote round (s)"),
+        ("read_s_max", "restore read, slowest (s)"),
+        ("save_ops", "kv ops / save"),
+        ("save_ops_p0", "kv ops / save, p0"),
+        ("save_bytes", "kv bytes / save"),
+        ("restore_ops", "kv ops / restore"),
+        ("restore_bytes", "kv bytes / restore"),
+        ("open_ops", "kv ops / open"),
+    ]
+    lines = [
+        f"# What agreement costs, {args.leaves + 2} leaves, {args.rounds} rounds (medians)\n",
+        "| processes | " + " | ".join(c for _, c in cols) + " |",
+        "|---" * (len(cols) + 1) + "|",
+    ]
     for n in procs:
-        lines.append(f"| {n} | " + " | ".join(
-            f"{med[n][k]:.4f}" if k.endswith("_s") or k.endswith("_max") else f"{med[n][k]:.0f}"
-            for k, _ in cols) + " |")
+        lines.append(
+            f"| {n} | "
+            + " | ".join(
+                f"{med[n][k]:.4f}" if k.endswith("_s") or k.endswith("_max") else f"{med[n][k]:.0f}"
+                for k, _ in cols
+            )
+            + " |"
+        )
     kinds = {n: jobs[n]["rounds"][0]["save_kinds"] for n in procs}
-    lines += ["", "key-value operations of one save, by kind (all processes): " + "; ".join(
-        f"{n}: {kinds[n]}" for n in procs), ""]
+    lines += [
+        "",
+        "key-value operations of one save, by kind (all processes): "
+        + "; ".join(f"{n}: {kinds[n]}" for n in procs),
+        "",
+    ]
     lines += ["| measure | growth | 1,024 processes | 8,192 processes |", "|---|---|---|---|"]
     fits = {}
     for k, c in cols:
         unit = "s" if k.endswith("_s") or k.endswith("_max") else ""
         coef, growth = fit(procs, [med[n][k] for n in procs], count=not unit)
         fits[k] = {"coef": coef, "growth": growth}
-        lines.append(f"| {c} | {growth} | {project(coef, 1024):,.3g} {unit} | {project(coef, 8192):,.3g} {unit} |")
-    lines += ["", "key-value call, mean seconds per set (all processes): " + ", ".join(
-        f"{n}: {med[n]['set_s'] * 1e6:.0f} us" for n in procs)]
-    lines += ["", "| synthetic processes | read N-1 part records, cold (s) | dedupe (s) | exact tiling check (s) |",
-              "|---|---|---|---|"]
-    lines += [f"| {n} | {v['read_parts_s']:.4f} | {v['dedupe_s']:.4f} | {v['tiling_s']:.4f} |"
-              for n, v in synth.items()]
+        lines.append(
+            f"| {c} | {growth} | {project(coef, 1024):,.3g} {unit} | {project(coef, 8192):,.3g} {unit} |"
+        )
+    lines += [
+        "",
+        "key-value call, mean seconds per set (all processes): "
+        + ", ".join(f"{n}: {med[n]['set_s'] * 1e6:.0f} us" for n in procs),
+    ]
+    lines += [
+        "",
+        "| synthetic processes | read N-1 part records, cold (s) | dedupe (s) | exact tiling check (s) |",
+        "|---|---|---|---|",
+    ]
+    lines += [
+        f"| {n} | {v['read_parts_s']:.4f} | {v['dedupe_s']:.4f} | {v['tiling_s']:.4f} |"
+        for n, v in synth.items()
+    ]
     md = "\n".join(lines) + f"\n\nmachine: {info.get('cpus')} CPUs, load {os.getloadavg()}\n"
-    js, mdp = C.write_report("distributed-agreement", {"info": info, "args": vars(args), "jobs": jobs,
-                                                      "medians": med, "fits": fits, "synthetic": synth}, md)
+    js, mdp = C.write_report(
+        "distributed-agreement",
+        {"info": info, "args": vars(args), "jobs": jobs, "medians": med, "fits": fits, "synthetic": synth},
+        md,
+    )
     print(md)
     print(f"report: {mdp}")
 
 
 # ------------------------------------------------------------------------------------------- driver
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -441,10 +545,20 @@ def _free_port() -> int:
 def run_job(procs: int, devices: int, nbytes: int, rounds: int, scratch: Path) -> dict[str, list[float]]:
     folder = C.fresh_dir(scratch / f"n{procs}")
     out = scratch / f"n{procs}.json"
-    env = dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3",
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices // procs}")
-    cfg = {"procs": procs, "port": _free_port(), "bytes": nbytes, "rounds": rounds, "dir": str(folder),
-           "out": str(out)}
+    env = dict(
+        os.environ,
+        JAX_PLATFORMS="cpu",
+        TF_CPP_MIN_LOG_LEVEL="3",
+        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices // procs}",
+    )
+    cfg = {
+        "procs": procs,
+        "port": _free_port(),
+        "bytes": nbytes,
+        "rounds": rounds,
+        "dir": str(folder),
+        "out": str(out),
+    }
     _launch(procs, cfg, env, timeout=1200)
     return json.loads(out.read_text())
 
@@ -452,8 +566,14 @@ def run_job(procs: int, devices: int, nbytes: int, rounds: int, scratch: Path) -
 def _launch(procs: int, cfg: dict[str, Any], env: dict[str, str], *, timeout: float) -> None:
     """Runs a job of ``procs`` workers (this script with --worker, ranks 0..procs-1) to its end; a
     failed or overdue one stops the benchmark, its processes killed."""
-    ps = [subprocess.Popen([sys.executable, __file__, "--worker", json.dumps(dict(cfg, rank=i))], env=env,
-                           start_new_session=True) for i in range(procs)]
+    ps = [
+        subprocess.Popen(
+            [sys.executable, __file__, "--worker", json.dumps(dict(cfg, rank=i))],
+            env=env,
+            start_new_session=True,
+        )
+        for i in range(procs)
+    ]
     try:
         for p in ps:
             if p.wait(timeout=timeout) != 0:
@@ -491,14 +611,20 @@ def main() -> None:
     finally:
         if scratch.exists():
             import shutil
+
             shutil.rmtree(scratch)
     rows = ["| processes x devices | " + " | ".join(MEASURES) + " |", "|---" * (len(MEASURES) + 1) + "|"]
     for n, times in results.items():
-        cells = [f"{nbytes / statistics.median(times[m]) / 1e9:.2f} GB/s ({statistics.median(times[m]):.2f} s)"
-                 for m in MEASURES]
+        cells = [
+            f"{nbytes / statistics.median(times[m]) / 1e9:.2f} GB/s ({statistics.median(times[m]):.2f} s)"
+            for m in MEASURES
+        ]
         rows.append(f"| {n} x {args.devices // n} | " + " | ".join(cells) + " |")
-    md = (f"# Distributed save/restore, {args.size_mb} MB, {args.rounds} rounds (medians)\n\n"
-          + "\n".join(rows) + f"\n\nmachine: {info.get('cpus')} CPUs, load {os.getloadavg()}\n")
+    md = (
+        f"# Distributed save/restore, {args.size_mb} MB, {args.rounds} rounds (medians)\n\n"
+        + "\n".join(rows)
+        + f"\n\nmachine: {info.get('cpus')} CPUs, load {os.getloadavg()}\n"
+    )
     js, mdp = C.write_report("distributed", {"info": info, "args": vars(args), "seconds": results}, md)
     print(md)
     print(f"report: {mdp}")

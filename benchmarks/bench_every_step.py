@@ -60,6 +60,7 @@ MODELS = ["mlp", "transformer"]
 
 # ------------------------------------------------------------------------------------------- models
 
+
 def make_model(name: str) -> tuple[Callable[[], Any], Callable[[Any], Any]]:
     import jax.numpy as jnp
     import numpy as np
@@ -67,12 +68,14 @@ def make_model(name: str) -> tuple[Callable[[], Any], Callable[[Any], Any]]:
 
     rng = np.random.default_rng(0)
     if name == "mlp":
+
         class Net(nn.Module):
             @nn.compact
             def __call__(self, x):
                 for _ in range(4):
                     x = nn.relu(nn.Dense(1024)(x))
                 return nn.Dense(10)(x)
+
         xs = jnp.asarray(rng.standard_normal((512, 256), dtype=np.float32))
         ys = jnp.asarray(rng.integers(0, 10, 512))
     elif name == "transformer":
@@ -93,6 +96,7 @@ def make_model(name: str) -> tuple[Callable[[], Any], Callable[[Any], Any]]:
                 for _ in range(layers):
                     x = Block()(x)
                 return nn.Dense(vocab)(nn.LayerNorm()(x))
+
         xs = jnp.asarray(rng.integers(0, vocab, (batch, seq)))
         ys = jnp.asarray(rng.integers(0, vocab, (batch, seq)))
     else:
@@ -102,15 +106,18 @@ def make_model(name: str) -> tuple[Callable[[], Any], Callable[[Any], Any]]:
 
 # ------------------------------------------------------------------------------------- contenders
 
+
 class Floor(Saver):
     def __init__(self, state: Any, _: Path):
         import jax
         import numpy as np
+
         self.bufs = [np.empty(np.shape(x), np.asarray(x).dtype) for x in jax.tree_util.tree_leaves(state)]
 
     def save(self, step: int, state: Any) -> bool:
         import jax
         import numpy as np
+
         for b, x in zip(self.bufs, jax.tree_util.tree_leaves(state)):
             np.copyto(b, np.asarray(x))
         return True
@@ -119,6 +126,7 @@ class Floor(Saver):
 class WriteFloor(Saver):
     def __init__(self, state: Any, d: Path):
         import threading
+
         d.mkdir(parents=True, exist_ok=True)
         self.d, self.thread, self.threading = d, None, threading
 
@@ -131,6 +139,7 @@ class WriteFloor(Saver):
     def save(self, step: int, state: Any) -> bool:
         import jax
         import numpy as np
+
         self.finish()
         arrays = [np.ascontiguousarray(np.asarray(x)) for x in jax.tree_util.tree_leaves(state)]
         self.thread = self.threading.Thread(target=self._write, args=(step, arrays))
@@ -150,18 +159,26 @@ class OrbaxEmergency(Saver):
         import jax
         import numpy as np
         from orbax.checkpoint.experimental.emergency import checkpoint_manager as ecm
+
         self.shm = Path(tempfile.mkdtemp(prefix="flax_ckpt_bench-", dir="/dev/shm"))
         mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("replica", "data"))
         abstract = jax.tree_util.tree_map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) if hasattr(x, "sharding") else x,
-            state)
+            lambda x: (
+                jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) if hasattr(x, "sharding") else x
+            ),
+            state,
+        )
         options = ecm.CheckpointManagerOptions(
             local=ecm.LocalCheckpointOptions(save_interval_steps=1, max_to_keep=2),
-            persistent=ecm.PersistentCheckpointOptions(save_interval_steps=50, max_to_keep=2))
-        self.mgr = ecm.CheckpointManager(self.shm, d, global_mesh=mesh, abstract_state=abstract, options=options)
+            persistent=ecm.PersistentCheckpointOptions(save_interval_steps=50, max_to_keep=2),
+        )
+        self.mgr = ecm.CheckpointManager(
+            self.shm, d, global_mesh=mesh, abstract_state=abstract, options=options
+        )
 
     def save(self, step: int, state: Any) -> bool:
         import orbax.checkpoint as ocp
+
         return bool(self.mgr.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(state))))
 
     def finish(self) -> None:
@@ -173,24 +190,30 @@ class OrbaxEmergency(Saver):
 
 
 def saver(name: str, state: Any, d: Path) -> Saver | None:
-    return {"none": lambda: None, "floor": lambda: Floor(state, d),
-            "write-floor": lambda: WriteFloor(state, d),
-            "memory": lambda: FcManager(d, max_to_keep=2, tiers=True, persist_interval_steps=50),
-            "persistent": lambda: FcManager(d, max_to_keep=2),
-            "orbax": lambda: OrbaxManager(d, max_to_keep=2),
-            "orbax-emergency": lambda: OrbaxEmergency(state, d)}[name.split("@")[0]]()
+    return {
+        "none": lambda: None,
+        "floor": lambda: Floor(state, d),
+        "write-floor": lambda: WriteFloor(state, d),
+        "memory": lambda: FcManager(d, max_to_keep=2, tiers=True, persist_interval_steps=50),
+        "persistent": lambda: FcManager(d, max_to_keep=2),
+        "orbax": lambda: OrbaxManager(d, max_to_keep=2),
+        "orbax-emergency": lambda: OrbaxEmergency(state, d),
+    }[name.split("@")[0]]()
 
 
 # ------------------------------------------------------------------------------------------ a child
+
 
 def child(contender: str, model: str, everies: list[int], steps: int, scratch: Path) -> dict[str, Any]:
     """One process: the loop once per frequency; {every: {wall, cpu, saves, skipped}} or {"error"}."""
     import jax
     import numpy as np
+
     init, step = make_model(model)
     out: dict[str, Any] = {"state_mb": None}
     if contender.split("@")[0] in ("memory", "persistent"):
         import flax_ckpt
+
         out["package"] = os.path.dirname(flax_ckpt.__file__)  # which flax_ckpt ran (see --baseline)
     for every in everies:
         d = C.fresh_dir(scratch / f"{contender}-{model}-{every}")
@@ -217,9 +240,12 @@ def child(contender: str, model: str, everies: list[int], steps: int, scratch: P
             wall, cpu = time.perf_counter() - t0, time.process_time() - c0
             if s is not None:
                 getattr(s, "count", lambda: None)()
-            out[str(every)] = {"wall": wall / steps, "cpu": cpu / steps,
-                               "saves": s.saves if s is not None and s.saves is not None else made,
-                               "skipped": s.skipped if s is not None else None}
+            out[str(every)] = {
+                "wall": wall / steps,
+                "cpu": cpu / steps,
+                "saves": s.saves if s is not None and s.saves is not None else made,
+                "skipped": s.skipped if s is not None else None,
+            }
         except Exception as e:
             return {"error": f"{type(e).__name__}: {e}"[:300]}
         finally:
@@ -231,27 +257,44 @@ def child(contender: str, model: str, everies: list[int], steps: int, scratch: P
 
 # ----------------------------------------------------------------------------------------- the parent
 
+
 def run(args) -> dict[str, Any]:
     everies = [int(e) for e in args.every.split(",")]
     rows: dict[str, Any] = {}
     for r in range(args.rounds):
         for model in args.models.split(","):
             for c in C.rotated(args.contenders.split(","), r):
-                cmd = [sys.executable, __file__, "--child", c, "--models", model, "--every", args.every,
-                       "--steps", str(args.steps)]
+                cmd = [
+                    sys.executable,
+                    __file__,
+                    "--child",
+                    c,
+                    "--models",
+                    model,
+                    "--every",
+                    args.every,
+                    "--steps",
+                    str(args.steps),
+                ]
                 env = dict(os.environ)
                 if c.endswith("@base"):
                     if not args.baseline:
-                        raise SystemExit(f"{c}: pass --baseline DIR (a folder holding the flax_ckpt package to compare)")
+                        raise SystemExit(
+                            f"{c}: pass --baseline DIR (a folder holding the flax_ckpt package to compare)"
+                        )
                     env["PYTHONPATH"] = os.pathsep.join(filter(None, [args.baseline, env.get("PYTHONPATH")]))
                 p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
                 line = next((x for x in reversed(p.stdout.splitlines()) if x.startswith("{")), None)
                 res = json.loads(line) if line else {"error": (p.stderr or "no output").strip()[-300:]}
                 rows.setdefault(model, {}).setdefault(c, []).append(res)
                 brief = res.get("error") or "  ".join(
-                    f"every {e}: {res[str(e)]['wall'] * 1e3:.1f} ms/step" for e in everies if str(e) in res)
-                if c.endswith("@base") and "package" in res and not res["package"].startswith(
-                        os.path.abspath(args.baseline)):
+                    f"every {e}: {res[str(e)]['wall'] * 1e3:.1f} ms/step" for e in everies if str(e) in res
+                )
+                if (
+                    c.endswith("@base")
+                    and "package" in res
+                    and not res["package"].startswith(os.path.abspath(args.baseline))
+                ):
                     raise SystemExit(f"{c} imported {res['package']}, not the package under {args.baseline}")
                 print(f"round {r} {model:11s} {c:16s} {brief}", flush=True)
     return {"rows": rows, "everies": everies}
@@ -262,10 +305,12 @@ def summarize(out: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     lines, summary = [], {}
     for model, by in rows.items():
         mb = next((r["state_mb"] for runs in by.values() for r in runs if r.get("state_mb")), 0)
-        lines += [f"\n**{model}** ({mb:.1f} MiB of state incl. adam), overhead against `none` "
-                  "(median of per-round ratios − 1): wall / process CPU; saves made of those asked for\n",
-                  "| every | " + " | ".join(c for c in by if c != "none") + " |",
-                  "|---|" + "---|" * (len(by) - 1)]
+        lines += [
+            f"\n**{model}** ({mb:.1f} MiB of state incl. adam), overhead against `none` "
+            "(median of per-round ratios − 1): wall / process CPU; saves made of those asked for\n",
+            "| every | " + " | ".join(c for c in by if c != "none") + " |",
+            "|---|" + "---|" * (len(by) - 1),
+        ]
         base = by.get("none", [])
         for e in everies:
             cells = []
@@ -281,7 +326,11 @@ def summarize(out: dict[str, Any]) -> tuple[str, dict[str, Any]]:
                 cpu = statistics.median(y["cpu"] / x["cpu"] for x, y in pairs) - 1
                 saves = statistics.median(y["saves"] for _, y in pairs)
                 asked = out.get("steps", 0) // e
-                summary.setdefault(model, {}).setdefault(str(e), {})[c] = {"wall": w, "cpu": cpu, "saves": saves}
+                summary.setdefault(model, {}).setdefault(str(e), {})[c] = {
+                    "wall": w,
+                    "cpu": cpu,
+                    "saves": saves,
+                }
                 cell = f"{w:+.0%} / {cpu:+.0%}"
                 if c != "floor":  # saves made of those asked for (a manager may skip or refuse some)
                     cell += f" ({saves:g}/{asked})"
@@ -299,8 +348,11 @@ def _over_floor(by: dict[str, list], everies: list[int], summary: dict[str, Any]
     others = [c for c in by if c not in ("none", "floor")]
     if not floor or not others:
         return []
-    lines = ["\nAgainst `floor` of the same round (median of per-round wall ratios − 1):\n",
-             "| every | " + " | ".join(others) + " |", "|---|" + "---|" * len(others)]
+    lines = [
+        "\nAgainst `floor` of the same round (median of per-round wall ratios − 1):\n",
+        "| every | " + " | ".join(others) + " |",
+        "|---|" + "---|" * len(others),
+    ]
     for e in everies:
         cells = []
         for c in others:
@@ -323,8 +375,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--contenders", default=",".join(CONTENDERS))
     ap.add_argument("--timeout", type=float, default=900, help="seconds per child process")
-    ap.add_argument("--baseline", default=None, help="a folder holding the flax_ckpt package that "
-                    "<contender>@base runs (e.g. a git worktree of an earlier commit)")
+    ap.add_argument(
+        "--baseline",
+        default=None,
+        help="a folder holding the flax_ckpt package that "
+        "<contender>@base runs (e.g. a git worktree of an earlier commit)",
+    )
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     C.jax_cpu_env()
@@ -340,10 +396,15 @@ def main() -> None:
     out = run(args)
     out["steps"] = args.steps
     table, summary = summarize(out)
-    md = (f"# Checkpoint frequency\n\n`{' '.join(sys.argv)}`: {args.rounds} interleaved rounds, {args.steps} "
-          f"timed steps per frequency, {info.get('cpus')} CPUs, load average at start {info.get('loadavg_start')}\n"
-          + table + "\n")
-    js, mdp = C.write_report("every_step", {"machine": info, "args": vars(args), **out, "summary": summary}, md)
+    md = (
+        f"# Checkpoint frequency\n\n`{' '.join(sys.argv)}`: {args.rounds} interleaved rounds, {args.steps} "
+        f"timed steps per frequency, {info.get('cpus')} CPUs, load average at start {info.get('loadavg_start')}\n"
+        + table
+        + "\n"
+    )
+    js, mdp = C.write_report(
+        "every_step", {"machine": info, "args": vars(args), **out, "summary": summary}, md
+    )
     print(md)
     print(f"wrote {mdp} and {js}")
 

@@ -58,11 +58,15 @@ def main(argv: list[str] | None = None) -> dict:
     tree, rng = {}, np.random.default_rng(0)
     for i in range(args.leaves):
         dtype = jnp.float32 if i % 2 == 0 else jnp.bfloat16
-        rows = max(args.devices, int(per_leaf / (cols * np.dtype(dtype).itemsize)) // args.devices * args.devices)
+        rows = max(
+            args.devices, int(per_leaf / (cols * np.dtype(dtype).itemsize)) // args.devices * args.devices
+        )
         host = rng.standard_normal((rows, cols), np.float32).astype(dtype)
         tree[f"layer_{i:03d}"] = {"kernel": jax.device_put(host, sharding)}
     nbytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(tree))
-    abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+    abstract = jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree
+    )
 
     root = args.dir or tempfile.mkdtemp(prefix="bench_orbax_restore_")
     path = os.path.join(os.path.abspath(root), "ckpt")
@@ -73,8 +77,10 @@ def main(argv: list[str] | None = None) -> dict:
     save_s = time.perf_counter() - t0
     del tree
 
-    readers = {"orbax": lambda: ocp.StandardCheckpointer().restore(path, abstract),
-               "flax_ckpt": lambda: fc.restore(path, abstract)}
+    readers = {
+        "orbax": lambda: ocp.StandardCheckpointer().restore(path, abstract),
+        "flax_ckpt": lambda: fc.restore(path, abstract),
+    }
 
     def timed(name: str):
         t, c = time.perf_counter(), time.process_time()
@@ -86,30 +92,44 @@ def main(argv: list[str] | None = None) -> dict:
 
     _, a = timed("orbax")  # warm-up; also the equality check
     _, b = timed("flax_ckpt")
-    same = all(np.array_equal(np.asarray(x).view(np.uint8), np.asarray(y).view(np.uint8))
-               for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)))
+    same = all(
+        np.array_equal(np.asarray(x).view(np.uint8), np.asarray(y).view(np.uint8))
+        for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b))
+    )
     del a, b
     cpu = {"orbax": [], "flax_ckpt": []}  # drop the warm-up's
     times: dict[str, list[float]] = {"orbax": [], "flax_ckpt": []}
     for r in range(args.rounds):
-        for name in (("orbax", "flax_ckpt") if r % 2 == 0 else ("flax_ckpt", "orbax")):
+        for name in ("orbax", "flax_ckpt") if r % 2 == 0 else ("flax_ckpt", "orbax"):
             seconds, out = timed(name)
             times[name].append(seconds)
             del out
     med = {k: statistics.median(v) for k, v in times.items()}
     cpu_med = {k: statistics.median(v) for k, v in cpu.items()}
-    result = {"checkpoint_mb": nbytes / 2**20, "leaves": args.leaves, "devices": args.devices,
-              "layout": f"{'zarr3' if args.zarr3 else 'zarr'}{'' if args.no_ocdbt else '+ocdbt'}",
-              "orbax_save_s": save_s, "rounds": times, "median_s": med, "median_cpu_s": cpu_med,
-              "mb_per_s": {k: nbytes / 2**20 / v for k, v in med.items()},
-              "orbax_over_flax_ckpt": med["orbax"] / med["flax_ckpt"], "bit_exact": same,
-              "orbax_version": ocp.__version__ if hasattr(ocp, "__version__") else "unknown"}
-    print(f"Orbax checkpoint: {result['checkpoint_mb']:.0f} MB in {args.leaves} arrays, layout "
-          f"{result['layout']}, sharded over {args.devices} CPU devices; {args.rounds} interleaved rounds")
+    result = {
+        "checkpoint_mb": nbytes / 2**20,
+        "leaves": args.leaves,
+        "devices": args.devices,
+        "layout": f"{'zarr3' if args.zarr3 else 'zarr'}{'' if args.no_ocdbt else '+ocdbt'}",
+        "orbax_save_s": save_s,
+        "rounds": times,
+        "median_s": med,
+        "median_cpu_s": cpu_med,
+        "mb_per_s": {k: nbytes / 2**20 / v for k, v in med.items()},
+        "orbax_over_flax_ckpt": med["orbax"] / med["flax_ckpt"],
+        "bit_exact": same,
+        "orbax_version": ocp.__version__ if hasattr(ocp, "__version__") else "unknown",
+    }
+    print(
+        f"Orbax checkpoint: {result['checkpoint_mb']:.0f} MB in {args.leaves} arrays, layout "
+        f"{result['layout']}, sharded over {args.devices} CPU devices; {args.rounds} interleaved rounds"
+    )
     for k in ("orbax", "flax_ckpt"):
         rounds = " ".join(f"{s:.3f}" for s in times[k])
-        print(f"  {k:<10} median {med[k]:.3f} s  ({result['mb_per_s'][k]:.0f} MB/s), CPU {cpu_med[k]:.3f} s"
-              f"   rounds: {rounds}")
+        print(
+            f"  {k:<10} median {med[k]:.3f} s  ({result['mb_per_s'][k]:.0f} MB/s), CPU {cpu_med[k]:.3f} s"
+            f"   rounds: {rounds}"
+        )
     print(f"  ratio orbax / flax_ckpt: {result['orbax_over_flax_ckpt']:.2f}x   bit-exact: {same}")
     if args.json:
         with open(args.json, "w") as f:

@@ -50,16 +50,24 @@ warnings.filterwarnings("ignore")
 
 from s3_server import REGION, MotoS3  # noqa: E402
 
-MEASURES = [("save", "save"), ("restore_cold", "restore (local: page cache dropped)"),
-            ("restore_warm", "restore again")]
+MEASURES = [
+    ("save", "save"),
+    ("restore_cold", "restore (local: page cache dropped)"),
+    ("restore_warm", "restore again"),
+]
 
 
 def point_env_at(server: MotoS3, concurrency: int) -> None:
     assert server.admin is not None
-    os.environ.update({"FLAX_CKPT_S3_ENDPOINT": server.endpoint, "AWS_REGION": REGION,
-                       "AWS_ACCESS_KEY_ID": server.admin.access_key_id,
-                       "AWS_SECRET_ACCESS_KEY": server.admin.secret_access_key,
-                       "FLAX_CKPT_STORAGE_CONCURRENCY": str(concurrency)})
+    os.environ.update(
+        {
+            "FLAX_CKPT_S3_ENDPOINT": server.endpoint,
+            "AWS_REGION": REGION,
+            "AWS_ACCESS_KEY_ID": server.admin.access_key_id,
+            "AWS_SECRET_ACCESS_KEY": server.admin.secret_access_key,
+            "FLAX_CKPT_STORAGE_CONCURRENCY": str(concurrency),
+        }
+    )
     os.environ.pop("AWS_PROFILE", None)
 
 
@@ -98,14 +106,25 @@ class OrbaxGs:
         return self.ckptr.restore(path)
 
 
-def one_round(flat: dict, tree: Any, where: str, ser: str, loc: str, r: int, res: C.Results, check: bool,
-              orbax: OrbaxGs | None = None) -> str:
+def one_round(
+    flat: dict,
+    tree: Any,
+    where: str,
+    ser: str,
+    loc: str,
+    r: int,
+    res: C.Results,
+    check: bool,
+    orbax: OrbaxGs | None = None,
+) -> str:
     import flax_ckpt as fc
     from flax_ckpt._src.storage import open_storage
 
     key = f"{where}/{ser}" if orbax is None else where
     path = f"{loc}/{ser}-{r}" if orbax is None else f"{loc}/orbax-{r}"
-    save = (lambda: fc.save(path, tree, serializer=ser)) if orbax is None else (lambda: orbax.save(path, tree))
+    save = (
+        (lambda: fc.save(path, tree, serializer=ser)) if orbax is None else (lambda: orbax.save(path, tree))
+    )
     restore = (lambda: fc.restore(path)) if orbax is None else (lambda: orbax.restore(path))
     t, _ = C.timed(save)
     res.add(key, "save", t)
@@ -129,13 +148,30 @@ def one_round(flat: dict, tree: Any, where: str, ser: str, loc: str, r: int, res
 NAMES = {"s3": "S3", "gs": "GCS"}
 
 
-def markdown(res: C.Results, sers: list[str], stores: list[str], nbytes: int, leaves: int, rounds: int,
-             concurrency: int, orbax: bool, note: str | None) -> str:
+def markdown(
+    res: C.Results,
+    sers: list[str],
+    stores: list[str],
+    nbytes: int,
+    leaves: int,
+    rounds: int,
+    concurrency: int,
+    orbax: bool,
+    note: str | None,
+) -> str:
     mb = nbytes / 1e6
-    lines = [f"{rounds} interleaved rounds, {mb:.0f} MB per checkpoint ({leaves} leaves); medians; MB/s = bytes / "
-             f"median time; 'X / local' = median of per-round time ratios (> 1: X slower). Object-store requests in "
-             f"flight: up to {concurrency}." + (" 'vs orbax': Orbax time / flax_ckpt time on the same GCS "
-                                                "server, per round (> 1: flax_ckpt faster)." if orbax else ""), ""]
+    lines = [
+        f"{rounds} interleaved rounds, {mb:.0f} MB per checkpoint ({leaves} leaves); medians; MB/s = bytes / "
+        f"median time; 'X / local' = median of per-round time ratios (> 1: X slower). Object-store requests in "
+        f"flight: up to {concurrency}."
+        + (
+            " 'vs orbax': Orbax time / flax_ckpt time on the same GCS "
+            "server, per round (> 1: flax_ckpt faster)."
+            if orbax
+            else ""
+        ),
+        "",
+    ]
     head = "| serializer | measure | local s | local MB/s |"
     rule = "|---|---|---:|---:|"
     for st in stores:
@@ -153,11 +189,15 @@ def markdown(res: C.Results, sers: list[str], stores: list[str], nbytes: int, le
             for st in stores:
                 b = f"{st}/{ser}"
                 tb = res.median(b, m)
-                row += f" {C.fmt(tb)} | {C.fmt(mb / tb if tb else None)} | {C.fmt(res.paired_ratio(a, b, m))} |"
+                row += (
+                    f" {C.fmt(tb)} | {C.fmt(mb / tb if tb else None)} | {C.fmt(res.paired_ratio(a, b, m))} |"
+                )
                 if st == "gs" and orbax:
                     to = res.median("orbax-gs", m)
-                    row += (f" {C.fmt(to)} | {C.fmt(mb / to if to else None)} | "
-                            f"{C.fmt(res.paired_ratio(b, 'orbax-gs', m))} |")
+                    row += (
+                        f" {C.fmt(to)} | {C.fmt(mb / to if to else None)} | "
+                        f"{C.fmt(res.paired_ratio(b, 'orbax-gs', m))} |"
+                    )
             lines.append(row)
     if note:
         lines += ["", note]
@@ -166,13 +206,19 @@ def markdown(res: C.Results, sers: list[str], stores: list[str], nbytes: int, le
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--size-mb", type=float, default=256, help="checkpoint size in MiB (benchmarks/_common.make_tree)")
+    ap.add_argument(
+        "--size-mb", type=float, default=256, help="checkpoint size in MiB (benchmarks/_common.make_tree)"
+    )
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--serializers", default="raw")
-    ap.add_argument("--concurrency", type=int, default=64, help="S3 requests in flight (ObjectStoreOptions.concurrency)")
+    ap.add_argument(
+        "--concurrency", type=int, default=64, help="S3 requests in flight (ObjectStoreOptions.concurrency)"
+    )
     ap.add_argument("--large-only", action="store_true", help="keep only the leaves of 1 MiB or more")
     ap.add_argument("--scratch", type=Path, default=C.SCRATCH / "s3")
-    ap.add_argument("--stores", default="s3,gs", help="object stores: s3 (moto), gs (fake-gcs-server), or both")
+    ap.add_argument(
+        "--stores", default="s3,gs", help="object stores: s3 (moto), gs (fake-gcs-server), or both"
+    )
     ap.add_argument("--orbax", action="store_true", help="also Orbax on the GCS server (needs gcsfs)")
     args = ap.parse_args(argv)
     stores = [st for st in args.stores.split(",") if st]
@@ -211,13 +257,21 @@ def main(argv: list[str] | None = None) -> None:
                             line = one_round(flat, tree, where, ser, places["gs"], r, res, r == 0, peer)
                             print(line, flush=True)
                         else:
-                            print(one_round(flat, tree, where, ser, places[where], r, res, r == 0), flush=True)
+                            print(
+                                one_round(flat, tree, where, ser, places[where], r, res, r == 0), flush=True
+                            )
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     info["loadavg_end"] = os.getloadavg()
     md = markdown(res, sers, stores, nbytes, len(flat), args.rounds, args.concurrency, orbax, note)
-    body = {"benchmark": "s3", "args": {k: str(v) for k, v in vars(args).items()}, "machine": info,
-            "nbytes": nbytes, "leaves": len(flat), "seconds": res.times}
+    body = {
+        "benchmark": "s3",
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "machine": info,
+        "nbytes": nbytes,
+        "leaves": len(flat),
+        "seconds": res.times,
+    }
     js, mdp = C.write_report("s3", body, md)
     print("\n" + md)
     print(f"wrote {js} and {mdp}")

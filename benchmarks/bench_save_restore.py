@@ -77,8 +77,10 @@ def jax_trees(flat: dict[str, np.ndarray]) -> tuple[Any, Any]:
     import jax
 
     cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
-    return (C.nest({k: jax.device_put(a, cpu) for k, a in flat.items()}),
-            C.nest({k: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=cpu) for k, a in flat.items()}))
+    return (
+        C.nest({k: jax.device_put(a, cpu) for k, a in flat.items()}),
+        C.nest({k: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=cpu) for k, a in flat.items()}),
+    )
 
 
 class RawFilesParallel(RawFile):
@@ -117,8 +119,10 @@ class RawFilesParallel(RawFile):
     def restore(self, path: Path) -> dict[str, Any]:
         def read(i: int) -> dict[str, np.ndarray]:
             with open(path / f"{i}.bin", "rb") as f:
-                return {k: np.fromfile(f, self.flat[k].dtype, self.flat[k].size).reshape(self.flat[k].shape)
-                        for k in self.bins[i]}
+                return {
+                    k: np.fromfile(f, self.flat[k].dtype, self.flat[k].size).reshape(self.flat[k].shape)
+                    for k in self.bins[i]
+                }
 
         return {k: v for part in self._each(read) for k, v in part.items()}
 
@@ -218,8 +222,14 @@ def build(names: list[str], flat: dict[str, np.ndarray]) -> dict[str, Contender]
     return out
 
 
-def run_rounds(contenders: dict[str, Contender], flat: dict[str, np.ndarray], rounds: int, scratch: Path,
-               warm: bool, log: Callable[[str], None] = print) -> tuple[C.Results, dict[str, int]]:
+def run_rounds(
+    contenders: dict[str, Contender],
+    flat: dict[str, np.ndarray],
+    rounds: int,
+    scratch: Path,
+    warm: bool,
+    log: Callable[[str], None] = print,
+) -> tuple[C.Results, dict[str, int]]:
     res, sizes = C.Results(), {}
     names = list(contenders)
     for r in range(rounds):
@@ -247,14 +257,21 @@ def run_rounds(contenders: dict[str, Contender], flat: dict[str, np.ndarray], ro
     return res, sizes
 
 
-MEASURES = [("save", "save"), ("restore_cold", "restore (cold cache)"), ("restore_warm", "restore (warm cache)")]
+MEASURES = [
+    ("save", "save"),
+    ("restore_cold", "restore (cold cache)"),
+    ("restore_warm", "restore (warm cache)"),
+]
 
 
 def markdown(res: C.Results, names: list[str], sizes: dict[str, int], nbytes: int, rounds: int) -> str:
-    lines = [f"State: {nbytes / C.MB:.0f} MiB, {rounds} interleaved rounds; medians in seconds "
-             "(throughput in GB/s of state bytes).", "",
-             "| contender | on disk (MiB) | " + " | ".join(m for _, m in MEASURES) + " |",
-             "|---|---:|" + "---:|" * len(MEASURES)]
+    lines = [
+        f"State: {nbytes / C.MB:.0f} MiB, {rounds} interleaved rounds; medians in seconds "
+        "(throughput in GB/s of state bytes).",
+        "",
+        "| contender | on disk (MiB) | " + " | ".join(m for _, m in MEASURES) + " |",
+        "|---|---:|" + "---:|" * len(MEASURES),
+    ]
     for n in names:
         cells = []
         for key, _ in MEASURES:
@@ -262,10 +279,14 @@ def markdown(res: C.Results, names: list[str], sizes: dict[str, int], nbytes: in
             cells.append("-" if t is None else f"{t:.2f} s ({nbytes / t / 1e9:.2f} GB/s)")
         lines.append(f"| {n} | {sizes.get(n, 0) / C.MB:.0f} | " + " | ".join(cells) + " |")
     par = "raw-files-8t" in names
-    lines += ["", "Ratios (median of per-round ratios). 'x faster than B' = t_B / t; 'x raw' = t / t_raw-file.", "",
-              "| contender | measure | x faster than orbax | x faster than torch-dcp | x raw-file time |"
-              + (" x raw-files-8t time |" if par else ""),
-              "|---|---|---:|---:|---:|" + ("---:|" if par else "")]
+    lines += [
+        "",
+        "Ratios (median of per-round ratios). 'x faster than B' = t_B / t; 'x raw' = t / t_raw-file.",
+        "",
+        "| contender | measure | x faster than orbax | x faster than torch-dcp | x raw-file time |"
+        + (" x raw-files-8t time |" if par else ""),
+        "|---|---|---:|---:|---:|" + ("---:|" if par else ""),
+    ]
     for n in names:
         if not n.startswith("flax_ckpt"):
             continue
@@ -273,9 +294,11 @@ def markdown(res: C.Results, names: list[str], sizes: dict[str, int], nbytes: in
             if res.median(n, key) is None:
                 continue
             raw = res.paired_ratio(n, "raw-file", key)
-            lines.append(f"| {n} | {label} | {C.fmt(res.paired_ratio(n, 'orbax', key))} | "
-                         f"{C.fmt(res.paired_ratio(n, 'torch-dcp', key))} | {C.fmt(1 / raw if raw else None)} |"
-                         + (f" {C.fmt(_inv(res.paired_ratio(n, 'raw-files-8t', key)))} |" if par else ""))
+            lines.append(
+                f"| {n} | {label} | {C.fmt(res.paired_ratio(n, 'orbax', key))} | "
+                f"{C.fmt(res.paired_ratio(n, 'torch-dcp', key))} | {C.fmt(1 / raw if raw else None)} |"
+                + (f" {C.fmt(_inv(res.paired_ratio(n, 'raw-files-8t', key)))} |" if par else "")
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -286,14 +309,20 @@ def _inv(x: float | None) -> float | None:
 def targets(res: C.Results) -> dict[str, Any]:
     """Issue 2's targets for the default serializer."""
     n = "flax_ckpt-raw"
-    r = {"save_vs_orbax": res.paired_ratio(n, "orbax", "save"),
-         "save_vs_raw": _inv(res.paired_ratio(n, "raw-file", "save")),
-         "restore_vs_orbax": res.paired_ratio(n, "orbax", "restore_cold"),
-         "restore_vs_torch": res.paired_ratio(n, "torch-dcp", "restore_cold")}
-    ok = {"save >= 1.3x faster than orbax": r["save_vs_orbax"] is not None and r["save_vs_orbax"] >= 1.3,
-          "save within 1.15x of raw-file": r["save_vs_raw"] is not None and r["save_vs_raw"] <= 1.15,
-          "restore >= 1.5x faster than orbax": r["restore_vs_orbax"] is not None and r["restore_vs_orbax"] >= 1.5,
-          "restore no slower than torch-dcp": r["restore_vs_torch"] is not None and r["restore_vs_torch"] >= 1.0}
+    r = {
+        "save_vs_orbax": res.paired_ratio(n, "orbax", "save"),
+        "save_vs_raw": _inv(res.paired_ratio(n, "raw-file", "save")),
+        "restore_vs_orbax": res.paired_ratio(n, "orbax", "restore_cold"),
+        "restore_vs_torch": res.paired_ratio(n, "torch-dcp", "restore_cold"),
+    }
+    ok = {
+        "save >= 1.3x faster than orbax": r["save_vs_orbax"] is not None and r["save_vs_orbax"] >= 1.3,
+        "save within 1.15x of raw-file": r["save_vs_raw"] is not None and r["save_vs_raw"] <= 1.15,
+        "restore >= 1.5x faster than orbax": r["restore_vs_orbax"] is not None
+        and r["restore_vs_orbax"] >= 1.5,
+        "restore no slower than torch-dcp": r["restore_vs_torch"] is not None
+        and r["restore_vs_torch"] >= 1.0,
+    }
     return {"ratios": r, "met": ok}
 
 
@@ -323,11 +352,22 @@ def main(argv: list[str] | None = None) -> None:
     md = markdown(res, names, sizes, nbytes, args.rounds)
     tg = targets(res) if "flax_ckpt-raw" in names else {}
     if tg:
-        md += "\nIssue 2 targets (flax_ckpt-raw): " + "; ".join(
-            f"{k}: {'met' if v else 'MISSED'}" for k, v in tg["met"].items()) + "\n"
-    body = {"benchmark": "save_restore", "args": {k: str(v) for k, v in vars(args).items()}, "machine": info,
-            "leaves": len(flat), "nbytes": nbytes, "disk_bytes": sizes, "seconds": res.times,
-            "medians": {n: {k: res.median(n, k) for k, _ in MEASURES} for n in names}, "targets": tg}
+        md += (
+            "\nIssue 2 targets (flax_ckpt-raw): "
+            + "; ".join(f"{k}: {'met' if v else 'MISSED'}" for k, v in tg["met"].items())
+            + "\n"
+        )
+    body = {
+        "benchmark": "save_restore",
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "machine": info,
+        "leaves": len(flat),
+        "nbytes": nbytes,
+        "disk_bytes": sizes,
+        "seconds": res.times,
+        "medians": {n: {k: res.median(n, k) for k, _ in MEASURES} for n in names},
+        "targets": tg,
+    }
     js, mdp = C.write_report("save_restore", body, md)
     print("\n" + md)
     print(f"wrote {js} and {mdp}")

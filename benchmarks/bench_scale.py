@@ -53,6 +53,7 @@ GB = 1 << 30
 
 # ------------------------------------------------------------------------------------------ memory
 
+
 def _status_kb(field: str) -> int:
     with open("/proc/self/status") as f:
         for line in f:
@@ -78,6 +79,7 @@ def peak_above(fn: Callable[[], Any]) -> tuple[float, int, Any]:
 
 # ------------------------------------------------------------------------------------------ part 1
 
+
 def leaf_state(n: int) -> tuple[dict, Any]:
     host = C.nest(C.many_small_tree(n, 1024))
     return host, jax.block_until_ready(jax.tree.map(jax.device_put, host))
@@ -92,7 +94,9 @@ class Leaves:
         self.flat_host = jax.tree.leaves(self.host)
         mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("x",))
         sh = NamedSharding(mesh, P("x"))
-        self.sharded_target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), self.host)
+        self.sharded_target = jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), self.host
+        )
 
     def device_put(self) -> float:
         t0 = time.perf_counter()
@@ -120,9 +124,11 @@ class Leaves:
         run = d / "run"
         self.manager_saves(run, "native", "manager_save", res)
         self.manager_saves(d / "orbax_format", "orbax", "orbax_format_save", res)  # format="orbax"
+
         def open_and_restore():
             with fc.CheckpointManager(run) as m:
                 jax.block_until_ready(m.restore(target=self.state))
+
         t, _ = C.timed(open_and_restore)
         res.add("flax_ckpt", "manager_open_restore", t)
         shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else d
@@ -156,7 +162,10 @@ class Leaves:
     def run_peer(self, peer: str, path: Path, res: C.Results) -> None:
         if peer == "orbax":
             import orbax.checkpoint as ocp
-            target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), self.state)
+
+            target = jax.tree.map(
+                lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), self.state
+            )
             with ocp.StandardCheckpointer() as ckptr:
                 t0 = time.perf_counter()
                 ckptr.save(path, self.state)
@@ -167,6 +176,7 @@ class Leaves:
         elif peer == "torch-dcp":
             import torch
             import torch.distributed.checkpoint as dcp
+
             sd = {k: torch.from_numpy(a) for k, a in C.flat_items(self.host)}
             t, _ = C.timed(lambda: dcp.save(sd, checkpoint_id=str(path), no_dist=True))
             res.add("torch-dcp", "save", t)
@@ -175,9 +185,20 @@ class Leaves:
             res.add("torch-dcp", "restore", t)
 
 
-LEAF_MEASURES = ["save", "restore", "restore_sharded", "restore_no_target", "metadata", "manager_save_blocked",
-                 "manager_save_again_durable", "manager_open_restore", "tier_save_blocked",
-                 "tier_save_memory", "orbax_format_save_blocked", "orbax_format_save_again_durable"]
+LEAF_MEASURES = [
+    "save",
+    "restore",
+    "restore_sharded",
+    "restore_no_target",
+    "metadata",
+    "manager_save_blocked",
+    "manager_save_again_durable",
+    "manager_open_restore",
+    "tier_save_blocked",
+    "tier_save_memory",
+    "orbax_format_save_blocked",
+    "orbax_format_save_again_durable",
+]
 
 
 def leaves_part(ns: list[int], rounds: int, peer_n: int, peers: list[str], scratch: Path) -> dict[str, Any]:
@@ -191,14 +212,25 @@ def leaves_part(ns: list[int], rounds: int, peer_n: int, peers: list[str], scrat
             print(f"leaves {n}: round {r} done", flush=True)
         per = {m: 1e6 * res.median("flax_ckpt", m) / n for m in LEAF_MEASURES}
         dp = 1e6 * res.median("device_put", "per_leaf") / n
-        row = {"n": n, "device_put_us": dp, "flax_ckpt_us": per,
-               "vs_device_put": {m: statistics.median(
-                   t / d for t, d in zip(res.times["flax_ckpt"][m], res.times["device_put"]["per_leaf"]))
-                   for m in LEAF_MEASURES}}
-        for peer in (peers if n == peer_n else []):
-            row[peer] = {m: {"us_per_leaf": 1e6 * res.median(peer, m) / n,
-                             "flax_ckpt_faster_x": res.paired_ratio("flax_ckpt", peer, m)}
-                         for m in ("save", "restore")}
+        row = {
+            "n": n,
+            "device_put_us": dp,
+            "flax_ckpt_us": per,
+            "vs_device_put": {
+                m: statistics.median(
+                    t / d for t, d in zip(res.times["flax_ckpt"][m], res.times["device_put"]["per_leaf"])
+                )
+                for m in LEAF_MEASURES
+            },
+        }
+        for peer in peers if n == peer_n else []:
+            row[peer] = {
+                m: {
+                    "us_per_leaf": 1e6 * res.median(peer, m) / n,
+                    "flax_ckpt_faster_x": res.paired_ratio("flax_ckpt", peer, m),
+                }
+                for m in ("save", "restore")
+            }
         out[str(n)] = row
         del bench
         gc.collect()
@@ -206,6 +238,7 @@ def leaves_part(ns: list[int], rounds: int, peer_n: int, peers: list[str], scrat
 
 
 # ------------------------------------------------------------------------------------------ part 2
+
 
 def size_part(sizes: list[float], rounds: int, scratch: Path, with_orbax: bool) -> dict[str, Any]:
     out: dict[str, Any] = {}
@@ -217,7 +250,9 @@ def size_part(sizes: list[float], rounds: int, scratch: Path, with_orbax: bool) 
             print(f"size {gb} GiB: skipped, {free / GB:.1f} GiB free (this needs ~{need}x)", flush=True)
             continue
         host = C.make_tree(total)
-        state = jax.block_until_ready({k: jax.device_put(a) for k, a in host.items()})  # no transfer in flight
+        state = jax.block_until_ready(
+            {k: jax.device_put(a) for k, a in host.items()}
+        )  # no transfer in flight
         del host
         gc.collect()
         nbytes = sum(a.nbytes for a in state.values())
@@ -232,11 +267,13 @@ def size_part(sizes: list[float], rounds: int, scratch: Path, with_orbax: bool) 
                     restore = lambda: jax.block_until_ready(fc.restore(path, target))  # noqa: E731
                 else:
                     import orbax.checkpoint as ocp
+
                     ckptr = ocp.StandardCheckpointer()
 
                     def save():
                         ckptr.save(path, state)
                         ckptr.wait_until_finished()
+
                     restore = lambda: jax.block_until_ready(ckptr.restore(path, target))  # noqa: E731
                 t, peak, _ = peak_above(save)
                 res.add(name, "save", t)
@@ -252,11 +289,17 @@ def size_part(sizes: list[float], rounds: int, scratch: Path, with_orbax: bool) 
                 print(f"size {gb} GiB: round {r} {name} done", flush=True)
         row: dict[str, Any] = {"gib": gb, "nbytes": nbytes}
         for name in names:
-            row[name] = {m: {"s_per_gb": res.median(name, m) / (nbytes / 1e9),
-                             "peak_rss_above_state_x": statistics.median(rss[name][m]) / nbytes}
-                         for m in ("save", "restore")}
+            row[name] = {
+                m: {
+                    "s_per_gb": res.median(name, m) / (nbytes / 1e9),
+                    "peak_rss_above_state_x": statistics.median(rss[name][m]) / nbytes,
+                }
+                for m in ("save", "restore")
+            }
         if with_orbax:
-            row["flax_ckpt_faster_x"] = {m: res.paired_ratio("flax_ckpt", "orbax", m) for m in ("save", "restore")}
+            row["flax_ckpt_faster_x"] = {
+                m: res.paired_ratio("flax_ckpt", "orbax", m) for m in ("save", "restore")
+            }
         out[str(gb)] = row
         state = target = None  # free the state before the next size
         gc.collect()
@@ -265,11 +308,26 @@ def size_part(sizes: list[float], rounds: int, scratch: Path, with_orbax: bool) 
 
 # ---------------------------------------------------------------------------------------- report
 
+
 def markdown(leaves: dict[str, Any], sizes: dict[str, Any], rounds: int) -> str:
-    lines = [f"Leaves of 1 KiB, {rounds} interleaved rounds, medians; us per leaf (x one jax.device_put per leaf).", ""]
-    cols = ["save", "restore", "restore_sharded", "restore_no_target", "metadata", "manager_open_restore",
-            "manager_save_blocked", "manager_save_again_durable", "tier_save_blocked", "tier_save_memory",
-            "orbax_format_save_blocked", "orbax_format_save_again_durable"]
+    lines = [
+        f"Leaves of 1 KiB, {rounds} interleaved rounds, medians; us per leaf (x one jax.device_put per leaf).",
+        "",
+    ]
+    cols = [
+        "save",
+        "restore",
+        "restore_sharded",
+        "restore_no_target",
+        "metadata",
+        "manager_open_restore",
+        "manager_save_blocked",
+        "manager_save_again_durable",
+        "tier_save_blocked",
+        "tier_save_memory",
+        "orbax_format_save_blocked",
+        "orbax_format_save_again_durable",
+    ]
     lines.append("| leaves | device_put | " + " | ".join(cols) + " |")
     lines.append("|---:|---:|" + "---:|" * len(cols))
     for row in leaves.values():
@@ -278,35 +336,50 @@ def markdown(leaves: dict[str, Any], sizes: dict[str, Any], rounds: int) -> str:
     ns = sorted(int(k) for k in leaves)
     if 5000 in ns and 20000 in ns:
         g = {c: leaves["20000"]["flax_ckpt_us"][c] / leaves["5000"]["flax_ckpt_us"][c] for c in cols}
-        lines += ["", "Per-leaf cost growth from 5k to 20k leaves: "
-                  + ", ".join(f"{c} {v:.2f}x" for c, v in g.items())]
+        lines += [
+            "",
+            "Per-leaf cost growth from 5k to 20k leaves: " + ", ".join(f"{c} {v:.2f}x" for c, v in g.items()),
+        ]
     for row in leaves.values():
         for peer in ("orbax", "torch-dcp"):
             if peer in row:
-                lines.append(f"\nAt {row['n']} leaves, {peer}: " + ", ".join(
-                    f"{m} {v['us_per_leaf']:.0f} us/leaf (flax_ckpt {v['flax_ckpt_faster_x']:.2f}x faster)"
-                    for m, v in row[peer].items()))
+                lines.append(
+                    f"\nAt {row['n']} leaves, {peer}: "
+                    + ", ".join(
+                        f"{m} {v['us_per_leaf']:.0f} us/leaf (flax_ckpt {v['flax_ckpt_faster_x']:.2f}x faster)"
+                        for m, v in row[peer].items()
+                    )
+                )
     if sizes:
-        lines += ["", "| state | contender | save s/GB | restore s/GB | peak RSS above state: save | restore |",
-                  "|---|---|---:|---:|---:|---:|"]
+        lines += [
+            "",
+            "| state | contender | save s/GB | restore s/GB | peak RSS above state: save | restore |",
+            "|---|---|---:|---:|---:|---:|",
+        ]
         for row in sizes.values():
             for name in ("flax_ckpt", "orbax"):
                 if name in row:
                     v = row[name]
-                    lines.append(f"| {row['gib']} GiB | {name} | {v['save']['s_per_gb']:.2f} | "
-                                 f"{v['restore']['s_per_gb']:.2f} | {v['save']['peak_rss_above_state_x']:.2f}x | "
-                                 f"{v['restore']['peak_rss_above_state_x']:.2f}x |")
+                    lines.append(
+                        f"| {row['gib']} GiB | {name} | {v['save']['s_per_gb']:.2f} | "
+                        f"{v['restore']['s_per_gb']:.2f} | {v['save']['peak_rss_above_state_x']:.2f}x | "
+                        f"{v['restore']['peak_rss_above_state_x']:.2f}x |"
+                    )
             if "flax_ckpt_faster_x" in row:
                 f = row["flax_ckpt_faster_x"]
-                lines.append(f"| {row['gib']} GiB | flax_ckpt vs Orbax | {f['save']:.2f}x faster | "
-                             f"{f['restore']:.2f}x faster | | |")
+                lines.append(
+                    f"| {row['gib']} GiB | flax_ckpt vs Orbax | {f['save']:.2f}x faster | "
+                    f"{f['restore']:.2f}x faster | | |"
+                )
     return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--leaves", type=int, nargs="*", default=[1000, 5000, 20000, 100000])
-    ap.add_argument("--peer-leaves", type=int, default=20000, help="leaf count at which Orbax and torch DCP run")
+    ap.add_argument(
+        "--peer-leaves", type=int, default=20000, help="leaf count at which Orbax and torch DCP run"
+    )
     ap.add_argument("--peers", nargs="*", default=["orbax", "torch-dcp"])
     ap.add_argument("--sizes-gb", type=float, nargs="*", default=[1, 4])
     ap.add_argument("--rounds", type=int, default=3)
@@ -319,8 +392,9 @@ def main(argv: list[str] | None = None) -> None:
         leaves = leaves_part(args.leaves, args.rounds, args.peer_leaves, peers, scratch)
         sizes = size_part(args.sizes_gb, args.rounds, scratch, not args.no_orbax_sizes)
         md = markdown(leaves, sizes, args.rounds)
-        js, mdp = C.write_report("bench_scale", {"machine": info, "args": vars(args), "leaves": leaves,
-                                                "sizes": sizes}, md)
+        js, mdp = C.write_report(
+            "bench_scale", {"machine": info, "args": vars(args), "leaves": leaves, "sizes": sizes}, md
+        )
         print(md)
         print(f"wrote {js} and {mdp}")
     finally:
@@ -330,6 +404,7 @@ def main(argv: list[str] | None = None) -> None:
 def _has_torch() -> bool:
     try:
         import torch  # noqa: F401
+
         return True
     except ImportError:
         print("torch is not installed (pip install torch==2.13.0): torch DCP left out")

@@ -54,9 +54,12 @@ class Case:
             return jax.sharding.NamedSharding(mesh, P("x") if rows else P())
 
         self.tree = C.nest({k: jax.device_put(a, one) for k, a in flat.items()})
-        self.target = C.nest({k: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=one) for k, a in flat.items()})
-        self.sharded = C.nest({k: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=split(a))
-                               for k, a in flat.items()})
+        self.target = C.nest(
+            {k: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=one) for k, a in flat.items()}
+        )
+        self.sharded = C.nest(
+            {k: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=split(a)) for k, a in flat.items()}
+        )
 
 
 def one_round(case: Case, ser: str, where: str, scratch: Path, r: int, res: C.Results, check: bool) -> str:
@@ -105,14 +108,22 @@ def one_round(case: Case, ser: str, where: str, scratch: Path, r: int, res: C.Re
     return msg
 
 
-MEASURES = [("save", "save"), ("restore_cold", "restore cold"), ("restore_warm", "restore warm"),
-            ("restore_4way", "restore 4-way resharded (warm)")]
+MEASURES = [
+    ("save", "save"),
+    ("restore_cold", "restore cold"),
+    ("restore_warm", "restore warm"),
+    ("restore_4way", "restore 4-way resharded (warm)"),
+]
 
 
 def markdown(res: C.Results, cases: list[Case], wheres: list[str], rounds: int) -> str:
-    lines = [f"{rounds} interleaved rounds; medians in seconds; 'raw speed-up' = t_zarr3 / t_raw "
-             "(median of per-round ratios).", "",
-             "| workload | storage | measure | raw | zarr3 | raw speed-up |", "|---|---|---|---:|---:|---:|"]
+    lines = [
+        f"{rounds} interleaved rounds; medians in seconds; 'raw speed-up' = t_zarr3 / t_raw "
+        "(median of per-round ratios).",
+        "",
+        "| workload | storage | measure | raw | zarr3 | raw speed-up |",
+        "|---|---|---|---:|---:|---:|",
+    ]
     for case in cases:
         size = f"{case.name} ({len(case.flat)} leaves, {C.tree_bytes(case.flat) / C.MB:.0f} MiB)"
         for where in wheres:
@@ -120,8 +131,10 @@ def markdown(res: C.Results, cases: list[Case], wheres: list[str], rounds: int) 
             for m, label in MEASURES:
                 if res.median(a, m) is None:
                     continue
-                lines.append(f"| {size} | {where} | {label} | {C.fmt(res.median(a, m))} | "
-                             f"{C.fmt(res.median(b, m))} | {C.fmt(res.paired_ratio(a, b, m))} |")
+                lines.append(
+                    f"| {size} | {where} | {label} | {C.fmt(res.median(a, m))} | "
+                    f"{C.fmt(res.median(b, m))} | {C.fmt(res.paired_ratio(a, b, m))} |"
+                )
     return "\n".join(lines) + "\n"
 
 
@@ -151,9 +164,13 @@ def main(argv: list[str] | None = None) -> None:
         C.remove_scratch(scratch)
     info["loadavg_end"] = os.getloadavg()
     md = markdown(res, cases, wheres, args.rounds)
-    body = {"benchmark": "serializers", "args": {k: str(v) for k, v in vars(args).items()}, "machine": info,
-            "workloads": {c.name: {"leaves": len(c.flat), "nbytes": C.tree_bytes(c.flat)} for c in cases},
-            "seconds": res.times}
+    body = {
+        "benchmark": "serializers",
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "machine": info,
+        "workloads": {c.name: {"leaves": len(c.flat), "nbytes": C.tree_bytes(c.flat)} for c in cases},
+        "seconds": res.times,
+    }
     js, mdp = C.write_report("serializers", body, md)
     print("\n" + md)
     print(f"wrote {js} and {mdp}")

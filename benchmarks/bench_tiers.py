@@ -64,8 +64,10 @@ def base_state(size: int, trained_frac: float, seed: int) -> dict:
     rng = np.random.default_rng(seed)
     trained = max(1, int(size * trained_frac) // 4 // 1024) * 1024
     frozen = (size // 4 - trained) // 1024 * 1024
-    return {"backbone": jax.device_put(rng.standard_normal(frozen, dtype=np.float32).reshape(-1, 1024)),
-            "head": jax.device_put(rng.standard_normal(trained, dtype=np.float32).reshape(-1, 1024))}
+    return {
+        "backbone": jax.device_put(rng.standard_normal(frozen, dtype=np.float32).reshape(-1, 1024)),
+        "head": jax.device_put(rng.standard_normal(trained, dtype=np.float32).reshape(-1, 1024)),
+    }
 
 
 def step_state(kind: str, base: dict, step: int) -> dict:
@@ -84,8 +86,10 @@ def step_state(kind: str, base: dict, step: int) -> dict:
 
 def abstract(state: dict) -> dict:
     cpu = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    return {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=cpu) if hasattr(v, "shape") else v
-            for k, v in state.items()}
+    return {
+        k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=cpu) if hasattr(v, "shape") else v
+        for k, v in state.items()
+    }
 
 
 class Floor:
@@ -98,11 +102,12 @@ class Floor:
 
     def run(self, state: dict) -> float:
         from flax_ckpt._src.tiers import files as tier_files
+
         jobs = []
         for k, dst in self.bufs.items():
             src, d = np.asarray(state[k]).reshape(-1), dst.reshape(-1)
             step = max(1, len(d) // 8)
-            jobs += [(d[a:a + step], src[a:a + step]) for a in range(0, len(d), step)]
+            jobs += [(d[a : a + step], src[a : a + step]) for a in range(0, len(d), step)]
         pool = tier_files.pool()
         t, _ = C.timed(lambda: [f.result() for f in [pool.submit(np.copyto, a, b) for a, b in jobs]])
         return t
@@ -113,16 +118,24 @@ def bench_saves(kind: str, base: dict, rounds: int, res: C.Results, extra: dict[
     disk, shm = C.fresh_dir(C.SCRATCH / f"{slug}-disk"), SHM / slug
     shutil.rmtree(shm, ignore_errors=True)
     plain = fc.CheckpointManager(disk, max_to_keep=2)
-    tiered = fc.CheckpointManager(C.SCRATCH / f"{slug}-tiered", max_to_keep=2, tiers=fc.Tiers(
-        local_dir=str(shm), persist_interval_steps=None, max_to_keep=2, cleanup=True))
+    tiered = fc.CheckpointManager(
+        C.SCRATCH / f"{slug}-tiered",
+        max_to_keep=2,
+        tiers=fc.Tiers(local_dir=str(shm), persist_interval_steps=None, max_to_keep=2, cleanup=True),
+    )
     for step in range(WARMUP):  # warm-up: the first saves allocate fresh memory (page cache, tmpfs)
         for mgr in (plain, tiered):
             mgr.save(step, step_state(kind, base, step))
             mgr.wait_until_finished()
     first = tiered.tier_stats[0]
-    extra[kind] = {"base_save_s": first.memory_s, "base_written": first.written, "written": [], "reused": [],
-                   "warmup_memory_s": [t.memory_s for t in tiered.tier_stats],
-                   "warmup_persistent_s": [t.durable_s for t in plain.stats]}
+    extra[kind] = {
+        "base_save_s": first.memory_s,
+        "base_written": first.written,
+        "written": [],
+        "reused": [],
+        "warmup_memory_s": [t.memory_s for t in tiered.tier_stats],
+        "warmup_persistent_s": [t.durable_s for t in plain.stats],
+    }
     floor = Floor(step_state(kind, base, 0)) if kind == "full change" else None
     for r in range(WARMUP, WARMUP + rounds):
         for name in C.rotated(["persistent", "memory"] + (["memcpy"] if floor else []), r):
@@ -131,7 +144,7 @@ def bench_saves(kind: str, base: dict, rounds: int, res: C.Results, extra: dict[
                 continue
             mgr = plain if name == "persistent" else tiered
             state = step_state(kind, base, r)  # fresh arrays per contender: a jax CPU array caches its
-            mgr.save(r, state)                 # host copy, which would make the second save free
+            mgr.save(r, state)  # host copy, which would make the second save free
             mgr.wait_until_finished()
             if name == "persistent":
                 s = plain.stats[-1]
@@ -148,8 +161,10 @@ def bench_saves(kind: str, base: dict, rounds: int, res: C.Results, extra: dict[
 
 def bench_restores(run: dict, rounds: int, res: C.Results) -> None:
     step, plain, tiered = run["last"], run["plain"], run["tiered"]
-    want = {k: np.asarray(v) if hasattr(v, "shape") else v
-            for k, v in step_state("fine-tuning", states_cache["base"], step).items()}
+    want = {
+        k: np.asarray(v) if hasattr(v, "shape") else v
+        for k, v in step_state("fine-tuning", states_cache["base"], step).items()
+    }
     target = abstract(want)
     for r in range(rounds):
         for name in C.rotated(["local memory", "disk cold", "disk warm"], r):
@@ -158,19 +173,24 @@ def bench_restores(run: dict, rounds: int, res: C.Results) -> None:
             mgr = tiered if name == "local memory" else plain
             t, got = C.timed(lambda: jax.block_until_ready(mgr.restore(step, target=target)))
             if r == 0:
-                C.same_bytes({k: v for k, v in want.items() if k != "step"},
-                             {k: v for k, v in got.items() if k != "step"})
+                C.same_bytes(
+                    {k: v for k, v in want.items() if k != "step"},
+                    {k: v for k, v in got.items() if k != "step"},
+                )
             res.add(name, "restore", t)
 
 
 # -------------------------------------------------------------------------------------- peer part
 
+
 def worker(i: int, port: int, root: str, mb: int) -> None:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(f"127.0.0.1:{port}", 2, i, coordinator_bind_address=f"127.0.0.1:{port}",
-                               initialization_timeout=60)
+    jax.distributed.initialize(
+        f"127.0.0.1:{port}", 2, i, coordinator_bind_address=f"127.0.0.1:{port}", initialization_timeout=60
+    )
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
+
     mesh = Mesh(np.array(jax.devices()), ("p",))
     sh = NamedSharding(mesh, P("p"))
     rows = mb * (1 << 20) // 4 // 1024
@@ -178,9 +198,12 @@ def worker(i: int, port: int, root: str, mb: int) -> None:
     def state(step: int) -> dict:
         host = np.random.default_rng(step).standard_normal((2 * rows, 1024), dtype=np.float32)
         return {"w": jax.make_array_from_callback(host.shape, sh, lambda idx: host[idx]), "step": step}
+
     local = os.path.join(root, f"host{i}")
-    mgr = fc.CheckpointManager(os.path.join(root, "ckpt"), tiers=fc.Tiers(
-        local_dir=local, persist_interval_steps=None, cleanup=False))
+    mgr = fc.CheckpointManager(
+        os.path.join(root, "ckpt"),
+        tiers=fc.Tiers(local_dir=local, persist_interval_steps=None, cleanup=False),
+    )
     for step in (1, 2):
         mgr.save(step, state(step))
     mgr.wait_until_finished()
@@ -211,13 +234,21 @@ def bench_peer(mb: int, rounds: int, res: C.Results) -> dict:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
-        procs = [subprocess.Popen([sys.executable, __file__, "--worker", str(i), str(port), str(root), str(mb)],
-                                  env=env, start_new_session=True, stdout=open(root / f"p{i}.log", "w"),
-                                  stderr=subprocess.STDOUT) for i in range(2)]
+        procs = [
+            subprocess.Popen(
+                [sys.executable, __file__, "--worker", str(i), str(port), str(root), str(mb)],
+                env=env,
+                start_new_session=True,
+                stdout=open(root / f"p{i}.log", "w"),
+                stderr=subprocess.STDOUT,
+            )
+            for i in range(2)
+        ]
         try:
             for i, p in enumerate(procs):
                 assert p.wait(timeout=300) == 0, f"peer worker {i} failed:\n" + "\n".join(
-                    (root / f"p{j}.log").read_text()[-3000:] for j in range(2))
+                    (root / f"p{j}.log").read_text()[-3000:] for j in range(2)
+                )
         finally:
             for p in procs:
                 if p.poll() is None:
@@ -238,44 +269,65 @@ states_cache: dict[str, Any] = {}
 
 def report(args: argparse.Namespace, res: C.Results, extra: dict[str, Any], info: dict[str, Any]) -> str:
     size = args.size_mb
-    lines = [f"State: {size} MiB (fine-tuning: trained head {args.trained_frac:.1%} of it, the rest frozen), "
-             f"{args.rounds} interleaved rounds after {WARMUP} warm-up saves; medians. Machine: {info['cpus']} CPUs, "
-             f"load {info['loadavg_start'][0]:.1f}; disk: {info['filesystem']}; memory tier: {SHM} (tmpfs).", "",
-             "| state | contender | blocked (s) | to tier (s) | bytes written per save |", "|---|---|---:|---:|---:|"]
+    lines = [
+        f"State: {size} MiB (fine-tuning: trained head {args.trained_frac:.1%} of it, the rest frozen), "
+        f"{args.rounds} interleaved rounds after {WARMUP} warm-up saves; medians. Machine: {info['cpus']} CPUs, "
+        f"load {info['loadavg_start'][0]:.1f}; disk: {info['filesystem']}; memory tier: {SHM} (tmpfs).",
+        "",
+        "| state | contender | blocked (s) | to tier (s) | bytes written per save |",
+        "|---|---|---:|---:|---:|",
+    ]
     for kind in KINDS:
         w = statistics.median(extra[kind]["written"])
         for name in ("persistent", "memory"):
             nb = f"{w / C.MB:.1f} MiB" if name == "memory" else f"{size} MiB"
-            lines.append(f"| {kind} | {name} | {C.fmt(res.median(f'{kind}/{name}', 'blocked'))} | "
-                         f"{C.fmt(res.median(f'{kind}/{name}', 'to tier'))} | {nb} |")
-        lines.append(f"| {kind} | memory, first save (full base) | - | {C.fmt(extra[kind]['base_save_s'])} | "
-                     f"{extra[kind]['base_written'] / C.MB:.1f} MiB |")
+            lines.append(
+                f"| {kind} | {name} | {C.fmt(res.median(f'{kind}/{name}', 'blocked'))} | "
+                f"{C.fmt(res.median(f'{kind}/{name}', 'to tier'))} | {nb} |"
+            )
+        lines.append(
+            f"| {kind} | memory, first save (full base) | - | {C.fmt(extra[kind]['base_save_s'])} | "
+            f"{extra[kind]['base_written'] / C.MB:.1f} MiB |"
+        )
         if res.median(f"{kind}/memcpy", "to tier") is not None:
-            lines.append(f"| {kind} | memcpy floor (no checksum, no file) | - | "
-                         f"{C.fmt(res.median(f'{kind}/memcpy', 'to tier'))} | - |")
+            lines.append(
+                f"| {kind} | memcpy floor (no checksum, no file) | - | "
+                f"{C.fmt(res.median(f'{kind}/memcpy', 'to tier'))} | - |"
+            )
     lines += ["", "| restore from | seconds |", "|---|---:|"]
     for name in ("local memory", "disk cold", "disk warm"):
         lines.append(f"| {name} | {C.fmt(res.median(name, 'restore'))} |")
     if "peer" in extra:
-        lines += ["", f"2-process job, {args.peer_mb} MiB per process (the restore call of process 1; it is a "
-                  "collective, process 0 takes as long):", "", "| restore | seconds |", "|---|---:|"]
+        lines += [
+            "",
+            f"2-process job, {args.peer_mb} MiB per process (the restore call of process 1; it is a "
+            "collective, process 0 takes as long):",
+            "",
+            "| restore | seconds |",
+            "|---|---:|",
+        ]
         for name in ("local memory (both)", "p1 from peer memory, first", "p1 from peer memory, again"):
             lines.append(f"| {name} | {C.fmt(res.median('2 processes: ' + name, 'restore'))} |")
         lines.append("")
-        lines.append("'first' includes compiling the ppermute for that transfer (once per job and placement).")
+        lines.append(
+            "'first' includes compiling the ppermute for that transfer (once per job and placement)."
+        )
     ratios = {k: res.paired_ratio(f"{k}/memory", f"{k}/persistent", "to tier") for k in KINDS}
     cold = res.paired_ratio("local memory", "disk cold", "restore")
     warm = res.paired_ratio("local memory", "disk warm", "restore")
-    lines += ["", "Ratios (median of per-round ratios, persistent / memory):",
-              "- checkpoint into memory vs persistent save: " + ", ".join(
-                  f"{k} {C.fmt(v)}x ({'met' if v and v >= 5 else 'MISSED'})" for k, v in ratios.items())
-              + " (target >= 5x)",
-              "- full change, memory tier / memcpy floor: "
-              f"{C.fmt(res.paired_ratio('full change/memcpy', 'full change/memory', 'to tier'))}x (a full copy "
-              "cannot be faster than the floor; persistent / floor: "
-              f"{C.fmt(res.paired_ratio('full change/memcpy', 'full change/persistent', 'to tier'))}x)",
-              f"- restore from local memory vs disk: cold {C.fmt(cold)}x (target >= 3x: "
-              f"{'met' if cold and cold >= 3 else 'MISSED'}), warm page cache {C.fmt(warm)}x"]
+    lines += [
+        "",
+        "Ratios (median of per-round ratios, persistent / memory):",
+        "- checkpoint into memory vs persistent save: "
+        + ", ".join(f"{k} {C.fmt(v)}x ({'met' if v and v >= 5 else 'MISSED'})" for k, v in ratios.items())
+        + " (target >= 5x)",
+        "- full change, memory tier / memcpy floor: "
+        f"{C.fmt(res.paired_ratio('full change/memcpy', 'full change/memory', 'to tier'))}x (a full copy "
+        "cannot be faster than the floor; persistent / floor: "
+        f"{C.fmt(res.paired_ratio('full change/memcpy', 'full change/persistent', 'to tier'))}x)",
+        f"- restore from local memory vs disk: cold {C.fmt(cold)}x (target >= 3x: "
+        f"{'met' if cold and cold >= 3 else 'MISSED'}), warm page cache {C.fmt(warm)}x",
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -303,8 +355,9 @@ def main() -> None:
         if args.peer_mb:
             extra["peer"] = bench_peer(args.peer_mb, args.rounds, res)
         md = report(args, res, extra, info)
-        js, mdp = C.write_report("tiers", {"args": vars(args), "machine": info, "times": res.times,
-                                           "extra": extra}, md)
+        js, mdp = C.write_report(
+            "tiers", {"args": vars(args), "machine": info, "times": res.times, "extra": extra}, md
+        )
         print(md)
         print(f"wrote {js} and {mdp}")
     finally:

@@ -53,7 +53,10 @@ Runner = Callable[[argparse.Namespace, str, "Zygote"], list[RT.Tally]]
 
 
 def sigkill(args: argparse.Namespace, scratch: str, z: Zygote) -> list[RT.Tally]:
-    tally, rng = RT.Tally("SIGKILL during async manager saves + retention (raw, zarr3)"), random.Random(args.seed)
+    tally, rng = (
+        RT.Tally("SIGKILL during async manager saves + retention (raw, zarr3)"),
+        random.Random(args.seed),
+    )
     run = None
     for i in range(args.kills):
         if i % 20 == 0:  # a fresh directory every 20 kills bounds disk use and re-reads
@@ -73,13 +76,20 @@ def sigkill(args: argparse.Namespace, scratch: str, z: Zygote) -> list[RT.Tally]
 
 def sigterm(args: argparse.Namespace, scratch: str, z: Zygote) -> list[RT.Tally]:
     out, rng = [], random.Random(args.seed)
-    for scenario, twice, name in (("save", False, "SIGTERM during a save in flight"),
-                                  ("save", True, "SIGTERM twice during a save in flight"),
-                                  ("restore", False, "SIGTERM during a restore")):
+    for scenario, twice, name in (
+        ("save", False, "SIGTERM during a save in flight"),
+        ("save", True, "SIGTERM twice during a save in flight"),
+        ("restore", False, "SIGTERM during a restore"),
+    ):
         tally = RT.Tally(name)
         for i in range(args.signal_trials):
-            outcome = RT.sigterm_trial(RT.fresh(scratch, f"term-{scenario}-{twice}-{i}"), scenario, rng, twice=twice,
-                                       serializer=("raw", "zarr3")[i % 2])
+            outcome = RT.sigterm_trial(
+                RT.fresh(scratch, f"term-{scenario}-{twice}-{i}"),
+                scenario,
+                rng,
+                twice=twice,
+                serializer=("raw", "zarr3")[i % 2],
+            )
             tally.add(outcome, outcome.detail if outcome.ok else "")
         out.append(tally)
     return out
@@ -100,9 +110,15 @@ def disk_full(args: argparse.Namespace, scratch: str, z: Zygote) -> list[RT.Tall
 
 
 def damaged(args: argparse.Namespace, scratch: str, z: Zygote) -> list[RT.Tally]:
-    names = {"data": "data bytes", "array-meta": "zarr3 array metadata", "manifest": "manifest body",
-             "commit": "commit record (manifest header, its existence)"}
-    tallies = {cls: RT.Tally(f"damaged {label}: truncated, deleted, bit-flipped") for cls, label in names.items()}
+    names = {
+        "data": "data bytes",
+        "array-meta": "zarr3 array metadata",
+        "manifest": "manifest body",
+        "commit": "commit record (manifest header, its existence)",
+    }
+    tallies = {
+        cls: RT.Tally(f"damaged {label}: truncated, deleted, bit-flipped") for cls, label in names.items()
+    }
     rng, k = random.Random(args.seed), 0
     for _ in range(args.trials):
         for ser, classes in RT.DAMAGE_CLASSES.items():
@@ -148,8 +164,11 @@ def s3(args: argparse.Namespace, scratch: str, z: Zygote) -> list[RT.Tally]:
         skipped = RT.Tally("S3 faults")
         skipped.notes[f"skipped: {e}"] += 1
         return [skipped]
-    save, eng, mgr = (RT.Tally("S3 faults during save (raw, zarr3)"), RT.Tally("S3 faults during fc.restore"),
-                      RT.Tally("S3 faults during a manager's open + restore"))
+    save, eng, mgr = (
+        RT.Tally("S3 faults during save (raw, zarr3)"),
+        RT.Tally("S3 faults during fc.restore"),
+        RT.Tally("S3 faults during a manager's open + restore"),
+    )
     rng = random.Random(args.seed)
     with RS.s3_rig() as rig:
         for i in range(args.trials):
@@ -160,8 +179,15 @@ def s3(args: argparse.Namespace, scratch: str, z: Zygote) -> list[RT.Tally]:
     return [save, eng, mgr]
 
 
-CLASSES: dict[str, Runner] = {"sigkill": sigkill, "sigterm": sigterm, "disk-full": disk_full, "damaged": damaged,
-                              "hostile": hostile, "concurrency": concurrency, "s3": s3}
+CLASSES: dict[str, Runner] = {
+    "sigkill": sigkill,
+    "sigterm": sigterm,
+    "disk-full": disk_full,
+    "damaged": damaged,
+    "hostile": hostile,
+    "concurrency": concurrency,
+    "s3": s3,
+}
 
 
 def _progress(tally: RT.Tally, total: int) -> None:
@@ -170,12 +196,16 @@ def _progress(tally: RT.Tally, total: int) -> None:
 
 
 def table(tallies: list[RT.Tally]) -> str:
-    rows = ["| fault class | trials | restores bit-exact | lost | corrupt | other failures | notes |",
-            "|---|---:|---:|---:|---:|---:|---|"]
+    rows = [
+        "| fault class | trials | restores bit-exact | lost | corrupt | other failures | notes |",
+        "|---|---:|---:|---:|---:|---:|---|",
+    ]
     for t in tallies:
         notes = "; ".join(f"{n}: {c}" for n, c in sorted(t.notes.items()))
-        rows.append(f"| {t.name} | {t.trials} | {t.counts['exact']} | {t.counts['lost']} | {t.counts['corrupt']} "
-                    f"| {t.counts['error']} | {notes} |")
+        rows.append(
+            f"| {t.name} | {t.trials} | {t.counts['exact']} | {t.counts['lost']} | {t.counts['corrupt']} "
+            f"| {t.counts['error']} | {notes} |"
+        )
     return "\n".join(rows)
 
 
@@ -187,9 +217,13 @@ def failures(tallies: list[RT.Tally]) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--kills", type=int, default=200, help="SIGKILL trials (default 200)")
-    p.add_argument("--tier-kills", type=int, default=100, help="SIGKILL trials with a memory tier (default 100)")
+    p.add_argument(
+        "--tier-kills", type=int, default=100, help="SIGKILL trials with a memory tier (default 100)"
+    )
     p.add_argument("--trials", type=int, default=20, help="trials per other class (default 20)")
-    p.add_argument("--signal-trials", type=int, default=None, help="SIGTERM trials per scenario (default: trials/2)")
+    p.add_argument(
+        "--signal-trials", type=int, default=None, help="SIGTERM trials per scenario (default: trials/2)"
+    )
     p.add_argument("--fuzz", type=int, default=2000, help="fuzzed manifests per serializer (default 2000)")
     p.add_argument("--reader-seconds", type=float, default=20.0, help="length of the concurrent-reader run")
     p.add_argument("--seed", type=int, default=0)
@@ -209,8 +243,10 @@ def main() -> None:
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     cmd = "python benchmarks/faults.py " + " ".join(sys.argv[1:])
-    report = (f"{table(tallies)}\n\n`{cmd.strip()}` on {os.cpu_count()} CPUs, {time.monotonic() - t0:.0f} s, "
-              f"{datetime.datetime.now():%Y-%m-%d %H:%M}.{failures(tallies)}\n")
+    report = (
+        f"{table(tallies)}\n\n`{cmd.strip()}` on {os.cpu_count()} CPUs, {time.monotonic() - t0:.0f} s, "
+        f"{datetime.datetime.now():%Y-%m-%d %H:%M}.{failures(tallies)}\n"
+    )
     print(report)
     out = REPO / "bench_out"
     out.mkdir(exist_ok=True)

@@ -28,20 +28,38 @@ import statistics
 from typing import Any
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-LABELS = {"raw-file": "raw file (floor)", "raw-files-8t": "raw files, 8 threads",
-          "flax_ckpt-raw": "flax_ckpt",
-          "flax_ckpt-zarr3": "flax_ckpt zarr3", "orbax": "Orbax", "torch-dcp": "torch DCP",
-          "floor": "memcpy floor", "write-floor": "write + fsync floor", "memory": "flax_ckpt memory tier",
-          "persistent": "flax_ckpt manager", "orbax-emergency": "Orbax emergency"}
-COLORS = {"raw-file": "#9e9e9e", "raw-files-8t": "#bdbdbd", "flax_ckpt-raw": "#1565c0",
-          "flax_ckpt-zarr3": "#64b5f6", "orbax": "#ef6c00", "torch-dcp": "#6a1b9a", "floor": "#9e9e9e",
-          "write-floor": "#757575", "memory": "#2e7d32", "persistent": "#1565c0",
-          "orbax-emergency": "#ffb74d"}
+LABELS = {
+    "raw-file": "raw file (floor)",
+    "raw-files-8t": "raw files, 8 threads",
+    "flax_ckpt-raw": "flax_ckpt",
+    "flax_ckpt-zarr3": "flax_ckpt zarr3",
+    "orbax": "Orbax",
+    "torch-dcp": "torch DCP",
+    "floor": "memcpy floor",
+    "write-floor": "write + fsync floor",
+    "memory": "flax_ckpt memory tier",
+    "persistent": "flax_ckpt manager",
+    "orbax-emergency": "Orbax emergency",
+}
+COLORS = {
+    "raw-file": "#9e9e9e",
+    "raw-files-8t": "#bdbdbd",
+    "flax_ckpt-raw": "#1565c0",
+    "flax_ckpt-zarr3": "#64b5f6",
+    "orbax": "#ef6c00",
+    "torch-dcp": "#6a1b9a",
+    "floor": "#9e9e9e",
+    "write-floor": "#757575",
+    "memory": "#2e7d32",
+    "persistent": "#1565c0",
+    "orbax-emergency": "#ffb74d",
+}
 ACCELERATOR_PLACEHOLDER = (
     "<!-- accelerator_table.md: written by benchmarks/plots.py. No accelerator report in bench_out/ yet:\n"
     "     run benchmarks/bench_accelerator.py on the accelerator, then python benchmarks/plots.py -->\n"
     "*To be measured:* the table of what a save blocks on an accelerator (flax_ckpt, Orbax and the\n"
-    "floors: an on-device copy, `jax.device_get`) is drawn here from `bench_accelerator.py`'s report.\n")
+    "floors: an on-device copy, `jax.device_get`) is drawn here from `bench_accelerator.py`'s report.\n"
+)
 
 
 def newest(bench_out: pathlib.Path, stem: str) -> dict[str, Any] | None:
@@ -60,8 +78,15 @@ def _pyplot():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    plt.rcParams.update({"font.size": 10, "axes.spines.top": False, "axes.spines.right": False,
-                         "svg.hashsalt": "flax_ckpt", "figure.dpi": 100})
+    plt.rcParams.update(
+        {
+            "font.size": 10,
+            "axes.spines.top": False,
+            "axes.spines.right": False,
+            "svg.hashsalt": "flax_ckpt",
+            "figure.dpi": 100,
+        }
+    )
     return plt
 
 
@@ -82,8 +107,11 @@ def _source(body: dict[str, Any], command: str) -> str:
 
 # ------------------------------------------------------------------------------------ save / restore
 
-MEASURES = [("save", "save"), ("restore_cold", "restore, cold cache"),
-            ("restore_warm", "restore, warm cache")]
+MEASURES = [
+    ("save", "save"),
+    ("restore_cold", "restore, cold cache"),
+    ("restore_warm", "restore, warm cache"),
+]
 
 
 def save_restore_chart(body: dict[str, Any], out: pathlib.Path, svg: bool) -> list[pathlib.Path]:
@@ -102,8 +130,10 @@ def save_restore_chart(body: dict[str, Any], out: pathlib.Path, svg: bool) -> li
     mib = body.get("nbytes", 0) / 2**20
     ax.set_title(f"Save and restore of a {mib:.0f} MiB state, {body.get('leaves', '?')} leaves", fontsize=11)
     args = body.get("args", {})
-    command = (f"bench_save_restore.py --size-mb {float(args.get('size_mb', 0)):g} "
-               f"--rounds {args.get('rounds', '?')}")
+    command = (
+        f"bench_save_restore.py --size-mb {float(args.get('size_mb', 0)):g} "
+        f"--rounds {args.get('rounds', '?')}"
+    )
     fig.text(0.01, -0.04, _source(body, command), fontsize=8, color="#555555")
     ax.legend(frameon=False, fontsize=9)
     return _save(fig, out, "save_restore", svg)
@@ -113,10 +143,12 @@ def perf_table(body: dict[str, Any]) -> str:
     """The Performance page's table: median seconds per contender and measure, and flax_ckpt's ratio."""
     medians = body["medians"]
     ours = medians.get("flax_ckpt-raw", {})
-    lines = ["<!-- perf_table.md: written by benchmarks/plots.py from "
-             f"bench_out/{body.get('_file', '?')}; do not edit by hand -->",
-             "| contender | " + " | ".join(label for _, label in MEASURES) + " |",
-             "|---|" + "---:|" * len(MEASURES)]
+    lines = [
+        "<!-- perf_table.md: written by benchmarks/plots.py from "
+        f"bench_out/{body.get('_file', '?')}; do not edit by hand -->",
+        "| contender | " + " | ".join(label for _, label in MEASURES) + " |",
+        "|---|" + "---:|" * len(MEASURES),
+    ]
     for name, times in medians.items():
         cells = []
         for m, _ in MEASURES:
@@ -130,13 +162,16 @@ def perf_table(body: dict[str, Any]) -> str:
     args = body.get("args", {})
     lines.append("")
     date = body.get("machine", {}).get("date", "?")[:10]
-    lines.append(f"A {mib:.0f} MiB state of {body.get('leaves', '?')} leaves, medians of "
-                 f"{args.get('rounds', '?')} interleaved rounds, {date}; "
-                 "in brackets, the time as a multiple of flax_ckpt's.")
+    lines.append(
+        f"A {mib:.0f} MiB state of {body.get('leaves', '?')} leaves, medians of "
+        f"{args.get('rounds', '?')} interleaved rounds, {date}; "
+        "in brackets, the time as a multiple of flax_ckpt's."
+    )
     return "\n".join(lines) + "\n"
 
 
 # --------------------------------------------------------------------------------- checkpoint frequency
+
 
 def every_step_chart(body: dict[str, Any], out: pathlib.Path, svg: bool) -> list[pathlib.Path]:
     """One row per model; wall time and process CPU time side by side (on a shared machine the CPU
@@ -161,8 +196,10 @@ def every_step_chart(body: dict[str, Any], out: pathlib.Path, svg: bool) -> list
             ax.set_title(f"{model}: {what} per step", fontsize=11)
     axes[0][-1].legend(frameon=False, fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     args = body.get("args", {})
-    command = (f"bench_every_step.py --models {args.get('models')} --every {args.get('every')} "
-               f"--steps {args.get('steps')} --rounds {args.get('rounds')}")
+    command = (
+        f"bench_every_step.py --models {args.get('models')} --every {args.get('every')} "
+        f"--steps {args.get('steps')} --rounds {args.get('rounds')}"
+    )
     fig.text(0.01, -0.03, _source(body, command), fontsize=8, color="#555555")
     fig.tight_layout()
     return _save(fig, out, "every_step", svg)
@@ -170,9 +207,12 @@ def every_step_chart(body: dict[str, Any], out: pathlib.Path, svg: bool) -> list
 
 # -------------------------------------------------------------------------------------- cost per leaf
 
-SCALE_MEASURES = [("save", "fc.save", "#1565c0"), ("restore", "fc.restore into a target", "#6a1b9a"),
-                  ("manager_save_blocked", "async save, blocked", "#2e7d32"),
-                  ("tier_save_blocked", "memory tier, blocked", "#00897b")]
+SCALE_MEASURES = [
+    ("save", "fc.save", "#1565c0"),
+    ("restore", "fc.restore into a target", "#6a1b9a"),
+    ("manager_save_blocked", "async save, blocked", "#2e7d32"),
+    ("tier_save_blocked", "memory tier, blocked", "#00897b"),
+]
 
 
 def per_leaf_chart(body: dict[str, Any], out: pathlib.Path, svg: bool) -> list[pathlib.Path]:
@@ -182,13 +222,24 @@ def per_leaf_chart(body: dict[str, Any], out: pathlib.Path, svg: bool) -> list[p
     fig, ax = plt.subplots(figsize=(8, 3.6))
     for key, label, color in SCALE_MEASURES:
         ax.plot(ns, [r["flax_ckpt_us"].get(key) for r in leaves], marker="o", label=label, color=color)
-    ax.plot(ns, [r["device_put_us"] for r in leaves], linestyle="--", color="#9e9e9e",
-            label="one jax.device_put per leaf")
+    ax.plot(
+        ns,
+        [r["device_put_us"] for r in leaves],
+        linestyle="--",
+        color="#9e9e9e",
+        label="one jax.device_put per leaf",
+    )
     for r in leaves:
         for key, marker in (("save", "s"), ("restore", "D")):
             if key in r.get("orbax", {}):
-                ax.plot([r["n"]], [r["orbax"][key]["us_per_leaf"]], marker=marker, linestyle="",
-                        color=COLORS["orbax"], label=f"Orbax {key}")
+                ax.plot(
+                    [r["n"]],
+                    [r["orbax"][key]["us_per_leaf"]],
+                    marker=marker,
+                    linestyle="",
+                    color=COLORS["orbax"],
+                    label=f"Orbax {key}",
+                )
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xticks(ns, [f"{n:,}" for n in ns])
@@ -206,6 +257,7 @@ def per_leaf_chart(body: dict[str, Any], out: pathlib.Path, svg: bool) -> list[p
 
 # ---------------------------------------------------------------------------------------- accelerator
 
+
 def accelerator_rows(body: dict[str, Any]) -> list[tuple[str, dict[str, float]]]:
     """``(contender, {measure: value})`` from an accelerator report. bench_accelerator.py's own report
     keeps each contender's seconds per round under "table" ({name: [s, ...]}, "name:until_durable"
@@ -219,8 +271,9 @@ def accelerator_rows(body: dict[str, Any]) -> list[tuple[str, dict[str, float]]]
     out = []
     for row in rows if isinstance(rows, list) else []:
         name = next((v for v in row.values() if isinstance(v, str)), "?")
-        numbers = {k: float(v) for k, v in row.items()
-                   if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        numbers = {
+            k: float(v) for k, v in row.items() if isinstance(v, (int, float)) and not isinstance(v, bool)
+        }
         out.append((name, numbers))
     return out
 
@@ -247,11 +300,15 @@ def accelerator_table(body: dict[str, Any] | None) -> str:
     rows = accelerator_rows(body)
     measures = sorted({k for _, numbers in rows for k in numbers})
     device = body.get("device") or body.get("machine", {}).get("devices", "the accelerator")
-    lines = [f"<!-- accelerator_table.md: written by benchmarks/plots.py from bench_out/{body['_file']} -->",
-             "| contender | " + " | ".join(measures) + " |", "|---|" + "---:|" * len(measures)]
+    lines = [
+        f"<!-- accelerator_table.md: written by benchmarks/plots.py from bench_out/{body['_file']} -->",
+        "| contender | " + " | ".join(measures) + " |",
+        "|---|" + "---:|" * len(measures),
+    ]
     for name, numbers in rows:
-        lines.append(f"| {name} | " + " | ".join(f"{numbers[m]:.3g}" if m in numbers else "-"
-                                                 for m in measures) + " |")
+        lines.append(
+            f"| {name} | " + " | ".join(f"{numbers[m]:.3g}" if m in numbers else "-" for m in measures) + " |"
+        )
     lines += ["", f"Measured on {device} ({body.get('machine', {}).get('date', '?')[:10]})."]
     return "\n".join(lines) + "\n"
 
@@ -275,6 +332,7 @@ def accelerator_chart(body: dict[str, Any], out: pathlib.Path, svg: bool) -> lis
 
 # ------------------------------------------------------------------------------------------------ main
 
+
 def main(argv: list[str] | None = None) -> list[pathlib.Path]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--bench-out", type=pathlib.Path, default=REPO / "bench_out")
@@ -283,8 +341,12 @@ def main(argv: list[str] | None = None) -> list[pathlib.Path]:
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     written: list[pathlib.Path] = []
-    charts = [("save_restore", save_restore_chart), ("every_step", every_step_chart),
-              ("bench_scale", per_leaf_chart), ("accelerator", accelerator_chart)]
+    charts = [
+        ("save_restore", save_restore_chart),
+        ("every_step", every_step_chart),
+        ("bench_scale", per_leaf_chart),
+        ("accelerator", accelerator_chart),
+    ]
     for stem, draw in charts:
         body = newest(args.bench_out, stem)
         if body is None:

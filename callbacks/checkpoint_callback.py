@@ -92,18 +92,30 @@ class CheckpointCallback:
       >>> ckpt.close()
     """
 
-    def __init__(self, directory: str | os.PathLike, every_steps: int = 100, max_to_keep: int | None = 3, *,
-                 exit_on_preemption: bool = True, exit_code: int | None = None,
-                 preemption_signals: Sequence[int] = (signal.SIGTERM, signal.SIGINT),
-                 force_after: int | None = 3, replicated: bool = False, **manager_options: Any):
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        every_steps: int = 100,
+        max_to_keep: int | None = 3,
+        *,
+        exit_on_preemption: bool = True,
+        exit_code: int | None = None,
+        preemption_signals: Sequence[int] = (signal.SIGTERM, signal.SIGINT),
+        force_after: int | None = 3,
+        replicated: bool = False,
+        **manager_options: Any,
+    ):
         if "save_interval_steps" in manager_options:
-            raise TypeError("CheckpointCallback takes every_steps (it is the manager's save_interval_steps); "
-                            "pass one of them, not save_interval_steps")
+            raise TypeError(
+                "CheckpointCallback takes every_steps (it is the manager's save_interval_steps); "
+                "pass one of them, not save_interval_steps"
+            )
         self.every_steps = every_steps
         self.replicated = replicated
         _close_earlier(directory)
-        self.manager = fc.CheckpointManager(directory, save_interval_steps=every_steps,
-                                            max_to_keep=max_to_keep, **manager_options)
+        self.manager = fc.CheckpointManager(
+            directory, save_interval_steps=every_steps, max_to_keep=max_to_keep, **manager_options
+        )
         self.preempted = False
         self._exit_on_preemption = exit_on_preemption
         self._exit_code = exit_code
@@ -118,8 +130,16 @@ class CheckpointCallback:
 
     # ------------------------------------------------------------------------------------------ resume
 
-    def restore_or(self, state: Any, *, init_from: str | os.PathLike | None = None, rename: Any = None,
-                   missing: str = "error", unexpected: str = "error", cast: bool = False) -> tuple[Any, int]:
+    def restore_or(
+        self,
+        state: Any,
+        *,
+        init_from: str | os.PathLike | None = None,
+        rename: Any = None,
+        missing: str = "error",
+        unexpected: str = "error",
+        cast: bool = False,
+    ) -> tuple[Any, int]:
         """``(state restored from the newest good checkpoint, its step)``, or ``(state, 0)`` if there is none.
 
         nnx objects and stateful iterators in ``state`` are updated in place. A resumed run restores
@@ -154,16 +174,21 @@ class CheckpointCallback:
           >>> ckpt.close()
         """
         options = dict(rename=rename, missing=missing, unexpected=unexpected, cast=cast)
-        if init_from is None and options != dict(rename=None, missing="error", unexpected="error", cast=False):
-            raise TypeError("restore_or: rename, missing, unexpected and cast apply to the init_from checkpoint; "
-                            "pass init_from=..., or restore the run's own steps with ckpt.manager.restore(...)")
+        if init_from is None and options != dict(
+            rename=None, missing="error", unexpected="error", cast=False
+        ):
+            raise TypeError(
+                "restore_or: rename, missing, unexpected and cast apply to the init_from checkpoint; "
+                "pass init_from=..., or restore the run's own steps with ckpt.manager.restore(...)"
+            )
         if not self.manager.all_steps():
             if init_from is None:
                 _announce("no checkpoint in %s; starting from step 0", self.manager.directory)
                 return state, 0
             live = target_tree(state, _metadata_or_none(init_from))
-            restored = _restore_everywhere(init_from, first_replica(live) if self.replicated else live,
-                                           options)
+            restored = _restore_everywhere(
+                init_from, first_replica(live) if self.replicated else live, options
+            )
             if self.replicated:
                 restored = replicate_like(live, restored)
             _announce("no checkpoint in %s; starting from step 0 with %s", self.manager.directory, init_from)
@@ -246,8 +271,9 @@ class CheckpointCallback:
             log.warning("preemption: %s; stopping the training loop (run it again to resume)", where)
             self.close()
             raise Preempted(step, self.manager.directory, code, self._guard.signum)
-        log.warning("preemption: %s; exiting with status %d (restart to resume from step %d)", where, code,
-                    step)
+        log.warning(
+            "preemption: %s; exiting with status %d (restart to resume from step %d)", where, code, step
+        )
         self.close()
         raise SystemExit(code)
 
@@ -279,7 +305,8 @@ class CheckpointCallback:
             raise fc.CheckpointError("CheckpointCallback is closed")
         self._pending = None
         saved = step not in self.manager.all_steps() and self.manager.save(
-            step, self._tree(state), metrics=_values(metrics), force=True)
+            step, self._tree(state), metrics=_values(metrics), force=True
+        )
         self.manager.wait_until_finished()
         return saved
 
@@ -317,9 +344,11 @@ class CheckpointCallback:
             if final_save:
                 self._save_pending(at_exit)
             elif self._pending is not None and not self.preempted:
-                log.warning("CheckpointCallback was garbage-collected without close(): step %d was not saved; "
-                            "call ckpt.close() (or ckpt.finish(step, state)) after the training loop",
-                            self._pending[0])
+                log.warning(
+                    "CheckpointCallback was garbage-collected without close(): step %d was not saved; "
+                    "call ckpt.close() (or ckpt.finish(step, state)) after the training loop",
+                    self._pending[0],
+                )
             self.manager.close()
         finally:
             self._guard.close()
@@ -331,23 +360,33 @@ class CheckpointCallback:
             return
         step, state, metrics = pending
         if at_exit and jax.process_count() > 1:  # a collective save that another process may never join
-            log.warning("not saving step %d at interpreter exit in a multi-process job (the other processes may "
-                        "have stopped elsewhere); call ckpt.close() or ckpt.finish(step, state) after the loop", step)
+            log.warning(
+                "not saving step %d at interpreter exit in a multi-process job (the other processes may "
+                "have stopped elsewhere); call ckpt.close() or ckpt.finish(step, state) after the loop",
+                step,
+            )
             return
         tree = to_tree(state)
         if any(isinstance(x, jax.Array) and x.is_deleted() for x in jax.tree_util.tree_leaves(tree)):
-            log.warning("not saving step %d at close: its arrays were deleted or donated after ckpt(%d, ...) (a "
-                        "jitted step with donate_argnums?); call ckpt.finish(step, state) with the live state "
-                        "after the loop", step, step)
+            log.warning(
+                "not saving step %d at close: its arrays were deleted or donated after ckpt(%d, ...) (a "
+                "jitted step with donate_argnums?); call ckpt.finish(step, state) with the live state "
+                "after the loop",
+                step,
+                step,
+            )
             return
         try:
-            self.manager.save(step, first_replica(tree) if self.replicated else tree,
-                              metrics=_values(metrics), force=True)
+            self.manager.save(
+                step, first_replica(tree) if self.replicated else tree, metrics=_values(metrics), force=True
+            )
             self.manager.wait_until_finished()
         except Exception as e:
             if not at_exit:
                 raise
-            log.warning("could not save the last step %d at interpreter exit: %s: %s", step, type(e).__name__, e)
+            log.warning(
+                "could not save the last step %d at interpreter exit: %s: %s", step, type(e).__name__, e
+            )
             return
         _announce("saved the last step %d in %s at close", step, self.manager.directory)
 
@@ -373,8 +412,10 @@ class Preempted(KeyboardInterrupt):
 
     def __init__(self, step: int, directory: str, code: int, signum: int | None):
         name = signal.Signals(signum).name if signum in set(signal.Signals) else "preemption"
-        super().__init__(f"{name}: step {step} is saved in {directory} and durable; the training loop "
-                         f"stopped. Run the cell again to resume from step {step}")
+        super().__init__(
+            f"{name}: step {step} is saved in {directory} and durable; the training loop "
+            f"stopped. Run the cell again to resume from step {step}"
+        )
         self.step, self.directory, self.code, self.signum = step, directory, code, signum
 
     def _render_traceback_(self) -> list[str]:  # IPython shows these lines in place of a traceback
@@ -414,11 +455,13 @@ def _restore_everywhere(path: Any, target: Any, options: dict[str, Any]) -> Any:
         error, restored = e, None
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
+
         failed = np.asarray(multihost_utils.process_allgather(np.int32(error is not None)))
         if error is None and failed.any():
             raise fc.CheckpointError(
                 f"restore of init_from={path} failed on process {int(np.flatnonzero(failed)[0])} (its error "
-                "says why), so no process starts from it: fix that, then restart every process")
+                "says why), so no process starts from it: fix that, then restart every process"
+            )
     if error is not None:
         raise error
     return restored
@@ -474,16 +517,23 @@ def _close_earlier(directory: Any) -> None:
     for cb in list(_OPEN):
         if not _same_directory(cb.manager.directory, directory):
             continue
-        log.warning("CheckpointCallback(%s), made earlier in this process, was never closed (a notebook "
-                    "cell whose loop raised before ckpt.close()?); closing it now, after its save in flight, "
-                    "without saving its last state. Use `with CheckpointCallback(...) as ckpt:` to close it "
-                    "even when the loop raises", cb.manager.directory)
+        log.warning(
+            "CheckpointCallback(%s), made earlier in this process, was never closed (a notebook "
+            "cell whose loop raised before ckpt.close()?); closing it now, after its save in flight, "
+            "without saving its last state. Use `with CheckpointCallback(...) as ckpt:` to close it "
+            "even when the loop raises",
+            cb.manager.directory,
+        )
         cb._pending = None
         try:
             cb._close(final_save=False, at_exit=False)
         except Exception as e:
-            log.warning("closing the earlier CheckpointCallback(%s) raised %s: %s; its last save may be lost",
-                        cb.manager.directory, type(e).__name__, e)
+            log.warning(
+                "closing the earlier CheckpointCallback(%s) raised %s: %s; its last save may be lost",
+                cb.manager.directory,
+                type(e).__name__,
+                e,
+            )
 
 
 def _close_open_callbacks() -> None:
@@ -491,5 +541,9 @@ def _close_open_callbacks() -> None:
         try:
             cb._close(final_save=True, at_exit=True)
         except Exception as e:  # never a traceback at interpreter exit: say what happened instead
-            log.warning("closing CheckpointCallback(%s) at interpreter exit failed: %s: %s", cb.manager.directory,
-                        type(e).__name__, e)
+            log.warning(
+                "closing CheckpointCallback(%s) at interpreter exit failed: %s: %s",
+                cb.manager.directory,
+                type(e).__name__,
+                e,
+            )

@@ -35,8 +35,12 @@ class CheckpointAction(periodic_actions.PeriodicAction):
       metrics_fn: returns the metrics to store with a checkpoint; called only on steps that save.
     """
 
-    def __init__(self, ckpt: CheckpointCallback, state_fn: Callable[[], Any],
-                 metrics_fn: Callable[[], Any] | None = None):
+    def __init__(
+        self,
+        ckpt: CheckpointCallback,
+        state_fn: Callable[[], Any],
+        metrics_fn: Callable[[], Any] | None = None,
+    ):
         super().__init__(every_steps=ckpt.every_steps)
         self._ckpt = ckpt
         self._state_fn = state_fn

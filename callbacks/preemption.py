@@ -47,8 +47,9 @@ class PreemptionGuard:
       force_after: the number of signals after which the previous handler runs (None: never).
     """
 
-    def __init__(self, signals: Sequence[int] = (signal.SIGTERM, signal.SIGINT), *,
-                 force_after: int | None = 3):
+    def __init__(
+        self, signals: Sequence[int] = (signal.SIGTERM, signal.SIGINT), *, force_after: int | None = 3
+    ):
         if force_after is not None and force_after < 2:
             raise ValueError(f"force_after must be >= 2 or None, got {force_after!r}")
         self.signum: int | None = None
@@ -57,8 +58,10 @@ class PreemptionGuard:
         self._previous: dict[int, Handler] = {}
         self._multiprocess = jax.distributed.is_initialized() and jax.process_count() > 1
         if self._multiprocess:
-            log.info("preemption: %d processes; using JAX's preemption sync point, no signal handlers",
-                     jax.process_count())
+            log.info(
+                "preemption: %d processes; using JAX's preemption sync point, no signal handlers",
+                jax.process_count(),
+            )
         else:
             self._install(tuple(signals))
 
@@ -69,8 +72,10 @@ class PreemptionGuard:
 
     def _install(self, signals: tuple[int, ...]) -> None:
         if signals and threading.current_thread() is not threading.main_thread():
-            log.warning("preemption: not on the main thread, so no signal handlers are installed; "
-                        "construct the callback on the main thread to be preemption-safe")
+            log.warning(
+                "preemption: not on the main thread, so no signal handlers are installed; "
+                "construct the callback on the main thread to be preemption-safe"
+            )
             return
         for s in signals:
             self._previous[s] = signal.signal(s, self._on_signal)
@@ -79,17 +84,24 @@ class PreemptionGuard:
         self.count += 1
         if self.signum is None:
             self.signum = signum
-            log.warning("preemption: received %s; finishing this step, then saving and stopping",
-                        _name(signum))
+            log.warning(
+                "preemption: received %s; finishing this step, then saving and stopping", _name(signum)
+            )
             return
         if self._force_after is not None and self.count >= self._force_after:
-            log.warning("preemption: received %s (%d signals); giving up on the step-boundary save",
-                        _name(signum), self.count)
+            log.warning(
+                "preemption: received %s (%d signals); giving up on the step-boundary save",
+                _name(signum),
+                self.count,
+            )
             self._forward(signum, frame)
             return
-        log.warning("preemption: received %s again (%d signals); still saving at the next step boundary"
-                    "%s", _name(signum), self.count,
-                    "" if self._force_after is None else f", {self._force_after} signals force a stop")
+        log.warning(
+            "preemption: received %s again (%d signals); still saving at the next step boundary%s",
+            _name(signum),
+            self.count,
+            "" if self._force_after is None else f", {self._force_after} signals force a stop",
+        )
 
     def _forward(self, signum: int, frame: FrameType | None) -> None:
         previous = self._previous.get(signum, signal.SIG_DFL)
@@ -108,6 +120,7 @@ class PreemptionGuard:
 
     def _sync_point(self, step: int) -> bool:
         from jax.experimental import multihost_utils
+
         try:
             return multihost_utils.reached_preemption_sync_point(step)
         except RuntimeError as e:  # the preemption service is off (jax_enable_preemption_service=False)

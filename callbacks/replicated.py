@@ -33,7 +33,8 @@ def _replicated_leaves(tree: Any) -> tuple[list[Any], list[int], Any]:
             raise ValueError(
                 f"CheckpointCallback(replicated=True): leaf {jax.tree_util.keystr(path)} has shape "
                 f"{x.shape}, not a leading axis of the {n} local devices (a state replicated for jax.pmap, "
-                "e.g. with flax.jax_utils.replicate); pass the replicated state, or drop replicated=True")
+                "e.g. with flax.jax_utils.replicate); pass the replicated state, or drop replicated=True"
+            )
         where.append(i)
     return [x for _, x in with_path], where, treedef
 

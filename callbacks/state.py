@@ -85,9 +85,15 @@ RANDOM_WORDS = _MT_WORDS + 3  # the words, whether gauss_next is set, gauss_next
 
 def _is_random_state(x: Any) -> bool:
     """Whether ``x`` is a tuple as ``random.getstate()`` returns it (version 3)."""
-    return (type(x) is tuple and len(x) == 3 and type(x[1]) is tuple and len(x[1]) == _MT_WORDS
-            and x[0] == 3 and (x[2] is None or type(x[2]) is float)
-            and all(type(w) is int and 0 <= w < 1 << 32 for w in x[1]))
+    return (
+        type(x) is tuple
+        and len(x) == 3
+        and type(x[1]) is tuple
+        and len(x[1]) == _MT_WORDS
+        and x[0] == 3
+        and (x[2] is None or type(x[2]) is float)
+        and all(type(w) is int and 0 <= w < 1 << 32 for w in x[1])
+    )
 
 
 def _is_random(x: Any) -> bool:
@@ -109,7 +115,7 @@ def decode_random(words: Any) -> tuple[int, tuple[int, ...], float | None]:
     if isinstance(words, (tuple, list)):
         return int(words[0]), tuple(int(w) for w in words[1]), None if words[2] is None else float(words[2])
     a = np.asarray(words, np.uint32)
-    gauss = float(a[_MT_WORDS + 1:].astype("<u4").view("<f8")[0]) if a[_MT_WORDS] else None
+    gauss = float(a[_MT_WORDS + 1 :].astype("<u4").view("<f8")[0]) if a[_MT_WORDS] else None
     return 3, tuple(a[:_MT_WORDS].tolist()), gauss
 
 
@@ -123,8 +129,12 @@ def _random_target(saved: Any) -> Any:
 
 
 def _is_object_leaf(x: Any) -> bool:
-    return (_is_nnx(x) or (isinstance(x, Stateful) and not isinstance(x, type)) or _is_random(x)
-            or _is_random_state(x))
+    return (
+        _is_nnx(x)
+        or (isinstance(x, Stateful) and not isinstance(x, type))
+        or _is_random(x)
+        or _is_random_state(x)
+    )
 
 
 def _pure(x: Any, pure_nnx: bool = False) -> Any:
@@ -165,8 +175,10 @@ def target_tree(state: Any, info: "fc.CheckpointInfo | None") -> Any:
 def _leaf_paths(tree: Any) -> set[tuple[str, ...]]:
     """The key paths of ``tree``'s leaves as tuples of strings (dict keys, attribute names, indices)."""
     flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: isinstance(x, fc.LeafInfo))[0]
-    return {tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
-            for path, _ in flat}
+    return {
+        tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+        for path, _ in flat
+    }
 
 
 def _saved_pure(obj: Any, saved: Any) -> bool:
@@ -233,6 +245,7 @@ def match_saved_scalars(target: Any, info: fc.CheckpointInfo) -> Any:
     saved dtype, weak-typed where jit makes a weak-typed array of that Python scalar (Python ints and
     floats of the default dtypes); for a saved numpy array a numpy scalar of its dtype. Other leaves
     are left alone (a Python scalar target then restores as a Python scalar)."""
+
     def fix(path: tuple[Any, ...], leaf: Any) -> Any:
         if not isinstance(leaf, _PY_SCALARS):
             return leaf
@@ -242,6 +255,7 @@ def match_saved_scalars(target: Any, info: fc.CheckpointInfo) -> Any:
         if saved.kind == "numpy":
             return np.dtype(saved.dtype).type(0)
         return jax.ShapeDtypeStruct((), saved.dtype, weak_type=_jit_sees_weak(leaf, saved.dtype))
+
     return jax.tree_util.tree_map_with_path(fix, target)
 
 

@@ -48,7 +48,9 @@ class NpySerializer(fc.Serializer):
                 chunks[item.leaf].append({"index": [list(b) for b in shard.box], "file": file})
         return fc.Written(chunks)
 
-    def read(self, storage: fc.Storage, leaf: fc.StoredArray, box: fc.Box, out: np.ndarray, where: str) -> None:
+    def read(
+        self, storage: fc.Storage, leaf: fc.StoredArray, box: fc.Box, out: np.ndarray, where: str
+    ) -> None:
         for chunk in leaf.chunks:  # a restore into another sharding asks for parts of several chunks
             cbox = [tuple(b) for b in chunk["index"]]
             overlap = [(max(c0, b0), min(c1, b1)) for (c0, c1), (b0, b1) in zip(cbox, box)]

@@ -53,8 +53,10 @@ def run(cmd: list[str], label: str, *, signal_at: int | None = None) -> tuple[in
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--directory", help="checkpoint directory, kept (default: a new temporary one, removed "
-                                       "after a successful demo)")
+    p.add_argument(
+        "--directory",
+        help="checkpoint directory, kept (default: a new temporary one, removed after a successful demo)",
+    )
     p.add_argument("--steps", type=int, default=600)
     p.add_argument("--every", type=int, default=100)
     p.add_argument("--at", type=int, default=250, help="send SIGTERM once this step is reported")
@@ -72,8 +74,18 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def demo(args: argparse.Namespace, directory: str) -> int:
     """Run 1 is preempted at step ``args.at``; run 2 must resume at the saved step and finish."""
-    cmd = [sys.executable, TRAIN, "--directory", directory, "--steps", str(args.steps),
-           "--every", str(args.every), "--log-every", "10"]
+    cmd = [
+        sys.executable,
+        TRAIN,
+        "--directory",
+        directory,
+        "--steps",
+        str(args.steps),
+        "--every",
+        str(args.every),
+        "--log-every",
+        "10",
+    ]
     print(f"[demo] run 1: {' '.join(cmd)}", flush=True)
     status, out = run(cmd, "run 1", signal_at=args.at)
     saved = re.search(r"preemption: step (\d+) is saved", out)

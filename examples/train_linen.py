@@ -62,15 +62,16 @@ def batch_at(data: Data, step: int, batch_size: int = 64, seed: int = 0) -> Data
     x, y = data
     per_epoch = len(x) // batch_size
     epoch, i = divmod(step, per_epoch)
-    idx = np.random.default_rng([seed, epoch]).permutation(len(x))[i * batch_size:(i + 1) * batch_size]
+    idx = np.random.default_rng([seed, epoch]).permutation(len(x))[i * batch_size : (i + 1) * batch_size]
     return x[idx], y[idx]
 
 
 def create_state(seed: int = 0, learning_rate: float = 3e-3) -> TrainState:
     model = MLP()
     params = model.init(jax.random.key(seed), jnp.zeros((1, 64)), train=False)["params"]
-    return TrainState.create(apply_fn=model.apply, params=params, tx=optax.adam(learning_rate),
-                             rng=jax.random.key(seed + 1))
+    return TrainState.create(
+        apply_fn=model.apply, params=params, tx=optax.adam(learning_rate), rng=jax.random.key(seed + 1)
+    )
 
 
 @jax.jit

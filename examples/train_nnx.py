@@ -58,7 +58,7 @@ class Batches:
         if (self.index + 1) * self.batch_size > len(self._order):
             self.epoch, self.index = self.epoch + 1, 0
             self._order = self._shuffle()
-        idx = self._order[self.index * self.batch_size:(self.index + 1) * self.batch_size]
+        idx = self._order[self.index * self.batch_size : (self.index + 1) * self.batch_size]
         self.index += 1
         return self.data[0][idx], self.data[1][idx]
 

@@ -36,6 +36,7 @@ PathLike = str | os.PathLike
 
 # --------------------------------------------------------------------------------- bit-exact comparison
 
+
 def _is_none(x: Any) -> bool:
     return x is None
 
@@ -85,12 +86,21 @@ def assert_bit_exact(got: Any, want: Any, shardings: Any = None, *, types: bool 
         where = jax.tree_util.keystr(path)
         if types:
             assert type(x) is type(y) or (isinstance(x, jax.Array) and isinstance(y, jax.Array)), (
-                where, type(x), type(y))
+                where,
+                type(x),
+                type(y),
+            )
         if sharding is None:
             assert as_bytes(x) == as_bytes(y), (where, x, y)
             continue
         y = np.asarray(y)
-        assert x.shape == y.shape and np.dtype(x.dtype) == y.dtype, (where, x.shape, x.dtype, y.shape, y.dtype)
+        assert x.shape == y.shape and np.dtype(x.dtype) == y.dtype, (
+            where,
+            x.shape,
+            x.dtype,
+            y.shape,
+            y.dtype,
+        )
         assert x.sharding == sharding, (where, x.sharding, sharding)
         for shard in x.addressable_shards:
             assert as_bytes(shard.data) == as_bytes(y[shard.index]), (where, shard.index)
@@ -108,6 +118,7 @@ def bit_exact(got: Any, want: Any, **kw: Any) -> bool:
 
 # ------------------------------------------------------------------------------------------- states
 
+
 def step_state(step: int, shape: tuple[int, ...], seed: int) -> dict:
     """A state that is a deterministic function of ``step``: a float32 "w" of ``shape`` drawn from
     ``seed + step``, and the step. Each caller keeps its own seed and shape (its own size)."""
@@ -119,11 +130,14 @@ def crash_state(step: int) -> dict:
     """The crash tests' state (4 MB): one big float leaf and small ones (workers/crash_worker.py and
     harness/reliability_worker.py save it, tests restore and compare it)."""
     rng = np.random.default_rng(step)
-    return {"w": rng.standard_normal((1024, 1024)).astype(np.float32),
-            "b": {"x": rng.integers(0, 255, (3000,), dtype=np.uint8), "step": step}}
+    return {
+        "w": rng.standard_normal((1024, 1024)).astype(np.float32),
+        "b": {"x": rng.integers(0, 255, (3000,), dtype=np.uint8), "step": step},
+    }
 
 
 # ----------------------------------------------------------------------------------------- manifests
+
 
 def manifest_body(ckpt: PathLike) -> dict:
     """The body of a checkpoint's manifest, as stored."""
@@ -146,8 +160,9 @@ def encode_manifest(body: dict) -> bytes:
     try:
         return fmt.encode(body)
     except (ValueError, TypeError):
-        return json.dumps({"format": fmt.FORMAT_NAME, "version": fmt.FORMAT_VERSION, "crc32c": 0,
-                           "body": body}).encode()
+        return json.dumps(
+            {"format": fmt.FORMAT_NAME, "version": fmt.FORMAT_VERSION, "crc32c": 0, "body": body}
+        ).encode()
 
 
 def edit_manifest(ckpt: PathLike, change: Callable[[dict], Any]) -> None:
@@ -164,11 +179,15 @@ def leaf_of(body: dict, name: str) -> dict:
 
 def leaf_chunks(ckpt: PathLike) -> dict[str, list[dict]]:
     """The stored chunks of every array leaf ("a/b" key -> chunk records: file, offset, nbytes, ...)."""
-    return {"/".join(str(k) for _, k in leaf["path"]): leaf["chunks"]
-            for leaf in manifest_body(ckpt)["leaves"] if "chunks" in leaf}
+    return {
+        "/".join(str(k) for _, k in leaf["path"]): leaf["chunks"]
+        for leaf in manifest_body(ckpt)["leaves"]
+        if "chunks" in leaf
+    }
 
 
 # ----------------------------------------------------------------------------------- child processes
+
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on (now)."""

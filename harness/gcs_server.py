@@ -69,9 +69,27 @@ class FakeGcs:
     def start(self, timeout: float = 30.0) -> None:
         self._drop_unfinished_uploads()
         self.proc = subprocess.Popen(
-            [str(binary()), "-scheme", "http", "-host", HOST, "-port", str(self.port), "-backend", "filesystem",
-             "-filesystem-root", str(self.root), "-external-url", self.endpoint, "-log-level", "error"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=functools.partial(die_with_parent))
+            [
+                str(binary()),
+                "-scheme",
+                "http",
+                "-host",
+                HOST,
+                "-port",
+                str(self.port),
+                "-backend",
+                "filesystem",
+                "-filesystem-root",
+                str(self.root),
+                "-external-url",
+                self.endpoint,
+                "-log-level",
+                "error",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            preexec_fn=functools.partial(die_with_parent),
+        )
         _live.add(self.proc)
         try:
             self._wait_ready(timeout)
@@ -124,8 +142,14 @@ class FakeGcs:
             time.sleep(0.05)
         raise TimeoutError(f"fake-gcs-server on {self.endpoint} did not start within {timeout:.0f} s")
 
-    def _request(self, method: str, path: str, body: bytes | None = None, headers: Mapping[str, str] = {},
-                 timeout: float = 30) -> tuple[int, bytes]:
+    def _request(
+        self,
+        method: str,
+        path: str,
+        body: bytes | None = None,
+        headers: Mapping[str, str] = {},
+        timeout: float = 30,
+    ) -> tuple[int, bytes]:
         conn = http.client.HTTPConnection(HOST, self.port, timeout=timeout)
         try:
             conn.request(method, path, body=body, headers=dict(headers))
@@ -136,8 +160,9 @@ class FakeGcs:
 
     def create_bucket(self, name: str | None = None) -> str:
         name = name or f"bucket-{uuid.uuid4().hex[:12]}"
-        status, body = self._request("POST", "/storage/v1/b", json.dumps({"name": name}).encode(),
-                                     {"Content-Type": "application/json"})
+        status, body = self._request(
+            "POST", "/storage/v1/b", json.dumps({"name": name}).encode(), {"Content-Type": "application/json"}
+        )
         if status != 200:
             raise RuntimeError(f"creating bucket {name}: HTTP {status} {body[:200]!r}")
         return name
@@ -162,8 +187,12 @@ class FakeGcs:
         return body
 
     def put(self, bucket: str, key: str, data: bytes) -> None:
-        status, body = self._request("POST", f"/upload/storage/v1/b/{bucket}/o?uploadType=media&name="
-                                     f"{quote(key, safe='')}", data, {"Content-Type": "application/octet-stream"})
+        status, body = self._request(
+            "POST",
+            f"/upload/storage/v1/b/{bucket}/o?uploadType=media&name={quote(key, safe='')}",
+            data,
+            {"Content-Type": "application/octet-stream"},
+        )
         if status != 200:
             raise RuntimeError(f"writing {bucket}/{key}: HTTP {status} {body[:200]!r}")
 
@@ -173,13 +202,20 @@ class FakeGcs:
 
 # ----------------------------------------------------------------------------------------- front
 
+
 def _gcs_error(status: int, message: str, reason: str) -> bytes:
-    return json.dumps({"error": {"code": status, "message": message,
-                                 "errors": [{"domain": "global", "reason": reason, "message": message}]}}).encode()
+    return json.dumps(
+        {
+            "error": {
+                "code": status,
+                "message": message,
+                "errors": [{"domain": "global", "reason": reason, "message": message}],
+            }
+        }
+    ).encode()
 
 
-_FAULT_BODIES = {"503": "We encountered an internal error. Please try again.",
-                 "500": "Backend Error"}
+_FAULT_BODIES = {"503": "We encountered an internal error. Please try again.", "500": "Backend Error"}
 
 
 class _GcsHandler(_Handler):
@@ -200,14 +236,18 @@ class _GcsHandler(_Handler):
         tokens = self.server.tokens
         if tokens is not None:
             auth = self.headers.get("Authorization", "")
-            token = auth[len("Bearer "):] if auth.startswith("Bearer ") else None
+            token = auth[len("Bearer ") :] if auth.startswith("Bearer ") else None
             if token not in tokens:
                 self._json(401, "Unauthorized", "Invalid Credentials", "authError")
                 return
             allowed = tokens[token]
             if allowed is not ALL and self._bucket() not in allowed:
-                self._json(403, "Forbidden", f"{token} does not have storage.objects access to the bucket.",
-                           "forbidden")
+                self._json(
+                    403,
+                    "Forbidden",
+                    f"{token} does not have storage.objects access to the bucket.",
+                    "forbidden",
+                )
                 return
         if mode in _FAULT_BODIES:
             self._json(int(mode), "Injected", _FAULT_BODIES[mode], "backendError")
@@ -217,8 +257,12 @@ class _GcsHandler(_Handler):
             with self.server.precondition_lock:  # no other conditional upload between the check and the write
                 want, have = int(query["ifGenerationMatch"][0]), self._generation(query["name"][0])
                 if have is not None and want != have:
-                    self._json(412, "Precondition Failed", "At least one of the pre-conditions you specified "
-                               "did not hold.", "conditionNotMet")
+                    self._json(
+                        412,
+                        "Precondition Failed",
+                        "At least one of the pre-conditions you specified did not hold.",
+                        "conditionNotMet",
+                    )
                     return
                 super()._answer(body, mode)
             return
@@ -231,7 +275,9 @@ class _GcsHandler(_Handler):
         try:
             conn = http.client.HTTPConnection(HOST, self.server.upstream_port, timeout=30)
             try:
-                conn.request("GET", f"/storage/v1/b/{quote(bucket or '', safe='')}/o/{quote(name, safe='')}?alt=json")
+                conn.request(
+                    "GET", f"/storage/v1/b/{quote(bucket or '', safe='')}/o/{quote(name, safe='')}?alt=json"
+                )
                 resp = conn.getresponse()
                 data = resp.read()
             finally:
@@ -249,8 +295,12 @@ class GcsFront(FaultProxy):
     """A FaultProxy in front of a FakeGcs that speaks GCS (see the module docstring). ``tokens``: bearer
     token -> the buckets it may use (ALL: every one); None checks no token."""
 
-    def __init__(self, upstream_port: int, faults: Faults | None = None,
-                 tokens: Mapping[str, frozenset[str] | None] | None = None):
+    def __init__(
+        self,
+        upstream_port: int,
+        faults: Faults | None = None,
+        tokens: Mapping[str, frozenset[str] | None] | None = None,
+    ):
         super().__init__(upstream_port, faults)
         self._server.RequestHandlerClass = _GcsHandler
         self._server.tokens = dict(tokens) if tokens is not None else None
@@ -270,4 +320,3 @@ class GcsFront(FaultProxy):
         if self._server.tokens is None:
             self._server.tokens = {}
         self._server.tokens[token] = buckets
-

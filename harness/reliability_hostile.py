@@ -33,12 +33,22 @@ def hostile_tree(step: int) -> dict:
     import jax
 
     rng = np.random.default_rng(40_000 + step)
-    return {"a": np.arange(24, dtype=np.float32).reshape(4, 6) + step, "big": rng.standard_normal((512, 512)).astype(
-        np.float32), "b": {"c": np.full((5,), step, np.int16)}, "s": step, "f": 1.5, "t": "text", "n": None,
-        "e": [], "k": jax.random.key(step), "l": [np.ones(2, np.float64), 2]}
+    return {
+        "a": np.arange(24, dtype=np.float32).reshape(4, 6) + step,
+        "big": rng.standard_normal((512, 512)).astype(np.float32),
+        "b": {"c": np.full((5,), step, np.int16)},
+        "s": step,
+        "f": 1.5,
+        "t": "text",
+        "n": None,
+        "e": [],
+        "k": jax.random.key(step),
+        "l": [np.ones(2, np.float64), 2],
+    }
 
 
 # --------------------------------------------------------------------------------- crafted folders
+
 
 def _data_file(ck: str) -> str:
     return next(iter(manifest_body(ck)["files"]))
@@ -46,6 +56,7 @@ def _data_file(ck: str) -> str:
 
 def _retarget(ck: str, name: str) -> None:
     """Points every chunk of the first data file (and its size entry) at ``name``."""
+
     def change(body: dict) -> None:
         old = next(iter(body["files"]))
         body["files"][name] = body["files"].pop(old)
@@ -53,6 +64,7 @@ def _retarget(ck: str, name: str) -> None:
             for ch in lf.get("chunks", []):
                 if ch.get("file") == old:
                     ch["file"] = name
+
     edit_manifest(ck, change)
 
 
@@ -110,11 +122,19 @@ def zarr_narrow_stored_dtype(ck: str, out: str) -> None:
 
     name = leaf_of(manifest_body(ck), "a")["chunks"][0]["array"]
     shutil.rmtree(os.path.join(ck, name))
-    arr = ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": os.path.join(ck, name) + "/"},
-                   "metadata": {"shape": [4, 6], "data_type": "uint8", "codecs": [
-                       {"name": "bytes"}, {"name": "crc32c"}],
-                       "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [4, 6]}}}},
-                  create=True).result()
+    arr = ts.open(
+        {
+            "driver": "zarr3",
+            "kvstore": {"driver": "file", "path": os.path.join(ck, name) + "/"},
+            "metadata": {
+                "shape": [4, 6],
+                "data_type": "uint8",
+                "codecs": [{"name": "bytes"}, {"name": "crc32c"}],
+                "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [4, 6]}},
+            },
+        },
+        create=True,
+    ).result()
     arr.write(np.arange(24, dtype=np.uint8).reshape(4, 6)).result()
     edit_manifest(ck, lambda b: leaf_of(b, "a")["chunks"][0].update(stored_dtype="uint8"))
 
@@ -138,7 +158,9 @@ def fifo_manifest(ck: str, out: str) -> None:
 
 
 def device_data(ck: str, out: str) -> str | None:
-    return _special(ck, _data_file(ck), lambda p: os.mknod(p, stat.S_IFCHR | 0o600, os.makedev(1, 5)))  # /dev/zero
+    return _special(
+        ck, _data_file(ck), lambda p: os.mknod(p, stat.S_IFCHR | 0o600, os.makedev(1, 5))
+    )  # /dev/zero
 
 
 def symlink_loop(ck: str, out: str) -> None:
@@ -155,22 +177,37 @@ def overflowing_shape(ck: str, out: str) -> None:
 
 def beyond_memory(ck: str, out: str) -> None:
     """A consistent manifest (sizes, chunk, checksum count) claiming a 4 TiB leaf."""
+
     def change(body: dict) -> None:
         lf, n = leaf_of(body, "a"), 4 << 40
         name = lf["chunks"][0]["file"]
         body["files"][name] = n
-        lf.update(shape=[1 << 20, 1 << 20], chunks=[{"index": [[0, 1 << 20], [0, 1 << 20]], "file": name,
-                                                     "offset": 0, "nbytes": n, "block": n, "crc32c": [0]}])
+        lf.update(
+            shape=[1 << 20, 1 << 20],
+            chunks=[
+                {
+                    "index": [[0, 1 << 20], [0, 1 << 20]],
+                    "file": name,
+                    "offset": 0,
+                    "nbytes": n,
+                    "block": n,
+                    "crc32c": [0],
+                }
+            ],
+        )
+
     edit_manifest(ck, change)
 
 
 def aliased_chunks(ck: str, out: str) -> None:
     """100 chunk records that all point at the same valid 1 MiB (checksums right): a 100 MiB leaf."""
+
     def change(body: dict) -> None:
         lf = leaf_of(body, "big")
         (ch,) = lf["chunks"]
         lf["shape"] = [512 * 100, 512]
         lf["chunks"] = [dict(ch, index=[[512 * i, 512 * (i + 1)], [0, 512]]) for i in range(100)]
+
     edit_manifest(ck, change)
 
 
@@ -245,11 +282,18 @@ CASES: dict[str, tuple[tuple[str, ...], Callable[[str, str], Any]]] = {
     "list and dict in one node": (("raw",), mixed_node),
     "list index 2^31": (("raw",), list_gap),
     "chunk past the end of its file": (("raw",), chunk_past_file),
-    "unknown serializer": (("raw",), lambda ck, out: edit_manifest(ck, lambda b: b.update(serializer="pickle"))),
-    "object dtype": (("raw", "zarr3"),
-                     lambda ck, out: edit_manifest(ck, lambda b: leaf_of(b, "a").update(dtype="finfo"))),
-    "unknown PRNG impl": (("raw",),
-                          lambda ck, out: edit_manifest(ck, lambda b: leaf_of(b, "k").update(key_impl="nope"))),
+    "unknown serializer": (
+        ("raw",),
+        lambda ck, out: edit_manifest(ck, lambda b: b.update(serializer="pickle")),
+    ),
+    "object dtype": (
+        ("raw", "zarr3"),
+        lambda ck, out: edit_manifest(ck, lambda b: leaf_of(b, "a").update(dtype="finfo")),
+    ),
+    "unknown PRNG impl": (
+        ("raw",),
+        lambda ck, out: edit_manifest(ck, lambda b: leaf_of(b, "k").update(key_impl="nope")),
+    ),
 }
 
 
@@ -296,7 +340,9 @@ def hostile_trial(base: str, case: str, serializer: str, memory_limit: int = 200
         if _snapshot(base) != before:
             return Outcome("corrupt", f"{case} ({serializer}): files changed during a refused restore")
         if _peak_rss() - rss > memory_limit:
-            return Outcome("error", f"{case} ({serializer}): peak memory grew by {(_peak_rss() - rss) >> 20} MiB")
+            return Outcome(
+                "error", f"{case} ({serializer}): peak memory grew by {(_peak_rss() - rss) >> 20} MiB"
+            )
         with warnings_of(), fc.CheckpointManager(d) as mgr:
             return restore_exact(mgr.restore, hostile_tree(1), f"{case} ({serializer}): manager fallback")
     finally:
@@ -307,8 +353,22 @@ def hostile_trial(base: str, case: str, serializer: str, memory_limit: int = 200
 # ------------------------------------------------------------------------------ wrong types, fuzzing
 
 MISSING = object()  # a mutation that deletes the field
-WRONG_VALUES: tuple[Any, ...] = (MISSING, None, True, -1, 2**70, 0.5, float("nan"), "", "../x", "/etc/passwd",
-                                 [], [0, 0], {}, {"k": 1})
+WRONG_VALUES: tuple[Any, ...] = (
+    MISSING,
+    None,
+    True,
+    -1,
+    2**70,
+    0.5,
+    float("nan"),
+    "",
+    "../x",
+    "/etc/passwd",
+    [],
+    [0, 0],
+    {},
+    {"k": 1},
+)
 
 
 def positions(obj: Any, at: tuple = ()) -> Iterator[tuple]:
@@ -365,7 +425,7 @@ def consistent(got: Any, original: Any) -> bool:
 def _walk(tree: Any, at: str = "") -> Iterator[tuple[str, tuple]]:
     """(key string, as_bytes(leaf)) of nested dicts and lists (whatever their keys)."""
     if isinstance(tree, (dict, list)) and tree:
-        for k, v in (tree.items() if isinstance(tree, dict) else enumerate(tree)):
+        for k, v in tree.items() if isinstance(tree, dict) else enumerate(tree):
             yield from _walk(v, f"{at}/{k}")
     else:
         yield at, as_bytes(tree)
@@ -416,25 +476,98 @@ def fuzz_trial(base: str, serializer: str, examples: int, tally: Tally, *, deran
     raw0 = open(os.path.join(ck, MANIFEST), "rb").read()
     spots = list(positions(body0))
     folders = [()] + [p for p in spots if isinstance(_at(body0, p), dict)]  # where "add" puts a field
-    names = st.sampled_from(["path", "kind", "dtype", "shape", "chunks", "value", "py_type", "empty", "key_impl",
-                             "key_shape", "index", "file", "offset", "nbytes", "block", "crc32c", "array", "key",
-                             "stored_dtype", "sharding", "files", "leaves", "serializer", "step", "metrics"])
-    words = st.sampled_from(["../x", "/etc/passwd", "data/../../x", MANIFEST, "finfo", "object", "bfloat16",
-                             "int4", "uint2", "float32", "threefry2x32", "rbg", "zarr3", "raw", "idx", "key",
-                             "attr", "jax", "numpy", "prng_key", "scalar", "string", "empty", "none", "complex"])
-    scalars = (st.none() | st.booleans() | st.integers(-3, 70) | st.integers(-2**70, 2**70) | st.floats()
-               | st.text(max_size=12) | words)
-    values = st.recursive(scalars, lambda c: st.lists(c, max_size=4) | st.dictionaries(names | st.text(max_size=4), c,
-                                                                                          max_size=4), max_leaves=10)
-    edit_ = st.one_of(st.tuples(st.just("set"), st.sampled_from(spots), values),
-                      st.tuples(st.just("del"), st.sampled_from(spots), st.none()),
-                      st.tuples(st.just("add"), st.sampled_from(folders), st.tuples(names, values)))
+    names = st.sampled_from(
+        [
+            "path",
+            "kind",
+            "dtype",
+            "shape",
+            "chunks",
+            "value",
+            "py_type",
+            "empty",
+            "key_impl",
+            "key_shape",
+            "index",
+            "file",
+            "offset",
+            "nbytes",
+            "block",
+            "crc32c",
+            "array",
+            "key",
+            "stored_dtype",
+            "sharding",
+            "files",
+            "leaves",
+            "serializer",
+            "step",
+            "metrics",
+        ]
+    )
+    words = st.sampled_from(
+        [
+            "../x",
+            "/etc/passwd",
+            "data/../../x",
+            MANIFEST,
+            "finfo",
+            "object",
+            "bfloat16",
+            "int4",
+            "uint2",
+            "float32",
+            "threefry2x32",
+            "rbg",
+            "zarr3",
+            "raw",
+            "idx",
+            "key",
+            "attr",
+            "jax",
+            "numpy",
+            "prng_key",
+            "scalar",
+            "string",
+            "empty",
+            "none",
+            "complex",
+        ]
+    )
+    scalars = (
+        st.none()
+        | st.booleans()
+        | st.integers(-3, 70)
+        | st.integers(-(2**70), 2**70)
+        | st.floats()
+        | st.text(max_size=12)
+        | words
+    )
+    values = st.recursive(
+        scalars,
+        lambda c: st.lists(c, max_size=4) | st.dictionaries(names | st.text(max_size=4), c, max_size=4),
+        max_leaves=10,
+    )
+    edit_ = st.one_of(
+        st.tuples(st.just("set"), st.sampled_from(spots), values),
+        st.tuples(st.just("del"), st.sampled_from(spots), st.none()),
+        st.tuples(st.just("add"), st.sampled_from(folders), st.tuples(names, values)),
+    )
     byte_edit = st.tuples(st.integers(0, len(raw0) - 1), st.integers(0, 255))
 
-    @settings(max_examples=examples, database=None, deadline=None, derandomize=derandomize,
-              suppress_health_check=list(HealthCheck))
-    @given(st.one_of(st.tuples(st.just("body"), st.lists(edit_, min_size=1, max_size=4)),
-                     st.tuples(st.just("bytes"), st.lists(byte_edit, min_size=1, max_size=4))))
+    @settings(
+        max_examples=examples,
+        database=None,
+        deadline=None,
+        derandomize=derandomize,
+        suppress_health_check=list(HealthCheck),
+    )
+    @given(
+        st.one_of(
+            st.tuples(st.just("body"), st.lists(edit_, min_size=1, max_size=4)),
+            st.tuples(st.just("bytes"), st.lists(byte_edit, min_size=1, max_size=4)),
+        )
+    )
     def example(case: tuple) -> None:
         kind, edits = case
         if kind == "bytes":

@@ -24,7 +24,10 @@ from s3_server import FaultProxy, Faults, MotoS3
 
 import flax_ckpt as fc
 
-RETRY_ENV = {"FLAX_CKPT_STORAGE_MAX_ATTEMPTS": "3", "FLAX_CKPT_STORAGE_RETRY_DELAY": "0.005"}  # some fail for good
+RETRY_ENV = {
+    "FLAX_CKPT_STORAGE_MAX_ATTEMPTS": "3",
+    "FLAX_CKPT_STORAGE_RETRY_DELAY": "0.005",
+}  # some fail for good
 
 
 def s3_state(step: int) -> dict:
@@ -54,8 +57,13 @@ class S3Rig:
 def s3_rig() -> Iterator[S3Rig]:
     """The rig, with the environment that points s3:// URLs at the proxy (restored afterwards)."""
     with MotoS3() as server, FaultProxy(server.port) as proxy:
-        env = dict(RETRY_ENV, FLAX_CKPT_S3_ENDPOINT=proxy.endpoint, AWS_REGION="us-east-1",
-                   AWS_ACCESS_KEY_ID=server.admin.access_key_id, AWS_SECRET_ACCESS_KEY=server.admin.secret_access_key)
+        env = dict(
+            RETRY_ENV,
+            FLAX_CKPT_S3_ENDPOINT=proxy.endpoint,
+            AWS_REGION="us-east-1",
+            AWS_ACCESS_KEY_ID=server.admin.access_key_id,
+            AWS_SECRET_ACCESS_KEY=server.admin.secret_access_key,
+        )
         saved = {k: os.environ.get(k) for k in env}
         os.environ.update(env)
         try:
@@ -65,7 +73,9 @@ def s3_rig() -> Iterator[S3Rig]:
                 os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
 
 
-def s3_save_trial(rig: S3Rig, serializer: str, rng: random.Random, rate: float | None = None) -> tuple[Outcome, str]:
+def s3_save_trial(
+    rig: S3Rig, serializer: str, rng: random.Random, rate: float | None = None
+) -> tuple[Outcome, str]:
     """Step 1 is saved calmly, step 2 under faults (``rate``: the share of requests failed; by default
     drawn from 0.3..0.95, so some saves fail for good). A failed save raises SaveFailedError, and once
     the faults stop a new manager lists only whole steps; whatever is listed restores bit-exact."""
@@ -100,8 +110,9 @@ def s3_save_trial(rig: S3Rig, serializer: str, rng: random.Random, rate: float |
     return EXACT, note
 
 
-def s3_restore_trial(rig: S3Rig, serializer: str, rng: random.Random, rate: float | None = None,
-                     via: str = "engine") -> tuple[Outcome, str]:
+def s3_restore_trial(
+    rig: S3Rig, serializer: str, rng: random.Random, rate: float | None = None, via: str = "engine"
+) -> tuple[Outcome, str]:
     """A calmly saved step restored under faults (``via`` "engine": fc.restore of its URL;
     "manager": a manager opened and restoring under faults): bit-exact, or a CheckpointError (never
     other bytes); once the faults stop it restores bit-exact. A manager whose scan hides the committed
@@ -119,8 +130,11 @@ def s3_restore_trial(rig: S3Rig, serializer: str, rng: random.Random, rate: floa
         else:
             with fc.CheckpointManager(spec) as mgr:
                 if mgr.latest_step() != 1:
-                    return Outcome("error", f"a transient error in the manager's scan hid committed step 1 "
-                                            f"(latest_step() = {mgr.latest_step()})"), note
+                    return Outcome(
+                        "error",
+                        f"a transient error in the manager's scan hid committed step 1 "
+                        f"(latest_step() = {mgr.latest_step()})",
+                    ), note
                 got = mgr.restore()
         if not bit_exact(got, s3_state(1)):
             return Outcome("corrupt", "a restore under faults returned other bytes"), note

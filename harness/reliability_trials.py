@@ -111,6 +111,7 @@ def warnings_of(logger: str = "flax_ckpt") -> Iterator[list[str]]:
 
 # ------------------------------------------------------------------------------------------ crashes
 
+
 @dataclass
 class CrashRun:
     """One directory that crash trials keep killing savers in, and what the savers reported."""
@@ -126,7 +127,9 @@ class CrashRun:
         return fc.CheckpointManager(self.directory, **CRASH_KEEP, **extra)
 
 
-def crash_trial(z: Zygote, run: CrashRun, rng: random.Random, serializer: str, max_delay: float = 1.2) -> Outcome:
+def crash_trial(
+    z: Zygote, run: CrashRun, rng: random.Random, serializer: str, max_delay: float = 1.2
+) -> Outcome:
     """Forks a saver (async manager, retention), SIGKILLs it after a random delay, judges the folder."""
     pid, seen = z.fork("crash", run.directory, serializer, "crash", "tiers" if run.tiers else "none")
     time.sleep(rng.uniform(0.0, max_delay))
@@ -154,7 +157,9 @@ def judge_crash(run: CrashRun) -> Outcome:
         except fc.CheckpointNotCommittedError:
             pass
         except Exception as ex:  # noqa: BLE001
-            return Outcome("error", f"temporary folder {e}: {type(ex).__name__} instead of CheckpointNotCommittedError")
+            return Outcome(
+                "error", f"temporary folder {e}: {type(ex).__name__} instead of CheckpointNotCommittedError"
+            )
     newest = max(run.reported, default=0)
     if newest and not run.tiers and (not steps or steps[-1] < newest):
         return Outcome("lost", f"step {newest} was reported committed; newest on disk: {steps[-1:]}")
@@ -174,7 +179,9 @@ def judge_crash(run: CrashRun) -> Outcome:
     with run.manager() as mgr:  # the resumed job; removes temporary folders
         latest = mgr.latest_step()
         if run.tiers and newest and (latest or 0) < newest:
-            return Outcome("lost", f"step {newest} was reported committed; a new manager's latest is {latest}")
+            return Outcome(
+                "lost", f"step {newest} was reported committed; a new manager's latest is {latest}"
+            )
         if not run.tiers and latest != (steps[-1] if steps else None):
             return Outcome("error", f"a new manager sees latest {latest}, the folder {steps[-1:]}")
         if latest is not None:
@@ -184,7 +191,10 @@ def judge_crash(run: CrashRun) -> Outcome:
 
 # -------------------------------------------------------------------------------------- damaged data
 
-DAMAGE_CLASSES = {"raw": ("data", "manifest", "commit"), "zarr3": ("data", "array-meta", "manifest", "commit")}
+DAMAGE_CLASSES = {
+    "raw": ("data", "manifest", "commit"),
+    "zarr3": ("data", "array-meta", "manifest", "commit"),
+}
 DAMAGE_MODES = ("truncate", "delete", "flip")
 
 
@@ -206,8 +216,13 @@ def _victim(folder: str, cls: str, rng: random.Random) -> tuple[str, int, int]:
     if cls == "array-meta":
         name = rng.choice([f for f in files if f.endswith("zarr.json")])
     else:
-        name = rng.choice([f for f in files if f != MANIFEST and not f.endswith("zarr.json")
-                           and os.path.getsize(os.path.join(folder, f))])
+        name = rng.choice(
+            [
+                f
+                for f in files
+                if f != MANIFEST and not f.endswith("zarr.json") and os.path.getsize(os.path.join(folder, f))
+            ]
+        )
     return name, 0, os.path.getsize(os.path.join(folder, name))
 
 
@@ -222,10 +237,10 @@ def damage(folder: str, cls: str, mode: str, rng: random.Random) -> str:
         os.unlink(path)
         return name
     if mode == "truncate":
-        data = data[:rng.randrange(lo, hi)]
+        data = data[: rng.randrange(lo, hi)]
     elif mode == "delete":
         a = rng.randrange(lo, hi)
-        data = data[:a] + data[rng.randrange(a + 1, hi + 1):]
+        data = data[:a] + data[rng.randrange(a + 1, hi + 1) :]
     else:
         data[rng.randrange(lo, hi)] ^= 1 << rng.randrange(8)
     with open(path, "wb") as f:
@@ -261,7 +276,9 @@ def damage_trial(directory: str, serializer: str, cls: str, mode: str, rng: rand
     except Exception as e:  # noqa: BLE001
         return Outcome("error", f"{cls}/{mode} of {name}: undocumented {type(e).__name__}: {e}")
     with warnings_of() as warned, fc.CheckpointManager(directory) as mgr:
-        out = restore_exact(mgr.restore, small_state(2 if harmless else 1), f"manager restore after {cls}/{mode}")
+        out = restore_exact(
+            mgr.restore, small_state(2 if harmless else 1), f"manager restore after {cls}/{mode}"
+        )
     if not out.ok:
         return out
     if not harmless and not any("step 2" in w for w in warned):
@@ -277,6 +294,7 @@ def damage_trial(directory: str, serializer: str, cls: str, mode: str, rng: rand
 
 
 # ----------------------------------------------------------------------------------------- disk full
+
 
 class MountRefused(RuntimeError):
     """This machine does not let the suite mount a tmpfs (not root, or in a container without it)."""
@@ -296,7 +314,9 @@ def _mounted(path: str, commands: list[list[str]], image: str | None = None) -> 
             os.rmdir(path)
             if image:
                 os.unlink(image)
-            raise MountRefused(f"{' '.join(cmd)} failed ({r.returncode}): {r.stderr.strip() or r.stdout.strip()}")
+            raise MountRefused(
+                f"{' '.join(cmd)} failed ({r.returncode}): {r.stderr.strip() or r.stdout.strip()}"
+            )
     try:
         yield path
     finally:
@@ -386,11 +406,15 @@ def _disk_full(d: str, filler: str, mount: str, serializer: str, rng: random.Ran
         if failure is None:
             return Outcome("error", "the full file system never failed a save")
         if not is_enospc(failure):
-            return Outcome("error", f"the failure does not say the disk is full: {failure!r} <- {failure.__cause__!r}")
+            return Outcome(
+                "error", f"the failure does not say the disk is full: {failure!r} <- {failure.__cause__!r}"
+            )
         LAST_DISK_ERROR[serializer] = f"{failure} <- {failure.__cause__!r}"
         left = [e for e in os.listdir(d) if commit_mod.is_temporary(e)]
         if left or mgr.all_steps() != saved:
-            return Outcome("error", f"after the failure: temporary folders {left}, steps {mgr.all_steps()} != {saved}")
+            return Outcome(
+                "error", f"after the failure: temporary folders {left}, steps {mgr.all_steps()} != {saved}"
+            )
         for s in saved:
             out = restore_exact(lambda: mgr.restore(s), disk_state(s), f"step {s} after ENOSPC")
             if not out.ok:
@@ -399,8 +423,11 @@ def _disk_full(d: str, filler: str, mount: str, serializer: str, rng: random.Ran
             fc.save(os.path.join(mount, "plain"), disk_state(0), serializer=serializer)
             return Outcome("error", "fc.save succeeded on a full file system")
         except Exception as e:  # noqa: BLE001
-            if not is_enospc(e) or os.path.exists(os.path.join(mount, "plain")) or any(
-                    ".tmp-" in x for x in os.listdir(mount)):
+            if (
+                not is_enospc(e)
+                or os.path.exists(os.path.join(mount, "plain"))
+                or any(".tmp-" in x for x in os.listdir(mount))
+            ):
                 return Outcome("error", f"fc.save on a full disk: {e!r}, leftovers {os.listdir(mount)}")
         os.unlink(filler)
         step = saved[-1] + 1
@@ -410,6 +437,7 @@ def _disk_full(d: str, filler: str, mount: str, serializer: str, rng: random.Ran
 
 
 # ------------------------------------------------------------------------------- concurrent reading
+
 
 def reader_trial(z: Zygote, directory: str, seconds: float, tally: Tally) -> None:
     """A forked writer commits small steps as fast as it can with max_to_keep=2 (so retention deletes
@@ -424,8 +452,10 @@ def reader_trial(z: Zygote, directory: str, seconds: float, tally: Tally) -> Non
             fc.CheckpointManager(directory).close()
             tally.add(Outcome("error", "a second manager opened a directory that a live writer holds"))
         except fc.CheckpointLockedError as e:
-            tally.add(EXACT if f"pid {pid}" in str(e) else Outcome("error", f"lock error names no pid: {e}"),
-                      "second manager refused")
+            tally.add(
+                EXACT if f"pid {pid}" in str(e) else Outcome("error", f"lock error names no pid: {e}"),
+                "second manager refused",
+            )
         while time.monotonic() < deadline:
             for e in os.listdir(directory):
                 if e.isdigit():
@@ -446,8 +476,10 @@ def _read_while_churning(path: str, step: int, tally: Tally) -> None:
     except Exception as e:  # noqa: BLE001
         tally.add(Outcome("error", f"{path}: undocumented {type(e).__name__}: {e}"))
         return
-    tally.add(EXACT if bit_exact(got, small_state(step)) else Outcome("corrupt", f"{path}: wrong bytes"),
-              "restored while committing")
+    tally.add(
+        EXACT if bit_exact(got, small_state(step)) else Outcome("corrupt", f"{path}: wrong bytes"),
+        "restored while committing",
+    )
 
 
 def thread_saves_trial(directory: str, steps: int = 12) -> Outcome:
@@ -464,6 +496,7 @@ def thread_saves_trial(directory: str, steps: int = 12) -> Outcome:
     expected: dict[int, np.ndarray] = {}
     errors: list[BaseException] = []
     with fc.CheckpointManager(directory, max_to_keep=3) as mgr:
+
         def saver() -> None:
             try:
                 while (item := handoff.get()) is not None:
@@ -495,6 +528,7 @@ def thread_saves_trial(directory: str, steps: int = 12) -> Outcome:
 
 # ------------------------------------------------------------------------------------------- signals
 
+
 def _tree_stat(folder: str) -> dict[str, tuple[int, int]]:
     out = {}
     for r, _, fs in os.walk(folder):
@@ -504,8 +538,9 @@ def _tree_stat(folder: str) -> dict[str, tuple[int, int]]:
     return out
 
 
-def sigterm_trial(directory: str, scenario: str, rng: random.Random, *, twice: bool = False,
-                  serializer: str = "raw") -> Outcome:
+def sigterm_trial(
+    directory: str, scenario: str, rng: random.Random, *, twice: bool = False, serializer: str = "raw"
+) -> Outcome:
     """A fresh process with a SIGTERM handler (wait for the save in flight, close, exit 0) is sent
     SIGTERM (``twice``: two, a few ms apart) while a save is in flight, or while it restores. It must
     exit 0 within a minute; every step it had in flight is committed and bit-exact; no temporary folder
@@ -547,12 +582,18 @@ def sigterm_trial(directory: str, scenario: str, rng: random.Random, *, twice: b
         return restore_exact(lambda: fc.restore(os.path.join(directory, "1")), big_state(1), "step 1")
     inflight = [int(s.split()[1]) for s in seen if s.startswith("inflight ")]
     for s in inflight:
-        out = restore_exact(lambda: fc.restore(os.path.join(directory, str(s))), big_state(s),
-                            f"step {s}, in flight at SIGTERM")
+        out = restore_exact(
+            lambda: fc.restore(os.path.join(directory, str(s))),
+            big_state(s),
+            f"step {s}, in flight at SIGTERM",
+        )
         if not out.ok:
             return out
-    return Outcome("exact", "exit -15: the second SIGTERM came during interpreter exit, after the handler") \
-        if late else EXACT
+    return (
+        Outcome("exact", "exit -15: the second SIGTERM came during interpreter exit, after the handler")
+        if late
+        else EXACT
+    )
 
 
 def fresh(base: str, name: str) -> str:

@@ -58,12 +58,15 @@ def say(line: str) -> None:
 
 # ------------------------------------------------------------------------------------ child scenarios
 
+
 def crash_tiers(directory: str):
     """The memory tier of a crash run: a folder beside ``directory`` (a host tmpfs in production),
     every third step migrated to the directory, nothing deleted at close (the next process resumes)."""
     import flax_ckpt as fc
 
-    return fc.Tiers(local_dir=directory + ".shm", peer=False, persist_interval_steps=3, max_to_keep=2, cleanup=False)
+    return fc.Tiers(
+        local_dir=directory + ".shm", peer=False, persist_interval_steps=3, max_to_keep=2, cleanup=False
+    )
 
 
 def crash_loop(directory: str, serializer: str, state: str = "crash", tiers: str = "none") -> None:
@@ -119,6 +122,7 @@ SCENARIOS: dict[str, Callable[..., None]] = {"crash": crash_loop, "sigterm": sig
 
 
 # ------------------------------------------------------------------------------------------ zygote
+
 
 def zygote_main() -> None:
     """Reads "fork SCENARIO ARGS..." / "reap PID" / "quit" from stdin; forks children that run a
@@ -197,8 +201,13 @@ class Zygote:
     """A forking server of children (see the module docstring). Use as a context manager."""
 
     def __init__(self):
-        self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "zygote"], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True, env=worker_env())
+        self.proc = subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), "zygote"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=worker_env(),
+        )
         self.lines = Lines(self.proc)
         try:
             self.lines.until(lambda s: s == "ready", 120, [])
@@ -250,8 +259,12 @@ class Zygote:
 
 def spawn(*args: str) -> tuple[subprocess.Popen, Lines]:
     """A fresh interpreter running SCENARIOS[args[0]](*args[1:]) (see the module docstring)."""
-    proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), *args], stdout=subprocess.PIPE, text=True,
-                            env=worker_env())
+    proc = subprocess.Popen(
+        [sys.executable, os.path.abspath(__file__), *args],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=worker_env(),
+    )
     return proc, Lines(proc)
 
 

@@ -83,9 +83,12 @@ class MotoS3:
     def start(self, timeout: float = 30.0) -> None:
         env = dict(os.environ, INITIAL_NO_AUTH_ACTION_COUNT=str(_NO_AUTH_ACTIONS), MOTO_PORT=str(self.port))
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "moto.server", "-H", HOST, "-p", str(self.port)], env=env,
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            preexec_fn=functools.partial(die_with_parent, signal.SIGTERM))  # SIGTERM: moto shuts down
+            [sys.executable, "-m", "moto.server", "-H", HOST, "-p", str(self.port)],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            preexec_fn=functools.partial(die_with_parent, signal.SIGTERM),
+        )  # SIGTERM: moto shuts down
         _live.add(self.proc)
         try:
             self._wait_ready(timeout)
@@ -112,13 +115,20 @@ class MotoS3:
 
     def client(self, service: str, keys: Keys | None = None):
         keys = keys or self.admin or Keys("bootstrap", "bootstrap")
-        return boto3.client(service, endpoint_url=self.endpoint, region_name=REGION,
-                            aws_access_key_id=keys.access_key_id, aws_secret_access_key=keys.secret_access_key)
+        return boto3.client(
+            service,
+            endpoint_url=self.endpoint,
+            region_name=REGION,
+            aws_access_key_id=keys.access_key_id,
+            aws_secret_access_key=keys.secret_access_key,
+        )
 
     def _bootstrap_admin(self) -> Keys:
         iam = self.client("iam", Keys("bootstrap", "bootstrap"))
         iam.create_user(UserName="admin")
-        iam.put_user_policy(UserName="admin", PolicyName="all", PolicyDocument=_policy(["s3:*", "iam:*"], ["*"]))
+        iam.put_user_policy(
+            UserName="admin", PolicyName="all", PolicyDocument=_policy(["s3:*", "iam:*"], ["*"])
+        )
         k = iam.create_access_key(UserName="admin")["AccessKey"]
         return Keys(k["AccessKeyId"], k["SecretAccessKey"])
 
@@ -131,8 +141,11 @@ class MotoS3:
         """Keys of a new user allowed everything on ``bucket`` and nothing else (403 elsewhere)."""
         iam, user = self.client("iam"), f"user-{uuid.uuid4().hex[:8]}"
         iam.create_user(UserName=user)
-        iam.put_user_policy(UserName=user, PolicyName="one-bucket", PolicyDocument=_policy(
-            ["s3:*"], [f"arn:aws:s3:::{bucket}", f"arn:aws:s3:::{bucket}/*"]))
+        iam.put_user_policy(
+            UserName=user,
+            PolicyName="one-bucket",
+            PolicyDocument=_policy(["s3:*"], [f"arn:aws:s3:::{bucket}", f"arn:aws:s3:::{bucket}/*"]),
+        )
         k = iam.create_access_key(UserName=user)["AccessKey"]
         return Keys(k["AccessKeyId"], k["SecretAccessKey"])
 
@@ -148,8 +161,12 @@ class MotoS3:
 
 
 def _policy(actions: list[str], resources: list[str]) -> str:
-    return json.dumps({"Version": "2012-10-17",
-                       "Statement": [{"Effect": "Allow", "Action": actions, "Resource": resources}]})
+    return json.dumps(
+        {
+            "Version": "2012-10-17",
+            "Statement": [{"Effect": "Allow", "Action": actions, "Resource": resources}],
+        }
+    )
 
 
 # ------------------------------------------------------------------------------------ fault proxy
@@ -182,8 +199,10 @@ class Faults:
 
 
 def _s3_error(status: int, code: str, message: str) -> bytes:
-    return (f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{code}</Code>'
-            f"<Message>{message}</Message></Error>").encode()
+    return (
+        f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{code}</Code>'
+        f"<Message>{message}</Message></Error>"
+    ).encode()
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -226,19 +245,23 @@ class _Handler(BaseHTTPRequestHandler):
             raise
         return resp.status, resp.reason, resp.getheaders(), data
 
-    def _reply(self, status: int, reason: str, headers: list[tuple[str, str]], data: bytes,
-               truncate: bool = False) -> None:
+    def _reply(
+        self, status: int, reason: str, headers: list[tuple[str, str]], data: bytes, truncate: bool = False
+    ) -> None:
         self.send_response_only(status, reason)
         for k, v in headers:
             if k.lower() not in ("transfer-encoding", "connection", "content-length", "date", "server"):
                 self.send_header(k, v)
-        length = int(dict((k.lower(), v) for k, v in headers).get("content-length", len(data))) \
-            if self.command == "HEAD" else len(data)
+        length = (
+            int(dict((k.lower(), v) for k, v in headers).get("content-length", len(data)))
+            if self.command == "HEAD"
+            else len(data)
+        )
         self.send_header("Content-Length", str(length))
         self._end()
         self.end_headers()
         if self.command != "HEAD":
-            self.wfile.write(data[:len(data) // 2] if truncate else data)
+            self.wfile.write(data[: len(data) // 2] if truncate else data)
         self.wfile.flush()
 
     def _abort(self, reset: bool) -> None:
@@ -269,9 +292,13 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _answer(self, body: bytes, mode: str | None) -> None:
         if mode in ("503", "500"):
-            code = {"503": ("SlowDown", "Please reduce your request rate."),
-                    "500": ("InternalError", "We encountered an internal error. Please try again.")}[mode]
-            self._reply(int(mode), "Injected", [("Content-Type", "application/xml")], _s3_error(int(mode), *code))
+            code = {
+                "503": ("SlowDown", "Please reduce your request rate."),
+                "500": ("InternalError", "We encountered an internal error. Please try again."),
+            }[mode]
+            self._reply(
+                int(mode), "Injected", [("Content-Type", "application/xml")], _s3_error(int(mode), *code)
+            )
             return
         if mode in ("drop", "reset"):
             self._abort(reset=mode == "reset")
@@ -343,8 +370,9 @@ class FaultProxy:
         self._server = _Server(upstream_port, faults or Faults())
         self.port = self._server.server_address[1]
         self.endpoint = f"http://{HOST}:{self.port}"
-        self._thread = threading.Thread(target=self._server.serve_forever, args=(0.05,), name="fault-proxy",
-                                        daemon=True)
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, args=(0.05,), name="fault-proxy", daemon=True
+        )
         self._thread.start()
 
     @property

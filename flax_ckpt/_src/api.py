@@ -20,8 +20,16 @@ from flax_ckpt._src.serializers import Serializer, get_serializer
 from flax_ckpt._src.storage import split_location
 
 
-def save(path: Any, tree: Any, *, metadata: Any = None, serializer: "str | Serializer | None" = None,
-         step: int | None = None, metrics: dict[str, Any] | None = None, format: str = "native") -> None:
+def save(
+    path: Any,
+    tree: Any,
+    *,
+    metadata: Any = None,
+    serializer: "str | Serializer | None" = None,
+    step: int | None = None,
+    metrics: dict[str, Any] | None = None,
+    format: str = "native",
+) -> None:
     """Saves ``tree`` to ``path`` synchronously and atomically: the checkpoint is visible only once complete.
 
     Args:
@@ -71,17 +79,22 @@ def _check_destination(parent: Any, name: str, format: str) -> None:
     if os.path.islink(where):
         raise CheckpointExistsError(
             f"{where} is a symbolic link (to {os.readlink(where)}); a save writes a new folder and never "
-            "replaces a link or writes through it. Fix: save to the folder it points to, or remove the link.")
+            "replaces a link or writes through it. Fix: save to the folder it points to, or remove the link."
+        )
     if os.path.lexists(where) and not os.path.isdir(where):
-        raise CheckpointExistsError(f"{where} exists and is not a folder; checkpoints are never written over "
-                                    "other files. Fix: save elsewhere, or remove it first.")
+        raise CheckpointExistsError(
+            f"{where} exists and is not a folder; checkpoints are never written over "
+            "other files. Fix: save elsewhere, or remove it first."
+        )
     if format == "orbax":
         try:
             where.encode()
         except UnicodeEncodeError:
-            raise StorageError(f"{where!r} is not valid UTF-8, and Orbax's layout (tensorstore) takes only "
-                               "UTF-8 paths. Fix: save to a UTF-8 path, or with format=\"native\", which "
-                               "takes any path.") from None
+            raise StorageError(
+                f"{where!r} is not valid UTF-8, and Orbax's layout (tensorstore) takes only "
+                'UTF-8 paths. Fix: save to a UTF-8 path, or with format="native", which '
+                "takes any path."
+            ) from None
 
 
 def _folder(path: Any):
@@ -89,9 +102,20 @@ def _folder(path: Any):
     return parent.sub(name)
 
 
-def restore(path: Any, target: Any = None, *, shardings: Any = None, partial: bool = False,
-            rename: RenameArg = None, missing: str = "error", unexpected: str = "error", cast: bool = False,
-            report: bool = False, item: str | None = None, serializer: "str | Serializer | None" = None) -> Any:
+def restore(
+    path: Any,
+    target: Any = None,
+    *,
+    shardings: Any = None,
+    partial: bool = False,
+    rename: RenameArg = None,
+    missing: str = "error",
+    unexpected: str = "error",
+    cast: bool = False,
+    report: bool = False,
+    item: str | None = None,
+    serializer: "str | Serializer | None" = None,
+) -> Any:
     """Restores the checkpoint at ``path`` (either format), checked leaf by leaf against ``target``.
 
     Each leaf keeps the target's type: a Python scalar target leaf gets a Python scalar, a weak-typed
@@ -138,13 +162,16 @@ def restore(path: Any, target: Any = None, *, shardings: Any = None, partial: bo
       >>> fc.restore("ckpt", target)["w"]
       Array([0., 1., 2.], dtype=float32)
     """
-    fit = Fit.of(partial=partial, rename=rename, missing=missing, unexpected=unexpected, cast=cast,
-                 report=report)
+    fit = Fit.of(
+        partial=partial, rename=rename, missing=missing, unexpected=unexpected, cast=cast, report=report
+    )
     source = layouts.open_checkpoint(_folder(path), item, _reader(serializer))
     return engine.restore(source, target, shardings=shardings, fit=fit)
 
 
-def metadata(path: Any, *, item: str | None = None, serializer: "str | Serializer | None" = None) -> CheckpointInfo:
+def metadata(
+    path: Any, *, item: str | None = None, serializer: "str | Serializer | None" = None
+) -> CheckpointInfo:
     """What the checkpoint at ``path`` holds, read without any array bytes.
 
     Args:

@@ -22,7 +22,9 @@ import numpy as np
 
 from flax_ckpt._src.errors import CheckpointError, InvalidManifestError
 
-MANIFEST = "manifest.json"  # the native layout's commit record (native/manifest.py): no stored location names it
+MANIFEST = (
+    "manifest.json"  # the native layout's commit record (native/manifest.py): no stored location names it
+)
 MAX_MANIFEST_BYTES = 256 << 20  # the largest sealed document read (a manifest, a process's part of one)
 MAX_NDIM = 64  # numpy's own limit
 MAX_ARRAY_BYTES = 1 << 50  # more than any array a checkpoint holds
@@ -51,8 +53,16 @@ def seal_text(canon: str, *, name: str, version: int) -> bytes:
 _BODY = ', "body": '
 
 
-def unseal(raw: bytes | memoryview, *, name: str, version: int, where: str, what: str = "manifest",
-           error: type[CheckpointError] = InvalidManifestError, max_bytes: int = 256 << 20) -> dict[str, Any]:
+def unseal(
+    raw: bytes | memoryview,
+    *,
+    name: str,
+    version: int,
+    where: str,
+    what: str = "manifest",
+    error: type[CheckpointError] = InvalidManifestError,
+    max_bytes: int = 256 << 20,
+) -> dict[str, Any]:
     """The verified body of a sealed document; ``error`` (naming ``where``) when it is not valid JSON,
     not of format ``name``/``version``, or its body's checksum does not match."""
     raw = bytes(raw)
@@ -65,19 +75,23 @@ def unseal(raw: bytes | memoryview, *, name: str, version: int, where: str, what
         except (ValueError, RecursionError) as e:
             raise error(f"{where}: not valid JSON ({e}); the checkpoint is damaged") from None
     if not isinstance(doc, dict) or doc.get("format") != name:
-        raise error(f"{where}: not a {name} {what} (no \"format\": \"{name}\")")
+        raise error(f'{where}: not a {name} {what} (no "format": "{name}")')
     found = doc.get("version")
     if type(found) is not int or found != version:  # not True or 1.0
-        raise error(f"{where}: unknown format version {found!r}; this flax_ckpt reads version {version}. "
-                    "Upgrade flax_ckpt to read it.")
+        raise error(
+            f"{where}: unknown format version {found!r}; this flax_ckpt reads version {version}. "
+            "Upgrade flax_ckpt to read it."
+        )
     body = doc.get("body")
     if not isinstance(body, dict):
         raise error(f"{where}: {what} has no body object")
     if crc is None:
         crc = crc32c.crc32c(canonical(body).encode())
     if crc != doc.get("crc32c"):
-        raise error(f"{where}: {what} checksum mismatch (expected {doc.get('crc32c')!r}, found {crc}); "
-                    f"the {what} was modified or damaged")
+        raise error(
+            f"{where}: {what} checksum mismatch (expected {doc.get('crc32c')!r}, found {crc}); "
+            f"the {what} was modified or damaged"
+        )
     return body
 
 
@@ -87,7 +101,7 @@ def _fast_parse(raw: bytes) -> tuple[dict[str, Any] | None, int | None]:
     at = raw.find(_BODY.encode())
     if at < 0 or not raw.endswith(b"}\n"):
         return None, None
-    body_bytes = raw[at + len(_BODY):-2]
+    body_bytes = raw[at + len(_BODY) : -2]
     try:
         head = json.loads(raw[:at] + b"}")
         if not isinstance(head, dict) or set(head) != {"format", "version", "crc32c"}:
@@ -103,11 +117,21 @@ def _fast_parse(raw: bytes) -> tuple[dict[str, Any] | None, int | None]:
 
 def check_relpath(name: Any, field: str, where: str) -> str:
     """A stored location must be a plain relative path inside the checkpoint folder."""
-    if (not isinstance(name, str) or not name or name.startswith("/") or "\\" in name or "\0" in name
-            or posixpath.normpath(name) != name or name.split("/")[0] in ("..", ".")
-            or any(p in ("..", ".", "") for p in name.split("/")) or name == MANIFEST):
-        raise InvalidManifestError(f"{where}: field {field}: location {name!r} is not a relative path inside "
-                                   "the checkpoint folder; refusing to read it")
+    if (
+        not isinstance(name, str)
+        or not name
+        or name.startswith("/")
+        or "\\" in name
+        or "\0" in name
+        or posixpath.normpath(name) != name
+        or name.split("/")[0] in ("..", ".")
+        or any(p in ("..", ".", "") for p in name.split("/"))
+        or name == MANIFEST
+    ):
+        raise InvalidManifestError(
+            f"{where}: field {field}: location {name!r} is not a relative path inside "
+            "the checkpoint folder; refusing to read it"
+        )
     return name
 
 
@@ -124,8 +148,11 @@ def tiling_problem(boxes: Sequence[Sequence[Sequence[int]]], bounds: Sequence[Se
     layout a save writes: along each dimension, two boxes' ranges coincide or do not overlap) and in
     O(n 2^d log n) otherwise, d the dimensions along which the boxes are cut (see _corner_problem); a
     layout too irregular for that bound is refused, never accepted unchecked."""
-    if len(boxes) == 1 and len(boxes[0]) == len(bounds) and all(
-            s == a and e == b for (s, e), (a, b) in zip(boxes[0], bounds)):
+    if (
+        len(boxes) == 1
+        and len(boxes[0]) == len(bounds)
+        and all(s == a and e == b for (s, e), (a, b) in zip(boxes[0], bounds))
+    ):
         return None  # one chunk holding the whole array: most leaves
     bounds = [(int(a), int(b)) for a, b in bounds]
     total = math.prod(b - a for a, b in bounds)
@@ -164,8 +191,7 @@ def tiling_problem(boxes: Sequence[Sequence[Sequence[int]]], bounds: Sequence[Se
             x, y = sorted((int(order[np.argmax(same)]), int(order[np.argmax(same) + 1])))
             return f"chunks {items[x][0]} and {items[y][0]} both cover element {a[x, :, 0].tolist()}"
         return None if volume == total else _corner_problem(items, bounds) or _gap(volume, total, None)
-    return _corner_problem(items, bounds) or (
-        None if volume == total else _gap(volume, total, None))
+    return _corner_problem(items, bounds) or (None if volume == total else _gap(volume, total, None))
 
 
 def _corner_problem(items: list[tuple[int, Any]], bounds: list[tuple[int, int]]) -> str | None:
@@ -179,8 +205,10 @@ def _corner_problem(items: list[tuple[int, Any]], bounds: list[tuple[int, int]])
     lo, hi = np.asarray([x for x, _ in bounds], np.int64), np.asarray([y for _, y in bounds], np.int64)
     dims = np.flatnonzero(~np.all((a[:, :, 0] == lo) & (a[:, :, 1] == hi), axis=0))
     if (len(items) + 1) << len(dims) > _CORNERS_MAX:
-        return (f"{len(items)} chunks cut {len(dims)} dimensions in a layout that is not a grid; too irregular "
-                "to check, refused")
+        return (
+            f"{len(items)} chunks cut {len(dims)} dimensions in a layout that is not a grid; too irregular "
+            "to check, refused"
+        )
     masks = (np.arange(1 << len(dims))[:, None] >> np.arange(len(dims))[None, :]) & 1  # (2^d, d)
     signs = 1 - 2 * (masks.sum(axis=1) % 2)
     s, e = a[:, dims, 0], a[:, dims, 1]
@@ -209,7 +237,9 @@ def _gap(volume: int, total: int, at: list[int] | None) -> str:
 # ------------------------------------------------------------------ key paths and trees (every layout)
 
 MAX_PATH_DEPTH = 512  # keys in one leaf's key path; a model's tree is a few tens deep
-MAX_LIST_GAPS = 1 << 20  # list slots without a leaf (children with no leaves, e.g. dataclasses of static fields)
+MAX_LIST_GAPS = (
+    1 << 20
+)  # list slots without a leaf (children with no leaves, e.g. dataclasses of static fields)
 MAX_INDEX = 1 << 31  # a sequence index
 
 
@@ -221,11 +251,16 @@ def check_path(path: Any, field: str, c: Any) -> None:
     if len(path) > MAX_PATH_DEPTH:
         c.fail(field, f"{len(path)} keys deep, deeper than {MAX_PATH_DEPTH}")
     for j, e in enumerate(path):
-        if (not isinstance(e, list) or len(e) != 2 or e[0] not in ("key", "attr", "idx")
-                or isinstance(e[1], bool) or not isinstance(e[1], (str, int))
-                or (e[0] == "idx" and (not isinstance(e[1], int) or not 0 <= e[1] < MAX_INDEX))
-                or (e[0] == "attr" and not isinstance(e[1], str))):
-            c.fail(f"{field}[{j}]", f"expected [\"key\"|\"attr\"|\"idx\", key], found {str(e)[:100]}")
+        if (
+            not isinstance(e, list)
+            or len(e) != 2
+            or e[0] not in ("key", "attr", "idx")
+            or isinstance(e[1], bool)
+            or not isinstance(e[1], (str, int))
+            or (e[0] == "idx" and (not isinstance(e[1], int) or not 0 <= e[1] < MAX_INDEX))
+            or (e[0] == "attr" and not isinstance(e[1], str))
+        ):
+            c.fail(f"{field}[{j}]", f'expected ["key"|"attr"|"idx", key], found {str(e)[:100]}')
 
 
 class _Node:
@@ -242,8 +277,11 @@ class _Node:
 _LEAF = object()
 
 
-def check_tree(paths: Sequence[Sequence[Sequence[Any]]], c: Any,
-               label: Callable[[int], str] = lambda i: f"leaves[{i}].path") -> None:
+def check_tree(
+    paths: Sequence[Sequence[Sequence[Any]]],
+    c: Any,
+    label: Callable[[int], str] = lambda i: f"leaves[{i}].path",
+) -> None:
     """The key paths (each checked by check_path, or built as it would accept them) must form one
     tree: no path is a prefix or a duplicate of another, also as key strings (what restore matches
     leaves by: ["key", 1], ["key", "1"] and ["attr", "1"] are one key), the children of a node are all
@@ -278,9 +316,11 @@ def check_tree(paths: Sequence[Sequence[Sequence[Any]]], c: Any,
                 child = prev[1]
             node = child
     if sum(n.top + 1 for n in lists) > len(paths) + MAX_LIST_GAPS:
-        c.fail(label(max(range(len(paths)), key=lambda i: _top(paths[i]))),
-               f"sequence indices up to {max(map(_top, paths))} leave more gaps than any saved tree has "
-               f"(more than {MAX_LIST_GAPS} list slots without a leaf)")
+        c.fail(
+            label(max(range(len(paths)), key=lambda i: _top(paths[i]))),
+            f"sequence indices up to {max(map(_top, paths))} leave more gaps than any saved tree has "
+            f"(more than {MAX_LIST_GAPS} list slots without a leaf)",
+        )
 
 
 def _top(path: Sequence[Sequence[Any]]) -> int:
@@ -301,8 +341,11 @@ def numpy_bytes(shape: Sequence[int], itemsize: int) -> int:
 def shape_problem(shape: Any, itemsize: int) -> str | None:
     """Why ``shape`` is no shape a stored array may have (not a list of at most MAX_NDIM sizes, or
     spanning more than MAX_ARRAY_BYTES as numpy_bytes counts them); None when it is one."""
-    if (not isinstance(shape, (list, tuple)) or len(shape) > MAX_NDIM
-            or not all(type(d) is int and d >= 0 for d in shape)):
+    if (
+        not isinstance(shape, (list, tuple))
+        or len(shape) > MAX_NDIM
+        or not all(type(d) is int and d >= 0 for d in shape)
+    ):
         return f"shape {str(shape)[:60]} is not a list of at most {MAX_NDIM} sizes"
     if numpy_bytes(shape, itemsize) > MAX_ARRAY_BYTES:
         return f"shape {str(list(shape))[:60]} spans more than the {MAX_ARRAY_BYTES} bytes any array holds"

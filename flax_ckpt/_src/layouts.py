@@ -54,8 +54,9 @@ class Layout(Protocol):
     def snapshot(self, tree: Any, *, copy: bool, reuse: Snapshot | None = None) -> Snapshot:
         """The blocking half of a save (caller's thread); refuses what the format cannot store."""
 
-    def persist(self, snap: Snapshot, parent: Storage, name: str, *, step: int | None, metrics: Any,
-                metadata: Any) -> PersistTimes:
+    def persist(
+        self, snap: Snapshot, parent: Storage, name: str, *, step: int | None, metrics: Any, metadata: Any
+    ) -> PersistTimes:
         """Writes and commits ``snap`` as ``parent/name`` (background thread). ``step``: recorded where
         the format has room; a ValueError, before anything is written, where it cannot be."""
 
@@ -88,7 +89,9 @@ def layout(name: str, serializer: "str | Serializer | None" = None) -> Layout:
         return NativeLayout(serializer)
     if name == "orbax":
         if serializer is not None:
-            raise ValueError("serializer= applies to format='native'; Orbax's layout is always tensorstore zarr")
+            raise ValueError(
+                "serializer= applies to format='native'; Orbax's layout is always tensorstore zarr"
+            )
         return OrbaxLayout()
     raise ValueError(f"unknown format {name!r}; use 'native' or 'orbax'")
 
@@ -117,7 +120,9 @@ def recognize(folder: Storage, serializer: "Serializer | None" = None) -> Layout
     return OrbaxLayout() if orbax_locate.is_orbax(folder) else foreign.file_layout(folder)
 
 
-def open_checkpoint(folder: Storage, item: str | None = None, serializer: "Serializer | None" = None) -> Source:
+def open_checkpoint(
+    folder: Storage, item: str | None = None, serializer: "Serializer | None" = None
+) -> Source:
     """The committed checkpoint in ``folder``, in whichever format it has, as a restore Source
     (``item``: only that named item of an Orbax step; ``serializer``: see detect). A directory of
     legacy Flax ``checkpoint_<step>`` files (and no native step folders) is a CheckpointNotFoundError
@@ -129,7 +134,8 @@ def open_checkpoint(folder: Storage, item: str | None = None, serializer: "Seria
             shown = ", ".join(str(s) for s, _, _ in files[:10]) + (", ..." if len(files) > 10 else "")
             raise CheckpointNotFoundError(
                 f"{folder.url} is a directory of Flax checkpoint files, steps [{shown}], not one checkpoint: pass "
-                f"one of them (e.g. {folder.url.rstrip('/')}/{files[-1][1]}); `flax-ckpt ls {folder.url}` lists them")
+                f"one of them (e.g. {folder.url.rstrip('/')}/{files[-1][1]}); `flax-ckpt ls {folder.url}` lists them"
+            )
     return (fmt or NativeLayout(serializer)).open(folder, item)
 
 
@@ -142,8 +148,9 @@ class StepFolder:
     layout: Layout
 
 
-def step_folders(root: Storage, serializer: "Serializer | None" = None, *, files: bool = False
-                 ) -> tuple[list[StepFolder], list[str]]:
+def step_folders(
+    root: Storage, serializer: "Serializer | None" = None, *, files: bool = False
+) -> tuple[list[StepFolder], list[str]]:
     """The step folders of a run directory in either format, by step (committed Orbax steps, named
     ``<step>`` or ``<prefix>_<step>``; every other folder named by an integer is a native step, to be
     opened to know whether it is committed, and whose manifest must name that step), and the names of
@@ -167,8 +174,9 @@ def step_folders(root: Storage, serializer: "Serializer | None" = None, *, files
     return sorted(found, key=lambda f: f.step), temporary
 
 
-def run_format(storage: Storage, requested: str | None, serializer: Any = None, *,
-               tiers: bool = False) -> tuple[str, str | None]:
+def run_format(
+    storage: Storage, requested: str | None, serializer: Any = None, *, tiers: bool = False
+) -> tuple[str, str | None]:
     """The format a manager writes new steps of the run in ``storage`` in, and a warning (or None).
 
     A run stays in one format: with ``requested`` None it follows the directory (the newest committed
@@ -178,18 +186,27 @@ def run_format(storage: Storage, requested: str | None, serializer: Any = None, 
     ValueError too for ``serializer=`` or ``tiers`` (memory tiers) that the format has not."""
     requested = _renamed(requested)
     if requested is not None and requested not in FORMATS:
-        raise ValueError(f"unknown format {requested!r}; use 'native', 'orbax' or None (follow the directory)")
+        raise ValueError(
+            f"unknown format {requested!r}; use 'native', 'orbax' or None (follow the directory)"
+        )
     folders, _ = step_folders(storage)
-    committed = [f for f in folders
-                 if f.layout.name == "orbax" or commit_mod.is_committed(storage, f.name, f.layout.record)]
+    committed = [
+        f
+        for f in folders
+        if f.layout.name == "orbax" or commit_mod.is_committed(storage, f.name, f.layout.record)
+    ]
     fmt, warning = _followed(requested, committed, storage.url)
     followed = f"{storage.url} holds Orbax steps, so this run's new steps are Orbax's too, and "
     if fmt == "orbax" and requested is None and serializer is not None:
-        raise ValueError(followed + "serializer= applies to native steps only; drop serializer= (or give a "
-                         "native run a directory of its own)")
+        raise ValueError(
+            followed + "serializer= applies to native steps only; drop serializer= (or give a "
+            "native run a directory of its own)"
+        )
     if tiers and fmt != "native":
-        raise ValueError((followed if requested is None else "") + "tiers= needs format='native' (the memory "
-                         "tiers migrate native checkpoints)")
+        raise ValueError(
+            (followed if requested is None else "") + "tiers= needs format='native' (the memory "
+            "tiers migrate native checkpoints)"
+        )
     return fmt, warning
 
 
@@ -202,11 +219,17 @@ def _followed(requested: str | None, committed: list[StepFolder], directory: str
         raise ValueError(
             f"{directory} holds {newest} steps ({_steps_text(by_format[newest])}); a run stays in one format, so "
             f"open it with format={newest!r} (or format=None, which follows the directory), or give the "
-            f"{requested} run a directory of its own")
+            f"{requested} run a directory of its own"
+        )
     mixed = all(by_format[name] for name in FORMATS)
-    warning = None if not mixed else (
-        f"{directory} holds both native steps ({_steps_text(by_format['native'])}) and Orbax steps "
-        f"({_steps_text(by_format['orbax'])}); new steps follow the newest, in the {newest} format")
+    warning = (
+        None
+        if not mixed
+        else (
+            f"{directory} holds both native steps ({_steps_text(by_format['native'])}) and Orbax steps "
+            f"({_steps_text(by_format['orbax'])}); new steps follow the newest, in the {newest} format"
+        )
+    )
     return newest, warning
 
 

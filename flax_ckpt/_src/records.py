@@ -96,12 +96,22 @@ class LeafRecord:
     def logical_shape(self) -> tuple[int, ...] | None:
         """The shape a user sees: for a PRNG key array, without the key data's trailing dimensions."""
         if self.kind == "prng_key":
-            return self.shape[:len(self.shape) - len(self.key_shape)]
+            return self.shape[: len(self.shape) - len(self.key_shape)]
         return self.shape
 
     def with_chunks(self, chunks: Sequence[dict[str, Any]]) -> "LeafRecord":
-        return LeafRecord(self.path, self.kind, self.dtype, self.shape, self.key_impl, self.key_shape, self.sharding,
-                          tuple(chunks), self.value, self.python)
+        return LeafRecord(
+            self.path,
+            self.kind,
+            self.dtype,
+            self.shape,
+            self.key_impl,
+            self.key_shape,
+            self.sharding,
+            tuple(chunks),
+            self.value,
+            self.python,
+        )
 
     def describe(self) -> str:
         """As error messages show it: float32[4,6], key<threefry2x32>[2], Python int, str, None, {}."""
@@ -144,16 +154,25 @@ class LeafRecord:
             rec["empty"] = self.value
         elif self.kind == "string":
             rec["value"] = self.value
-        elif self.kind == "scalar":  # ints and bools exactly in JSON, floats as their bytes (NaN payloads, -0.0)
+        elif (
+            self.kind == "scalar"
+        ):  # ints and bools exactly in JSON, floats as their bytes (NaN payloads, -0.0)
             py = type(self.value).__name__
             rec["py_type"] = py
-            rec["value"] = self.value if py in ("bool", "int") else \
-                np.asarray(self.value, np.float64 if py == "float" else np.complex128).tobytes().hex()
+            rec["value"] = (
+                self.value
+                if py in ("bool", "int")
+                else np.asarray(self.value, np.float64 if py == "float" else np.complex128).tobytes().hex()
+            )
         else:
             if self.kind == "prng_key":
                 rec["key_impl"], rec["key_shape"] = self.key_impl, list(self.key_shape)
-            rec.update(dtype=self.dtype.name, shape=list(self.shape), sharding=self.sharding,
-                       chunks=list(self.chunks))
+            rec.update(
+                dtype=self.dtype.name,
+                shape=list(self.shape),
+                sharding=self.sharding,
+                chunks=list(self.chunks),
+            )
         return rec
 
     @staticmethod
@@ -170,11 +189,22 @@ class LeafRecord:
             if py in ("bool", "int"):
                 return LeafRecord(path, kind, value=v)
             dt = np.float64 if py == "float" else np.complex128
-            return LeafRecord(path, kind, value={"float": float, "complex": complex}[py](
-                np.frombuffer(bytes.fromhex(v), dt)[0]))
+            return LeafRecord(
+                path,
+                kind,
+                value={"float": float, "complex": complex}[py](np.frombuffer(bytes.fromhex(v), dt)[0]),
+            )
         key_shape = tuple(rec["key_shape"]) if kind == "prng_key" else None
-        return LeafRecord(path, kind, dtype_from_name(rec["dtype"]), tuple(rec["shape"]), rec.get("key_impl"),
-                          key_shape, rec.get("sharding"), tuple(rec.get("chunks", ())))
+        return LeafRecord(
+            path,
+            kind,
+            dtype_from_name(rec["dtype"]),
+            tuple(rec["shape"]),
+            rec.get("key_impl"),
+            key_shape,
+            rec.get("sharding"),
+            tuple(rec.get("chunks", ())),
+        )
 
 
 def leaf_name(rec: dict[str, Any]) -> str:

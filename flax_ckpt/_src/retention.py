@@ -20,9 +20,16 @@ def ranked(values: Mapping[int, float | None], mode: Literal["min", "max"] = "mi
     return [s for _, s in scored]
 
 
-def steps_to_delete(steps: Iterable[int], *, max_to_keep: int | None = None, keep_period: int | None = None,
-                    metrics: dict[int, float | None] | None = None, best_mode: Literal["min", "max"] = "min",
-                    keep_best: int | None = None, formats: Mapping[int, str] | None = None) -> list[int]:
+def steps_to_delete(
+    steps: Iterable[int],
+    *,
+    max_to_keep: int | None = None,
+    keep_period: int | None = None,
+    metrics: dict[int, float | None] | None = None,
+    best_mode: Literal["min", "max"] = "min",
+    keep_best: int | None = None,
+    formats: Mapping[int, str] | None = None,
+) -> list[int]:
     """The committed steps that retention removes, oldest first.
 
     Kept: the newest step always; the newest ``max_to_keep`` (all, when None); every step divisible by
@@ -34,13 +41,22 @@ def steps_to_delete(steps: Iterable[int], *, max_to_keep: int | None = None, kee
         groups: dict[str | None, list[int]] = {}
         for s in set(steps):
             groups.setdefault(formats.get(s), []).append(s)
-        return sorted(s for group in groups.values() for s in steps_to_delete(
-            group, max_to_keep=max_to_keep, keep_period=keep_period, metrics=metrics, best_mode=best_mode,
-            keep_best=keep_best))
+        return sorted(
+            s
+            for group in groups.values()
+            for s in steps_to_delete(
+                group,
+                max_to_keep=max_to_keep,
+                keep_period=keep_period,
+                metrics=metrics,
+                best_mode=best_mode,
+                keep_best=keep_best,
+            )
+        )
     steps = sorted(set(steps))
     if not steps or max_to_keep is None:
         return []
-    keep = set(steps[-max(1, max_to_keep):]) if max_to_keep > 0 else {steps[-1]}
+    keep = set(steps[-max(1, max_to_keep) :]) if max_to_keep > 0 else {steps[-1]}
     keep.add(steps[-1])
     if keep_period:
         keep.update(s for s in steps if s % keep_period == 0)
@@ -82,10 +98,17 @@ class Retention:
         best = ranked(self.values(metrics), self.best_mode)
         return best[0] if best else None
 
-    def doomed(self, metrics: Mapping[int, dict[str, Any] | None],
-               formats: Mapping[int, str] | None = None) -> list[int]:
+    def doomed(
+        self, metrics: Mapping[int, dict[str, Any] | None], formats: Mapping[int, str] | None = None
+    ) -> list[int]:
         """The steps of {step: its saved metrics} that retention removes, oldest first; ``formats``
         ({step: its format}): each format's steps apart (``steps_to_delete``)."""
-        return steps_to_delete(metrics, max_to_keep=self.max_to_keep, keep_period=self.keep_period,
-                               metrics=self.values(metrics), best_mode=self.best_mode,
-                               keep_best=self.keep_best, formats=formats)
+        return steps_to_delete(
+            metrics,
+            max_to_keep=self.max_to_keep,
+            keep_period=self.keep_period,
+            metrics=self.values(metrics),
+            best_mode=self.best_mode,
+            keep_best=self.keep_best,
+            formats=formats,
+        )

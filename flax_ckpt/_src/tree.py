@@ -25,6 +25,7 @@ jax = lazy("jax", globals())  # imported on first use (lazy.py)
 KeyEntry = tuple[str, Any]
 KeyPath = tuple[KeyEntry, ...]
 
+
 def _is_leaf(x: Any) -> bool:
     if x is None:
         return True
@@ -39,7 +40,8 @@ def entry(k: Any) -> KeyEntry:
         key = k.key
         if isinstance(key, (bool, np.bool_)) or not isinstance(key, (str, int, np.integer)):
             raise UnsupportedLeafError(
-                f"dict key {key!r} of type {type(key).__name__} cannot be stored; use str or int keys")
+                f"dict key {key!r} of type {type(key).__name__} cannot be stored; use str or int keys"
+            )
         return ("key", key if isinstance(key, str) else int(key))
     if isinstance(k, jax.tree_util.GetAttrKey):
         return ("attr", k.name)
@@ -122,7 +124,8 @@ def empty_kind(x: Any) -> str | None:
 
 def is_prng_key(x: Any) -> bool:
     return isinstance(x, (jax.Array, jax.ShapeDtypeStruct)) and jax.dtypes.issubdtype(
-        x.dtype, jax.dtypes.prng_key)
+        x.dtype, jax.dtypes.prng_key
+    )
 
 
 def classify(x: Any) -> str:
@@ -135,7 +138,9 @@ def classify(x: Any) -> str:
         try:
             dtype_from_name(x.dtype.name)
         except (TypeError, ValueError):
-            raise TypeError(f"numpy dtype {x.dtype} (object, string and structured arrays are not stored)") from None
+            raise TypeError(
+                f"numpy dtype {x.dtype} (object, string and structured arrays are not stored)"
+            ) from None
         return "numpy"
     if isinstance(x, (bool, int, float, complex)):
         return "scalar"
@@ -155,13 +160,19 @@ def classify_all(flat: Sequence[tuple[KeyPath, Any]]) -> list[str]:
             iterators = iterators or hasattr(leaf, "__next__")
     if bad:
         raise UnsupportedLeafError(
-            "cannot save these leaves (nothing was written): " + "; ".join(bad)
+            "cannot save these leaves (nothing was written): "
+            + "; ".join(bad)
             + ". Store arrays, Python scalars, strings and None; rebuild functions and objects in code "
-              "(TrainState's apply_fn and tx are not leaves and need nothing)."
-            + (" A generator or iterator has no state to save: give its class get_state() (returning its "
-               "position as a pytree) and set_state(state) methods (the get_state()/set_state() protocol of "
-               "grain's iterators, callbacks.Stateful), and CheckpointCallback saves and restores its "
-               "position; or rebuild it in code from a saved step or epoch." if iterators else ""))
+            "(TrainState's apply_fn and tx are not leaves and need nothing)."
+            + (
+                " A generator or iterator has no state to save: give its class get_state() (returning its "
+                "position as a pytree) and set_state(state) methods (the get_state()/set_state() protocol of "
+                "grain's iterators, callbacks.Stateful), and CheckpointCallback saves and restores its "
+                "position; or rebuild it in code from a saved step or epoch."
+                if iterators
+                else ""
+            )
+        )
     return kinds
 
 
@@ -196,4 +207,16 @@ def path_from_json(obj: Any) -> KeyPath:
     return tuple((kind, key) for kind, key in obj)
 
 
-__all__ = ["Flat", "KeyPath", "classify", "classify_all", "empty_kind", "entry", "flat", "flatten", "is_prng_key", "keystr", "nest"]
+__all__ = [
+    "Flat",
+    "KeyPath",
+    "classify",
+    "classify_all",
+    "empty_kind",
+    "entry",
+    "flat",
+    "flatten",
+    "is_prng_key",
+    "keystr",
+    "nest",
+]

@@ -32,7 +32,9 @@ ORBAX_TMP_MARK = ".orbax-checkpoint-tmp"  # Orbax's own in-flight folders: never
 # ``<name>.deleting-<uuid4 hex>``: remove) and by Orbax (0.12.8: ``<name>.orbax-checkpoint-tmp``; older
 # releases and orbax/write.py: ``<name>.orbax-checkpoint-tmp-<timestamp>``). Nothing else is temporary:
 # a user's ``config.yaml.tmp-1`` or ``eval.orbax-checkpoint-tmp-results`` is never read nor removed.
-_TEMPORARY = re.compile(r"(.+?)(?:\.tmp-[0-9a-f]{32}|\.deleting-[0-9a-f]{32}|\.orbax-checkpoint-tmp(?:-[0-9]+)?)")
+_TEMPORARY = re.compile(
+    r"(.+?)(?:\.tmp-[0-9a-f]{32}|\.deleting-[0-9a-f]{32}|\.orbax-checkpoint-tmp(?:-[0-9]+)?)"
+)
 
 
 def step_number(name: str) -> int | None:
@@ -58,22 +60,34 @@ def base_name(entry: str) -> str:
     return entry if m is None else m.group(1)
 
 
-def staging_name(parent: Storage, name: str, *, record: str, mark: str = TMP_MARK, nonce: str | None = None) -> str:
+def staging_name(
+    parent: Storage, name: str, *, record: str, mark: str = TMP_MARK, nonce: str | None = None
+) -> str:
     """Where a save of ``name`` writes before commit; refuses a name that is already taken (a folder
     holding the commit ``record``, or on a file system any folder that is not empty)."""
     if parent.sub(name).exists(record):
-        raise CheckpointExistsError(f"{parent.url}/{name} is a committed checkpoint; checkpoints are never "
-                                    "overwritten (save to a new path or delete it first)")
+        raise CheckpointExistsError(
+            f"{parent.url}/{name} is a committed checkpoint; checkpoints are never "
+            "overwritten (save to a new path or delete it first)"
+        )
     if not parent.supports_rename:
         return name
     if parent.sub(name).list():
-        raise CheckpointExistsError(f"{parent.url}/{name} exists and is not a committed checkpoint; "
-                                    "remove it or save elsewhere (checkpoints are never overwritten)")
+        raise CheckpointExistsError(
+            f"{parent.url}/{name} exists and is not a committed checkpoint; "
+            "remove it or save elsewhere (checkpoints are never overwritten)"
+        )
     return f"{name}{mark}{nonce or uuid.uuid4().hex}"
 
 
-def commit(parent: Storage, staging: str, name: str, record: str, data: bytes,
-           before: Sequence[tuple[str, bytes]] = ()) -> None:
+def commit(
+    parent: Storage,
+    staging: str,
+    name: str,
+    record: str,
+    data: bytes,
+    before: Sequence[tuple[str, bytes]] = (),
+) -> None:
     """Makes ``staging`` visible as ``name`` atomically: writes the files ``before``, then the commit
     ``record`` (on an object store only if absent: a commit that appeared meanwhile is not replaced),
     then, on a file system, fsyncs and renames."""
@@ -82,9 +96,11 @@ def commit(parent: Storage, staging: str, name: str, record: str, data: bytes,
         folder.write(n, [d])
     if not parent.supports_rename:
         if not folder.write_if_absent(record, data):
-            raise CheckpointExistsError(f"{parent.url}/{name} was committed by another writer while this save "
-                                        "ran; not overwritten (its data objects may mix both saves: delete it "
-                                        "and save again)")
+            raise CheckpointExistsError(
+                f"{parent.url}/{name} was committed by another writer while this save "
+                "ran; not overwritten (its data objects may mix both saves: delete it "
+                "and save again)"
+            )
         return
     folder.write(record, [data])
     parent.sync(staging)
@@ -92,8 +108,10 @@ def commit(parent: Storage, staging: str, name: str, record: str, data: bytes,
         parent.rename(staging, name)
     except OSError as e:
         if e.errno in (errno.EEXIST, errno.ENOTEMPTY):
-            raise CheckpointExistsError(f"{parent.url}/{name} appeared while saving; not overwritten "
-                                        f"(the new data stays in {staging} until cleaned up)") from e
+            raise CheckpointExistsError(
+                f"{parent.url}/{name} appeared while saving; not overwritten "
+                f"(the new data stays in {staging} until cleaned up)"
+            ) from e
         raise
     parent.sync(tree=False)
 
@@ -108,8 +126,12 @@ def abort(parent: Storage, staging: str, record: str) -> None:
         if not parent.sub(staging).exists(record):
             parent.delete(staging)
     except StorageError as e:  # the store is failing: what is left is uncommitted, so never read
-        log.warning("could not remove the uncommitted %s/%s (a manager removes it when it "
-                    "next starts): %s", parent.url, staging, e)
+        log.warning(
+            "could not remove the uncommitted %s/%s (a manager removes it when it next starts): %s",
+            parent.url,
+            staging,
+            e,
+        )
 
 
 def remove(parent: Storage, name: str, record: str, *, salvage: Callable[[str], None] | None = None) -> None:

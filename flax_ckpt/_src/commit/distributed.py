@@ -47,7 +47,7 @@ _ROOT = "flax_ckpt"
 _timeout_s = 300.0
 _lock = threading.Lock()
 _rounds: dict[str, int] = {}  # key prefix -> how many rounds this process has run under it
-_unacked: list[str] = []      # process 0: rounds whose keys are deleted once every peer has acked
+_unacked: list[str] = []  # process 0: rounds whose keys are deleted once every peer has acked
 
 
 def process_index() -> int:
@@ -78,9 +78,12 @@ def _client() -> Any:
     """The jax.distributed key-value client. jax has no public accessor for it (multihost_utils uses
     this same private attribute); this function is the only place flax_ckpt touches ``jax._src``."""
     from jax._src.distributed import global_state  # no public accessor (jax 0.10)
+
     if global_state.client is None:
-        raise DistributedError(f"{process_count()} processes but jax.distributed is not initialized; call "
-                               "jax.distributed.initialize() in every process before saving")
+        raise DistributedError(
+            f"{process_count()} processes but jax.distributed is not initialized; call "
+            "jax.distributed.initialize() in every process before saving"
+        )
     return global_state.client
 
 
@@ -142,8 +145,10 @@ def _round(prefix: str, what: str, value: Any, reduce: Callable[[list[Any]], Any
         try:
             msg = _get(f"{key}/all", 2 * _timeout_s, where)
         except TimeoutError:
-            raise DistributedError(f"{where}: process 0 of {count} did not answer within {2 * _timeout_s:g} s "
-                                   "(dead, hung, or not running the same saves and restores?)") from None
+            raise DistributedError(
+                f"{where}: process 0 of {count} did not answer within {2 * _timeout_s:g} s "
+                "(dead, hung, or not running the same saves and restores?)"
+            ) from None
         if "error" in msg:
             raise DistributedError(msg["error"])
         return msg["result"]
@@ -172,12 +177,16 @@ def _collect(key: str, where: str, what: str, count: int) -> list[Any]:
         except TimeoutError:
             have = _present(key)
             missing = [p for p in range(count) if f"p{p}" not in have]
-            raise DistributedError(f"{where}: process(es) {missing} of {count} did not answer within "
-                                   f"{_timeout_s:g} s (dead, hung, or not running the same saves and "
-                                   "restores?)") from None
+            raise DistributedError(
+                f"{where}: process(es) {missing} of {count} did not answer within "
+                f"{_timeout_s:g} s (dead, hung, or not running the same saves and "
+                "restores?)"
+            ) from None
         if msg["what"] != what:
-            raise DistributedError(f"{where}: process {j} is at {msg['what']!r}, process 0 at {what!r}; every "
-                                   "process must save and restore the same steps")
+            raise DistributedError(
+                f"{where}: process {j} is at {msg['what']!r}, process 0 at {what!r}; every "
+                "process must save and restore the same steps"
+            )
         out.append(msg["value"])
     return out
 
@@ -211,19 +220,30 @@ def vote(prefix: str, what: str, key: int, err: BaseException | None) -> dict[in
 
     def count(votes: list[dict[str, Any]]) -> dict[str, Any]:
         if any(v["key"] != key for v in votes):
-            raise DistributedError(f"{what}: processes tried different steps ({[v['key'] for v in votes]}); "
-                                   "every process must restore the same step")
+            raise DistributedError(
+                f"{what}: processes tried different steps ({[v['key'] for v in votes]}); "
+                "every process must restore the same step"
+            )
         return {str(j): v["error"] for j, v in enumerate(votes) if v["error"] is not None}
+
     return {int(j): tuple(e) for j, e in _round(prefix, "vote", mine, count).items()}
 
 
 # ------------------------------------------------------------------------------------------- saves
 
+
 def tree_digest(leaves: list[Any]) -> str:
     """Structure of a snapshot (key paths, kinds, dtypes, shapes of its LeafRecords): every process must
     save the same tree."""
-    rows = [[[list(e) for e in r.path], r.kind, r.dtype.name if r.dtype is not None else None,
-             list(r.shape) if r.shape is not None else None] for r in leaves]
+    rows = [
+        [
+            [list(e) for e in r.path],
+            r.kind,
+            r.dtype.name if r.dtype is not None else None,
+            list(r.shape) if r.shape is not None else None,
+        ]
+        for r in leaves
+    ]
     return f"{crc32c.crc32c(json.dumps(rows).encode()):08x}"
 
 
@@ -239,7 +259,9 @@ class SaveRound:
     @staticmethod
     def begin(parent: Storage, name: str) -> "SaveRound":
         where = f"{parent.url}/{name}"
-        return SaveRound(_next_round(f"{_ROOT}/save/{_digest(where)}"), where, process_index(), process_count())
+        return SaveRound(
+            _next_round(f"{_ROOT}/save/{_digest(where)}"), where, process_index(), process_count()
+        )
 
     def agree_staging(self, make: Callable[[], str]) -> str:
         """Process 0 calls ``make`` and publishes the staging folder's name; the others receive it. A
@@ -257,9 +279,11 @@ class SaveRound:
         try:
             msg = _get(key, _timeout_s, self.where)
         except TimeoutError:
-            raise DistributedError(f"save of {self.where}: process 0 did not start this save within "
-                                   f"{_timeout_s:g} s (dead, hung, or not saving this step?); nothing was "
-                                   "written") from None
+            raise DistributedError(
+                f"save of {self.where}: process 0 did not start this save within "
+                f"{_timeout_s:g} s (dead, hung, or not saving this step?); nothing was "
+                "written"
+            ) from None
         if "error" in msg:
             raise DistributedError(f"save of {self.where}: process 0 could not start it: {msg['error']}")
         return msg["staging"]
@@ -267,11 +291,20 @@ class SaveRound:
     def publish(self, stage: Storage, written: Written, digest: str) -> None:
         """A peer: stores its chunk records durably in the staging folder and announces them."""
         name = f"{PARTS}/p{self.index}.json"
-        body = json.dumps({"process": self.index, "tree": digest, "files": written.files,
-                           "chunks": {str(k): v for k, v in written.chunks.items()}}).encode()
+        body = json.dumps(
+            {
+                "process": self.index,
+                "tree": digest,
+                "files": written.files,
+                "chunks": {str(k): v for k, v in written.chunks.items()},
+            }
+        ).encode()
         stage.write(name, [body])
-        _set(f"{self.prefix}/written/p{self.index}",
-             {"part": name, "nbytes": len(body), "crc32c": crc32c.crc32c(body)}, self.where)
+        _set(
+            f"{self.prefix}/written/p{self.index}",
+            {"part": name, "nbytes": len(body), "crc32c": crc32c.crc32c(body)},
+            self.where,
+        )
 
     def fail(self, exc: BaseException) -> None:
         """Reports this process's failure to the others (best effort: the coordinator may be gone)."""
@@ -291,8 +324,11 @@ class SaveRound:
         msgs = self._wait_written()
         failed = {j: m["error"] for j, m in msgs.items() if "error" in m}
         if failed:
-            raise DistributedError(f"save of {self.where}: " + "; ".join(
-                f"process {j} failed: {err}" for j, err in sorted(failed.items())) + "; the step was not committed")
+            raise DistributedError(
+                f"save of {self.where}: "
+                + "; ".join(f"process {j} failed: {err}" for j, err in sorted(failed.items()))
+                + "; the step was not committed"
+            )
         parts = [own] + [self._read_part(stage, j, msgs[j], digest) for j in range(1, self.count)]
         stage.delete(PARTS)
         return dedupe(parts)
@@ -309,19 +345,24 @@ class SaveRound:
                 raise DistributedError(
                     f"save of {self.where}: process(es) {missing} of {self.count} did not report their shards "
                     f"as written within {_timeout_s:g} s (dead, hung, or not saving this step?); the step "
-                    "was not committed") from None
+                    "was not committed"
+                ) from None
         return msgs
 
     def _read_part(self, stage: Storage, j: int, msg: dict[str, Any], digest: str) -> Written:
         raw = stage.read(msg["part"], MAX_MANIFEST_BYTES)
         if len(raw) != msg["nbytes"] or crc32c.crc32c(raw) != msg["crc32c"]:
-            raise DistributedError(f"save of {self.where}: process {j}'s chunk records "
-                                   f"{stage.url}/{msg['part']} are damaged (size or crc32c mismatch)")
+            raise DistributedError(
+                f"save of {self.where}: process {j}'s chunk records "
+                f"{stage.url}/{msg['part']} are damaged (size or crc32c mismatch)"
+            )
         body = json.loads(raw)
         if body["tree"] != digest:
-            raise DistributedError(f"save of {self.where}: process {j} saved a different tree than process 0 "
-                                   "(other key paths, shapes or dtypes); every process must save the same "
-                                   "state")
+            raise DistributedError(
+                f"save of {self.where}: process {j} saved a different tree than process 0 "
+                "(other key paths, shapes or dtypes); every process must save the same "
+                "state"
+            )
         return Written({int(k): v for k, v in body["chunks"].items()}, body["files"])
 
     def announce(self) -> None:
@@ -335,9 +376,11 @@ class SaveRound:
         try:
             msg = _get(f"{self.prefix}/result", 2 * _timeout_s, self.where)
         except TimeoutError:
-            raise DistributedError(f"save of {self.where}: process 0 did not announce the commit within "
-                                   f"{2 * _timeout_s:g} s (dead or hung); the step may or may not be "
-                                   "committed: a manager's next start shows which") from None
+            raise DistributedError(
+                f"save of {self.where}: process 0 did not announce the commit within "
+                f"{2 * _timeout_s:g} s (dead or hung); the step may or may not be "
+                "committed: a manager's next start shows which"
+            ) from None
         if "error" in msg:
             raise DistributedError(f"save of {self.where} failed on process 0: {msg['error']}")
         try:
@@ -375,8 +418,10 @@ def dedupe(parts: list[Written]) -> list[Written]:
         for leaf, recs in w.chunks.items():
             boxes, cells = [_box(r) for r in recs], []
             for box in boxes if leaf not in pairwise else ():
-                ranges = [range(bisect.bisect_left(g, s), bisect.bisect_left(g, e))
-                          for (s, e), g in zip(box, edges[leaf])]
+                ranges = [
+                    range(bisect.bisect_left(g, s), bisect.bisect_left(g, e))
+                    for (s, e), g in zip(box, edges[leaf])
+                ]
                 if math.prod(len(r) for r in ranges) > _CELLS_MAX:
                     pairwise.add(leaf)
                     break
@@ -416,6 +461,7 @@ def _cleanup_acked(count: int) -> None:
 
 
 # ----------------------------------------------------------------------------------------- manager
+
 
 def job_prefix(kind: str, where: str) -> str:
     """The key prefix of one manager's (or tier set's) agreement rounds: ``kind`` and a digest of its

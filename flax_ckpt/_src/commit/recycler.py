@@ -87,7 +87,11 @@ class Recycler:
             if not self._files:
                 return None
             fits = [k for k, f in self._files.items() if f[2] >= size]
-            key = min(fits, key=lambda k: self._files[k][2]) if fits else max(self._files, key=lambda k: self._files[k][2])
+            key = (
+                min(fits, key=lambda k: self._files[k][2])
+                if fits
+                else max(self._files, key=lambda k: self._files[k][2])
+            )
             dev, ino, _ = self._files.pop(key)
             try:
                 st = os.stat(key, dir_fd=self._fd, follow_symlinks=False)

@@ -198,7 +198,8 @@ def to_host(pending: Sequence[Pending]) -> tuple[list[np.ndarray], float]:
         raise CheckpointError(
             f"the computation that produced the saved state failed on the device ({type(e).__name__}: "
             f"{str(e).splitlines()[0] if str(e) else ''}); nothing of this step was written. Earlier steps "
-            "are intact; the cause is attached") from e
+            "are intact; the cause is attached"
+        ) from e
 
 
 def _on_cpu(x: jax.Array) -> bool:
@@ -214,13 +215,19 @@ def tell(choice: Choice) -> None:
         return
     _told.add(choice.mode)
     mb = lambda n: f"{n / 2**20:.1f} MiB"  # noqa: E731
-    what = {"device": "on the devices' streams (save returns before the step and the transfer end)",
-            "split": "partly on the devices, within their free memory; the rest copied to host before save "
-                     "returns",
-            "host": "to host before save returns (FLAX_CKPT_DEVICE_SNAPSHOT, a ready CPU state, or no free "
-                    "device memory)"}[choice.mode]
-    log.info("snapshots are taken %s: %s on device, %s to host", what, mb(choice.device_bytes),
-             mb(choice.host_bytes))
+    what = {
+        "device": "on the devices' streams (save returns before the step and the transfer end)",
+        "split": "partly on the devices, within their free memory; the rest copied to host before save "
+        "returns",
+        "host": "to host before save returns (FLAX_CKPT_DEVICE_SNAPSHOT, a ready CPU state, or no free "
+        "device memory)",
+    }[choice.mode]
+    log.info(
+        "snapshots are taken %s: %s on device, %s to host",
+        what,
+        mb(choice.device_bytes),
+        mb(choice.host_bytes),
+    )
 
 
 __all__ = ["Choice", "Pending", "choose", "dispatch", "headroom", "mode", "tell", "to_host"]

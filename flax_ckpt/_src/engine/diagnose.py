@@ -46,7 +46,7 @@ def _strip(names: Sequence[str], value: bool) -> list[str] | None:
         return list(names)
     if not all(n.endswith(_VALUE) and len(n) > len(_VALUE) for n in names):
         return None
-    return [n[:-len(_VALUE)] for n in names]
+    return [n[: -len(_VALUE)] for n in names]
 
 
 def _prefixes(t: list[str], c: list[str]) -> tuple[str, str] | None:
@@ -57,7 +57,7 @@ def _prefixes(t: list[str], c: list[str]) -> tuple[str, str] | None:
         return ("", "")
     for longer, shorter, flip in ((tset, c, False), (cset, t, True)):
         first = shorter[0]
-        candidates = [name[:-len(first) - 1] for name in longer if name.endswith("/" + first)]
+        candidates = [name[: -len(first) - 1] for name in longer if name.endswith("/" + first)]
         for p in candidates[:_TRIES]:
             if {f"{p}/{n}" for n in shorter} == longer:
                 return ("", p) if flip else (p, "")
@@ -74,23 +74,32 @@ def _explain(target: _Side, ckpt: _Side) -> str:
     if ckpt.prefix:
         what.append(f"the checkpoint nests every leaf under '{ckpt.prefix}/' where the target does not")
     if target.value:
-        what.append("the target's key paths end in '/value' (an nnx.State) where the checkpoint's do not (a "
-                    "pure dict, as nnx.to_pure_dict gives)")
+        what.append(
+            "the target's key paths end in '/value' (an nnx.State) where the checkpoint's do not (a "
+            "pure dict, as nnx.to_pure_dict gives)"
+        )
     if ckpt.value:
-        what.append("the checkpoint's key paths end in '/value' (a saved nnx.State) where the target's do "
-                    "not (a pure dict)")
+        what.append(
+            "the checkpoint's key paths end in '/value' (a saved nnx.State) where the target's do "
+            "not (a pure dict)"
+        )
     fixes = []
     if target.value:
-        fixes.append("restore into nnx.to_pure_dict(state) and put the result back with "
-                     "nnx.replace_by_pure_dict(state, restored)")
+        fixes.append(
+            "restore into nnx.to_pure_dict(state) and put the result back with "
+            "nnx.replace_by_pure_dict(state, restored)"
+        )
     if ckpt.value:
         fixes.append("restore into an nnx.State (nnx.state(model)) and convert it with nnx.to_pure_dict")
     if target.prefix and not ckpt.value:
         fixes.append(f"restore into the sub-tree under '{target.prefix}' alone")
     if ckpt.prefix and not target.value:
         fixes.append(f"nest the target under '{ckpt.prefix}' as the checkpoint does")
-    src = (re.escape(f"{ckpt.prefix}/" if ckpt.prefix else "") + "(.*)"
-           + (re.escape(_VALUE) if ckpt.value else ""))
+    src = (
+        re.escape(f"{ckpt.prefix}/" if ckpt.prefix else "")
+        + "(.*)"
+        + (re.escape(_VALUE) if ckpt.value else "")
+    )
     dst = (target.prefix + "/" if target.prefix else "") + r"\1" + (_VALUE if target.value else "")
     fixes.append(f"pass rename={{{src!r}: {dst!r}}}")
     return "Diagnosis: " + "; ".join(what) + ". Fix: " + ", or ".join(fixes) + "."
@@ -114,15 +123,19 @@ def replicated_diagnosis(shapes: Sequence[tuple[tuple[int, ...], tuple[int, ...]
 
 def _replicated(k: int, saved_side: bool) -> str:
     if saved_side:
-        return (f"Diagnosis: every leaf differs only by a leading axis of {k}: the checkpoint holds a state "
-                f"replicated by pmap over {k} device(s), saved without unreplicating it. Fix: restore it "
-                f"with the replicated target (a leading axis of {k} on every leaf: "
-                f"flax.jax_utils.replicate(state) on {k} device(s), or "
-                f"jax.ShapeDtypeStruct(({k},) + x.shape, x.dtype) per leaf) and unreplicate the result "
-                "(flax.jax_utils.unreplicate), or from now on save flax.jax_utils.unreplicate(state).")
-    return (f"Diagnosis: every leaf of the target differs only by a leading axis of {k}: the target is a "
-            "state replicated by pmap, the checkpoint is not. Fix: restore into the unreplicated state and "
-            "replicate the result (flax.jax_utils.replicate(restored)).")
+        return (
+            f"Diagnosis: every leaf differs only by a leading axis of {k}: the checkpoint holds a state "
+            f"replicated by pmap over {k} device(s), saved without unreplicating it. Fix: restore it "
+            f"with the replicated target (a leading axis of {k} on every leaf: "
+            f"flax.jax_utils.replicate(state) on {k} device(s), or "
+            f"jax.ShapeDtypeStruct(({k},) + x.shape, x.dtype) per leaf) and unreplicate the result "
+            "(flax.jax_utils.unreplicate), or from now on save flax.jax_utils.unreplicate(state)."
+        )
+    return (
+        f"Diagnosis: every leaf of the target differs only by a leading axis of {k}: the target is a "
+        "state replicated by pmap, the checkpoint is not. Fix: restore into the unreplicated state and "
+        "replicate the result (flax.jax_utils.replicate(restored))."
+    )
 
 
 __all__ = ["replicated_diagnosis", "structure_diagnosis"]

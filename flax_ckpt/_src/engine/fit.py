@@ -28,10 +28,13 @@ from flax_ckpt._src.tree import KeyPath
 ml_dtypes = lazy("ml_dtypes", globals())  # imported on first use (lazy.py)
 
 Rules = tuple[tuple["re.Pattern[str]", "str | None"], ...]
-RenameArg = Mapping[str, "str | None"] | Sequence[tuple[str, "str | None"]] | Callable[[str], "str | None"] | None
+RenameArg = (
+    Mapping[str, "str | None"] | Sequence[tuple[str, "str | None"]] | Callable[[str], "str | None"] | None
+)
 
 
 # ------------------------------------------------------------------------------------------ options
+
 
 @dataclass(frozen=True)
 class Fit:
@@ -49,8 +52,15 @@ class Fit:
     report: bool = False
 
     @classmethod
-    def of(cls, partial: bool = False, rename: RenameArg = None, missing: str = "error",
-           unexpected: str = "error", cast: bool = False, report: bool = False) -> "Fit":
+    def of(
+        cls,
+        partial: bool = False,
+        rename: RenameArg = None,
+        missing: str = "error",
+        unexpected: str = "error",
+        cast: bool = False,
+        report: bool = False,
+    ) -> "Fit":
         """The options as fc.restore takes them, checked (InvalidArgumentError, also a ValueError and a
         TypeError, before anything is read).
         ``partial=True`` is ``unexpected="ignore"`` (its older name)."""
@@ -68,7 +78,9 @@ class Fit:
     def relaxed(self) -> bool:
         """Whether anything differs from an exact restore (then restore logs its report)."""
         return bool(self.rules or self.rename_fn or self.cast) or (self.missing, self.unexpected) != (
-            "error", "error")
+            "error",
+            "error",
+        )
 
 
 def as_fit(partial: "bool | Fit") -> Fit:
@@ -85,12 +97,15 @@ def _rules(rename: RenameArg) -> tuple[Rules, Callable[[str], "str | None"] | No
     rules = []
     for pair in pairs:
         if not (isinstance(pair, (tuple, list)) and len(pair) == 2):
-            raise InvalidArgumentError("rename: expected (regex, replacement) pairs, a dict of them or a "
-                                       f"function; got {pair!r}")
+            raise InvalidArgumentError(
+                f"rename: expected (regex, replacement) pairs, a dict of them or a function; got {pair!r}"
+            )
         pattern, repl = pair
         if repl is not None and not isinstance(repl, str):
-            raise InvalidArgumentError(f"rename: the replacement of {pattern!r} must be a str or None (do "
-                                       f"not restore), not {type(repl).__name__}")
+            raise InvalidArgumentError(
+                f"rename: the replacement of {pattern!r} must be a str or None (do "
+                f"not restore), not {type(repl).__name__}"
+            )
         try:
             rules.append((re.compile(pattern), repl))
         except (re.error, TypeError) as e:
@@ -99,6 +114,7 @@ def _rules(rename: RenameArg) -> tuple[Rules, Callable[[str], "str | None"] | No
 
 
 # ------------------------------------------------------------------------------------------- report
+
 
 @dataclass(frozen=True)
 class RestoreReport:
@@ -120,14 +136,24 @@ class RestoreReport:
     def summary(self) -> str:
         """One line: 'restored 192 leaves (12 renamed, 192 cast); kept 4 the checkpoint lacks; ignored 3'."""
         extra = [f"{len(v)} {k}" for k, v in (("renamed", self.renamed), ("cast", self.cast)) if v]
-        return (f"restored {len(self.restored)} leaves" + (f" ({', '.join(extra)})" if extra else "")
-                + (f"; kept {len(self.kept)} the checkpoint lacks: {format_list(list(self.kept), 5)}"
-                   if self.kept else "")
-                + (f"; ignored {len(self.ignored)} the target lacks: {format_list(list(self.ignored), 5)}"
-                   if self.ignored else ""))
+        return (
+            f"restored {len(self.restored)} leaves"
+            + (f" ({', '.join(extra)})" if extra else "")
+            + (
+                f"; kept {len(self.kept)} the checkpoint lacks: {format_list(list(self.kept), 5)}"
+                if self.kept
+                else ""
+            )
+            + (
+                f"; ignored {len(self.ignored)} the target lacks: {format_list(list(self.ignored), 5)}"
+                if self.ignored
+                else ""
+            )
+        )
 
 
 # ------------------------------------------------------------------------------------------- rename
+
 
 class Renamed(NamedTuple):
     """The saved records by the key path the target names them (``by_name``), where each came from
@@ -168,7 +194,8 @@ def renamed(saved: Sequence[LeafRecord], fit: Fit, what: str, *, warn: bool = Tr
             f"restore of {what}: rename= {two}{'rename= ' if two and folder else ''}{folder}Fix: make the "
             "rules map each checkpoint key to its own target key, never to a key path another leaf's path "
             "passes through, or drop one (replacement None); rules apply in order, the first that matches a "
-            "key path wins.")
+            "key path wins."
+        )
     if warn:
         for (pattern, repl), hit in zip(fit.rules, used):
             if not hit:
@@ -179,6 +206,7 @@ def renamed(saved: Sequence[LeafRecord], fit: Fit, what: str, *, warn: bool = Tr
 def _folder_clashes(by_name: dict[str, LeafRecord], origin: dict[str, str]) -> list[str]:
     """Each key path (after a rename) that is a leaf where another leaf's path needs a folder ('p' and
     'p/q': restored as nested dicts, one would replace the other), where a rename made either."""
+
     def shown(n: str) -> str:
         return f"{origin[n]!r} (renamed to {n!r})" if n in origin else repr(n)
 
@@ -205,8 +233,13 @@ def nestable(paths: list[KeyPath]) -> list[KeyPath]:
     mixed = {f for f, seen in kinds.items() if len(seen) > 1}
     if not mixed:
         return paths
-    return [tuple(("key", k) if kind == "idx" and _folder(p, d) in mixed else (kind, k)
-                  for d, (kind, k) in enumerate(p)) for p in paths]
+    return [
+        tuple(
+            ("key", k) if kind == "idx" and _folder(p, d) in mixed else (kind, k)
+            for d, (kind, k) in enumerate(p)
+        )
+        for p in paths
+    ]
 
 
 def _folder(path: KeyPath, depth: int) -> tuple:
@@ -218,8 +251,9 @@ def _new_name(name: str, fit: Fit, used: list[bool]) -> str | None:
     if fit.rename_fn is not None:
         new = fit.rename_fn(name)
         if new is not None and not isinstance(new, str):
-            raise InvalidArgumentError(f"rename function: for {name!r} it returned {new!r}; expected a str "
-                                       "or None")
+            raise InvalidArgumentError(
+                f"rename function: for {name!r} it returned {new!r}; expected a str or None"
+            )
         return new
     for k, (pattern, repl) in enumerate(fit.rules):
         m = pattern.fullmatch(name)
@@ -231,16 +265,21 @@ def _new_name(name: str, fit: Fit, used: list[bool]) -> str | None:
         try:
             return m.expand(repl)
         except (re.error, IndexError) as e:
-            raise InvalidArgumentError(f"rename: replacement {repl!r} of {pattern.pattern!r} fails on "
-                                       f"{name!r} ({e})") from None
+            raise InvalidArgumentError(
+                f"rename: replacement {repl!r} of {pattern.pattern!r} fails on {name!r} ({e})"
+            ) from None
     return name
 
 
 def _unused(pattern: "re.Pattern[str]", repl: str | None, saved: Sequence[LeafRecord], what: str) -> str:
     """The warning for a rule that matched no key path, with the paths it matches part of."""
     near = [leaf.name for leaf in saved if pattern.search(leaf.name)][:3]
-    hint = (f"; it matches part of {format_list(near)}, and rules match whole key paths: prefix it with '.*' "
-            "or the path's first keys" if near else "")
+    hint = (
+        f"; it matches part of {format_list(near)}, and rules match whole key paths: prefix it with '.*' "
+        "or the path's first keys"
+        if near
+        else ""
+    )
     return f"rename rule {pattern.pattern!r} -> {repl!r} matched no key path of {what}{hint}"
 
 
@@ -269,10 +308,14 @@ def cast_problem(src: np.dtype, dst: np.dtype) -> str | None:
     part, anything to bool its values (convert those yourself, after a restore in the saved dtype)."""
     a, b = family(src), family(dst)
     if a is None or b is None:
-        return f"cast=True converts only bool, integer, float and complex dtypes, not {src.name} to {dst.name}"
+        return (
+            f"cast=True converts only bool, integer, float and complex dtypes, not {src.name} to {dst.name}"
+        )
     if _ORDER[b] < _ORDER[a]:
-        return (f"cast=True does not convert {_NAMES[a]} {src.name} to {_NAMES[b]} {dst.name} (it would lose "
-                "more than rounding)")
+        return (
+            f"cast=True does not convert {_NAMES[a]} {src.name} to {_NAMES[b]} {dst.name} (it would lose "
+            "more than rounding)"
+        )
     return None
 
 
@@ -280,7 +323,13 @@ def _max(dt: np.dtype) -> float:
     fam = family(dt)
     if fam == "c":
         return float(np.finfo(dt).max)
-    return float(ml_dtypes.finfo(dt).max) if fam == "f" else float(ml_dtypes.iinfo(dt).max) if fam == "i" else 1.0
+    return (
+        float(ml_dtypes.finfo(dt).max)
+        if fam == "f"
+        else float(ml_dtypes.iinfo(dt).max)
+        if fam == "i"
+        else 1.0
+    )
 
 
 def _int_range(dt: np.dtype) -> tuple[int, int]:
@@ -303,8 +352,15 @@ def cast_into(src: np.ndarray, dst: np.ndarray, name: str, where: str) -> None:
         if slo < lo or shi > hi:
             vlo, vhi = int(src.min()), int(src.max())
             if vlo < lo or vhi > hi:
-                raise CastOverflowError(_overflow(name, src.dtype, dst.dtype, f"values in [{vlo}, {vhi}] lie "
-                                                  f"outside {dst.dtype.name}'s range [{lo}, {hi}]", where))
+                raise CastOverflowError(
+                    _overflow(
+                        name,
+                        src.dtype,
+                        dst.dtype,
+                        f"values in [{vlo}, {vhi}] lie outside {dst.dtype.name}'s range [{lo}, {hi}]",
+                        where,
+                    )
+                )
     with np.errstate(over="ignore", invalid="ignore"):
         np.copyto(dst, src, casting="unsafe")
     if b in ("f", "c") and src.size:
@@ -332,8 +388,14 @@ def _float_traits(dt: np.dtype) -> _Float:
     info = np.finfo(dt) if family(dt) == "c" else ml_dtypes.finfo(dt)
     hi = float(info.max)
     ulp = 2.0 ** (math.floor(math.log2(hi)) - int(info.nmant))
-    return _Float(bool(np.isinf(special[0])), bool(np.isnan(special[1])), float(info.min), hi, hi + ulp / 2,
-                  (hi / ulp) % 2 == 0)
+    return _Float(
+        bool(np.isinf(special[0])),
+        bool(np.isnan(special[1])),
+        float(info.min),
+        hi,
+        hi + ulp / 2,
+        (hi / ulp) % 2 == 0,
+    )
 
 
 def _float_problem(src: np.ndarray, dst: np.ndarray) -> str | None:
@@ -345,8 +407,10 @@ def _float_problem(src: np.ndarray, dst: np.ndarray) -> str | None:
         lost = np.isfinite(src) & ~np.isfinite(dst)
         if not lost.any():
             return None
-        return (f"{int(lost.sum())} finite values (e.g. {src[lost].flat[0]!r}) exceed {dst.dtype.name}'s "
-                f"largest, {_max(dst.dtype):g}")
+        return (
+            f"{int(lost.sum())} finite values (e.g. {src[lost].flat[0]!r}) exceed {dst.dtype.name}'s "
+            f"largest, {_max(dst.dtype):g}"
+        )
     if _all_held(src, dst, t):
         return None
     bad = _unheld(src, dst, t)
@@ -401,8 +465,11 @@ def _shown(x: Any) -> str:
     return str(int(x)) if isinstance(x, (int, np.integer)) else repr(float(x))
 
 
-_EXPONENT = {"bfloat16": (np.uint16, 0x7F80), "float16": (np.uint16, 0x7C00),
-             "float32": (np.uint32, 0x7F800000)}  # IEEE layouts: all exponent bits set = inf/NaN
+_EXPONENT = {
+    "bfloat16": (np.uint16, 0x7F80),
+    "float16": (np.uint16, 0x7C00),
+    "float32": (np.uint32, 0x7F800000),
+}  # IEEE layouts: all exponent bits set = inf/NaN
 
 
 def _non_finite(dst: np.ndarray) -> bool:
@@ -416,10 +483,21 @@ def _non_finite(dst: np.ndarray) -> bool:
 
 
 def _overflow(name: str, src: np.dtype, dst: np.dtype, what: str, where: str) -> str:
-    return (f"restore of {name!r}: cast=True cannot convert {src.name} to {dst.name}: {what}, in {where}. "
-            f"Nothing was handed back. Fix: restore it into a wider dtype than {dst.name}, or without cast= "
-            "into the saved dtype (fc.metadata(path).tree) and convert the values yourself.")
+    return (
+        f"restore of {name!r}: cast=True cannot convert {src.name} to {dst.name}: {what}, in {where}. "
+        f"Nothing was handed back. Fix: restore it into a wider dtype than {dst.name}, or without cast= "
+        "into the saved dtype (fc.metadata(path).tree) and convert the values yourself."
+    )
 
 
-__all__ = ["Fit", "RestoreReport", "Renamed", "as_fit", "cast_into", "cast_problem", "family", "nestable",
-           "renamed"]
+__all__ = [
+    "Fit",
+    "RestoreReport",
+    "Renamed",
+    "as_fit",
+    "cast_into",
+    "cast_problem",
+    "family",
+    "nestable",
+    "renamed",
+]

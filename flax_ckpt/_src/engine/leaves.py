@@ -45,10 +45,15 @@ def key_data_shape(impl: str) -> tuple[int, ...] | None:
 
 # ----------------------------------------------------------------------------------------- target
 
+
 def describe_target(t: Any) -> str:
     """A restore target leaf as error messages show it: float32[4,6], key<threefry2x32>[2], Python int."""
     if tree_mod.is_prng_key(t):
-        return f"key<{jax.random.key_impl(t) if isinstance(t, jax.Array) else t.dtype}>{list(t.shape)}".replace(" ", "")
+        return (
+            f"key<{jax.random.key_impl(t) if isinstance(t, jax.Array) else t.dtype}>{list(t.shape)}".replace(
+                " ", ""
+            )
+        )
     if hasattr(t, "shape") and hasattr(t, "dtype"):
         return f"{np.dtype(t.dtype).name}{list(t.shape)}".replace(" ", "")
     if isinstance(t, (bool, int, float, complex)):
@@ -76,13 +81,19 @@ def compatible(t: Any, leaf: LeafRecord) -> bool:
         return kind == "empty"
     if tree_mod.is_prng_key(t):
         impl = str(jax.random.key_impl(t)) if isinstance(t, jax.Array) else None
-        return kind == "prng_key" and (impl is None or impl == leaf.key_impl) and \
-            tuple(t.shape) == leaf.logical_shape
+        return (
+            kind == "prng_key"
+            and (impl is None or impl == leaf.key_impl)
+            and tuple(t.shape) == leaf.logical_shape
+        )
     if hasattr(t, "shape") and hasattr(t, "dtype"):
         return kind in ("jax", "numpy") and np.dtype(t.dtype) == leaf.dtype and tuple(t.shape) == leaf.shape
     scalar_kinds = python_scalar_kinds(t)
     if scalar_kinds is not None:
-        if kind in ("jax", "numpy"):  # e.g. TrainState.create's step=0 against the int32 array a jitted step saved
+        if kind in (
+            "jax",
+            "numpy",
+        ):  # e.g. TrainState.create's step=0 against the int32 array a jitted step saved
             return leaf.shape == () and leaf.dtype is not None and leaf.dtype.kind in scalar_kinds
         return kind == "scalar" and type(leaf.value) is type(t)
     if isinstance(t, str):
@@ -100,8 +111,16 @@ class Fitted(NamedTuple):
     report: RestoreReport
 
 
-def fit_target(saved: Sequence[LeafRecord], flat: Sequence[tuple[tree_mod.KeyPath, Any]], fit: Fit, *,
-               what: str, where: str, hint: str = "", warn: bool = True) -> Fitted:
+def fit_target(
+    saved: Sequence[LeafRecord],
+    flat: Sequence[tuple[tree_mod.KeyPath, Any]],
+    fit: Fit,
+    *,
+    what: str,
+    where: str,
+    hint: str = "",
+    warn: bool = True,
+) -> Fitted:
     """The saved leaf of every target leaf (in target order), matched by key path after ``fit``'s
     rename; raises StructureMismatchError (key paths on one side only, unless ``fit`` lets them be),
     AbstractTargetLeafError (a leaf to keep that has no value) or LeafMismatchError (every leaf whose
@@ -115,8 +134,14 @@ def fit_target(saved: Sequence[LeafRecord], flat: Sequence[tuple[tree_mod.KeyPat
     if len(ren.by_name) != len(names) - len(missing):
         wanted = set(names)
         unexpected = [n for n in ren.by_name if n not in wanted]
-    _check_structure(missing if fit.missing == "error" else [],
-                     unexpected if fit.unexpected == "error" else [], ren.origin, what, where, hint)
+    _check_structure(
+        missing if fit.missing == "error" else [],
+        unexpected if fit.unexpected == "error" else [],
+        ren.origin,
+        what,
+        where,
+        hint,
+    )
     by_target = dict(zip(names, (t for _, t in flat)))
     if missing:
         _check_kept(missing, by_target, what, ren.origin)
@@ -130,17 +155,25 @@ def fit_target(saved: Sequence[LeafRecord], flat: Sequence[tuple[tree_mod.KeyPat
         if problem is None:
             casts[leaf.name] = np.dtype(t.dtype)
             continue
-        bad.append(f"{_named(n, ren.origin)}: expected {describe_target(t)} (target), found {leaf.describe()}"
-                   + (f" ({problem})" if problem else ""))
+        bad.append(
+            f"{_named(n, ren.origin)}: expected {describe_target(t)} (target), found {leaf.describe()}"
+            + (f" ({problem})" if problem else "")
+        )
     if bad:
         shown = "; ".join(bad[:_SHOWN]) + (f"; ... ({len(bad) - _SHOWN} more)" if len(bad) > _SHOWN else "")
-        raise LeafMismatchError(f"restore of {len(bad)} leaves does not match the target: {shown} in "
-                                f"{where}. " + _mismatch_fix(flat, chosen, fit.cast))
+        raise LeafMismatchError(
+            f"restore of {len(bad)} leaves does not match the target: {shown} in "
+            f"{where}. " + _mismatch_fix(flat, chosen, fit.cast)
+        )
     report = RestoreReport(
-        restored=tuple(n for n, leaf in zip(names, chosen) if leaf is not None), kept=tuple(missing),
+        restored=tuple(n for n, leaf in zip(names, chosen) if leaf is not None),
+        kept=tuple(missing),
         ignored=_in_order(saved, set(ren.dropped) | {ren.by_name[n].name for n in unexpected}),
-        renamed=tuple((ren.origin[n], n) for n, leaf in zip(names, chosen) if leaf is not None and n in ren.origin),
-        cast=tuple(n for n, leaf in zip(names, chosen) if leaf is not None and leaf.name in casts))
+        renamed=tuple(
+            (ren.origin[n], n) for n, leaf in zip(names, chosen) if leaf is not None and n in ren.origin
+        ),
+        cast=tuple(n for n, leaf in zip(names, chosen) if leaf is not None and leaf.name in casts),
+    )
     return Fitted(chosen, casts, report)
 
 
@@ -148,12 +181,21 @@ def _in_order(saved: Sequence[LeafRecord], names: set[str]) -> tuple[str, ...]:
     return tuple(leaf.name for leaf in saved if leaf.name in names) if names else ()
 
 
-def match_target(saved: Sequence[LeafRecord], flat: Sequence[tuple[tree_mod.KeyPath, Any]], *, partial: bool,
-                 what: str, where: str, hint: str = "") -> list[LeafRecord]:
+def match_target(
+    saved: Sequence[LeafRecord],
+    flat: Sequence[tuple[tree_mod.KeyPath, Any]],
+    *,
+    partial: bool,
+    what: str,
+    where: str,
+    hint: str = "",
+) -> list[LeafRecord]:
     """fit_target without rename, keep or cast: the saved leaf of every target leaf (``partial``: the
     checkpoint may hold more)."""
     chosen = fit_target(saved, flat, Fit.of(partial=partial), what=what, where=where, hint=hint).chosen
-    return typing.cast(list[LeafRecord], chosen)  # no None: without missing="keep" every target leaf has a match
+    return typing.cast(
+        list[LeafRecord], chosen
+    )  # no None: without missing="keep" every target leaf has a match
 
 
 def _named(name: str, origin: dict[str, str]) -> str:
@@ -161,8 +203,9 @@ def _named(name: str, origin: dict[str, str]) -> str:
     return f"{name!r} (renamed from {origin[name]!r})" if name in origin else repr(name)
 
 
-def _check_structure(missing: list[str], unexpected: list[str], origin: dict[str, str], what: str, where: str,
-                     hint: str) -> None:
+def _check_structure(
+    missing: list[str], unexpected: list[str], origin: dict[str, str], what: str, where: str, hint: str
+) -> None:
     if not (missing or unexpected):
         return
     shown = [_named(n, origin) for n in unexpected]
@@ -171,18 +214,31 @@ def _check_structure(missing: list[str], unexpected: list[str], origin: dict[str
         raise StructureMismatchError(
             f"restore of {what}: the target's structure differs from the checkpoint's. In the target but not "
             f"the checkpoint: {format_list(missing, _SHOWN)}. In the checkpoint but not the target: "
-            f"{format_list(unexpected, _SHOWN)}. {diagnosis} {hint}Checkpoint: {where}")
+            f"{format_list(unexpected, _SHOWN)}. {diagnosis} {hint}Checkpoint: {where}"
+        )
     raise StructureMismatchError(
         f"restore of {what}: the target's structure differs from the checkpoint's. "
-        + (f"In the target but not the checkpoint: {format_list(missing, _SHOWN)} (pass missing=\"keep\" to "
-           "keep the target's own values there, e.g. the new layers of a larger model). " if missing else "")
-        + (f"In the checkpoint but not the target: {', '.join(shown[:_SHOWN])}"
-           + (f", ... ({len(shown) - _SHOWN} more)" if len(shown) > _SHOWN else "")
-           + " (pass unexpected=\"ignore\", or partial=True, to restore only the target's sub-tree). "
-           if unexpected else "")
-        + ("Where they are one model's leaves under other names, map them with rename=. " if missing and unexpected
-           else "")
-        + hint + f"Checkpoint: {where}")
+        + (
+            f'In the target but not the checkpoint: {format_list(missing, _SHOWN)} (pass missing="keep" to '
+            "keep the target's own values there, e.g. the new layers of a larger model). "
+            if missing
+            else ""
+        )
+        + (
+            f"In the checkpoint but not the target: {', '.join(shown[:_SHOWN])}"
+            + (f", ... ({len(shown) - _SHOWN} more)" if len(shown) > _SHOWN else "")
+            + ' (pass unexpected="ignore", or partial=True, to restore only the target\'s sub-tree). '
+            if unexpected
+            else ""
+        )
+        + (
+            "Where they are one model's leaves under other names, map them with rename=. "
+            if missing and unexpected
+            else ""
+        )
+        + hint
+        + f"Checkpoint: {where}"
+    )
 
 
 def is_abstract(t: Any) -> str | None:
@@ -199,20 +255,26 @@ def _check_kept(missing: list[str], by_target: dict[str, Any], what: str, origin
     bad = [f"{n!r} ({why})" for n in missing if (why := is_abstract(by_target[n])) is not None]
     if bad:
         raise AbstractTargetLeafError(
-            f"restore of {what}: missing=\"keep\" keeps the target's own value for a leaf the checkpoint lacks, "
-            f"but the target holds none at {len(bad)} of them: " + ", ".join(bad[:20])
+            f'restore of {what}: missing="keep" keeps the target\'s own value for a leaf the checkpoint lacks, '
+            f"but the target holds none at {len(bad)} of them: "
+            + ", ".join(bad[:20])
             + (f", ... ({len(bad) - 20} more)" if len(bad) > 20 else "")
             + ". Nothing was restored. Fix: build the target from an initialized model (model.init(...), "
             "nnx.state(model)) rather than jax.eval_shape, at least for these leaves, or map checkpoint keys "
-            "onto them with rename=.")
+            "onto them with rename=."
+        )
 
 
 def castable(t: Any, leaf: LeafRecord) -> str | None:
     """Why cast=True does not convert ``leaf`` into target leaf ``t`` (a message's note; "" where the
     mismatch says it), or None: only arrays of one shape are cast, never PRNG keys, Python scalars or
     other leaves; fit.cast_problem is the dtype policy."""
-    if leaf.kind not in ("jax", "numpy") or leaf.dtype is None or tree_mod.is_prng_key(t) \
-            or python_scalar_kinds(t) is not None:
+    if (
+        leaf.kind not in ("jax", "numpy")
+        or leaf.dtype is None
+        or tree_mod.is_prng_key(t)
+        or python_scalar_kinds(t) is not None
+    ):
         return ""
     if not (hasattr(t, "shape") and hasattr(t, "dtype")) or tuple(t.shape) != leaf.shape:
         return ""
@@ -223,14 +285,20 @@ def castable(t: Any, leaf: LeafRecord) -> str | None:
     return cast_problem(leaf.dtype, dst)
 
 
-def _mismatch_fix(flat: Sequence[tuple[tree_mod.KeyPath, Any]], chosen: Sequence[LeafRecord | None],
-                  cast: bool = False) -> str:
+def _mismatch_fix(
+    flat: Sequence[tuple[tree_mod.KeyPath, Any]], chosen: Sequence[LeafRecord | None], cast: bool = False
+) -> str:
     """The fix a LeafMismatchError suggests, from what differs: shapes (another model or config),
     only dtypes (a cast meant on purpose), or kinds."""
-    pairs = [(t, leaf) for (_, t), leaf in zip(flat, chosen) if leaf is not None and not compatible(t, leaf)
-             and (not cast or castable(t, leaf) is not None)]
-    shapes = [(_shape_of(t), leaf.logical_shape if leaf.is_array else () if leaf.kind == "scalar" else None)
-              for t, leaf in pairs]
+    pairs = [
+        (t, leaf)
+        for (_, t), leaf in zip(flat, chosen)
+        if leaf is not None and not compatible(t, leaf) and (not cast or castable(t, leaf) is not None)
+    ]
+    shapes = [
+        (_shape_of(t), leaf.logical_shape if leaf.is_array else () if leaf.kind == "scalar" else None)
+        for t, leaf in pairs
+    ]
     known = [(t, s) for t, s in shapes if t is not None and s is not None]
     if len(known) == len(shapes):
         replicated = replicated_diagnosis(known)
@@ -238,20 +306,28 @@ def _mismatch_fix(flat: Sequence[tuple[tree_mod.KeyPath, Any]], chosen: Sequence
             return replicated
     arrays = [(t, leaf) for t, leaf in pairs if leaf.is_array and hasattr(t, "shape") and hasattr(t, "dtype")]
     if any(tuple(t.shape) != leaf.logical_shape for t, leaf in arrays):
-        return ("Fix: shapes differ, so this checkpoint is from another model or config: build the target "
-                "with the config it was saved with (fc.metadata(path).tree shows every saved shape and "
-                "dtype), or restore only the leaves that fit: a target without the others, with "
-                "unexpected=\"ignore\" (partial=True), or missing=\"keep\" for new ones.")
+        return (
+            "Fix: shapes differ, so this checkpoint is from another model or config: build the target "
+            "with the config it was saved with (fc.metadata(path).tree shows every saved shape and "
+            "dtype), or restore only the leaves that fit: a target without the others, with "
+            'unexpected="ignore" (partial=True), or missing="keep" for new ones.'
+        )
     if arrays and len(arrays) == len(pairs) and not cast:
-        return ("Fix: only dtypes differ: if a cast is meant, pass cast=True (each leaf is converted to the "
-                "target's dtype as it is read), or restore into a target of the saved dtypes "
-                "(fc.metadata(path).tree, or the model built with the saved param_dtype) and cast after, "
-                "e.g. jax.tree.map(lambda x: x.astype(jnp.bfloat16), restored).")
+        return (
+            "Fix: only dtypes differ: if a cast is meant, pass cast=True (each leaf is converted to the "
+            "target's dtype as it is read), or restore into a target of the saved dtypes "
+            "(fc.metadata(path).tree, or the model built with the saved param_dtype) and cast after, "
+            "e.g. jax.tree.map(lambda x: x.astype(jnp.bfloat16), restored)."
+        )
     if arrays and len(arrays) == len(pairs):
-        return ("Fix: restore these into a target of the saved dtypes (fc.metadata(path).tree) and convert "
-                "them yourself after.")
-    return ("Fix: the target's leaf types differ from what was saved (fc.metadata(path).tree shows them): "
-            "build the target the way the saving run did.")
+        return (
+            "Fix: restore these into a target of the saved dtypes (fc.metadata(path).tree) and convert "
+            "them yourself after."
+        )
+    return (
+        "Fix: the target's leaf types differ from what was saved (fc.metadata(path).tree shows them): "
+        "build the target the way the saving run did."
+    )
 
 
 def _shape_of(t: Any) -> tuple[int, ...] | None:
@@ -262,6 +338,7 @@ def _shape_of(t: Any) -> tuple[int, ...] | None:
 
 
 # --------------------------------------------------------------------------------------- metadata
+
 
 @dataclass(frozen=True)
 class LeafInfo:
@@ -302,13 +379,47 @@ def leaf_info(leaf: LeafRecord) -> LeafInfo:
     return LeafInfo(kind, leaf.logical_shape, leaf.dtype, leaf.sharding, leaf.nbytes)
 
 
-def checkpoint_info(url: str, leaves: Sequence[LeafRecord], *, step: int | None, metrics: Any, metadata: Any,
-                    created: float, process_count: int, serializer: str, format: str) -> CheckpointInfo:
+def checkpoint_info(
+    url: str,
+    leaves: Sequence[LeafRecord],
+    *,
+    step: int | None,
+    metrics: Any,
+    metadata: Any,
+    created: float,
+    process_count: int,
+    serializer: str,
+    format: str,
+) -> CheckpointInfo:
     infos = {leaf.name: leaf_info(leaf) for leaf in leaves}
     nested = tree_mod.nest((leaf.path, infos[leaf.name]) for leaf in leaves)
-    return CheckpointInfo(url, nested, infos, step, metrics, metadata, created, process_count, serializer,
-                          sum(i.nbytes for i in infos.values()), format)
+    return CheckpointInfo(
+        url,
+        nested,
+        infos,
+        step,
+        metrics,
+        metadata,
+        created,
+        process_count,
+        serializer,
+        sum(i.nbytes for i in infos.values()),
+        format,
+    )
 
 
-__all__ = ["CheckpointInfo", "Fitted", "LeafInfo", "castable", "checkpoint_info", "compatible", "describe_target",
-           "fit_target", "is_abstract", "key_data_shape", "leaf_info", "match_target", "python_scalar_kinds"]
+__all__ = [
+    "CheckpointInfo",
+    "Fitted",
+    "LeafInfo",
+    "castable",
+    "checkpoint_info",
+    "compatible",
+    "describe_target",
+    "fit_target",
+    "is_abstract",
+    "key_data_shape",
+    "leaf_info",
+    "match_target",
+    "python_scalar_kinds",
+]

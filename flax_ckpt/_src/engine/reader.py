@@ -109,7 +109,7 @@ def aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     n = math.prod(shape) * dtype.itemsize
     raw = np.empty(n + _ALIGN, np.uint8)
     off = -raw.ctypes.data % _ALIGN
-    return raw[off:off + n].view(dtype).reshape(shape)
+    return raw[off : off + n].view(dtype).reshape(shape)
 
 
 class Pending:
@@ -166,9 +166,11 @@ class Reader:
         try:
             return aligned_empty(extents, dtype or leaf.dtype)
         except MemoryError:
-            raise CheckpointError(f"{self.source.where} leaf {leaf.name!r}: cannot allocate {nbytes} bytes to "
-                                  "restore it (out of memory); restore on a machine with more memory, or a "
-                                  "sub-tree with partial=True") from None
+            raise CheckpointError(
+                f"{self.source.where} leaf {leaf.name!r}: cannot allocate {nbytes} bytes to "
+                "restore it (out of memory); restore on a machine with more memory, or a "
+                "sub-tree with partial=True"
+            ) from None
 
     def _cast(self, leaf: LeafRecord, box: Box, out: np.ndarray) -> None:
         """Reads ``box`` into a buffer of the saved dtype and converts it into ``out`` (fit.cast_into)."""
@@ -219,12 +221,14 @@ class Reader:
                 raise CorruptCheckpointError(
                     f"{self.source.where} leaf {leaf.name!r}: needs {nbytes} bytes, more than the checkpoint "
                     "folder can hold; its records claim data that is not there (damaged or crafted); "
-                    "nothing was allocated")
+                    "nothing was allocated"
+                )
             if self._budget is not None:
                 self._budget -= nbytes
 
-    def _device_boxes(self, leaf: LeafRecord, sharding: jax.sharding.Sharding
-                      ) -> tuple[dict[Any, Box], Box | None]:
+    def _device_boxes(
+        self, leaf: LeafRecord, sharding: jax.sharding.Sharding
+    ) -> tuple[dict[Any, Box], Box | None]:
         """Each local device's box, and the one box to read for all of them when they tile one bounding
         box (the usual case: no stored byte is then read twice), else None (read each box). Computed
         once per sharding and shape (a large tree has many leaves of few layouts)."""
@@ -233,18 +237,24 @@ class Reader:
         if found is None:
             try:
                 found = self._boxes[key] = self._layout(leaf.shape, sharding)
-            except ValueError as e:  # jax: a dimension the mesh does not divide (e.g. 48 rows over 5 processes)
+            except (
+                ValueError
+            ) as e:  # jax: a dimension the mesh does not divide (e.g. 48 rows over 5 processes)
                 raise TargetMismatchError(
                     f"restore of {leaf.name!r} from {self.source.where}: the saved shape {list(leaf.shape)} "
                     f"cannot be laid out as the target's sharding {sharding} asks, over {jax.process_count()} "
                     f"process(es) and {_device_count(sharding)} device(s): {e}. Fix: restore with a process "
                     "and device count whose mesh divides the saved shape, or pass shardings= (e.g. a "
-                    "replicated or another mesh axis) for this leaf") from None
+                    "replicated or another mesh axis) for this leaf"
+                ) from None
         return found
 
     @staticmethod
     def _layout(shape: tuple[int, ...], sharding: jax.sharding.Sharding) -> tuple[dict[Any, Box], Box | None]:
-        boxes = {dev: box_of(index, shape) for dev, index in sharding.addressable_devices_indices_map(shape).items()}
+        boxes = {
+            dev: box_of(index, shape)
+            for dev, index in sharding.addressable_devices_indices_map(shape).items()
+        }
         unique = set(boxes.values())
         if len(unique) == 1:
             return boxes, next(iter(unique))
@@ -358,8 +368,9 @@ def _device_count(sharding: Any) -> str:
         return "an abstract mesh's"
 
 
-def placements(what: str, names: Sequence[str], targets: Sequence[Any], overrides: dict[str, Any]
-               ) -> list[Any]:
+def placements(
+    what: str, names: Sequence[str], targets: Sequence[Any], overrides: dict[str, Any]
+) -> list[Any]:
     """Where restore places each leaf: its ``overrides`` entry (shardings=, by key path) or the target
     leaf's own placement (placement_of), a sharding over an abstract mesh (what jax.eval_shape and
     nnx.eval_shape give under jax.set_mesh) made concrete by the mesh in context of the same axes.
@@ -389,13 +400,16 @@ def _concrete(sharding: Any) -> Any:
 
 def _unplaced(what: str, names: list[str], sharding: Any) -> str:
     mesh = jax.sharding.get_mesh()
-    found = ("no mesh is in context" if mesh.empty
-             else f"the mesh in context has other axes ({mesh.shape_tuple})")
-    return (f"restore of {what}: {len(names)} leaves are placed over an abstract mesh "
-            f"({sharding.mesh.shape_tuple}), as jax.eval_shape and nnx.eval_shape give under jax.set_mesh, "
-            f"and {found}: {format_list(names)}. Nothing was read. Fix: restore inside "
-            "`with jax.set_mesh(mesh):` with the mesh the target was built with, or pass shardings= "
-            "(shardings on devices) for these leaves.")
+    found = (
+        "no mesh is in context" if mesh.empty else f"the mesh in context has other axes ({mesh.shape_tuple})"
+    )
+    return (
+        f"restore of {what}: {len(names)} leaves are placed over an abstract mesh "
+        f"({sharding.mesh.shape_tuple}), as jax.eval_shape and nnx.eval_shape give under jax.set_mesh, "
+        f"and {found}: {format_list(names)}. Nothing was read. Fix: restore inside "
+        "`with jax.set_mesh(mesh):` with the mesh the target was built with, or pass shardings= "
+        "(shardings on devices) for these leaves."
+    )
 
 
 def weak_scalar(value: np.ndarray, sharding: Any) -> jax.Array | None:
@@ -408,5 +422,16 @@ def weak_scalar(value: np.ndarray, sharding: Any) -> jax.Array | None:
     return out
 
 
-__all__ = ["Damage", "Pending", "Reader", "Source", "aligned_empty", "local_rows", "placement_of",
-           "placements", "read_back", "slabs", "weak_scalar"]
+__all__ = [
+    "Damage",
+    "Pending",
+    "Reader",
+    "Source",
+    "aligned_empty",
+    "local_rows",
+    "placement_of",
+    "placements",
+    "read_back",
+    "slabs",
+    "weak_scalar",
+]

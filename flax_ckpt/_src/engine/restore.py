@@ -42,7 +42,8 @@ def flat_shardings(shardings: Any, names: Sequence[str]) -> dict[str, Any]:
     if isinstance(shardings, jax.sharding.Sharding):
         return {k: shardings for k in names}
     flat, _ = jax.tree_util.tree_flatten_with_path(
-        shardings, is_leaf=lambda x: x is None or isinstance(x, jax.sharding.Sharding))
+        shardings, is_leaf=lambda x: x is None or isinstance(x, jax.sharding.Sharding)
+    )
     return {tree_mod.keystr(tuple(tree_mod.entry(k) for k in p)): s for p, s in flat}
 
 
@@ -67,9 +68,13 @@ def restore(source: Source, target: Any = None, *, shardings: Any = None, fit: F
         places = placements(source.url, names, [t for _, t in flat], smap)
         jobs = [(leaf, t, p) for leaf, (_, t), p in zip(fitted.chosen, flat, places) if leaf is not None]
         values = iter(read_all(Reader(source, fitted.casts), jobs))
-        tree = jax.tree_util.tree_unflatten(treedef, [
-            next(values) if leaf is not None else kept(t, p if n in smap else None)
-            for n, leaf, (_, t), p in zip(names, fitted.chosen, flat, places)])
+        tree = jax.tree_util.tree_unflatten(
+            treedef,
+            [
+                next(values) if leaf is not None else kept(t, p if n in smap else None)
+                for n, leaf, (_, t), p in zip(names, fitted.chosen, flat, places)
+            ],
+        )
         report = fitted.report
     if fit.relaxed:
         log.info("restore of %s: %s", source.url, report.summary())
@@ -85,8 +90,11 @@ def _restore_untargeted(source: Source, fit: Fit, shardings: Any) -> tuple[Any, 
     paths = [_path_of(n) if n in ren.origin else leaf.path for n, leaf in ren.by_name.items()]
     paths = nestable(paths) if ren.origin else paths  # a renamed key may sit beside a list's entries
     tree = tree_mod.nest(zip(paths, values))
-    return tree, RestoreReport(restored=tuple(ren.by_name), ignored=tuple(ren.dropped),
-                               renamed=tuple((o, n) for n, o in ren.origin.items()))
+    return tree, RestoreReport(
+        restored=tuple(ren.by_name),
+        ignored=tuple(ren.dropped),
+        renamed=tuple((o, n) for n, o in ren.origin.items()),
+    )
 
 
 def _path_of(name: str) -> tree_mod.KeyPath:
@@ -106,9 +114,12 @@ def restored_nbytes(source: Source, target: Any, fit: Fit | None = None) -> int:
     fit = Fit.of() if fit is None else fit
     source, target = source.select(target)
     if target is None:
-        return sum(leaf.nbytes for leaf in renamed(source.leaves, fit, source.url, warn=False).by_name.values())
-    fitted = fit_target(source.leaves, tree_mod.flatten(target)[0], fit, what=source.url, where=source.where,
-                        warn=False)
+        return sum(
+            leaf.nbytes for leaf in renamed(source.leaves, fit, source.url, warn=False).by_name.values()
+        )
+    fitted = fit_target(
+        source.leaves, tree_mod.flatten(target)[0], fit, what=source.url, where=source.where, warn=False
+    )
     return sum(leaf.nbytes for leaf in fitted.chosen if leaf is not None)
 
 

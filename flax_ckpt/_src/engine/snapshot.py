@@ -110,8 +110,12 @@ class Snapshot:
         Read-only views (of CPU jax arrays) are never handed out."""
         if not self.owned:
             return {}
-        return {(lf.path, s.box): s.data for lf in self.leaves for s in lf.shards if s.data.flags.writeable
-                and not (self.arena is not None and self.arena.holds(s.data))}  # the arena is reused whole
+        return {
+            (lf.path, s.box): s.data
+            for lf in self.leaves
+            for s in lf.shards
+            if s.data.flags.writeable and not (self.arena is not None and self.arena.holds(s.data))
+        }  # the arena is reused whole
 
     def reusable(self) -> "Snapshot | None":
         """What to keep for the next save: its arena alone when it was taken into one, else this
@@ -124,20 +128,30 @@ class Snapshot:
         own = self.reuse_buffers()
         if not own:
             return None
-        leaves = [HostLeaf(lf.record, tuple(s for s in lf.shards if (lf.path, s.box) in own))
-                  for lf in self.leaves if any((lf.path, s.box) in own for s in lf.shards)]
+        leaves = [
+            HostLeaf(lf.record, tuple(s for s in lf.shards if (lf.path, s.box) in own))
+            for lf in self.leaves
+            if any((lf.path, s.box) in own for s in lf.shards)
+        ]
         return Snapshot(leaves, sum(a.nbytes for a in own.values()), owned=True)
 
     def items(self) -> list[ArrayItem]:
         """The arrays as a serializer takes them (``leaf``: the index in ``leaves``), each shard with the
         checksums made as it was copied (``Shard.crc32c``) where there are some."""
+
         def shards(lf: HostLeaf) -> tuple[Shard, ...]:
             if not self.crcs:
                 return lf.shards
-            return tuple(s if (c := self.crcs.get(id(s.data))) is None else Shard(s.box, s.data, (self.checksum, c))
-                         for s in lf.shards)
-        return [ArrayItem(i, lf.record.name, lf.record.dtype, lf.record.shape, shards(lf))
-                for i, lf in enumerate(self.leaves) if lf.record.is_array]
+            return tuple(
+                s if (c := self.crcs.get(id(s.data))) is None else Shard(s.box, s.data, (self.checksum, c))
+                for s in lf.shards
+            )
+
+        return [
+            ArrayItem(i, lf.record.name, lf.record.dtype, lf.record.shape, shards(lf))
+            for i, lf in enumerate(self.leaves)
+            if lf.record.is_array
+        ]
 
 
 def describe_sharding(s: Any) -> dict[str, Any] | None:
@@ -146,8 +160,12 @@ def describe_sharding(s: Any) -> dict[str, Any] | None:
         return None
     if isinstance(s, jax.sharding.NamedSharding):
         spec = [None if p is None else (p if isinstance(p, str) else list(p)) for p in s.spec]
-        return {"type": "NamedSharding", "axis_names": list(s.mesh.axis_names),
-                "mesh_shape": [int(n) for n in s.mesh.devices.shape], "spec": spec}
+        return {
+            "type": "NamedSharding",
+            "axis_names": list(s.mesh.axis_names),
+            "mesh_shape": [int(n) for n in s.mesh.devices.shape],
+            "spec": spec,
+        }
     return {"type": type(s).__name__, "num_devices": len(s.device_set)}
 
 
@@ -188,7 +206,9 @@ _copier: ThreadPoolExecutor | None = None
 _CACHED = 512 << 10  # bytes copied, then checksummed, at a time (within a core's L2 cache)
 
 
-def copy_all(copies: list[tuple[np.ndarray, np.ndarray]], chunk: int | None = None) -> list[np.ndarray] | None:
+def copy_all(
+    copies: list[tuple[np.ndarray, np.ndarray]], chunk: int | None = None
+) -> list[np.ndarray] | None:
     """Makes ``copies`` (destination, source) on up to 4 threads, in runs of about equal bytes: while a
     save holds the training loop, its cores are free, and one thread alone does not reach the memory's
     bandwidth. With ``chunk``: also the crc32c of every ``chunk`` bytes of each destination (from its
@@ -208,7 +228,7 @@ def copy_all(copies: list[tuple[np.ndarray, np.ndarray]], chunk: int | None = No
             units.append((c, 0, d, a, True))
             continue
         d8, a8 = d.reshape(-1).view(np.uint8), a.reshape(-1).view(np.uint8)
-        units += [(c, k // step, d8[k:k + step], a8[k:k + step], True) for k in range(0, d8.nbytes, step)]
+        units += [(c, k // step, d8[k : k + step], a8[k : k + step], True) for k in range(0, d8.nbytes, step)]
     crcs: list[np.ndarray] | None = None
     if chunk:  # one array for all: a list per copy would be one more object per leaf and save for the
         # garbage collector to follow
@@ -225,15 +245,15 @@ def copy_all(copies: list[tuple[np.ndarray, np.ndarray]], chunk: int | None = No
                     continue
                 d, a, crc = d.reshape(-1).view(np.uint8), a.reshape(-1).view(np.uint8), 0
                 for j in range(0, d.nbytes, _CACHED):  # copied and checksummed in pieces that stay in
-                    np.copyto(d[j:j + _CACHED], a[j:j + _CACHED])  # the core's cache
-                    crc = crc32c.crc32c(d[j:j + _CACHED], crc)
+                    np.copyto(d[j : j + _CACHED], a[j : j + _CACHED])  # the core's cache
+                    crc = crc32c.crc32c(d[j : j + _CACHED], crc)
                 crcs[c][k] = crc
                 continue
             np.copyto(d, a)
             if crcs is not None:
                 flat = d.reshape(-1).view(np.uint8)
                 for j in range(0, flat.nbytes, step):
-                    crcs[c][k + j // step] = crc32c.crc32c(flat[j:j + step])
+                    crcs[c][k + j // step] = crc32c.crc32c(flat[j : j + step])
 
     total = sum(u[2].nbytes for u in units)
     n = max(1, min(4, os.cpu_count() or 1, len(units), total // (8 << 20)))
@@ -289,21 +309,31 @@ def _learn(path: tree_mod.KeyPath, x: Any, kind: str, sig: tuple[Any, ...]) -> _
     if kind == "prng_key":
         key_impl = str(jax.random.key_impl(x))
         x = jax.random.key_data(x)
-        key_shape = tuple(x.shape[x.ndim - len(key_data_shape(key_impl)):])
+        key_shape = tuple(x.shape[x.ndim - len(key_data_shape(key_impl)) :])
     shape = tuple(int(d) for d in x.shape)
     box = tuple((0, d) for d in shape)
     whole, cpu, desc = True, False, None
     if isinstance(x, jax.Array):
         shards = x.addressable_shards
-        whole = x.is_fully_addressable and len(shards) == 1 and shards[0].replica_id == 0 and \
-            box_of(shards[0].index, shape) == box
+        whole = (
+            x.is_fully_addressable
+            and len(shards) == 1
+            and shards[0].replica_id == 0
+            and box_of(shards[0].index, shape) == box
+        )
         cpu, desc = _on_cpu(x), describe_sharding(x.sharding)
     rec = LeafRecord(path, kind, np.dtype(x.dtype), shape, key_impl, key_shape, desc)
     return _Learned(sig, kind, rec, box, whole, cpu)
 
 
-def _array_leaf(x: Any, seen: _Learned, copy: bool, old_buffers: dict, into: Into | None,
-                copies: list[tuple[np.ndarray, np.ndarray]]) -> HostLeaf:
+def _array_leaf(
+    x: Any,
+    seen: _Learned,
+    copy: bool,
+    old_buffers: dict,
+    into: Into | None,
+    copies: list[tuple[np.ndarray, np.ndarray]],
+) -> HostLeaf:
     if seen.kind == "prng_key":
         x = jax.random.key_data(x)
     rec = seen.record
@@ -312,14 +342,18 @@ def _array_leaf(x: Any, seen: _Learned, copy: bool, old_buffers: dict, into: Int
         # buffer alive through x.delete(), and XLA never donates a buffer that has host views (it
         # allocates the output instead). So CPU arrays are not copied; other devices' are. (A whole
         # array with ``into`` is copied by ``snapshot``'s loop itself, without this function.)
-        parts = [(x, seen.box)] if seen.whole else \
-            [(s.data, box_of(s.index, rec.shape)) for s in x.addressable_shards if s.replica_id == 0]
+        parts = (
+            [(x, seen.box)]
+            if seen.whole
+            else [(s.data, box_of(s.index, rec.shape)) for s in x.addressable_shards if s.replica_id == 0]
+        )
 
         def host(a: Any, b: Box) -> np.ndarray:
             if not seen.cpu:  # the transfer's own host buffer (started at the snapshot's beginning) is
                 return host_array(a, False)  # the copy: nothing can change it; another copy would be a second
             buf = _copied_into(into, a, copies) if into is not None else None
             return buf if buf is not None else host_array(a, False)
+
         return HostLeaf(rec, tuple(Shard(b, host(a, b)) for a, b in parts), x.sharding, whole=seen.whole)
     buf = _copied_into(into, x, copies) if into is not None and copy else None
     buf = buf if buf is not None else _host_into(old_buffers, (rec.path, seen.box), x, copy)
@@ -354,8 +388,15 @@ def learned(flat: tree_mod.Flat, only: Sequence[int]) -> list[_Learned]:
 
 
 @gc_paused()
-def snapshot(tree: Any, *, copy: bool = True, reuse: Snapshot | None = None, into: Into | None = None,
-             checksum: int | None = None, only: Sequence[int] | None = None) -> Snapshot:
+def snapshot(
+    tree: Any,
+    *,
+    copy: bool = True,
+    reuse: Snapshot | None = None,
+    into: Into | None = None,
+    checksum: int | None = None,
+    only: Sequence[int] | None = None,
+) -> Snapshot:
     """Copies every array shard this process writes to host memory (``copy=False`` reuses host buffers
     where possible: for synchronous saves, where nothing can change them meanwhile).
 
@@ -385,8 +426,12 @@ def snapshot(tree: Any, *, copy: bool = True, reuse: Snapshot | None = None, int
     only = range(len(flat.leaves)) if only is None else only
     _refuse_deleted(flat, only)
     seen = learned(flat, only)
-    arrays = [(j, jax.random.key_data(x) if k.kind == "prng_key" else x, k.whole, k.cpu)
-              for j, k in enumerate(seen) if k.kind in ("jax", "prng_key") for x in (flat.leaves[only[j]],)]
+    arrays = [
+        (j, jax.random.key_data(x) if k.kind == "prng_key" else x, k.whole, k.cpu)
+        for j, k in enumerate(seen)
+        if k.kind in ("jax", "prng_key")
+        for x in (flat.leaves[only[j]],)
+    ]
     on_dev, choice = device.choose(arrays) if copy else (set(), device.Choice("host", 0, 0))
     waited = _wait_for_host_part(arrays, on_dev, choice)
     for j, (i, k) in enumerate(zip(only, seen)):  # start every device-to-host transfer before waiting
@@ -405,8 +450,14 @@ def snapshot(tree: Any, *, copy: bool = True, reuse: Snapshot | None = None, int
 
     leaves: list[Any] = [None] * len(seen)
     if into is None:  # ``into`` is called in order: one thread
-        big = [j for j, k in enumerate(seen) if k.record is not None and not k.cpu  # copied, not a CPU
-               and k.record.nbytes > _BIG and j not in on_dev]  # array's view
+        big = [
+            j
+            for j, k in enumerate(seen)
+            if k.record is not None
+            and not k.cpu  # copied, not a CPU
+            and k.record.nbytes > _BIG
+            and j not in on_dev
+        ]  # array's view
         if len(big) > 1:
             with ThreadPoolExecutor(min(4, len(big))) as pool:
                 for j, hl in zip(big, pool.map(leaf, big)):
@@ -429,13 +480,22 @@ def snapshot(tree: Any, *, copy: bool = True, reuse: Snapshot | None = None, int
         leaves[j] = leaf(j)
     device.dispatch(pending)
     crcs = copy_all(copies, checksum)
-    nbytes = sum(s.data.nbytes for hl in leaves for s in hl.shards if s.data is not None) + \
-        sum(p.nbytes for p in pending)
+    nbytes = sum(s.data.nbytes for hl in leaves for s in hl.shards if s.data is not None) + sum(
+        p.nbytes for p in pending
+    )
     device.tell(choice)
-    return Snapshot(leaves, nbytes, time.perf_counter() - t0, owned=copy,
-                    crcs={id(d): c for (d, _), c in zip(copies, crcs or ()) if d.size}, checksum=checksum,
-                    arena=into if isinstance(into, Arena) else None, pending=pending, choice=choice,
-                    waited_s=waited)
+    return Snapshot(
+        leaves,
+        nbytes,
+        time.perf_counter() - t0,
+        owned=copy,
+        crcs={id(d): c for (d, _), c in zip(copies, crcs or ()) if d.size},
+        checksum=checksum,
+        arena=into if isinstance(into, Arena) else None,
+        pending=pending,
+        choice=choice,
+        waited_s=waited,
+    )
 
 
 def _refuse_deleted(flat: tree_mod.Flat, only: Sequence[int]) -> None:
@@ -447,11 +507,13 @@ def _refuse_deleted(flat: tree_mod.Flat, only: Sequence[int]) -> None:
             f"cannot save: {len(gone)} jax.Array leaves were deleted, e.g. donated to a jitted step "
             f"(donate_argnums) before this save: {format_list(gone)}. Save "
             "the state the step returned (save before the step that donates it, or after, its output); "
-            "nothing was written")
+            "nothing was written"
+        )
 
 
-def _wait_for_host_part(arrays: list[tuple[int, Any, bool, bool]], on_dev: set[int],
-                        choice: device.Choice) -> float:
+def _wait_for_host_part(
+    arrays: list[tuple[int, Any, bool, bool]], on_dev: set[int], choice: device.Choice
+) -> float:
     """Seconds spent waiting for the arrays that are copied to host now to be computed (the device's
     time, not a checkpoint's: the statistics report it apart from ``blocked_s``)."""
     if choice.ready:  # ``choose`` found them all computed
@@ -464,14 +526,18 @@ def _wait_for_host_part(arrays: list[tuple[int, Any, bool, bool]], on_dev: set[i
     return time.perf_counter() - t0
 
 
-def _device_leaf(j: int, data: jax.Array, seen: _Learned, into: Into | None,
-                 pending: list[device.Pending]) -> HostLeaf:
+def _device_leaf(
+    j: int, data: jax.Array, seen: _Learned, into: Into | None, pending: list[device.Pending]
+) -> HostLeaf:
     """A leaf whose shards are copied on their devices (``pending``; dispatched together at the end of
     the snapshot): its shards' data comes with ``Snapshot.complete``. A CPU array's host copy goes into
     ``into``'s buffer where it gives one (the arena, the memory tier's pages), as without the device."""
     rec = seen.record
-    parts = [(data, seen.box)] if seen.whole else \
-        [(s.data, box_of(s.index, rec.shape)) for s in data.addressable_shards if s.replica_id == 0]
+    parts = (
+        [(data, seen.box)]
+        if seen.whole
+        else [(s.data, box_of(s.index, rec.shape)) for s in data.addressable_shards if s.replica_id == 0]
+    )
     shards = []
     for a, b in parts:
         dest = into(tuple(a.shape), np.dtype(a.dtype)) if into is not None and seen.cpu else None
@@ -503,13 +569,16 @@ def metrics_json(metrics: Any) -> dict[str, Any] | None:
     if metrics is None:
         return None
     if not isinstance(metrics, dict):
-        raise CheckpointError(f"metrics must be a dict of names to numbers, e.g. {{'loss': 0.25}}; got "
-                              f"{type(metrics).__name__}")
+        raise CheckpointError(
+            f"metrics must be a dict of names to numbers, e.g. {{'loss': 0.25}}; got {type(metrics).__name__}"
+        )
     bad = [k for k, v in metrics.items() if isinstance(v, bool) or not isinstance(v, (int, float))]
     if bad:
-        raise CheckpointError("metrics must be numbers (best_metric and retention compare them); not numbers: "
-                              + ", ".join(f"{k!r}: {metrics[k]!r:.40}" for k in bad[:5])
-                              + ". Put other values in metadata=... instead; nothing was written")
+        raise CheckpointError(
+            "metrics must be numbers (best_metric and retention compare them); not numbers: "
+            + ", ".join(f"{k!r}: {metrics[k]!r:.40}" for k in bad[:5])
+            + ". Put other values in metadata=... instead; nothing was written"
+        )
     return metrics
 
 
@@ -526,7 +595,8 @@ def _plain(x: Any, what: str, path: tuple[Any, ...]) -> Any:
             raise CheckpointError(
                 f"{what} {where!r}: a {kind} of shape {tuple(np.shape(x))} is not a scalar (stored as a JSON "
                 "number, an array needs exactly one element): reduce it (e.g. .mean()) or take one replica's "
-                "value (x[0] of a pmap's output)")
+                "value (x[0] of a pmap's output)"
+            )
         a = np.asarray(x).reshape(())
         return a.item() if a.dtype.kind in "biufc" else float(a)  # ml_dtypes (bfloat16, float8): a float
     return x

@@ -84,8 +84,10 @@ def streamed(tree: Any) -> Snapshot:
     device = [i for i, k in enumerate(seen) if k.kind in ("jax", "prng_key") and _off_host(k)]
     if not device:
         return snapshot(flat, copy=False)
-    data = {i: jax.random.key_data(flat.leaves[i]) if seen[i].kind == "prng_key" else flat.leaves[i]
-            for i in device}
+    data = {
+        i: jax.random.key_data(flat.leaves[i]) if seen[i].kind == "prng_key" else flat.leaves[i]
+        for i in device
+    }
     rest = [i for i in range(len(seen)) if i not in data]
     host = snapshot(flat, copy=False, only=rest) if rest else Snapshot([], 0)
     leaves: list[HostLeaf] = [None] * len(seen)  # type: ignore[list-item]
@@ -95,13 +97,25 @@ def streamed(tree: Any) -> Snapshot:
     for i in device:
         k, x = seen[i], data[i]
         leaves[i] = HostLeaf(k.record, (), x.sharding, whole=k.whole)
-        parts += [(i, x, k.box)] if k.whole else [
-            (i, s.data, box_of(s.index, k.record.shape)) for s in x.addressable_shards if s.replica_id == 0]
+        parts += (
+            [(i, x, k.box)]
+            if k.whole
+            else [
+                (i, s.data, box_of(s.index, k.record.shape))
+                for s in x.addressable_shards
+                if s.replica_id == 0
+            ]
+        )
     size = [math.prod(e - s for s, e in box) * seen[i].record.dtype.itemsize for i, _, box in parts]
     limit = _batch_bytes(sum(size))
     pieces = [p for (i, part, box), n in zip(parts, size) for p in _split(i, part, box, n, limit)]
-    return Streamed(leaves, host.nbytes + sum(size), pieces=pieces, batch=limit,
-                    transfers=[(part, n) for (_, part, _), n in zip(parts, size)])
+    return Streamed(
+        leaves,
+        host.nbytes + sum(size),
+        pieces=pieces,
+        batch=limit,
+        transfers=[(part, n) for (_, part, _), n in zip(parts, size)],
+    )
 
 
 def _check_alive(flat: tree_mod.Flat) -> None:
@@ -113,7 +127,8 @@ def _check_alive(flat: tree_mod.Flat) -> None:
         raise CheckpointError(
             f"cannot save {shown}: the array has been deleted, most likely donated to a jitted step "
             "(donate_argnums) that consumed this state. Save the state before that step runs, or the state "
-            "it returned; nothing was written")
+            "it returned; nothing was written"
+        )
 
 
 def _split(leaf: int, part: jax.Array, box: Box, nbytes: int, limit: int) -> list[Piece]:
@@ -124,8 +139,16 @@ def _split(leaf: int, part: jax.Array, box: Box, nbytes: int, limit: int) -> lis
     (lo, hi), rest = box[0], box[1:]
     row = nbytes // (hi - lo)
     step = max(1, limit // max(1, row))
-    return [Piece(leaf, part, ((lo + r, min(lo + r + step, hi)),) + rest, slice(r, r + step),
-                  row * (min(r + step, hi - lo) - r)) for r in range(0, hi - lo, step)]
+    return [
+        Piece(
+            leaf,
+            part,
+            ((lo + r, min(lo + r + step, hi)),) + rest,
+            slice(r, r + step),
+            row * (min(r + step, hi - lo) - r),
+        )
+        for r in range(0, hi - lo, step)
+    ]
 
 
 def _batch_bytes(total: int) -> int:
@@ -160,8 +183,9 @@ def _items(snap: Snapshot, batch: list[Piece]) -> list[ArrayItem]:
     return out
 
 
-def write_streamed(serializer: Serializer, storage: Storage, snap: Streamed, items: Sequence[ArrayItem], *,
-                   tag: str) -> Written:
+def write_streamed(
+    serializer: Serializer, storage: Storage, snap: Streamed, items: Sequence[ArrayItem], *, tag: str
+) -> Written:
     """Writes ``items`` (the snapshot's host leaves) and every piece of ``snap`` below ``storage``: on
     up to THREADS threads, one ``serializer.write`` per batch (tags ``<tag>.h`` and ``<tag>.<k>``),
     each batch once its transfers have landed. Returns the records of all, merged. On a failure, every
@@ -174,8 +198,9 @@ def write_streamed(serializer: Serializer, storage: Storage, snap: Streamed, ite
         feeder.stop()
 
 
-def _write_batches(serializer: Serializer, storage: Storage, snap: Streamed, items: Sequence[ArrayItem],
-                   tag: str) -> Written:
+def _write_batches(
+    serializer: Serializer, storage: Storage, snap: Streamed, items: Sequence[ArrayItem], tag: str
+) -> Written:
     jobs: list[Callable[[], Written]] = []
     host = [it for it in items if it.shards]
     if host:
@@ -251,8 +276,12 @@ def merged(written: Sequence[Written]) -> Written:
     for w in written:
         for i, recs in w.chunks.items():
             chunks.setdefault(i, []).extend(recs)
-    return Written(chunks, {name: size for w in written for name, size in w.files.items()},
-                   fsync_s=sum(w.fsync_s for w in written), serialize_s=sum(w.serialize_s for w in written))
+    return Written(
+        chunks,
+        {name: size for w in written for name, size in w.files.items()},
+        fsync_s=sum(w.fsync_s for w in written),
+        serialize_s=sum(w.serialize_s for w in written),
+    )
 
 
 __all__ = ["Piece", "Streamed", "batches", "merged", "streamed", "write_streamed"]

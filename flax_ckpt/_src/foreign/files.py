@@ -71,9 +71,11 @@ class CheckpointFile:
             raise CheckpointNotFoundError(f"no checkpoint at {self.path} (the path does not exist)") from None
         except OSError as e:
             if e.errno == errno.ELOOP and not self.follow:
-                raise CorruptCheckpointError(f"{self.path} is a symbolic link inside a run directory; refusing to "
-                                             "follow it (it may lead out of the directory): pass the file it "
-                                             "points to") from None
+                raise CorruptCheckpointError(
+                    f"{self.path} is a symbolic link inside a run directory; refusing to "
+                    "follow it (it may lead out of the directory): pass the file it "
+                    "points to"
+                ) from None
             raise CorruptCheckpointError(f"{self.path}: cannot be read ({e.strerror})") from None
 
     def open_same(self) -> int:
@@ -88,8 +90,10 @@ class CheckpointFile:
 
     def _same(self, fd: int) -> None:
         if _identity(os.fstat(fd)) != self._identity:
-            raise CorruptCheckpointError(f"{self.path} changed while it was being read (replaced or rewritten); "
-                                         "restore it again once nothing writes it")
+            raise CorruptCheckpointError(
+                f"{self.path} changed while it was being read (replaced or rewritten); "
+                "restore it again once nothing writes it"
+            )
 
     def read(self, offset: int, out: memoryview) -> None:
         """Fills ``out`` with the bytes from ``offset`` on (CorruptCheckpointError when the file ends
@@ -118,10 +122,12 @@ class CheckpointFile:
     def _pread(self, fd: int, offset: int, out: memoryview) -> None:
         done = 0
         while done < len(out):
-            n = os.preadv(fd, [out[done:done + (1 << 30)]], offset + done)
+            n = os.preadv(fd, [out[done : done + (1 << 30)]], offset + done)
             if n == 0:
-                raise CorruptCheckpointError(f"{self.path}: ends at byte {offset + done}, before the "
-                                             f"{len(out)} bytes from {offset} (truncated)")
+                raise CorruptCheckpointError(
+                    f"{self.path}: ends at byte {offset + done}, before the "
+                    f"{len(out)} bytes from {offset} (truncated)"
+                )
             done += n
 
     def _read_again(self, fd: int, offset: int, out: memoryview) -> None:
@@ -131,10 +137,14 @@ class CheckpointFile:
         for at in range(0, len(out), _AGAIN):
             n = min(_AGAIN, len(out) - at)
             self._pread(fd, offset + at, scratch[:n])
-            if not np.array_equal(np.frombuffer(scratch[:n], np.uint8), np.frombuffer(out[at:at + n], np.uint8)):
-                raise CorruptCheckpointError(f"{self.path} changed while it was being read (bytes {offset + at} to "
-                                             f"{offset + at + n} differ when read again: it is being written); "
-                                             "restore it again once nothing writes it")
+            if not np.array_equal(
+                np.frombuffer(scratch[:n], np.uint8), np.frombuffer(out[at : at + n], np.uint8)
+            ):
+                raise CorruptCheckpointError(
+                    f"{self.path} changed while it was being read (bytes {offset + at} to "
+                    f"{offset + at + n} differ when read again: it is being written); "
+                    "restore it again once nothing writes it"
+                )
 
     def head(self, n: int) -> bytes:
         """The first ``n`` bytes (fewer when the file is shorter)."""
@@ -147,8 +157,10 @@ class CheckpointFile:
         try:
             buf = bytearray(self.size)
         except MemoryError:
-            raise CheckpointError(f"{self.path}: cannot allocate {self.size} bytes to read it (out of "
-                                         "memory); read it on a machine with more memory") from None
+            raise CheckpointError(
+                f"{self.path}: cannot allocate {self.size} bytes to read it (out of "
+                "memory); read it on a machine with more memory"
+            ) from None
         self.read(0, memoryview(buf))
         return buf
 
@@ -181,9 +193,17 @@ class FileSource:
         return read_back(self, update)
 
     def info(self) -> CheckpointInfo:
-        return checkpoint_info(self.url, self.leaves, step=self.step, metrics=self.metrics, metadata=self.metadata,
-                               created=self.file.mtime, process_count=1, serializer=self.serializer,
-                               format=self.format)
+        return checkpoint_info(
+            self.url,
+            self.leaves,
+            step=self.step,
+            metrics=self.metrics,
+            metadata=self.metadata,
+            created=self.file.mtime,
+            process_count=1,
+            serializer=self.serializer,
+            format=self.format,
+        )
 
     def read_many(self, requests: Any) -> None:
         for leaf, box, out in requests:

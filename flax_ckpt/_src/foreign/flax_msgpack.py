@@ -84,8 +84,10 @@ def _ndarray(payload: bytes) -> np.ndarray | _Bad:
     try:
         dtype = dtype_from_name(name)
     except (ValueError, TypeError):
-        return _Bad(f"its dtype {str(name)[:40]} is not a numeric dtype (object, string and structured dtypes "
-                    "are never read)")
+        return _Bad(
+            f"its dtype {str(name)[:40]} is not a numeric dtype (object, string and structured dtypes "
+            "are never read)"
+        )
     problem = shape_problem(shape, dtype.itemsize)
     if problem:
         return _Bad(f"its array {problem}")
@@ -93,7 +95,9 @@ def _ndarray(payload: bytes) -> np.ndarray | _Bad:
         return _Bad("its array bytes are not a msgpack bin")
     need = math.prod(shape) * dtype.itemsize
     if need != len(data):
-        return _Bad(f"{dtype.name}{str(shape).replace(' ', '')} needs {need} bytes but {len(data)} are stored")
+        return _Bad(
+            f"{dtype.name}{str(shape).replace(' ', '')} needs {need} bytes but {len(data)} are stored"
+        )
     return np.frombuffer(data, dtype).reshape(shape)
 
 
@@ -102,8 +106,11 @@ def _complex(payload: bytes) -> complex | _Bad:
         obj = msgpack.unpackb(payload, **_limits(len(payload)))
     except (ValueError, TypeError, msgpack.UnpackException) as e:
         return _Bad(f"its complex number does not decode ({e or type(e).__name__})")
-    if (not isinstance(obj, list) or len(obj) != 2
-            or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in obj)):
+    if (
+        not isinstance(obj, list)
+        or len(obj) != 2
+        or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in obj)
+    ):
         return _Bad("its complex number is not (real, imag)")
     return complex(obj[0], obj[1])
 
@@ -124,19 +131,25 @@ def _unpack(data: bytearray, where: str) -> Any:
         raise CheckpointNotFoundError(
             f"{where} is a file, not a checkpoint folder, and no checkpoint file flax_ckpt reads: not Flax msgpack "
             f"(flax.serialization.to_bytes, flax.training.checkpoints.save_checkpoint: it starts with byte "
-            f"0x{data[0]:02x}, not a msgpack map) and not .safetensors. Pass the checkpoint's folder, or such a file")
+            f"0x{data[0]:02x}, not a msgpack map) and not .safetensors. Pass the checkpoint's folder, or such a file"
+        )
     try:
-        return msgpack.unpackb(data, raw=False, use_list=True, strict_map_key=False, ext_hook=_ext,
-                               **_limits(len(data)))
+        return msgpack.unpackb(
+            data, raw=False, use_list=True, strict_map_key=False, ext_hook=_ext, **_limits(len(data))
+        )
     except msgpack.ExtraData:
-        raise CorruptCheckpointError(f"{where}: bytes after the end of the msgpack tree (two files concatenated, "
-                                     "or damage); restore an older step or re-save it") from None
+        raise CorruptCheckpointError(
+            f"{where}: bytes after the end of the msgpack tree (two files concatenated, "
+            "or damage); restore an older step or re-save it"
+        ) from None
     except MemoryError:
-        raise CheckpointError(f"{where}: out of memory decoding its {len(data)} bytes; read it on a machine with "
-                              "more memory") from None
+        raise CheckpointError(
+            f"{where}: out of memory decoding its {len(data)} bytes; read it on a machine with more memory"
+        ) from None
     except msgpack.StackError:
-        raise CorruptCheckpointError(f"{where}: msgpack nested too deep to read (damaged or crafted); nothing "
-                                     "was restored") from None
+        raise CorruptCheckpointError(
+            f"{where}: msgpack nested too deep to read (damaged or crafted); nothing was restored"
+        ) from None
     except (ValueError, TypeError, msgpack.UnpackException) as e:
         raise CorruptCheckpointError(
             f"{where}: not a readable Flax msgpack file of {len(data)} bytes ({e or type(e).__name__}): truncated "
@@ -156,8 +169,10 @@ def decode(data: bytearray, where: str) -> tuple[list[LeafRecord], dict[str, np.
     while stack:
         path, node, name_len = stack.pop()
         if len(path) > MAX_DEPTH:
-            raise CorruptCheckpointError(f"{where}: the tree is nested more than {MAX_DEPTH} deep at "
-                                         f"{keystr(path[:8])!r}/...: damaged or crafted; nothing was restored")
+            raise CorruptCheckpointError(
+                f"{where}: the tree is nested more than {MAX_DEPTH} deep at "
+                f"{keystr(path[:8])!r}/...: damaged or crafted; nothing was restored"
+            )
         if isinstance(node, dict) and node and CHUNKED not in node:
             keys = list(node)
             wrong = [k for k in keys if isinstance(k, bool) or not isinstance(k, (str, int))]
@@ -166,22 +181,29 @@ def decode(data: bytearray, where: str) -> tuple[list[LeafRecord], dict[str, np.
                 continue
             lens = [len(str(k)) for k in keys]
             budget.spend(path, len(keys), name_len, sum(lens))
-            stack.extend((path + (("key", k),), node[k], name_len + n + 1) for k, n in zip(reversed(keys),
-                                                                                        reversed(lens)))
+            stack.extend(
+                (path + (("key", k),), node[k], name_len + n + 1)
+                for k, n in zip(reversed(keys), reversed(lens))
+            )
         elif isinstance(node, list) and node:
             budget.spend(path, len(node), name_len, len(node) * len(str(len(node))))
-            stack.extend((path + (("idx", i),), node[i], name_len + len(str(i)) + 1)
-                         for i in reversed(range(len(node))))
+            stack.extend(
+                (path + (("idx", i),), node[i], name_len + len(str(i)) + 1)
+                for i in reversed(range(len(node)))
+            )
         else:
             leaf = _leaf(path, node, arrays, bad, unsupported)
             if leaf is not None:
                 leaves.append(leaf)
     if bad:
-        raise CorruptCheckpointError(f"{where}: damaged or crafted leaves (nothing was restored): {format_list(bad)}. "
-                                     "Restore an older step, or re-save it with flax")
+        raise CorruptCheckpointError(
+            f"{where}: damaged or crafted leaves (nothing was restored): {format_list(bad)}. "
+            "Restore an older step, or re-save it with flax"
+        )
     if unsupported:
-        raise UnsupportedLeafError(f"{where}: leaves flax_ckpt does not restore (nothing was restored): "
-                                   f"{format_list(unsupported)}")
+        raise UnsupportedLeafError(
+            f"{where}: leaves flax_ckpt does not restore (nothing was restored): {format_list(unsupported)}"
+        )
     check_tree([leaf.path for leaf in leaves], _TreeCheck(where), lambda i: repr(leaves[i].name[:200]))
     return leaves, arrays
 
@@ -201,7 +223,8 @@ class _Budget:
             raise CorruptCheckpointError(
                 f"{self.where}: its tree costs more than its {self.size} bytes can hold (at "
                 f"{keystr(path[:8])[:200]!r}: {children} children); a file of tiny or deeply named leaves, "
-                "damaged or crafted: nothing was restored")
+                "damaged or crafted: nothing was restored"
+            )
 
 
 class _TreeCheck:
@@ -211,8 +234,10 @@ class _TreeCheck:
         self.where = where
 
     def fail(self, field: str, why: str):
-        raise CorruptCheckpointError(f"{self.where}: leaves that make no tree: {field}: {why}; damaged or "
-                                     "crafted, nothing was restored")
+        raise CorruptCheckpointError(
+            f"{self.where}: leaves that make no tree: {field}: {why}; damaged or "
+            "crafted, nothing was restored"
+        )
 
 
 def _leaf(path: tuple, node: Any, arrays: dict, bad: list[str], unsupported: list[str]) -> LeafRecord | None:
@@ -234,20 +259,28 @@ def _leaf(path: tuple, node: Any, arrays: dict, bad: list[str], unsupported: lis
     elif isinstance(node, (bool, int, float, complex)):
         return LeafRecord(path, "scalar", value=node)
     elif isinstance(node, str) and node.startswith(GDA_PLACEHOLDER):
-        unsupported.append(f"{name!r} (an array saved by flax's save_checkpoint_multiprocess, stored in the "
-                           "checkpoint's _gda folder: restore it with flax.training.checkpoints.restore_checkpoint)")
+        unsupported.append(
+            f"{name!r} (an array saved by flax's save_checkpoint_multiprocess, stored in the "
+            "checkpoint's _gda folder: restore it with flax.training.checkpoints.restore_checkpoint)"
+        )
     elif isinstance(node, str):
         return LeafRecord(path, "string", value=node)
     else:
-        unsupported.append(f"{name!r} (a {type(node).__name__} value: flax_ckpt restores arrays, numbers, strings "
-                           "and None; read it with flax.serialization.msgpack_restore)")
+        unsupported.append(
+            f"{name!r} (a {type(node).__name__} value: flax_ckpt restores arrays, numbers, strings "
+            "and None; read it with flax.serialization.msgpack_restore)"
+        )
     return None
 
 
 def _chunked(node: dict) -> _Chunks | _Bad:
     """flax's ``_unchunk`` checked: flat chunks of one dtype whose sizes add up to the shape's."""
     shape, chunks = node.get("shape"), node.get("chunks")
-    if set(node) != {CHUNKED, "shape", "chunks"} or not isinstance(shape, dict) or not isinstance(chunks, dict):
+    if (
+        set(node) != {CHUNKED, "shape", "chunks"}
+        or not isinstance(shape, dict)
+        or not isinstance(chunks, dict)
+    ):
         return _Bad("a chunked array without exactly its 'shape' and 'chunks' maps")
     dims = [shape.get(str(i)) for i in range(len(shape))]
     parts = [chunks.get(str(i)) for i in range(len(chunks))]
@@ -256,9 +289,13 @@ def _chunked(node: dict) -> _Chunks | _Bad:
     if not parts or not all(isinstance(p, np.ndarray) and p.ndim == 1 for p in parts):
         return _Bad("a chunked array whose chunks are not flat arrays keyed '0', '1', ...")
     if len({p.dtype for p in parts}) != 1:
-        return _Bad(f"a chunked array whose chunks have several dtypes ({sorted({p.dtype.name for p in parts})})")
+        return _Bad(
+            f"a chunked array whose chunks have several dtypes ({sorted({p.dtype.name for p in parts})})"
+        )
     if sum(p.size for p in parts) != math.prod(dims):
-        return _Bad(f"a chunked array of shape {dims} whose chunks hold {sum(p.size for p in parts)} elements")
+        return _Bad(
+            f"a chunked array of shape {dims} whose chunks hold {sum(p.size for p in parts)} elements"
+        )
     return _Chunks(parts, tuple(dims))
 
 
@@ -281,7 +318,7 @@ class MsgpackSource(FileSource):
         if isinstance(stored, _Chunks) and whole(box, leaf.shape):
             flat, at = out.reshape(-1), 0
             for part in stored.parts:
-                flat[at:at + part.size] = part
+                flat[at : at + part.size] = part
                 at += part.size
             return
         full = np.concatenate(stored.parts).reshape(stored.shape) if isinstance(stored, _Chunks) else stored

@@ -36,17 +36,22 @@ class _FileLayout:
         self.step, self.follow = step, follow
 
     def snapshot(self, tree: Any, *, copy: bool, reuse: Snapshot | None = None) -> Snapshot:
-        raise ValueError(f"flax_ckpt reads {self.name} files but never writes them; save with format='native' "
-                         "(or 'orbax'), or export arrays with `flax-ckpt convert SRC DST.safetensors`")
+        raise ValueError(
+            f"flax_ckpt reads {self.name} files but never writes them; save with format='native' "
+            "(or 'orbax'), or export arrays with `flax-ckpt convert SRC DST.safetensors`"
+        )
 
-    def persist(self, snap: Snapshot, parent: Storage, name: str, *, step: int | None, metrics: Any,
-                metadata: Any) -> PersistTimes:
+    def persist(
+        self, snap: Snapshot, parent: Storage, name: str, *, step: int | None, metrics: Any, metadata: Any
+    ) -> PersistTimes:
         return self.snapshot(None, copy=False)
 
     def _file(self, folder: Storage, item: str | None) -> CheckpointFile:
         if item is not None:
-            raise TargetMismatchError(f"{folder.url} is a {self.name} file, one tree without items; item={item!r} "
-                                      "selects an item of an Orbax step. Restore it without item=")
+            raise TargetMismatchError(
+                f"{folder.url} is a {self.name} file, one tree without items; item={item!r} "
+                "selects an item of an Orbax step. Restore it without item="
+            )
         return CheckpointFile(folder.url, follow=self.follow)
 
     def metrics(self, folder: Storage) -> dict[str, Any] | None:
@@ -113,10 +118,13 @@ def step_files(root: Storage) -> list[tuple[int, str, FlaxMsgpackLayout]]:
         with os.scandir(path) as entries:
             for e in entries:
                 step = step_of(e.name)
-                if (step is not None and not commit_mod.is_temporary(e.name) and not e.is_dir(follow_symlinks=False)
-                        and not e.is_symlink()):
+                if (
+                    step is not None
+                    and not commit_mod.is_temporary(e.name)
+                    and not e.is_dir(follow_symlinks=False)
+                    and not e.is_symlink()
+                ):
                     found.append((step, e.name, FlaxMsgpackLayout(step=step, follow=False)))
     except (FileNotFoundError, NotADirectoryError):
         return []
     return sorted(found, key=lambda f: (f[0], f[1]))
-

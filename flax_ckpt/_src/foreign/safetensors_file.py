@@ -31,10 +31,26 @@ from flax_ckpt._src.serializers import Box
 
 MAX_HEADER = 100 << 20  # the safetensors library's own limit
 EXPORT = "flax_ckpt export"
-DTYPES = {"BOOL": "bool", "U8": "uint8", "I8": "int8", "U16": "uint16", "I16": "int16", "U32": "uint32",
-          "I32": "int32", "U64": "uint64", "I64": "int64", "F16": "float16", "BF16": "bfloat16", "F32": "float32",
-          "F64": "float64", "C64": "complex64", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
-          "F8_E4M3FNUZ": "float8_e4m3fnuz", "F8_E5M2FNUZ": "float8_e5m2fnuz"}
+DTYPES = {
+    "BOOL": "bool",
+    "U8": "uint8",
+    "I8": "int8",
+    "U16": "uint16",
+    "I16": "int16",
+    "U32": "uint32",
+    "I32": "int32",
+    "U64": "uint64",
+    "I64": "int64",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "F32": "float32",
+    "F64": "float64",
+    "C64": "complex64",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+    "F8_E4M3FNUZ": "float8_e4m3fnuz",
+    "F8_E5M2FNUZ": "float8_e5m2fnuz",
+}
 _BUDGET_SLACK = 64 << 20
 FREE_KEYS = 1 << 20  # key paths' keys any header may hold (see _paths)
 HEADER_BYTES_PER_KEY = 8  # and one per this many bytes of header (a real name's key takes about 16)
@@ -48,23 +64,28 @@ def looks_like(head: bytes, size: int) -> bool:
 def _header(file: CheckpointFile) -> tuple[dict[str, Any], int]:
     where = file.path
     if file.size < 8:
-        raise CorruptCheckpointError(f"{where}: {file.size} bytes, shorter than a safetensors header's 8-byte length "
-                                     "(truncated)")
+        raise CorruptCheckpointError(
+            f"{where}: {file.size} bytes, shorter than a safetensors header's 8-byte length (truncated)"
+        )
     (n,) = struct.unpack("<Q", file.head(8))
     if n > min(MAX_HEADER, file.size - 8):
         raise CorruptCheckpointError(
             f"{where}: its header claims {n} bytes, more than the {file.size - 8} after its length"
             + (f" and the {MAX_HEADER} safetensors allows" if n > MAX_HEADER else "")
-            + ": truncated, damaged or crafted; nothing was read")
+            + ": truncated, damaged or crafted; nothing was read"
+        )
     raw = bytearray(n)
     file.read(8, memoryview(raw))
     try:
         doc = json.loads(raw.decode("utf-8"))
     except (ValueError, RecursionError) as e:
-        raise CorruptCheckpointError(f"{where}: its header is not valid JSON ({str(e)[:100]}); damaged") from None
+        raise CorruptCheckpointError(
+            f"{where}: its header is not valid JSON ({str(e)[:100]}); damaged"
+        ) from None
     except MemoryError:
-        raise CheckpointError(f"{where}: out of memory parsing its {n}-byte header; read it on a machine with "
-                              "more memory") from None
+        raise CheckpointError(
+            f"{where}: out of memory parsing its {n}-byte header; read it on a machine with more memory"
+        ) from None
     if not isinstance(doc, dict):
         raise CorruptCheckpointError(f"{where}: its header is not a JSON object")
     return doc, 8 + n
@@ -76,7 +97,9 @@ def parse(file: CheckpointFile) -> tuple[list[LeafRecord], dict[str, tuple[int, 
     doc, start = _header(file)
     where, data_len = file.path, file.size - start
     meta = doc.pop("__metadata__", None)
-    if meta is not None and (not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values())):
+    if meta is not None and (
+        not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values())
+    ):
         raise CorruptCheckpointError(f"{where}: its __metadata__ is not a map of strings")
     paths = _paths(list(doc), where, start - 8)
     leaves, spans, bad = [], {}, []
@@ -90,7 +113,9 @@ def parse(file: CheckpointFile) -> tuple[list[LeafRecord], dict[str, tuple[int, 
         leaves.append(leaf)
         spans[leaf.name] = (start + span[0], span[1] - span[0])
     if bad:
-        raise CorruptCheckpointError(f"{where}: damaged or crafted tensors (nothing was restored): {format_list(bad)}")
+        raise CorruptCheckpointError(
+            f"{where}: damaged or crafted tensors (nothing was restored): {format_list(bad)}"
+        )
     _check_tiling(doc, paths, data_len, where)
     return leaves, spans, meta
 
@@ -105,12 +130,21 @@ def _entry(entry: Any, data_len: int) -> tuple[str | None, Any, Any, Any]:
     problem = shape_problem(shape, dtype.itemsize)
     if problem:
         return problem, None, None, None
-    if (not isinstance(span, list) or len(span) != 2 or not all(type(x) is int for x in span)
-            or not 0 <= span[0] <= span[1] <= data_len):
+    if (
+        not isinstance(span, list)
+        or len(span) != 2
+        or not all(type(x) is int for x in span)
+        or not 0 <= span[0] <= span[1] <= data_len
+    ):
         return f"data_offsets {str(span)[:60]} are not within the {data_len} bytes of data", None, None, None
     need = math.prod(shape) * dtype.itemsize
     if need != span[1] - span[0]:
-        return f"{DTYPES[name]}{shape} needs {need} bytes, its offsets span {span[1] - span[0]}", None, None, None
+        return (
+            f"{DTYPES[name]}{shape} needs {need} bytes, its offsets span {span[1] - span[0]}",
+            None,
+            None,
+            None,
+        )
     return None, dtype, tuple(shape), tuple(span)
 
 
@@ -120,15 +154,21 @@ def _check_tiling(doc: dict, paths: dict, data_len: int, where: str) -> None:
     at, last = 0, None
     for (begin, end), name in spans:
         if begin < at:
-            raise CorruptCheckpointError(f"{where}: tensors {last!r} and {name!r} overlap (bytes {begin} to {at} of "
-                                         "the data); damaged or crafted, nothing was restored")
+            raise CorruptCheckpointError(
+                f"{where}: tensors {last!r} and {name!r} overlap (bytes {begin} to {at} of "
+                "the data); damaged or crafted, nothing was restored"
+            )
         if begin > at:
-            raise CorruptCheckpointError(f"{where}: bytes {at} to {begin} of the data belong to no tensor (before "
-                                         f"{name!r}); damaged or crafted, nothing was restored")
+            raise CorruptCheckpointError(
+                f"{where}: bytes {at} to {begin} of the data belong to no tensor (before "
+                f"{name!r}); damaged or crafted, nothing was restored"
+            )
         at, last = max(at, end), name
     if at != data_len:
-        raise CorruptCheckpointError(f"{where}: {data_len - at} bytes after the last tensor belong to none "
-                                     "(damaged, or two files concatenated); nothing was restored")
+        raise CorruptCheckpointError(
+            f"{where}: {data_len - at} bytes after the last tensor belong to none "
+            "(damaged, or two files concatenated); nothing was restored"
+        )
 
 
 class _NameCheck:
@@ -138,8 +178,10 @@ class _NameCheck:
         self.where, self.sep = where, sep
 
     def fail(self, field: str, why: str):
-        raise CorruptCheckpointError(f"{self.where}: tensor names that make no tree (split at {self.sep!r}): "
-                                     f"{field}: {why}; rename them in the file (nothing was restored)")
+        raise CorruptCheckpointError(
+            f"{self.where}: tensor names that make no tree (split at {self.sep!r}): "
+            f"{field}: {why}; rename them in the file (nothing was restored)"
+        )
 
 
 def _paths(names: list[str], where: str, header_bytes: int) -> dict[str, tuple[tuple[str, str], ...]]:
@@ -155,8 +197,11 @@ def _paths(names: list[str], where: str, header_bytes: int) -> dict[str, tuple[t
             check.fail(repr(n[:100]), f"{n.count(sep) + 1} keys deep, deeper than {MAX_PATH_DEPTH}")
         keys += n.count(sep) + 1
     if keys > FREE_KEYS + header_bytes // HEADER_BYTES_PER_KEY:
-        check.fail(f"{len(names)} names", f"{keys} keys in a {header_bytes}-byte header, more than its size "
-                   f"allows ({FREE_KEYS} and one per {HEADER_BYTES_PER_KEY} bytes)")
+        check.fail(
+            f"{len(names)} names",
+            f"{keys} keys in a {header_bytes}-byte header, more than its size "
+            f"allows ({FREE_KEYS} and one per {HEADER_BYTES_PER_KEY} bytes)",
+        )
     paths = {n: tuple(("key", k) for k in n.split(sep)) for n in names}
     check_tree(list(paths.values()), check, lambda i: repr(names[i][:200]))
     return paths
@@ -172,8 +217,9 @@ def _export_fields(meta: dict[str, str] | None, where: str) -> tuple[int | None,
         try:
             out.append(json.loads(meta.get(field, "null")))
         except (ValueError, RecursionError):
-            raise CorruptCheckpointError(f"{where}: __metadata__ field {field!r} of a flax_ckpt export is not "
-                                         "JSON; damaged") from None
+            raise CorruptCheckpointError(
+                f"{where}: __metadata__ field {field!r} of a flax_ckpt export is not JSON; damaged"
+            ) from None
     step, metrics, metadata = out
     if step is not None and (type(step) is not int or step < 0):
         raise CorruptCheckpointError(f"{where}: __metadata__ field 'step' is {step!r}, not a step number")
@@ -200,7 +246,9 @@ class SafetensorsSource(FileSource):
     def read(self, leaf: LeafRecord, box: Box, out: np.ndarray) -> None:
         offset, nbytes = self._spans[leaf.name]
         if whole(box, leaf.shape):
-            self.file.read(offset, memoryview(out.reshape(-1).view(np.uint8)) if out.size else memoryview(b""))
+            self.file.read(
+                offset, memoryview(out.reshape(-1).view(np.uint8)) if out.size else memoryview(b"")
+            )
             return
         full = np.empty(leaf.shape, leaf.dtype)
         self.file.read(offset, memoryview(full.reshape(-1).view(np.uint8)) if full.size else memoryview(b""))

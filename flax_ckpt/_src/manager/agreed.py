@@ -24,8 +24,13 @@ from flax_ckpt._src.manager.steps import StepIndex
 
 log = logging.getLogger("flax_ckpt")
 TargetOf = Callable[[Source], Any]  # the restore target for an opened step (restore's target_for)
-DAMAGE = ("CorruptCheckpointError", "InvalidManifestError", "FileNotFoundError", "CheckpointNotFoundError",
-          "NotADirectoryError")  # a step that cannot be read: restore falls back past it
+DAMAGE = (
+    "CorruptCheckpointError",
+    "InvalidManifestError",
+    "FileNotFoundError",
+    "CheckpointNotFoundError",
+    "NotADirectoryError",
+)  # a step that cannot be read: restore falls back past it
 
 
 def targets(target: Any, target_for: Callable[[CheckpointInfo], Any] | None) -> TargetOf:
@@ -46,8 +51,9 @@ class AgreedRestore:
         self.directory = steps.directory
         self.stats: list[RestoreStats] = []
 
-    def restore(self, step: int | None, target_of: TargetOf, shardings: Any, fit: "Fit | bool",
-                item: str | None) -> Any:
+    def restore(
+        self, step: int | None, target_of: TargetOf, shardings: Any, fit: "Fit | bool", item: str | None
+    ) -> Any:
         """``step`` (None: the newest committed step, falling back past damaged ones unless strict), on
         every process alike (a collective with several processes: first all adopt process 0's view).
         ``fit``: how the target may differ (engine/fit.py; a bool: partial). Every process sees the
@@ -62,7 +68,9 @@ class AgreedRestore:
 
         if step is not None:
             if step not in steps:
-                raise CheckpointNotFoundError(f"no committed step {step} in {self.directory} (steps: {steps})")
+                raise CheckpointNotFoundError(
+                    f"no committed step {step} in {self.directory} (steps: {steps})"
+                )
             return self._first_agreed([step], read, fallback=False)
         damaged = self._steps.newest_damaged()
         if self.strict and damaged is not None and (not steps or damaged[0] > steps[-1]):
@@ -71,19 +79,27 @@ class AgreedRestore:
             raise CheckpointNotFoundError(f"no committed checkpoint in {self.directory}")
         return self._first_agreed(steps[::-1], read, fallback=not self.strict)
 
-    def read(self, step: int, target_of: TargetOf, shardings: Any, fit: "Fit | bool",
-             item: str | None = None) -> Any:
+    def read(
+        self, step: int, target_of: TargetOf, shardings: Any, fit: "Fit | bool", item: str | None = None
+    ) -> Any:
         """Restores ``step`` from the directory on this process alone (checking every checksum); with
         Fit.report, returns (tree, RestoreReport)."""
         t0 = time.perf_counter()
         source = self._steps.open(step, item)
         target = target_of(source)
         out = engine.restore(source, target, shardings=shardings, fit=fit)
-        stats = RestoreStats(step, "persistent", engine.restored_nbytes(source, target, fit),
-                             time.perf_counter() - t0)
+        stats = RestoreStats(
+            step, "persistent", engine.restored_nbytes(source, target, fit), time.perf_counter() - t0
+        )
         self.stats.append(stats)
-        log.info("restored step %d from %s (%s tier): %.1f MB in %.2f s", step, self.directory, stats.tier,
-                 stats.nbytes / 1e6, stats.seconds)
+        log.info(
+            "restored step %d from %s (%s tier): %.1f MB in %.2f s",
+            step,
+            self.directory,
+            stats.tier,
+            stats.nbytes / 1e6,
+            stats.seconds,
+        )
         return out
 
     def _first_agreed(self, candidates: list[int], read: Callable[[int], Any], *, fallback: bool) -> Any:
@@ -106,8 +122,14 @@ class AgreedRestore:
                     raise err
                 raise shared_error(self.directory, s, failures) from err
             for j, (kind, msg) in sorted(failures.items()):
-                log.warning("step %d in %s is damaged on process %d (%s: %s); falling back to an older step",
-                            s, self.directory, j, kind, msg)
+                log.warning(
+                    "step %d in %s is damaged on process %d (%s: %s); falling back to an older step",
+                    s,
+                    self.directory,
+                    j,
+                    kind,
+                    msg,
+                )
         raise AssertionError("unreachable")
 
 
@@ -115,6 +137,8 @@ def shared_error(directory: str, step: int, failures: dict[int, tuple[str, str]]
     """The one error every process raises when ``step`` cannot be restored on some process."""
     first = failures[min(failures)][0]
     detail = "; ".join(f"process {j}: {kind}: {msg}" for j, (kind, msg) in sorted(failures.items()))
-    return error_class(first)(f"restore of step {step} of {directory} failed on "
-                              f"{'process' if len(failures) == 1 else 'processes'} "
-                              f"{', '.join(map(str, sorted(failures)))} (so on every process): {detail}")
+    return error_class(first)(
+        f"restore of step {step} of {directory} failed on "
+        f"{'process' if len(failures) == 1 else 'processes'} "
+        f"{', '.join(map(str, sorted(failures)))} (so on every process): {detail}"
+    )

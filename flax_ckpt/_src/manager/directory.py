@@ -51,9 +51,21 @@ class Directory:
       storage_options: how to reach object stores.
     """
 
-    def __init__(self, directory: Any, *, format: str | None, serializer: Any, tiered: bool, retention: Retention,
-                 on_busy: str, read_only: bool, strict: bool, metadata: Any, metric_writer: Any,
-                 storage_options: "ObjectStoreOptions | dict[str, Any] | None"):
+    def __init__(
+        self,
+        directory: Any,
+        *,
+        format: str | None,
+        serializer: Any,
+        tiered: bool,
+        retention: Retention,
+        on_busy: str,
+        read_only: bool,
+        strict: bool,
+        metadata: Any,
+        metric_writer: Any,
+        storage_options: "ObjectStoreOptions | dict[str, Any] | None",
+    ):
         self.storage: Storage = open_storage(directory, options=storage_options)
         self.url, self.read_only = self.storage.url, read_only
         self.prefix = distributed.job_prefix("manager", self.url)  # this run's agreement rounds
@@ -67,7 +79,9 @@ class Directory:
         self.index = StepIndex(self.storage, self.layout, self.prefix, serializer, self.recycler)
         self._restore = AgreedRestore(self.index, self.prefix, strict=strict)
         self._retention, self.metadata, self.metric_writer = retention, metadata, metric_writer
-        self.admission = Admission(on_busy, self._vote if distributed.process_count() > 1 else None, self._warn)
+        self.admission = Admission(
+            on_busy, self._vote if distributed.process_count() > 1 else None, self._warn
+        )
         self.stats: list[SaveStats] = []
         self.restore_stats: list[RestoreStats] = self._restore.stats
         self._arena: Snapshot | None = None  # the last durable snapshot, refilled by the next one
@@ -105,7 +119,9 @@ class Directory:
             _LOCKED.add(self)
         self.claimed = True
         if self.layout.foreign:
-            self.index.scan(tidy=True)  # the view from the open may be stale by now; this scan removes the leftovers
+            self.index.scan(
+                tidy=True
+            )  # the view from the open may be stale by now; this scan removes the leftovers
 
     # ---------------------------------------------------------------------------------- steps
 
@@ -128,9 +144,12 @@ class Directory:
         return distributed.allgather(self.prefix, "admit", mine)
 
     def _warn(self, step: int) -> None:
-        log.warning("step %d not saved in %s: the previous save is still being written, and on_busy='skip' "
-                    "never holds training for it; further skips are counted in mgr.skipped, not logged",
-                    step, self.url)
+        log.warning(
+            "step %d not saved in %s: the previous save is still being written, and on_busy='skip' "
+            "never holds training for it; further skips are counted in mgr.skipped, not logged",
+            step,
+            self.url,
+        )
 
     def snapshot(self, step: int, state: Any, *, copy: bool, force: bool) -> Snapshot:
         """The run layout's snapshot, into the buffers of the previous durable one (no page faults of
@@ -139,21 +158,41 @@ class Directory:
         self._refill = copy
         return snap
 
-    def save(self, step: int, snap: Snapshot, metrics: dict | None, t0: float, blocked: float, *,
-             migrated: bool = False) -> None:
+    def save(
+        self,
+        step: int,
+        snap: Snapshot,
+        metrics: dict | None,
+        t0: float,
+        blocked: float,
+        *,
+        migrated: bool = False,
+    ) -> None:
         """Background: writes and commits ``step`` (the layout brings device-copied shards to host
         first, raising a failed step's error), records it, applies retention. ``migrated``: a memory
         tier's copy (its buffers are the tier's: never refilled here)."""
         name = self.index.new_folder(step)
-        times = self.layout.persist(snap, self.storage, name, step=step, metrics=metrics, metadata=self.metadata)
+        times = self.layout.persist(
+            snap, self.storage, name, step=step, metrics=metrics, metadata=self.metadata
+        )
         self.index.add(step, name, metrics)
-        stats = SaveStats(step, snap.nbytes, blocked, snap.seconds, times.write, times.commit,
-                          time.perf_counter() - t0, fsync_s=times.fsync, start_s=t0 - self._created,
-                          serialize_s=times.serialize, written_bytes=times.written,
-                          migrate_s=times.write + times.commit if migrated else 0.0,
-                          waited_for_device_s=snap.waited_s,
-                          snapshot_mode=snap.choice.mode if snap.choice else "",
-                          device_bytes=snap.choice.device_bytes if snap.choice else 0)
+        stats = SaveStats(
+            step,
+            snap.nbytes,
+            blocked,
+            snap.seconds,
+            times.write,
+            times.commit,
+            time.perf_counter() - t0,
+            fsync_s=times.fsync,
+            start_s=t0 - self._created,
+            serialize_s=times.serialize,
+            written_bytes=times.written,
+            migrate_s=times.write + times.commit if migrated else 0.0,
+            waited_for_device_s=snap.waited_s,
+            snapshot_mode=snap.choice.mode if snap.choice else "",
+            device_bytes=snap.choice.device_bytes if snap.choice else 0,
+        )
         self.stats.append(stats)
         publish(stats, self.url, self.metric_writer)
         self.index.retain(self._retention)
@@ -169,7 +208,9 @@ class Directory:
 
     # ---------------------------------------------------------------------------------- restore
 
-    def restore(self, step: int | None, target_of: TargetOf, shardings: Any, fit: Fit, item: str | None) -> Any:
+    def restore(
+        self, step: int | None, target_of: TargetOf, shardings: Any, fit: Fit, item: str | None
+    ) -> Any:
         """The agreed restore; a step restored makes the steps up to it this run's (resumed)."""
         if self.read_only:
             return self._restore_following(step, target_of, shardings, fit, item)
@@ -190,8 +231,9 @@ class Directory:
             self.restore_stats.append(RestoreStats(step, tier, nbytes, seconds))
         self.index.resumed(step)
 
-    def _restore_following(self, step: int | None, target_of: TargetOf, shardings: Any, fit: Fit,
-                           item: str | None) -> Any:
+    def _restore_following(
+        self, step: int | None, target_of: TargetOf, shardings: Any, fit: Fit, item: str | None
+    ) -> Any:
         """A read-only manager's restore, beside a run that commits and deletes steps meanwhile: the steps
         are read again first; a step that the run's retention deleted while it was read (gone from the
         directory after the failure) is followed, for ``step=None``, by the newest step committed then,
@@ -205,8 +247,10 @@ class Directory:
                 return self._restore.restore(step, target_of, shardings, fit, item)  # its not-found error
             left = [s for s in steps if s not in skip]
             if not left:
-                raise CheckpointNotFoundError(f"no committed checkpoint in {self.url}" + (
-                    f" (steps {sorted(skip)} were deleted or damaged while being read)" if skip else ""))
+                raise CheckpointNotFoundError(
+                    f"no committed checkpoint in {self.url}"
+                    + (f" (steps {sorted(skip)} were deleted or damaged while being read)" if skip else "")
+                )
             s = left[-1] if step is None else step
             try:
                 return self._restore.restore(s, target_of, shardings, fit, item)
@@ -222,17 +266,26 @@ class Directory:
         if s in self.index.steps():
             if step is not None or self.strict or type(e).__name__ not in DAMAGE:
                 raise e
-            log.warning("step %d in %s is damaged (%s: %s); trying the next newest step", s, self.url,
-                        type(e).__name__, e)
+            log.warning(
+                "step %d in %s is damaged (%s: %s); trying the next newest step",
+                s,
+                self.url,
+                type(e).__name__,
+                e,
+            )
         elif step is not None:
             raise CheckpointNotFoundError(
                 f"step {step} of {self.url} was deleted while it was being restored (the run "
                 f"writing there removes old steps: its max_to_keep); committed steps now: "
                 f"{self.index.steps()}. Restore one of those (step=None: the newest), or have the "
-                "run keep the steps an evaluator reads (keep_period)") from e
+                "run keep the steps an evaluator reads (keep_period)"
+            ) from e
         else:
-            log.info("step %d of %s was deleted while it was being restored; restoring the newest step", s,
-                     self.url)
+            log.info(
+                "step %d of %s was deleted while it was being restored; restoring the newest step",
+                s,
+                self.url,
+            )
 
     # ---------------------------------------------------------------------------------- close
 
@@ -266,4 +319,5 @@ def _held_here(path: str) -> None:
                 "close()?). Close it first: call close() on it (the variable that held it, e.g. mgr.close(), "
                 "or ckpt.close() for a CheckpointCallback, which closes an earlier callback of its directory "
                 "itself); its save in flight is committed. Use `with fc.CheckpointManager(...) as mgr:` to "
-                "close it even when the code raises")
+                "close it even when the code raises"
+            )

@@ -111,18 +111,34 @@ class CheckpointManager:
       [4, 6] [6. 6. 6.]
     """
 
-    def __init__(self, directory: Any, *, save_interval_steps: "int | Literal['auto']" = 1,
-                 max_to_keep: int | None = None,
-                 keep_period: int | None = None, best_metric: str | None = None,
-                 best_mode: Literal["min", "max"] = "min", keep_best: int | None = None,
-                 async_save: bool = True, serializer: str | Serializer | None = None, tiers: Tiers | None = None,
-                 strict: bool = False, metadata: Any = None, format: Literal["native", "orbax"] | None = None,
-                 overhead_budget: float = 0.01, mtbf_s: float | None = None, metric_writer: Any = None,
-                 storage_options: "ObjectStoreOptions | dict[str, Any] | None" = None,
-                 read_only: bool = False, on_busy: Literal["wait", "skip"] | None = None):
+    def __init__(
+        self,
+        directory: Any,
+        *,
+        save_interval_steps: "int | Literal['auto']" = 1,
+        max_to_keep: int | None = None,
+        keep_period: int | None = None,
+        best_metric: str | None = None,
+        best_mode: Literal["min", "max"] = "min",
+        keep_best: int | None = None,
+        async_save: bool = True,
+        serializer: str | Serializer | None = None,
+        tiers: Tiers | None = None,
+        strict: bool = False,
+        metadata: Any = None,
+        format: Literal["native", "orbax"] | None = None,
+        overhead_budget: float = 0.01,
+        mtbf_s: float | None = None,
+        metric_writer: Any = None,
+        storage_options: "ObjectStoreOptions | dict[str, Any] | None" = None,
+        read_only: bool = False,
+        on_busy: Literal["wait", "skip"] | None = None,
+    ):
         if read_only and tiers is not None:
-            raise ValueError("read_only=True reads the steps committed in the directory; it does not open "
-                             "memory tiers (they belong to the run that writes them): drop tiers=")
+            raise ValueError(
+                "read_only=True reads the steps committed in the directory; it does not open "
+                "memory tiers (they belong to the run that writes them): drop tiers="
+            )
         if tiers is not None and not isinstance(tiers, Tiers):
             raise TypeError(f"tiers must be a flax_ckpt.Tiers, got {type(tiers).__name__}")
         self.read_only, self.async_save = read_only, async_save
@@ -135,10 +151,19 @@ class CheckpointManager:
         #   snapshot: its buffers are freed on the writer's thread when its job ends, never on the caller's)
         self._closed = False
         try:
-            self._directory = Directory(directory, format=format, serializer=serializer, tiered=tiers is not None,
-                                        retention=self._retention, on_busy=self.on_busy, read_only=read_only,
-                                        strict=strict, metadata=metadata, metric_writer=metric_writer,
-                                        storage_options=storage_options)
+            self._directory = Directory(
+                directory,
+                format=format,
+                serializer=serializer,
+                tiered=tiers is not None,
+                retention=self._retention,
+                on_busy=self.on_busy,
+                read_only=read_only,
+                strict=strict,
+                metadata=metadata,
+                metric_writer=metric_writer,
+                storage_options=storage_options,
+            )
             # For tests and tools, not a stable API: this process's memory tiers (their folders ``root``
             # and ``local_dir``, ``committed(tier)``, ``last_plan`` of the last restore), or None.
             self.memory_tiers: TierSet | None = _memory_tiers(tiers, self._directory)  # after the scan
@@ -148,7 +173,11 @@ class CheckpointManager:
             raise
         self._store: Store = self.memory_tiers or self._directory
         self.storage: Storage = self._directory.storage
-        self.directory, self.format, self.layout = self._directory.url, self._directory.format, self._directory.layout
+        self.directory, self.format, self.layout = (
+            self._directory.url,
+            self._directory.format,
+            self._directory.layout,
+        )
         self.stats: list[SaveStats] = self._directory.stats
         self.restore_stats: list[RestoreStats] = self._directory.restore_stats
         _OPEN.add(self)
@@ -161,10 +190,14 @@ class CheckpointManager:
     best_mode = property(lambda self: self._retention.best_mode)
     keep_best = property(lambda self: self._retention.keep_best)
     strict = property(lambda self: self._directory.strict)
-    metadata = property(lambda self: self._directory.metadata,  # the JSON value recorded with every step
-                        lambda self, value: setattr(self._directory, "metadata", value))
-    metric_writer = property(lambda self: self._directory.metric_writer,
-                             lambda self, value: setattr(self._directory, "metric_writer", value))
+    metadata = property(
+        lambda self: self._directory.metadata,  # the JSON value recorded with every step
+        lambda self, value: setattr(self._directory, "metadata", value),
+    )
+    metric_writer = property(
+        lambda self: self._directory.metric_writer,
+        lambda self, value: setattr(self._directory, "metric_writer", value),
+    )
     skipped = property(lambda self: self._store.skipped)  # saves skipped because the writer was busy
 
     # ------------------------------------------------------------------------------------ directory
@@ -278,7 +311,9 @@ class CheckpointManager:
 
     # ----------------------------------------------------------------------------------------- save
 
-    def save(self, step: int, state: Any, *, metrics: dict[str, Any] | None = None, force: bool = False) -> bool:
+    def save(
+        self, step: int, state: Any, *, metrics: dict[str, Any] | None = None, force: bool = False
+    ) -> bool:
         """Saves ``state`` as ``step`` if the schedule says so, or off schedule with ``force=True``.
 
         Returns once a snapshot exists that the caller's next steps cannot change (async): jax.Array
@@ -319,9 +354,11 @@ class CheckpointManager:
         if self._closed:
             raise CheckpointError(f"CheckpointManager({self.directory}) is closed")
         if self.read_only:
-            raise CheckpointError(f"CheckpointManager({self.directory}, read_only=True) does not save "
-                                  f"(step {step}); save through the run's own manager, or open one without "
-                                  "read_only=True")
+            raise CheckpointError(
+                f"CheckpointManager({self.directory}, read_only=True) does not save "
+                f"(step {step}); save through the run's own manager, or open one without "
+                "read_only=True"
+            )
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
         t0 = time.perf_counter()
@@ -333,8 +370,13 @@ class CheckpointManager:
                 log.info("step %d already saved in %s; skipped", step, self.directory)
                 return False
             if not force and not self.should_save(step):
-                log.debug("step %d is off the schedule (every %s steps) in %s: not saved; pass force=True to "
-                          "save it anyway", step, self._schedule.interval, self.directory)
+                log.debug(
+                    "step %d is off the schedule (every %s steps) in %s: not saved; pass force=True to "
+                    "save it anyway",
+                    step,
+                    self._schedule.interval,
+                    self.directory,
+                )
                 return False
             if not self._directory.claimed:  # a tree the run's steps cannot hold: nothing written, no lock
                 self._directory.claim(state)
@@ -353,8 +395,11 @@ class CheckpointManager:
             self._schedule.saved(step, blocked, self._directory.prefix)
             grace = _GRACE if self._saved_at is None else min(_GRACE, 0.1 * (t0 - self._saved_at))
             self._saved_at = t0
-            self._writer.submit(functools.partial(self._store.save, step, snap, metrics, t0, blocked),
-                                f"step {step} in {self.directory}", grace=grace if self.async_save else 0.0)
+            self._writer.submit(
+                functools.partial(self._store.save, step, snap, metrics, t0, blocked),
+                f"step {step} in {self.directory}",
+                grace=grace if self.async_save else 0.0,
+            )
             if not self.async_save:
                 self._writer.wait()
             return True
@@ -369,8 +414,9 @@ class CheckpointManager:
         writer still busy once the state is computed is the writer's own work (``on_busy`` decides)."""
         if not self._writer.busy:
             return 0.0
-        computing = [x for x in map(_data, jax.tree_util.tree_leaves(state))
-                     if x is not None and not x.is_ready()]
+        computing = [
+            x for x in map(_data, jax.tree_util.tree_leaves(state)) if x is not None and not x.is_ready()
+        ]
         if not computing:
             return 0.0
         t1 = time.perf_counter()
@@ -404,10 +450,21 @@ class CheckpointManager:
 
     # -------------------------------------------------------------------------------------- restore
 
-    def restore(self, step: int | None = None, target: Any = None, *, shardings: Any = None,
-                partial: bool = False, item: str | None = None,
-                target_for: Callable[[CheckpointInfo], Any] | None = None, rename: RenameArg = None,
-                missing: str = "error", unexpected: str = "error", cast: bool = False, report: bool = False) -> Any:
+    def restore(
+        self,
+        step: int | None = None,
+        target: Any = None,
+        *,
+        shardings: Any = None,
+        partial: bool = False,
+        item: str | None = None,
+        target_for: Callable[[CheckpointInfo], Any] | None = None,
+        rename: RenameArg = None,
+        missing: str = "error",
+        unexpected: str = "error",
+        cast: bool = False,
+        report: bool = False,
+    ) -> Any:
         """Restores ``step``, or the newest good step, checked leaf by leaf against ``target``.
 
         Without ``step``, the newest committed step is restored; if it is damaged and the manager is not
@@ -448,8 +505,9 @@ class CheckpointManager:
           ...     mgr.restore()["w"], mgr.restore(1)["w"]
           (array([1., 1.], dtype=float32), array([0., 0.], dtype=float32))
         """
-        fit = Fit.of(partial=partial, rename=rename, missing=missing, unexpected=unexpected,
-                     cast=cast, report=report)
+        fit = Fit.of(
+            partial=partial, rename=rename, missing=missing, unexpected=unexpected, cast=cast, report=report
+        )
         self._writer.wait()
         return self._store.restore(step, targets(target, target_for), shardings, fit, item)
 
@@ -540,8 +598,12 @@ class CheckpointManager:
         try:
             self._close(at_exit=True)
         except Exception as e:
-            log.warning("CheckpointManager(%s) was not closed; closing it at interpreter exit failed: %s: %s",
-                        self.directory, type(e).__name__, e)
+            log.warning(
+                "CheckpointManager(%s) was not closed; closing it at interpreter exit failed: %s: %s",
+                self.directory,
+                type(e).__name__,
+                e,
+            )
 
     def __del__(self):  # garbage collection may run anywhere, on any thread: never raises, never prints
         try:
@@ -553,8 +615,12 @@ class CheckpointManager:
         try:
             self._let_go()
         except Exception as e:
-            log.warning("CheckpointManager(%s) was garbage-collected without close(): %s: %s", self.directory,
-                        type(e).__name__, e)
+            log.warning(
+                "CheckpointManager(%s) was garbage-collected without close(): %s: %s",
+                self.directory,
+                type(e).__name__,
+                e,
+            )
 
 
 def _data(x: Any) -> jax.Array | None:
@@ -570,8 +636,10 @@ def _on_busy(on_busy: str | None, tiers: Any) -> str:
         raise ValueError(f"on_busy must be 'wait' or 'skip', got {on_busy!r}")
     if tiers is not None and isinstance(tiers, Tiers):
         if on_busy is not None and on_busy != tiers.on_busy:
-            raise ValueError(f"on_busy={on_busy!r} contradicts tiers=Tiers(on_busy={tiers.on_busy!r}); "
-                             "give it once, in Tiers")
+            raise ValueError(
+                f"on_busy={on_busy!r} contradicts tiers=Tiers(on_busy={tiers.on_busy!r}); "
+                "give it once, in Tiers"
+            )
         return tiers.on_busy
     return on_busy or "wait"
 

@@ -8,8 +8,12 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-PHASES = (("blocked_s", "blocked (snapshot)", "tab:red"), ("write_s", "write + fsync", "tab:blue"),
-          ("commit_s", "commit", "tab:green"), ("migrate_s", "migration", "tab:purple"))
+PHASES = (
+    ("blocked_s", "blocked (snapshot)", "tab:red"),
+    ("write_s", "write + fsync", "tab:blue"),
+    ("commit_s", "commit", "tab:green"),
+    ("migrate_s", "migration", "tab:purple"),
+)
 
 
 def plot_timeline(stats: Sequence[Any], ax: Any = None, title: str = "checkpoint timeline") -> Any:

@@ -36,8 +36,14 @@ class StepIndex:
     ``recycler``: the run's recycled files (``Layout.recycler``), given the data files of removed steps.
     """
 
-    def __init__(self, storage: Storage, layout: layouts.Layout, prefix: str, serializer: Any = None,
-                 recycler: Recycler | None = None):
+    def __init__(
+        self,
+        storage: Storage,
+        layout: layouts.Layout,
+        prefix: str,
+        serializer: Any = None,
+        recycler: Recycler | None = None,
+    ):
         self.storage, self.layout, self._prefix, self._serializer = storage, layout, prefix, serializer
         self.recycler = recycler
         self.directory = storage.url
@@ -146,10 +152,17 @@ class StepIndex:
         restore). Process 0 commits every step, so its view is the one that is right when another
         process's listing lags (object stores) or missed the end of a save that failed there."""
         with self._mutex:
-            mine = {"steps": {str(s): [self._folders[s].name, self._folders[s].layout.name, self._metrics.get(s)]
-                              for s in self._metrics if s in self._folders},
-                    "damaged": {str(s): [type(e).__name__, str(e), f.name, f.layout.name]
-                                for s, (e, f) in self._damaged.items()}}
+            mine = {
+                "steps": {
+                    str(s): [self._folders[s].name, self._folders[s].layout.name, self._metrics.get(s)]
+                    for s in self._metrics
+                    if s in self._folders
+                },
+                "damaged": {
+                    str(s): [type(e).__name__, str(e), f.name, f.layout.name]
+                    for s, (e, f) in self._damaged.items()
+                },
+            }
         lead = distributed.lead(self._prefix, "view", mine)
         if distributed.process_index() == 0:
             return
@@ -160,8 +173,10 @@ class StepIndex:
         with self._mutex:
             self._metrics = {int(s): m for s, (_, _, m) in lead["steps"].items()}
             self._folders = {int(s): folder(s, name, fmt) for s, (name, fmt, _) in lead["steps"].items()}
-            self._damaged = {int(s): (error_class(kind)(msg), folder(s, name, fmt))
-                             for s, (kind, msg, name, fmt) in lead["damaged"].items()}
+            self._damaged = {
+                int(s): (error_class(kind)(msg), folder(s, name, fmt))
+                for s, (kind, msg, name, fmt) in lead["damaged"].items()
+            }
 
     # ------------------------------------------------------------------------------------- writing
 
@@ -174,8 +189,12 @@ class StepIndex:
             if self.storage.supports_rename:
                 aside = f"{damaged[1].name}.damaged-{uuid.uuid4().hex[:8]}"
                 self.storage.rename(damaged[1].name, aside)
-                log.warning("step %d in %s was damaged; moved to %s before saving it again", step, self.directory,
-                            aside)
+                log.warning(
+                    "step %d in %s was damaged; moved to %s before saving it again",
+                    step,
+                    self.directory,
+                    aside,
+                )
             else:
                 commit_mod.remove(self.storage, damaged[1].name, damaged[1].layout.record)
                 log.warning("step %d in %s was damaged; removed before saving it again", step, self.directory)
@@ -208,9 +227,15 @@ class StepIndex:
                 folder = self._folders.pop(step, None)
                 self._metrics.pop(step, None)
             if folder is not None and distributed.process_index() == 0:
-                recycler = self.recycler if folder.layout.recycles else None  # its data files: the next save's
-                commit_mod.remove(self.storage, folder.name, folder.layout.record,
-                                  salvage=recycler.retire if recycler is not None else None)
+                recycler = (
+                    self.recycler if folder.layout.recycles else None
+                )  # its data files: the next save's
+                commit_mod.remove(
+                    self.storage,
+                    folder.name,
+                    folder.layout.record,
+                    salvage=recycler.retire if recycler is not None else None,
+                )
             log.info("retention removed step %d from %s", step, self.directory)
         others = [s for s in doomed if s not in self._written]
         if others and not self._retention_warned and distributed.process_index() == 0:
@@ -220,6 +245,13 @@ class StepIndex:
                 "when it opened, e.g. an earlier run's or an Orbax job's, and it did not resume from them): a "
                 "manager's retention covers every step "
                 "in its directory. To keep them, pass max_to_keep=None (keeps every step)%s, or give this run a "
-                "directory of its own. Said once per manager.", retention.max_to_keep, "s" if len(others) > 1 else "",
-                ", ".join(map(str, others)), self.directory, "they were" if len(others) > 1 else "it was",
-                "" if retention.keep_best else " or keep_best=N with best_metric=... (keeps the best N as well)")
+                "directory of its own. Said once per manager.",
+                retention.max_to_keep,
+                "s" if len(others) > 1 else "",
+                ", ".join(map(str, others)),
+                self.directory,
+                "they were" if len(others) > 1 else "it was",
+                ""
+                if retention.keep_best
+                else " or keep_best=N with best_metric=... (keeps the best N as well)",
+            )

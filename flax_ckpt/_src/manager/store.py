@@ -48,7 +48,9 @@ class Store(Protocol):
         """Waits for background work beyond the writer's (a peer copy, a migration); raises its failure."""
         ...
 
-    def restore(self, step: int | None, target_of: TargetOf, shardings: Any, fit: Fit, item: str | None) -> Any:
+    def restore(
+        self, step: int | None, target_of: TargetOf, shardings: Any, fit: Fit, item: str | None
+    ) -> Any:
         """``step`` (None: the newest good one), checked against ``target_of``'s target."""
         ...
 

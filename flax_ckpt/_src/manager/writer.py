@@ -28,8 +28,9 @@ from flax_ckpt._src.errors import SaveFailedError
 class AsyncWriter:
     def __init__(self, name: str = "flax_ckpt-writer"):
         worker: list[int] = []  # the pool thread's ident, once it runs (a list: no reference to self)
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix=name,
-                                        initializer=lambda: worker.append(threading.get_ident()))
+        self._pool = ThreadPoolExecutor(
+            1, thread_name_prefix=name, initializer=lambda: worker.append(threading.get_ident())
+        )
         self._worker = worker
         self._pending: Future | None = None
         self._hurry: threading.Event | None = None  # set: the job in flight starts now, grace or not
@@ -59,8 +60,10 @@ class AsyncWriter:
             return
         exc = pending.exception()
         if exc is not None:
-            raise SaveFailedError(f"background save of {self._label} failed: {type(exc).__name__}: {exc}. "
-                                  "It was not committed; older checkpoints are untouched.") from exc
+            raise SaveFailedError(
+                f"background save of {self._label} failed: {type(exc).__name__}: {exc}. "
+                "It was not committed; older checkpoints are untouched."
+            ) from exc
 
     def settle(self, timeout: float) -> bool:
         """Waits up to ``timeout`` seconds for the job in flight (ending its grace); whether none is in

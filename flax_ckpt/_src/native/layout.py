@@ -44,9 +44,18 @@ _BUDGET_SLACK = 64 << 20  # see NativeSource.budget
 
 # ---------------------------------------------------------------------------------------------- save
 
-def manifest_bytes(snap: Snapshot, written: list[Written], serializer: Serializer, *, step: int | None,
-                   metrics: dict | None, metadata: Any, process_count: int = 1,
-                   manifests: SaveManifests | None = None) -> bytes:
+
+def manifest_bytes(
+    snap: Snapshot,
+    written: list[Written],
+    serializer: Serializer,
+    *,
+    step: int | None,
+    metrics: dict | None,
+    metadata: Any,
+    process_count: int = 1,
+    manifests: SaveManifests | None = None,
+) -> bytes:
     """The manifest of a save (validated as restore will validate it). ``manifests``: the writer's
     (made faster for a structure it saved before)."""
     if len(written) == 1:  # one process: its records as they are
@@ -57,11 +66,20 @@ def manifest_bytes(snap: Snapshot, written: list[Written], serializer: Serialize
             for i, recs in w.chunks.items():
                 chunks.setdefault(i, []).extend(recs)
     files = {name: size for w in written for name, size in w.files.items()}
-    head = {"step": step, "metrics": metrics_json(metrics), "metadata": jsonable(metadata, "metadata"),
-            "created": time.time(), "process_count": process_count, "serializer": serializer.name, "files": files}
+    head = {
+        "step": step,
+        "metrics": metrics_json(metrics),
+        "metadata": jsonable(metadata, "metadata"),
+        "created": time.time(),
+        "process_count": process_count,
+        "serializer": serializer.name,
+        "files": files,
+    }
     return (manifests or SaveManifests()).encode(
-        head, [lf.record for lf in snap.leaves],
-        [chunks.get(i, []) if lf.record.is_array else None for i, lf in enumerate(snap.leaves)])
+        head,
+        [lf.record for lf in snap.leaves],
+        [chunks.get(i, []) if lf.record.is_array else None for i, lf in enumerate(snap.leaves)],
+    )
 
 
 class NativeLayout:
@@ -86,28 +104,53 @@ class NativeLayout:
             stream = isinstance(self.serializer, raw.RawSerializer)
             return streamed(tree) if stream else snapshot(tree, copy=False)
         block = raw.BLOCK if isinstance(self.serializer, raw.RawSerializer) else None
-        return snapshot(tree, copy=True, reuse=reuse, into=Arena.fit(reuse.arena if reuse is not None else None),
-                        checksum=block)
+        return snapshot(
+            tree,
+            copy=True,
+            reuse=reuse,
+            into=Arena.fit(reuse.arena if reuse is not None else None),
+            checksum=block,
+        )
 
-    def persist(self, snap: Snapshot, parent: Storage, name: str, *, step: int | None, metrics: dict | None,
-                metadata: Any) -> PersistTimes:
+    def persist(
+        self,
+        snap: Snapshot,
+        parent: Storage,
+        name: str,
+        *,
+        step: int | None,
+        metrics: dict | None,
+        metadata: Any,
+    ) -> PersistTimes:
         """Writes a snapshot under ``parent/name`` and commits it atomically; on any failure removes what
         it wrote and re-raises. This is the whole path from a snapshot to durable bytes. With several
         processes (jax.distributed), every process calls it with its own snapshot; see _persist_shared."""
         snap.complete()  # shards still on their devices come to host first (a no-op once they are)
         serializer = self.serializer
         if distributed.process_count() > 1:
-            return _persist_shared(snap, parent, name, serializer, step=step, metrics=metrics, metadata=metadata)
+            return _persist_shared(
+                snap, parent, name, serializer, step=step, metrics=metrics, metadata=metadata
+            )
         times = PersistTimes()
         staging = commit_mod.staging_name(parent, name, record=MANIFEST)
         stage = parent.sub(staging)
         try:
             t0 = time.perf_counter()
-            written = write_streamed(serializer, stage, snap, snap.items(), tag="p0") \
-                if isinstance(snap, Streamed) else serializer.write(stage, snap.items(), tag="p0")
+            written = (
+                write_streamed(serializer, stage, snap, snap.items(), tag="p0")
+                if isinstance(snap, Streamed)
+                else serializer.write(stage, snap.items(), tag="p0")
+            )
             t1 = time.perf_counter()
-            data = manifest_bytes(snap, [written], serializer, step=step, metrics=metrics, metadata=metadata,
-                                  manifests=self._manifests)
+            data = manifest_bytes(
+                snap,
+                [written],
+                serializer,
+                step=step,
+                metrics=metrics,
+                metadata=metadata,
+                manifests=self._manifests,
+            )
             commit_mod.commit(parent, staging, name, MANIFEST, data)
             times.write, times.commit = t1 - t0, time.perf_counter() - t1
             times.fsync, times.serialize, times.written = written.fsync_s, written.serialize_s, written.nbytes
@@ -120,7 +163,8 @@ class NativeLayout:
         if item is not None:
             raise TargetMismatchError(
                 f"{folder.url} is a native flax_ckpt checkpoint, one tree without items; item={item!r} selects an "
-                "item of an Orbax step saved with named items (args.Composite). Restore it without item=")
+                "item of an Orbax step saved with named items (args.Composite). Restore it without item="
+            )
         return open_native(folder, step=self.step, serializer=self.serializer)
 
     def metrics(self, folder: Storage) -> dict[str, Any] | None:
@@ -143,8 +187,16 @@ class NativeLayout:
         """A native step is one tree: any tree fits (the snapshot refuses what it cannot store)."""
 
 
-def _persist_shared(snap: Snapshot, parent: Storage, name: str, serializer: Serializer, *, step: int | None,
-                    metrics: dict | None, metadata: Any) -> PersistTimes:
+def _persist_shared(
+    snap: Snapshot,
+    parent: Storage,
+    name: str,
+    serializer: Serializer,
+    *,
+    step: int | None,
+    metrics: dict | None,
+    metadata: Any,
+) -> PersistTimes:
     """persist() across processes: process 0 names the staging folder, each process writes its own
     shards there (files tagged p<i>) and publishes its chunk records, process 0 merges them into the
     manifest and commits; the others return once the commit is announced (distributed.SaveRound).
@@ -153,20 +205,33 @@ def _persist_shared(snap: Snapshot, parent: Storage, name: str, serializer: Seri
     times, rnd = PersistTimes(), distributed.SaveRound.begin(parent, name)
     staging = rnd.agree_staging(lambda: commit_mod.staging_name(parent, name, record=MANIFEST))
     stage, digest = parent.sub(staging), distributed.tree_digest([lf.record for lf in snap.leaves])
-    items = [it for it in snap.items() if it.shards and (
-        rnd.index == 0 or snap.leaves[it.leaf].record.sharding is not None)]
+    items = [
+        it
+        for it in snap.items()
+        if it.shards and (rnd.index == 0 or snap.leaves[it.leaf].record.sharding is not None)
+    ]
     try:
         t0 = time.perf_counter()
-        written = write_streamed(serializer, stage, snap, items, tag=f"p{rnd.index}") \
-            if isinstance(snap, Streamed) else serializer.write(stage, items, tag=f"p{rnd.index}")
+        written = (
+            write_streamed(serializer, stage, snap, items, tag=f"p{rnd.index}")
+            if isinstance(snap, Streamed)
+            else serializer.write(stage, items, tag=f"p{rnd.index}")
+        )
         t1 = time.perf_counter()
         if rnd.index:
             rnd.publish(stage, written, digest)
             rnd.await_commit()
         else:
             parts = rnd.gather(stage, written, digest)
-            data = manifest_bytes(snap, parts, serializer, step=step, metrics=metrics, metadata=metadata,
-                                  process_count=rnd.count)
+            data = manifest_bytes(
+                snap,
+                parts,
+                serializer,
+                step=step,
+                metrics=metrics,
+                metadata=metadata,
+                process_count=rnd.count,
+            )
             decode(data, f"{stage.url}/{MANIFEST}")  # the merged chunks must tile every array exactly
             commit_mod.commit(parent, staging, name, MANIFEST, data)
             rnd.announce()
@@ -182,12 +247,15 @@ def _persist_shared(snap: Snapshot, parent: Storage, name: str, serializer: Seri
 
 # ------------------------------------------------------------------------------------------- restore
 
+
 class NativeSource:
     """One committed native checkpoint folder, its manifest verified and validated: a restore Source."""
 
     hint = ""
 
-    def __init__(self, storage: Storage, body: dict[str, Any], leaves: list[LeafRecord], serializer: Serializer):
+    def __init__(
+        self, storage: Storage, body: dict[str, Any], leaves: list[LeafRecord], serializer: Serializer
+    ):
         self.storage, self.body, self.leaves, self.serializer = storage, body, leaves, serializer
         self.url, self.where = storage.url, f"{storage.url}/{MANIFEST}"
         self.remote = not storage.supports_rename
@@ -205,8 +273,10 @@ class NativeSource:
             self.serializer.read(self.storage, leaf, box, out, f"{self.where} leaf {leaf.name!r}")
         except CorruptCheckpointError as e:
             if not self.storage.exists(MANIFEST):
-                raise CheckpointNotFoundError(f"{self.storage.url} was deleted while it was being read (by the "
-                                              "retention of a running CheckpointManager?)") from e
+                raise CheckpointNotFoundError(
+                    f"{self.storage.url} was deleted while it was being read (by the "
+                    "retention of a running CheckpointManager?)"
+                ) from e
             raise
 
     def read_many(self, requests: Sequence[tuple[LeafRecord, Box, np.ndarray]]) -> None:
@@ -214,8 +284,10 @@ class NativeSource:
             self.serializer.read_many(self.storage, requests, self.where)
         except CorruptCheckpointError as e:
             if not self.storage.exists(MANIFEST):
-                raise CheckpointNotFoundError(f"{self.storage.url} was deleted while it was being read (by the "
-                                              "retention of a running CheckpointManager?)") from e
+                raise CheckpointNotFoundError(
+                    f"{self.storage.url} was deleted while it was being read (by the "
+                    "retention of a running CheckpointManager?)"
+                ) from e
             raise
 
     def view(self, leaf: LeafRecord, box: Box) -> np.ndarray | None:
@@ -256,13 +328,27 @@ class NativeSource:
                 continue
             out = np.empty(extents, leaf.dtype)
             try:
-                self.serializer.read(self.storage, leaf.with_chunks([chunk]), box, out,
-                                     f"{self.storage.url} leaf {leaf.name!r}")
+                self.serializer.read(
+                    self.storage,
+                    leaf.with_chunks([chunk]),
+                    box,
+                    out,
+                    f"{self.storage.url} leaf {leaf.name!r}",
+                )
             except (CorruptCheckpointError, StorageError, OSError) as e:
                 failures.setdefault(self.chunk_file(chunk), []).append(str(e))
             update(out.nbytes)
-        return [Damage(leaf.name, f, msgs[0] + (f" (and {len(msgs) - 1} more damaged chunks of this leaf in {f})"
-                                                if len(msgs) > 1 else "")) for f, msgs in failures.items()]
+        return [
+            Damage(
+                leaf.name,
+                f,
+                msgs[0]
+                + (
+                    f" (and {len(msgs) - 1} more damaged chunks of this leaf in {f})" if len(msgs) > 1 else ""
+                ),
+            )
+            for f, msgs in failures.items()
+        ]
 
     @staticmethod
     def chunk_file(chunk: dict[str, Any]) -> str | None:
@@ -282,12 +368,22 @@ class NativeSource:
 
     def info(self) -> CheckpointInfo:
         b = self.body
-        return checkpoint_info(self.storage.url, self.leaves, step=b.get("step"), metrics=b.get("metrics"),
-                               metadata=b.get("metadata"), created=b["created"], process_count=b["process_count"],
-                               serializer=b["serializer"], format="native")
+        return checkpoint_info(
+            self.storage.url,
+            self.leaves,
+            step=b.get("step"),
+            metrics=b.get("metrics"),
+            metadata=b.get("metadata"),
+            created=b["created"],
+            process_count=b["process_count"],
+            serializer=b["serializer"],
+            format="native",
+        )
 
 
-def open_native(storage: Storage, *, step: int | None = None, serializer: Serializer | None = None) -> NativeSource:
+def open_native(
+    storage: Storage, *, step: int | None = None, serializer: Serializer | None = None
+) -> NativeSource:
     """The committed native checkpoint in folder ``storage``: CheckpointNotFoundError when there is none,
     CheckpointNotCommittedError for a folder without a manifest (a save in flight, or one that
     crashed), InvalidManifestError for a manifest that fails verification or validation. ``step``: a
@@ -302,23 +398,27 @@ def open_native(storage: Storage, *, step: int | None = None, serializer: Serial
         raise InvalidManifestError(
             f"the folder name says step {step} but its manifest says step {found}: {source.where} (a step folder "
             f"copied or renamed to another step's name?) is not restored as step {step}. Move it out of the run "
-            f"directory (or rename it {found} if that step is missing); fc.restore reads it alone")
+            f"directory (or rename it {found} if that step is missing); fc.restore reads it alone"
+        )
     return source
 
 
 @gc_paused()
 def _open_native(storage: Storage, given: Serializer | None = None) -> NativeSource:
     if commit_mod.is_temporary(storage.url.rstrip("/").rsplit("/", 1)[-1]):
-        raise CheckpointNotCommittedError(f"{storage.url} is the folder of a save in flight or one that "
-                                          "crashed; it is never read")
+        raise CheckpointNotCommittedError(
+            f"{storage.url} is the folder of a save in flight or one that crashed; it is never read"
+        )
     where = f"{storage.url}/{MANIFEST}"
     try:
         raw = storage.read(MANIFEST, MAX_MANIFEST_BYTES)
     except (FileNotFoundError, NotADirectoryError):
         kind = storage.kind()
         if kind == "missing":
-            raise CheckpointNotFoundError(f"no checkpoint at {storage.url}"
-                                          + (" (the path does not exist)" if storage.supports_rename else "")) from None
+            raise CheckpointNotFoundError(
+                f"no checkpoint at {storage.url}"
+                + (" (the path does not exist)" if storage.supports_rename else "")
+            ) from None
         if kind == "file":
             raise CheckpointNotFoundError(f"{storage.url} is a file, not a checkpoint folder") from None
         steps = sorted(n for n in map(commit_mod.step_number, storage.list()) if n is not None)
@@ -327,10 +427,12 @@ def _open_native(storage: Storage, given: Serializer | None = None) -> NativeSou
             raise CheckpointNotFoundError(
                 f"{storage.url} is a directory of steps [{shown}], not one checkpoint: pass one of them (e.g. "
                 f"{storage.url.rstrip('/')}/{steps[-1]}), or restore the newest with "
-                f"fc.CheckpointManager({storage.url!r}).restore(target)") from None
+                f"fc.CheckpointManager({storage.url!r}).restore(target)"
+            ) from None
         raise CheckpointNotCommittedError(
             f"{storage.url} holds no committed checkpoint (no {MANIFEST}: a save in flight or one that "
-            "crashed); it is never read") from None
+            "crashed); it is never read"
+        ) from None
     body = decode(raw, where)
     try:
         serializer = serializer_for(body["serializer"], given)
@@ -343,11 +445,14 @@ def _open_native(storage: Storage, given: Serializer | None = None) -> NativeSou
         if leaf.kind == "prng_key":
             shape = key_data_shape(leaf.key_impl)
             if shape is None:
-                raise InvalidManifestError(f"{where}: field leaves[{i}].key_impl: unknown PRNG implementation "
-                                           f"{leaf.key_impl!r}")
+                raise InvalidManifestError(
+                    f"{where}: field leaves[{i}].key_impl: unknown PRNG implementation {leaf.key_impl!r}"
+                )
             if leaf.key_shape != shape:
-                raise InvalidManifestError(f"{where}: field leaves[{i}].key_shape: {list(leaf.key_shape)} is not "
-                                           f"the key data shape of {leaf.key_impl!r}")
+                raise InvalidManifestError(
+                    f"{where}: field leaves[{i}].key_shape: {list(leaf.key_shape)} is not "
+                    f"the key data shape of {leaf.key_impl!r}"
+                )
     return NativeSource(storage, body, leaves, serializer)
 
 

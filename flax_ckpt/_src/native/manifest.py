@@ -51,8 +51,9 @@ def encode(body: dict[str, Any], *, check: bool = False) -> bytes:
         try:
             validate_body(body, "the manifest being written")
         except InvalidManifestError as e:
-            raise CheckpointError(f"cannot save: restore would refuse this checkpoint ({e}); "
-                                  "nothing was committed") from None
+            raise CheckpointError(
+                f"cannot save: restore would refuse this checkpoint ({e}); nothing was committed"
+            ) from None
     return seal(body, name=FORMAT_NAME, version=FORMAT_VERSION)
 
 
@@ -70,8 +71,12 @@ class SaveManifests:
         self._was: tuple[list[str], list[int], list[Any], list[Any]] | None = None  # the last save's leaves:
         #           texts, chunk counts, chunk boxes (flat), key paths
 
-    def encode(self, head: dict[str, Any], records: Sequence[LeafRecord],
-               chunks: Sequence[list[dict[str, Any]] | None]) -> bytes:
+    def encode(
+        self,
+        head: dict[str, Any],
+        records: Sequence[LeafRecord],
+        chunks: Sequence[list[dict[str, Any]] | None],
+    ) -> bytes:
         """``head``: the body without "leaves"; per leaf its record and, for an array, its chunks."""
         texts = [r.json_text() for r in records]
         counts = [-1 if ch is None else len(ch) for ch in chunks]  # the chunks' boxes, flat: two lists a save
@@ -91,22 +96,28 @@ class SaveManifests:
             if not same or any(records[i].path != was[3][i] for i in todo):
                 check_tree([r.json()["path"] for r in records], c)
         except InvalidManifestError as e:
-            raise CheckpointError(f"cannot save: restore would refuse this checkpoint ({e}); "
-                                  "nothing was committed") from None
+            raise CheckpointError(
+                f"cannot save: restore would refuse this checkpoint ({e}); nothing was committed"
+            ) from None
         with self._mutex:
             self._was = (texts, counts, boxes, [r.path for r in records])
         low = canonical({k: v for k, v in head.items() if k < "leaves"})[1:-1]
         high = canonical({k: v for k, v in head.items() if k > "leaves"})[1:-1]
         leaves = '"leaves":[' + ",".join(map(_leaf_text, records, chunks, texts)) + "]"
-        return seal_text("{" + ",".join(t for t in (low, leaves, high) if t) + "}", name=FORMAT_NAME,
-                         version=FORMAT_VERSION)
+        return seal_text(
+            "{" + ",".join(t for t in (low, leaves, high) if t) + "}",
+            name=FORMAT_NAME,
+            version=FORMAT_VERSION,
+        )
 
 
 def _leaf(record: LeafRecord, chunks: list[dict[str, Any]] | None) -> dict[str, Any]:
     return record.json() if chunks is None else dict(record.json(), chunks=chunks)
 
 
-_NO_CHUNKS = '{"chunks":[]'  # how an array record's canonical text starts: "chunks" sorts before its other keys
+_NO_CHUNKS = (
+    '{"chunks":[]'  # how an array record's canonical text starts: "chunks" sorts before its other keys
+)
 
 
 def _leaf_text(record: LeafRecord, chunks: list[dict[str, Any]] | None, text: str) -> str:
@@ -114,7 +125,7 @@ def _leaf_text(record: LeafRecord, chunks: list[dict[str, Any]] | None, text: st
     if chunks is None:
         return text
     if text.startswith(_NO_CHUNKS + ","):
-        return '{"chunks":' + canonical(chunks) + text[len(_NO_CHUNKS):]
+        return '{"chunks":' + canonical(chunks) + text[len(_NO_CHUNKS) :]
     return canonical(_leaf(record, chunks))
 
 
@@ -147,7 +158,9 @@ class _Check:
         if isinstance(v, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
             self.fail(f"{field}.{key}", f"expected {types}, found bool")
         if not isinstance(v, types):
-            self.fail(f"{field}.{key}", f"expected {getattr(types, '__name__', types)}, found {type(v).__name__}")
+            self.fail(
+                f"{field}.{key}", f"expected {getattr(types, '__name__', types)}, found {type(v).__name__}"
+            )
         return v
 
     def nonneg_int(self, v: Any, field: str, limit: int):
@@ -199,7 +212,7 @@ def validate_array(leaf: dict, f: str, c: _Check) -> None:
         key_shape = c.typed(leaf, "key_shape", list, f)
         for d in key_shape:
             c.nonneg_int(d, f + ".key_shape", MAX_DIM)
-        if not key_shape or len(key_shape) > len(shape) or shape[len(shape) - len(key_shape):] != key_shape:
+        if not key_shape or len(key_shape) > len(shape) or shape[len(shape) - len(key_shape) :] != key_shape:
             c.fail(f + ".key_shape", f"{key_shape!r} is not the trailing dimensions of shape {shape}")
     c.typed(leaf, "sharding", dict, f, optional=True)
     chunks = c.typed(leaf, "chunks", list, f)
@@ -210,13 +223,20 @@ def validate_array(leaf: dict, f: str, c: _Check) -> None:
         if len(index) != len(shape):
             c.fail(f"{f}.chunks[{j}].index", f"rank {len(index)} differs from shape {shape}")
         for k, b in enumerate(index):
-            if (not isinstance(b, list) or len(b) != 2 or any(isinstance(x, bool) or not isinstance(x, int) for x in b)
-                    or not 0 <= b[0] <= b[1] <= shape[k]):
+            if (
+                not isinstance(b, list)
+                or len(b) != 2
+                or any(isinstance(x, bool) or not isinstance(x, int) for x in b)
+                or not 0 <= b[0] <= b[1] <= shape[k]
+            ):
                 c.fail(f"{f}.chunks[{j}].index", f"{b!r} is not inside dimension {k} of {shape}")
     problem = tiling_problem([ch["index"] for ch in chunks], [(0, d) for d in shape])
     if problem is not None:
-        c.fail(f"{f}.chunks (leaf {leaf_name(leaf)!r})", f"chunks do not tile the array of shape {shape} exactly: "
-                                                        f"{problem}; the manifest is damaged or crafted")
+        c.fail(
+            f"{f}.chunks (leaf {leaf_name(leaf)!r})",
+            f"chunks do not tile the array of shape {shape} exactly: "
+            f"{problem}; the manifest is damaged or crafted",
+        )
 
 
 def validate_body(body: dict, where: str) -> None:

@@ -88,8 +88,9 @@ def _open_below(fd: int, parts: Sequence[str], base: str) -> int:
                 if stat.S_ISLNK(mode):
                     raise Unsupported(f"{path} is a symlink") from None
                 if stat.S_ISREG(mode):
-                    raise CorruptCheckpointError(f"{path} is a file where a folder was expected; refusing to "
-                                                 "read the checkpoint") from None
+                    raise CorruptCheckpointError(
+                        f"{path} is a file where a folder was expected; refusing to read the checkpoint"
+                    ) from None
                 raise _refuse(path, mode) from None
             if cur != fd:
                 os.close(cur)
@@ -132,8 +133,10 @@ def _open_file(folder: int, where: str, name: str, max_bytes: int) -> tuple[int,
         if not stat.S_ISREG(st.st_mode):  # replaced since it was looked at
             raise _refuse(f"{where}/{name}", st.st_mode)
         if st.st_size > max_bytes:
-            raise CorruptCheckpointError(f"{where}/{name} holds {st.st_size} bytes, more than the {max_bytes} it "
-                                         "may; refusing to read it")
+            raise CorruptCheckpointError(
+                f"{where}/{name} holds {st.st_size} bytes, more than the {max_bytes} it "
+                "may; refusing to read it"
+            )
     except BaseException:
         os.close(fd)
         raise
@@ -148,13 +151,15 @@ def _pread(fd: int, path: str, st: os.stat_result, ranges: Sequence[tuple[int, i
     for offset, length in ranges:
         data = os.pread(fd, length, offset)
         if len(data) != length:
-            raise CorruptCheckpointError(f"{path}: {length} bytes at offset {offset} lie past its end "
-                                         f"({st.st_size} bytes)")
+            raise CorruptCheckpointError(
+                f"{path}: {length} bytes at offset {offset} lie past its end ({st.st_size} bytes)"
+            )
         out.append(data)
     after = os.fstat(fd)
     if (after.st_size, after.st_mtime_ns, after.st_ctime_ns) != (st.st_size, st.st_mtime_ns, st.st_ctime_ns):
-        raise CorruptCheckpointError(f"{path} changed while it was being read (rewritten); restore it again once "
-                                     "nothing writes it")
+        raise CorruptCheckpointError(
+            f"{path} changed while it was being read (rewritten); restore it again once nothing writes it"
+        )
     return out
 
 
@@ -175,14 +180,19 @@ def check_chunk(chunk: Sequence[int], shape: Sequence[int], dtype: np.dtype) -> 
     """A chunk is decoded whole (tensorstore too): one that declares more than its array's bytes plus
     MAX_CHUNK_SLACK is refused (ValueError) before anything is allocated for it."""
     if _size(chunk, dtype) > _size(shape, dtype) + MAX_CHUNK_SLACK:
-        raise ValueError(f"chunks of shape {list(chunk)} ({_size(chunk, dtype)} bytes each) for an array of "
-                         f"shape {list(shape)}: more than a chunk of it can hold; refusing to decode them")
+        raise ValueError(
+            f"chunks of shape {list(chunk)} ({_size(chunk, dtype)} bytes each) for an array of "
+            f"shape {list(shape)}: more than a chunk of it can hold; refusing to decode them"
+        )
 
 
 @functools.cache
 def _ml_dtypes() -> frozenset[str]:
-    return frozenset(n for n in dir(ml_dtypes) if isinstance(getattr(ml_dtypes, n), type)
-                     and issubclass(getattr(ml_dtypes, n), np.generic))
+    return frozenset(
+        n
+        for n in dir(ml_dtypes)
+        if isinstance(getattr(ml_dtypes, n), type) and issubclass(getattr(ml_dtypes, n), np.generic)
+    )
 
 
 def _dtype(name: Any, zarr3: bool) -> np.dtype:
@@ -202,11 +212,17 @@ def _dtype(name: Any, zarr3: bool) -> np.dtype:
 
 
 def _ints(value: Any, n: int | None, what: str, positive: bool) -> tuple[int, ...]:
-    if (not isinstance(value, list) or (n is not None and len(value) != n)
-            or not all(isinstance(d, int) and not isinstance(d, bool) and (d > 0 if positive else d >= 0)
-                       for d in value)):
-        raise ValueError(f"{what} {value!r} is not a list of {'positive' if positive else 'non-negative'} integers"
-                         + (f" of length {n}" if n is not None else ""))
+    if (
+        not isinstance(value, list)
+        or (n is not None and len(value) != n)
+        or not all(
+            isinstance(d, int) and not isinstance(d, bool) and (d > 0 if positive else d >= 0) for d in value
+        )
+    ):
+        raise ValueError(
+            f"{what} {value!r} is not a list of {'positive' if positive else 'non-negative'} integers"
+            + (f" of length {n}" if n is not None else "")
+        )
     return tuple(value)
 
 
@@ -215,8 +231,12 @@ class _Chain:
     of ``shape`` (its elements in ``order``)."""
 
     def __init__(self, codecs: Any, dtype: np.dtype, shape: tuple[int, ...], order: str = "C"):
-        if not isinstance(codecs, list) or not codecs or not isinstance(codecs[0], dict) \
-                or codecs[0].get("name") != "bytes":
+        if (
+            not isinstance(codecs, list)
+            or not codecs
+            or not isinstance(codecs[0], dict)
+            or codecs[0].get("name") != "bytes"
+        ):
             raise Unsupported(f"codecs {codecs!r}")
         endian = (codecs[0].get("configuration") or {}).get("endian", "little")
         if endian not in ("little", "big"):
@@ -251,7 +271,9 @@ class _Chain:
                 in_place = into is not None and k == last
                 view = unzstd(view, size, path, into.reshape(-1).view(np.uint8) if in_place else None)
         if len(view) != self.raw:
-            raise CorruptCheckpointError(f"{path}: a chunk of {len(view)} bytes where {self.raw} were declared")
+            raise CorruptCheckpointError(
+                f"{path}: a chunk of {len(view)} bytes where {self.raw} were declared"
+            )
         if in_place:
             return into
         chunk = np.frombuffer(view, self.dtype).reshape(self.shape, order=self.order)
@@ -271,8 +293,9 @@ def unzstd(data: Any, size: int, path: str, into: np.ndarray | None = None) -> m
     try:
         declared = zstandard.frame_content_size(data)
         if declared not in (-1, size):
-            raise CorruptCheckpointError(f"{path}: a zstd frame of {declared} bytes where a chunk of {size} "
-                                         "was declared")
+            raise CorruptCheckpointError(
+                f"{path}: a zstd frame of {declared} bytes where a chunk of {size} was declared"
+            )
         out = memoryview(into if into is not None else bytearray(size))
         with dctx.stream_reader(data, read_size=max(1, len(data)), read_across_frames=True) as reader:
             n = 0
@@ -288,8 +311,10 @@ def unzstd(data: Any, size: int, path: str, into: np.ndarray | None = None) -> m
     except zstandard.ZstdError as e:
         raise CorruptCheckpointError(f"{path}: zstd: {e}") from None
     if n != size or more:
-        raise CorruptCheckpointError(f"{path}: a zstd chunk of {n if not more else 'more than ' + str(n)} bytes "
-                                     f"where {size} were declared (cut short, or bytes past its frame)")
+        raise CorruptCheckpointError(
+            f"{path}: a zstd chunk of {n if not more else 'more than ' + str(n)} bytes "
+            f"where {size} were declared (cut short, or bytes past its frame)"
+        )
     return out
 
 
@@ -318,7 +343,11 @@ class _Layout:
             self.folders.setdefault(key[:-1], []).append(key[-1])
 
     def _zarr2(self, m: dict[str, Any]) -> None:
-        if m.get("zarr_format") != 2 or m.get("filters") not in (None, []) or m.get("order", "C") not in ("C", "F"):
+        if (
+            m.get("zarr_format") != 2
+            or m.get("filters") not in (None, [])
+            or m.get("order", "C") not in ("C", "F")
+        ):
             raise Unsupported("zarr v2 filters or order")
         self.shape = _ints(m["shape"], None, "shape", False)
         self.chunk = _ints(m["chunks"], len(self.shape), "chunks", True)
@@ -329,9 +358,15 @@ class _Layout:
         sep = m.get("dimension_separator", ".")
         if sep not in (".", "/"):
             raise Unsupported(f"dimension_separator {sep!r}")
-        self.dtype, self.compressed, self.checksummed = self.stored_dtype.newbyteorder("="), comp is not None, False
+        self.dtype, self.compressed, self.checksummed = (
+            self.stored_dtype.newbyteorder("="),
+            comp is not None,
+            False,
+        )
         endian = {"<": "little", ">": "big"}.get(self.stored_dtype.byteorder, "little")
-        codecs = [{"name": "bytes", "configuration": {"endian": endian}}] + ([{"name": "zstd"}] if comp else [])
+        codecs = [{"name": "bytes", "configuration": {"endian": endian}}] + (
+            [{"name": "zstd"}] if comp else []
+        )
         self.inner = _Chain(codecs, self.dtype, self.chunk, m.get("order", "C"))
         self.key = lambda idx: tuple(sep.join(map(str, idx)).split("/")) if idx else ("0",)
 
@@ -353,8 +388,12 @@ class _Layout:
         else:
             self.key = lambda idx: tuple(sep.join(map(str, idx)).split("/")) if idx else ("0",)
         codecs = m["codecs"]
-        if isinstance(codecs, list) and len(codecs) == 1 and isinstance(codecs[0], dict) \
-                and codecs[0].get("name") == "sharding_indexed":
+        if (
+            isinstance(codecs, list)
+            and len(codecs) == 1
+            and isinstance(codecs[0], dict)
+            and codecs[0].get("name") == "sharding_indexed"
+        ):
             conf = codecs[0]["configuration"]
             inner_shape = _ints(conf["chunk_shape"], len(self.shape), "inner chunk_shape", True)
             if any(c % i for c, i in zip(self.chunk, inner_shape)):
@@ -363,10 +402,16 @@ class _Layout:
             self.inner = _Chain(conf["codecs"], self.dtype, inner_shape)
             self.index = _Chain(conf.get("index_codecs"), np.dtype("<u8"), (*self.per_shard, 2))
             location = conf.get("index_location", "end")
-            if self.index.compressed or self.index.dtype != np.dtype("<u8") or location not in ("start", "end"):
+            if (
+                self.index.compressed
+                or self.index.dtype != np.dtype("<u8")
+                or location not in ("start", "end")
+            ):
                 raise Unsupported("sharding index codecs")
             self.index_at_end = location == "end"
-            self.index_size = math.prod(self.per_shard) * 16 + 4 * sum(s == "crc32c" for s, _ in self.index.steps)
+            self.index_size = math.prod(self.per_shard) * 16 + 4 * sum(
+                s == "crc32c" for s, _ in self.index.steps
+            )
         else:
             self.inner = _Chain(codecs, self.dtype, self.chunk)
         self.compressed, self.checksummed = self.inner.compressed, self.inner.checksummed
@@ -400,11 +445,18 @@ class FolderArray:
             try:
                 self.layout = _layout(raw, zarr3)
             except (ValueError, TypeError, AttributeError, KeyError) as e:
-                raise CorruptCheckpointError(f"{self.path}/{name}: not zarr metadata this layout writes: {e}") from None
+                raise CorruptCheckpointError(
+                    f"{self.path}/{name}: not zarr metadata this layout writes: {e}"
+                ) from None
         finally:
             os.close(fd)
         lay = self.layout
-        self.shape, self.dtype, self.metadata, self.compressed = lay.shape, lay.dtype, lay.metadata, lay.compressed
+        self.shape, self.dtype, self.metadata, self.compressed = (
+            lay.shape,
+            lay.dtype,
+            lay.metadata,
+            lay.compressed,
+        )
 
     def stored_bytes(self) -> int:
         """The bytes of the chunk files the grid declares, each looked at (lstat): a missing one counts
@@ -452,8 +504,15 @@ class FolderArray:
             finally:
                 os.close(folder)
 
-    def _read_shard(self, folder: int, where: str, name: str, origin: list[int],
-                    box: Sequence[tuple[int, int]], out: np.ndarray) -> None:
+    def _read_shard(
+        self,
+        folder: int,
+        where: str,
+        name: str,
+        origin: list[int],
+        box: Sequence[tuple[int, int]],
+        out: np.ndarray,
+    ) -> None:
         """The inner chunks of one shard that ``box`` needs: its index read and checked, then only them."""
         lay, path = self.layout, f"{where}/{name}"
         inner, n = lay.inner, math.prod(lay.per_shard)
@@ -464,8 +523,9 @@ class FolderArray:
             at_index = size - lay.index_size if lay.index_at_end else 0
             if at_index < 0:
                 raise CorruptCheckpointError(f"{path}: {size} bytes, too short for its shard index")
-            index = lay.index.decode(_pread(fd, path, st, [(at_index, lay.index_size)])[0],
-                                     f"{path} (shard index)").reshape(n, 2)
+            index = lay.index.decode(
+                _pread(fd, path, st, [(at_index, lay.index_size)])[0], f"{path} (shard index)"
+            ).reshape(n, 2)
             wanted = []
             for j, sub in enumerate(itertools.product(*map(range, lay.per_shard))):
                 at = [o + i * c for o, i, c in zip(origin, sub, inner.shape)]
@@ -474,7 +534,9 @@ class FolderArray:
                     if offset == _NO_CHUNK and length == _NO_CHUNK:
                         raise CorruptCheckpointError(f"{path}: inner chunk {list(sub)} was never written")
                     if offset + length > size:
-                        raise CorruptCheckpointError(f"{path}: inner chunk {list(sub)} lies past the file's end")
+                        raise CorruptCheckpointError(
+                            f"{path}: inner chunk {list(sub)} lies past the file's end"
+                        )
                     wanted.append((at, offset, length))
             for (at, _, _), data in zip(wanted, _pread(fd, path, st, [(o, ln) for _, o, ln in wanted])):
                 _decode_into(inner, data, path, at, box, out)
@@ -482,8 +544,14 @@ class FolderArray:
             os.close(fd)
 
 
-def _decode_into(chain: _Chain, data: bytes, path: str, origin: Sequence[int], box: Sequence[tuple[int, int]],
-                 out: np.ndarray) -> None:
+def _decode_into(
+    chain: _Chain,
+    data: bytes,
+    path: str,
+    origin: Sequence[int],
+    box: Sequence[tuple[int, int]],
+    out: np.ndarray,
+) -> None:
     """The part inside ``box`` of the chunk ``data`` holds (its first element at ``origin``) into
     ``out``: decoded straight into ``out`` when the whole chunk lands on a contiguous part of it."""
     src, dst = [], []
@@ -492,8 +560,12 @@ def _decode_into(chain: _Chain, data: bytes, path: str, origin: Sequence[int], b
         src.append(slice(lo - o, hi - o))
         dst.append(slice(lo - s, hi - s))
     region = out[(*dst, ...)]  # a view, also of a 0-d out
-    if (region.shape == chain.shape and region.flags.c_contiguous and region.dtype == chain.dtype
-            and (chain.order == "C" or region.ndim <= 1)):
+    if (
+        region.shape == chain.shape
+        and region.flags.c_contiguous
+        and region.dtype == chain.dtype
+        and (chain.order == "C" or region.ndim <= 1)
+    ):
         chain.decode(data, path, into=region)
     else:
         region[...] = chain.decode(data, path)[tuple(src)]

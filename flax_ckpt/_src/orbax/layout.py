@@ -24,12 +24,20 @@ class OrbaxLayout:
     CheckpointManager step (a manager's saves: item ``default``, or the named items of the run it
     continues (``follow``), plus a ``metrics`` JSON item)."""
 
-    name, record, manifest = "orbax", locate.COMMIT_SUCCESS, None  # records: _METADATA per item, zarr per array
-    evident = True  # its folders are recognized by their files (locate.is_orbax): failing to open one is damage
+    name, record, manifest = (
+        "orbax",
+        locate.COMMIT_SUCCESS,
+        None,
+    )  # records: _METADATA per item, zarr per array
+    evident = (
+        True  # its folders are recognized by their files (locate.is_orbax): failing to open one is damage
+    )
     foreign = True  # another library's runs: claimed at a manager's first write, no lock file left behind
 
     def __init__(self) -> None:
-        self.items: dict[str, str] | None = None  # the run's named items {name: handler}; None: one unnamed item
+        self.items: dict[str, str] | None = (
+            None  # the run's named items {name: handler}; None: one unnamed item
+        )
         self.where = "this directory"
 
     def follow(self, root: Storage, newest: str | None) -> None:
@@ -57,8 +65,9 @@ class OrbaxLayout:
         write.check_item_roots(snap)
         return write.StepSnapshot(**vars(snap), handlers=dict(self.items), json_items=json_items)
 
-    def persist(self, snap: Snapshot, parent: Storage, name: str, *, step: int | None, metrics: Any,
-                metadata: Any) -> PersistTimes:
+    def persist(
+        self, snap: Snapshot, parent: Storage, name: str, *, step: int | None, metrics: Any, metadata: Any
+    ) -> PersistTimes:
         """``step`` None: a StandardCheckpointer folder (no step; ``metrics`` in its metadata); else a
         CheckpointManager step, whose step Orbax records only as its folder's name: ``name`` must name
         it (``<step>`` or ``<prefix>_<step>``), else a ValueError before anything is written."""
@@ -68,7 +77,8 @@ class OrbaxLayout:
                 f"CheckpointManager step folder, and {name!r} does not name step {step}; nothing was written. "
                 f"Save step {step} as {parent.url}/{step} (or <prefix>_{step}), or use "
                 "fc.CheckpointManager(directory, format='orbax'), which names its steps; or save without "
-                "step= (a StandardCheckpointer folder), or with format='native', whose manifest records it")
+                "step= (a StandardCheckpointer folder), or with format='native', whose manifest records it"
+            )
         snap.complete()  # shards still on their devices come to host first (a no-op once they are)
         t0 = time.perf_counter()
         if step is None:
@@ -88,4 +98,3 @@ class OrbaxLayout:
 
     def recycler(self, storage: Storage) -> None:
         """None: tensorstore creates its files itself."""
-

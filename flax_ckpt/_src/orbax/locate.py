@@ -48,7 +48,9 @@ _JSON_CLASSES = frozenset({"JsonCheckpointHandler", "JsonHandler"})
 DEFAULT_ITEM, METRICS_ITEM = "default", "metrics"  # a manager's unnamed item; its step metrics
 _STEP_NAME = re.compile(r"(?:(.+)_)?([0-9]+)")  # ASCII digits only: "²", "٣" or "𝟑" are no steps
 MAX_JSON = 256 << 20
-CRC_SUFFIX = ".crc32c"  # beside a JSON data file flax_ckpt wrote (a JSON item's, _strings.json): its crc32c, in
+CRC_SUFFIX = (
+    ".crc32c"  # beside a JSON data file flax_ckpt wrote (a JSON item's, _strings.json): its crc32c, in
+)
 #                         decimal; Orbax reads only the file itself
 
 
@@ -70,8 +72,9 @@ def read_json(storage: Storage, name: str, *, checked: bool = False) -> Any:
     try:
         return json.loads(raw)
     except ValueError as e:
-        raise InvalidManifestError(f"{storage.url}/{name}: not valid JSON ({e}); the Orbax checkpoint is "
-                                   "damaged") from None
+        raise InvalidManifestError(
+            f"{storage.url}/{name}: not valid JSON ({e}); the Orbax checkpoint is damaged"
+        ) from None
 
 
 def _check_crc(storage: Storage, name: str, raw: bytes) -> None:
@@ -81,8 +84,10 @@ def _check_crc(storage: Storage, name: str, raw: bytes) -> None:
         return  # written by Orbax: no checksum (verify reports it as unverified)
     got = crc32c.crc32c(raw)
     if want != str(got).encode():
-        raise CorruptCheckpointError(f"{storage.url}/{name}: its crc32c is {got}, but {name}{CRC_SUFFIX} says "
-                                     f"{want.decode(errors='replace')!r}: the file is damaged")
+        raise CorruptCheckpointError(
+            f"{storage.url}/{name}: its crc32c is {got}, but {name}{CRC_SUFFIX} says "
+            f"{want.decode(errors='replace')!r}: the file is damaged"
+        )
 
 
 def checksummed(storage: Storage, name: str) -> bool:
@@ -100,7 +105,8 @@ def is_orbax(folder: Storage) -> bool:
     if MANIFEST in entries:
         return False
     return bool(entries & {TREE_METADATA, CHECKPOINT_METADATA}) or (
-        COMMIT_SUCCESS in entries and bool(entries & {name_of(folder), *JSON_FILES}))
+        COMMIT_SUCCESS in entries and bool(entries & {name_of(folder), *JSON_FILES})
+    )
 
 
 def item_roots(located: "Located") -> list[str] | None:
@@ -118,10 +124,12 @@ def item_roots(located: "Located") -> list[str] | None:
         if path == base.local_path or path.startswith(base.local_path + os.sep):
             continue  # walked with the checkpoint folder
         if not an_item or os.path.dirname(path) != parent or os.path.islink(path):  # an item's sibling items
-            raise CorruptCheckpointError(f"{path}: an item of {base.url} that lies outside its folder"
-                                         + (f" and its step's {parent}" if an_item else "")
-                                         + " (item names in _CHECKPOINT_METADATA leading out); refusing to "
-                                         "read the checkpoint")
+            raise CorruptCheckpointError(
+                f"{path}: an item of {base.url} that lies outside its folder"
+                + (f" and its step's {parent}" if an_item else "")
+                + " (item names in _CHECKPOINT_METADATA leading out); refusing to "
+                "read the checkpoint"
+            )
         roots.append(path)
     return roots
 
@@ -154,20 +162,26 @@ def _walk(root: str, files: list[str]) -> None:
                     elif e.is_symlink():
                         _check_link(e.path, real_root, files)
                     else:
-                        raise CorruptCheckpointError(f"{e.path} is not a regular file (a FIFO, device or socket); "
-                                                     "refusing to read the checkpoint")
+                        raise CorruptCheckpointError(
+                            f"{e.path} is not a regular file (a FIFO, device or socket); "
+                            "refusing to read the checkpoint"
+                        )
         except (FileNotFoundError, NotADirectoryError):
             continue  # removed meanwhile (or an item folder that is not there): reads will say so
         except OSError as e:
-            raise CorruptCheckpointError(f"{e.filename}: {e.strerror}; refusing to read the checkpoint") from None
+            raise CorruptCheckpointError(
+                f"{e.filename}: {e.strerror}; refusing to read the checkpoint"
+            ) from None
 
 
 def _check_link(path: str, real_root: str, files: list[str]) -> None:
     """A symlink in the folder: it must resolve inside it, to a folder (walked there) or a regular file."""
     real = os.path.realpath(path)
     if real != real_root and not real.startswith(real_root + os.sep):
-        raise CorruptCheckpointError(f"{path} resolves to {real}, outside the checkpoint folder {real_root}; "
-                                     "refusing to read the checkpoint")
+        raise CorruptCheckpointError(
+            f"{path} resolves to {real}, outside the checkpoint folder {real_root}; "
+            "refusing to read the checkpoint"
+        )
     try:
         st = os.stat(path)
     except FileNotFoundError:
@@ -177,8 +191,9 @@ def _check_link(path: str, real_root: str, files: list[str]) -> None:
     if stat.S_ISREG(st.st_mode):
         files.append(real)
     elif not stat.S_ISDIR(st.st_mode):
-        raise CorruptCheckpointError(f"{path} is not a regular file (a FIFO, device or socket); "
-                                     "refusing to read the checkpoint")
+        raise CorruptCheckpointError(
+            f"{path} is not a regular file (a FIFO, device or socket); refusing to read the checkpoint"
+        )
 
 
 def stored_size(files: list[str]) -> int:
@@ -225,7 +240,8 @@ def _refuse_msgpack(storage: Storage) -> None:
     if "checkpoint" in storage.list():
         raise UnsupportedOrbaxCheckpointError(
             f"{storage.url} is a legacy msgpack Orbax checkpoint (a 'checkpoint' file, no {TREE_METADATA}); "
-            "flax_ckpt reads only the tensorstore layout. Restore it with orbax-checkpoint and re-save it.")
+            "flax_ckpt reads only the tensorstore layout. Restore it with orbax-checkpoint and re-save it."
+        )
 
 
 def _items_from_handlers(storage: Storage, handlers: dict[str, Any]) -> tuple[dict, dict, dict]:
@@ -242,7 +258,8 @@ def _items_from_handlers(storage: Storage, handlers: dict[str, Any]) -> tuple[di
         raise UnsupportedOrbaxCheckpointError(
             f"{storage.url}: no item flax_ckpt can read; item handlers {_refused_text(refused)} are not "
             "supported (only PyTreeCheckpointHandler, StandardCheckpointHandler, PyTreeHandler and JSON "
-            "items are). Restore it with orbax-checkpoint.")
+            "items are). Restore it with orbax-checkpoint."
+        )
     return items, json_items, refused
 
 
@@ -254,7 +271,11 @@ def _named(names: set[str], handlers: Any) -> bool:
     """A step of named items (args.Composite): item names other than a manager's single ``default``
     or the single ``state`` of the v1 API's ``save_pytree`` (its PyTreeHandler)."""
     names = names - {METRICS_ITEM}
-    v1_pytree = names == {"state"} and isinstance(handlers, dict) and str(handlers["state"]).endswith(".PyTreeHandler")
+    v1_pytree = (
+        names == {"state"}
+        and isinstance(handlers, dict)
+        and str(handlers["state"]).endswith(".PyTreeHandler")
+    )
     return bool(names) and names != {DEFAULT_ITEM} and not v1_pytree
 
 
@@ -303,20 +324,27 @@ def only(located: Located, item: str) -> Located:
     """The one item ``item`` of a located step (``fc.restore(..., item=...)``): a pytree item as its own
     tree, a JSON item as its JSON. TargetMismatchError naming the items there are."""
     if item in located.items and item is not None:
-        return Located(located.items[item], {None: located.items[item]}, located.json_items, located.meta,
-                       located.step)
+        return Located(
+            located.items[item], {None: located.items[item]}, located.json_items, located.meta, located.step
+        )
     if item in located.json_items and item != METRICS_ITEM:
-        return Located(located.json_items[item], {}, located.json_items, located.meta, located.step, json_root=item)
+        return Located(
+            located.json_items[item], {}, located.json_items, located.meta, located.step, json_root=item
+        )
     names = located.all_names()
     if item in located.refused:
         raise UnsupportedOrbaxCheckpointError(
             f"{located.storage.url}: item {item!r} was written by {located.refused[item]}, which flax_ckpt does "
-            f"not read (items it reads: {format_list(names)}). Restore it with orbax-checkpoint.")
+            f"not read (items it reads: {format_list(names)}). Restore it with orbax-checkpoint."
+        )
     if not names or None in located.items:
         raise TargetMismatchError(
             f"{located.storage.url} holds one unnamed Orbax item (a StandardCheckpointer folder, or one item of "
-            f"a step), so there is no item {item!r} to choose: restore it without item=")
-    raise TargetMismatchError(f"{located.storage.url} has no item {item!r}; its items are {format_list(names)}")
+            f"a step), so there is no item {item!r} to choose: restore it without item="
+        )
+    raise TargetMismatchError(
+        f"{located.storage.url} has no item {item!r}; its items are {format_list(names)}"
+    )
 
 
 def locate(storage: Storage, item: str | None = None) -> Located:
@@ -332,19 +360,23 @@ def _locate(storage: Storage) -> Located:
     if not entries:
         raise CheckpointNotFoundError(f"no checkpoint at {storage.url} (the folder is missing or empty)")
     if commit_mod.is_temporary(name_of(storage)):
-        raise CheckpointNotCommittedError(f"{storage.url} is the folder of an Orbax save in flight or one "
-                                          "that crashed; it is never read")
+        raise CheckpointNotCommittedError(
+            f"{storage.url} is the folder of an Orbax save in flight or one that crashed; it is never read"
+        )
     meta = read_json(storage, CHECKPOINT_METADATA)
     meta = meta if isinstance(meta, dict) else {}
     if not storage.supports_rename and COMMIT_SUCCESS not in entries:
-        raise CheckpointNotCommittedError(f"{storage.url} has no {COMMIT_SUCCESS}: on an object store an "
-                                          "Orbax checkpoint without it is uncommitted and never read")
+        raise CheckpointNotCommittedError(
+            f"{storage.url} has no {COMMIT_SUCCESS}: on an object store an "
+            "Orbax checkpoint without it is uncommitted and never read"
+        )
     handlers = meta.get("item_handlers")
     if TREE_METADATA in entries:
         if isinstance(handlers, str) and handler_kind(handlers) != "pytree":
             raise UnsupportedOrbaxCheckpointError(
                 f"{storage.url}: written by {handlers}, which flax_ckpt does not read (only PyTree and "
-                "Standard checkpoint handlers). Restore it with orbax-checkpoint.")
+                "Standard checkpoint handlers). Restore it with orbax-checkpoint."
+            )
         return _as_item_of_step(storage, meta)
     if CHECKPOINT_METADATA not in entries:
         json_item = _as_json_item_of_step(storage, entries)
@@ -359,16 +391,26 @@ def _locate(storage: Storage) -> Located:
     for item in items.values():
         if TREE_METADATA not in item.list():
             _refuse_msgpack(item)
-            raise CorruptCheckpointError(f"{item.url}: the pytree item has no {TREE_METADATA}; the Orbax "
-                                         "checkpoint is incomplete")
+            raise CorruptCheckpointError(
+                f"{item.url}: the pytree item has no {TREE_METADATA}; the Orbax checkpoint is incomplete"
+            )
     found = set(items) | set(json_items) | set(refused)
     names = tuple(sorted(n for n in found if n in items or (n in json_items and n != METRICS_ITEM)))
     named = _named(found, handlers)
     if not items and not (named and names):
-        raise UnsupportedOrbaxCheckpointError(f"{storage.url}: an Orbax folder without any pytree item "
-                                              f"(items: {format_list(sorted(json_items))}); nothing to restore")
-    return Located(storage, items, json_items, meta, step_number(name_of(storage)),
-                   names=names if named else None, refused=refused)
+        raise UnsupportedOrbaxCheckpointError(
+            f"{storage.url}: an Orbax folder without any pytree item "
+            f"(items: {format_list(sorted(json_items))}); nothing to restore"
+        )
+    return Located(
+        storage,
+        items,
+        json_items,
+        meta,
+        step_number(name_of(storage)),
+        names=names if named else None,
+        refused=refused,
+    )
 
 
 def run_items(step: Storage) -> dict[str, str] | None:
@@ -380,12 +422,15 @@ def run_items(step: Storage) -> dict[str, str] | None:
         return None
     recorded = located.meta.get("item_handlers")
     recorded = recorded if isinstance(recorded, dict) else {}
-    items = {n: str(recorded.get(n) or (STANDARD_HANDLER if n in located.items else JSON_HANDLER))
-             for n in located.names}
+    items = {
+        n: str(recorded.get(n) or (STANDARD_HANDLER if n in located.items else JSON_HANDLER))
+        for n in located.names
+    }
     return {**items, **located.refused}
 
 
 # ------------------------------------------------------------------- an Orbax CheckpointManager dir
+
 
 def step_dirs(root: Storage, entries: list[str] | None = None) -> dict[int, str]:
     """{step: folder name} of the committed Orbax steps under a run directory ``root`` (``<step>`` or
@@ -417,7 +462,9 @@ def step_folder(root: Storage, step: int) -> Storage:
     """The folder of committed Orbax step ``step`` of a run directory (CheckpointNotFoundError if none)."""
     dirs = step_dirs(root)
     if step not in dirs:
-        raise CheckpointNotFoundError(f"no committed Orbax step {step} in {root.url} (steps: {sorted(dirs) or 'none'})")
+        raise CheckpointNotFoundError(
+            f"no committed Orbax step {step} in {root.url} (steps: {sorted(dirs) or 'none'})"
+        )
     return root.sub(dirs[step])
 
 
@@ -429,8 +476,9 @@ def committed_step(folder: Storage) -> bool:
         return False  # a flax_ckpt step
     if COMMIT_SUCCESS in inner:
         return True
-    return folder.supports_rename and (CHECKPOINT_METADATA in inner
-                                       or any(TREE_METADATA in folder.sub(n).list() for n in sorted(inner)))
+    return folder.supports_rename and (
+        CHECKPOINT_METADATA in inner or any(TREE_METADATA in folder.sub(n).list() for n in sorted(inner))
+    )
 
 
 def read_json_item(storage: Storage, item: str) -> Any:
@@ -448,8 +496,10 @@ def json_value(storage: Storage, item: str) -> Any:
     for name in (item, *JSON_FILES):
         if storage.exists(name):
             return read_json(storage, name, checked=True)
-    raise CorruptCheckpointError(f"{storage.url}: the JSON item {item!r} has no file "
-                                 f"({format_list([item, *JSON_FILES])}); the Orbax checkpoint is incomplete")
+    raise CorruptCheckpointError(
+        f"{storage.url}: the JSON item {item!r} has no file "
+        f"({format_list([item, *JSON_FILES])}); the Orbax checkpoint is incomplete"
+    )
 
 
 def json_checksummed(storage: Storage, item: str) -> bool:

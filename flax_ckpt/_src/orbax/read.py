@@ -79,12 +79,22 @@ def array_kvstore(item: Storage, param: str, use_ocdbt: bool, write: bool = Fals
     """The kvstore of one parameter's array: inside the item's OCDBT database, or its own folder."""
     if not use_ocdbt:
         return item.kvstore_spec(param)
-    spec: dict[str, Any] = {"driver": "ocdbt", "base": item.kvstore_spec(), "path": param,
-                            "cache_pool": "cache_pool#ocdbt"}
+    spec: dict[str, Any] = {
+        "driver": "ocdbt",
+        "base": item.kvstore_spec(),
+        "path": param,
+        "cache_pool": "cache_pool#ocdbt",
+    }
     if write:
-        spec.update(target_data_file_size=OCDBT_FILE_SIZE, assume_config=True,
-                    config={"max_inline_value_bytes": 1024, "max_decoded_node_bytes": 100_000_000,
-                            "manifest_kind": "single"})
+        spec.update(
+            target_data_file_size=OCDBT_FILE_SIZE,
+            assume_config=True,
+            config={
+                "max_inline_value_bytes": 1024,
+                "max_decoded_node_bytes": 100_000_000,
+                "manifest_kind": "single",
+            },
+        )
     return spec
 
 
@@ -96,15 +106,19 @@ class _Item:
         self.where = f"{storage.url}/{TREE_METADATA}"
         doc = read_json(storage, TREE_METADATA)
         if not isinstance(doc, dict) or not isinstance(doc.get("tree_metadata"), dict):
-            raise InvalidManifestError(f"{self.where}: no 'tree_metadata' object; not an Orbax pytree item this "
-                                       f"flax_ckpt reads (checked against orbax-checkpoint {TESTED_ORBAX_VERSION})")
+            raise InvalidManifestError(
+                f"{self.where}: no 'tree_metadata' object; not an Orbax pytree item this "
+                f"flax_ckpt reads (checked against orbax-checkpoint {TESTED_ORBAX_VERSION})"
+            )
         use_ocdbt = doc.get("use_ocdbt")
         entries = set(storage.list())
         if use_ocdbt is None:
             use_ocdbt = OCDBT_MANIFEST in entries
         if use_ocdbt and OCDBT_MANIFEST not in entries:
-            raise CorruptCheckpointError(f"{storage.url}: {TREE_METADATA} says OCDBT but {OCDBT_MANIFEST} is "
-                                         "missing (a multi-process save that was never merged, or a partial copy)")
+            raise CorruptCheckpointError(
+                f"{storage.url}: {TREE_METADATA} says OCDBT but {OCDBT_MANIFEST} is "
+                "missing (a multi-process save that was never merged, or a partial copy)"
+            )
         self.doc, self.use_ocdbt, self.use_zarr3 = doc, bool(use_ocdbt), bool(doc.get("use_zarr3", False))
 
     def strings(self) -> dict[str, Any]:
@@ -158,9 +172,13 @@ class _Item:
     def read_spec(self, path: tree_mod.KeyPath, param: str) -> dict[str, Any]:
         if not self.use_ocdbt:  # one folder per parameter: the name must stay inside the item folder
             check_relpath(param, f"tree_metadata[{tree_mod.keystr(path)!r}]", self.where)
-        return {"driver": "zarr3" if self.use_zarr3 else "zarr",
-                "kvstore": array_kvstore(self.storage, param, self.use_ocdbt),
-                "recheck_cached_data": False, "recheck_cached_metadata": False, "fill_missing_data_reads": False}
+        return {
+            "driver": "zarr3" if self.use_zarr3 else "zarr",
+            "kvstore": array_kvstore(self.storage, param, self.use_ocdbt),
+            "recheck_cached_data": False,
+            "recheck_cached_metadata": False,
+            "fill_missing_data_reads": False,
+        }
 
 
 class _Opened:
@@ -199,20 +217,33 @@ def _entry_path(key_meta: Any, where: str, key: str) -> tuple[tree_mod.KeyPath, 
     if not isinstance(key_meta, list) or not key_meta:
         raise InvalidManifestError(f"{where}: entry {key[:100]}: 'key_metadata' must be a non-empty list")
     if len(key_meta) > MAX_PATH_DEPTH:
-        raise InvalidManifestError(f"{where}: entry {key[:100]}...: {len(key_meta)} keys deep, deeper than "
-                                   f"{MAX_PATH_DEPTH}; the Orbax checkpoint is damaged or crafted")
+        raise InvalidManifestError(
+            f"{where}: entry {key[:100]}...: {len(key_meta)} keys deep, deeper than "
+            f"{MAX_PATH_DEPTH}; the Orbax checkpoint is damaged or crafted"
+        )
     path = []
     for e in key_meta:
-        if (not isinstance(e, dict) or not isinstance(e.get("key"), (str, int)) or isinstance(e["key"], bool)
-                or e.get("key_type") not in (1, 2)):
+        if (
+            not isinstance(e, dict)
+            or not isinstance(e.get("key"), (str, int))
+            or isinstance(e["key"], bool)
+            or e.get("key_type") not in (1, 2)
+        ):
             raise InvalidManifestError(f"{where}: entry {key[:100]}: bad key entry {str(e)[:100]}")
         name = e["key"] if isinstance(e["key"], str) else None
         if e["key_type"] == 1:
-            index = e["key"] if type(e["key"]) is int else int(name) if (
-                len(name) <= 10 and name.isascii() and name.isdigit()) else -1
+            index = (
+                e["key"]
+                if type(e["key"]) is int
+                else int(name)
+                if (len(name) <= 10 and name.isascii() and name.isdigit())
+                else -1
+            )
             if not 0 <= index < MAX_INDEX:
-                raise InvalidManifestError(f"{where}: entry {key[:100]}: sequence key {str(e['key'])[:40]!r} is "
-                                           f"not an index below {MAX_INDEX}")
+                raise InvalidManifestError(
+                    f"{where}: entry {key[:100]}: sequence key {str(e['key'])[:40]!r} is "
+                    f"not an index below {MAX_INDEX}"
+                )
             path.append(("idx", index))
         else:
             path.append(("key", name if name is not None else _int_name(e["key"], where, key)))
@@ -233,16 +264,22 @@ class _MetadataCheck:
         self.where = where
 
     def fail(self, field: str, why: str):
-        raise InvalidManifestError(f"{self.where}: key paths that make no tree: {field}: {why}; the Orbax "
-                                   "checkpoint is damaged or crafted")
+        raise InvalidManifestError(
+            f"{self.where}: key paths that make no tree: {field}: {why}; the Orbax "
+            "checkpoint is damaged or crafted"
+        )
 
 
 def _flax_sharding(desc: dict[str, Any] | None) -> dict[str, Any] | None:
     if not isinstance(desc, dict):
         return None
     if desc.get("sharding_type") == "NamedSharding":
-        return {"type": "NamedSharding", "axis_names": desc.get("axis_names"),
-                "mesh_shape": desc.get("shape"), "spec": desc.get("partition_spec")}
+        return {
+            "type": "NamedSharding",
+            "axis_names": desc.get("axis_names"),
+            "mesh_shape": desc.get("shape"),
+            "spec": desc.get("partition_spec"),
+        }
     if desc.get("sharding_type") == "SingleDeviceSharding":
         return {"type": "SingleDeviceSharding", "num_devices": 1}
     return {"type": str(desc.get("sharding_type"))}
@@ -264,6 +301,7 @@ class OrbaxSource:
     refused."""
 
     remote: bool  # tensorstore's reads are requests: read the leaves concurrently (FolderArrays: in batches)
+
     def __init__(self, located: Located):
         self.located, self.url = located, located.storage.url
         roots = item_roots(located)
@@ -272,29 +310,52 @@ class OrbaxSource:
         self.items = [item for _, item in items]
         self.where = self.items[0].where if self.items else located.storage.url
         keyed = located.names is not None or len(items) > 1
-        entries = [(item, path, param, vt) for name, item in items
-                   for path, param, vt in item.entries((("key", name),) if keyed else ())]
-        check_tree([p for _, p, _, _ in entries], _MetadataCheck(self.where),
-                   lambda i: repr(tree_mod.keystr(entries[i][1])[:200]))
-        unknown = [f"{tree_mod.keystr(p)!r} ({vt})" for _, p, _, vt in entries
-                   if vt not in _ARRAY_TYPES and vt not in _EMPTY_TYPES and vt != "string"]
+        entries = [
+            (item, path, param, vt)
+            for name, item in items
+            for path, param, vt in item.entries((("key", name),) if keyed else ())
+        ]
+        check_tree(
+            [p for _, p, _, _ in entries],
+            _MetadataCheck(self.where),
+            lambda i: repr(tree_mod.keystr(entries[i][1])[:200]),
+        )
+        unknown = [
+            f"{tree_mod.keystr(p)!r} ({vt})"
+            for _, p, _, vt in entries
+            if vt not in _ARRAY_TYPES and vt not in _EMPTY_TYPES and vt != "string"
+        ]
         if unknown:
             raise UnsupportedOrbaxCheckpointError(
                 f"{self.where}: leaves of value types flax_ckpt does not read (custom Orbax TypeHandlers): "
                 f"{', '.join(unknown)}. Restore them with orbax-checkpoint, or pass a target without them "
-                "and partial=True.")
-        arrays = {i: (item, path, param) for i, (item, path, param, vt) in enumerate(entries) if vt in _ARRAY_TYPES}
-        opened = _open_folders(arrays) if roots is not None and not any(i.use_ocdbt for i in self.items) else None
+                "and partial=True."
+            )
+        arrays = {
+            i: (item, path, param) for i, (item, path, param, vt) in enumerate(entries) if vt in _ARRAY_TYPES
+        }
+        opened = (
+            _open_folders(arrays) if roots is not None and not any(i.use_ocdbt for i in self.items) else None
+        )
         self._roots, self._lock = roots, threading.Lock()
         self._files = None if opened is not None or roots is None else walk(roots)  # links out, FIFOs refused
         self.remote = opened is None
-        futures = {} if opened is not None else {
-            i: ts.open(item.read_spec(path, param), open=True, read=True, context=item.context)
-            for i, (item, path, param) in arrays.items()}
-        side = {id(item): (item.key_impls() if any(e[0] is item and e[3] in _ARRAY_TYPES for e in entries) else {},
-                           item.shardings() if any(e[0] is item and e[3] in _ARRAY_TYPES for e in entries) else {},
-                           item.strings() if any(e[0] is item and e[3] == "string" for e in entries) else {})
-                for item in self.items}
+        futures = (
+            {}
+            if opened is not None
+            else {
+                i: ts.open(item.read_spec(path, param), open=True, read=True, context=item.context)
+                for i, (item, path, param) in arrays.items()
+            }
+        )
+        side = {
+            id(item): (
+                item.key_impls() if any(e[0] is item and e[3] in _ARRAY_TYPES for e in entries) else {},
+                item.shardings() if any(e[0] is item and e[3] in _ARRAY_TYPES for e in entries) else {},
+                item.strings() if any(e[0] is item and e[3] == "string" for e in entries) else {},
+            )
+            for item in self.items
+        }
         self.arrays: dict[str, FolderArray | _Opened] = {}
         self.params: dict[str, tuple[_Item, str]] = {}
         self.leaves: list[LeafRecord] = []
@@ -310,8 +371,10 @@ class OrbaxSource:
             try:
                 array = opened[i] if opened is not None else _Opened(futures[i].result())
             except Exception as e:
-                raise CorruptCheckpointError(f"{item.storage.url}: cannot open the array of "
-                                             f"{tree_mod.keystr(path)!r} (parameter {param!r}): {e}") from None
+                raise CorruptCheckpointError(
+                    f"{item.storage.url}: cannot open the array of "
+                    f"{tree_mod.keystr(path)!r} (parameter {param!r}): {e}"
+                ) from None
             shape, dtype = array.shape, array.dtype
             impl = impls.get(param)
             if impl is not None:
@@ -319,20 +382,32 @@ class OrbaxSource:
                 if key_shape is None:
                     bad_impls.append(f"{tree_mod.keystr(path)!r} ({impl})")
                     continue
-                leaf = LeafRecord(path, "prng_key", dtype, shape, impl, key_shape, _flax_sharding(shardings.get(param)))
+                leaf = LeafRecord(
+                    path, "prng_key", dtype, shape, impl, key_shape, _flax_sharding(shardings.get(param))
+                )
             else:
-                leaf = LeafRecord(path, _ARRAY_TYPES[vt], dtype, shape, sharding=_flax_sharding(shardings.get(param)),
-                                  python=vt == "scalar")
+                leaf = LeafRecord(
+                    path,
+                    _ARRAY_TYPES[vt],
+                    dtype,
+                    shape,
+                    sharding=_flax_sharding(shardings.get(param)),
+                    python=vt == "scalar",
+                )
             self.leaves.append(leaf)
             self.arrays[leaf.name], self.params[leaf.name] = array, (item, param)
         if bad_impls:
-            raise UnsupportedOrbaxCheckpointError(f"{self.items[0].storage.url}: PRNG key implementations this "
-                                                  f"jax does not know: {', '.join(bad_impls)}")
+            raise UnsupportedOrbaxCheckpointError(
+                f"{self.items[0].storage.url}: PRNG key implementations this "
+                f"jax does not know: {', '.join(bad_impls)}"
+            )
         if located.json_root is not None:
             json_leaves = [((), located.json_root)]
         else:
             json_leaves = [((("key", n),), n) for n in located.names or () if n in located.json_items]
-        self.leaves += [LeafRecord(path, "json", value=json_value(located.json_items[n], n)) for path, n in json_leaves]
+        self.leaves += [
+            LeafRecord(path, "json", value=json_value(located.json_items[n], n)) for path, n in json_leaves
+        ]
         if located.names is not None:  # {item name: value} in the order of the names
             self.leaves.sort(key=lambda leaf: located.names.index(leaf.path[0][1]))
 
@@ -350,14 +425,20 @@ class OrbaxSource:
             example = (trees or json_names)[0]
             raise StructureMismatchError(
                 f"restore of {self.url}: this Orbax step was saved with named items (args.Composite): "
-                + " and ".join(([f"the pytree items {format_list(trees)}"] if trees else [])
-                               + ([f"the JSON items {format_list(json_names)}"] if json_names else []))
+                + " and ".join(
+                    ([f"the pytree items {format_list(trees)}"] if trees else [])
+                    + ([f"the JSON items {format_list(json_names)}"] if json_names else [])
+                )
                 + ". The target is a dict keyed by item names, e.g. "
                 f"{{{example!r}: ...}} (only the items it names are read), or pass item={example!r} to "
                 "restore one item by itself. "
-                + (f"Not items of this step: {format_list(unknown)}. " if unknown else
-                   f"The target is a {type(target).__name__}. ")
-                + (f"Items flax_ckpt does not read: {', '.join(map(repr, refused))}." if refused else ""))
+                + (
+                    f"Not items of this step: {format_list(unknown)}. "
+                    if unknown
+                    else f"The target is a {type(target).__name__}. "
+                )
+                + (f"Items flax_ckpt does not read: {', '.join(map(repr, refused))}." if refused else "")
+            )
         view = copy.copy(self)
         view.leaves = [leaf for leaf in self.leaves if leaf.path[0][1] in target]
         json_items = {n for n in names if n in self.located.json_items}
@@ -388,11 +469,16 @@ class OrbaxSource:
         with self._lock:
             array = self.arrays[leaf.name]
             if not isinstance(array, _Opened):
-                array = _Opened(ts.open(item.read_spec(leaf.path, param), open=True, read=True,
-                                        context=item.context).result())
+                array = _Opened(
+                    ts.open(
+                        item.read_spec(leaf.path, param), open=True, read=True, context=item.context
+                    ).result()
+                )
                 if (array.shape, array.dtype) != (leaf.shape, leaf.dtype):
-                    raise CorruptCheckpointError(f"{item.storage.url}: the array of {leaf.name!r} changed since "
-                                                 f"the checkpoint was opened")
+                    raise CorruptCheckpointError(
+                        f"{item.storage.url}: the array of {leaf.name!r} changed since "
+                        f"the checkpoint was opened"
+                    )
                 self.arrays[leaf.name] = array
             return array
 
@@ -404,8 +490,9 @@ class OrbaxSource:
                 self._through_tensorstore(leaf).read(box, out)
         except Exception as e:
             item, param = self.params[leaf.name]
-            raise CorruptCheckpointError(f"{item.storage.url}: reading {leaf.name!r} (parameter {param!r}) "
-                                         f"failed: {e}") from None
+            raise CorruptCheckpointError(
+                f"{item.storage.url}: reading {leaf.name!r} (parameter {param!r}) failed: {e}"
+            ) from None
 
     def read_many(self, requests: Sequence[tuple[LeafRecord, Box, np.ndarray]]) -> None:
         for leaf, box, out in requests:
@@ -422,11 +509,22 @@ class OrbaxSource:
         custom = loc.meta.get("custom_metadata")
         if custom in (None, {}) and first is not None:
             custom = first.doc.get("custom_metadata")
-        codec = "json" if first is None else (
-            f"{'zarr3' if first.use_zarr3 else 'zarr'}{'+ocdbt' if first.use_ocdbt else ''}")
-        return checkpoint_info(loc.storage.url, self.leaves, step=loc.step, metrics=step_metrics(loc),
-                               metadata=None if custom == {} else custom, created=_created(loc),
-                               process_count=_process_count(loc), serializer=f"orbax:{codec}", format="orbax")
+        codec = (
+            "json"
+            if first is None
+            else (f"{'zarr3' if first.use_zarr3 else 'zarr'}{'+ocdbt' if first.use_ocdbt else ''}")
+        )
+        return checkpoint_info(
+            loc.storage.url,
+            self.leaves,
+            step=loc.step,
+            metrics=step_metrics(loc),
+            metadata=None if custom == {} else custom,
+            created=_created(loc),
+            process_count=_process_count(loc),
+            serializer=f"orbax:{codec}",
+            format="orbax",
+        )
 
     def unchecked(self) -> list[str]:
         """The leaves whose stored bytes carry no checksum checked on read (verify reports them as
@@ -460,8 +558,11 @@ class OrbaxSource:
     @property
     def hint(self) -> str:
         items = [n for n in self.located.items if n is not None]
-        return (f"This step holds the pytree items {format_list(items)}: the target is a dict "
-                "keyed by them. " if len(items) > 1 and self.located.names is None else "")
+        return (
+            f"This step holds the pytree items {format_list(items)}: the target is a dict keyed by them. "
+            if len(items) > 1 and self.located.names is None
+            else ""
+        )
 
     @property
     def step(self) -> int | None:
@@ -472,7 +573,9 @@ class OrbaxSource:
         return step_metrics(self.located)
 
 
-def _budget(files: list[str] | None, leaves: Sequence[LeafRecord], arrays: Sequence[FolderArray | _Opened]) -> int:
+def _budget(
+    files: list[str] | None, leaves: Sequence[LeafRecord], arrays: Sequence[FolderArray | _Opened]
+) -> int:
     """The bytes a restore of a local Orbax folder may allocate (Reader refuses more with a
     CorruptCheckpointError before allocating): as the native layout's, twice the stored bytes plus
     _BUDGET_SLACK when no array is compressed; else MAX_EXPANSION times them (an array of zeros
@@ -501,12 +604,14 @@ def _compressed(metadata: dict[str, Any]) -> bool:
             elif name not in ("bytes", "crc32c", "transpose"):
                 return True
         return False
+
     return chain(metadata.get("codecs", []))
 
 
 def data_checksummed(metadata: dict[str, Any]) -> bool:
     """Whether a zarr array's chunk data (not just a shard index) is covered by a checksum: a crc32c
     codec, or zstd frames written with their checksum. zarr v2 compressors carry none."""
+
     def chain(codecs: Any) -> bool:
         for c in codecs if isinstance(codecs, list) else []:
             conf = c.get("configuration") or {} if isinstance(c, dict) else {}
@@ -516,6 +621,7 @@ def data_checksummed(metadata: dict[str, Any]) -> bool:
             if name == "sharding_indexed" and chain(conf.get("codecs")):
                 return True
         return False
+
     return metadata.get("zarr_format") != 2 and chain(metadata.get("codecs"))
 
 
@@ -524,19 +630,25 @@ def _open_folders(arrays: dict[int, tuple[_Item, tree_mod.KeyPath, str]]) -> dic
     is not read that way (folders.Unsupported: tensorstore reads them all, after the walk)."""
     opened = {}
     for i, (item, path, param) in arrays.items():
-        check_relpath(param, f"tree_metadata[{tree_mod.keystr(path)!r}]", item.where)  # a folder inside the item
+        check_relpath(
+            param, f"tree_metadata[{tree_mod.keystr(path)!r}]", item.where
+        )  # a folder inside the item
         try:
             opened[i] = FolderArray(item.storage.local_path, param, item.use_zarr3)
         except Unsupported:
             return None
         except (CorruptCheckpointError, OSError) as e:
-            raise CorruptCheckpointError(f"{item.storage.url}: cannot open the array of {tree_mod.keystr(path)!r} "
-                                         f"(parameter {param!r}): {e}") from None
+            raise CorruptCheckpointError(
+                f"{item.storage.url}: cannot open the array of {tree_mod.keystr(path)!r} "
+                f"(parameter {param!r}): {e}"
+            ) from None
     return opened
 
 
 def _process_count(located: Located) -> int:
-    counts = [sum(1 for n in item.list() if n.startswith("ocdbt.process_")) for item in located.items.values()]
+    counts = [
+        sum(1 for n in item.list() if n.startswith("ocdbt.process_")) for item in located.items.values()
+    ]
     counts += [len(item.sub("array_metadatas").list()) for item in located.items.values()]
     return max([1, *counts])
 

@@ -129,17 +129,24 @@ def check(snap: Snapshot) -> None:
     for lf in snap.leaves:
         arr = _array(lf)
         if arr is not None and arr[1].hasobject:
-            raise UnsupportedLeafError(f"{lf.record.name}: {lf.record.value!r} does not fit int64/uint64; Orbax "
-                                       "stores Python scalars as fixed-width arrays")
+            raise UnsupportedLeafError(
+                f"{lf.record.name}: {lf.record.value!r} does not fit int64/uint64; Orbax "
+                "stores Python scalars as fixed-width arrays"
+            )
         if arr is not None and not _ts_dtype_ok(arr[1]):
             dtypes.append(f"{lf.record.name} ({arr[1].name})")
     if slash or clash or dtypes:
         raise UnsupportedLeafError(
             "cannot save in Orbax's layout (nothing was written): "
             + (f"keys holding '/': {format_list(slash)}; " if slash else "")
-            + (f"key paths that Orbax's '.'-joined parameter names confuse: {'; '.join(clash)}; " if clash else "")
+            + (
+                f"key paths that Orbax's '.'-joined parameter names confuse: {'; '.join(clash)}; "
+                if clash
+                else ""
+            )
             + (f"dtypes tensorstore (hence Orbax) cannot store: {', '.join(dtypes)}; " if dtypes else "")
-            + "rename those keys or cast those leaves, or save in flax_ckpt's own format.")
+            + "rename those keys or cast those leaves, or save in flax_ckpt's own format."
+        )
 
 
 @functools.lru_cache(maxsize=None)
@@ -155,7 +162,8 @@ def single_process() -> None:
     if distributed.process_count() > 1:
         raise UnsupportedOrbaxCheckpointError(
             "saving in Orbax's layout from several processes is not supported (it needs Orbax's "
-            "per-process OCDBT merge); save in flax_ckpt's format, which any process count restores")
+            "per-process OCDBT merge); save in flax_ckpt's format, which any process count restores"
+        )
 
 
 def _chunk_shape(shape: tuple[int, ...], dtype: np.dtype, ws: tuple[int, ...] | None) -> list[int]:
@@ -176,23 +184,38 @@ def _chunk_tuple(shape: tuple[int, ...], dtype: np.dtype, ws: tuple[int, ...] | 
     return tuple(chunk)
 
 
-def _zarr_metadata(shape: tuple[int, ...], chunk: list[int], use_zarr3: bool, compression: bool) -> dict[str, Any]:
+def _zarr_metadata(
+    shape: tuple[int, ...], chunk: list[int], use_zarr3: bool, compression: bool
+) -> dict[str, Any]:
     if not use_zarr3:
-        return {"shape": list(shape), "chunks": chunk,
-                "compressor": {"id": "zstd", "level": 1} if compression else None}
+        return {
+            "shape": list(shape),
+            "chunks": chunk,
+            "compressor": {"id": "zstd", "level": 1} if compression else None,
+        }
     inner = [{"name": "bytes", "configuration": {"endian": "little"}}]
     if compression:
         inner.append({"name": "zstd", "configuration": {"level": 3}})
     inner.append({"name": "crc32c"})  # each chunk's (compressed) bytes checksummed: verified on every read
-    codec = {"name": "sharding_indexed", "configuration": {
-        "chunk_shape": chunk, "codecs": inner, "index_location": "end",
-        "index_codecs": [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]}}
-    return {"shape": list(shape), "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": chunk}},
-            "codecs": [codec]}
+    codec = {
+        "name": "sharding_indexed",
+        "configuration": {
+            "chunk_shape": chunk,
+            "codecs": inner,
+            "index_location": "end",
+            "index_codecs": [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}],
+        },
+    }
+    return {
+        "shape": list(shape),
+        "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": chunk}},
+        "codecs": [codec],
+    }
 
 
-def _write_arrays(storage: Storage, arrays: list[HostLeaf], use_ocdbt: bool, use_zarr3: bool,
-                  compression: bool) -> Callable[[], None]:
+def _write_arrays(
+    storage: Storage, arrays: list[HostLeaf], use_ocdbt: bool, use_zarr3: bool, compression: bool
+) -> Callable[[], None]:
     """Starts writing the array leaves with tensorstore; returns the call that finishes (waits for every
     write, raising the first failure). The small arrays' OCDBT transaction commits on tensorstore's
     threads until then. In a local folder, with OCDBT, tensorstore does not fsync (each of its fsyncs
@@ -217,30 +240,57 @@ def _write_arrays(storage: Storage, arrays: list[HostLeaf], use_ocdbt: bool, use
             wait_small()
         if unsynced:
             _sync_written(storage)
+
     return finish
 
 
 def _sync_written(item: Storage) -> None:
     """fsyncs, all at once, every file below ``item`` except the side files (fsynced when written)."""
-    root, side = item.local_path, {TREE_METADATA, SHARDING, STRINGS, STRINGS + CRC_SUFFIX, COMMIT_SUCCESS,
-                                   CHECKPOINT_METADATA, "array_metadatas/process_0"}
+    root, side = (
+        item.local_path,
+        {
+            TREE_METADATA,
+            SHARDING,
+            STRINGS,
+            STRINGS + CRC_SUFFIX,
+            COMMIT_SUCCESS,
+            CHECKPOINT_METADATA,
+            "array_metadatas/process_0",
+        },
+    )
     assert root is not None
-    files = [os.path.join(d, f) for d, _, names in os.walk(root) for f in names
-             if os.path.relpath(os.path.join(d, f), root).replace(os.sep, "/") not in side]
+    files = [
+        os.path.join(d, f)
+        for d, _, names in os.walk(root)
+        for f in names
+        if os.path.relpath(os.path.join(d, f), root).replace(os.sep, "/") not in side
+    ]
     fsync_all(files)
 
 
-def _write_with(storage: Storage, arrays: list[HostLeaf], use_ocdbt: bool, use_zarr3: bool,
-                compression: bool, context: ts.Context) -> None:
+def _write_with(
+    storage: Storage,
+    arrays: list[HostLeaf],
+    use_ocdbt: bool,
+    use_zarr3: bool,
+    compression: bool,
+    context: ts.Context,
+) -> None:
     """Writes ``arrays`` through tensorstore, each array opened on its own."""
     opened = []
     for lf in arrays:
         shape, dtype, shards = _array(lf)
-        spec = {"driver": "zarr3" if use_zarr3 else "zarr", "dtype": dtype.name,
-                "kvstore": array_kvstore(storage, param(lf), use_ocdbt, write=True),
-                "metadata": _zarr_metadata(shape, _chunk_shape(shape, dtype, write_shape(lf)), use_zarr3, compression),
-                "store_data_equal_to_fill_value": True, "recheck_cached_data": False,
-                "recheck_cached_metadata": False}
+        spec = {
+            "driver": "zarr3" if use_zarr3 else "zarr",
+            "dtype": dtype.name,
+            "kvstore": array_kvstore(storage, param(lf), use_ocdbt, write=True),
+            "metadata": _zarr_metadata(
+                shape, _chunk_shape(shape, dtype, write_shape(lf)), use_zarr3, compression
+            ),
+            "store_data_equal_to_fill_value": True,
+            "recheck_cached_data": False,
+            "recheck_cached_metadata": False,
+        }
         opened.append((lf, shape, dtype, shards, ts.open(spec, create=True, open=True, context=context)))
     writes, failure = [], None
     for lf, shape, dtype, shards, fut in opened:
@@ -248,9 +298,12 @@ def _write_with(storage: Storage, arrays: list[HostLeaf], use_ocdbt: bool, use_z
             store = fut.result()
         except Exception as e:
             failure = failure or UnsupportedLeafError(
-                f"{lf.record.name}: tensorstore cannot store {dtype}{list(shape)} in Orbax's layout: {e}")
+                f"{lf.record.name}: tensorstore cannot store {dtype}{list(shape)} in Orbax's layout: {e}"
+            )
             continue
-        writes += [(lf, store[tuple(slice(a, b) for a, b in box)].write(data)) for box, data in shards if data.size]
+        writes += [
+            (lf, store[tuple(slice(a, b) for a, b in box)].write(data)) for box, data in shards if data.size
+        ]
     for lf, w in writes:  # wait for every write, even after a failure, before anyone deletes the folder
         try:
             w.result()
@@ -269,9 +322,23 @@ def _write_with(storage: Storage, arrays: list[HostLeaf], use_ocdbt: bool, use_z
 # them are written into the item's OCDBT database in one transaction: one commit instead of one each.
 
 _SMALL = 64 << 10  # larger arrays: tensorstore, which compresses them on several threads
-_ZARR3_TYPES = {"bool": False, "int8": 0, "int16": 0, "int32": 0, "int64": 0, "uint8": 0, "uint16": 0,
-                "uint32": 0, "uint64": 0, "float16": 0.0, "bfloat16": 0.0, "float32": 0.0, "float64": 0.0,
-                "complex64": [0.0, 0.0], "complex128": [0.0, 0.0]}  # data_type: fill_value (tensorstore's)
+_ZARR3_TYPES = {
+    "bool": False,
+    "int8": 0,
+    "int16": 0,
+    "int32": 0,
+    "int64": 0,
+    "uint8": 0,
+    "uint16": 0,
+    "uint32": 0,
+    "uint64": 0,
+    "float16": 0.0,
+    "bfloat16": 0.0,
+    "float32": 0.0,
+    "float64": 0.0,
+    "complex64": [0.0, 0.0],
+    "complex128": [0.0, 0.0],
+}  # data_type: fill_value (tensorstore's)
 
 
 def _one_chunk(lf: HostLeaf) -> np.ndarray | None:
@@ -288,8 +355,10 @@ def _one_chunk(lf: HostLeaf) -> np.ndarray | None:
     if len(shards) == 1 and shards[0][1].shape == shape:  # one shard of the array's shape: all of it
         return np.asarray(shards[0][1])
     whole = tuple((0, d) for d in shape)
-    return next((np.asarray(data) for box, data in shards if tuple(map(tuple, box)) == whole
-                 and data.shape == shape), None)
+    return next(
+        (np.asarray(data) for box, data in shards if tuple(map(tuple, box)) == whole and data.shape == shape),
+        None,
+    )
 
 
 @functools.lru_cache(maxsize=None)
@@ -318,8 +387,13 @@ def _zarr_json(shape: tuple[int, ...], dtype: np.dtype, compression: bool) -> by
             del codec["configuration"]  # tensorstore's normal form: no byte order for one-byte types
         elif codec["name"] == "zstd":
             codec["configuration"]["checksum"] = False
-    meta.update(chunk_key_encoding={"name": "default"}, data_type=dtype.name,
-                fill_value=_ZARR3_TYPES[dtype.name], node_type="array", zarr_format=3)
+    meta.update(
+        chunk_key_encoding={"name": "default"},
+        data_type=dtype.name,
+        fill_value=_ZARR3_TYPES[dtype.name],
+        node_type="array",
+        zarr_format=3,
+    )
     return json.dumps(meta, sort_keys=True, separators=(",", ":")).encode()
 
 
@@ -350,13 +424,15 @@ def _index(length: int) -> bytes:
     return index + crc32c.crc32c(index).to_bytes(4, "little")
 
 
-def _write_small(storage: Storage, arrays: list[tuple[HostLeaf, np.ndarray]], compression: bool,
-                 context: ts.Context) -> Callable[[], None]:
+def _write_small(
+    storage: Storage, arrays: list[tuple[HostLeaf, np.ndarray]], compression: bool, context: ts.Context
+) -> Callable[[], None]:
     """Starts writing ``arrays`` (leaves with their _one_chunk) into the item's OCDBT database, in one
     transaction; returns the call that waits for its commit (a CheckpointError if it failed)."""
     if not arrays:
         return lambda: None
     import zstandard
+
     compressor = zstandard.ZstdCompressor(level=3) if compression else None
     where = f"{storage.url}: writing {len(arrays)} arrays into its OCDBT database failed"
     txn = ts.Transaction(atomic=True)
@@ -379,6 +455,7 @@ def _write_small(storage: Storage, arrays: list[tuple[HostLeaf, np.ndarray]], co
                 w.result()
         except Exception as e:
             raise CheckpointError(f"{where}: {e}") from e
+
     return wait
 
 
@@ -396,8 +473,14 @@ def _write_checked(storage: Storage, name: str, data: bytes) -> None:
 def _tree_metadata(snap: Snapshot, use_ocdbt: bool, use_zarr3: bool) -> bytes:
     """``_METADATA`` as json.dumps writes it, joined from each leaf's entry (the same at every step)."""
     entries = ", ".join([_tree_entry(lf.path, value_type(lf), write_shape(lf)) for lf in snap.leaves])
-    rest = _json_bytes({"use_ocdbt": use_ocdbt, "use_zarr3": use_zarr3,
-                        "store_array_data_equal_to_fill_value": True, "custom_metadata": None})
+    rest = _json_bytes(
+        {
+            "use_ocdbt": use_ocdbt,
+            "use_zarr3": use_zarr3,
+            "store_array_data_equal_to_fill_value": True,
+            "custom_metadata": None,
+        }
+    )
     return b'{"tree_metadata": {' + entries.encode() + b"}, " + rest[1:]
 
 
@@ -423,10 +506,14 @@ def _sharding_of(s: jax.sharding.Sharding | None) -> dict[str, Any] | None:
     if isinstance(s, jax.sharding.NamedSharding):
         ids = np.vectorize(lambda d: {"id": int(d.id)}, otypes=[object])(s.mesh.devices).tolist()
         spec = [p if p is None or isinstance(p, str) else list(p) for p in s.spec]
-        return {"sharding_type": "NamedSharding", "shape": [int(n) for n in s.mesh.devices.shape],
-                "axis_names": [str(a) for a in s.mesh.axis_names],
-                "axis_types": [str(a) for a in s.mesh.axis_types], "partition_spec": spec,
-                "device_mesh": {"mesh": ids}}
+        return {
+            "sharding_type": "NamedSharding",
+            "shape": [int(n) for n in s.mesh.devices.shape],
+            "axis_names": [str(a) for a in s.mesh.axis_names],
+            "axis_types": [str(a) for a in s.mesh.axis_types],
+            "partition_spec": spec,
+            "device_mesh": {"mesh": ids},
+        }
     if isinstance(s, jax.sharding.SingleDeviceSharding):
         return {"sharding_type": "SingleDeviceSharding", "device_str": str(next(iter(s.device_set)))}
     return None
@@ -447,12 +534,26 @@ def _array_metadatas(arrays: list[HostLeaf], names: list[str]) -> bytes | None:
 @functools.lru_cache(maxsize=1 << 16)  # a run saves the same arrays at every step
 def _array_entry(name: str, ws: tuple[int, ...], chunk: tuple[int, ...], key_impl: str | None) -> str:
     ext = {"random_key_impl": key_impl} if key_impl else None
-    return json.dumps({"array_metadata": {"param_name": name, "write_shape": list(ws),
-                                          "chunk_shape": list(chunk), "ext_metadata": ext}})
+    return json.dumps(
+        {
+            "array_metadata": {
+                "param_name": name,
+                "write_shape": list(ws),
+                "chunk_shape": list(chunk),
+                "ext_metadata": ext,
+            }
+        }
+    )
 
 
-def write_item(storage: Storage, snap: Snapshot, *, use_ocdbt: bool = True, use_zarr3: bool = True,
-               compression: bool = True) -> None:
+def write_item(
+    storage: Storage,
+    snap: Snapshot,
+    *,
+    use_ocdbt: bool = True,
+    use_zarr3: bool = True,
+    compression: bool = True,
+) -> None:
     """Writes one Orbax pytree item (arrays, ``_METADATA`` and side files) into ``storage``. The side
     files are made while tensorstore commits the small arrays, and written (each fsynced) on other
     threads while the other arrays are: their fsyncs overlap."""
@@ -484,14 +585,18 @@ def _b64(name: str) -> str:
     return base64.urlsafe_b64encode(name.encode()).decode()
 
 
-def _side_files(snap: Snapshot, arrays: list[HostLeaf], use_ocdbt: bool,
-                use_zarr3: bool) -> list[tuple[str, bytes]]:
+def _side_files(
+    snap: Snapshot, arrays: list[HostLeaf], use_ocdbt: bool, use_zarr3: bool
+) -> list[tuple[str, bytes]]:
     """An item's files besides its arrays: ``_sharding``, ``_strings.json`` (with its crc32c),
     ``array_metadatas/process_0`` and ``_METADATA``, as (name, bytes)."""
     files = []
     names = [param(lf) for lf in arrays]
-    shardings = {_b64(name): text for lf, name in zip(arrays, names)
-                 if lf.sharding is not None and (text := _sharding_json(lf.sharding)) is not None}
+    shardings = {
+        _b64(name): text
+        for lf, name in zip(arrays, names)
+        if lf.sharding is not None and (text := _sharding_json(lf.sharding)) is not None
+    }
     strings = {param(lf): lf.record.value for lf in snap.leaves if lf.record.kind == "string"}
     if shardings:
         files.append((SHARDING, _json_bytes(shardings)))
@@ -529,29 +634,47 @@ def _commit_folder(parent: Storage, name: str, write: Callable[[Storage], Any], 
     """Writes ``name`` atomically with the engine's commit: ``write(folder)`` and, beside it,
     ``_CHECKPOINT_METADATA``, then ``commit_success.txt`` as the commit record. Refuses an existing
     checkpoint."""
-    staging = commit_mod.staging_name(parent, name, record=COMMIT_SUCCESS, mark=TMP_SUFFIX + "-",
-                                      nonce=str(time.time_ns()))
+    staging = commit_mod.staging_name(
+        parent, name, record=COMMIT_SUCCESS, mark=TMP_SUFFIX + "-", nonce=str(time.time_ns())
+    )
     folder = parent.sub(staging)
     try:
         meta = dict(meta, commit_timestamp_nsecs=time.time_ns())
-        _overlapped([functools.partial(folder.write, CHECKPOINT_METADATA, [_json_bytes(meta)])],
-                    lambda: write(folder))
+        _overlapped(
+            [functools.partial(folder.write, CHECKPOINT_METADATA, [_json_bytes(meta)])], lambda: write(folder)
+        )
         commit_mod.commit(parent, staging, name, COMMIT_SUCCESS, _success(folder))
     except BaseException:
         commit_mod.abort(parent, staging, COMMIT_SUCCESS)
         raise
 
 
-def _step_meta(handlers: str | dict[str, str], custom: Any, metrics: dict[str, Any] | None = None) -> dict[str, Any]:
+def _step_meta(
+    handlers: str | dict[str, str], custom: Any, metrics: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """``_CHECKPOINT_METADATA`` as orbax 0.12.8 writes it (a step's metrics live in its ``metrics``
     item; a StandardCheckpointer folder's in the ``metrics`` field, where Orbax's metadata has them)."""
-    return {"item_handlers": handlers, "metrics": metrics or {}, "performance_metrics": {},
-            "init_timestamp_nsecs": time.time_ns(), "commit_timestamp_nsecs": None,
-            "custom_metadata": custom if custom is not None else {}}
+    return {
+        "item_handlers": handlers,
+        "metrics": metrics or {},
+        "performance_metrics": {},
+        "init_timestamp_nsecs": time.time_ns(),
+        "commit_timestamp_nsecs": None,
+        "custom_metadata": custom if custom is not None else {},
+    }
 
 
-def save_item(parent: Storage, name: str, snap: Snapshot, *, metadata: Any = None, metrics: Any = None,
-              use_ocdbt: bool = True, use_zarr3: bool = True, compression: bool = True) -> None:
+def save_item(
+    parent: Storage,
+    name: str,
+    snap: Snapshot,
+    *,
+    metadata: Any = None,
+    metrics: Any = None,
+    use_ocdbt: bool = True,
+    use_zarr3: bool = True,
+    compression: bool = True,
+) -> None:
     """A StandardCheckpointer-style folder ``parent/name`` that ``ocp.StandardCheckpointer().restore(path,
     abstract_tree)`` and ``ocp.PyTreeCheckpointer().restore`` read. ``metadata`` goes to
     ``_CHECKPOINT_METADATA``'s custom_metadata, ``metrics`` to its metrics."""
@@ -559,9 +682,12 @@ def save_item(parent: Storage, name: str, snap: Snapshot, *, metadata: Any = Non
     snap.complete()  # shards still on their devices come to host first (a no-op once they are)
     custom = jsonable(metadata, "metadata")
     metrics = metrics_json(metrics)
-    _commit_folder(parent, name, lambda f: write_item(f, snap, use_ocdbt=use_ocdbt, use_zarr3=use_zarr3,
-                                                      compression=compression),
-                   _step_meta(_handler_for(snap), custom, metrics))
+    _commit_folder(
+        parent,
+        name,
+        lambda f: write_item(f, snap, use_ocdbt=use_ocdbt, use_zarr3=use_zarr3, compression=compression),
+        _step_meta(_handler_for(snap), custom, metrics),
+    )
 
 
 @dataclass
@@ -587,27 +713,36 @@ def check_items(tree: Any, handlers: dict[str, str], where: str) -> dict[str, An
             f"{where} is an Orbax run whose steps hold items of handlers flax_ckpt does not write: "
             + ", ".join(f"{n!r} ({h})" for n, h in sorted(refused.items()))
             + "; nothing was written. Continue this run with orbax-checkpoint, or give the flax_ckpt run a "
-            "directory of its own.")
+            "directory of its own."
+        )
     pytree = [n for n in names if handler_kind(handlers[n]) == "pytree"]
     json_names = [n for n in names if handler_kind(handlers[n]) == "json"]
     keys = list(tree) if isinstance(tree, Mapping) else None
     if keys is None or sorted(map(str, keys)) != names or not all(isinstance(k, str) for k in keys):
-        kinds = " and ".join(([f"the pytree items {format_list(pytree)}"] if pytree else [])
-                             + ([f"the JSON items {format_list(json_names)}"] if json_names else []))
+        kinds = " and ".join(
+            ([f"the pytree items {format_list(pytree)}"] if pytree else [])
+            + ([f"the JSON items {format_list(json_names)}"] if json_names else [])
+        )
         if keys is None:
             found = f"the saved value is a {type(tree).__name__}"
         else:
             missing = sorted(set(names) - set(map(str, keys)))
             extra = sorted(set(map(str, keys)) - set(names))
-            detail = "; ".join(([f"missing: {format_list(missing)}"] if missing else [])
-                               + ([f"not items of the run: {format_list(extra)}"] if extra else []))
-            found = (f"the saved dict has the keys {', '.join(sorted(map(repr, keys)))}" if keys
-                     else "the saved dict is empty") + (f" ({detail})" if detail else "")
+            detail = "; ".join(
+                ([f"missing: {format_list(missing)}"] if missing else [])
+                + ([f"not items of the run: {format_list(extra)}"] if extra else [])
+            )
+            found = (
+                f"the saved dict has the keys {', '.join(sorted(map(repr, keys)))}"
+                if keys
+                else "the saved dict is empty"
+            ) + (f" ({detail})" if detail else "")
         example = ", ".join(f"{n!r}: ..." for n in names[:3]) + (", ..." if len(names) > 3 else "")
         raise StructureMismatchError(
             f"{where} is an Orbax run of named items (args.Composite): its steps hold {kinds}, so a new step "
             f"is a dict keyed by exactly those names; {found}. Nothing was written. Save {{{example}}} (pytree "
-            "items as trees of arrays, JSON items as JSON), or give a run of other items a directory of its own.")
+            "items as trees of arrays, JSON items as JSON), or give a run of other items a directory of its own."
+        )
     json_items = {}
     for n in json_names:
         try:
@@ -616,14 +751,18 @@ def check_items(tree: Any, handlers: dict[str, str], where: str) -> dict[str, An
             raise UnsupportedLeafError(
                 f"{where}: {e}. The run's steps hold {n!r} as a JSON item (Orbax's JsonSave), so its value must be "
                 "JSON: dicts with string keys, lists, strings, numbers, booleans, None; nothing was written. "
-                "Convert it (e.g. int(x), x.tolist()), or keep arrays in a pytree item.") from None
+                "Convert it (e.g. int(x), x.tolist()), or keep arrays in a pytree item."
+            ) from None
     return json_items
 
 
 def item_snapshot(snap: Snapshot, name: str) -> Snapshot:
     """The leaves of pytree item ``name`` of a StepSnapshot, with key paths relative to the item."""
-    leaves = [dataclasses.replace(lf, record=dataclasses.replace(lf.record, path=lf.path[1:]))
-              for lf in snap.leaves if lf.path and lf.path[0][1] == name]
+    leaves = [
+        dataclasses.replace(lf, record=dataclasses.replace(lf.record, path=lf.path[1:]))
+        for lf in snap.leaves
+        if lf.path and lf.path[0][1] == name
+    ]
     return Snapshot(leaves, sum(s.data.nbytes for lf in leaves for s in lf.shards))
 
 
@@ -634,7 +773,8 @@ def check_item_roots(snap: Snapshot) -> None:
         raise UnsupportedLeafError(
             f"the pytree items {', '.join(bare)} are a single value or an empty container, not a tree of "
             "leaves, which is what Orbax stores as a pytree item; nothing was written. Wrap the value in a "
-            "dict (e.g. {'value': x}).")
+            "dict (e.g. {'value': x})."
+        )
 
 
 def _json_file(handler: str) -> str:
@@ -648,8 +788,17 @@ def _write_json_item(folder: Storage, filename: str, value: Any) -> None:
     folder.write(COMMIT_SUCCESS, [_success(folder)])
 
 
-def save_step(root: Storage, step: int, snap: Snapshot, *, metrics: dict[str, Any] | None = None,
-              metadata: Any = None, use_ocdbt: bool = True, use_zarr3: bool = True, name: str | None = None) -> str:
+def save_step(
+    root: Storage,
+    step: int,
+    snap: Snapshot,
+    *,
+    metrics: dict[str, Any] | None = None,
+    metadata: Any = None,
+    use_ocdbt: bool = True,
+    use_zarr3: bool = True,
+    name: str | None = None,
+) -> str:
     """Writes ``<root>/<name>`` (default: ``<step>``) as an Orbax CheckpointManager step: item
     ``default`` (or, for a StepSnapshot, the run's named items, each with the handler the run records
     for it), plus a ``metrics`` JSON item; returns its URL."""
@@ -659,8 +808,10 @@ def save_step(root: Storage, step: int, snap: Snapshot, *, metrics: dict[str, An
     custom = jsonable(metadata, "metadata")
     if isinstance(snap, StepSnapshot):
         trees = {n: item_snapshot(snap, n) for n, h in snap.handlers.items() if handler_kind(h) == "pytree"}
-        handlers = {n: _handler_for(trees[n]) if n in trees and h == STANDARD_HANDLER else h
-                    for n, h in snap.handlers.items()}
+        handlers = {
+            n: _handler_for(trees[n]) if n in trees and h == STANDARD_HANDLER else h
+            for n, h in snap.handlers.items()
+        }
         json_items = {n: snap.json_items[n] for n in snap.handlers if n not in trees}
     else:
         trees, handlers, json_items = {DEFAULT_ITEM: snap}, {DEFAULT_ITEM: _handler_for(snap)}, {}
@@ -671,8 +822,10 @@ def save_step(root: Storage, step: int, snap: Snapshot, *, metrics: dict[str, An
     def write(folder: Storage) -> None:
         for n, tree in trees.items():
             item = folder.sub(n)
-            _overlapped([functools.partial(item.write, COMMIT_SUCCESS, [_success(item)])],
-                        functools.partial(write_item, item, tree, use_ocdbt=use_ocdbt, use_zarr3=use_zarr3))
+            _overlapped(
+                [functools.partial(item.write, COMMIT_SUCCESS, [_success(item)])],
+                functools.partial(write_item, item, tree, use_ocdbt=use_ocdbt, use_zarr3=use_zarr3),
+            )
         for n, value in json_items.items():
             _write_json_item(folder.sub(n), _json_file(handlers[n]), value)
         if metrics is not None:
@@ -683,5 +836,13 @@ def save_step(root: Storage, step: int, snap: Snapshot, *, metrics: dict[str, An
     return root.sub(name).url
 
 
-__all__ = ["StepSnapshot", "check", "check_item_roots", "check_items", "save_item", "save_step", "single_process",
-           "write_item"]
+__all__ = [
+    "StepSnapshot",
+    "check",
+    "check_item_roots",
+    "check_items",
+    "save_item",
+    "save_step",
+    "single_process",
+    "write_item",
+]

@@ -63,8 +63,10 @@ def get_serializer(spec: "str | Serializer | None") -> Serializer:
     if spec == "zarr3":
         return Zarr3Serializer()
     if spec == "tensorstore":
-        raise ValueError("unknown serializer 'tensorstore': the serializer built on tensorstore is called 'zarr3' "
-                         "(pass serializer='zarr3')")
+        raise ValueError(
+            "unknown serializer 'tensorstore': the serializer built on tensorstore is called 'zarr3' "
+            "(pass serializer='zarr3')"
+        )
     if isinstance(spec, str):
         return Checked(_installed(spec))
     if isinstance(spec, (RawSerializer, Zarr3Serializer, Checked)):
@@ -84,8 +86,10 @@ def check_name(serializer: object) -> str:
     word of letters, digits, '_', '.', '-', not one of the built-in names."""
     name = getattr(serializer, "name", None)
     if not isinstance(name, str) or not _NAME.fullmatch(name) or name in _RESERVED:
-        raise ValueError(f"{type(serializer).__name__}.name = {name!r}: a serializer's name must be a short word "
-                         f"(letters, digits, '_', '.', '-'; a letter first) other than {', '.join(BUILT_IN)}")
+        raise ValueError(
+            f"{type(serializer).__name__}.name = {name!r}: a serializer's name must be a short word "
+            f"(letters, digits, '_', '.', '-'; a letter first) other than {', '.join(BUILT_IN)}"
+        )
     return name
 
 
@@ -99,22 +103,43 @@ def _installed(name: str) -> Serializer:
             f"(entry-point group {ENTRY_POINTS!r}). Install the package whose serializer wrote it; that package "
             f'declares it in its pyproject.toml as [project.entry-points."{ENTRY_POINTS}"] {name:.80} = '
             '"your_module:YourSerializer"; or pass the instance: fc.restore(path, serializer=YourSerializer()), '
-            'fc.CheckpointManager(directory, serializer=YourSerializer()) (README: Writing a serializer)')
+            "fc.CheckpointManager(directory, serializer=YourSerializer()) (README: Writing a serializer)"
+        )
     eps = sorted({(ep.value, ep) for ep in found}, key=lambda p: p[0])
     if len(eps) > 1:
-        raise ValueError(f"serializer {name!r} is declared by several installed packages "
-                         f"({', '.join(v for v, _ in eps)}); uninstall all but one")
+        raise ValueError(
+            f"serializer {name!r} is declared by several installed packages "
+            f"({', '.join(v for v, _ in eps)}); uninstall all but one"
+        )
     ep = eps[0][1]
     try:
         made = ep.load()()
     except Exception as e:  # noqa: BLE001 - a plugin's import or constructor failing, whatever the cause
-        raise ValueError(f"serializer {name!r}: loading entry point {ep.value!r} failed: "
-                         f"{type(e).__name__}: {e}") from e
+        raise ValueError(
+            f"serializer {name!r}: loading entry point {ep.value!r} failed: {type(e).__name__}: {e}"
+        ) from e
     if getattr(made, "name", None) != name:
-        raise ValueError(f"serializer {name!r}: entry point {ep.value!r} built a serializer named "
-                         f"{getattr(made, 'name', None)!r}; the two names must agree")
+        raise ValueError(
+            f"serializer {name!r}: entry point {ep.value!r} built a serializer named "
+            f"{getattr(made, 'name', None)!r}; the two names must agree"
+        )
     return made
 
 
-__all__ = ["ArrayItem", "BUILT_IN", "Box", "ENTRY_POINTS", "Serializer", "Shard", "StoredArray", "Written",
-           "box_of", "check_name", "for_each_overlap", "get_serializer", "intersect", "local", "serializer_for"]
+__all__ = [
+    "ArrayItem",
+    "BUILT_IN",
+    "Box",
+    "ENTRY_POINTS",
+    "Serializer",
+    "Shard",
+    "StoredArray",
+    "Written",
+    "box_of",
+    "check_name",
+    "for_each_overlap",
+    "get_serializer",
+    "intersect",
+    "local",
+    "serializer_for",
+]

@@ -158,8 +158,9 @@ class Serializer(Protocol):
         """
         raise NotImplementedError(f"{type(self).__name__} does not implement read")
 
-    def read_many(self, storage: Storage, requests: Sequence[tuple[StoredArray, Box, np.ndarray]],
-                  where: str) -> None:
+    def read_many(
+        self, storage: Storage, requests: Sequence[tuple[StoredArray, Box, np.ndarray]], where: str
+    ) -> None:
         """Optional: ``read`` for many (leaf, box, out) at once; a serializer may batch them (raw: one
         ranged read per run of adjacent chunks). Default: one ``read`` each.
 

@@ -38,33 +38,44 @@ class Checked:
 
     def __init__(self, inner: Serializer):
         self.name = check_name(inner)
-        missing = [m for m in ("write", "read") if not callable(getattr(inner, m, None))
-                   or getattr(type(inner), m, None) is getattr(Serializer, m)]  # fc.Serializer's stub
+        missing = [
+            m
+            for m in ("write", "read")
+            if not callable(getattr(inner, m, None))
+            or getattr(type(inner), m, None) is getattr(Serializer, m)
+        ]  # fc.Serializer's stub
         if missing:
-            raise TypeError(f"{type(inner).__name__} is not a Serializer: it has no {' or '.join(missing)} method "
-                            "(see fc.Serializer)")
+            raise TypeError(
+                f"{type(inner).__name__} is not a Serializer: it has no {' or '.join(missing)} method "
+                "(see fc.Serializer)"
+            )
         self.inner = inner
 
     def write(self, storage: Storage, items: Sequence[ArrayItem], *, tag: str) -> Written:
         rec = _Recorder(storage, _Log(self.name, tag))
         written = self.inner.write(rec, items, tag=tag)
         if not isinstance(written, Written):
-            raise TypeError(f"serializer {self.name!r}: write returned {type(written).__name__}, not fc.Written")
+            raise TypeError(
+                f"serializer {self.name!r}: write returned {type(written).__name__}, not fc.Written"
+            )
         log = rec.log
         for item in items:
             for j, chunk in enumerate(written.chunks.get(item.leaf, ())):
                 name = chunk.get("file") if isinstance(chunk, dict) else None
                 if name not in log.sizes:
-                    raise ValueError(f"serializer {self.name!r}: chunk {j} of leaf {item.name!r} has \"file\" "
-                                     f"{name!r}, not an object it wrote; every chunk record names the object holding "
-                                     "its bytes in \"file\" (flax-ckpt verify names it when it is damaged)")
+                    raise ValueError(
+                        f'serializer {self.name!r}: chunk {j} of leaf {item.name!r} has "file" '
+                        f"{name!r}, not an object it wrote; every chunk record names the object holding "
+                        'its bytes in "file" (flax-ckpt verify names it when it is damaged)'
+                    )
         return Written(written.chunks, dict(log.sizes), fsync_s=log.fsync_s, serialize_s=log.crc_s)
 
     def read(self, storage: Storage, leaf: StoredArray, box: Box, out: np.ndarray, where: str) -> None:
         self.inner.read(_Verifier(storage, where, {}), leaf, box, out, where)
 
-    def read_many(self, storage: Storage, requests: Sequence[tuple[StoredArray, Box, np.ndarray]],
-                  where: str) -> None:
+    def read_many(
+        self, storage: Storage, requests: Sequence[tuple[StoredArray, Box, np.ndarray]], where: str
+    ) -> None:
         sums: dict[str, tuple[int, int, list[int]]] = {}  # checksum files read once for the whole batch
         for leaf, box, out in requests:
             at = f"{where} leaf {leaf.name!r}"
@@ -77,14 +88,17 @@ class Checked:
         for j, chunk in enumerate(leaf.chunks):
             name = check_relpath(chunk.get("file"), f"chunks[{j}].file", where)
             if name not in files or name + SUFFIX not in files:
-                raise InvalidManifestError(f"{where}: chunk {j}: object {name!r} or its checksums {name + SUFFIX!r} "
-                                           "are not among the manifest's files")
+                raise InvalidManifestError(
+                    f"{where}: chunk {j}: object {name!r} or its checksums {name + SUFFIX!r} "
+                    "are not among the manifest's files"
+                )
         validate = getattr(self.inner, "validate", None)  # optional (base.Serializer's default accepts)
         if validate is not None:
             validate(leaf, files, where)
 
 
 # ------------------------------------------------------------------------------------------------ write
+
 
 class _Log:
     """What one write stored: object sizes (checksum files included) and time, shared by sub-folders."""
@@ -99,15 +113,21 @@ class _Log:
         try:
             check_relpath(name, "object", "")
         except InvalidManifestError:
-            raise ValueError(f"serializer {self.serializer!r} wrote {name!r}: not a relative path inside the "
-                             "checkpoint folder") from None
+            raise ValueError(
+                f"serializer {self.serializer!r} wrote {name!r}: not a relative path inside the "
+                "checkpoint folder"
+            ) from None
         if name.endswith(SUFFIX):
-            raise ValueError(f"serializer {self.serializer!r} wrote {name!r}: names ending in {SUFFIX} are the "
-                             "library's checksum files")
+            raise ValueError(
+                f"serializer {self.serializer!r} wrote {name!r}: names ending in {SUFFIX} are the "
+                "library's checksum files"
+            )
         if not (name == self.tag or name.startswith(tuple(self.tag + s for s in _SEPARATORS))):
-            raise ValueError(f"serializer {self.serializer!r} wrote {name!r}: object names start with the tag "
-                             f"{self.tag!r} and a separator ('/', '.', '-', '_'), so that processes never write "
-                             "the same name")
+            raise ValueError(
+                f"serializer {self.serializer!r} wrote {name!r}: object names start with the tag "
+                f"{self.tag!r} and a separator ('/', '.', '-', '_'), so that processes never write "
+                "the same name"
+            )
 
 
 def _block_crcs(views: list[memoryview]) -> list[int]:
@@ -117,7 +137,7 @@ def _block_crcs(views: list[memoryview]) -> list[int]:
         pos = 0
         while pos < len(v):
             take = min(BLOCK - fill, len(v) - pos)
-            crc = crc32c.crc32c(v[pos:pos + take], crc)
+            crc = crc32c.crc32c(v[pos : pos + take], crc)
             fill, pos = fill + take, pos + take
             if fill == BLOCK:
                 crcs.append(crc)
@@ -134,7 +154,11 @@ class _Wrapped:
 
     def __init__(self, storage: Storage):
         self._s = storage
-        self.url, self.supports_rename, self.local_path = storage.url, storage.supports_rename, storage.local_path
+        self.url, self.supports_rename, self.local_path = (
+            storage.url,
+            storage.supports_rename,
+            storage.local_path,
+        )
 
     def exists(self, name: str) -> bool:
         return self._s.exists(name)
@@ -193,10 +217,14 @@ class _Recorder(_Wrapped):
         self._s.sync(name, tree=tree)
 
     def parent(self) -> "tuple[Storage, str]":
-        raise ValueError(f"serializer {self.log.serializer!r}: a serializer writes inside the checkpoint folder")
+        raise ValueError(
+            f"serializer {self.log.serializer!r}: a serializer writes inside the checkpoint folder"
+        )
 
     def write_if_absent(self, name: str, data: bytes) -> bool:
-        raise ValueError(f"serializer {self.log.serializer!r}: a serializer writes with write() (checksummed)")
+        raise ValueError(
+            f"serializer {self.log.serializer!r}: a serializer writes with write() (checksummed)"
+        )
 
     def delete(self, name: str = "") -> None:
         raise ValueError(f"serializer {self.log.serializer!r}: a serializer does not delete what it wrote")
@@ -207,10 +235,13 @@ class _Recorder(_Wrapped):
 
 # ------------------------------------------------------------------------------------------------- read
 
+
 class _Verifier(_Wrapped):
     """The Storage a user's read gets: whole blocks are read and checked before any byte is handed on."""
 
-    def __init__(self, storage: Storage, where: str, sums: dict[str, tuple[int, int, list[int]]], prefix: str = ""):
+    def __init__(
+        self, storage: Storage, where: str, sums: dict[str, tuple[int, int, list[int]]], prefix: str = ""
+    ):
         super().__init__(storage)
         self._where, self._sums, self._prefix = where, sums, prefix
 
@@ -224,15 +255,29 @@ class _Verifier(_Wrapped):
         try:
             raw = self._s.read(name + SUFFIX, MAX_SUMS_BYTES)
         except (FileNotFoundError, NotADirectoryError):
-            raise CorruptCheckpointError(f"{self._where}: {full + SUFFIX}, the checksums of {full}, "
-                                         "is missing") from None
+            raise CorruptCheckpointError(
+                f"{self._where}: {full + SUFFIX}, the checksums of {full}, is missing"
+            ) from None
         except CorruptCheckpointError as e:
             raise CorruptCheckpointError(f"{self._where}: {e}") from None
-        body = unseal(raw, name=_FORMAT, version=_VERSION, where=f"{self._where}: {full + SUFFIX}",
-                      what="checksum file", error=CorruptCheckpointError, max_bytes=MAX_SUMS_BYTES)
+        body = unseal(
+            raw,
+            name=_FORMAT,
+            version=_VERSION,
+            where=f"{self._where}: {full + SUFFIX}",
+            what="checksum file",
+            error=CorruptCheckpointError,
+            max_bytes=MAX_SUMS_BYTES,
+        )
         size, block, crcs = body.get("size"), body.get("block"), body.get("crc32c")
-        if (not all(type(v) is int for v in (size, block)) or size < 0 or block <= 0 or not isinstance(crcs, list)
-                or len(crcs) != max(1, math.ceil(size / block)) or not all(type(c) is int for c in crcs)):
+        if (
+            not all(type(v) is int for v in (size, block))
+            or size < 0
+            or block <= 0
+            or not isinstance(crcs, list)
+            or len(crcs) != max(1, math.ceil(size / block))
+            or not all(type(c) is int for c in crcs)
+        ):
             raise CorruptCheckpointError(f"{self._where}: {full + SUFFIX} is not a valid checksum file")
         self._sums[full] = found = (size, block, crcs)
         return found
@@ -243,8 +288,9 @@ class _Verifier(_Wrapped):
         out = memoryview(out).cast("B")
         end = offset + len(out)
         if offset < 0 or end > size:
-            raise CorruptCheckpointError(f"{self._where}: bytes {offset}..{end} of {self._prefix + name} asked for, "
-                                         f"which holds {size}")
+            raise CorruptCheckpointError(
+                f"{self._where}: bytes {offset}..{end} of {self._prefix + name} asked for, which holds {size}"
+            )
         if end == offset:
             return
         b0, b1 = offset // block, math.ceil(end / block)
@@ -258,20 +304,22 @@ class _Verifier(_Wrapped):
         except CorruptCheckpointError as err:
             raise CorruptCheckpointError(f"{self._where}: {err}") from None
         for k in range(b0, b1):
-            part = buf[k * block - s:min((k + 1) * block, size) - s]
+            part = buf[k * block - s : min((k + 1) * block, size) - s]
             if crc32c.crc32c(part) != crcs[k]:
                 raise CorruptCheckpointError(
                     f"{self._where}: checksum mismatch in {self._prefix + name} bytes {k * block}.."
                     f"{k * block + len(part)} (crc32c expected {crcs[k]}, found {crc32c.crc32c(part)}); "
-                    "the object is damaged")
+                    "the object is damaged"
+                )
         if not aligned:
-            out[:] = buf[offset - s:end - s]
+            out[:] = buf[offset - s : end - s]
 
     def read(self, name: str, max_bytes: int) -> bytes:
         size = self._checksums(name)[0]
         if size > max_bytes:
-            raise CorruptCheckpointError(f"{self._where}: {self._prefix + name} holds {size} bytes, more than the "
-                                         f"{max_bytes} it may")
+            raise CorruptCheckpointError(
+                f"{self._where}: {self._prefix + name} holds {size} bytes, more than the {max_bytes} it may"
+            )
         out = bytearray(size)
         self.read_into(name, 0, memoryview(out))
         return bytes(out)

@@ -48,7 +48,7 @@ def _read_pool() -> ThreadPoolExecutor:
 def _crcs(buf: memoryview) -> tuple[int, ...]:
     """The crc32c of each BLOCK; a tuple of ints (written as a JSON list), which the garbage collector
     stops following once it has seen it (a save's chunk records live until its manifest is written)."""
-    return tuple([crc32c.crc32c(buf[i:i + BLOCK]) for i in range(0, len(buf), BLOCK)]) or (0,)
+    return tuple([crc32c.crc32c(buf[i : i + BLOCK]) for i in range(0, len(buf), BLOCK)]) or (0,)
 
 
 _INDEX: dict[Box, list[list[int]]] = {}  # a box's "index" field, shared by every chunk record of that box
@@ -69,7 +69,7 @@ def _index(box: Box) -> list[list[int]]:
 
 def _blocks_ok(chunk: dict, buf: memoryview) -> bool:
     block, crcs = chunk["block"], chunk["crc32c"]
-    return all(crc32c.crc32c(buf[k * block:(k + 1) * block]) == crcs[k] for k in range(len(crcs)))
+    return all(crc32c.crc32c(buf[k * block : (k + 1) * block]) == crcs[k] for k in range(len(crcs)))
 
 
 def _split(box: Box, data: np.ndarray) -> list[tuple[Box, np.ndarray]]:
@@ -78,21 +78,28 @@ def _split(box: Box, data: np.ndarray) -> list[tuple[Box, np.ndarray]]:
         return [(box, data)]
     rows = max(1, SUBCHUNK // max(1, data.nbytes // data.shape[0]))
     (s0, _), rest = box[0], box[1:]
-    return [(((s0 + r, s0 + min(r + rows, data.shape[0])),) + rest, data[r:r + rows])
-            for r in range(0, data.shape[0], rows)]
+    return [
+        (((s0 + r, s0 + min(r + rows, data.shape[0])),) + rest, data[r : r + rows])
+        for r in range(0, data.shape[0], rows)
+    ]
 
 
 def _pieces(shard: Shard) -> list[tuple[Box, np.ndarray, tuple[int, ...] | None]]:
     """``_split`` of a shard, each piece with its BLOCK checksums where the shard's (``Shard.crc32c``,
     made as it was copied) cover exactly its blocks, else None (computed when it is written)."""
     data = np.asarray(shard.data, order="C")
-    known = shard.crc32c[1] if shard.crc32c is not None and shard.crc32c[0] == BLOCK and \
-        len(shard.crc32c[1]) == -(-data.nbytes // BLOCK) else None
+    known = (
+        shard.crc32c[1]
+        if shard.crc32c is not None
+        and shard.crc32c[0] == BLOCK
+        and len(shard.crc32c[1]) == -(-data.nbytes // BLOCK)
+        else None
+    )
     out, offset = [], 0
     for box, part in _split(shard.box, data):
         n, crcs = part.nbytes, None
         if known is not None and n and offset % BLOCK == 0 and (n % BLOCK == 0 or offset + n == data.nbytes):
-            crcs = tuple(known[offset // BLOCK: offset // BLOCK + -(-n // BLOCK)].tolist())  # as _crcs
+            crcs = tuple(known[offset // BLOCK : offset // BLOCK + -(-n // BLOCK)].tolist())  # as _crcs
         out.append((box, part, crcs))
         offset += n
     return out
@@ -105,8 +112,12 @@ class RawSerializer:
         self.max_files = max_files
 
     def write(self, storage: Storage, items: Sequence[ArrayItem], *, tag: str) -> Written:
-        pieces = [(item.leaf, box, data, crcs) for item in items for shard in item.shards
-                  for box, data, crcs in _pieces(shard)]
+        pieces = [
+            (item.leaf, box, data, crcs)
+            for item in items
+            for shard in item.shards
+            for box, data, crcs in _pieces(shard)
+        ]
         total = sum(p[2].nbytes for p in pieces)
         nfiles = max(1, min(self.max_files, len(pieces), math.ceil(total / SUBCHUNK)))
         # files of about equal bytes, each a run of the pieces in the order given: that of a snapshot's
@@ -126,8 +137,16 @@ class RawSerializer:
             offset, bufs, t0 = 0, [], time.perf_counter()
             for leaf, box, data, crcs in bins[i]:
                 mv = memoryview(data.reshape(-1).view(np.uint8)) if data.size else memoryview(b"")
-                chunks[leaf].append({"index": _index(box), "file": names[i], "offset": offset,
-                                     "nbytes": len(mv), "block": BLOCK, "crc32c": crcs or _crcs(mv)})
+                chunks[leaf].append(
+                    {
+                        "index": _index(box),
+                        "file": names[i],
+                        "offset": offset,
+                        "nbytes": len(mv),
+                        "block": BLOCK,
+                        "crc32c": crcs or _crcs(mv),
+                    }
+                )
                 bufs.append(mv)
                 offset += len(mv)
             serialize_s = time.perf_counter() - t0
@@ -138,8 +157,12 @@ class RawSerializer:
         else:
             with ThreadPoolExecutor(len(bins)) as pool:
                 times = list(pool.map(write_file, range(len(bins))))
-        return Written(chunks, {name: sum(p[2].nbytes for p in b) for name, b in zip(names, bins)},
-                       fsync_s=sum(f for _, f in times), serialize_s=sum(s for s, _ in times))
+        return Written(
+            chunks,
+            {name: sum(p[2].nbytes for p in b) for name, b in zip(names, bins)},
+            fsync_s=sum(f for _, f in times),
+            serialize_s=sum(s for s, _ in times),
+        )
 
     def view(self, storage: Storage, leaf: LeafRecord, box: Box, where: str) -> None:
         return None  # files on disk: read, never mapped
@@ -153,16 +176,24 @@ class RawSerializer:
                 name = check_relpath(name, f + ".file", where)
             ints = [ch.get(k) for k in ("offset", "nbytes", "block")]
             crcs = ch.get("crc32c")
-            if (name not in files or any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in ints)
-                    or ints[2] == 0 or ints[2] % 16 or not isinstance(crcs, list)):
+            if (
+                name not in files
+                or any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in ints)
+                or ints[2] == 0
+                or ints[2] % 16
+                or not isinstance(crcs, list)
+            ):
                 raise InvalidManifestError(f"{where}: leaf chunk {f} has invalid raw fields {ch!r}")
             offset, nbytes, block = ints
             volume = math.prod(b - a for a, b in ch["index"])
             if nbytes != volume * itemsize or offset + nbytes > files[name]:
-                raise InvalidManifestError(f"{where}: leaf chunk {f}: {nbytes} bytes at {offset} do not match "
-                                           f"its box ({volume} elements of {itemsize} bytes) or file {name}")
+                raise InvalidManifestError(
+                    f"{where}: leaf chunk {f}: {nbytes} bytes at {offset} do not match "
+                    f"its box ({volume} elements of {itemsize} bytes) or file {name}"
+                )
             if len(crcs) != max(1, math.ceil(nbytes / block)) or not all(
-                    isinstance(c, int) and not isinstance(c, bool) for c in crcs):
+                isinstance(c, int) and not isinstance(c, bool) for c in crcs
+            ):
                 raise InvalidManifestError(f"{where}: leaf chunk {f}: wrong number of checksums")
 
     def read(self, storage: Storage, leaf: LeafRecord, box: Box, out: np.ndarray, where: str) -> None:
@@ -171,13 +202,17 @@ class RawSerializer:
             for chunk, cbox, ov in parts:
                 self._read_chunk(storage, chunk, cbox, ov, box, out, where)
             return
-        futures = [_read_pool().submit(self._read_chunk, storage, chunk, cbox, ov, box, out, where)
-                   for chunk, cbox, ov in parts]
+        futures = [
+            _read_pool().submit(self._read_chunk, storage, chunk, cbox, ov, box, out, where)
+            for chunk, cbox, ov in parts
+        ]
         wait(futures)  # every read has stopped writing into out before anything is raised
         for f in futures:
             f.result()
 
-    def read_many(self, storage: Storage, requests: Sequence[tuple[LeafRecord, Box, np.ndarray]], where: str) -> None:
+    def read_many(
+        self, storage: Storage, requests: Sequence[tuple[LeafRecord, Box, np.ndarray]], where: str
+    ) -> None:
         """Fills every (leaf, box, out) of ``requests``. Boxes that are one whole chunk each (the small
         leaves of a large tree) are read in batches: per data file, chunks that lie back to back become
         one ranged read into their outputs (one open per file, one preadv per run of chunks), then every
@@ -188,10 +223,17 @@ class RawSerializer:
         for leaf, box, out in requests:
             parts = list(for_each_overlap(leaf, box))
             chunk = parts[0][0] if len(parts) == 1 else None
-            if chunk is None or parts[0][1] != box or not out.flags.c_contiguous or out.nbytes != chunk["nbytes"]:
+            if (
+                chunk is None
+                or parts[0][1] != box
+                or not out.flags.c_contiguous
+                or out.nbytes != chunk["nbytes"]
+            ):
                 rest.append((leaf, box, out))
                 continue
-            runs.setdefault(chunk["file"], []).append((chunk["offset"], chunk["nbytes"], leaf, box, out, chunk))
+            runs.setdefault(chunk["file"], []).append(
+                (chunk["offset"], chunk["nbytes"], leaf, box, out, chunk)
+            )
         for name, items in runs.items():
             items.sort(key=lambda it: it[0])
             parts: list[tuple[int, list[memoryview]]] = []
@@ -208,13 +250,16 @@ class RawSerializer:
                 rest += [(leaf, box, out) for _, _, leaf, box, out, _ in items]
                 continue
             for _, _, leaf, box, out, chunk in items:
-                if not _blocks_ok(chunk, memoryview(out.reshape(-1).view(np.uint8)) if out.size else memoryview(b"")):
+                if not _blocks_ok(
+                    chunk, memoryview(out.reshape(-1).view(np.uint8)) if out.size else memoryview(b"")
+                ):
                     rest.append((leaf, box, out))
         for leaf, box, out in rest:
             self.read(storage, leaf, box, out, f"{where} leaf {leaf.name!r}")
 
-    def _read_chunk(self, storage: Storage, chunk: dict, cbox: Box, ov: Box, box: Box, out: np.ndarray,
-                    where: str) -> None:
+    def _read_chunk(
+        self, storage: Storage, chunk: dict, cbox: Box, ov: Box, box: Box, out: np.ndarray, where: str
+    ) -> None:
         """Fills the part ``ov`` of ``out`` (which holds ``box``) from one chunk covering ``cbox``."""
         dst = out[local(ov, box)]
         shape = tuple(e - s for s, e in cbox)
@@ -230,14 +275,16 @@ class RawSerializer:
         rows = tmp.view(out.dtype).reshape((r1 - r0,) + shape[1:])
         dst[...] = rows[(slice(None),) + local(ov, cbox)[1:]]
 
-    def _read_blocks(self, storage: Storage, chunk: dict, lo: int, hi: int, out: memoryview, where: str) -> None:
+    def _read_blocks(
+        self, storage: Storage, chunk: dict, lo: int, hi: int, out: memoryview, where: str
+    ) -> None:
         """Reads chunk bytes [lo, hi) into out, verifying every block they touch."""
         block, nbytes, crcs = chunk["block"], chunk["nbytes"], chunk["crc32c"]
         if hi <= lo:
             return
         b0, b1 = lo // block, math.ceil(hi / block)
         s, e = b0 * block, min(b1 * block, nbytes)
-        aligned = (s == lo and e == hi)
+        aligned = s == lo and e == hi
         buf = out if aligned else memoryview(bytearray(e - s))
         try:
             storage.read_into(chunk["file"], chunk["offset"] + s, buf)
@@ -246,12 +293,12 @@ class RawSerializer:
         except CorruptCheckpointError as err:
             raise CorruptCheckpointError(f"{where}: {err}") from None
         for k in range(b0, b1):
-            part = buf[k * block - s: min((k + 1) * block, nbytes) - s]
+            part = buf[k * block - s : min((k + 1) * block, nbytes) - s]
             if crc32c.crc32c(part) != crcs[k]:
                 raise CorruptCheckpointError(
                     f"{where}: checksum mismatch in {chunk['file']} bytes {chunk['offset'] + k * block}.."
                     f"{chunk['offset'] + k * block + len(part)} (crc32c expected {crcs[k]}, found "
-                    f"{crc32c.crc32c(part)}); the data file is damaged")
+                    f"{crc32c.crc32c(part)}); the data file is damaged"
+                )
         if not aligned:
-            out[:] = buf[lo - s: hi - s]
-
+            out[:] = buf[lo - s : hi - s]

@@ -32,10 +32,17 @@ def _stored(dtype: np.dtype) -> np.dtype:
 
 
 def _spec(storage: TensorstoreStorage, name: str, dtype: np.dtype, shape, chunk) -> dict[str, Any]:
-    return {"driver": "zarr3", "kvstore": storage.kvstore_spec(name), "store_data_equal_to_fill_value": True,
-            "metadata": {"shape": list(shape), "data_type": _stored(dtype).name,
-                         "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(chunk)}},
-                         "codecs": CODECS}}
+    return {
+        "driver": "zarr3",
+        "kvstore": storage.kvstore_spec(name),
+        "store_data_equal_to_fill_value": True,
+        "metadata": {
+            "shape": list(shape),
+            "data_type": _stored(dtype).name,
+            "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(chunk)}},
+            "codecs": CODECS,
+        },
+    }
 
 
 def _context(storage: TensorstoreStorage) -> dict[str, Any]:
@@ -62,12 +69,20 @@ class Zarr3Serializer:
             opened.append(arr)
             chunks[item.leaf] = []
             for shard in item.shards:
-                data = shard.data.view(_stored(item.dtype)) if _stored(item.dtype) != item.dtype else shard.data
+                data = (
+                    shard.data.view(_stored(item.dtype)) if _stored(item.dtype) != item.dtype else shard.data
+                )
                 if data.size:
                     futures.append(arr[tuple(slice(s, e) for s, e in shard.box)].write(data))
                 cell = "/".join(["c"] + [str(s // c) for (s, _), c in zip(shard.box, chunk)])
-                chunks[item.leaf].append({"index": [list(b) for b in shard.box], "array": name,
-                                          "key": cell, "stored_dtype": _stored(item.dtype).name})
+                chunks[item.leaf].append(
+                    {
+                        "index": [list(b) for b in shard.box],
+                        "array": name,
+                        "key": cell,
+                        "stored_dtype": _stored(item.dtype).name,
+                    }
+                )
         for f in futures:
             f.result()
         return Written(chunks, {})
@@ -75,8 +90,9 @@ class Zarr3Serializer:
     def view(self, storage: TensorstoreStorage, leaf: LeafRecord, box: Box, where: str) -> None:
         return None  # files on disk: read, never mapped
 
-    def read_many(self, storage: TensorstoreStorage, requests: Sequence[tuple[LeafRecord, Box, np.ndarray]],
-                  where: str) -> None:
+    def read_many(
+        self, storage: TensorstoreStorage, requests: Sequence[tuple[LeafRecord, Box, np.ndarray]], where: str
+    ) -> None:
         for leaf, box, out in requests:
             self.read(storage, leaf, box, out, f"{where} leaf {leaf.name!r}")
 
@@ -88,18 +104,26 @@ class Zarr3Serializer:
                 raise InvalidManifestError(f"{where}: leaf chunk {j}: missing stored_dtype")
             expected = _stored(leaf.dtype).name  # what write() stores for the dtype
             if ch["stored_dtype"] != expected:
-                raise InvalidManifestError(f"{where}: leaf chunk {j}: stored_dtype {ch['stored_dtype']!r} is not "
-                                           f"{expected!r}, the storage of {leaf.dtype.name}")
+                raise InvalidManifestError(
+                    f"{where}: leaf chunk {j}: stored_dtype {ch['stored_dtype']!r} is not "
+                    f"{expected!r}, the storage of {leaf.dtype.name}"
+                )
 
-    def read(self, storage: TensorstoreStorage, leaf: LeafRecord, box: Box, out: np.ndarray, where: str) -> None:
+    def read(
+        self, storage: TensorstoreStorage, leaf: LeafRecord, box: Box, out: np.ndarray, where: str
+    ) -> None:
         handles: dict[str, Any] = {}
         for chunk, _, ov in for_each_overlap(leaf, box):
             name = chunk["array"]
             if name not in handles:
                 try:
-                    handles[name] = ts.open({"driver": "zarr3", "kvstore": storage.kvstore_spec(name)},
-                                            open=True, dtype=chunk["stored_dtype"], shape=leaf.shape,
-                                            **_context(storage)).result()
+                    handles[name] = ts.open(
+                        {"driver": "zarr3", "kvstore": storage.kvstore_spec(name)},
+                        open=True,
+                        dtype=chunk["stored_dtype"],
+                        shape=leaf.shape,
+                        **_context(storage),
+                    ).result()
                 except Exception as e:
                     raise _read_error(storage, f"{where}: cannot open zarr3 array {name}", e) from e
             _check_chunk_present(storage, leaf, chunk, where)
@@ -111,7 +135,9 @@ class Zarr3Serializer:
             dst[...] = data.view(out.dtype) if data.dtype != out.dtype else data
 
 
-def _check_chunk_present(storage: TensorstoreStorage, leaf: LeafRecord, chunk: dict[str, Any], where: str) -> None:
+def _check_chunk_present(
+    storage: TensorstoreStorage, leaf: LeafRecord, chunk: dict[str, Any], where: str
+) -> None:
     """tensorstore reads a missing chunk as fill value; a chunk we wrote must exist, so check."""
     box = chunk["index"]
     if any(s >= e for s, e in box):
@@ -127,8 +153,13 @@ def _read_error(storage: TensorstoreStorage, what: str, e: Exception) -> Excepti
     """On an object store, a failed request is a StorageError (the data may be fine: retry later, no
     fallback to older steps); anything else, and any checksum failure, is damage."""
     msg = str(e)
-    damaged = "DATA_LOSS" in msg or "crc32c" in msg.lower() or "checksum" in msg.lower() \
-        or "NOT_FOUND" in msg or "Error parsing" in msg
+    damaged = (
+        "DATA_LOSS" in msg
+        or "crc32c" in msg.lower()
+        or "checksum" in msg.lower()
+        or "NOT_FOUND" in msg
+        or "Error parsing" in msg
+    )
     if not storage.supports_rename and not damaged:
         return StorageError(f"{what}: {explain(e)}")
     return CorruptCheckpointError(f"{what} (damaged data?): {e}")

@@ -21,8 +21,18 @@ from flax_ckpt._src.storage.endpoints import ObjectStoreOptions, explain, option
 from flax_ckpt._src.storage.kv import KvStorage, kv_storage
 from flax_ckpt._src.storage.local import LocalStorage, fsync_dir
 
-__all__ = ["Buffer", "KvStorage", "LocalStorage", "ObjectStoreOptions", "Storage", "TensorstoreStorage", "explain",
-           "fsync_dir", "open_storage", "split_location"]
+__all__ = [
+    "Buffer",
+    "KvStorage",
+    "LocalStorage",
+    "ObjectStoreOptions",
+    "Storage",
+    "TensorstoreStorage",
+    "explain",
+    "fsync_dir",
+    "open_storage",
+    "split_location",
+]
 
 
 def open_storage(path: Any, *, options: "ObjectStoreOptions | dict[str, Any] | None" = None) -> Storage:
@@ -50,17 +60,20 @@ def open_storage(path: Any, *, options: "ObjectStoreOptions | dict[str, Any] | N
             raise StorageError(f"{path}: no bucket; write {u.scheme}://<bucket>/<prefix>")
         driver = "s3" if u.scheme == "s3" else "gcs"
         return kv_storage({"driver": driver, "bucket": u.netloc, "path": prefix}, path.rstrip("/"), opts)
-    raise StorageError(f"{path}: unsupported scheme {u.scheme!r}; use a local path, memory://, s3:// or gs://")
+    raise StorageError(
+        f"{path}: unsupported scheme {u.scheme!r}; use a local path, memory://, s3:// or gs://"
+    )
 
 
-def split_location(location: Any, *, options: "ObjectStoreOptions | dict[str, Any] | None" = None
-                   ) -> tuple[Storage, str]:
+def split_location(
+    location: Any, *, options: "ObjectStoreOptions | dict[str, Any] | None" = None
+) -> tuple[Storage, str]:
     """(parent storage, final name) of a checkpoint location: a path, URL, kvstore spec or Storage."""
     if isinstance(location, (str, os.PathLike)) and "://" not in os.fspath(location):
         s = os.path.abspath(os.fspath(location))
         return LocalStorage(os.path.dirname(s)), os.path.basename(s)
     if isinstance(location, str) and location.startswith("file://"):
-        return split_location(location[len("file://"):])
+        return split_location(location[len("file://") :])
     if isinstance(location, str):
         head, _, name = location.rstrip("/").rpartition("/")
         if head.endswith(":/") and head != "memory:/":  # s3://bucket alone

@@ -42,14 +42,18 @@ ts = lazy("tensorstore", globals(), "ts")  # imported on first use (lazy.py)
 
 _open_lock = threading.Lock()
 _contexts: dict[str, Any] = {}  # one tensorstore context per resolved set of options
-_ENV = {"max_attempts": ("FLAX_CKPT_STORAGE_MAX_ATTEMPTS", int, 10),
-        "retry_delay_s": ("FLAX_CKPT_STORAGE_RETRY_DELAY", float, 0.5),
-        "concurrency": ("FLAX_CKPT_STORAGE_CONCURRENCY", int, 64)}
+_ENV = {
+    "max_attempts": ("FLAX_CKPT_STORAGE_MAX_ATTEMPTS", int, 10),
+    "retry_delay_s": ("FLAX_CKPT_STORAGE_RETRY_DELAY", float, 0.5),
+    "concurrency": ("FLAX_CKPT_STORAGE_CONCURRENCY", int, 64),
+}
 _S3_ONLY = ("endpoint", "region", "profile", "access_key_id", "secret_access_key", "session_token")
 _ENDPOINT_VARS = ("FLAX_CKPT_S3_ENDPOINT", "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
 _GCS_ENDPOINT_VAR = "TENSORSTORE_GCS_HTTP_URL"  # read by tensorstore's gcs driver when it opens one
-_GCS_CREDENTIALS = ("Google application default credentials: GOOGLE_APPLICATION_CREDENTIALS, "
-                    "`gcloud auth application-default login`, or the machine's service account")
+_GCS_CREDENTIALS = (
+    "Google application default credentials: GOOGLE_APPLICATION_CREDENTIALS, "
+    "`gcloud auth application-default login`, or the machine's service account"
+)
 
 
 @dataclass(frozen=True)
@@ -106,10 +110,14 @@ def _first_env(*names: str) -> str | None:
 
 def _request_resources(prefix: str, o: ObjectStoreOptions) -> dict[str, Any]:
     delay = float(_env_or(o.retry_delay_s, "retry_delay_s"))
-    return {f"{prefix}_request_retries": {"max_retries": int(_env_or(o.max_attempts, "max_attempts")),
-                                          "initial_delay": f"{round(delay * 1e6)}us",
-                                          "max_delay": f"{round(32 * delay * 1e6)}us"},
-            f"{prefix}_request_concurrency": {"limit": int(_env_or(o.concurrency, "concurrency"))}}
+    return {
+        f"{prefix}_request_retries": {
+            "max_retries": int(_env_or(o.max_attempts, "max_attempts")),
+            "initial_delay": f"{round(delay * 1e6)}us",
+            "max_delay": f"{round(32 * delay * 1e6)}us",
+        },
+        f"{prefix}_request_concurrency": {"limit": int(_env_or(o.concurrency, "concurrency"))},
+    }
 
 
 _key_files: dict[tuple[str, str, str], str] = {}
@@ -130,8 +138,12 @@ def _profile_for_keys(key_id: str, secret: str, token: str | None) -> dict[str, 
                 f.write(text + "\n")
         _key_files[ident] = folder
     folder = _key_files[ident]
-    return {"type": "profile", "profile": "flax_ckpt", "credentials_file": os.path.join(folder, "credentials"),
-            "config_file": os.path.join(folder, "config")}
+    return {
+        "type": "profile",
+        "profile": "flax_ckpt",
+        "credentials_file": os.path.join(folder, "credentials"),
+        "config_file": os.path.join(folder, "config"),
+    }
 
 
 def _aws_credentials(o: ObjectStoreOptions) -> tuple[dict[str, Any], str]:
@@ -142,8 +154,9 @@ def _aws_credentials(o: ObjectStoreOptions) -> tuple[dict[str, Any], str]:
     if profile:
         return {"type": "profile", "profile": profile}, ""
     if os.environ.get("AWS_ACCESS_KEY_ID"):  # read by tensorstore when the context is first used
-        ident = "|".join(os.environ.get(v, "") for v in
-                         ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"))
+        ident = "|".join(
+            os.environ.get(v, "") for v in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
+        )
         return {"type": "environment"}, ident
     return {"type": "default"}, ""
 
@@ -175,8 +188,9 @@ def gcs_setup(spec: dict[str, Any], o: ObjectStoreOptions) -> tuple[dict[str, An
     the endpoint (None: tensorstore's default, https://storage.googleapis.com)."""
     given = [f for f in _S3_ONLY if f != "endpoint" and getattr(o, f) is not None]
     if given:
-        raise ValueError(f"ObjectStoreOptions fields {given} apply to s3:// only, not gs:// "
-                         f"(gs uses {_GCS_CREDENTIALS})")
+        raise ValueError(
+            f"ObjectStoreOptions fields {given} apply to s3:// only, not gs:// (gs uses {_GCS_CREDENTIALS})"
+        )
     endpoint = (o.endpoint or os.environ.get(_GCS_ENDPOINT_VAR) or "").rstrip("/") or None
     if endpoint and not re.match(r"https?://[^/]", endpoint):
         raise ValueError(f"gs:// endpoint {endpoint!r} must be a URL: http://host:port or https://host")
@@ -216,8 +230,10 @@ def _short(e: Exception) -> str:
     return msg if len(msg) <= 600 else msg[:600] + "..."
 
 
-_NO_CONNECTION = {"6": "the endpoint's host name did not resolve",
-                  "7": "no connection to the endpoint (refused or unreachable)"}
+_NO_CONNECTION = {
+    "6": "the endpoint's host name did not resolve",
+    "7": "no connection to the endpoint (refused or unreachable)",
+}
 
 
 def explain(e: Exception, driver: str | None = None, *, write: bool = False) -> str:
@@ -228,25 +244,42 @@ def explain(e: Exception, driver: str | None = None, *, write: bool = False) -> 
     gcs = driver == "gcs" or (driver is None and "gs://" in msg)
     gave_up = re.search(r"All \d+ retry attempts failed", msg)
     curl = re.search(r"curl_code='(\d+)'", msg)
-    if "NoSuchBucket" in msg or "specified bucket does not exist" in msg or (
-            gcs and write and "http_response_code='404'" in msg):
+    if (
+        "NoSuchBucket" in msg
+        or "specified bucket does not exist" in msg
+        or (gcs and write and "http_response_code='404'" in msg)
+    ):
         why = "the bucket does not exist (create it, or fix the URL)"
-    elif "http_response_code='401'" in msg or "UNAUTHENTICATED" in msg:  # tensorstore may say PERMISSION_DENIED
+    elif (
+        "http_response_code='401'" in msg or "UNAUTHENTICATED" in msg
+    ):  # tensorstore may say PERMISSION_DENIED
         why = "not authenticated (HTTP 401): no valid credentials were found"
-        why += f" or they were refused (gs:// uses {_GCS_CREDENTIALS}); not retried" if gcs else "; not retried"
+        why += (
+            f" or they were refused (gs:// uses {_GCS_CREDENTIALS}); not retried" if gcs else "; not retried"
+        )
     elif "PERMISSION_DENIED" in msg or "http_response_code='403'" in msg:
-        creds = (_GCS_CREDENTIALS + ") and the bucket's IAM permissions" if gcs else
-                 "ObjectStoreOptions, AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE) and the bucket's policy")
+        creds = (
+            _GCS_CREDENTIALS + ") and the bucket's IAM permissions"
+            if gcs
+            else "ObjectStoreOptions, AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE) and the bucket's policy"
+        )
         why = f"permission denied (HTTP 403): check the credentials ({creds}; not retried"
     elif gave_up and curl and curl.group(1) in _NO_CONNECTION:
-        where = (f"for gs://: ObjectStoreOptions.endpoint or {_GCS_ENDPOINT_VAR}" if gcs else
-                 f"for s3://: ObjectStoreOptions.endpoint or {', '.join(_ENDPOINT_VARS)}")
-        why = (f"{_NO_CONNECTION[curl.group(1)]} on every retry: check that the server is running and the "
-               f"endpoint ({where})")
+        where = (
+            f"for gs://: ObjectStoreOptions.endpoint or {_GCS_ENDPOINT_VAR}"
+            if gcs
+            else f"for s3://: ObjectStoreOptions.endpoint or {', '.join(_ENDPOINT_VARS)}"
+        )
+        why = (
+            f"{_NO_CONNECTION[curl.group(1)]} on every retry: check that the server is running and the "
+            f"endpoint ({where})"
+        )
     elif gave_up:
-        why = ("transient errors outlasted every retry (HTTP 5xx/429, timeouts or dropped connections: the "
-               "store is overloaded or the network unreliable; try again later, or raise "
-               "ObjectStoreOptions.max_attempts / FLAX_CKPT_STORAGE_MAX_ATTEMPTS if it recurs)")
+        why = (
+            "transient errors outlasted every retry (HTTP 5xx/429, timeouts or dropped connections: the "
+            "store is overloaded or the network unreliable; try again later, or raise "
+            "ObjectStoreOptions.max_attempts / FLAX_CKPT_STORAGE_MAX_ATTEMPTS if it recurs)"
+        )
     else:
         return _short(e)
     return f"{why}: {_short(e)}"
@@ -257,10 +290,12 @@ def explain(e: Exception, driver: str | None = None, *, write: bool = False) -> 
 _CHECK_TIMEOUT_S = 3.0  # bound on resolving the endpoint's host, and on each connect attempt
 _checked: set[str] = set()  # endpoints reachable (or not provably unreachable) in this process
 _check_lock = threading.Lock()
-_UNREACHABLE = {errno.ECONNREFUSED: "refused the connection: no server is listening there",
-                errno.ENETUNREACH: "is unreachable (no route to its network)",
-                errno.EHOSTUNREACH: "is unreachable (no route to the host)",
-                errno.EADDRNOTAVAIL: "is not an address this machine can connect to"}
+_UNREACHABLE = {
+    errno.ECONNREFUSED: "refused the connection: no server is listening there",
+    errno.ENETUNREACH: "is unreachable (no route to its network)",
+    errno.EHOSTUNREACH: "is unreachable (no route to the host)",
+    errno.EADDRNOTAVAIL: "is not an address this machine can connect to",
+}
 
 
 def check_endpoint(endpoint: str, url: str) -> None:
@@ -276,9 +311,11 @@ def check_endpoint(endpoint: str, url: str) -> None:
             _checked.add(endpoint)
             return
     gcs = url.startswith("gs://")
-    raise StorageError(f"{url}: cannot reach the {'GCS' if gcs else 'S3'} endpoint {endpoint}: {why}. Start the "
-                       f"server, or fix the endpoint (it came from {_endpoint_source(endpoint, gcs)}). "
-                       f"Nothing was sent or retried.")
+    raise StorageError(
+        f"{url}: cannot reach the {'GCS' if gcs else 'S3'} endpoint {endpoint}: {why}. Start the "
+        f"server, or fix the endpoint (it came from {_endpoint_source(endpoint, gcs)}). "
+        f"Nothing was sent or retried."
+    )
 
 
 def _endpoint_source(endpoint: str, gcs: bool = False) -> str:

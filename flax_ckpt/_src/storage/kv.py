@@ -54,8 +54,9 @@ class KvStorage:
         path = spec.get("path", "")
         spec["path"] = path if not path or path.endswith("/") else path + "/"
         self.spec, self.url = spec, url if url.endswith("://") else url.rstrip("/")
-        self.context = context if context is not None else (
-            _memory_context() if spec["driver"] == "memory" else None)
+        self.context = (
+            context if context is not None else (_memory_context() if spec["driver"] == "memory" else None)
+        )
         self.endpoint = endpoint  # gcs only: the server's base URL, when not tensorstore's default
         self._kv = None
 
@@ -72,13 +73,19 @@ class KvStorage:
                 else:
                     self._kv = ts.KvStore.open(self.spec, context=self.context).result()
             except Exception as e:
-                raise StorageError(f"{self.url}: cannot open kvstore {self.spec}: {explain(e, driver)}") from e
+                raise StorageError(
+                    f"{self.url}: cannot open kvstore {self.spec}: {explain(e, driver)}"
+                ) from e
         return self._kv
 
     def sub(self, name: str) -> "KvStorage":
         spec = dict(self.spec, path=self.spec["path"] + name)
-        return KvStorage(spec, self.url + name if self.url.endswith("/") else f"{self.url}/{name}", self.context,
-                         self.endpoint)
+        return KvStorage(
+            spec,
+            self.url + name if self.url.endswith("/") else f"{self.url}/{name}",
+            self.context,
+            self.endpoint,
+        )
 
     def parent(self) -> tuple["KvStorage", str]:
         """(the storage one level up, this one's last path component)."""
@@ -86,8 +93,9 @@ class KvStorage:
         if not name:
             raise ValueError(f"{self.url} is the root of its store; a checkpoint needs a name below it")
         up = self.url.rsplit("/", 1)[0]
-        parent = KvStorage(dict(self.spec, path=head), up + "/" if up.endswith(":/") else up, self.context,
-                           self.endpoint)
+        parent = KvStorage(
+            dict(self.spec, path=head), up + "/" if up.endswith(":/") else up, self.context, self.endpoint
+        )
         return parent, name
 
     def _err(self, op: str, name: str, e: Exception) -> StorageError:
@@ -97,7 +105,11 @@ class KvStorage:
             raise e
         why = explain(e, self.spec["driver"], write=op == "write of")
         endpoint = self.spec.get("endpoint") if self.spec["driver"] == "s3" else self.endpoint
-        at = f" (endpoint {endpoint})" if endpoint and re.search(r"All \d+ retry attempts failed", str(e)) else ""
+        at = (
+            f" (endpoint {endpoint})"
+            if endpoint and re.search(r"All \d+ retry attempts failed", str(e))
+            else ""
+        )
         return StorageError(f"{op} {self.url}/{name} failed{at}: {why}")
 
     def write(self, name: str, buffers: Sequence[Buffer]) -> float:
@@ -140,7 +152,7 @@ class KvStorage:
         for offset, buffers in parts:
             for buf in buffers:
                 out = memoryview(buf).cast("B")
-                jobs += [(offset + a, out[a:min(a + _PART, len(out))]) for a in range(0, len(out), _PART)]
+                jobs += [(offset + a, out[a : min(a + _PART, len(out))]) for a in range(0, len(out), _PART)]
                 offset += len(out)
         futures = [self.kv.read(name, byte_range=slice(at, at + len(out))) for at, out in jobs]
         try:
@@ -155,14 +167,16 @@ class KvStorage:
             r = future.result()
         except Exception as e:
             if "OUT_OF_RANGE" in str(e):
-                raise CorruptCheckpointError(f"{self.url}/{name}: truncated (needed bytes {offset}.."
-                                             f"{offset + len(out)})") from None
+                raise CorruptCheckpointError(
+                    f"{self.url}/{name}: truncated (needed bytes {offset}..{offset + len(out)})"
+                ) from None
             raise self._err("read of", name, e) from e
         if r.state != "value":
             raise CorruptCheckpointError(f"{self.url}/{name}: missing data object")
         if len(r.value) != len(out):
-            raise CorruptCheckpointError(f"{self.url}/{name}: truncated (needed {len(out)} bytes at {offset}, "
-                                         f"got {len(r.value)})")
+            raise CorruptCheckpointError(
+                f"{self.url}/{name}: truncated (needed {len(out)} bytes at {offset}, got {len(r.value)})"
+            )
         out[:] = r.value
 
     def exists(self, name: str) -> bool:

@@ -37,9 +37,13 @@ from flax_ckpt._src.storage.base import Buffer
 
 _IO_STEP = 1 << 30  # bytes per preadv call
 WRITE_STEP = 1 << 20  # bytes per writev call (see _write_all)
-_IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)  # buffers per writev/preadv
+_IOV_MAX = min(
+    os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024
+)  # buffers per writev/preadv
 _O_DIRECT = getattr(os, "O_DIRECT", 0)  # Linux; 0 elsewhere: every write through the page cache
-DIRECT_MIN = 1 << 20  # files of at least this many bytes are written with O_DIRECT where the file system allows
+DIRECT_MIN = (
+    1 << 20
+)  # files of at least this many bytes are written with O_DIRECT where the file system allows
 DIRECT_FILE_SYSTEMS = frozenset({"ext4", "xfs", "btrfs"})
 _ALIGN = 4096  # O_DIRECT: memory address, file offset and length multiples of the logical block (<= 4096)
 _STAGE = 4 << 20  # bytes of one staging buffer: one O_DIRECT write
@@ -144,7 +148,11 @@ class LocalStorage:
         views = [v for v in (memoryview(b).cast("B") for b in buffers) if len(v)]
         size = sum(len(v) for v in views)
         direct = size >= DIRECT_MIN and direct_io(folder)
-        fd = self.recycler.take(path, size, os.O_WRONLY | (_O_DIRECT if direct else 0)) if self.recycler else None
+        fd = (
+            self.recycler.take(path, size, os.O_WRONLY | (_O_DIRECT if direct else 0))
+            if self.recycler
+            else None
+        )
         reused, flags = fd is not None, os.O_WRONLY | os.O_CREAT | os.O_TRUNC
         try:
             if fd is None:
@@ -200,8 +208,9 @@ class LocalStorage:
         if root is None:
             root = self._resolved[""] = os.path.realpath(self.root)
         if real != root and not real.startswith(root + os.sep):
-            raise CorruptCheckpointError(f"{path} resolves to {real}, outside the checkpoint folder {root}; "
-                                         "refusing to read it")
+            raise CorruptCheckpointError(
+                f"{path} resolves to {real}, outside the checkpoint folder {root}; refusing to read it"
+            )
         if name:
             self._resolved[name] = real
         return real
@@ -227,17 +236,25 @@ class LocalStorage:
             before = os.fstat(fd)
             size = before.st_size
             if size > max_bytes:
-                raise CorruptCheckpointError(f"{path} holds {size} bytes, more than the {max_bytes} it may; "
-                                             "refusing to read it")
+                raise CorruptCheckpointError(
+                    f"{path} holds {size} bytes, more than the {max_bytes} it may; refusing to read it"
+                )
             data = f.read(size + 1)
             after = os.fstat(fd)
         if len(data) != size:
-            raise CorruptCheckpointError(f"{path} changed size while it was being read ({size} bytes, then "
-                                         f"{len(data)}{'+' if len(data) > size else ''}); read it again once "
-                                         "nothing writes it")
-        if (after.st_size, after.st_mtime_ns, after.st_ctime_ns) != (size, before.st_mtime_ns, before.st_ctime_ns):
-            raise CorruptCheckpointError(f"{path} changed while it was being read (rewritten); read it again once "
-                                         "nothing writes it")
+            raise CorruptCheckpointError(
+                f"{path} changed size while it was being read ({size} bytes, then "
+                f"{len(data)}{'+' if len(data) > size else ''}); read it again once "
+                "nothing writes it"
+            )
+        if (after.st_size, after.st_mtime_ns, after.st_ctime_ns) != (
+            size,
+            before.st_mtime_ns,
+            before.st_ctime_ns,
+        ):
+            raise CorruptCheckpointError(
+                f"{path} changed while it was being read (rewritten); read it again once nothing writes it"
+            )
         return data
 
     def read_into(self, name: str, offset: int, out: memoryview) -> None:
@@ -271,8 +288,13 @@ class LocalStorage:
         found = self._size(name)
         if found != expected:
             raise CorruptCheckpointError(
-                f"{self._p(name)}: " + ("missing" if found is None else f"truncated or extended: expected "
-                                        f"{expected} bytes, found {found}"))
+                f"{self._p(name)}: "
+                + (
+                    "missing"
+                    if found is None
+                    else f"truncated or extended: expected {expected} bytes, found {found}"
+                )
+            )
 
     def list(self) -> list[str]:
         try:
@@ -307,9 +329,11 @@ class LocalStorage:
             blocker = self.root
             while blocker and not os.path.exists(blocker):  # the deepest part of the path that exists
                 blocker = os.path.dirname(blocker)
-            raise StorageError(f"cannot create the folder {self.root}: {blocker} is a file, not a folder. Give "
-                               "a checkpoint directory that is a folder or does not exist yet (nothing was "
-                               "written)") from None
+            raise StorageError(
+                f"cannot create the folder {self.root}: {blocker} is a file, not a folder. Give "
+                "a checkpoint directory that is a folder or does not exist yet (nothing was "
+                "written)"
+            ) from None
         except OSError as e:
             raise StorageError(f"cannot create the folder {self.root}: {e.strerror}") from None
 
@@ -326,18 +350,24 @@ class LocalStorage:
                     if stat.S_ISLNK(st.st_mode):
                         real = os.path.realpath(path)
                         if real != root and not real.startswith(root + os.sep):
-                            raise CorruptCheckpointError(f"{path} resolves to {real}, outside the checkpoint "
-                                                         f"folder {root}; refusing to read the checkpoint")
+                            raise CorruptCheckpointError(
+                                f"{path} resolves to {real}, outside the checkpoint "
+                                f"folder {root}; refusing to read the checkpoint"
+                            )
                         st = os.stat(path)
                 except FileNotFoundError:
                     continue  # deleted meanwhile; reads will say so
                 except OSError as e:
-                    raise CorruptCheckpointError(f"{path}: {e.strerror}; refusing to read the checkpoint") from None
+                    raise CorruptCheckpointError(
+                        f"{path}: {e.strerror}; refusing to read the checkpoint"
+                    ) from None
                 if stat.S_ISREG(st.st_mode):
                     total += st.st_size
                 elif not stat.S_ISDIR(st.st_mode):
-                    raise CorruptCheckpointError(f"{path} is not a regular file (a FIFO, device or socket); "
-                                                 "refusing to read the checkpoint")
+                    raise CorruptCheckpointError(
+                        f"{path} is not a regular file (a FIFO, device or socket); "
+                        "refusing to read the checkpoint"
+                    )
         return total
 
     def kvstore_spec(self, name: str = "") -> dict[str, Any]:
@@ -347,20 +377,23 @@ class LocalStorage:
         try:
             path.encode("utf-8")
         except UnicodeEncodeError:
-            raise StorageError(f"{path!r} is not a valid UTF-8 path: tensorstore (the Orbax format, the zarr3 "
-                               "serializer) cannot open it. Rename the folder, or use format='native' with the "
-                               "raw serializer") from None
+            raise StorageError(
+                f"{path!r} is not a valid UTF-8 path: tensorstore (the Orbax format, the zarr3 "
+                "serializer) cannot open it. Rename the folder, or use format='native' with the "
+                "raw serializer"
+            ) from None
         return {"driver": "file", "path": path + "/"}
 
 
 def _pread_all(fd: int, path: str, offset: int, views: list[memoryview], total: int) -> None:
     pos, i = offset, 0
     while i < len(views):
-        batch = views[i:i + _IOV_MAX]
+        batch = views[i : i + _IOV_MAX]
         n = os.preadv(fd, batch, pos)
         if n == 0:
-            raise CorruptCheckpointError(f"{path}: truncated (needed bytes {offset}..{offset + total}, "
-                                         f"file ends at {pos})")
+            raise CorruptCheckpointError(
+                f"{path}: truncated (needed bytes {offset}..{offset + total}, file ends at {pos})"
+            )
         pos += n
         while n and i < len(views):  # drop the buffers filled, shorten a partly filled one
             if n >= len(views[i]):
@@ -377,7 +410,12 @@ def direct_io(folder: str) -> bool:
     """Whether large files in ``folder`` are written with O_DIRECT: Linux, not FLAX_CKPT_DIRECT_IO=0,
     and the folder's file system one of DIRECT_FILE_SYSTEMS (by /proc/self/mountinfo, once per device)
     that has not refused it in this process."""
-    if not _O_DIRECT or os.environ.get("FLAX_CKPT_DIRECT_IO", "auto").strip().lower() in ("0", "off", "false", "no"):
+    if not _O_DIRECT or os.environ.get("FLAX_CKPT_DIRECT_IO", "auto").strip().lower() in (
+        "0",
+        "off",
+        "false",
+        "no",
+    ):
         return False
     dev = os.stat(folder).st_dev
     known = _fs_direct.get(dev)
@@ -449,8 +487,15 @@ def _runs(views: list[memoryview]) -> list[tuple[int, memoryview]]:
         else:
             runs.append((a, [v]))
         end = a + len(v)
-    return [(a, vs[0] if len(vs) == 1 else
-             memoryview((ctypes.c_char * sum(map(len, vs))).from_address(a)).cast("B")) for a, vs in runs]
+    return [
+        (
+            a,
+            vs[0]
+            if len(vs) == 1
+            else memoryview((ctypes.c_char * sum(map(len, vs))).from_address(a)).cast("B"),
+        )
+        for a, vs in runs
+    ]
 
 
 def _write_direct(fd: int, views: list[memoryview], folder: str) -> None:
@@ -475,7 +520,7 @@ def _write_direct(fd: int, views: list[memoryview], folder: str) -> None:
                 buf = memoryview(stage)
             while i < len(v):
                 n = min(len(v) - i, _STAGE - fill)
-                buf[fill:fill + n] = v[i:i + n]
+                buf[fill : fill + n] = v[i : i + n]
                 fill, i = fill + n, i + n
                 if fill == _STAGE:
                     direct = _pwrite_all(fd, buf, pos, direct, folder)
@@ -528,8 +573,8 @@ def _write_all(fd: int, views: list[memoryview]) -> None:
     i = 0
     while i < len(views):
         iov, held = [], 0
-        for v in views[i:i + _IOV_MAX]:
-            iov.append(v[:WRITE_STEP - held])
+        for v in views[i : i + _IOV_MAX]:
+            iov.append(v[: WRITE_STEP - held])
             held += len(iov[-1])
             if held >= WRITE_STEP:
                 break

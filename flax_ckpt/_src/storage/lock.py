@@ -60,7 +60,8 @@ class DirectoryLock:
                 os.close(fd)
                 raise CheckpointLockedError(
                     f"{directory} is in use by another CheckpointManager ({holder}); close it first. "
-                    "A lock held by a process that died is released by the OS.") from None
+                    "A lock held by a process that died is released by the OS."
+                ) from None
             except BaseException:
                 os.close(fd)
                 raise
@@ -76,10 +77,13 @@ class DirectoryLock:
         if not stat.S_ISREG(st.st_mode):
             raise self._error(f"is {_kind(st.st_mode)}")
         if st.st_nlink != 1:
-            raise self._error(f"is a hard link ({st.st_nlink} names for one file, perhaps one outside the "
-                              "directory)")
+            raise self._error(
+                f"is a hard link ({st.st_nlink} names for one file, perhaps one outside the directory)"
+            )
         if st.st_uid != os.geteuid():
-            raise self._error(f"belongs to another user (uid {st.st_uid}; this process runs as uid {os.geteuid()})")
+            raise self._error(
+                f"belongs to another user (uid {st.st_uid}; this process runs as uid {os.geteuid()})"
+            )
 
     def _refused(self, e: OSError) -> Exception:
         """The error for a lock file that could not be opened (``e``), saying what is at its name."""
@@ -89,10 +93,13 @@ class DirectoryLock:
             st = None
         if st is None:
             if e.errno in (errno.ENOENT, errno.ENOTDIR):
-                return CheckpointNotFoundError(f"{os.path.dirname(self.path)} is not a folder; no lock can be "
-                                               "taken there")
-            return StorageError(f"{self.path}: the directory's lock file cannot be created ({e.strerror or e}); "
-                                "a CheckpointManager (and flax-ckpt prune) needs a directory it can write")
+                return CheckpointNotFoundError(
+                    f"{os.path.dirname(self.path)} is not a folder; no lock can be taken there"
+                )
+            return StorageError(
+                f"{self.path}: the directory's lock file cannot be created ({e.strerror or e}); "
+                "a CheckpointManager (and flax-ckpt prune) needs a directory it can write"
+            )
         if stat.S_ISLNK(st.st_mode):
             try:
                 target = os.readlink(self.path)
@@ -108,7 +115,8 @@ class DirectoryLock:
         return StorageError(
             f"{self.path} {found}: the directory's lock file must be a regular file of this user, so it was "
             f"left untouched and nothing was written there. Remove it (rm {self.path!r}; it holds no data) "
-            "and open the directory again")
+            "and open the directory again"
+        )
 
     def _still_at_path(self, fd: int) -> bool:
         try:
@@ -133,9 +141,19 @@ class DirectoryLock:
 
 def _kind(mode: int) -> str:
     """What a file that is not a regular one is, for a message."""
-    return ("a folder" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "a socket"
-            if stat.S_ISSOCK(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
-            else "a symbolic link" if stat.S_ISLNK(mode) else "not a regular file")
+    return (
+        "a folder"
+        if stat.S_ISDIR(mode)
+        else "a FIFO"
+        if stat.S_ISFIFO(mode)
+        else "a socket"
+        if stat.S_ISSOCK(mode)
+        else "a device"
+        if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+        else "a symbolic link"
+        if stat.S_ISLNK(mode)
+        else "not a regular file"
+    )
 
 
 __all__ = ["DirectoryLock", "LOCK_FILE"]

@@ -32,15 +32,26 @@ class NotOwnFile(OSError):
 
 def kind(mode: int) -> str:
     """What a file that is not a regular one is, for a message."""
-    return ("a symbolic link" if stat.S_ISLNK(mode) else "a folder" if stat.S_ISDIR(mode) else "a FIFO"
-            if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else "a device"
-            if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "not a regular file")
+    return (
+        "a symbolic link"
+        if stat.S_ISLNK(mode)
+        else "a folder"
+        if stat.S_ISDIR(mode)
+        else "a FIFO"
+        if stat.S_ISFIFO(mode)
+        else "a socket"
+        if stat.S_ISSOCK(mode)
+        else "a device"
+        if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+        else "not a regular file"
+    )
 
 
 def who(uid: int) -> str:
     """``uid`` with its account name where there is one, for a message."""
     try:
         import pwd
+
         return f"uid {uid} ({pwd.getpwuid(uid).pw_name})"
     except (ImportError, KeyError):
         return f"uid {uid}"
@@ -53,8 +64,10 @@ def file_problem(st: os.stat_result, *, private: bool = False) -> str | None:
     if not stat.S_ISREG(st.st_mode):
         return f"is {kind(st.st_mode)}, not a regular file (mode {stat.filemode(st.st_mode)})"
     if st.st_nlink != 1:
-        return (f"has {st.st_nlink} names (hard links): another name may lie outside this folder (a `cp -al` "
-                "backup, say), and writing the file would change it there too")
+        return (
+            f"has {st.st_nlink} names (hard links): another name may lie outside this folder (a `cp -al` "
+            "backup, say), and writing the file would change it there too"
+        )
     if st.st_uid != me:
         return f"is owned by {who(st.st_uid)}, not by this user ({who(me)}); mode {mode:#o}"
     if private and mode & 0o022:
@@ -62,8 +75,14 @@ def file_problem(st: os.stat_result, *, private: bool = False) -> str | None:
     return None
 
 
-def open_own(path: str, flags: int, *, dir_fd: int | None = None, private: bool = False,
-             expect: tuple[int, int] | None = None) -> tuple[int, os.stat_result]:
+def open_own(
+    path: str,
+    flags: int,
+    *,
+    dir_fd: int | None = None,
+    private: bool = False,
+    expect: tuple[int, int] | None = None,
+) -> tuple[int, os.stat_result]:
     """Opens ``path`` (relative to ``dir_fd`` where given) with ``flags`` (never O_CREAT), without
     following a symlink or blocking on a FIFO, and checks the open file (``file_problem``; ``expect``:
     the (st_dev, st_ino) it must be). Returns (fd, its fstat); the fd blocks as usual and is closed on

@@ -118,7 +118,8 @@ class Tiers:
         for name in ("persist_interval_steps", "max_to_keep", "rebase_interval"):
             v = getattr(self, name)
             if (v is not None or name != "persist_interval_steps") and (
-                    isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                isinstance(v, bool) or not isinstance(v, int) or v < 1
+            ):
                 raise ValueError(f"Tiers.{name} must be a positive int, got {v!r}")
 
 

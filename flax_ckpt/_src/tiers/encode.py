@@ -27,7 +27,16 @@ import numpy as np
 
 from flax_ckpt._src.checks import canonical
 from flax_ckpt._src.tiers import files as tier_files
-from flax_ckpt._src.tiers.store import CHUNK, Copy, Encoded, HostShard, TierSnapshot, bytes_of, encode_index, shard_key
+from flax_ckpt._src.tiers.store import (
+    CHUNK,
+    Copy,
+    Encoded,
+    HostShard,
+    TierSnapshot,
+    bytes_of,
+    encode_index,
+    shard_key,
+)
 
 
 def _u8(buf: Any) -> np.ndarray:
@@ -134,7 +143,7 @@ def changed_share(ts: TierSnapshot, base: Copy, budget: DeltaBudget | None = Non
             c, lo = divmod(pos, CHUNK)  # _PROBE_BYTES at the sample's place in its chunk
             lo = max(0, min(lo, min(CHUNK, n - c * CHUNK) - _PROBE_BYTES))
             e = b["chunks"][c]
-            raw = memoryview(mine[c * CHUNK + lo:c * CHUNK + lo + _PROBE_BYTES])
+            raw = memoryview(mine[c * CHUNK + lo : c * CHUNK + lo + _PROBE_BYTES])
             r = delta_ratio(raw, base.data.view(e[2] + lo, e[2] + lo + len(raw)))
             changed += r if r == 0 or (budget is not None and budget.worth(r)) else 1
         at += n
@@ -148,8 +157,15 @@ _ALIGN = 64  # each shard's stored bytes start on this boundary: a view of them 
 _PREFIX = 4096  # changed chunks are told apart from unchanged ones by this many bytes first
 
 
-def encode(ts: TierSnapshot, ident: dict[str, Any], base: Copy | None, *, delta: bool,
-           budget: DeltaBudget | None = None, layouts: FullLayouts | None = None) -> Encoded:
+def encode(
+    ts: TierSnapshot,
+    ident: dict[str, Any],
+    base: Copy | None,
+    *,
+    delta: bool,
+    budget: DeltaBudget | None = None,
+    layouts: FullLayouts | None = None,
+) -> Encoded:
     """Encodes a snapshot; against a base, unchanged chunks become references to it, and changed ones
     deltas where ``budget`` says they pay (none without one). Shards are encoded in segments of
     _SEGMENT chunks on a thread pool (checksums, comparisons and zlib release the GIL); ``pieces``
@@ -180,8 +196,14 @@ def encode(ts: TierSnapshot, ident: dict[str, Any], base: Copy | None, *, delta:
             if b is None:  # no base shard: raw entries, nothing to compare (no task to pay for)
                 tasks.append([_Done(_encode_segment(mv, 0, len(mv), None, None, itemsize, None, crcs))])
             else:
-                tasks.append([tier_files.pool().submit(_encode_segment, mv, lo, min(lo + step, len(mv)), b, base,
-                                                       itemsize, budget, crcs) for lo in range(0, len(mv), step)])
+                tasks.append(
+                    [
+                        tier_files.pool().submit(
+                            _encode_segment, mv, lo, min(lo + step, len(mv)), b, base, itemsize, budget, crcs
+                        )
+                        for lo in range(0, len(mv), step)
+                    ]
+                )
         shards.append(shard)
     pieces: list[memoryview] = []
     pending: list[tuple[int, list, int]] = []
@@ -239,7 +261,7 @@ def _encode_full(ts: TierSnapshot, ident: dict[str, Any]) -> Encoded:
                 text.append(f'{"," if c else ""}["r",{crcs[c]},{off + k},{m}]')
                 continue
             pending.append((len(pieces), text, len(text) + 1))
-            pieces.append(mv[k:k + m])
+            pieces.append(mv[k : k + m])
             text += ['["r",' if not c else ',["r",', "", f",{off + k},{m}]"]
         text.append(f'],"leaf":{sh.leaf},"nbytes":{n},"primary":{"true" if sh.primary else "false"}}}')
         off += n
@@ -263,8 +285,10 @@ def _body_ends(ts: TierSnapshot, ident: dict[str, Any], data: int) -> tuple[str,
     fields["shards"] = None
     keys = sorted(fields)
     at = keys.index("shards")
-    head = "{" + ",".join(f"{canonical(k)}:{fields[k]}" for k in keys[:at]) + ("," if at else "") + '"shards":['
-    return head, "]" + "".join(f",{canonical(k)}:{fields[k]}" for k in keys[at + 1:]) + "}"
+    head = (
+        "{" + ",".join(f"{canonical(k)}:{fields[k]}" for k in keys[:at]) + ("," if at else "") + '"shards":['
+    )
+    return head, "]" + "".join(f",{canonical(k)}:{fields[k]}" for k in keys[at + 1 :]) + "}"
 
 
 class FullLayout:
@@ -326,8 +350,9 @@ def _encode_in_place(ts: TierSnapshot, ident: dict[str, Any], layouts: FullLayou
         lent.zero(lo, hi)
     head, tail = _body_ends(ts, ident, len(lent.map))
     flat = np.concatenate(crcs).tolist() if crcs else []
-    enc = Encoded(None, b"", [memoryview(lent.map)], len(lent.map), [], lent, None,
-                  [head, lay.text % tuple(flat), tail])
+    enc = Encoded(
+        None, b"", [memoryview(lent.map)], len(lent.map), [], lent, None, [head, lay.text % tuple(flat), tail]
+    )
     enc.complete([])
     return enc
 
@@ -364,16 +389,23 @@ def _same(a: memoryview, b: memoryview) -> bool:
     return bool(np.array_equal(x, y))
 
 
-def _encode_segment(mv: memoryview, lo: int, hi: int, b: dict[str, Any] | None, base: Copy | None,
-                    itemsize: int, budget: DeltaBudget | None,
-                    crcs: list[int] | None = None) -> list[tuple[list, memoryview | None]]:
+def _encode_segment(
+    mv: memoryview,
+    lo: int,
+    hi: int,
+    b: dict[str, Any] | None,
+    base: Copy | None,
+    itemsize: int,
+    budget: DeltaBudget | None,
+    crcs: list[int] | None = None,
+) -> list[tuple[list, memoryview | None]]:
     """Entries (offsets left to encode) and stored bytes of the chunks of ``mv[lo:hi]``. A chunk equal
     to the base's is a reference ("b", the base's crc32c: a damaged base then fails its check at
     restore); a changed one is a delta where ``budget`` says that pays (DeltaBudget), else raw.
     ``crcs``: the chunks' crc32c where the snapshot made them as it copied (else the writer does)."""
     out = []
     for k in range(lo, hi, CHUNK):
-        raw = mv[k:k + CHUNK]
+        raw = mv[k : k + CHUNK]
         crc = crcs[k // CHUNK] if crcs is not None else None
         if b is not None:
             be = b["chunks"][k // CHUNK]
@@ -386,8 +418,12 @@ def _encode_segment(mv: memoryview, lo: int, hi: int, b: dict[str, Any] | None, 
                 z = _xor_delta(raw, old, itemsize)
                 budget.charge(time.perf_counter() - t0, len(raw), len(raw) - len(z) if z is not None else 0)
                 if z is not None:
-                    out.append((["x", crc32c.crc32c(raw) if crc is None else crc, None, len(z), be[2]],
-                                memoryview(z)))
+                    out.append(
+                        (
+                            ["x", crc32c.crc32c(raw) if crc is None else crc, None, len(z), be[2]],
+                            memoryview(z),
+                        )
+                    )
                     continue
         out.append((["r", crc, None, len(raw)], raw))  # else its crc32c is computed as it is written
     return out

@@ -60,6 +60,7 @@ def pool() -> ThreadPoolExecutor:
 
 # ------------------------------------------------------------------------------------- ownership
 
+
 def _problem(path: str, st: os.stat_result, *, folder: bool, system_ok: bool = False) -> str | None:
     """Why ``st`` (an lstat of ``path``) is not this user's own folder (for a file: one this user
     created, with one name, writable by nobody else: storage/owned.py), or None."""
@@ -85,15 +86,19 @@ def _problem(path: str, st: os.stat_result, *, folder: bool, system_ok: bool = F
 
 def _refuse(path: str, what: str, problem: str, *, folder: bool) -> StorageError:
     if folder:
-        return StorageError(f"memory tiers: {what} {path} {problem}. Another local user could have "
-                            "planted checkpoints there, so nothing in it is read. Fix: remove it (as its "
-                            "owner, or root) and let flax_ckpt create it again (mode 0700), or set "
-                            "Tiers(local_dir=...) to a folder only you can write")
-    return StorageError(f"memory tiers: {what} {path} {problem}. It is neither read nor written: its bytes "
-                        "may not be this run's (another user could have planted it), and writing it could "
-                        "change a file outside the memory tiers. Fix: remove it (as its owner, or root; "
-                        "other names of it keep their bytes); the copy holding it is then saved again or "
-                        "ignored")
+        return StorageError(
+            f"memory tiers: {what} {path} {problem}. Another local user could have "
+            "planted checkpoints there, so nothing in it is read. Fix: remove it (as its "
+            "owner, or root) and let flax_ckpt create it again (mode 0700), or set "
+            "Tiers(local_dir=...) to a folder only you can write"
+        )
+    return StorageError(
+        f"memory tiers: {what} {path} {problem}. It is neither read nor written: its bytes "
+        "may not be this run's (another user could have planted it), and writing it could "
+        "change a file outside the memory tiers. Fix: remove it (as its owner, or root; "
+        "other names of it keep their bytes); the copy holding it is then saved again or "
+        "ignored"
+    )
 
 
 def check_folder(path: str, what: str, *, system_ok: bool = False) -> None:
@@ -136,6 +141,7 @@ def open_own(path: str, what: str = "file", flags: int = os.O_RDONLY) -> tuple[i
 
 
 # ------------------------------------------------------------------------------------------ maps
+
 
 def map_read(path: str, expect: tuple[int, int] | None = None) -> mmap.mmap | None:
     """A read-only shared map of ``path`` (None for an empty file), registered until it is freed.
@@ -286,8 +292,9 @@ class SpareFolder:
                 finally:
                     os.close(fd)
 
-    def write(self, path: str, pieces: Sequence[np.ndarray], checksum: Sequence[bool],
-              lent: "Lent | None" = None) -> list[int | None]:
+    def write(
+        self, path: str, pieces: Sequence[np.ndarray], checksum: Sequence[bool], lent: "Lent | None" = None
+    ) -> list[int | None]:
         """Creates ``path`` holding ``pieces`` (uint8 arrays) back to back; returns the crc32c of each
         piece whose ``checksum`` is set, computed on the bytes as stored, right after copying them
         (still in cache). Into the spare whose size is closest above theirs (else the largest),
@@ -342,9 +349,10 @@ class SpareFolder:
         def copy(a: int, b: int) -> None:
             for j in todo[a:b]:
                 if j not in placed:
-                    out[offs[j]:offs[j + 1]] = pieces[j]
+                    out[offs[j] : offs[j + 1]] = pieces[j]
                 if checksum[j]:
-                    crcs[j] = crc32c.crc32c(out[offs[j]:offs[j + 1]])
+                    crcs[j] = crc32c.crc32c(out[offs[j] : offs[j + 1]])
+
         try:
             if todo:  # none when a snapshot copied and checksummed every piece in place: no threads woken
                 _parts([pieces[j] for j in todo], copy)
@@ -377,7 +385,7 @@ class SpareFolder:
             free = [(n, path) for n, path, busy in files if not busy]
             if not free:
                 lent = self._lent.path if self._lent is not None else None
-                for _, path, _ in [f for f in files if f[1] != lent][:len(files) - self.keep + 1]:
+                for _, path, _ in [f for f in files if f[1] != lent][: len(files) - self.keep + 1]:
                     self._remove(path)
             private_folder(self.folder, "spare folder")
             if free:
@@ -438,7 +446,7 @@ class Lent:
         if lo + n > len(self.map):
             return None
         self._next = lo + n
-        return self._bytes[lo:lo + n].view(dtype).reshape(shape)
+        return self._bytes[lo : lo + n].view(dtype).reshape(shape)
 
     def zero(self, lo: int, hi: int) -> None:
         """Writes zeros to bytes ``lo:hi`` of the map (padding between a copy's shards)."""
@@ -466,8 +474,9 @@ class Lent:
         for j, p in enumerate(pieces):
             at = self.offset(p)
             if at is not None and at != off:
-                raise RuntimeError(f"{self.path}: a snapshot's bytes lie at {at} of the map, the copy puts them "
-                                   f"at {off}")
+                raise RuntimeError(
+                    f"{self.path}: a snapshot's bytes lie at {at} of the map, the copy puts them at {off}"
+                )
             if at is not None:
                 out.add(j)
             off += len(p)
@@ -520,7 +529,7 @@ def _parts(pieces: Sequence[np.ndarray], work: Callable[[int, int], None]) -> No
 def _write_all(fd: int, path: str, pieces: Sequence[np.ndarray]) -> None:
     try:
         for k in range(0, len(pieces), 512):
-            batch = [memoryview(p) for p in pieces[k:k + 512] if len(p)]
+            batch = [memoryview(p) for p in pieces[k : k + 512] if len(p)]
             while batch:
                 n = os.writev(fd, batch)
                 while batch and n >= len(batch[0]):

@@ -52,10 +52,12 @@ def run_id(storage: Storage) -> str:
             raise ValueError(f"no run id in {raw[:100]!r}")
         return found["run"]
     except (CheckpointError, OSError, ValueError) as e:
-        raise StorageError(f"memory tiers: cannot read or make {storage.url}/{RUN_FILE}, the run's "
-                           f"identity that ties memory copies to this directory ({type(e).__name__}: {e}). "
-                           f"Fix: make the directory writable, or remove a damaged {RUN_FILE} (the copies "
-                           "in memory are then ignored once)") from None
+        raise StorageError(
+            f"memory tiers: cannot read or make {storage.url}/{RUN_FILE}, the run's "
+            f"identity that ties memory copies to this directory ({type(e).__name__}: {e}). "
+            f"Fix: make the directory writable, or remove a damaged {RUN_FILE} (the copies "
+            "in memory are then ignored once)"
+        ) from None
 
 
 class Holdings:
@@ -83,8 +85,10 @@ class Holdings:
                 if name.startswith("peer-p"):
                     tier_files.check_folder(os.path.join(self.root, name), "tier folder")
         except OSError as e:
-            raise StorageError(f"memory tiers: cannot create or read {e.filename or self.root}: {e.strerror}. "
-                               "Fix: set Tiers(local_dir=...) to a folder this user can write") from e
+            raise StorageError(
+                f"memory tiers: cannot create or read {e.filename or self.root}: {e.strerror}. "
+                "Fix: set Tiers(local_dir=...) to a folder this user can write"
+            ) from e
         self._lock()
 
     def _lock(self) -> None:
@@ -96,7 +100,8 @@ class Holdings:
                 f"memory tiers: {self.root} is in use by another live CheckpointManager of the same "
                 f"directory URL ({e}). Two managers there would write over each other's copies (two jobs "
                 "on one memory:// URL do). Fix: close the other manager, or give this run a directory of "
-                "its own (another URL) or another Tiers(local_dir=...)") from None
+                "its own (another URL) or another Tiers(local_dir=...)"
+            ) from None
         self._release = weakref.finalize(self, lock.release)  # also when a manager is dropped unclosed
 
     def release(self) -> None:
@@ -135,14 +140,19 @@ class Holdings:
     def spare(self, folder: str) -> store.SpareFolder:
         """The retired data files of tier folder ``folder``, whose pages the next copy reuses."""
         if folder not in self._spares:
-            self._spares[folder] = store.SpareFolder(os.path.join(self.root, "spare-" + os.path.basename(folder)))
+            self._spares[folder] = store.SpareFolder(
+                os.path.join(self.root, "spare-" + os.path.basename(folder))
+            )
         return self._spares[folder]
 
     def folders(self) -> dict[str, str]:
         """{"local": the local tier's folder, "<k>": the folder of process k's replicas, ...}."""
         names = os.listdir(self.root) if os.path.isdir(self.root) else []
-        peers = {n[6:]: os.path.join(self.root, n) for n in names
-                 if n.startswith("peer-p") and commit_mod.step_number(n[6:]) is not None}
+        peers = {
+            n[6:]: os.path.join(self.root, n)
+            for n in names
+            if n.startswith("peer-p") and commit_mod.step_number(n[6:]) is not None
+        }
         return {"local": self.local_dir, **peers}
 
     def inventory(self) -> dict[str, Any]:
@@ -159,7 +169,9 @@ class Holdings:
                 owner = self.i if key == "local" else int(key)
                 if b["process"] == owner and b["process_count"] == self.n and b["step"] == s:
                     entry = [b["session"], os.path.exists(os.path.join(folder, str(s), store.COMMIT))]
-                    (inv["local"] if key == "local" else inv["peer"].setdefault(str(owner), {}))[str(s)] = entry
+                    (inv["local"] if key == "local" else inv["peer"].setdefault(str(owner), {}))[str(s)] = (
+                        entry
+                    )
         return inv
 
     def tidy(self) -> None:

@@ -42,7 +42,11 @@ def _u8(buf: Any) -> np.ndarray:
 
 
 def _unshuffle(x: np.ndarray, itemsize: int) -> np.ndarray:
-    return np.ascontiguousarray(x.reshape(itemsize, -1).T).reshape(-1) if itemsize > 1 and len(x) % itemsize == 0 else x
+    return (
+        np.ascontiguousarray(x.reshape(itemsize, -1).T).reshape(-1)
+        if itemsize > 1 and len(x) % itemsize == 0
+        else x
+    )
 
 
 def _fill(copy: Copy, e: list, dst: memoryview, itemsize: int, where: str) -> None:
@@ -69,8 +73,10 @@ def _fill(copy: Copy, e: list, dst: memoryview, itemsize: int, where: str) -> No
 
 def _check_chunk(buf: memoryview, e: list, where: str) -> None:
     if crc32c.crc32c(buf) != e[1]:
-        raise CorruptCheckpointError(f"{where}: checksum mismatch in a chunk stored as {e[0]!r} (crc32c "
-                                     f"expected {e[1]}); the memory copy is damaged")
+        raise CorruptCheckpointError(
+            f"{where}: checksum mismatch in a chunk stored as {e[0]!r} (crc32c "
+            f"expected {e[1]}); the memory copy is damaged"
+        )
 
 
 def read_shard(copy: Copy, s: dict[str, Any], dst: memoryview) -> None:
@@ -78,7 +84,7 @@ def read_shard(copy: Copy, s: dict[str, Any], dst: memoryview) -> None:
     rec, size = copy.body["leaves"][s["leaf"]], copy.body["chunk"]
     where = f"{copy.where}: leaf {leaf_name(rec)!r} box {list(s['box'])}"
     itemsize = dtype_from_name(rec["dtype"]).itemsize
-    jobs = [(e, dst[k * size:(k + 1) * size]) for k, e in enumerate(s["chunks"])]
+    jobs = [(e, dst[k * size : (k + 1) * size]) for k, e in enumerate(s["chunks"])]
     if len(dst) < _PARALLEL_MIN:
         for e, d in jobs:
             _fill(copy, e, d, itemsize, where)
@@ -91,7 +97,7 @@ def read_shard(copy: Copy, s: dict[str, Any], dst: memoryview) -> None:
 
 def _verify(mv: memoryview, entries: list[list], size: int, where: str) -> None:
     for k, e in enumerate(entries):
-        _check_chunk(mv[k * size:(k + 1) * size], e, where)
+        _check_chunk(mv[k * size : (k + 1) * size], e, where)
 
 
 def view_shard(copy: Copy, s: dict[str, Any]) -> np.ndarray | None:
@@ -113,8 +119,10 @@ def view_shard(copy: Copy, s: dict[str, Any]) -> np.ndarray | None:
     if len(mv) < _PARALLEL_MIN:
         _verify(mv, entries, size, where)
     else:
-        futures = [tier_files.pool().submit(_verify, mv[k * size:], entries[k:k + step], size, where)
-                   for k in range(0, len(entries), step)]
+        futures = [
+            tier_files.pool().submit(_verify, mv[k * size :], entries[k : k + step], size, where)
+            for k in range(0, len(entries), step)
+        ]
         for f in futures:
             f.result()
     out = np.frombuffer(mv, dtype_from_name(rec["dtype"])).reshape(tuple(e - a for a, e in s["box"]))
@@ -149,20 +157,29 @@ class CopySource:
         chunks: dict[int, list[dict[str, Any]]] = {}
         for j, s in enumerate(copy.body["shards"]):
             chunks.setdefault(s["leaf"], []).append({"index": s["box"], "shard": j})
-        self.leaves = [LeafRecord.from_json(r).with_chunks(chunks.get(i, ())) if "dtype" in r else
-                       LeafRecord.from_json(r) for i, r in enumerate(copy.body["leaves"])]
+        self.leaves = [
+            LeafRecord.from_json(r).with_chunks(chunks.get(i, ()))
+            if "dtype" in r
+            else LeafRecord.from_json(r)
+            for i, r in enumerate(copy.body["leaves"])
+        ]
 
     def read(self, leaf: LeafRecord, box: Box, out: np.ndarray) -> None:
         parts = list(for_each_overlap(leaf, box))  # they must cover the box exactly: nothing left unwritten
         problem = tiling_problem([ov for _, _, ov in parts], box)
         if problem is not None and sum(math.prod(e - a for a, e in ov) for _, _, ov in parts) >= math.prod(
-                e - a for a, e in box):  # shards that overlap: never a layout a save writes
-            raise CorruptCheckpointError(f"{self.where} leaf {leaf.name!r}: the memory copy's shards do not tile box "
-                                         f"{list(box)} ({problem}); the copy is damaged or crafted")
+            e - a for a, e in box
+        ):  # shards that overlap: never a layout a save writes
+            raise CorruptCheckpointError(
+                f"{self.where} leaf {leaf.name!r}: the memory copy's shards do not tile box "
+                f"{list(box)} ({problem}); the copy is damaged or crafted"
+            )
         if problem is not None:
-            raise CheckpointError(f"{self.where} leaf {leaf.name!r}: this process's memory copy does not hold box "
-                                  f"{list(box)} (the target's layout differs from the one saved); restore from "
-                                  "persistent storage")
+            raise CheckpointError(
+                f"{self.where} leaf {leaf.name!r}: this process's memory copy does not hold box "
+                f"{list(box)} (the target's layout differs from the one saved); restore from "
+                "persistent storage"
+            )
         for chunk, cbox, ov in parts:
             s = self.copy.body["shards"][chunk["shard"]]
             dst = out[local(ov, box)]
@@ -193,13 +210,22 @@ class CopySource:
     def info(self) -> CheckpointInfo:
         """What the copy records (as fc.metadata gives a native step; no user metadata: a tiered save has none)."""
         b = self.copy.body
-        return checkpoint_info(self.url, self.leaves, step=b["step"], metrics=b.get("metrics"), metadata=None,
-                               created=b.get("created", 0.0), process_count=b["process_count"], serializer="memory",
-                               format="native")
+        return checkpoint_info(
+            self.url,
+            self.leaves,
+            step=b["step"],
+            metrics=b.get("metrics"),
+            metadata=None,
+            created=b.get("created", 0.0),
+            process_count=b["process_count"],
+            serializer="memory",
+            format="native",
+        )
 
 
-def restore_copy(copy: Copy, target_of: Callable[[CopySource], Any], *, shardings: Any,
-                 fit: Fit) -> tuple[Any, int]:
+def restore_copy(
+    copy: Copy, target_of: Callable[[CopySource], Any], *, shardings: Any, fit: Fit
+) -> tuple[Any, int]:
     """Restores the copy's tree into ``target_of(source)`` (checked per leaf); returns it and the array bytes."""
     source = CopySource(copy)
     target = target_of(source)
@@ -213,5 +239,7 @@ def to_snapshot(copy: Copy) -> Snapshot:
     for s in copy.body["shards"]:
         if s["primary"]:
             shards.setdefault(s["leaf"], []).append(Shard(tuple(map(tuple, s["box"])), shard_array(copy, s)))
-    leaves = [HostLeaf(LeafRecord.from_json(r), tuple(shards.get(i, ()))) for i, r in enumerate(copy.body["leaves"])]
+    leaves = [
+        HostLeaf(LeafRecord.from_json(r), tuple(shards.get(i, ()))) for i, r in enumerate(copy.body["leaves"])
+    ]
     return Snapshot(leaves, sum(sh.data.nbytes for lf in leaves for sh in lf.shards))

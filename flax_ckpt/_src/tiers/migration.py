@@ -58,8 +58,9 @@ class Migration:
         (step, fut), self._pending = self._pending, None
         error = fut.exception()
         if error is not None:
-            raise SaveFailedError(f"migration of step {step} to {self.url} failed: "
-                                  f"{type(error).__name__}: {error}") from error
+            raise SaveFailedError(
+                f"migration of step {step} to {self.url} failed: {type(error).__name__}: {error}"
+            ) from error
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=True)

@@ -24,8 +24,10 @@ class Plan:
     sources: tuple[tuple[str, int | None], ...]
 
     def describe(self) -> str:
-        return ", ".join(f"process {i} from {TIER_NAMES[t]}" + (f" (held by process {h})" if t == "peer" else "")
-                         for i, (t, h) in enumerate(self.sources))
+        return ", ".join(
+            f"process {i} from {TIER_NAMES[t]}" + (f" (held by process {h})" if t == "peer" else "")
+            for i, (t, h) in enumerate(self.sources)
+        )
 
 
 def choose(invs: list[dict[str, Any]], persistent: set[int], want: int | None, bad: set) -> Plan | None:
@@ -33,8 +35,12 @@ def choose(invs: list[dict[str, Any]], persistent: set[int], want: int | None, b
     fastest: its local copy, else its replica's holder, else persistent storage. A memory copy counts
     once its step is committed in that tier: some process holds the tier's commit record for it (the
     vote that precedes every record proves every copy was complete)."""
-    peer = [(int(k), int(s), x, m, h) for h, inv in enumerate(invs) for k, steps in inv["peer"].items()
-            for s, (x, m) in steps.items()]
+    peer = [
+        (int(k), int(s), x, m, h)
+        for h, inv in enumerate(invs)
+        for k, steps in inv["peer"].items()
+        for s, (x, m) in steps.items()
+    ]
     local = {(int(s), x) for inv in invs for s, (x, m) in inv["local"].items() if m}
     marked = {(s, x) for _, s, x, m, _ in peer if m}
     holders = {(k, s, x): h for k, s, x, _, h in peer if (s, x) in marked}

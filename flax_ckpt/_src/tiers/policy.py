@@ -29,8 +29,12 @@ class CopyPolicy:
 
     def base_for(self, ts: store.TierSnapshot, base: store.Copy | None) -> store.Copy | None:
         """The base to store ``ts`` against, or None: store it full."""
-        if (not self.differential or base is None or self.full_ahead > 0
-                or self.since_base >= self.rebase_interval):
+        if (
+            not self.differential
+            or base is None
+            or self.full_ahead > 0
+            or self.since_base >= self.rebase_interval
+        ):
             return None
         return base if self._pays(ts, base) else None
 

@@ -34,8 +34,9 @@ class Recovery:
         self.group, self.holdings, self.persistent, self.directory = group, holdings, persistent, directory
         self.i, self.n = group.index, group.count
 
-    def restore(self, step: int | None, target_of: TargetOf, *, shardings: Any, fit: Fit,
-                strict: bool) -> tuple[Any, Plan, int]:
+    def restore(
+        self, step: int | None, target_of: TargetOf, *, shardings: Any, fit: Fit, strict: bool
+    ) -> tuple[Any, Plan, int]:
         """Collective: agrees on a plan, moves replicas to processes that lost their local copy, and
         restores; a copy that fails (damaged, layout not held) is excluded and the plan re-made.
         ``target_of``: the target for an opened copy (the manager's restore target, or one made from the
@@ -47,8 +48,10 @@ class Recovery:
         while True:
             plan = choose(invs, persistent, step, bad)
             if plan is None:
-                raise CheckpointNotFoundError(f"no step {'' if step is None else step} complete across the "
-                                              f"{self.n} processes in any tier of {self.directory}")
+                raise CheckpointNotFoundError(
+                    f"no step {'' if step is None else step} complete across the "
+                    f"{self.n} processes in any tier of {self.directory}"
+                )
             mine = (plan.step, plan.sources[self.i][0])
             if done is None or done[0] != mine:
                 done = None
@@ -64,8 +67,13 @@ class Recovery:
                 log.info("restored step %d of %s: %s", plan.step, self.directory, plan.describe())
                 return done[1][0], plan, done[1][1]
             for j, e in failed:
-                log.warning("step %d: process %d could not restore from %s (%s)", plan.step, j,
-                            TIER_NAMES[plan.sources[j][0]], e)
+                log.warning(
+                    "step %d: process %d could not restore from %s (%s)",
+                    plan.step,
+                    j,
+                    TIER_NAMES[plan.sources[j][0]],
+                    e,
+                )
                 bad.add((j, plan.sources[j][0], plan.step))
             if strict:
                 raise CheckpointError(f"restore of step {plan.step} failed (strict): {failed}")
@@ -79,14 +87,17 @@ class Recovery:
         parts: list[memoryview] = []
         if serve is not None:
             try:
-                parts = tier_sync.frame(store.copy_parts(os.path.join(self.holdings.peer(serve), str(plan.step))))
+                parts = tier_sync.frame(
+                    store.copy_parts(os.path.join(self.holdings.peer(serve), str(plan.step)))
+                )
             except (CheckpointError, OSError) as e:  # the receiver then fails and the plan changes
                 log.warning("cannot send process %d its replica of step %d: %s", serve, plan.step, e)
         sizes = self.group.allgather("serve", {"n": sum(len(p) for p in parts)})
         return self.group.transfer(perm, parts, [v["n"] for v in sizes])
 
-    def _execute(self, plan: Plan, target_of: TargetOf, shardings: Any,
-                 fit: Fit) -> tuple[tuple[Any, int] | None, str | None]:
+    def _execute(
+        self, plan: Plan, target_of: TargetOf, shardings: Any, fit: Fit
+    ) -> tuple[tuple[Any, int] | None, str | None]:
         """This process's part of ``plan``: ((restored, bytes read from memory), None), or (None, why not)."""
         received = self._transfers(plan)
         tier, holder = plan.sources[self.i]

@@ -32,8 +32,13 @@ class PeerRing:
         self._outbox: tuple[int, list[memoryview]] | None = None
         self._inbox: tuple[int, Any] | None = None
         if self.dst is None:
-            why = ("peer=False" if not enabled else "a single process: no other host to hold a replica"
-                   if count == 1 else "every process shares one host and local_dir")
+            why = (
+                "peer=False"
+                if not enabled
+                else "a single process: no other host to hold a replica"
+                if count == 1
+                else "every process shares one host and local_dir"
+            )
             log.info("peer-memory tier disabled (%s); tiers: local memory, persistent", why)
 
     def post(self, step: int, index: bytes, pieces: list[Any]) -> None:
@@ -48,7 +53,9 @@ class PeerRing:
         (step, parts), self._outbox = self._outbox, None
         sizes = self.group.allgather("exchange", {"step": step, "n": sum(len(p) for p in parts)})
         if any(v["step"] != step for v in sizes):
-            raise DistributedError(f"peer tier: processes sent different steps ({[v['step'] for v in sizes]})")
+            raise DistributedError(
+                f"peer tier: processes sent different steps ({[v['step'] for v in sizes]})"
+            )
         shift, count = (self.dst or 0) - self.group.index, self.group.count  # posted only with a peer
         perm = [(j, (j + shift) % count) for j in range(count)]
         self._inbox = (step, self.group.transfer(perm, parts, [v["n"] for v in sizes]))

@@ -47,6 +47,7 @@ from flax_ckpt._src.storage import LocalStorage
 from flax_ckpt._src.tiers import files as tier_files
 from flax_ckpt._src.tiers.files import SpareFolder
 from flax_ckpt._src.lazy import lazy
+
 jax = lazy("jax", globals())  # imported on first use (lazy.py)
 
 CHUNK = 1 << 20
@@ -56,6 +57,7 @@ _MAX_INDEX = 256 << 20
 
 
 # ------------------------------------------------------------------------------------------- bytes
+
 
 class Data:
     """The bytes of one data.bin: views through a read-only map (encoding, sending) and reads into a
@@ -78,7 +80,9 @@ class Data:
             m = tier_files.map_read(self.path, self._id)
             self._buf = memoryview(m if m is not None else b"")
             if len(self._buf) != self.size:
-                raise CorruptCheckpointError(f"{self.path}: {len(self._buf)} bytes, was {self.size} when opened")
+                raise CorruptCheckpointError(
+                    f"{self.path}: {len(self._buf)} bytes, was {self.size} when opened"
+                )
         return self._buf[lo:hi]
 
     def read_into(self, off: int, out: memoryview) -> None:
@@ -127,7 +131,9 @@ class Copy:
     def lookup(self) -> dict[str, dict[str, Any]]:
         """Its shards by ``shard_key`` (made once: a base is looked up at every save)."""
         if self._lookup is None:
-            self._lookup = {shard_key(self.body["leaves"][s["leaf"]], s["box"]): s for s in self.body["shards"]}
+            self._lookup = {
+                shard_key(self.body["leaves"][s["leaf"]], s["box"]): s for s in self.body["shards"]
+            }
         return self._lookup
 
     def by_leaf(self) -> dict[str, tuple[dict[str, Any], list[dict[str, Any]]]]:
@@ -149,6 +155,7 @@ class Copy:
 
 
 # -------------------------------------------------------------------------------------- snapshot
+
 
 @dataclass(frozen=True)
 class HostShard:
@@ -204,8 +211,11 @@ class TierSnapshot:
         they lie there (the layout a full copy's encoding gives them), then the others. Made once, when
         the snapshot is complete (the writer's first call): read-only."""
         if self._shards is None:
-            own = [HostShard(i, s.box, s.data, True, self.origin.get((i, s.box)))
-                   for i, p in enumerate(self.snap.leaves) for s in p.shards]
+            own = [
+                HostShard(i, s.box, s.data, True, self.origin.get((i, s.box)))
+                for i, p in enumerate(self.snap.leaves)
+                for s in p.shards
+            ]
             out, at = own + self.extra, None
             if self.lent is not None:
                 at = [self.lent.offset(sh.data) for sh in out]
@@ -230,9 +240,11 @@ class TierSnapshot:
             if sh.base is not None:
                 mv = bytes_of(sh.data)
                 for k, e in enumerate(sh.base["chunks"]):
-                    if crc32c.crc32c(mv[k * CHUNK:(k + 1) * CHUNK]) != e[1]:
-                        raise CorruptCheckpointError(f"memory-tier base step {self.base_step}: checksum "
-                                                     f"mismatch in leaf {sh.leaf} box {list(sh.box)}")
+                    if crc32c.crc32c(mv[k * CHUNK : (k + 1) * CHUNK]) != e[1]:
+                        raise CorruptCheckpointError(
+                            f"memory-tier base step {self.base_step}: checksum "
+                            f"mismatch in leaf {sh.leaf} box {list(sh.box)}"
+                        )
 
 
 def _boxes(x: jax.Array) -> set[Box]:
@@ -256,12 +268,22 @@ class Seen:
             return self.refs, self.since
         at = {n: k for k, n in enumerate(self.names)}
         ks = [at.get(n) for n in names]
-        return ([None if k is None else self.refs[k] for k in ks],
-                [0 if k is None else self.since[k] for k in ks])
+        return (
+            [None if k is None else self.refs[k] for k in ks],
+            [0 if k is None else self.since[k] for k in ks],
+        )
 
 
-def take_snapshot(state: Any, *, copy: bool, force: bool, step: int, seen: Seen,
-                  base: Copy | None, into: tier_files.Lent | None = None) -> TierSnapshot:
+def take_snapshot(
+    state: Any,
+    *,
+    copy: bool,
+    force: bool,
+    step: int,
+    seen: Seen,
+    base: Copy | None,
+    into: tier_files.Lent | None = None,
+) -> TierSnapshot:
     """Copies ``state`` to host, except jax.Array leaves unchanged since ``base`` (their shards become
     views of it). ``seen`` is updated: it tracks since when each leaf has been the same object.
     ``into``: a spare data file on loan, whose pages the shards are copied into, on the layout the
@@ -291,8 +313,11 @@ def take_snapshot(state: Any, *, copy: bool, force: bool, step: int, seen: Seen,
         fresh.append(i)
     seen.names, seen.refs, seen.since = flat.names, refs, first
     take = into.take if into is not None else None
-    part = snapshot(flat, copy=copy, into=take, checksum=CHUNK if take is not None else None, only=fresh) \
-        if fresh else Snapshot([], 0)
+    part = (
+        snapshot(flat, copy=copy, into=take, checksum=CHUNK if take is not None else None, only=fresh)
+        if fresh
+        else Snapshot([], 0)
+    )
     plans: list[Any] = [None] * len(flat.leaves)
     for i, p in zip(fresh, part.leaves):
         plans[i] = p
@@ -307,10 +332,14 @@ def take_snapshot(state: Any, *, copy: bool, force: bool, step: int, seen: Seen,
     for i in fresh:
         ts.extra += _replicas(i, flat.leaves[i], plans[i], take, copies)
     ts.lent, ts.crcs = into, part.crcs
-    if copies:  # copied as the snapshot's are, with their chunks' crc32c (a full copy is then written in place)
+    if (
+        copies
+    ):  # copied as the snapshot's are, with their chunks' crc32c (a full copy is then written in place)
         ts.crcs = dict(part.crcs)
         ts.crcs.update({id(d): c for (d, _), c in zip(copies, copy_all(copies, CHUNK)) if d.size})
-    if into is not None and into.used:  # its pages are this snapshot's while it lives (a migration reads them)
+    if (
+        into is not None and into.used
+    ):  # its pages are this snapshot's while it lives (a migration reads them)
         tier_files.pin(into.key, ts)
     ts.snap.nbytes = part.nbytes + sum(s.data.nbytes for i in reuse for s in plans[i].shards)
     ts.snap.seconds, ts.snap.choice, ts.snap.waited_s = part.seconds, part.choice, part.waited_s
@@ -318,8 +347,9 @@ def take_snapshot(state: Any, *, copy: bool, force: bool, step: int, seen: Seen,
     return ts
 
 
-def _replicas(i: int, x: Any, plan: HostLeaf, take: Any,
-              copies: list[tuple[np.ndarray, np.ndarray]]) -> list[HostShard]:
+def _replicas(
+    i: int, x: Any, plan: HostLeaf, take: Any, copies: list[tuple[np.ndarray, np.ndarray]]
+) -> list[HostShard]:
     """The boxes on this process's devices that another process writes to persistent storage: into
     ``take``'s buffers where it gives them (each (buffer, source) is added to ``copies``, for the caller
     to copy), else copied now."""
@@ -335,11 +365,14 @@ def _replicas(i: int, x: Any, plan: HostLeaf, take: Any,
             buf = take(a.shape, a.dtype) if take is not None else None
             if buf is not None:
                 copies.append((buf, a))
-            out.append(HostShard(i, box, buf if buf is not None else np.array(a, order="C", copy=True), False))
+            out.append(
+                HostShard(i, box, buf if buf is not None else np.array(a, order="C", copy=True), False)
+            )
     return out
 
 
 # ---------------------------------------------------------------------------------------- copies
+
 
 @dataclass
 class Encoded:
@@ -376,8 +409,11 @@ class Encoded:
         for j, where, at in self.pending:
             where[at] = crcs[j] if where is not self.text else str(crcs[j])
         self.pending = []
-        self.index = seal_text("".join(self.text), name=_FORMAT, version=_VERSION) if self.text is not None \
+        self.index = (
+            seal_text("".join(self.text), name=_FORMAT, version=_VERSION)
+            if self.text is not None
             else encode_index(self.body)
+        )
 
 
 def _u8(buf: Any) -> np.ndarray:
@@ -399,8 +435,15 @@ def encode_index(body: dict[str, Any]) -> bytes:
 
 
 def decode_index(raw: bytes | memoryview, where: str) -> dict[str, Any]:
-    return unseal(raw, name=_FORMAT, version=_VERSION, where=f"{where}/{INDEX}", what="memory-tier index",
-                  error=CorruptCheckpointError, max_bytes=_MAX_INDEX)
+    return unseal(
+        raw,
+        name=_FORMAT,
+        version=_VERSION,
+        where=f"{where}/{INDEX}",
+        what="memory-tier index",
+        error=CorruptCheckpointError,
+        max_bytes=_MAX_INDEX,
+    )
 
 
 def _check(copy: Copy) -> Copy:
@@ -408,18 +451,26 @@ def _check(copy: Copy) -> Copy:
     b, n, base_n = copy.body, len(copy.data), len(copy.base.data) if copy.base is not None else 0
     if len(copy.data) != b["data"] or (b["base"] is None) != (copy.base is None):
         raise CorruptCheckpointError(f"{copy.where}/{DATA}: {n} bytes, the index says {b['data']}")
-    if copy.base is not None and (copy.base.body["base"] is not None or any(
-            copy.base.body[k] != b[k] for k in ("session", "process", "process_count"))):
+    if copy.base is not None and (
+        copy.base.body["base"] is not None
+        or any(copy.base.body[k] != b[k] for k in ("session", "process", "process_count"))
+    ):
         raise CorruptCheckpointError(f"{copy.where}: base {b['base']} belongs to another run or process")
     for s in b["shards"]:
         rec = b["leaves"][s["leaf"]]
         size = math.prod(e - a for a, e in s["box"]) * dtype_from_name(rec["dtype"]).itemsize
         if size != s["nbytes"] or len(s["chunks"]) != math.ceil(size / b["chunk"]):
-            raise CorruptCheckpointError(f"{copy.where}/{INDEX}: shard {s['box']} of {leaf_name(rec)!r} is inconsistent")
+            raise CorruptCheckpointError(
+                f"{copy.where}/{INDEX}: shard {s['box']} of {leaf_name(rec)!r} is inconsistent"
+            )
         for k, e in enumerate(s["chunks"]):
             span = min(b["chunk"], size - k * b["chunk"])
-            if (e[0] not in ("r", "b", "x") or (e[0] == "r" and e[3] != span) or (e[0] != "b" and e[2] + e[3] > n)
-                    or (e[0] != "r" and (copy.base is None or e[-1] + span > base_n))):
+            if (
+                e[0] not in ("r", "b", "x")
+                or (e[0] == "r" and e[3] != span)
+                or (e[0] != "b" and e[2] + e[3] > n)
+                or (e[0] != "r" and (copy.base is None or e[-1] + span > base_n))
+            ):
                 raise CorruptCheckpointError(f"{copy.where}/{INDEX}: chunk {e} lies outside the stored bytes")
     return copy
 
@@ -442,7 +493,11 @@ def copy_from_parts(parts: Sequence[memoryview], where: str) -> Copy:
     """A copy sent by a peer: [index, data] or [index, data, base index, base data]."""
     if len(parts) not in (2, 4):
         raise CorruptCheckpointError(f"{where}: expected a copy (2 or 4 parts), received {len(parts)}")
-    base = Copy(where + " (base)", decode_index(parts[2], where), Data(buf=parts[3]), None) if len(parts) == 4 else None
+    base = (
+        Copy(where + " (base)", decode_index(parts[2], where), Data(buf=parts[3]), None)
+        if len(parts) == 4
+        else None
+    )
     return _check(Copy(where, decode_index(parts[0], where), Data(buf=parts[1]), base))
 
 
@@ -471,11 +526,15 @@ def write_copy(tier_dir: str, step: int, enc: Encoded, spares: SpareFolder | Non
         for j, _, _ in enc.pending:
             flags[j] = True
         loan, enc.lent = enc.lent, None  # a loan not taken here (the copy outgrew it) goes back below
-        lent = loan if (loan is not None and spares is not None and enc.full
-                        and enc.data_nbytes == len(loan.map)) else None
+        lent = (
+            loan
+            if (loan is not None and spares is not None and enc.full and enc.data_nbytes == len(loan.map))
+            else None
+        )
         try:
-            crcs = (spares or SpareFolder("", keep=0)).write(os.path.join(tier_dir, staging, DATA),
-                                                        [_u8(p) for p in enc.pieces], flags, lent)
+            crcs = (spares or SpareFolder("", keep=0)).write(
+                os.path.join(tier_dir, staging, DATA), [_u8(p) for p in enc.pieces], flags, lent
+            )
         finally:
             if loan is not None and spares is not None:
                 spares.give_back(loan)
@@ -501,9 +560,11 @@ def remove_copy(tier_dir: str, step: int, spares: tier_files.SpareFolder | None 
 
 def mark_committed(folder: str, record: dict[str, Any]) -> None:
     """The tier's commit record of this copy: written once every process holds the step there."""
+
     def write(path: str) -> None:
         with open(path, "wb") as f:
             f.write(json.dumps(record).encode())
+
     commit_mod.commit_file(LocalStorage(folder), COMMIT, write, replace=True)
 
 

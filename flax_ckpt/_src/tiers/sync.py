@@ -46,8 +46,9 @@ class Group:
         """Every process's ``value``, in process order; DistributedError if one does not answer."""
         return distributed.allgather(self.prefix, what, value)
 
-    def transfer(self, perm: Sequence[tuple[int, int]], mine: Sequence[memoryview] | None,
-                 sizes: Sequence[int]) -> np.ndarray | None:
+    def transfer(
+        self, perm: Sequence[tuple[int, int]], mine: Sequence[memoryview] | None, sizes: Sequence[int]
+    ) -> np.ndarray | None:
         """For each (src, dst) in ``perm``, src's buffers (``sizes[src]`` bytes) arrive at dst. Returns
         what this process received, or None. Every process calls it with the same perm and sizes."""
         total = max((sizes[s] for s, _ in perm), default=0)
@@ -60,14 +61,16 @@ class Group:
         stream = _Stream(mine or [])
         for k in range(math.ceil(total / piece)):
             x = jax.make_array_from_single_device_arrays(
-                (self.count * piece,), sharding, [jax.device_put(stream.take(piece), device)])
+                (self.count * piece,), sharding, [jax.device_put(stream.take(piece), device)]
+            )
             try:
                 y = np.asarray(fn(x).addressable_shards[0].data)
             except jax.errors.JaxRuntimeError as e:
-                raise DistributedError(f"tiers: the transfer between processes {list(perm)} failed (a process "
-                                       f"died?): {e}") from None
+                raise DistributedError(
+                    f"tiers: the transfer between processes {list(perm)} failed (a process died?): {e}"
+                ) from None
             if got is not None and k * piece < len(got):
-                got[k * piece:(k + 1) * piece] = y[:len(got) - k * piece]
+                got[k * piece : (k + 1) * piece] = y[: len(got) - k * piece]
         return got
 
 
@@ -82,7 +85,7 @@ class _Stream:
         while filled < n and self.i < len(self.buffers):
             b = self.buffers[self.i]
             m = min(n - filled, len(b) - self.pos)
-            out[filled:filled + m] = np.frombuffer(b[self.pos:self.pos + m], np.uint8)
+            out[filled : filled + m] = np.frombuffer(b[self.pos : self.pos + m], np.uint8)
             filled, self.pos = filled + m, self.pos + m
             if self.pos == len(b):
                 self.i, self.pos = self.i + 1, 0
@@ -91,8 +94,10 @@ class _Stream:
 
 def process_mesh() -> Mesh:
     """One device per process (its lowest id), in process order."""
-    devs = [min((d for d in jax.devices() if d.process_index == p), key=lambda d: d.id)
-            for p in range(jax.process_count())]
+    devs = [
+        min((d for d in jax.devices() if d.process_index == p), key=lambda d: d.id)
+        for p in range(jax.process_count())
+    ]
     return Mesh(np.array(devs), ("p",))
 
 
@@ -100,12 +105,14 @@ def process_mesh() -> Mesh:
 def _permuter(perm: tuple[tuple[int, int], ...], piece: int) -> tuple[NamedSharding, Any, Any]:
     mesh = process_mesh()
     spec = PartitionSpec("p")
-    fn = jax.jit(jax.shard_map(lambda x: jax.lax.ppermute(x, "p", perm), mesh=mesh, in_specs=spec,
-                               out_specs=spec))
+    fn = jax.jit(
+        jax.shard_map(lambda x: jax.lax.ppermute(x, "p", perm), mesh=mesh, in_specs=spec, out_specs=spec)
+    )
     return NamedSharding(mesh, spec), fn, mesh.devices[jax.process_index()]
 
 
 # ------------------------------------------------------------------------------------------ framing
+
 
 def frame(parts: Sequence[Sequence[Any]]) -> list[memoryview]:
     """Buffers to send: a header (magic, part sizes, crc32c of the header), then the parts, each part
@@ -128,6 +135,6 @@ def unframe(buf: np.ndarray | None, where: str) -> list[memoryview]:
         raise CorruptCheckpointError(f"{where}: received {len(mv)} bytes that are not a framed copy")
     parts, pos = [], end + 4
     for n in sizes:
-        parts.append(mv[pos:pos + n])
+        parts.append(mv[pos : pos + n])
         pos += n
     return parts

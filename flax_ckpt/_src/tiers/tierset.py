@@ -78,7 +78,9 @@ class TierSet:
         self.root, self.local_dir = self.holdings.root, self.holdings.local_dir
         try:
             self.holdings.make()  # and locked: one live manager per process folder
-            run = holdings_mod.run_id(persistent.storage) if self.group.index == 0 else None  # the directory's
+            run = (
+                holdings_mod.run_id(persistent.storage) if self.group.index == 0 else None
+            )  # the directory's
             refused = None
         except CheckpointError as e:  # every process still votes at start, so that none waits for this one
             run, refused = None, e
@@ -89,10 +91,15 @@ class TierSet:
         self._seen = store.Seen()  # since when each jax.Array leaf has been the same object
         self._layouts = tier_encode.FullLayouts()  # the last full copy's layout, for the next ones
         self.policy = CopyPolicy(cfg.differential, cfg.rebase_interval)
-        self.migration = Migration(self.directory, cfg.persist_interval_steps, cfg.on_busy, max(steps, default=None))
+        self.migration = Migration(
+            self.directory, cfg.persist_interval_steps, cfg.on_busy, max(steps, default=None)
+        )
         caller = Group(digest + "/caller")  # rounds of the caller's thread (admit), apart from the writer's
-        self.admission = Admission(cfg.on_busy, (lambda mine: caller.allgather("admit", mine))
-                                   if self.group.count > 1 else None, _warn_skipped)
+        self.admission = Admission(
+            cfg.on_busy,
+            (lambda mine: caller.allgather("admit", mine)) if self.group.count > 1 else None,
+            _warn_skipped,
+        )
         self.stats: list[TierStats] = []
         self.last_plan: Plan | None = None
         try:
@@ -113,8 +120,13 @@ class TierSet:
             self.group.allgather("start", {"refused": str(refused)})
             raise refused
         self.holdings.tidy()
-        mine = dict(self.holdings.inventory(), session=uuid.uuid4().hex[:12], owner=self.holdings.owner(),
-                    domain=f"{socket.gethostname()}:{os.path.realpath(self.cfg.local_dir)}", run=run)
+        mine = dict(
+            self.holdings.inventory(),
+            session=uuid.uuid4().hex[:12],
+            owner=self.holdings.owner(),
+            domain=f"{socket.gethostname()}:{os.path.realpath(self.cfg.local_dir)}",
+            run=run,
+        )
         invs = self.group.allgather("start", mine)
         for j, v in enumerate(invs):
             if "refused" in v:
@@ -132,20 +144,28 @@ class TierSet:
         for j, v in enumerate(invs):
             if v["owner"] != run and (v["local"] or v["peer"]):
                 if j == self.group.index:
-                    log.warning("memory tiers: %s holds copies of steps %s of another run of %s (its run id "
-                                "%s, the directory's %s: the directory was deleted or replaced since, or "
-                                "another job used its URL); they are ignored, never restored or migrated, "
-                                "and removed",
-                                self.root, sorted({int(s) for s in v["local"]}
-                                                  | {int(s) for p in v["peer"].values() for s in p}),
-                                self.directory, v["owner"], run)
+                    log.warning(
+                        "memory tiers: %s holds copies of steps %s of another run of %s (its run id "
+                        "%s, the directory's %s: the directory was deleted or replaced since, or "
+                        "another job used its URL); they are ignored, never restored or migrated, "
+                        "and removed",
+                        self.root,
+                        sorted(
+                            {int(s) for s in v["local"]} | {int(s) for p in v["peer"].values() for s in p}
+                        ),
+                        self.directory,
+                        v["owner"],
+                        run,
+                    )
                 v["local"], v["peer"] = {}, {}
 
     def _restorable(self, invs: list[dict[str, Any]], persistent: set[int]) -> dict[int, str]:
         """Steps of earlier runs restorable from memory; every other copy is deleted (never usable)."""
         good: dict[int, str] = {}
-        for s in sorted({int(s) for inv in invs for s in inv["local"]} | {int(s) for inv in invs
-                                                                         for p in inv["peer"].values() for s in p}):
+        for s in sorted(
+            {int(s) for inv in invs for s in inv["local"]}
+            | {int(s) for inv in invs for p in inv["peer"].values() for s in p}
+        ):
             plan = choose(invs, persistent, s, set())
             if plan is not None and plan.session is not None:
                 good[s] = plan.session
@@ -185,17 +205,22 @@ class TierSet:
         self.ring.exchange()
         base = self._base if self.cfg.differential else None
         spares = self.holdings.spare(self.local_dir)
-        lent = spares.lend(len(self._base.data)) if copy and self._base is not None else None  # may be stored full
+        lent = (
+            spares.lend(len(self._base.data)) if copy and self._base is not None else None
+        )  # may be stored full
         try:
-            ts = store.take_snapshot(state, copy=copy, force=force, step=step, seen=self._seen, base=base,
-                                     into=lent)
+            ts = store.take_snapshot(
+                state, copy=copy, force=force, step=step, seen=self._seen, base=base, into=lent
+            )
         except BaseException:
             spares.give_back(lent)
             raise
         ts.skipped = self.admission.take_skipped()
         return ts
 
-    def save(self, step: int, ts: store.TierSnapshot, metrics: dict | None, t0: float, blocked: float) -> None:
+    def save(
+        self, step: int, ts: store.TierSnapshot, metrics: dict | None, t0: float, blocked: float
+    ) -> None:
         """Background (the manager's writer): stores the received replica, then this step's local copy;
         commits both tiers; starts the migration when it is due (migration.py)."""
         self._store_replica()
@@ -205,15 +230,23 @@ class TierSet:
             log.info("step %d is already in the memory tiers; not replaced", step)
         else:
             self._save_local(step, ts, metrics, t0, blocked)
-        self.migration.offer(step, ts.force, lambda: (
-            ts.verify_views(), self.persistent.migrate(step, ts.snap, metrics, t0, blocked)))
+        self.migration.offer(
+            step,
+            ts.force,
+            lambda: (ts.verify_views(), self.persistent.migrate(step, ts.snap, metrics, t0, blocked)),
+        )
 
     def _ident(self, step: int) -> dict[str, Any]:
-        return {"step": step, "session": self.session, "process": self.group.index,
-                "process_count": self.group.count}
+        return {
+            "step": step,
+            "session": self.session,
+            "process": self.group.index,
+            "process_count": self.group.count,
+        }
 
-    def _save_local(self, step: int, ts: store.TierSnapshot, metrics: dict | None, t0: float,
-                    blocked: float) -> None:
+    def _save_local(
+        self, step: int, ts: store.TierSnapshot, metrics: dict | None, t0: float, blocked: float
+    ) -> None:
         t1 = time.perf_counter()
         enc, err, budget = None, None, self.policy.budget
         spares = self.holdings.spare(self.local_dir)
@@ -223,8 +256,14 @@ class TierSet:
             budget.refill(t1)
             base = self.policy.base_for(ts, self._base)
             zipped = budget.zipped
-            enc = tier_encode.encode(ts, dict(self._ident(step), metrics=metrics, created=time.time()), base,
-                                     delta=self.cfg.differential, budget=budget, layouts=self._layouts)
+            enc = tier_encode.encode(
+                ts,
+                dict(self._ident(step), metrics=metrics, created=time.time()),
+                base,
+                delta=self.cfg.differential,
+                budget=budget,
+                layouts=self._layouts,
+            )
             zipped = budget.zipped - zipped
             t2 = time.perf_counter()
             store.write_copy(self.local_dir, step, enc, spares)
@@ -235,13 +274,29 @@ class TierSet:
         self._commit("local", step, self.local_dir, err, enc.base if enc else None)
         now = time.perf_counter()
         reused = sum(sh.data.nbytes for sh in ts.shards() if sh.base is not None)
-        self.stats.append(TierStats(step, ts.nbytes, enc.written, reused, enc.full, blocked, t2 - t1, t3 - t2,
-                                    now - t3, now - t0, ts.skipped, zipped, ts.waited_s))
+        self.stats.append(
+            TierStats(
+                step,
+                ts.nbytes,
+                enc.written,
+                reused,
+                enc.full,
+                blocked,
+                t2 - t1,
+                t3 - t2,
+                now - t3,
+                now - t0,
+                ts.skipped,
+                zipped,
+                ts.waited_s,
+            )
+        )
         self.policy.stored(enc.full, enc.data_nbytes, ts.nbytes)
         if enc.full:  # the new base: the index just written, its data file checked (store.Data)
             folder = os.path.join(self.local_dir, str(step))
-            self._base = store.Copy(folder, None, store.Data(os.path.join(folder, store.DATA)), None,
-                                    index=enc.index, _step=step)  # its body parsed where needed
+            self._base = store.Copy(
+                folder, None, store.Data(os.path.join(folder, store.DATA)), None, index=enc.index, _step=step
+            )  # its body parsed where needed
             self._base.data.view(0, 0)  # mapped now, while it has one name: a second one given it
             #                             later (a `cp -al` backup) never stops the copies made against it
         self.ring.post(step, enc.index, enc.pieces)
@@ -259,20 +314,29 @@ class TierSet:
 
     def _commit(self, tier: str, step: int, folder: str, err: Exception | None, base: int | None) -> None:
         """Commits ``step`` in ``tier`` once every process voted that it holds its copy there."""
-        votes = self.group.allgather(f"commit-{tier}", {"step": step, "error": None if err is None else repr(err),
-                                                        "migrating": self.migration.running()})
+        votes = self.group.allgather(
+            f"commit-{tier}",
+            {
+                "step": step,
+                "error": None if err is None else repr(err),
+                "migrating": self.migration.running(),
+            },
+        )
         if tier == "local":  # every process sees the same votes: all put a due migration off, or none
             self.migration.busy_somewhere = any(v.get("migrating") for v in votes)
         if err is not None:
             raise err
-        failed = [f"process {j}: {v['error']}" for j, v in enumerate(votes) if v["error"] or v["step"] != step]
+        failed = [
+            f"process {j}: {v['error']}" for j, v in enumerate(votes) if v["error"] or v["step"] != step
+        ]
         if failed:
-            raise DistributedError(f"step {step} was not committed in the {TIER_NAMES[tier]} tier: "
-                                   + "; ".join(failed))
+            raise DistributedError(
+                f"step {step} was not committed in the {TIER_NAMES[tier]} tier: " + "; ".join(failed)
+            )
         store.mark_committed(os.path.join(folder, str(step)), {"tier": tier, **self._ident(step)})
         with self._mutex:
             self._kept[tier][step] = base
-            keep = sorted(self._kept[tier])[-self.cfg.max_to_keep:]
+            keep = sorted(self._kept[tier])[-self.cfg.max_to_keep :]
             self._kept[tier] = {s: self._kept[tier][s] for s in keep}
 
     def _prune(self, tier: str, folder: str) -> None:
@@ -296,7 +360,9 @@ class TierSet:
         folder, err, base = self.holdings.peer(src), None, None
         try:
             parts = self.ring.unframe(step, buf)
-            store.write_copy(folder, step, store.Encoded.received_from(parts[0], parts[1]), self.holdings.spare(folder))
+            store.write_copy(
+                folder, step, store.Encoded.received_from(parts[0], parts[1]), self.holdings.spare(folder)
+            )
             body = store.open_copy(os.path.join(folder, str(step))).body
             if (body["step"], body["process"], body["session"]) != (step, src, self.session):
                 raise DistributedError(f"process {src} sent a copy of another step or run")
@@ -322,9 +388,13 @@ class TierSet:
         which another process may never join), with a warning."""
         if at_exit and self.group.count > 1:
             self.let_go()
-            log.warning("CheckpointManager(%s) was not closed: at interpreter exit its memory tiers were left "
-                        "in %s, restorable by the next run (closing them is a collective); call close() after "
-                        "the training loop", self.directory, self.root)
+            log.warning(
+                "CheckpointManager(%s) was not closed: at interpreter exit its memory tiers were left "
+                "in %s, restorable by the next run (closing them is a collective); call close() after "
+                "the training loop",
+                self.directory,
+                self.root,
+            )
             return
         try:
             self._close()
@@ -352,15 +422,17 @@ class TierSet:
         log.info("migrating step %d to %s before removing the memory tiers", step, self.directory)
         try:
             copy = store.open_copy(os.path.join(self.local_dir, str(step)))
-            self.persistent.migrate(step, load.to_snapshot(copy), copy.body.get("metrics"),
-                                    time.perf_counter(), 0.0)
+            self.persistent.migrate(
+                step, load.to_snapshot(copy), copy.body.get("metrics"), time.perf_counter(), 0.0
+            )
         except Exception as e:
             raise SaveFailedError(
                 f"close: step {step}, held only in the memory tiers, could not be migrated to "
                 f"{self.directory} ({type(e).__name__}: {e}). Nothing was removed: {self.root} still holds "
                 "it, and the next CheckpointManager of this directory with the same Tiers restores it from "
                 "there. Fix the cause (free space), then open that manager and close it, or save the "
-                "restored state") from e
+                "restored state"
+            ) from e
 
     def let_go(self) -> None:
         """The end of a manager nobody closed (no collective): waits for the migration in flight (raising
@@ -376,8 +448,16 @@ class TierSet:
 
     # --------------------------------------------------------------------------------- restore
 
-    def restore(self, step: int | None, target_of: TargetOf, shardings: Any, fit: "Fit | bool",
-                item: str | None = None, *, strict: bool | None = None) -> Any:
+    def restore(
+        self,
+        step: int | None,
+        target_of: TargetOf,
+        shardings: Any,
+        fit: "Fit | bool",
+        item: str | None = None,
+        *,
+        strict: bool | None = None,
+    ) -> Any:
         """Collective (recover.py): the newest step complete across processes in some combination of
         tiers (or ``step``), each process reading from the fastest tier holding its shards. The plan
         is kept as ``last_plan``. ``fit``: how the target may differ (engine/fit.py; a bool: partial);
@@ -387,8 +467,9 @@ class TierSet:
         t0 = time.perf_counter()
         self.flush()
         strict = self.persistent.strict if strict is None else strict
-        out, plan, nbytes = self._recovery.restore(step, target_of, shardings=shardings, fit=as_fit(fit),
-                                                   strict=strict)
+        out, plan, nbytes = self._recovery.restore(
+            step, target_of, shardings=shardings, fit=as_fit(fit), strict=strict
+        )
         self.last_plan = plan
         tier = plan.sources[self.group.index][0]
         self.persistent.resumed(plan.step, tier, nbytes, time.perf_counter() - t0)
@@ -396,7 +477,10 @@ class TierSet:
 
 
 def _warn_skipped(step: int) -> None:
-    log.warning("memory tiers: step %d not saved: the previous save is still being written, and "
-                "Tiers(on_busy='skip') never holds training for it (the newest state is saved once "
-                "the writer is free); skipped steps are counted in tier_stats, not logged again. "
-                "Tiers(on_busy='wait') waits instead.", step)
+    log.warning(
+        "memory tiers: step %d not saved: the previous save is still being written, and "
+        "Tiers(on_busy='skip') never holds training for it (the newest state is saved once "
+        "the writer is free); skipped steps are counted in tier_stats, not logged again. "
+        "Tiers(on_busy='wait') waits instead.",
+        step,
+    )

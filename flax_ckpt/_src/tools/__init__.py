@@ -48,8 +48,11 @@ class _Tools(types.ModuleType):
     as the CLI does) makes Python bind the submodule on its package, over the function."""
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if isinstance(value, types.ModuleType) and value.__name__ == f"{self.__name__}.{name}" \
-                and _MODULE_OF.get(name) == name:
+        if (
+            isinstance(value, types.ModuleType)
+            and value.__name__ == f"{self.__name__}.{name}"
+            and _MODULE_OF.get(name) == name
+        ):
             value = getattr(value, name)
         super().__setattr__(name, value)
 
@@ -57,6 +60,23 @@ class _Tools(types.ModuleType):
 sys.modules[__name__].__class__ = _Tools
 
 
-__all__ = ["ConvertResult", "DiffResult", "Format", "LeafDiff", "Problem", "PruneResult", "Report", "StepEntry",
-           "check", "convert", "detect_format", "diff", "list_memory_tiers", "list_steps", "max_abs_diff",
-           "memory_tier_root", "prune", "verify"]
+__all__ = [
+    "ConvertResult",
+    "DiffResult",
+    "Format",
+    "LeafDiff",
+    "Problem",
+    "PruneResult",
+    "Report",
+    "StepEntry",
+    "check",
+    "convert",
+    "detect_format",
+    "diff",
+    "list_memory_tiers",
+    "list_steps",
+    "max_abs_diff",
+    "memory_tier_root",
+    "prune",
+    "verify",
+]

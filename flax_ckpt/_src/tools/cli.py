@@ -28,8 +28,11 @@ def _common() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument("--json", action="store_true", help="print one JSON document on stdout (for scripts)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bars on stderr")
-    p.add_argument("--progress", action="store_true",
-                   help="progress bars on stderr even when it is not a terminal (default: only on a terminal)")
+    p.add_argument(
+        "--progress",
+        action="store_true",
+        help="progress bars on stderr even when it is not a terminal (default: only on a terminal)",
+    )
     return p
 
 
@@ -40,74 +43,118 @@ def _progress(args: argparse.Namespace) -> bool:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="flax-ckpt", description="Inspect, verify, compare, convert and prune flax_ckpt checkpoints.",
+        prog="flax-ckpt",
+        description="Inspect, verify, compare, convert and prune flax_ckpt checkpoints.",
         epilog="Exit status: 0 ok; 1 damage (verify) or differences (diff) found; 2 error; 3 leaves without "
-               "checksums (verify --strict).")
+        "checksums (verify --strict).",
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     common = [_common()]
-    p = sub.add_parser("ls", parents=common, help="list the steps of a checkpoint directory",
-                       description="List step folders: step, state (committed, in-flight, ...), tier, size, "
-                                   "metrics. A step is committed iff it has a valid manifest.json (or is an "
-                                   "Orbax step); *.tmp-* folders are saves in flight or crashed.")
+    p = sub.add_parser(
+        "ls",
+        parents=common,
+        help="list the steps of a checkpoint directory",
+        description="List step folders: step, state (committed, in-flight, ...), tier, size, "
+        "metrics. A step is committed iff it has a valid manifest.json (or is an "
+        "Orbax step); *.tmp-* folders are saves in flight or crashed.",
+    )
     p.add_argument("directory", metavar="DIR")
-    p.add_argument("--local-dir", metavar="LOCAL_DIR",
-                   help="also list the memory-tier copies a tiered manager of DIR keeps on this host under "
-                        "Tiers(local_dir=LOCAL_DIR), e.g. /dev/shm/flax_ckpt-1000 (the default is /dev/shm/flax_ckpt-<uid>)")
-    p = sub.add_parser("info", parents=common, help="show the tree of one checkpoint",
-                       description="Show every leaf (key path, kind, dtype, shape, bytes, sharding), totals, "
-                                   "step, metrics and user metadata. Reads no array bytes.")
+    p.add_argument(
+        "--local-dir",
+        metavar="LOCAL_DIR",
+        help="also list the memory-tier copies a tiered manager of DIR keeps on this host under "
+        "Tiers(local_dir=LOCAL_DIR), e.g. /dev/shm/flax_ckpt-1000 (the default is /dev/shm/flax_ckpt-<uid>)",
+    )
+    p = sub.add_parser(
+        "info",
+        parents=common,
+        help="show the tree of one checkpoint",
+        description="Show every leaf (key path, kind, dtype, shape, bytes, sharding), totals, "
+        "step, metrics and user metadata. Reads no array bytes.",
+    )
     p.add_argument("path", metavar="PATH")
-    p = sub.add_parser("verify", parents=common, help="re-read every byte and check every checksum",
-                       description="Re-read every stored byte of a checkpoint, or of every step of a run "
-                                   "directory, and check its checksum; name each damaged leaf and file. "
-                                   "Leaves stored without a checksum (Orbax's layout) are reported as "
-                                   "UNVERIFIED. Exit status 1 on damage; 3 with --strict when leaves are "
-                                   "unverified.")
+    p = sub.add_parser(
+        "verify",
+        parents=common,
+        help="re-read every byte and check every checksum",
+        description="Re-read every stored byte of a checkpoint, or of every step of a run "
+        "directory, and check its checksum; name each damaged leaf and file. "
+        "Leaves stored without a checksum (Orbax's layout) are reported as "
+        "UNVERIFIED. Exit status 1 on damage; 3 with --strict when leaves are "
+        "unverified.",
+    )
     p.add_argument("path", metavar="PATH")
-    p.add_argument("--strict", action="store_true",
-                   help="exit 3 when some leaves carry no checksum, so that damage to them cannot be seen")
-    p = sub.add_parser("diff", parents=common, help="compare two checkpoints leaf by leaf",
-                       description="List leaves only in one checkpoint and leaves whose dtype, shape or values "
-                                   "differ (with the max absolute difference; PRNG keys: whether their key data "
-                                   "differ). Exit status 1 if they differ.")
+    p.add_argument(
+        "--strict",
+        action="store_true",
+        help="exit 3 when some leaves carry no checksum, so that damage to them cannot be seen",
+    )
+    p = sub.add_parser(
+        "diff",
+        parents=common,
+        help="compare two checkpoints leaf by leaf",
+        description="List leaves only in one checkpoint and leaves whose dtype, shape or values "
+        "differ (with the max absolute difference; PRNG keys: whether their key data "
+        "differ). Exit status 1 if they differ.",
+    )
     p.add_argument("a", metavar="A")
     p.add_argument("b", metavar="B")
-    p = sub.add_parser("convert", parents=common, help="convert between native, Orbax and safetensors",
-                       description="Convert SRC into DST (never overwritten): native <-> Orbax layout, or an "
-                                   "export of the params to one .safetensors file. Step, metrics and metadata "
-                                   "go along; Orbax's layout keeps a step only as a step folder's name (DST "
-                                   "named like .../3). What DST cannot hold is reported as left out.")
+    p = sub.add_parser(
+        "convert",
+        parents=common,
+        help="convert between native, Orbax and safetensors",
+        description="Convert SRC into DST (never overwritten): native <-> Orbax layout, or an "
+        "export of the params to one .safetensors file. Step, metrics and metadata "
+        "go along; Orbax's layout keeps a step only as a step folder's name (DST "
+        "named like .../3). What DST cannot hold is reported as left out.",
+    )
     p.add_argument("src", metavar="SRC")
     p.add_argument("dst", metavar="DST")
-    p.add_argument("--to", choices=["orbax", "native", "safetensors"],
-                   help="target format (default: safetensors for a *.safetensors DST, else the other layout)")
+    p.add_argument(
+        "--to",
+        choices=["orbax", "native", "safetensors"],
+        help="target format (default: safetensors for a *.safetensors DST, else the other layout)",
+    )
     p.add_argument("--serializer", choices=["raw", "zarr3"], help="serializer of a native DST (default: raw)")
-    p.add_argument("--subtree", metavar="KEY",
-                   help="safetensors: key path of the sub-tree to export (default: 'params' if present, else all)")
-    p = sub.add_parser("prune", parents=common, help="delete old steps with the manager's retention rules",
-                       description="Delete committed steps that CheckpointManager(max_to_keep=N, ...) would "
-                                   "delete: each format's steps apart, native and Orbax steps by default "
-                                   "(the steps a manager resumes from). Every deletion is checked before the "
-                                   "first; --dry-run lists the same steps. Takes the directory lock; never "
-                                   "touches in-flight folders or damaged steps. Other libraries' files (legacy "
-                                   "Flax checkpoint_<step> files, .safetensors files) are listed, never "
-                                   "deleted, unless --format names theirs.")
+    p.add_argument(
+        "--subtree",
+        metavar="KEY",
+        help="safetensors: key path of the sub-tree to export (default: 'params' if present, else all)",
+    )
+    p = sub.add_parser(
+        "prune",
+        parents=common,
+        help="delete old steps with the manager's retention rules",
+        description="Delete committed steps that CheckpointManager(max_to_keep=N, ...) would "
+        "delete: each format's steps apart, native and Orbax steps by default "
+        "(the steps a manager resumes from). Every deletion is checked before the "
+        "first; --dry-run lists the same steps. Takes the directory lock; never "
+        "touches in-flight folders or damaged steps. Other libraries' files (legacy "
+        "Flax checkpoint_<step> files, .safetensors files) are listed, never "
+        "deleted, unless --format names theirs.",
+    )
     p.add_argument("directory", metavar="DIR")
-    p.add_argument("--keep", type=_positive, required=True, metavar="N",
-                   help="keep the newest N steps (of each format)")
+    p.add_argument(
+        "--keep", type=_positive, required=True, metavar="N", help="keep the newest N steps (of each format)"
+    )
     p.add_argument("--keep-period", type=_positive, metavar="P", help="also keep every step divisible by P")
     p.add_argument("--best-metric", metavar="NAME", help="metric to rank steps by for --keep-best")
     p.add_argument("--best-mode", choices=["min", "max"], default="min")
-    p.add_argument("--keep-best", type=_positive, metavar="K",
-                   help="also keep the K best steps by --best-metric")
-    p.add_argument("--format", choices=["native", "orbax", "flax_msgpack"],
-                   help="act on this format's steps only (flax_msgpack: legacy Flax checkpoint_<step> files, "
-                        "pruned only when named here); default: native and Orbax steps, each format apart")
+    p.add_argument(
+        "--keep-best", type=_positive, metavar="K", help="also keep the K best steps by --best-metric"
+    )
+    p.add_argument(
+        "--format",
+        choices=["native", "orbax", "flax_msgpack"],
+        help="act on this format's steps only (flax_msgpack: legacy Flax checkpoint_<step> files, "
+        "pruned only when named here); default: native and Orbax steps, each format apart",
+    )
     p.add_argument("--dry-run", action="store_true", help="print what would be deleted; delete nothing")
     return parser
 
 
 # ------------------------------------------------------------------------------------------ helpers
+
 
 def _positive(text: str) -> int:
     """An argparse type: an integer >= 1 (a usage error, exit status 2, otherwise)."""
@@ -156,8 +203,9 @@ def sharding_text(s: dict[str, Any] | None) -> str:
         return "-"
     if s.get("type") == "NamedSharding":
         mesh = ",".join(f"{a}={n}" for a, n in zip(s["axis_names"], s["mesh_shape"]))
-        spec = ",".join("None" if p is None else p if isinstance(p, str) else "(" + ",".join(p) + ")"
-                        for p in s["spec"])
+        spec = ",".join(
+            "None" if p is None else p if isinstance(p, str) else "(" + ",".join(p) + ")" for p in s["spec"]
+        )
         return f"NamedSharding(mesh=({mesh}),spec=({spec}))"
     return f"{s.get('type')}({s.get('num_devices', '?')} devices)"
 
@@ -183,6 +231,7 @@ def _emit(args: argparse.Namespace, doc: dict[str, Any], text: str) -> None:
 
 # ---------------------------------------------------------------------------------------- commands
 
+
 def _ls_note(e: Any) -> str:
     """Metrics of a committed step; otherwise its folder name and, for an invalid one, why."""
     if e.committed:
@@ -196,25 +245,59 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
     entries = fi.list_steps(args.directory)
     if args.local_dir:
-        entries = sorted(entries + fi.list_memory_tiers(args.directory, args.local_dir),
-                         key=lambda e: (e.step, e.tier != "persistent", e.tier))
+        entries = sorted(
+            entries + fi.list_memory_tiers(args.directory, args.local_dir),
+            key=lambda e: (e.step, e.tier != "persistent", e.tier),
+        )
     steps = [e for e in entries if e.state not in _LEFTOVERS]
     leftovers = [e for e in entries if e.state in _LEFTOVERS]
-    rows = [[str(e.step), e.state, e.tier, e.format or "-", human_bytes(e.nbytes), _time_text(e.created),
-             _ls_note(e)] for e in steps]
-    doc = {"directory": os.fspath(args.directory), "steps": [
-        {"step": e.step, "name": e.name, "state": e.state, "committed": e.committed, "tier": e.tier,
-         "format": e.format, "nbytes": e.nbytes, "metrics": e.metrics, "created": e.created, "problem": e.problem}
-        for e in steps], "leftovers": [{"name": e.name, "step": e.step, "state": e.state, "tier": e.tier,
-                                        "nbytes": e.nbytes} for e in leftovers]}
-    text = _table(rows, ["STEP", "STATE", "TIER", "FORMAT", "SIZE", "CREATED", "METRICS / NOTE"]) if steps \
+    rows = [
+        [
+            str(e.step),
+            e.state,
+            e.tier,
+            e.format or "-",
+            human_bytes(e.nbytes),
+            _time_text(e.created),
+            _ls_note(e),
+        ]
+        for e in steps
+    ]
+    doc = {
+        "directory": os.fspath(args.directory),
+        "steps": [
+            {
+                "step": e.step,
+                "name": e.name,
+                "state": e.state,
+                "committed": e.committed,
+                "tier": e.tier,
+                "format": e.format,
+                "nbytes": e.nbytes,
+                "metrics": e.metrics,
+                "created": e.created,
+                "problem": e.problem,
+            }
+            for e in steps
+        ],
+        "leftovers": [
+            {"name": e.name, "step": e.step, "state": e.state, "tier": e.tier, "nbytes": e.nbytes}
+            for e in leftovers
+        ],
+    }
+    text = (
+        _table(rows, ["STEP", "STATE", "TIER", "FORMAT", "SIZE", "CREATED", "METRICS / NOTE"])
+        if steps
         else f"no steps in {args.directory}"
+    )
     _emit(args, doc, text + _leftovers_line(leftovers))
     return EXIT_OK
 
 
-_LEFTOVERS = {"in-flight": ("save in flight", "saves in flight"),
-              "deleting": ("deletion in progress", "deletions in progress")}
+_LEFTOVERS = {
+    "in-flight": ("save in flight", "saves in flight"),
+    "deleting": ("deletion in progress", "deletions in progress"),
+}
 
 
 def _leftovers_line(leftovers: list[Any]) -> str:
@@ -224,33 +307,65 @@ def _leftovers_line(leftovers: list[Any]) -> str:
     counts = {state: sum(e.state == state for e in leftovers) for state in _LEFTOVERS}
     kinds = ", ".join(f"{n} {_LEFTOVERS[state][n > 1]}" for state, n in counts.items() if n)
     names = ", ".join(e.name for e in leftovers[:3]) + (", ..." if len(leftovers) > 3 else "")
-    return (f"\nleftovers: {kinds} (or interrupted: the next manager to open the directory removes them), "
-            f"{human_bytes(sum(e.nbytes or 0 for e in leftovers))}: {names}")
+    return (
+        f"\nleftovers: {kinds} (or interrupted: the next manager to open the directory removes them), "
+        f"{human_bytes(sum(e.nbytes or 0 for e in leftovers))}: {names}"
+    )
 
 
 def cmd_info(args: argparse.Namespace) -> int:
     from flax_ckpt._src.tools.common import read_info
 
     info, values = read_info(args.path)
-    leaves = [{"key": k, "kind": v.kind, "dtype": None if v.dtype is None else v.dtype.name,
-               "shape": None if v.shape is None else list(v.shape), "nbytes": v.nbytes,
-               "sharding": v.sharding, **({"value": _jsonable(values[k])} if k in values else {})}
-              for k, v in info.leaves.items()]
+    leaves = [
+        {
+            "key": k,
+            "kind": v.kind,
+            "dtype": None if v.dtype is None else v.dtype.name,
+            "shape": None if v.shape is None else list(v.shape),
+            "nbytes": v.nbytes,
+            "sharding": v.sharding,
+            **({"value": _jsonable(values[k])} if k in values else {}),
+        }
+        for k, v in info.leaves.items()
+    ]
     arrays = sum(1 for v in info.leaves.values() if v.dtype is not None)
-    doc = {"path": info.path, "format": info.format, "step": info.step, "metrics": info.metrics,
-           "metadata": info.metadata, "created": info.created, "serializer": info.serializer,
-           "process_count": info.process_count, "leaves": leaves,
-           "total": {"leaves": len(leaves), "arrays": arrays, "nbytes": info.nbytes}}
-    rows = [[k, v.kind, _dtype_text(v, values.get(k)),
-             "-" if v.shape is None else str(list(v.shape)).replace(" ", ""), str(v.nbytes),
-             sharding_text(v.sharding) if k not in values else _value_text(values[k])]
-            for k, v in info.leaves.items()]
-    head = (f"{info.path}\nformat {info.format}  step {info.step}  serializer {info.serializer}  processes "
-            f"{info.process_count}  created {_time_text(info.created)}\nmetrics: {_metrics_text(info.metrics)}"
-            + ("" if info.metadata is None else f"\nmetadata: {json.dumps(info.metadata, default=str)}"))
+    doc = {
+        "path": info.path,
+        "format": info.format,
+        "step": info.step,
+        "metrics": info.metrics,
+        "metadata": info.metadata,
+        "created": info.created,
+        "serializer": info.serializer,
+        "process_count": info.process_count,
+        "leaves": leaves,
+        "total": {"leaves": len(leaves), "arrays": arrays, "nbytes": info.nbytes},
+    }
+    rows = [
+        [
+            k,
+            v.kind,
+            _dtype_text(v, values.get(k)),
+            "-" if v.shape is None else str(list(v.shape)).replace(" ", ""),
+            str(v.nbytes),
+            sharding_text(v.sharding) if k not in values else _value_text(values[k]),
+        ]
+        for k, v in info.leaves.items()
+    ]
+    head = (
+        f"{info.path}\nformat {info.format}  step {info.step}  serializer {info.serializer}  processes "
+        f"{info.process_count}  created {_time_text(info.created)}\nmetrics: {_metrics_text(info.metrics)}"
+        + ("" if info.metadata is None else f"\nmetadata: {json.dumps(info.metadata, default=str)}")
+    )
     total = f"total: {len(leaves)} leaves ({arrays} arrays), {info.nbytes} bytes ({human_bytes(info.nbytes)})"
-    _emit(args, doc, "\n".join([head, _table(rows, ["KEY PATH", "KIND", "DTYPE", "SHAPE", "BYTES",
-                                                     "SHARDING / VALUE"]), total]))
+    _emit(
+        args,
+        doc,
+        "\n".join(
+            [head, _table(rows, ["KEY PATH", "KIND", "DTYPE", "SHAPE", "BYTES", "SHARDING / VALUE"]), total]
+        ),
+    )
     return EXIT_OK
 
 
@@ -264,7 +379,7 @@ def _dtype_text(v: Any, value: Any) -> str:
 def _value_text(value: Any, width: int = 60) -> str:
     """A leaf's value as the table shows it: a number or None as Python writes it, a text quoted and cut."""
     text = json.dumps(value) if isinstance(value, str) else repr(value)
-    return text if len(text) <= width else text[:width - 3] + "..."
+    return text if len(text) <= width else text[: width - 3] + "..."
 
 
 def _jsonable(value: Any) -> Any:
@@ -277,33 +392,62 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
     r = fi.check(args.path, progress=_progress(args))
     problems = r.problems
-    doc = {"path": os.fspath(args.path), "ok": not problems,
-           "problems": [{"leaf": p.leaf, "file": p.file, "message": p.message, "step": p.step} for p in problems],
-           "verified": r.sound, "leaves": r.leaves, "unverified": len(r.unverified),
-           "unverified_leaves": r.unverified, "steps": r.steps, "skipped": r.skipped, "linked": r.linked,
-           "gone": r.gone}
+    doc = {
+        "path": os.fspath(args.path),
+        "ok": not problems,
+        "problems": [
+            {"leaf": p.leaf, "file": p.file, "message": p.message, "step": p.step} for p in problems
+        ],
+        "verified": r.sound,
+        "leaves": r.leaves,
+        "unverified": len(r.unverified),
+        "unverified_leaves": r.unverified,
+        "steps": r.steps,
+        "skipped": r.skipped,
+        "linked": r.linked,
+        "gone": r.gone,
+    }
     damaged = sorted({(p.step, p.leaf) for p in problems if p.leaf})
-    run = "" if r.steps is None else f" ({len(r.steps)} steps" + "".join(
-        f"; {what}" for what in _run_notes(r)) + ")"
+    run = (
+        ""
+        if r.steps is None
+        else f" ({len(r.steps)} steps" + "".join(f"; {what}" for what in _run_notes(r)) + ")"
+    )
     if r.steps == [] and not problems:
         text = f"no steps in {args.path}: nothing to verify" + ("" if run == " (0 steps)" else run)
     elif problems:
         bad_steps = sorted({p.step for p in problems if p.step is not None})
-        head = (f"DAMAGED {args.path}: {len(problems)} problems" + (f" in {len(damaged)} leaves" if damaged else "")
-                + (f" of steps {', '.join(map(str, bad_steps))}" if bad_steps else "") + run)
-        text = "\n".join([head] + [f"  {'' if p.step is None else f'step {p.step}  '}leaf {p.leaf or '-'}  "
-                                   f"file {p.file or '-'}: {p.message}" for p in problems])
+        head = (
+            f"DAMAGED {args.path}: {len(problems)} problems"
+            + (f" in {len(damaged)} leaves" if damaged else "")
+            + (f" of steps {', '.join(map(str, bad_steps))}" if bad_steps else "")
+            + run
+        )
+        text = "\n".join(
+            [head]
+            + [
+                f"  {'' if p.step is None else f'step {p.step}  '}leaf {p.leaf or '-'}  "
+                f"file {p.file or '-'}: {p.message}"
+                for p in problems
+            ]
+        )
     elif r.unverified:
-        text = (f"UNVERIFIED {args.path}: every leaf reads back, but {len(r.unverified)} of {r.leaves} leaves carry "
-                f"no checksum (their format stores none: Orbax's layout, legacy Flax msgpack and safetensors "
-                f"files), so damage to their bytes cannot be detected"
-                + run + ("" if args.strict else "; --strict makes this an error"))
+        text = (
+            f"UNVERIFIED {args.path}: every leaf reads back, but {len(r.unverified)} of {r.leaves} leaves carry "
+            f"no checksum (their format stores none: Orbax's layout, legacy Flax msgpack and safetensors "
+            f"files), so damage to their bytes cannot be detected"
+            + run
+            + ("" if args.strict else "; --strict makes this an error")
+        )
     else:
         text = f"OK {args.path}: every checksum matches{run}"
     if r.linked:
-        text += (f"\nNOTE {len(r.linked)} files have other hard links (another folder shares their bytes, so "
-                 f"writing there changes this checkpoint): " + ", ".join(r.linked[:5])
-                 + (", ..." if len(r.linked) > 5 else ""))
+        text += (
+            f"\nNOTE {len(r.linked)} files have other hard links (another folder shares their bytes, so "
+            f"writing there changes this checkpoint): "
+            + ", ".join(r.linked[:5])
+            + (", ..." if len(r.linked) > 5 else "")
+        )
     _emit(args, doc, text)
     if problems:
         return EXIT_FOUND
@@ -314,8 +458,10 @@ def _run_notes(r: Any) -> list[str]:
     """What a run's verification passed over: steps not committed, steps deleted while read."""
     notes = [f"skipped {', '.join(r.skipped)}: not committed"] if r.skipped else []
     if r.gone:
-        notes.append(f"{len(r.gone)} deleted while being read (a live manager's retention), not damaged: step"
-                     f"{'s' if len(r.gone) > 1 else ''} {', '.join(map(str, r.gone))}")
+        notes.append(
+            f"{len(r.gone)} deleted while being read (a live manager's retention), not damaged: step"
+            f"{'s' if len(r.gone) > 1 else ''} {', '.join(map(str, r.gone))}"
+        )
     return notes
 
 
@@ -323,13 +469,27 @@ def cmd_diff(args: argparse.Namespace) -> int:
     from flax_ckpt._src import tools as fi
 
     r = fi.diff(args.a, args.b, progress=_progress(args))
-    doc = {"a": args.a, "b": args.b, "identical": r.identical, "only_in_a": r.only_in_a, "only_in_b": r.only_in_b,
-           "differing": [{"key": d.key, "a": d.a, "b": d.b, "max_abs_diff": d.max_abs_diff}
-                         for d in r.differing], "same": r.same}
+    doc = {
+        "a": args.a,
+        "b": args.b,
+        "identical": r.identical,
+        "only_in_a": r.only_in_a,
+        "only_in_b": r.only_in_b,
+        "differing": [
+            {"key": d.key, "a": d.a, "b": d.b, "max_abs_diff": d.max_abs_diff} for d in r.differing
+        ],
+        "same": r.same,
+    }
     lines = [f"only in A: {k}" for k in r.only_in_a] + [f"only in B: {k}" for k in r.only_in_b]
     lines += [f"differs: {d.key}  {d.a} vs {d.b}" + _diff_detail(d) for d in r.differing]
-    lines.append(f"{r.same} leaves identical" + ("" if r.identical else
-                 f", {len(r.differing)} differ, {len(r.only_in_a)} only in A, {len(r.only_in_b)} only in B"))
+    lines.append(
+        f"{r.same} leaves identical"
+        + (
+            ""
+            if r.identical
+            else f", {len(r.differing)} differ, {len(r.only_in_a)} only in A, {len(r.only_in_b)} only in B"
+        )
+    )
     _emit(args, doc, "\n".join(lines))
     return EXIT_OK if r.identical else EXIT_FOUND
 
@@ -347,15 +507,27 @@ def cmd_convert(args: argparse.Namespace) -> int:
     from flax_ckpt._src import tools as fi
 
     to: fi.Format | None = args.to or ("safetensors" if str(args.dst).endswith(".safetensors") else None)
-    r = fi.convert(args.src, args.dst, to=to, serializer=args.serializer, subtree=args.subtree,
-                   progress=_progress(args))
-    doc = {"src": args.src, "dst": r.dst, "to": r.to, "leaves": r.leaves, "nbytes": r.nbytes, "skipped": r.skipped,
-           "outside": r.outside, "fields_left_out": r.fields_left_out, "left_out": r.left_out}
+    r = fi.convert(
+        args.src, args.dst, to=to, serializer=args.serializer, subtree=args.subtree, progress=_progress(args)
+    )
+    doc = {
+        "src": args.src,
+        "dst": r.dst,
+        "to": r.to,
+        "leaves": r.leaves,
+        "nbytes": r.nbytes,
+        "skipped": r.skipped,
+        "outside": r.outside,
+        "fields_left_out": r.fields_left_out,
+        "left_out": r.left_out,
+    }
     left = [f"{len(r.outside)} outside --subtree {r.subtree!r}"] if r.outside else []
     left += [f"{len(r.skipped)} that are not plain arrays ({', '.join(r.skipped)})"] if r.skipped else []
-    text = f"wrote {r.dst} ({r.to}): {r.leaves} leaves, {human_bytes(r.nbytes)}" + (
-        f"; left out {len(r.skipped) + len(r.outside)} leaves: {'; '.join(left)}" if left else "") + "".join(
-        f"\nleft out {why}" for why in r.fields_left_out.values())
+    text = (
+        f"wrote {r.dst} ({r.to}): {r.leaves} leaves, {human_bytes(r.nbytes)}"
+        + (f"; left out {len(r.skipped) + len(r.outside)} leaves: {'; '.join(left)}" if left else "")
+        + "".join(f"\nleft out {why}" for why in r.fields_left_out.values())
+    )
     _emit(args, doc, text)
     return EXIT_OK
 
@@ -363,23 +535,45 @@ def cmd_convert(args: argparse.Namespace) -> int:
 def cmd_prune(args: argparse.Namespace) -> int:
     from flax_ckpt._src import tools as fi
 
-    r = fi.prune(args.directory, keep=args.keep, keep_period=args.keep_period, best_metric=args.best_metric,
-                 best_mode=args.best_mode, keep_best=args.keep_best, dry_run=args.dry_run, format=args.format)
-    doc = {"directory": args.directory, "dry_run": r.dry_run, "would_delete" if r.dry_run else "deleted": r.deleted,
-           "kept": r.kept, "formats": list(r.formats), "left_alone": r.left_alone}  # a dry run: would_delete
+    r = fi.prune(
+        args.directory,
+        keep=args.keep,
+        keep_period=args.keep_period,
+        best_metric=args.best_metric,
+        best_mode=args.best_mode,
+        keep_best=args.keep_best,
+        dry_run=args.dry_run,
+        format=args.format,
+    )
+    doc = {
+        "directory": args.directory,
+        "dry_run": r.dry_run,
+        "would_delete" if r.dry_run else "deleted": r.deleted,
+        "kept": r.kept,
+        "formats": list(r.formats),
+        "left_alone": r.left_alone,
+    }  # a dry run: would_delete
     verb = "would delete" if r.dry_run else "deleted"
     text = f"{verb}: {', '.join(map(str, r.deleted)) or 'nothing'}\nkept: {', '.join(map(str, r.kept)) or 'nothing'}"
     if r.left_alone:
         more = f", ... ({len(r.left_alone)} in all)" if len(r.left_alone) > 10 else ""
-        text += (f"\nleft alone (not {' or '.join(r.formats)} steps; --format names the format to prune): "
-                 + ", ".join(r.left_alone[:10]) + more)
+        text += (
+            f"\nleft alone (not {' or '.join(r.formats)} steps; --format names the format to prune): "
+            + ", ".join(r.left_alone[:10])
+            + more
+        )
     _emit(args, doc, text)
     return EXIT_OK
 
 
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
-    "ls": cmd_ls, "info": cmd_info, "verify": cmd_verify, "diff": cmd_diff, "convert": cmd_convert,
-    "prune": cmd_prune}
+    "ls": cmd_ls,
+    "info": cmd_info,
+    "verify": cmd_verify,
+    "diff": cmd_diff,
+    "convert": cmd_convert,
+    "prune": cmd_prune,
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -395,8 +589,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (CheckpointError, OSError, ValueError) as e:
         return _error(args, e, str(e) + _hint(args))
     except Exception as e:  # noqa: BLE001 - a bug of ours: one line that says so, never a traceback
-        return _error(args, e, f"{e} (an unexpected error, at {_where(e)}: a bug in flax_ckpt; please "
-                               "report it with this line)")
+        return _error(
+            args,
+            e,
+            f"{e} (an unexpected error, at {_where(e)}: a bug in flax_ckpt; please report it with this line)",
+        )
 
 
 def _cpu_only() -> None:
@@ -427,7 +624,7 @@ def _where(e: BaseException) -> str:
         return "?"
     code = tb.tb_frame.f_code
     name = code.co_filename
-    name = name[name.rfind("flax_ckpt/"):] if "flax_ckpt/" in name else name
+    name = name[name.rfind("flax_ckpt/") :] if "flax_ckpt/" in name else name
     return f"{name}:{tb.tb_lineno} in {code.co_name}"
 
 
@@ -443,8 +640,14 @@ def _hint(args: argparse.Namespace) -> str:
     except Exception:  # a hint must never hide the error it is added to
         return ""
     steps = [e.step for e in committed]
-    return (f" ({path} is a directory of steps {steps}: pass one of them, e.g. "
-            f"{os.path.join(path, committed[-1].name)}, or list them with `flax-ckpt ls`)") if steps else ""
+    return (
+        (
+            f" ({path} is a directory of steps {steps}: pass one of them, e.g. "
+            f"{os.path.join(path, committed[-1].name)}, or list them with `flax-ckpt ls`)"
+        )
+        if steps
+        else ""
+    )
 
 
 if __name__ == "__main__":

@@ -26,8 +26,16 @@ def bar(total: int, desc: str, progress: bool) -> Any:
     """A tqdm bar of bytes on stderr, shown only with ``progress``."""
     from tqdm import tqdm
 
-    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, disable=not progress,
-                leave=False, dynamic_ncols=True)
+    return tqdm(
+        total=total,
+        desc=desc,
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        disable=not progress,
+        leave=False,
+        dynamic_ncols=True,
+    )
 
 
 def folder_of(path: Any) -> Storage:
@@ -67,8 +75,10 @@ def read_info(path: Any, tries: int = 3) -> tuple[Any, dict[str, Any]]:
     if layouts.recognize(folder) is None:
         steps, temporary = layouts.step_folders(folder, files=True)
         if not steps and is_empty_run(folder, temporary):
-            raise CheckpointNotFoundError(f"no steps in {folder.url}: a run directory without committed "
-                                          "steps (yet), so there is no checkpoint to show")
+            raise CheckpointNotFoundError(
+                f"no steps in {folder.url}: a run directory without committed "
+                "steps (yet), so there is no checkpoint to show"
+            )
     for _ in range(tries):
         before = identity(folder, layouts.detect(folder).record)
         try:
@@ -81,10 +91,14 @@ def read_info(path: Any, tries: int = 3) -> tuple[Any, dict[str, Any]]:
             if after == before:
                 raise
             if after is None:
-                raise CheckpointNotFoundError(f"{folder.url} was deleted while it was read (by a live "
-                                              "manager's retention?): it is gone, not damaged") from None
-    raise CheckpointNotFoundError(f"{folder.url} changed under each of {tries} reads (rewritten over and "
-                                  "over?); read it once it is left alone")
+                raise CheckpointNotFoundError(
+                    f"{folder.url} was deleted while it was read (by a live "
+                    "manager's retention?): it is gone, not damaged"
+                ) from None
+    raise CheckpointNotFoundError(
+        f"{folder.url} changed under each of {tries} reads (rewritten over and "
+        "over?); read it once it is left alone"
+    )
 
 
 def _value(leaf: Any) -> Any:
@@ -128,5 +142,8 @@ class Leaves:
         if leaf.kind == "prng_key":
             return self._reader.host(leaf)
         v = self.value(key)
-        return np.asarray(jax.random.key_data(v)) if isinstance(v, jax.Array) and jax.dtypes.issubdtype(
-            v.dtype, jax.dtypes.prng_key) else v
+        return (
+            np.asarray(jax.random.key_data(v))
+            if isinstance(v, jax.Array) and jax.dtypes.issubdtype(v.dtype, jax.dtypes.prng_key)
+            else v
+        )

@@ -51,8 +51,15 @@ def detect_format(path: Any) -> str:
     return layouts.detect(folder_of(path)).name
 
 
-def convert(src: Any, dst: Any, *, to: Format | None = None, serializer: str | None = None,
-            subtree: str | None = None, progress: bool = False) -> ConvertResult:
+def convert(
+    src: Any,
+    dst: Any,
+    *,
+    to: Format | None = None,
+    serializer: str | None = None,
+    subtree: str | None = None,
+    progress: bool = False,
+) -> ConvertResult:
     """Converts the checkpoint ``src`` into ``dst`` (which must not exist).
 
     ``to``: "native", "orbax" (default: the other layout than ``src``'s; "native" for a legacy Flax
@@ -75,7 +82,9 @@ def convert(src: Any, dst: Any, *, to: Format | None = None, serializer: str | N
     if to == "orbax":
         api.save(dst, tree, metadata=info.metadata, step=step, metrics=info.metrics, format="orbax")
     else:
-        api.save(dst, tree, metadata=info.metadata, step=info.step, metrics=info.metrics, serializer=serializer)
+        api.save(
+            dst, tree, metadata=info.metadata, step=info.step, metrics=info.metrics, serializer=serializer
+        )
     return ConvertResult(os.fspath(dst), to, len(leaves.keys()), nbytes, fields_left_out=left_out)
 
 
@@ -93,9 +102,12 @@ def _orbax_step(src: Any, dst: Any, step: int | None) -> tuple[int | None, dict[
         raise CheckpointError(
             f"{dst}: its name is that of an Orbax step folder of step {named}, but {src} is step {step}, and "
             f"Orbax's layout records a step only as its folder's name; nothing was written. Convert into "
-            f"{parent.url}/{step} (or <prefix>_{step}) to keep the step, or into a name that is no step number")
-    return None, {"step": f"step {step}: Orbax's layout records a step only as the name of a step folder, and "
-                          f"{name!r} names none; convert into {parent.url}/{step} to keep it"}
+            f"{parent.url}/{step} (or <prefix>_{step}) to keep the step, or into a name that is no step number"
+        )
+    return None, {
+        "step": f"step {step}: Orbax's layout records a step only as the name of a step folder, and "
+        f"{name!r} names none; convert into {parent.url}/{step} to keep it"
+    }
 
 
 def _read_tree(leaves: Leaves, keys: list[str], progress: bool) -> tuple[Any, int]:
@@ -123,8 +135,10 @@ def _select(keys: list[str], subtree: str | None) -> tuple[list[str], str]:
     prefix = subtree.strip("/") + "/" if subtree.strip("/") else ""
     chosen = [k for k in keys if k.startswith(prefix)]
     if not chosen:
-        raise CheckpointError(f"no leaves under {subtree!r}; the checkpoint's top-level keys are "
-                              f"{format_list(sorted({k.split('/')[0] for k in keys}))}")
+        raise CheckpointError(
+            f"no leaves under {subtree!r}; the checkpoint's top-level keys are "
+            f"{format_list(sorted({k.split('/')[0] for k in keys}))}"
+        )
     return chosen, prefix
 
 
@@ -139,7 +153,7 @@ def _export_safetensors(leaves: Leaves, dst: Any, subtree: str | None, progress:
     arrays = [k for k in keys if leaves.info.leaves[k].kind in ("jax", "numpy")]
     exported = set(arrays)
     skipped = [k for k in keys if k not in exported]
-    names = {k: ".".join(k[len(prefix):].split("/")) or "<root>" for k in arrays}
+    names = {k: ".".join(k[len(prefix) :].split("/")) or "<root>" for k in arrays}
     _check_exportable(leaves, arrays, names)
     tensors, nbytes = {}, 0
     with bar(sum(leaves.nbytes(k) for k in arrays), "export", progress) as b:
@@ -147,13 +161,19 @@ def _export_safetensors(leaves: Leaves, dst: Any, subtree: str | None, progress:
             tensors[names[k]] = np.ascontiguousarray(leaves.value(k))
             nbytes += leaves.nbytes(k)
             b.update(leaves.nbytes(k))
-    meta = {"format": "flax_ckpt export", "source": str(leaves.info.path), "subtree": prefix.rstrip("/"),
-            "step": json.dumps(leaves.info.step), "metrics": json.dumps(leaves.info.metrics),
-            "metadata": json.dumps(leaves.info.metadata)}
+    meta = {
+        "format": "flax_ckpt export",
+        "source": str(leaves.info.path),
+        "subtree": prefix.rstrip("/"),
+        "step": json.dumps(leaves.info.step),
+        "metrics": json.dumps(leaves.info.metrics),
+        "metadata": json.dumps(leaves.info.metadata),
+    }
     folder, name = os.path.split(os.path.abspath(dst))
     try:
-        commit_mod.commit_file(LocalStorage(folder), name, lambda tmp: _save_file(save_file, tensors, tmp, meta),
-                               replace=False)
+        commit_mod.commit_file(
+            LocalStorage(folder), name, lambda tmp: _save_file(save_file, tensors, tmp, meta), replace=False
+        )
     except CheckpointExistsError:
         raise CheckpointExistsError(f"{dst} appeared while exporting; not overwritten") from None
     return ConvertResult(dst, "safetensors", len(arrays), nbytes, skipped, outside, prefix.rstrip("/"))
@@ -173,20 +193,42 @@ def _save_file(save_file: Any, tensors: dict[str, np.ndarray], tmp: str, meta: d
     os.chmod(tmp, mode)
 
 
-_SAFETENSORS_DTYPES = {"bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64",
-                       "float16", "float32", "float64", "bfloat16", "float8_e4m3fn", "float8_e4m3fnuz",
-                       "float8_e5m2", "float8_e5m2fnuz", "complex64"}
+_SAFETENSORS_DTYPES = {
+    "bool",
+    "int8",
+    "uint8",
+    "int16",
+    "uint16",
+    "int32",
+    "uint32",
+    "int64",
+    "uint64",
+    "float16",
+    "float32",
+    "float64",
+    "bfloat16",
+    "float8_e4m3fn",
+    "float8_e4m3fnuz",
+    "float8_e5m2",
+    "float8_e5m2fnuz",
+    "complex64",
+}
 
 
 def _check_exportable(leaves: Leaves, arrays: list[str], names: dict[str, str]) -> None:
     """Collects every leaf safetensors cannot hold (dtype, or a tensor name taken twice) into one error."""
-    bad = [f"{k} ({leaves.info.leaves[k].dtype})" for k in arrays
-           if getattr(leaves.info.leaves[k].dtype, "name", None) not in _SAFETENSORS_DTYPES]
+    bad = [
+        f"{k} ({leaves.info.leaves[k].dtype})"
+        for k in arrays
+        if getattr(leaves.info.leaves[k].dtype, "name", None) not in _SAFETENSORS_DTYPES
+    ]
     seen: dict[str, str] = {}
     for k in arrays:
         if names[k] in seen:
             bad.append(f"{k} and {seen[names[k]]} both map to tensor name {names[k]!r}")
         seen.setdefault(names[k], k)
     if bad:
-        raise CheckpointError(f"cannot export to safetensors (nothing was written): {format_list(bad)}. "
-                              "Cast those leaves, or export another --subtree.")
+        raise CheckpointError(
+            f"cannot export to safetensors (nothing was written): {format_list(bad)}. "
+            "Cast those leaves, or export another --subtree."
+        )

@@ -132,9 +132,15 @@ def list_memory_tiers(directory: Any, local_dir: str) -> list[StepEntry]:
         for sub in subs:
             if sub != "local" and not sub.startswith("peer-p"):
                 continue
-            label = f"local-memory {proc}" if sub == "local" else f"peer-memory {proc} (of p{sub[len('peer-p'):]})"
+            label = (
+                f"local-memory {proc}"
+                if sub == "local"
+                else f"peer-memory {proc} (of p{sub[len('peer-p') :]})"
+            )
             folder = os.path.join(root, proc, sub)
-            entries += [_memory_entry(folder, n, label) for n in os.listdir(folder) if _step_of(n) is not None]
+            entries += [
+                _memory_entry(folder, n, label) for n in os.listdir(folder) if _step_of(n) is not None
+            ]
     return sorted(entries, key=lambda e: (e.step, e.tier, e.name))
 
 

@@ -39,9 +39,17 @@ class PruneResult:
     left_alone: list[str] = field(default_factory=list)
 
 
-def prune(directory: Any, *, keep: int | None, keep_period: int | None = None, best_metric: str | None = None,
-          best_mode: Literal["min", "max"] = "min", keep_best: int | None = None,
-          dry_run: bool = False, format: str | None = None) -> PruneResult:
+def prune(
+    directory: Any,
+    *,
+    keep: int | None,
+    keep_period: int | None = None,
+    best_metric: str | None = None,
+    best_mode: Literal["min", "max"] = "min",
+    keep_best: int | None = None,
+    dry_run: bool = False,
+    format: str | None = None,
+) -> PruneResult:
     """Deletes committed steps the manager's retention (``retention.steps_to_delete``) would remove.
 
     Args:
@@ -71,9 +79,15 @@ def prune(directory: Any, *, keep: int | None, keep_period: int | None = None, b
         entries = list_steps(directory)
         acted = {e.step: e for e in entries if e.committed and e.step is not None and e.format in formats}
         metrics = {s: (e.metrics or {}).get(best_metric) for s, e in acted.items()} if best_metric else None
-        doomed = steps_to_delete(acted, max_to_keep=keep, keep_period=keep_period, metrics=metrics,
-                                 best_mode=best_mode, keep_best=keep_best,
-                                 formats={s: e.format for s, e in acted.items()})
+        doomed = steps_to_delete(
+            acted,
+            max_to_keep=keep,
+            keep_period=keep_period,
+            metrics=metrics,
+            best_mode=best_mode,
+            keep_best=keep_best,
+            formats={s: e.format for s, e in acted.items()},
+        )
         if not dry_run:
             _delete(root, [acted[s] for s in doomed])
     finally:
@@ -83,8 +97,9 @@ def prune(directory: Any, *, keep: int | None, keep_period: int | None = None, b
     return PruneResult(kept, doomed, dry_run, formats, _left_alone(root, entries, formats))
 
 
-def _check_options(keep: int | None, keep_best: int | None, best_metric: str | None,
-                   format: str | None) -> None:
+def _check_options(
+    keep: int | None, keep_best: int | None, best_metric: str | None, format: str | None
+) -> None:
     if keep is not None and keep < 1:
         raise ValueError(f"--keep must be >= 1, got {keep}")
     if keep_best is not None and best_metric is None:
@@ -127,7 +142,8 @@ def _delete(root: Storage, doomed: list[StepEntry]) -> None:
             raise StorageError(
                 f"prune could not delete {root.url.rstrip('/')}/{e.name} ({err}); deleted before it: "
                 f"{', '.join(done) or 'nothing'}. The step is either still whole or gone (a deletion starts "
-                "with an atomic rename); run prune again once fixed") from err
+                "with an atomic rename); run prune again once fixed"
+            ) from err
         done.append(e.name)
 
 
@@ -135,9 +151,11 @@ def _plan(root: Storage, e: StepEntry, f: layouts.StepFolder | None) -> Callable
     """How to delete step ``e`` (``f``: its step folder, listed again now), checked now: a
     CheckpointNotFoundError if it is no longer as it was listed."""
     where = f"{root.url.rstrip('/')}/{e.name}"
-    changed = CheckpointNotFoundError(f"prune deleted nothing: {where} (step {e.step}, {e.format}) is no "
-                                      "longer as it was listed (another process changed the directory); run "
-                                      "prune again")
+    changed = CheckpointNotFoundError(
+        f"prune deleted nothing: {where} (step {e.step}, {e.format}) is no "
+        "longer as it was listed (another process changed the directory); run "
+        "prune again"
+    )
     if f is None or f.layout.name != e.format:
         raise changed
     if root.sub(e.name).kind() == "file":  # another library's checkpoint file, named by format=

@@ -160,4 +160,3 @@ def hard_links(folder: Storage) -> list[str]:
             if stat.S_ISREG(st.st_mode) and st.st_nlink > 1:
                 found.append(os.path.relpath(path, folder.local_path))
     return sorted(found)
-
