@@ -4,7 +4,8 @@
 # floors of its dependencies (constraints-min.txt: jax/jaxlib 0.6.0, flax 0.10.0, optax 0.2.0,
 # numpy 1.26.0, tensorstore 0.1.81, ml_dtypes 0.5.0, crc32c 2.4,
 # zstandard 0.23.0) and runs the engine, error, manager,
-# callbacks and multi-host tests. Extra arguments replace the default test files and options.
+# callbacks and multi-host tests (in 2 pytest-xdist workers, one file to a worker). Extra arguments
+# replace the default test files and options.
 # PYTHON_MIN=/path/to/python picks the interpreter.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -30,7 +31,7 @@ fi
 [ -x .venv-min/bin/python ] || "$PY" -m venv .venv-min
 echo "test_min: $(.venv-min/bin/python --version) with the minimum versions of constraints-min.txt"
 .venv-min/bin/python -m pip install -q --disable-pip-version-check -c constraints-min.txt -e . \
-  pytest pytest-timeout hypothesis psutil
+  pytest pytest-timeout pytest-xdist hypothesis psutil
 .venv-min/bin/python - <<'PY'
 import importlib.metadata as md
 print("test_min:", ", ".join(f"{n} {md.version(n)}" for n in
@@ -38,7 +39,7 @@ print("test_min:", ", ".join(f"{n} {md.version(n)}" for n in
 PY
 if [ $# -eq 0 ]; then
   set -- tests/test_roundtrip.py tests/test_errors.py tests/test_manager.py tests/test_callbacks.py \
-         tests/test_multihost.py tests/test_distributed.py -q
+         tests/test_multihost.py tests/test_distributed.py -q -n 2 --dist loadfile
 fi
 status=0
 .venv-min/bin/python -m pytest -p no:cacheprovider "$@" || status=$?

@@ -21,3 +21,22 @@ def ckpt_dir(tmp_path):
     d = tmp_path / "ckpts"
     d.mkdir()
     return d
+
+
+@pytest.fixture(scope="session")
+def jax_cache_dir(tmp_path_factory):
+    """A JAX compilation cache folder, new for each test session (so nothing compiled by an earlier run or
+    another version is ever loaded)."""
+    return tmp_path_factory.mktemp("jax_compilation_cache")
+
+
+@pytest.fixture(scope="module")
+def jax_compile_cache(jax_cache_dir):
+    """Child processes started by this module's tests (their environment copies this one's) share a JAX
+    compilation cache: a program that a child compiled before is loaded, not compiled again. For modules
+    whose children run the same programs several times (``pytestmark = pytest.mark.usefixtures(...)``);
+    not for a test that needs a compile to take its time (a signal sent during a first compile)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("JAX_COMPILATION_CACHE_DIR", str(jax_cache_dir))
+        mp.setenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")  # every program, not only slow ones
+        yield

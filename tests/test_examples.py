@@ -27,6 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
 STEPS, EVERY = 600, 50  # ~0.3 ms a step: the margin between the signal and the end of the run
 TIMEOUT_S = 120
+pytestmark = pytest.mark.usefixtures("jax_compile_cache")  # the runs of one example compile the same programs
 
 
 def train_cmd(script: str, directory: Path) -> list[str]:
