@@ -12,7 +12,10 @@ if HARNESS not in sys.path:
 
 import pytest  # noqa: E402
 
-pytest_plugins = ["s3_fixtures", "gcs_fixtures"]  # the S3 and GCS fixtures (s3, s3_faulty, gcs, gcs_faulty, ...)
+pytest_plugins = [
+    "s3_fixtures",
+    "gcs_fixtures",
+]  # the S3 and GCS fixtures (s3, s3_faulty, gcs, gcs_faulty, ...)
 
 
 @pytest.fixture

@@ -52,11 +52,12 @@ class GcsPlace:
     def keys(self, under: str = "") -> list[str]:
         """Object keys below the prefix (relative to it), straight from the server."""
         base = f"{self.prefix}/{under}".rstrip("/") + "/"
-        return [k[len(self.prefix) + 1:] for k in self.server.keys_under(self.bucket, base)]
+        return [k[len(self.prefix) + 1 :] for k in self.server.keys_under(self.bucket, base)]
 
 
-def point_env_at_gcs(monkeypatch: pytest.MonkeyPatch, endpoint: str, *, attempts: int = 6,
-                     delay_s: float = 0.005) -> None:
+def point_env_at_gcs(
+    monkeypatch: pytest.MonkeyPatch, endpoint: str, *, attempts: int = 6, delay_s: float = 0.005
+) -> None:
     """The environment a user would set for a GCS-protocol server, with short retry backoff."""
     monkeypatch.delenv("FLAX_CKPT_STORAGE_CONCURRENCY", raising=False)
     monkeypatch.setenv(ENDPOINT_VAR, endpoint)
@@ -90,7 +91,9 @@ def gcs_front(gcs_server: FakeGcs) -> Iterator[GcsFront]:
 
 
 @pytest.fixture
-def gcs(gcs_server: FakeGcs, gcs_bucket: str, gcs_front: GcsFront, monkeypatch: pytest.MonkeyPatch) -> GcsPlace:
+def gcs(
+    gcs_server: FakeGcs, gcs_bucket: str, gcs_front: GcsFront, monkeypatch: pytest.MonkeyPatch
+) -> GcsPlace:
     """A fresh prefix on the GCS server; the environment points flax_ckpt at it."""
     point_env_at_gcs(monkeypatch, gcs_front.endpoint)
     return GcsPlace(gcs_server, gcs_bucket, f"t-{uuid.uuid4().hex[:10]}", gcs_front.endpoint, gcs_front)

@@ -70,6 +70,7 @@ from flax_ckpt._src.serializers.raw import RawSerializer  # noqa: E402
 
 # ------------------------------------------------------------------------------------------- states
 
+
 def in_place_checked() -> tuple[Callable[..., Any], list[int]]:
     """A stand-in for tiers/encode.py's ``_encode_in_place`` (install it in its place) that checks
     every full memory copy it writes in place against the piece-by-piece encoding of the same snapshot,
@@ -87,10 +88,12 @@ def in_place_checked() -> tuple[Callable[..., Any], list[int]]:
             assert bytes(enc.pieces[0]) == b"".join(bytes(p) for p in ref.pieces)
             steps.append(ident["step"])
         return enc
+
     return checked, steps
 
 
 # ------------------------------------------------------------------------------ multi-process jobs
+
 
 def start_worker(cfg: Mapping[str, Any]) -> None:
     """The start of every process of a multi-process test job (cfg: num_processes, process_id, port):
@@ -100,8 +103,13 @@ def start_worker(cfg: Mapping[str, Any]) -> None:
     n = cfg["num_processes"]
     if n > 1:
         address = f"{HOST}:{cfg['port']}"
-        jax.distributed.initialize(coordinator_address=address, num_processes=n, process_id=cfg["process_id"],
-                                   coordinator_bind_address=address, initialization_timeout=60)
+        jax.distributed.initialize(
+            coordinator_address=address,
+            num_processes=n,
+            process_id=cfg["process_id"],
+            coordinator_bind_address=address,
+            initialization_timeout=60,
+        )
 
 
 def report(cfg: Mapping[str, Any], modes: Mapping[str, Callable[[dict], dict]]) -> int:
@@ -129,8 +137,18 @@ class Job:
     <tmp>/<tag>.p<i>.json (``report``). Every process runs in its own session and dies with the test
     process; ``kill`` kills the process groups; every wait ends after ``timeout`` s with the logs."""
 
-    def __init__(self, worker: PathLike, tmp: PathLike, tag: str, n: int, *, devices: int, timeout: float,
-                 per_process: Callable[[int], dict] | None = None, **cfg: Any):
+    def __init__(
+        self,
+        worker: PathLike,
+        tmp: PathLike,
+        tag: str,
+        n: int,
+        *,
+        devices: int,
+        timeout: float,
+        per_process: Callable[[int], dict] | None = None,
+        **cfg: Any,
+    ):
         self.worker, self.tmp, self.tag, self.n, self.timeout = str(worker), Path(tmp), tag, n, timeout
         self.cfg = dict(cfg, out=str(tmp), tag=tag, num_processes=n, port=free_port() if n > 1 else 0)
         self.env = worker_env(devices)
@@ -145,9 +163,16 @@ class Job:
         for i in range(self.n):
             cfg = dict(self.cfg, process_id=i, **(self.per_process(i) if self.per_process else {}))
             with open(self.path(i, ".log"), "w") as log:
-                self.procs.append(subprocess.Popen(
-                    [sys.executable, self.worker, json.dumps(cfg)], env=self.env, stdout=log,
-                    stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent))
+                self.procs.append(
+                    subprocess.Popen(
+                        [sys.executable, self.worker, json.dumps(cfg)],
+                        env=self.env,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                        preexec_fn=die_with_parent,
+                    )
+                )
         return self
 
     def wait(self, done: Callable[[], bool], timeout: float | None = None) -> None:
@@ -158,16 +183,19 @@ class Job:
             if time.monotonic() > deadline:
                 self.kill()
                 import pytest
+
                 pytest.fail(f"job {self.tag} did not finish within {timeout} s\n{self.logs()}")
             time.sleep(0.1)
 
     def join(self, *, running: bool = False, timeout: float | None = None) -> list[dict[str, Any]]:
         """Waits until every process has exited (``running``: until every one has reported, for
         workers that keep running like hosts), kills what is left, and returns each one's findings."""
+
         def done() -> bool:
             if running:
                 return all(self.path(i, ".json").exists() for i in range(self.n))
             return all(p.poll() is not None for p in self.procs)
+
         try:
             self.wait(done, timeout)
         finally:
@@ -189,8 +217,10 @@ class Job:
         return results
 
     def logs(self) -> str:
-        return "\n".join(f"--- {self.tag} p{i} (rc {p.poll()}):\n" + self.path(i, ".log").read_text()[-4000:]
-                         for i, p in enumerate(self.procs))
+        return "\n".join(
+            f"--- {self.tag} p{i} (rc {p.poll()}):\n" + self.path(i, ".log").read_text()[-4000:]
+            for i, p in enumerate(self.procs)
+        )
 
     def kill(self) -> None:
         for p in self.procs:

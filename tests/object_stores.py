@@ -30,8 +30,12 @@ SERIALIZERS = ["raw", "zarr3"]
 
 def small_tree(seed: int = 0) -> dict:
     rng = np.random.default_rng(seed)
-    return {"w": rng.standard_normal((64, 33)).astype(np.float32), "b": rng.integers(0, 9, (7,), np.int64),
-            "step": seed, "nested": {"h": rng.standard_normal((5, 3)).astype(np.float16)}}
+    return {
+        "w": rng.standard_normal((64, 33)).astype(np.float32),
+        "b": rng.integers(0, 9, (7,), np.int64),
+        "step": seed,
+        "nested": {"h": rng.standard_normal((5, 3)).astype(np.float16)},
+    }
 
 
 def manifest_keys(place: S3Place | GcsPlace | Store) -> list[str]:
@@ -47,7 +51,9 @@ class Store:
     fixture: ClassVar[str]
     faulty_fixture: ClassVar[str]
     delete_methods: ClassVar[tuple[str, ...]]  # the requests that delete objects
-    random_faults: ClassVar[tuple[int, float]]  # (attempts, fault rate) at which 6 saves both fail and succeed
+    random_faults: ClassVar[
+        tuple[int, float]
+    ]  # (attempts, fault rate) at which 6 saves both fail and succeed
 
     def __init__(self, place: S3Place | GcsPlace):
         self.place = place

@@ -20,8 +20,13 @@ import pytest
 if TYPE_CHECKING:
     from s3_server import FaultProxy, Keys, MotoS3
 
-_CLEARED = ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3", "AWS_DEFAULT_REGION",
-            "FLAX_CKPT_STORAGE_CONCURRENCY")
+_CLEARED = (
+    "AWS_PROFILE",
+    "AWS_SESSION_TOKEN",
+    "AWS_ENDPOINT_URL_S3",
+    "AWS_DEFAULT_REGION",
+    "FLAX_CKPT_STORAGE_CONCURRENCY",
+)
 
 
 @dataclass(frozen=True)
@@ -42,7 +47,7 @@ class S3Place:
     def keys(self, under: str = "") -> list[str]:
         """Object keys below the prefix (relative to it), straight from the server."""
         base = f"{self.prefix}/{under}".rstrip("/")
-        return [k[len(self.prefix) + 1:] for k in self.server.keys_under(self.bucket, base)]
+        return [k[len(self.prefix) + 1 :] for k in self.server.keys_under(self.bucket, base)]
 
 
 @pytest.fixture(scope="session")
@@ -59,8 +64,9 @@ def s3_bucket(s3_server: MotoS3) -> str:
     return s3_server.create_bucket()
 
 
-def point_env_at(monkeypatch: pytest.MonkeyPatch, endpoint: str, keys: Keys, *, attempts: int = 6,
-                 delay_s: float = 0.005) -> None:
+def point_env_at(
+    monkeypatch: pytest.MonkeyPatch, endpoint: str, keys: Keys, *, attempts: int = 6, delay_s: float = 0.005
+) -> None:
     """The environment a user would set for an S3-compatible server, with short retry backoff."""
     from s3_server import REGION
 

@@ -20,7 +20,7 @@ import pytest
 import flax_ckpt as fc
 from helpers import worker_env
 
-PROGRAM = textwrap.dedent('''
+PROGRAM = textwrap.dedent("""
     import sys
     from absl import app, flags, logging
     import jax, jax.numpy as jnp, optax
@@ -54,7 +54,7 @@ PROGRAM = textwrap.dedent('''
             main(sys.argv)
         else:
             app.run(main)
-''')
+""")
 
 
 @pytest.fixture(scope="module")
@@ -63,10 +63,16 @@ def program(tmp_path_factory):
     path.write_text(PROGRAM)
 
     def run(workdir, *flags: str) -> subprocess.CompletedProcess:
-        r = subprocess.run([sys.executable, str(path), f"--workdir={workdir}", *flags], capture_output=True,
-                           text=True, timeout=180, env=worker_env(devices=1))
+        r = subprocess.run(
+            [sys.executable, str(path), f"--workdir={workdir}", *flags],
+            capture_output=True,
+            text=True,
+            timeout=180,
+            env=worker_env(devices=1),
+        )
         assert r.returncode == 0, r.stderr[-3000:]
         return r
+
     return run
 
 
@@ -81,7 +87,7 @@ def test_the_resume_line_shows_once_under_absl_at_info(program, tmp_path, how):
     assert second.stderr.count(f"resumed from step 3 of {workdir}") == 1, second.stderr
     with fc.CheckpointManager(workdir) as mgr:
         assert mgr.all_steps() == [3, 4, 6]  # step 3: saved by close() at the end of the first run
-        np.testing.assert_allclose(mgr.restore(6)["params"]["w"], np.arange(4.0) * 0.8 ** 6, rtol=1e-6)
+        np.testing.assert_allclose(mgr.restore(6)["params"]["w"], np.arange(4.0) * 0.8**6, rtol=1e-6)
 
 
 def test_absl_verbosity_above_info_keeps_the_line_quiet(program, tmp_path):

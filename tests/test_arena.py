@@ -55,7 +55,7 @@ def _tree(seed: int, extra: bool = False) -> dict:
 
 def _blocks(a: np.ndarray, block: int) -> list[int]:
     b = memoryview(np.ascontiguousarray(a).reshape(-1).view(np.uint8))
-    return [crc32c.crc32c(b[i:i + block]) for i in range(0, len(b), block)]
+    return [crc32c.crc32c(b[i : i + block]) for i in range(0, len(b), block)]
 
 
 def test_snapshot_in_an_arena_is_laid_out_back_to_back_and_checksummed_as_copied():
@@ -78,8 +78,12 @@ def test_snapshot_in_an_arena_is_laid_out_back_to_back_and_checksummed_as_copied
         end = at + d.nbytes
         assert snap.crcs[id(d)].tolist() == _blocks(d, raw.BLOCK), path
     items = {it.name: it for it in snap.items()}
-    assert all(s.crc32c is not None and s.crc32c[0] == raw.BLOCK for it in items.values() for s in it.shards
-               if s.data.size)
+    assert all(
+        s.crc32c is not None and s.crc32c[0] == raw.BLOCK
+        for it in items.values()
+        for s in it.shards
+        if s.data.size
+    )
     assert Arena.fit(arena) is arena and arena.used == 0  # held all it was asked for: reused
     grown = _tree(1, extra=True)
     snap = snapshot(grown, copy=True, into=arena, checksum=raw.BLOCK)  # asks for more than it holds
@@ -96,9 +100,11 @@ def test_raw_serializer_stores_the_copy_checksums_and_writes_files_in_the_arenas
     monkeypatch.setattr(raw, "BLOCK", 16 << 10)
     monkeypatch.setattr(raw, "SUBCHUNK", 64 << 10)
     rng = np.random.default_rng(3)
-    tree = {"rows_4096": rng.standard_normal((64, 1024)).astype(np.float32),  # 4 pieces of 4 blocks
-            "rows_2000": rng.standard_normal((100, 500)).astype(np.float32),  # pieces at 64000-byte steps
-            "small": rng.standard_normal(100).astype(np.float32)}
+    tree = {
+        "rows_4096": rng.standard_normal((64, 1024)).astype(np.float32),  # 4 pieces of 4 blocks
+        "rows_2000": rng.standard_normal((100, 500)).astype(np.float32),  # pieces at 64000-byte steps
+        "small": rng.standard_normal(100).astype(np.float32),
+    }
     arena = Arena.fit(Arena(1 << 20))
     snap = snapshot(tree, copy=True, into=arena, checksum=raw.BLOCK)
     computed = []
@@ -115,7 +121,7 @@ def test_raw_serializer_stores_the_copy_checksums_and_writes_files_in_the_arenas
     for name in sorted(written.files, key=lambda n: int(n.split(".")[1])):  # files follow the arena
         with open(tmp_path / name, "rb") as f:
             data = f.read()
-        assert data == mem[start:start + len(data)].tobytes(), name
+        assert data == mem[start : start + len(data)].tobytes(), name
         start += len(data)
     for leaf, chunks in written.chunks.items():
         for c in chunks:
@@ -134,8 +140,14 @@ def test_saves_at_every_step_restore_exactly_whatever_the_caller_does_next(tmp_p
     with fc.CheckpointManager(tmp_path / "ckpt", max_to_keep=None) as mgr:
         for step in range(8):
             tree = _tree(step, extra=step in (4, 5))
-            saved[step] = jax.tree_util.tree_map(lambda x: np.array(x, copy=True) if not isinstance(
-                x, jax.Array) or not jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x, tree)
+            saved[step] = jax.tree_util.tree_map(
+                lambda x: (
+                    np.array(x, copy=True)
+                    if not isinstance(x, jax.Array) or not jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
+                    else x
+                ),
+                tree,
+            )
             saved[step]["i_key"] = tree["i_key"]
             assert mgr.save(step, tree)
             tree["a_odd_int8"][:] = 0  # the caller reuses its buffers at once
@@ -143,12 +155,20 @@ def test_saves_at_every_step_restore_exactly_whatever_the_caller_does_next(tmp_p
             donate({"d": tree["d_jax_f32"], "j": tree["j_piece_plus"]})
             mgr.wait_until_finished()
             arenas.append(mgr._directory._arena.arena)
-            assert not mgr._directory._arena.reuse_buffers()  # the arena is the one host copy kept between saves
+            assert (
+                not mgr._directory._arena.reuse_buffers()
+            )  # the arena is the one host copy kept between saves
         for step in range(8):
-            assert_bit_exact(mgr.restore(step, target=_tree(0, extra=step in (4, 5))), saved[step], types=False)
+            assert_bit_exact(
+                mgr.restore(step, target=_tree(0, extra=step in (4, 5))), saved[step], types=False
+            )
     # the first save copies as without an arena and sizes the next, made once it is durable
-    assert arenas[0].capacity > 0 and arenas[0] is arenas[1] is arenas[2] is arenas[3]  # reused while it holds the tree
-    assert arenas[4] is not arenas[3] and arenas[4] is arenas[5] is arenas[6] is arenas[7]  # the tree grew at step 4:
+    assert (
+        arenas[0].capacity > 0 and arenas[0] is arenas[1] is arenas[2] is arenas[3]
+    )  # reused while it holds the tree
+    assert (
+        arenas[4] is not arenas[3] and arenas[4] is arenas[5] is arenas[6] is arenas[7]
+    )  # the tree grew at step 4:
     assert arenas[4].capacity >= arenas[4].wanted  # a bigger arena from step 5, kept when it shrinks again
 
 
@@ -197,6 +217,7 @@ def test_the_next_saves_arena_is_made_and_faulted_once_the_save_before_it_is_dur
     is made when the first is durable, on the writer's thread, every page of it already resident, so
     the next save's copy on the caller's thread faults none. Later saves of that size keep it; a state
     that outgrows it gets a larger one the same way. Every step restores bit-exact."""
+
     def state(step: int, n: int = 3 << 20) -> dict:
         return {"w": np.arange(n, dtype=np.float32) + step, "b": np.full((1000,), step, np.int64)}
 

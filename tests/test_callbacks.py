@@ -38,12 +38,18 @@ def small_state(seed: int = 0) -> dict[str, Any]:
     k = jax.random.key(seed)
     params = {"w": jax.random.normal(k, (3, 4)), "b": jnp.zeros(4)}
     tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2))
-    return {"params": params, "opt_state": tx.init(params), "rng": jax.random.key(seed + 1),
-            "legacy_rng": jax.random.PRNGKey(seed + 2), "data": {"epoch": 0, "index": 0}}
+    return {
+        "params": params,
+        "opt_state": tx.init(params),
+        "rng": jax.random.key(seed + 1),
+        "legacy_rng": jax.random.PRNGKey(seed + 2),
+        "data": {"epoch": 0, "index": 0},
+    }
 
 
 def bump(state: dict[str, Any]) -> dict[str, Any]:
     """A different state of the same structure (one fake training step)."""
+
     def plus_one(x: Any) -> Any:
         is_key = isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
         return x + 1 if isinstance(x, jax.Array) and not is_key else x
@@ -68,6 +74,7 @@ def signals_restored():
 
 
 # ------------------------------------------------------------------------------------------ schedule
+
 
 def test_schedule_saves_every_n_steps_and_keeps_max_to_keep(ckpt_dir, signals_restored):
     state = small_state()
@@ -96,14 +103,22 @@ def test_save_interval_steps_is_refused_in_favour_of_every_steps(ckpt_dir):
 
 
 def test_manager_options_pass_through(ckpt_dir, signals_restored):
-    with CheckpointCallback(ckpt_dir, every_steps=1, max_to_keep=1, best_metric="acc", best_mode="max",
-                            keep_best=1, async_save=False) as ckpt:
+    with CheckpointCallback(
+        ckpt_dir,
+        every_steps=1,
+        max_to_keep=1,
+        best_metric="acc",
+        best_mode="max",
+        keep_best=1,
+        async_save=False,
+    ) as ckpt:
         for step, acc in enumerate([0.5, 0.9, 0.7, 0.6], start=1):
             ckpt(step, small_state(step), {"acc": acc})
         assert ckpt.manager.best_step() == 2 and ckpt.manager.all_steps() == [2, 4]
 
 
 # --------------------------------------------------------------------------------- resume, by shape
+
 
 def test_restore_or_without_checkpoint_returns_the_state_and_zero(ckpt_dir, signals_restored):
     state = small_state()
@@ -132,8 +147,14 @@ class ExtraState(train_state.TrainState):
 
 def _train_state(seed: int) -> ExtraState:
     params = {"dense": {"kernel": jnp.full((2, 3), float(seed)), "bias": jnp.zeros(3)}}
-    return ExtraState.create(apply_fn=lambda *a: None, params=params, tx=optax.sgd(0.1, momentum=0.9),
-                             rng=jax.random.key(seed), batch_stats={"mean": jnp.ones(3)}, epoch=0)
+    return ExtraState.create(
+        apply_fn=lambda *a: None,
+        params=params,
+        tx=optax.sgd(0.1, momentum=0.9),
+        rng=jax.random.key(seed),
+        batch_stats={"mean": jnp.ones(3)},
+        epoch=0,
+    )
 
 
 def test_train_state_subclass_with_extra_fields(ckpt_dir, signals_restored):
@@ -201,8 +222,10 @@ def test_nnx_model_optimizer_and_stateful_iterator_restored_in_place(ckpt_dir, s
     assert start == 3 and m is model2 and o is opt2 and p is pos2 and pos2.index == 3
     assert leaf_bytes(to_tree((model2, opt2, pos2))) == expected
     # and training continues identically from both
-    assert np.asarray(step(model, opt, jnp.ones((4, 3)))).tobytes() == \
-        np.asarray(step(model2, opt2, jnp.ones((4, 3)))).tobytes()
+    assert (
+        np.asarray(step(model, opt, jnp.ones((4, 3)))).tobytes()
+        == np.asarray(step(model2, opt2, jnp.ones((4, 3)))).tobytes()
+    )
 
 
 def test_restore_or_skips_a_damaged_newest_step(ckpt_dir, signals_restored):
@@ -234,12 +257,15 @@ def test_restore_or_when_every_step_is_damaged_raises_and_deletes_nothing(ckpt_d
 
 def test_restore_or_opens_the_step_it_restores_once(ckpt_dir, signals_restored, monkeypatch):
     from flax_ckpt._src.native import layout as native
+
     with CheckpointCallback(ckpt_dir, every_steps=1) as ckpt:
         ckpt(1, small_state())
     opened = []
     real = native._open_native
     with CheckpointCallback(ckpt_dir, every_steps=1) as ckpt:  # (its scan opened the step for its metrics)
-        monkeypatch.setattr(native, "_open_native", lambda storage, *a: opened.append(storage.url) or real(storage, *a))
+        monkeypatch.setattr(
+            native, "_open_native", lambda storage, *a: opened.append(storage.url) or real(storage, *a)
+        )
         got, start = ckpt.restore_or(small_state(3))
     assert start == 1 and leaf_bytes(got) == leaf_bytes(small_state())
     assert len(opened) == 1, opened  # its records serve both the target and the read
@@ -267,6 +293,7 @@ def test_restore_or_with_tiers_gives_the_state_types(tmp_path, signals_restored,
 
 
 # -------------------------------------------------------------------------------------- preemption
+
 
 def test_sigterm_with_flag_saves_that_step_and_sets_preempted(ckpt_dir, signals_restored):
     state = small_state()
@@ -376,7 +403,7 @@ def test_guard_off_the_main_thread_installs_nothing(signals_restored):
     assert signal.getsignal(signal.SIGTERM) is before and not guards[0].reached(1)
 
 
-CHILD = textwrap.dedent('''
+CHILD = textwrap.dedent("""
     import os, sys, time
     import jax, jax.numpy as jnp, optax
     from flax_ckpt.callbacks import CheckpointCallback
@@ -407,7 +434,7 @@ CHILD = textwrap.dedent('''
             print("first step done", flush=True)
         ckpt(step + 1, (state, ballast))
     print("finished", flush=True)
-''')
+""")
 
 
 def test_signals_during_the_first_compile_in_a_real_process(tmp_path):
@@ -437,7 +464,7 @@ def test_signals_during_the_first_compile_in_a_real_process(tmp_path):
     assert again.returncode == 0 and "start 1 " in again.stdout and "finished" in again.stdout, again
 
 
-MULTI_CHILD = textwrap.dedent('''
+MULTI_CHILD = textwrap.dedent("""
     import json, sys, time
     from helpers import start_worker
     cfg = json.loads(sys.argv[1])
@@ -452,7 +479,7 @@ MULTI_CHILD = textwrap.dedent('''
         time.sleep(0.005)
         print("step", step + 1, flush=True)
         ckpt(step + 1, state)
-''')
+""")
 
 
 def test_two_processes_stop_at_the_same_step_when_one_gets_sigterm(tmp_path):
@@ -477,7 +504,6 @@ def test_two_processes_stop_at_the_same_step_when_one_gets_sigterm(tmp_path):
     with fc.CheckpointManager(directory) as mgr:
         assert mgr.all_steps() == [int(steps[0][1])]
         assert np.asarray(mgr.restore(int(steps[0][1]))["w"]).tolist() == [float(steps[0][1])] * 4
-
 
 
 # ------------------------------------------------------------------------------- pmap (issue 43, 3)
@@ -523,8 +549,13 @@ PMAP_WORKER = textwrap.dedent("""
 
 
 def _pmap_run(directory, mode: str, devices: int, until: int) -> tuple[tuple[int, str], tuple[int, str]]:
-    r = subprocess.run([sys.executable, "-c", PMAP_WORKER, str(directory), mode, str(until)],
-                       env=worker_env(devices), capture_output=True, text=True, timeout=TIMEOUT_S)
+    r = subprocess.run(
+        [sys.executable, "-c", PMAP_WORKER, str(directory), mode, str(until)],
+        env=worker_env(devices),
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     lines = dict(line.split(" ", 1) for line in r.stdout.splitlines())
     restored, saved = lines["restored"].split(), lines["saved"].split()
@@ -551,6 +582,7 @@ def test_replicated_refuses_a_leaf_without_the_device_axis(ckpt_dir):
 
 
 # ------------------------------------------------------------------- nnx.State targets (issue 43, 5)
+
 
 def _trained_tiny(seed: int) -> tuple[Tiny, Any]:
     model = Tiny(nnx.Rngs(params=seed, dropout=seed + 1))
@@ -592,6 +624,7 @@ def test_restore_or_resumes_from_fc_save_of_an_nnx_state(ckpt_dir, signals_resto
 
 # ------------------------------------------------------------------------------ Python's random state
 
+
 def test_python_random_state_is_one_array_and_restores_bit_exact(ckpt_dir, signals_restored):
     """random.getstate()'s tuple and a random.Random (gauss_next set in both) are stored as one uint32
     array each; restore_or gives back an equal tuple and sets the Random in place, so both draw what
@@ -632,7 +665,7 @@ def test_python_random_state_stored_leaf_by_leaf_still_restores(ckpt_dir, signal
     assert got["b"] == random.Random(22).getstate()
 
 
-RANDOM_CHILD = textwrap.dedent('''
+RANDOM_CHILD = textwrap.dedent("""
     import json, os, random, signal, sys
     import numpy as np
     from flax_ckpt.callbacks import CheckpointCallback
@@ -650,7 +683,7 @@ RANDOM_CHILD = textwrap.dedent('''
                 os.kill(os.getpid(), signal.SIGTERM)  # a preemption: this step is saved, then exit 143
             ckpt(step + 1, {"global": random, "rng": rng, "w": state["w"] + step})
     ckpt.close()
-''')
+""")
 
 
 def test_python_random_draws_after_a_preempted_resume_equal_an_uninterrupted_run(tmp_path):

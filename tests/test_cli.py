@@ -48,11 +48,17 @@ def run_json(*args: str, expect: int = 0) -> dict:
 
 def state(scale: float = 1.0) -> dict:
     mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("data", "model"))
-    kernel = jax.device_put(jnp.arange(64.0, dtype=jnp.float32).reshape(8, 8) * scale,
-                            NamedSharding(mesh, P("data", "model")))
-    return {"params": {"dense": {"kernel": kernel, "bias": jnp.full((8,), scale, jnp.bfloat16)}},
-            "opt": {"mu": np.full((4, 4), scale, np.float32)}, "rng": jax.random.key(0),
-            "step": 3, "name": "run-a", "none": None}
+    kernel = jax.device_put(
+        jnp.arange(64.0, dtype=jnp.float32).reshape(8, 8) * scale, NamedSharding(mesh, P("data", "model"))
+    )
+    return {
+        "params": {"dense": {"kernel": kernel, "bias": jnp.full((8,), scale, jnp.bfloat16)}},
+        "opt": {"mu": np.full((4, 4), scale, np.float32)},
+        "rng": jax.random.key(0),
+        "step": 3,
+        "name": "run-a",
+        "none": None,
+    }
 
 
 def chunk(ckpt: str, key: str) -> dict:
@@ -76,10 +82,20 @@ def write_memory_copies(directory, local_dir: str) -> None:
     from flax_ckpt._src.tiers import store as tier_store
 
     root = fi.memory_tier_root(directory, local_dir)
-    for folder, step, process, commit in [("local", 3, 0, True), ("local", 7, 0, False), ("peer-p1", 3, 1, True)]:
+    for folder, step, process, commit in [
+        ("local", 3, 0, True),
+        ("local", 7, 0, False),
+        ("peer-p1", 3, 1, True),
+    ]:
         ident = {"step": step, "session": "s1", "process": process, "process_count": 2}
-        snap = tier_store.take_snapshot({"w": np.full(4, float(step))}, copy=True, force=False, step=step,
-                                        seen=tier_store.Seen(), base=None)
+        snap = tier_store.take_snapshot(
+            {"w": np.full(4, float(step))},
+            copy=True,
+            force=False,
+            step=step,
+            seen=tier_store.Seen(),
+            base=None,
+        )
         enc = tier_encode.encode(snap, ident, None, delta=False)
         tier_store.write_copy(os.path.join(root, "p0", folder), step, enc)
         if commit:
@@ -106,7 +122,9 @@ def ck(tmp_path_factory) -> dict[str, str]:
     c = chunk(paths["truncated"], "params/dense/bias")
     os.truncate(os.path.join(paths["truncated"], c["file"]), c["offset"] + 2)
     with open(os.path.join(paths["manifest"], "manifest.json"), "r+") as f:
-        text = f.read().replace('"float32"', '"float64"', 1)  # still valid JSON; the checksum no longer matches
+        text = f.read().replace(
+            '"float32"', '"float64"', 1
+        )  # still valid JSON; the checksum no longer matches
         f.seek(0)
         f.write(text)
     os.remove(os.path.join(paths["missing"], chunk(paths["missing"], "opt/mu")["file"]))
@@ -120,6 +138,7 @@ def ck(tmp_path_factory) -> dict[str, str]:
 
 
 # ---------------------------------------------------------------------------------------- help
+
 
 def test_help_of_the_console_script_lists_every_command():
     r = run("--help")
@@ -139,17 +158,28 @@ def test_every_subcommand_has_help_and_json(cmd, capsys):
 
 # ------------------------------------------------------------------------------------------ ls
 
+
 def test_ls_shows_steps_state_size_and_metrics(ck):
     doc = run_json("ls", ck["run"], "--local-dir", ck["shm"])
     by = {e["name"]: e for e in doc["steps"] if e["tier"] == "persistent"}
     assert [e["step"] for e in doc["steps"]] == [1, 2, 3, 3, 3, 5, 6, 7]  # steps only: leftovers apart
     memory = [(e["step"], e["tier"], e["state"]) for e in doc["steps"] if e["tier"] != "persistent"]
-    assert memory == [(3, "local-memory p0", "committed"), (3, "peer-memory p0 (of p1)", "committed"),
-                      (7, "local-memory p0", "uncommitted")]
+    assert memory == [
+        (3, "local-memory p0", "committed"),
+        (3, "peer-memory p0 (of p1)", "committed"),
+        (7, "local-memory p0", "uncommitted"),
+    ]
     assert [(e["step"], e["tier"], e["state"]) for e in doc["leftovers"]] == [
-        (4, "persistent", "in-flight"), (8, "local-memory p0", "in-flight")]
+        (4, "persistent", "in-flight"),
+        (8, "local-memory p0", "in-flight"),
+    ]
     assert [by[n]["state"] for n in ("1", "2", "3", "5", "6")] == [
-        "committed", "committed", "committed", "invalid", "uncommitted"]
+        "committed",
+        "committed",
+        "committed",
+        "invalid",
+        "uncommitted",
+    ]
     assert by["3"]["committed"] and not by["5"]["committed"] and by["3"]["tier"] == "persistent"
     assert by["2"]["metrics"] == {"loss": 0.5} and by["3"]["nbytes"] > 400
     assert "checksum mismatch" in by["5"]["problem"]
@@ -157,11 +187,14 @@ def test_ls_shows_steps_state_size_and_metrics(ck):
     assert text.returncode == 0
     line3 = next(ln for ln in text.stdout.splitlines() if ln.startswith("3 "))
     assert "committed" in line3 and "loss=0.333333" in line3 and "KiB" in line3
-    assert text.stdout.splitlines()[-1] == ("leftovers: 1 save in flight (or interrupted: the next manager to open "
-                                            "the directory removes them), 0 B: 4.tmp-0123abcd0123abcd0123abcd0123abcd")
+    assert text.stdout.splitlines()[-1] == (
+        "leftovers: 1 save in flight (or interrupted: the next manager to open "
+        "the directory removes them), 0 B: 4.tmp-0123abcd0123abcd0123abcd0123abcd"
+    )
 
 
 # ---------------------------------------------------------------------------------------- info
+
 
 def test_info_shows_tree_shapes_dtypes_bytes_sharding_and_totals(ck):
     r = run("info", ck["s3"])
@@ -187,17 +220,31 @@ def test_missing_path_exits_2_and_says_so_via_python_m(ck):
     r = run("verify", ck["run"] + "/404", module=True)
     assert r.returncode == 2 and "CheckpointNotFoundError" in r.stderr and "does not exist" in r.stderr
     r = run("info", ck["run"])  # a manager's directory, not one step
-    assert r.returncode == 2 and f"is a directory of steps [1, 2, 3]: pass one of them, e.g. {ck['s3']}" in r.stderr
+    assert (
+        r.returncode == 2
+        and f"is a directory of steps [1, 2, 3]: pass one of them, e.g. {ck['s3']}" in r.stderr
+    )
 
 
 # -------------------------------------------------------------------------------------- verify
 
+
 def test_verify_sound_checkpoint_exits_0_with_progress_on_stderr_only(ck):
     r = run("verify", ck["s3"], "--json", "--progress")  # stderr is a pipe here: bars only when asked for
     assert r.returncode == 0, r.stderr
-    assert json.loads(r.stdout) == {"path": ck["s3"], "ok": True, "problems": [], "verified": True, "leaves": 6,
-                                    "unverified": 0, "unverified_leaves": [], "steps": None, "skipped": [], "linked": [],
-                                    "gone": []}
+    assert json.loads(r.stdout) == {
+        "path": ck["s3"],
+        "ok": True,
+        "problems": [],
+        "verified": True,
+        "leaves": 6,
+        "unverified": 0,
+        "unverified_leaves": [],
+        "steps": None,
+        "skipped": [],
+        "linked": [],
+        "gone": [],
+    }
     assert "verify" in r.stderr  # the tqdm bar, never in stdout
     quiet = run("verify", ck["zarr"], "-q")
     assert quiet.returncode == 0 and quiet.stdout.startswith("OK ") and quiet.stderr == ""
@@ -218,8 +265,11 @@ def test_verify_truncated_file_names_the_file_and_the_leaves_past_its_end(ck):
     assert not doc["ok"]
     assert any(p["leaf"] is None and "truncated" in p["message"] for p in doc["problems"])
     cut = chunk(ck["s3"], "params/dense/bias")
-    past_end = {k for k, cs in leaf_chunks(ck["s3"]).items()
-                if any(c["file"] == cut["file"] and c["offset"] + c["nbytes"] > cut["offset"] + 2 for c in cs)}
+    past_end = {
+        k
+        for k, cs in leaf_chunks(ck["s3"]).items()
+        if any(c["file"] == cut["file"] and c["offset"] + c["nbytes"] > cut["offset"] + 2 for c in cs)
+    }
     assert "params/dense/bias" in past_end and len(past_end) < 4  # the fixture cut inside the file
     assert {p["leaf"] for p in doc["problems"] if p["leaf"]} == past_end
     assert all(p["file"] == cut["file"] for p in doc["problems"])
@@ -236,8 +286,9 @@ def test_verify_library_reports_missing_file_and_zarr3_damage(ck, tmp_path):
     gone = chunk(ck["s3"], "opt/mu")["file"]
     assert any(p.leaf is None and "missing" in p.message for p in problems)
     assert all(p.file == gone for p in problems)
-    assert {p.leaf for p in problems if p.leaf} == {k for k, cs in leaf_chunks(ck["s3"]).items()
-                                                    if any(c["file"] == gone for c in cs)}
+    assert {p.leaf for p in problems if p.leaf} == {
+        k for k, cs in leaf_chunks(ck["s3"]).items() if any(c["file"] == gone for c in cs)
+    }
     z = str(tmp_path / "zarr")
     shutil.copytree(ck["zarr"], z)
     cells = sorted(os.path.join(d, f) for d, _, fs in os.walk(z) for f in fs if "/c/" in os.path.join(d, f))
@@ -248,6 +299,7 @@ def test_verify_library_reports_missing_file_and_zarr3_damage(ck, tmp_path):
 
 
 # ---------------------------------------------------------------------------------------- diff
+
 
 def test_diff_lists_differing_leaves_with_max_abs_difference(ck):
     r = run("diff", ck["s1"], ck["s3"], "-q")
@@ -276,6 +328,7 @@ def test_diff_library_only_in_one_dtype_change_and_nans(tmp_path):
 
 # ------------------------------------------------------------------------------------- convert
 
+
 def test_convert_exports_params_to_safetensors(ck, tmp_path):
     from safetensors import safe_open
 
@@ -301,7 +354,12 @@ def test_convert_library_native_to_zarr3_and_safetensors_errors(ck, tmp_path):
     assert info.serializer == "zarr3" and info.step == 3 and info.metrics == {"loss": pytest.approx(1 / 3)}
     assert fi.diff(ck["s3"], dst).identical
     all_leaves = fi.convert(ck["s3"], str(tmp_path / "all.safetensors"), to="safetensors", subtree="")
-    assert all_leaves.leaves == 3 and set(all_leaves.skipped) == {"step", "name", "none", "rng"}  # keys skipped
+    assert all_leaves.leaves == 3 and set(all_leaves.skipped) == {
+        "step",
+        "name",
+        "none",
+        "rng",
+    }  # keys skipped
     bad = str(tmp_path / "bad")
     fc.save(bad, {"params": {"a": np.zeros(2, np.complex128), "b": {"c": np.ones(1)}, "b.c": np.ones(1)}})
     with pytest.raises(fc.CheckpointError, match="complex128") as e:
@@ -314,10 +372,13 @@ def test_convert_library_native_to_zarr3_and_safetensors_errors(ck, tmp_path):
 
 # ------------------------------------------------------------------------------------------ orbax
 
+
 def test_orbax_layout_info_convert_both_ways_and_diff(ck, tmp_path):
     ob = str(tmp_path / "orbax")
     assert run_json("convert", ck["s3"], ob, "--to", "orbax")["to"] == "orbax"
-    assert os.path.exists(os.path.join(ob, "_CHECKPOINT_METADATA")) and not os.path.exists(os.path.join(ob, "manifest.json"))
+    assert os.path.exists(os.path.join(ob, "_CHECKPOINT_METADATA")) and not os.path.exists(
+        os.path.join(ob, "manifest.json")
+    )
     info = run_json("info", ob)
     leaves = {d["key"]: d for d in info["leaves"]}
     assert info["format"] == "orbax" and leaves["params/dense/bias"]["dtype"] == "bfloat16"
@@ -357,7 +418,11 @@ def test_ls_and_prune_an_orbax_manager_directory(tmp_path):
     os.makedirs(d / f"4{ORBAX_TMP_MARK}-123")
     entries = fi.list_steps(d)
     assert [(e.step, e.state, e.format) for e in entries] == [
-        (1, "committed", "orbax"), (2, "committed", "orbax"), (3, "committed", "orbax"), (4, "in-flight", None)]
+        (1, "committed", "orbax"),
+        (2, "committed", "orbax"),
+        (3, "committed", "orbax"),
+        (4, "in-flight", None),
+    ]
     assert entries[1].metrics == {"loss": 0.5}
     r = fi.prune(d, keep=2)
     assert (r.deleted, r.kept) == ([1], [2, 3]) and sorted(locate.step_dirs(open_storage(d))) == [2, 3]
@@ -365,17 +430,30 @@ def test_ls_and_prune_an_orbax_manager_directory(tmp_path):
 
 # --------------------------------------------------------------------------------------- prune
 
+
 def test_prune_uses_manager_retention_with_dry_run(ck, tmp_path):
     d = tmp_path / "run"
     shutil.copytree(ck["run"], d)
     dry = run_json("prune", str(d), "--keep", "1", "--dry-run")
-    assert dry == {"directory": str(d), "dry_run": True, "would_delete": [1, 2], "kept": [3],  # no "deleted"
-                   "formats": ["native", "orbax"], "left_alone": []}
+    assert dry == {
+        "directory": str(d),
+        "dry_run": True,
+        "would_delete": [1, 2],
+        "kept": [3],  # no "deleted"
+        "formats": ["native", "orbax"],
+        "left_alone": [],
+    }
     assert sorted(os.listdir(d)) == ["1", "2", "3", "4.tmp-0123abcd0123abcd0123abcd0123abcd", "5", "6"]
     r = run("prune", str(d), "--keep", "1", "--best-metric", "loss", "--best-mode", "max", "--keep-best", "1")
     assert r.returncode == 0, r.stderr
     assert "deleted: 2" in r.stdout and "kept: 1, 3" in r.stdout
-    assert [e.name for e in fi.list_steps(d)] == ["1", "3", "4.tmp-0123abcd0123abcd0123abcd0123abcd", "5", "6"]
+    assert [e.name for e in fi.list_steps(d)] == [
+        "1",
+        "3",
+        "4.tmp-0123abcd0123abcd0123abcd0123abcd",
+        "5",
+        "6",
+    ]
 
 
 def test_prune_refuses_while_a_manager_holds_the_directory(tmp_path):

@@ -45,8 +45,13 @@ def cli_json(*args: str, expect: int = 0, umask: int = -1) -> dict:
 def src(tmp_path_factory) -> str:
     """Step 3 of a run, native: params, a PRNG key, metrics and user metadata."""
     path = tmp_path_factory.mktemp("frictions") / "run" / "3"
-    fc.save(path, {"params": {"w": np.arange(6.0, dtype=np.float32).reshape(2, 3)}, "rng": jax.random.key(0)},
-            step=3, metrics={"loss": 0.25}, metadata={"cfg": "a"})
+    fc.save(
+        path,
+        {"params": {"w": np.arange(6.0, dtype=np.float32).reshape(2, 3)}, "rng": jax.random.key(0)},
+        step=3,
+        metrics={"loss": 0.25},
+        metadata={"cfg": "a"},
+    )
     return str(path)
 
 
@@ -56,6 +61,7 @@ def carried(path: str) -> tuple:
 
 
 # --------------------------------------------------------------- item 5: convert keeps step and metrics
+
 
 def test_convert_to_an_orbax_step_folder_and_back_keeps_step_metrics_and_metadata(src, tmp_path):
     ob, back = str(tmp_path / "3"), str(tmp_path / "back")
@@ -106,6 +112,7 @@ def test_library_result_counts_leaves_and_fields_left_out(src, tmp_path):
 
 # ------------------------------------------- items 5 and 6: a safetensors export, its metadata and mode
 
+
 def test_safetensors_export_carries_step_metrics_metadata_and_follows_the_umask(src, tmp_path):
     from safetensors import safe_open
 
@@ -116,7 +123,10 @@ def test_safetensors_export_carries_step_metrics_metadata_and_follows_the_umask(
     with safe_open(dst, "np") as f:
         meta = f.metadata()
     assert {k: json.loads(meta[k]) for k in ("step", "metrics", "metadata")} == {
-        "step": 3, "metrics": {"loss": 0.25}, "metadata": {"cfg": "a"}}
+        "step": 3,
+        "metrics": {"loss": 0.25},
+        "metadata": {"cfg": "a"},
+    }
 
 
 @pytest.mark.parametrize("umask", [0o027, 0o077])
@@ -134,6 +144,7 @@ def test_export_mode_is_a_checkpoint_files_mode_under_any_umask(src, tmp_path, u
 
 # ------------------------------------------------------------------- item 8: diff of PRNG keys
 
+
 def test_diff_says_keys_differ_with_their_implementation_never_a_number(tmp_path):
     a, b, c, d = (str(tmp_path / n) for n in "abcd")
     fc.save(a, {"rng": jax.random.key(0), "keys": jax.random.split(jax.random.key(0), 2)})
@@ -142,7 +153,8 @@ def test_diff_says_keys_differ_with_their_implementation_never_a_number(tmp_path
     fi.convert(a, d, to="orbax")
     r = fi.diff(a, b)
     assert [(x.key, x.a, x.b, x.max_abs_diff) for x in r.differing] == [
-        ("rng", "key<threefry2x32>[]", "key<threefry2x32>[]", None)]
+        ("rng", "key<threefry2x32>[]", "key<threefry2x32>[]", None)
+    ]
     assert r.same == 1  # the equal key array
     [x] = fi.diff(a, c).differing
     assert (x.a, x.b, x.max_abs_diff) == ("key<threefry2x32>[]", "key<rbg>[]", None)
@@ -157,18 +169,25 @@ def test_diff_says_keys_differ_with_their_implementation_never_a_number(tmp_path
 
 # --------------------------------------------------- item 15: --help without jax or tensorstore
 
+
 def imported(stderr: str) -> set[str]:
     """The top-level packages a ``-X importtime`` run imported."""
-    return {m.group(1).strip().split(".")[0] for m in re.finditer(r"^import time:[^|]*\|[^|]*\|(.*)$", stderr, re.M)}
+    return {
+        m.group(1).strip().split(".")[0]
+        for m in re.finditer(r"^import time:[^|]*\|[^|]*\|(.*)$", stderr, re.M)
+    }
 
 
-@pytest.mark.parametrize("args, code, says", [
-    (["--help"], 0, "usage: flax-ckpt [-h] COMMAND"),
-    (["convert", "--help"], 0, "usage: flax-ckpt convert"),
-    (["convert", "a", "b", "--to", "onnx"], 2, "argument --to: invalid choice: 'onnx'"),
-    (["prune", "some/dir"], 2, "the following arguments are required: --keep"),
-    ([], 2, "the following arguments are required: COMMAND"),
-])
+@pytest.mark.parametrize(
+    "args, code, says",
+    [
+        (["--help"], 0, "usage: flax-ckpt [-h] COMMAND"),
+        (["convert", "--help"], 0, "usage: flax-ckpt convert"),
+        (["convert", "a", "b", "--to", "onnx"], 2, "argument --to: invalid choice: 'onnx'"),
+        (["prune", "some/dir"], 2, "the following arguments are required: --keep"),
+        ([], 2, "the following arguments are required: COMMAND"),
+    ],
+)
 def test_help_and_argument_errors_import_neither_jax_nor_tensorstore(args, code, says):
     r = cli(*args, env={**os.environ, "PYTHONPROFILEIMPORTTIME": "1"})
     assert r.returncode == code and says in r.stdout + r.stderr, (r.returncode, r.stdout, r.stderr[-2000:])
@@ -177,16 +196,22 @@ def test_help_and_argument_errors_import_neither_jax_nor_tensorstore(args, code,
 
 
 def test_python_m_help_is_as_light():
-    r = subprocess.run([sys.executable, "-X", "importtime", "-m", "flax_ckpt", "--help"], capture_output=True,
-                       text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "flax_ckpt", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 0 and "convert" in r.stdout
     assert not imported(r.stderr) & set(HEAVY)
 
 
 def test_the_public_api_is_imported_on_first_use(tmp_path):
-    code = ("import sys, flax_ckpt as fc; before = [m for m in %r if m in sys.modules]; "
-            "from flax_ckpt import *; print(before, CheckpointManager is fc.CheckpointManager, "
-            "issubclass(fc.StorageError, fc.CheckpointError), 'jax' in sys.modules)" % (HEAVY,))
+    code = (
+        "import sys, flax_ckpt as fc; before = [m for m in %r if m in sys.modules]; "
+        "from flax_ckpt import *; print(before, CheckpointManager is fc.CheckpointManager, "
+        "issubclass(fc.StorageError, fc.CheckpointError), 'jax' in sys.modules)" % (HEAVY,)
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.stdout.split() == ["[]", "True", "True", "True"], r.stderr
     with pytest.raises(AttributeError, match="has no attribute 'nothing_here'"):

@@ -20,8 +20,20 @@ from flax_ckpt._src.tools.cli import main as cli
 
 def test_info_shows_the_values_of_scalars_strings_and_empty_leaves(tmp_path, capsys):
     path = tmp_path / "ck"
-    fc.save(path, {"w": np.ones(2, np.float32), "step": 7, "lr": 0.001, "name": "run-a", "flag": True,
-                   "z": 1 + 2j, "none": None, "empty": {}}, step=7)
+    fc.save(
+        path,
+        {
+            "w": np.ones(2, np.float32),
+            "step": 7,
+            "lr": 0.001,
+            "name": "run-a",
+            "flag": True,
+            "z": 1 + 2j,
+            "none": None,
+            "empty": {},
+        },
+        step=7,
+    )
     assert cli(["info", str(path)]) == 0
     rows = {ln.split()[0]: ln.split()[1:] for ln in capsys.readouterr().out.splitlines()[4:-1]}
     assert rows["step"] == ["scalar", "int", "-", "0", "7"]
@@ -32,13 +44,22 @@ def test_info_shows_the_values_of_scalars_strings_and_empty_leaves(tmp_path, cap
     assert cli(["info", str(path), "--json"]) == 0
     leaves = {d["key"]: d for d in json.loads(capsys.readouterr().out)["leaves"]}
     assert [leaves[k]["value"] for k in ("step", "lr", "name", "flag", "z", "none", "empty")] == [
-        7, 0.001, "run-a", True, "(1+2j)", None, {}]
+        7,
+        0.001,
+        "run-a",
+        True,
+        "(1+2j)",
+        None,
+        {},
+    ]
     assert "value" not in leaves["w"]  # arrays: their bytes are never read by info
 
 
 HEAVY = ("jax", "tensorstore", "ml_dtypes")
-IMPORTED = "import sys; from flax_ckpt._src.tools.cli import main; rc = main(sys.argv[1:]); " \
-           "print(sorted(m for m in %r if m in sys.modules), file=sys.stderr); sys.exit(rc)" % (HEAVY,)
+IMPORTED = (
+    "import sys; from flax_ckpt._src.tools.cli import main; rc = main(sys.argv[1:]); "
+    "print(sorted(m for m in %r if m in sys.modules), file=sys.stderr); sys.exit(rc)" % (HEAVY,)
+)
 
 
 def _cli_cpu(*args: str) -> tuple[subprocess.CompletedProcess, float, list[str]]:
@@ -56,9 +77,18 @@ def _cli_cpu(*args: str) -> tuple[subprocess.CompletedProcess, float, list[str]]
 def test_ls_verify_and_info_of_a_local_native_run_import_no_jax_and_answer_in_half_a_second(tmp_path):
     run = tmp_path / "run"
     for s in (1, 2, 3):
-        fc.save(run / str(s), {"w": np.full((4, 4), s, np.float32), "b": np.ones(3, np.int8), "step": s},
-                step=s, metrics={"loss": 1.0 / s})
-    for args in (["ls", str(run)], ["verify", str(run)], ["info", str(run / "3")], ["prune", str(run), "--keep", "3"]):
+        fc.save(
+            run / str(s),
+            {"w": np.full((4, 4), s, np.float32), "b": np.ones(3, np.int8), "step": s},
+            step=s,
+            metrics={"loss": 1.0 / s},
+        )
+    for args in (
+        ["ls", str(run)],
+        ["verify", str(run)],
+        ["info", str(run / "3")],
+        ["prune", str(run), "--keep", "3"],
+    ):
         r, cpu, heavy = _cli_cpu(*args)
         assert r.returncode == 0, (args, r.stdout, r.stderr)
         assert heavy == [], (args, heavy)

@@ -78,8 +78,12 @@ def test_verify_ls_and_info_beside_a_live_run_never_report_damage(tmp_path, fmt)
         while (gone < 3 or rounds < 50) and time.monotonic() - start < 40:
             found, g = _false_reports(d)
             wrong, gone, rounds = wrong + found, gone + g, rounds + 1
-        cmd = subprocess.run([sys.executable, "-m", "flax_ckpt", "verify", d, "--json", "-q"], capture_output=True,
-                             text=True, timeout=120)
+        cmd = subprocess.run(
+            [sys.executable, "-m", "flax_ckpt", "verify", d, "--json", "-q"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     finally:
         open(stop, "w").close()
         writer.wait(timeout=120)
@@ -119,7 +123,9 @@ def test_a_step_deleted_while_verify_reads_it_is_gone_not_damaged(tmp_path, caps
     rc = cli([str(x) for x in ("verify", d, "--json", "-q")])
     doc = json.loads(capsys.readouterr().out)
     assert deleted and "1" not in deleted[0] and "2" not in deleted[0]
-    assert rc == 0 and doc["ok"] and doc["gone"] == [1, 2] and doc["problems"] == [] and doc["steps"] == [], doc
+    assert rc == 0 and doc["ok"] and doc["gone"] == [1, 2] and doc["problems"] == [] and doc["steps"] == [], (
+        doc
+    )
 
 
 def test_ls_lists_steps_and_sums_up_leftovers_in_one_line(tmp_path, capsys):
@@ -132,13 +138,17 @@ def test_ls_lists_steps_and_sums_up_leftovers_in_one_line(tmp_path, capsys):
     assert cli(["ls", str(d)]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert [ln.split()[0] for ln in lines[1:-1]] == ["1", "2"]
-    assert lines[-1] == (f"leftovers: 1 save in flight, 1 deletion in progress (or interrupted: the next manager to open "
-                         f"the directory removes them), 10 B: 3.tmp-{'ab' * 16}, 25.deleting-{'cd' * 16}")
+    assert lines[-1] == (
+        f"leftovers: 1 save in flight, 1 deletion in progress (or interrupted: the next manager to open "
+        f"the directory removes them), 10 B: 3.tmp-{'ab' * 16}, 25.deleting-{'cd' * 16}"
+    )
     assert cli(["ls", str(d), "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert [s["name"] for s in doc["steps"]] == ["1", "2"]
     assert [(x["name"], x["state"]) for x in doc["leftovers"]] == [
-        (f"3.tmp-{'ab' * 16}", "in-flight"), (f"25.deleting-{'cd' * 16}", "deleting")]
+        (f"3.tmp-{'ab' * 16}", "in-flight"),
+        (f"25.deleting-{'cd' * 16}", "deleting"),
+    ]
 
 
 @pytest.mark.parametrize("leftover", [None, "5.tmp-" + "ef" * 16, "ckpt_5.orbax-checkpoint-tmp-1234"])
@@ -152,4 +162,7 @@ def test_an_empty_run_is_one_message_whatever_its_format(tmp_path, capsys, lefto
     assert cli(["verify", str(d)]) == 0
     assert capsys.readouterr().out.splitlines()[0] == f"no steps in {d}: nothing to verify"
     assert cli(["info", str(d)]) == 2
-    assert f"CheckpointNotFoundError: no steps in {d}: a run directory without committed steps" in capsys.readouterr().err
+    assert (
+        f"CheckpointNotFoundError: no steps in {d}: a run directory without committed steps"
+        in capsys.readouterr().err
+    )

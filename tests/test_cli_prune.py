@@ -64,7 +64,11 @@ def test_flax_files_beside_native_steps_never_cost_the_native_steps(tmp_path, ca
     assert dry["left_alone"] == ["checkpoint_3", "checkpoint_4"]
     rc, real, err = prune_cli(capsys, str(d), "--keep", "1")
     assert rc == 0, err
-    assert (real["deleted"], real["kept"], real["left_alone"]) == (dry["would_delete"], dry["kept"], dry["left_alone"])
+    assert (real["deleted"], real["kept"], real["left_alone"]) == (
+        dry["would_delete"],
+        dry["kept"],
+        dry["left_alone"],
+    )
     assert sorted(os.listdir(d)) == [LOCK_FILE, "2", "checkpoint_3", "checkpoint_4"]
     assert all((d / n).read_bytes() == b for n, b in files.items())
     with fc.CheckpointManager(d, max_to_keep=1) as mgr:  # what the manager's own retention keeps
@@ -86,6 +90,7 @@ def test_a_folder_of_flax_files_alone_is_pruned_only_when_their_format_is_named(
 
 def test_each_format_keeps_its_own_newest_steps_in_prune_and_in_the_manager(tmp_path, capsys):
     """Orbax steps 1-3 and native steps 4-5 (an older flax_ckpt continued Orbax runs natively)."""
+
     def mixed(name):
         d = tmp_path / name
         for s in (1, 2, 3):
@@ -101,7 +106,9 @@ def test_each_format_keeps_its_own_newest_steps_in_prune_and_in_the_manager(tmp_
     assert [(e.step, e.format) for e in fi.list_steps(d)] == [(3, "orbax"), (5, "native")]
     assert fi.prune(d, keep=1, format="orbax").deleted == []
     m = mixed("manager")
-    with fc.CheckpointManager(m, max_to_keep=1, async_save=False) as mgr:  # writes native steps (the newest's)
+    with fc.CheckpointManager(
+        m, max_to_keep=1, async_save=False
+    ) as mgr:  # writes native steps (the newest's)
         mgr.save(6, tree(6))
         assert mgr.all_steps() == [3, 6] and mgr.restore()["step"] == 6
     assert sorted(os.listdir(m)) == [LOCK_FILE, "3", "6"]
@@ -117,7 +124,10 @@ def test_a_deletion_that_fails_is_a_storage_error_naming_it_and_leaves_no_lock(t
     assert [(e.step, e.format) for e in fi.list_steps(d)] == [(1, "orbax"), (2, "orbax"), (3, "orbax")]
     rc, doc, err = prune_cli(capsys, str(d), "--keep", "1")
     assert rc == 2 and doc["error"]["type"] == "StorageError", doc
-    assert f"{d}/{prefix}_1" in doc["error"]["message"] and "deleted before it: nothing" in doc["error"]["message"]
+    assert (
+        f"{d}/{prefix}_1" in doc["error"]["message"]
+        and "deleted before it: nothing" in doc["error"]["message"]
+    )
     assert sorted(os.listdir(d)) == [f"{prefix}_{s}" for s in (1, 2, 3)]  # nothing deleted, no lock file
 
 
@@ -134,7 +144,10 @@ def test_an_unexpected_error_is_one_line_never_a_traceback(tmp_path):
     header += b" " * (-len(header) % 8)
     path = tmp_path / "bad.safetensors"
     path.write_bytes(len(header).to_bytes(8, "little") + header + bytes(8))
-    r = subprocess.run([sys.executable, "-m", "flax_ckpt", "info", str(path)], capture_output=True, text=True,
-                       timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "flax_ckpt", "info", str(path)], capture_output=True, text=True, timeout=120
+    )
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
-    assert len(r.stderr.strip().splitlines()) == 1 and r.stderr.startswith("flax-ckpt info: error: "), r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and r.stderr.startswith("flax-ckpt info: error: "), (
+        r.stderr
+    )

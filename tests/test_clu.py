@@ -23,8 +23,12 @@ import jax.numpy as jnp
 import optax
 import pytest
 
-pytest.importorskip("clu.periodic_actions", reason="clu's periodic_actions needs clu, tensorflow and tensorboard "
-                    "(scripts/test_clu.sh; pip install flax-ckpt[clu])", exc_type=ImportError)
+pytest.importorskip(
+    "clu.periodic_actions",
+    reason="clu's periodic_actions needs clu, tensorflow and tensorboard "
+    "(scripts/test_clu.sh; pip install flax-ckpt[clu])",
+    exc_type=ImportError,
+)
 
 from clu import periodic_actions  # noqa: E402
 
@@ -41,8 +45,12 @@ def small_state(seed: int = 0) -> dict[str, Any]:
     k = jax.random.key(seed)
     params = {"w": jax.random.normal(k, (3, 4)), "b": jnp.zeros(4)}
     tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2))
-    return {"params": params, "opt_state": tx.init(params), "rng": jax.random.key(seed + 1),
-            "data": {"epoch": 0, "index": 0}}
+    return {
+        "params": params,
+        "opt_state": tx.init(params),
+        "rng": jax.random.key(seed + 1),
+        "data": {"epoch": 0, "index": 0},
+    }
 
 
 def bump(state: dict[str, Any]) -> dict[str, Any]:

@@ -21,8 +21,12 @@ KILLS = int(os.environ.get("FLAX_CKPT_CRASH_KILLS", "6"))
 def run_and_kill(directory: str, mode: str, delay: float, start: int = 1) -> int:
     """Starts the worker, kills it with SIGKILL ``delay`` s after it is ready; returns the newest step
     it had reported committed (0 if none)."""
-    proc = subprocess.Popen([sys.executable, str(WORKERS / "crash_worker.py"), directory, mode, str(start)],
-                            stdout=subprocess.PIPE, text=True, env=worker_env())
+    proc = subprocess.Popen(
+        [sys.executable, str(WORKERS / "crash_worker.py"), directory, mode, str(start)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=worker_env(),
+    )
     try:
         assert proc.stdout.readline().strip() == "ready"
         time.sleep(delay)

@@ -39,9 +39,11 @@ def always(monkeypatch):
 @jax.jit
 def _slow(a):
     """About a tenth of a second or more of one CPU core, its result the same as ``a``'s."""
+
     def body(_, c):
         m = jnp.tanh(c @ c.T) * 1e-6
         return c + (m[:, :1] - m[:, :1])
+
     return jax.lax.fori_loop(0, 30, body, a)
 
 
@@ -50,8 +52,12 @@ _step = jax.jit(lambda s: jax.tree.map(lambda x: x * 2 + 1, s), donate_argnums=0
 
 def _state(n: int = 256) -> dict:
     rng = np.random.default_rng(0)
-    return {"w": jnp.asarray(rng.standard_normal((n, n)).astype(np.float32)),
-            "b": jnp.arange(n, dtype=jnp.int32), "key": jax.random.key(3), "step": 7}
+    return {
+        "w": jnp.asarray(rng.standard_normal((n, n)).astype(np.float32)),
+        "b": jnp.arange(n, dtype=jnp.int32),
+        "key": jax.random.key(3),
+        "step": 7,
+    }
 
 
 def test_a_save_of_a_state_still_computing_returns_before_the_step_ends(tmp_path):
@@ -79,8 +85,11 @@ def test_a_save_of_a_state_still_computing_returns_before_the_step_ends(tmp_path
 @pytest.mark.parametrize("manager", ["persistent", "memory"])
 def test_save_then_donate_at_once_restores_bit_exact(tmp_path, always, manager, how, monkeypatch):
     monkeypatch.setattr(dev, "_HOW", how)  # CPU devices copy by device_put, accelerators by a jitted copy
-    tiers = fc.Tiers(local_dir=str(tmp_path / "shm"), peer=False, persist_interval_steps=None) \
-        if manager == "memory" else None
+    tiers = (
+        fc.Tiers(local_dir=str(tmp_path / "shm"), peer=False, persist_interval_steps=None)
+        if manager == "memory"
+        else None
+    )
     state = _state()
     want = {k: np.asarray(jax.random.key_data(v) if k == "key" else v) for k, v in state.items()}
     with fc.CheckpointManager(tmp_path / "run", tiers=tiers) as mgr:
@@ -90,8 +99,10 @@ def test_save_then_donate_at_once_restores_bit_exact(tmp_path, always, manager, 
         mgr.wait_until_finished()
         got = mgr.restore(1)
     assert got["step"] == 7
-    assert_bit_exact({k: np.asarray(jax.random.key_data(v) if k == "key" else v) for k, v in got.items()
-                      if k != "step"}, {k: v for k, v in want.items() if k != "step"})
+    assert_bit_exact(
+        {k: np.asarray(jax.random.key_data(v) if k == "key" else v) for k, v in got.items() if k != "step"},
+        {k: v for k, v in want.items() if k != "step"},
+    )
 
 
 @pytest.mark.parametrize("how", ["device_put", "jit"])
@@ -111,8 +122,11 @@ def test_sharded_on_eight_devices_then_donated_restores_bit_exact(tmp_path, alwa
     mesh = jax.make_mesh((4, 2), ("a", "b"))
     P, NS = jax.sharding.PartitionSpec, jax.sharding.NamedSharding
     shardings = {"w": NS(mesh, P("a", "b")), "v": NS(mesh, P("a")), "r": NS(mesh, P())}
-    host = {"w": np.arange(64 * 32, dtype=np.float32).reshape(64, 32), "v": np.arange(16, dtype=np.int32),
-            "r": np.float32([1.5, 2.5, 3.5])}
+    host = {
+        "w": np.arange(64 * 32, dtype=np.float32).reshape(64, 32),
+        "v": np.arange(16, dtype=np.int32),
+        "r": np.float32([1.5, 2.5, 3.5]),
+    }
     state = {k: jax.device_put(v, shardings[k]) for k, v in host.items()}
     state = _step(state)  # computed: its shards are XLA's buffers
     want = {k: v * 2 + 1 for k, v in host.items()}
@@ -166,8 +180,10 @@ def test_no_room_waits_for_the_step_and_says_so(tmp_path, monkeypatch):
 def test_headroom_from_memory_stats_leaves_a_margin():
     class Fake:
         id = 12345
+
         def memory_stats(self):
             return {"bytes_limit": 1000 << 20, "peak_bytes_in_use": 600 << 20, "bytes_in_use": 100 << 20}
+
     assert dev.headroom(Fake()) == (1000 - 600 - 100) << 20  # a tenth of the limit kept free
 
 
@@ -180,7 +196,8 @@ def test_a_donated_array_passed_to_save_is_refused_naming_it(tmp_path, always):
         mgr.wait_until_finished()
         assert mgr.all_steps() == []
     assert os.listdir(tmp_path / "run") in ([], [".flax_ckpt.lock"]) or all(
-        not e[0].isdigit() for e in os.listdir(tmp_path / "run"))
+        not e[0].isdigit() for e in os.listdir(tmp_path / "run")
+    )
 
 
 _fail = {"on": False}
@@ -199,8 +216,11 @@ def _failing(a):  # a pure callback: its failure is the step's outputs', no effe
 
 @pytest.mark.parametrize("manager", ["persistent", "memory"])
 def test_a_step_that_fails_on_the_device_is_a_clear_error_and_nothing_is_written(tmp_path, always, manager):
-    tiers = fc.Tiers(local_dir=str(tmp_path / "shm"), peer=False, persist_interval_steps=None) \
-        if manager == "memory" else None
+    tiers = (
+        fc.Tiers(local_dir=str(tmp_path / "shm"), peer=False, persist_interval_steps=None)
+        if manager == "memory"
+        else None
+    )
     big = jnp.ones((1024, 1024), jnp.float32)
     _failing(_slow(big)).block_until_ready()
     with fc.CheckpointManager(tmp_path / "run", tiers=tiers) as mgr:

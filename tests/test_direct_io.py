@@ -69,6 +69,7 @@ def _opens(monkeypatch) -> list[tuple[str, int]]:
     def spy(path, flags, *a, **k):
         seen.append((os.fspath(path), flags))
         return real(path, flags, *a, **k)
+
     monkeypatch.setattr(os, "open", spy)
     return seen
 
@@ -105,8 +106,12 @@ def test_tmp_path_and_tmpfs_round_trip_and_direct_io_follows_the_file_system(tmp
         folders.append(shm)
     try:
         for folder in folders:
-            fstype = subprocess.run(["findmnt", "-n", "-o", "FSTYPE", "--target", folder], capture_output=True,
-                                    text=True, check=True).stdout.split()[-1]  # the last of stacked mounts is seen
+            fstype = subprocess.run(
+                ["findmnt", "-n", "-o", "FSTYPE", "--target", folder],
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout.split()[-1]  # the last of stacked mounts is seen
             assert local._fs_type(os.stat(folder).st_dev) == fstype, folder
             opens = _opens(monkeypatch)
             _write_and_check(folder, [DIRECT_MIN + 12345], 1)
@@ -131,6 +136,7 @@ def test_a_refused_direct_open_or_write_goes_on_through_the_page_cache(small_ext
             refused.append(pos)
             raise OSError(errno.EINVAL, "Invalid argument")
         return real_pwrite(fd, data, pos)
+
     monkeypatch.setattr(os, "pwrite", pwrite)
     _write_and_check(small_ext4, [3 * STAGE + 17], 2)
     assert refused == [STAGE] and local.direct_io(small_ext4) is False
@@ -141,6 +147,7 @@ def test_a_refused_direct_open_or_write_goes_on_through_the_page_cache(small_ext
             refused.append(path)
             raise OSError(errno.EINVAL, "Invalid argument", path)
         return real_open(path, flags, *a, **k)
+
     monkeypatch.setattr(os, "open", refuse_direct_open)
     _write_and_check(small_ext4, [STAGE + 5], 3)
     _write_and_check(small_ext4, [STAGE + 6], 4)
@@ -163,6 +170,7 @@ def test_files_written_at_once_from_several_threads_keep_their_bytes(small_ext4)
                 os.unlink(os.path.join(small_ext4, f"t{i}", "f.bin"))
         except BaseException as e:  # noqa: BLE001
             errors.append(e)
+
     threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
     for t in threads:
         t.start()
@@ -191,6 +199,7 @@ def test_a_forked_child_writing_at_the_same_time_does_not_share_the_staging_buff
     def slow_pwrite(fd, data, pos):
         time.sleep(0.002)
         return real_pwrite(fd, data, pos)
+
     monkeypatch.setattr(os, "pwrite", slow_pwrite)
     go_r, go_w = os.pipe()
 
@@ -204,6 +213,7 @@ def test_a_forked_child_writing_at_the_same_time_does_not_share_the_staging_buff
                 ok &= f.read() == b"".join(bytes(memoryview(b).cast("B")) for b in bufs)
             os.unlink(os.path.join(small_ext4, name))
         return ok
+
     pid = os.fork()
     if pid == 0:  # the child: only numpy and os calls
         status = 1
@@ -242,11 +252,13 @@ def test_buffers_back_to_back_in_page_aligned_memory_are_written_from_it(small_e
     mem = np.frombuffer(arena, np.uint8)
     mem[:] = np.random.default_rng(7).integers(0, 256, mem.size, dtype=np.uint8)
     base = _address(mem)
-    cuts = {"aligned": [(0, DIRECT_MIN), (DIRECT_MIN, 4096), (DIRECT_MIN + 4096, STAGE)],
-            "tail": [(0, 3), (3, STAGE - 3), (STAGE, 4096 * 5 + 1)],
-            "gaps": [(0, STAGE + 7), (STAGE + 16, 4096), (2 * STAGE, 8192)],
-            "unaligned start": [(1, STAGE), (STAGE + 1, 100)]}[case]
-    bufs = [memoryview(mem[o:o + n]) for o, n in cuts]
+    cuts = {
+        "aligned": [(0, DIRECT_MIN), (DIRECT_MIN, 4096), (DIRECT_MIN + 4096, STAGE)],
+        "tail": [(0, 3), (3, STAGE - 3), (STAGE, 4096 * 5 + 1)],
+        "gaps": [(0, STAGE + 7), (STAGE + 16, 4096), (2 * STAGE, 8192)],
+        "unaligned start": [(1, STAGE), (STAGE + 1, 100)],
+    }[case]
+    bufs = [memoryview(mem[o : o + n]) for o, n in cuts]
     if case == "gaps":
         bufs.insert(1, b"not in the arena")
     takes, writes = [], []
@@ -257,8 +269,11 @@ def test_buffers_back_to_back_in_page_aligned_memory_are_written_from_it(small_e
         return real_take()
 
     def pwrite(fd, data, pos):
-        writes.append((_address(data) - base, len(data), pos, bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT)))
+        writes.append(
+            (_address(data) - base, len(data), pos, bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT))
+        )
         return real_pwrite(fd, data, pos)
+
     monkeypatch.setattr(local._stages, "take", take)
     monkeypatch.setattr(os, "pwrite", pwrite)
     LocalStorage(small_ext4).write("f.bin", bufs)

@@ -49,9 +49,11 @@ def saved(tmp_path_factory) -> tuple[Path, list[dict]]:
 def restored(saved) -> dict[str, list[dict]]:
     """Restore jobs, run concurrently: 4 processes x 1 device, 1 x 4 and 1 x 1."""
     d, _ = saved
-    jobs = {"4x1": mp_job(d.parent, "r41", "restore", 4, 1, dir=str(d), layouts=["x4"]),
-            "1x4": mp_job(d.parent, "r14", "restore", 1, 4, dir=str(d), layouts=["m14"], plain=True),
-            "1x1": mp_job(d.parent, "r11", "restore", 1, 1, dir=str(d), layouts=["one"])}
+    jobs = {
+        "4x1": mp_job(d.parent, "r41", "restore", 4, 1, dir=str(d), layouts=["x4"]),
+        "1x4": mp_job(d.parent, "r14", "restore", 1, 4, dir=str(d), layouts=["m14"], plain=True),
+        "1x1": mp_job(d.parent, "r11", "restore", 1, 1, dir=str(d), layouts=["one"]),
+    }
     try:
         for job in jobs.values():
             job.start()
@@ -63,6 +65,7 @@ def restored(saved) -> dict[str, list[dict]]:
 
 # ------------------------------------------------------------------------------------------- save
 
+
 @pytest.mark.timeout(150)
 def test_two_processes_write_their_own_shards_once(saved):
     d, _ = saved
@@ -71,8 +74,9 @@ def test_two_processes_write_their_own_shards_once(saved):
     tags = {name.split("/")[1].split(".")[0] for name in body["files"]}
     assert tags == {"p0", "p1"}  # each process wrote its own files
     arrays = [r for r in body["leaves"] if "chunks" in r]
-    array_bytes = sum(int(np.prod(r["shape"])) * np.dtype(dtype_from_name(r["dtype"])).itemsize
-                      for r in arrays)
+    array_bytes = sum(
+        int(np.prod(r["shape"])) * np.dtype(dtype_from_name(r["dtype"])).itemsize for r in arrays
+    )
     assert sum(body["files"].values()) == array_bytes  # replicated shards were written exactly once
     # bias is P("model"): both halves live on process 0's devices (mesh row data=0, replica 0) and
     # again on process 1's (data=1, replica 1); only process 0 writes them
@@ -102,8 +106,12 @@ def test_two_processes_stream_their_own_shards_once(saved):
 @pytest.mark.timeout(150)
 def test_metadata_shows_the_saved_multi_process_sharding(saved):
     d, results = saved
-    want = {"type": "NamedSharding", "axis_names": ["data", "model"], "mesh_shape": [2, 2],
-            "spec": ["data", "model"]}
+    want = {
+        "type": "NamedSharding",
+        "axis_names": ["data", "model"],
+        "mesh_shape": [2, 2],
+        "spec": ["data", "model"],
+    }
     info = fc.metadata(str(d / "ts"))
     assert info.process_count == 2
     assert info.leaves["params/dense/kernel"].sharding == want
@@ -126,6 +134,7 @@ def test_async_manager_on_two_processes_agrees_in_the_background(saved):
 
 # ---------------------------------------------------------------------------------------- restore
 
+
 @pytest.mark.timeout(200)
 def test_restore_on_four_processes_reads_only_what_each_needs(restored):
     results = restored["4x1"]
@@ -140,12 +149,15 @@ def test_restore_on_one_process_four_devices_and_one_device(restored):
     (one_by_four,), (one_by_one,) = restored["1x4"], restored["1x1"]
     assert one_by_one["one"]["read"] == one_by_one["one"]["stored"], one_by_one  # one box: each chunk once
     # four devices, four column boxes tiling the array: read together, each stored chunk once
-    assert one_by_four["m14"]["read"] == one_by_four["m14"]["needed"] == one_by_four["m14"]["stored"], one_by_four
+    assert one_by_four["m14"]["read"] == one_by_four["m14"]["needed"] == one_by_four["m14"]["stored"], (
+        one_by_four
+    )
     assert one_by_four["plain_leaves"] > 0
     assert one_by_four["mgr_steps"] == [2, 3]
 
 
 # ---------------------------------------------------------------------------------------- failure
+
 
 @pytest.mark.timeout(150)
 def test_process_killed_during_a_save_leaves_no_partial_step(tmp_path):

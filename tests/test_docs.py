@@ -22,8 +22,9 @@ DOCS = ROOT / "docs"
 README = ROOT / "README.md"
 
 # ".. autoclass:: Name", ".. py:data:: Name", ".. currentmodule:: flax_ckpt.callbacks", ...
-DIRECTIVE = re.compile(r"^\.\. (?:auto(?:function|class|exception|data)|py:data|(current)?(module)):: (\S+)\s*$",
-                       re.MULTILINE)
+DIRECTIVE = re.compile(
+    r"^\.\. (?:auto(?:function|class|exception|data)|py:data|(current)?(module)):: (\S+)\s*$", re.MULTILINE
+)
 
 
 def _documented() -> set[str]:
@@ -53,8 +54,7 @@ def test_every_public_name_is_in_the_api_reference_and_nothing_else():
 GUIDES = sorted(p for p in DOCS.glob("*.md"))
 PAGES = [README, *GUIDES]
 FENCED = re.compile(r"^(`{3,})([^\n`]*)\n(.*?)^\1\s*$", re.MULTILINE | re.DOTALL)
-DIRECTIVE_BLOCK = re.compile(r"^```\{(include|toctree|literalinclude)\}.*?^```\s*$",
-                             re.MULTILINE | re.DOTALL)
+DIRECTIVE_BLOCK = re.compile(r"^```\{(include|toctree|literalinclude)\}.*?^```\s*$", re.MULTILINE | re.DOTALL)
 LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
 WIDTH = 100
 
@@ -66,10 +66,14 @@ def code_blocks(text: str) -> list[tuple[str, str]]:
 
 def test_every_code_block_fits_100_columns():
     """A wider line is cut off behind a horizontal scroll bar on the site (and on GitHub)."""
-    wide = [f"{page.relative_to(ROOT)}: {len(line)} columns: {line[:60]}..."
-            for page in PAGES for info, body in code_blocks(page.read_text())
-            if not info.startswith("{")
-            for line in body.splitlines() if len(line) > WIDTH]
+    wide = [
+        f"{page.relative_to(ROOT)}: {len(line)} columns: {line[:60]}..."
+        for page in PAGES
+        for info, body in code_blocks(page.read_text())
+        if not info.startswith("{")
+        for line in body.splitlines()
+        if len(line) > WIDTH
+    ]
     assert wide == [], "code lines wider than 100 columns"
 
 
@@ -131,5 +135,7 @@ def test_changelog_is_one_release_list():
 
 def test_the_notebook_page_is_the_repository_notebook():
     page = DOCS / "notebooks" / "finetune.ipynb"
-    assert page.is_symlink(), "docs/notebooks/finetune.ipynb must link to notebooks/finetune.ipynb, not copy it"
+    assert page.is_symlink(), (
+        "docs/notebooks/finetune.ipynb must link to notebooks/finetune.ipynb, not copy it"
+    )
     assert page.resolve() == (ROOT / "notebooks" / "finetune.ipynb").resolve()

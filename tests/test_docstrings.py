@@ -16,8 +16,18 @@ import tokenize
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SCANNED = ("flax_ckpt", "callbacks", "tests", "benchmarks")
 # Where a path is looked up, besides the mentioning file's folder and the folders above it.
-BASES = ("", "flax_ckpt/_src", "flax_ckpt", "callbacks", "tests", "tests/workers", "benchmarks", "examples",
-         "scripts", "notebooks")
+BASES = (
+    "",
+    "flax_ckpt/_src",
+    "flax_ckpt",
+    "callbacks",
+    "tests",
+    "tests/workers",
+    "benchmarks",
+    "examples",
+    "scripts",
+    "notebooks",
+)
 PACKAGES = {"flax_ckpt": ROOT / "flax_ckpt", "flax_ckpt.callbacks": ROOT / "callbacks"}  # pyproject's mapping
 
 # Files of other projects (or of a user's project), named in our docstrings and comments; never ours.
@@ -27,9 +37,15 @@ FOREIGN = {
 }
 # Modules that moved; their old names mislead (an import alias of the same name in the file is fine).
 RETIRED = {
-    "checkpoint": "engine/snapshot.py, native/layout.py", "format": "checks.py, native/manifest.py",
-    "formats": "layouts.py", "inspect": "tools/", "orbax_compat": "orbax/", "tier_store": "tiers/store.py",
-    "tier_sync": "tiers/sync.py", "tier_files": "tiers/files.py", "tier_load": "tiers/load.py",
+    "checkpoint": "engine/snapshot.py, native/layout.py",
+    "format": "checks.py, native/manifest.py",
+    "formats": "layouts.py",
+    "inspect": "tools/",
+    "orbax_compat": "orbax/",
+    "tier_store": "tiers/store.py",
+    "tier_sync": "tiers/sync.py",
+    "tier_files": "tiers/files.py",
+    "tier_load": "tiers/load.py",
     "conftest_s3": "s3_fixtures.py",
 }
 
@@ -45,8 +61,11 @@ def _files() -> list[pathlib.Path]:
 def _texts(path: pathlib.Path) -> tuple[list[tuple[int, str]], ast.Module]:
     """(line, text) of every comment and docstring in ``path``, and its syntax tree."""
     src = path.read_text()
-    out = [(t.start[0], t.string) for t in tokenize.generate_tokens(io.StringIO(src).readline)
-           if t.type == tokenize.COMMENT]
+    out = [
+        (t.start[0], t.string)
+        for t in tokenize.generate_tokens(io.StringIO(src).readline)
+        if t.type == tokenize.COMMENT
+    ]
     tree = ast.parse(src)
     for node in ast.walk(tree):
         if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
@@ -82,7 +101,7 @@ def _path_exists(name: str, where: pathlib.Path) -> bool:
     if name in FOREIGN:
         return True
     if name.startswith("flax_ckpt/callbacks/"):
-        name = "callbacks/" + name[len("flax_ckpt/callbacks/"):]
+        name = "callbacks/" + name[len("flax_ckpt/callbacks/") :]
     folders = [where.parent, *where.parent.parents] + [ROOT / b for b in BASES]
     return any((f / name).is_file() for f in folders if f == ROOT or ROOT in f.parents)
 
@@ -90,7 +109,7 @@ def _path_exists(name: str, where: pathlib.Path) -> bool:
 def _module_path(dotted: str) -> pathlib.Path | None:
     for package, folder in sorted(PACKAGES.items(), key=lambda kv: -len(kv[0])):
         if dotted == package or dotted.startswith(package + "."):
-            rest = dotted[len(package):].lstrip(".").split(".") if dotted != package else []
+            rest = dotted[len(package) :].lstrip(".").split(".") if dotted != package else []
             base = folder.joinpath(*rest)
             for p in (base / "__init__.py", base.with_suffix(".py")):
                 if p.is_file():
@@ -126,8 +145,9 @@ def _ours() -> dict[str, pathlib.Path]:
 def _retired(name: str) -> re.Pattern:
     """``name`` as a module: ``name.attr``, or for a name that is no English word also ``name`` alone."""
     attr = rf"\.(?!(?:{'|'.join(FILE_TYPES)})\b)[A-Za-z_]\w*"
-    return re.compile(rf"(?<![\w./-]){name}(?:{attr}|\b(?![./-]\w))" if "_" in name
-                      else rf"(?<![\w./-]){name}{attr}")
+    return re.compile(
+        rf"(?<![\w./-]){name}(?:{attr}|\b(?![./-]\w))" if "_" in name else rf"(?<![\w./-]){name}{attr}"
+    )
 
 
 def _members() -> dict[str, set[str]]:
@@ -139,7 +159,8 @@ def _members() -> dict[str, set[str]]:
             for node in ast.walk(ast.parse(p.read_text())):
                 if isinstance(node, ast.ClassDef):
                     out.setdefault(node.name.lower(), set()).update(
-                        n.name for n in node.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)))
+                        n.name for n in node.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+                    )
     return out
 
 
@@ -166,14 +187,19 @@ def _problems() -> list[str]:
                     mod = ours[first]
                     sub = mod.parent / attr if mod.name == "__init__.py" else None
                     ok = attr in _bound(ast.parse(mod.read_text())) or (
-                        sub is not None and ((sub.with_suffix(".py")).is_file() or (sub / "__init__.py").is_file()))
+                        sub is not None
+                        and ((sub.with_suffix(".py")).is_file() or (sub / "__init__.py").is_file())
+                    )
                     why = None if ok else f"{mod.relative_to(ROOT)} has no {attr!r}"
                 else:
                     continue
                 if why:
                     out.append(f"{where}:{line}: {dotted}: {why}")
-            out += [f"{where}:{line}: {name!r} is a retired module (now {now})"
-                    for name, now in RETIRED.items() if name not in bound and _retired(name).search(text)]
+            out += [
+                f"{where}:{line}: {name!r} is a retired module (now {now})"
+                for name, now in RETIRED.items()
+                if name not in bound and _retired(name).search(text)
+            ]
     return out
 
 

@@ -14,8 +14,10 @@ from flax import nnx
 import flax_ckpt as fc
 from helpers import leaf_of, manifest_body, write_manifest_body
 
-TREE = {"params": {"dense": {"kernel": np.arange(24, dtype=np.float32).reshape(4, 6), "bias": np.zeros(6)}},
-        "step": 3}
+TREE = {
+    "params": {"dense": {"kernel": np.arange(24, dtype=np.float32).reshape(4, 6), "bias": np.zeros(6)}},
+    "step": 3,
+}
 
 
 def saved(tmp_path, serializer="raw"):
@@ -52,7 +54,9 @@ def test_save_over_committed_checkpoint_is_refused_and_keeps_it(tmp_path):
     path = saved(tmp_path)
     with pytest.raises(fc.CheckpointExistsError, match="never overwritten"):
         fc.save(path, {"other": np.ones(3)})
-    np.testing.assert_array_equal(fc.restore(path)["params"]["dense"]["kernel"], TREE["params"]["dense"]["kernel"])
+    np.testing.assert_array_equal(
+        fc.restore(path)["params"]["dense"]["kernel"], TREE["params"]["dense"]["kernel"]
+    )
     assert not [p for p in os.listdir(tmp_path) if ".tmp-" in p]
 
 
@@ -69,7 +73,10 @@ def test_structure_mismatch_lists_missing_and_unexpected(tmp_path):
 
 def test_shape_and_dtype_mismatch_show_both_for_every_leaf(tmp_path):
     path = saved(tmp_path)
-    target = {"params": {"dense": {"kernel": jnp.zeros((4, 6), jnp.bfloat16), "bias": np.zeros(5)}}, "step": 0.0}
+    target = {
+        "params": {"dense": {"kernel": jnp.zeros((4, 6), jnp.bfloat16), "bias": np.zeros(5)}},
+        "step": 0.0,
+    }
     with pytest.raises(fc.LeafMismatchError) as e:
         fc.restore(path, target)
     msg = str(e.value)
@@ -82,7 +89,10 @@ def test_shape_and_dtype_mismatch_show_both_for_every_leaf(tmp_path):
 
 def test_a_dtype_only_mismatch_suggests_restoring_the_saved_dtype_and_casting(tmp_path):
     path = saved(tmp_path)
-    target = {"params": {"dense": {"kernel": jnp.zeros((4, 6), jnp.bfloat16), "bias": np.zeros(6)}}, "step": 0}
+    target = {
+        "params": {"dense": {"kernel": jnp.zeros((4, 6), jnp.bfloat16), "bias": np.zeros(6)}},
+        "step": 0,
+    }
     with pytest.raises(fc.LeafMismatchError) as e:
         fc.restore(path, target)
     msg = str(e.value)
@@ -136,7 +146,9 @@ def test_unknown_format_version(tmp_path):
         fc.restore(path)
 
 
-@pytest.mark.parametrize("location", ["../../etc/passwd", "/etc/passwd", "data/../../x", "data//x", "./data/x"])
+@pytest.mark.parametrize(
+    "location", ["../../etc/passwd", "/etc/passwd", "data/../../x", "data//x", "./data/x"]
+)
 def test_locations_outside_the_folder_are_refused(tmp_path, location):
     path = saved(tmp_path)
     body = manifest_body(path)
@@ -203,12 +215,15 @@ def test_a_mesh_that_does_not_divide_the_saved_shape_is_a_target_mismatch_naming
 
     fc.save(tmp_path / "ck", {"w": np.arange(48 * 8, dtype=np.float32).reshape(48, 8)})
     five = NamedSharding(Mesh(np.array(jax.devices()[:5]), ("x",)), P("x"))  # 48 rows over 5 devices
-    with pytest.raises(fc.TargetMismatchError, match=r"restore of 'w' .*\[48, 8\].*Fix: restore with a process"):
+    with pytest.raises(
+        fc.TargetMismatchError, match=r"restore of 'w' .*\[48, 8\].*Fix: restore with a process"
+    ):
         fc.restore(tmp_path / "ck", {"w": jax.ShapeDtypeStruct((48, 8), np.float32, sharding=five)})
     assert fc.restore(tmp_path / "ck")["w"].shape == (48, 8)  # nothing lost
 
 
 # ------------------------------------------------------------------- issue 44 item 9: no raw errors
+
 
 @pytest.mark.parametrize("fmt", ["native", "orbax"])
 @pytest.mark.parametrize("what", ["link to an empty folder", "dangling link", "file", "link to a file"])
@@ -219,8 +234,10 @@ def test_a_save_onto_a_link_or_a_file_is_refused_and_touches_nothing(tmp_path, w
     if what == "file":
         dest = tmp_path / "file"
     else:
-        dest.symlink_to(tmp_path / {"link to an empty folder": "empty", "dangling link": "nowhere",
-                                    "link to a file": "file"}[what])
+        dest.symlink_to(
+            tmp_path
+            / {"link to an empty folder": "empty", "dangling link": "nowhere", "link to a file": "file"}[what]
+        )
     before = sorted(os.listdir(tmp_path))
     with pytest.raises(fc.CheckpointExistsError, match="Fix:") as e:
         fc.save(dest, {"w": np.ones(3)}, format=fmt)
@@ -245,6 +262,7 @@ def test_a_run_path_that_is_not_utf8_works_natively_and_is_a_clear_error_for_orb
 
 # --------------------------------------------- issue 43 item 7: abstract-mesh targets (jax.set_mesh)
 
+
 @pytest.mark.skipif(not hasattr(jax, "set_mesh"), reason="jax.set_mesh is newer than this jax (0.7+)")
 def test_a_target_over_an_abstract_mesh_restores_with_the_mesh_in_context_or_is_a_clear_error(tmp_path):
     import jax
@@ -255,8 +273,12 @@ def test_a_target_over_an_abstract_mesh_restores_with_the_mesh_in_context_or_is_
     mesh = jax.make_mesh((2, 2), ("a", "b"), devices=jax.devices()[:4])
 
     def model():
-        return nnx.Linear(4, 6, rngs=nnx.Rngs(0), kernel_init=nnx.with_partitioning(
-            nnx.initializers.lecun_normal(), ("a", "b")))
+        return nnx.Linear(
+            4,
+            6,
+            rngs=nnx.Rngs(0),
+            kernel_init=nnx.with_partitioning(nnx.initializers.lecun_normal(), ("a", "b")),
+        )
 
     with jax.set_mesh(mesh):
         state = nnx.state(model())
@@ -282,9 +304,15 @@ def test_a_target_over_an_abstract_mesh_restores_with_the_mesh_in_context_or_is_
 
 # ------------------------------------------ issue 43 item 4: readable errors with their diagnosis
 
+
 def wide_state(n=100):
-    return {"params": {f"layer{i:03d}": {"w": np.full((3, 4), i, np.float32), "b": np.zeros(4, np.float32)}
-                       for i in range(n)}, "step": 5}
+    return {
+        "params": {
+            f"layer{i:03d}": {"w": np.full((3, 4), i, np.float32), "b": np.zeros(4, np.float32)}
+            for i in range(n)
+        },
+        "step": 5,
+    }
 
 
 def test_a_replicated_pmap_state_restored_unreplicated_says_so_in_a_short_message(tmp_path):
@@ -305,8 +333,11 @@ def test_a_replicated_pmap_state_restored_unreplicated_says_so_in_a_short_messag
     np.testing.assert_array_equal(restored["params"]["layer007"]["w"], state["params"]["layer007"]["w"])
 
     fc.save(tmp_path / "plain", state)
-    with pytest.raises(fc.LeafMismatchError, match="the target is a state replicated by pmap.*"
-                                                   r"flax\.jax_utils\.replicate\(restored\)"):
+    with pytest.raises(
+        fc.LeafMismatchError,
+        match="the target is a state replicated by pmap.*"
+        r"flax\.jax_utils\.replicate\(restored\)",
+    ):
         fc.restore(tmp_path / "plain", jax_utils.replicate(state))
 
 
@@ -317,15 +348,31 @@ def nnx_state():
 
 
 @pytest.mark.skipif(not hasattr(nnx, "to_pure_dict"), reason="nnx.to_pure_dict is newer than this flax")
-@pytest.mark.parametrize("saved, target, diagnosis", [
-    ("pure", "state", "the target's key paths end in '/value' (an nnx.State) where the checkpoint's do not"),
-    ("state", "pure", "the checkpoint's key paths end in '/value' (a saved nnx.State) where the target's"),
-    ("pure", "nested pure", "the target nests every leaf under 'model/' where the checkpoint does not"),
-    ("tuple of pure", "state", "the checkpoint nests every leaf under '0/' where the target does not; the "
-                               "target's key paths end in '/value'"),
-])
-def test_a_prefix_or_value_nesting_difference_is_diagnosed_with_a_rename_that_works(tmp_path, saved, target,
-                                                                                   diagnosis):
+@pytest.mark.parametrize(
+    "saved, target, diagnosis",
+    [
+        (
+            "pure",
+            "state",
+            "the target's key paths end in '/value' (an nnx.State) where the checkpoint's do not",
+        ),
+        (
+            "state",
+            "pure",
+            "the checkpoint's key paths end in '/value' (a saved nnx.State) where the target's",
+        ),
+        ("pure", "nested pure", "the target nests every leaf under 'model/' where the checkpoint does not"),
+        (
+            "tuple of pure",
+            "state",
+            "the checkpoint nests every leaf under '0/' where the target does not; the "
+            "target's key paths end in '/value'",
+        ),
+    ],
+)
+def test_a_prefix_or_value_nesting_difference_is_diagnosed_with_a_rename_that_works(
+    tmp_path, saved, target, diagnosis
+):
     import re
 
     from flax import nnx
@@ -337,7 +384,7 @@ def test_a_prefix_or_value_nesting_difference_is_diagnosed_with_a_rename_that_wo
     with pytest.raises(fc.StructureMismatchError) as e:
         fc.restore(tmp_path / "ck", trees[target])
     msg = str(e.value)
-    assert diagnosis in msg and "missing=\"keep\"" not in msg
+    assert diagnosis in msg and 'missing="keep"' not in msg
     if "'/value'" in diagnosis:
         assert "nnx.to_pure_dict" in msg
     rule = re.search(r"pass rename=(\{.*?\})", msg).group(1)
@@ -348,18 +395,24 @@ def test_a_prefix_or_value_nesting_difference_is_diagnosed_with_a_rename_that_wo
 
 # -------------------------------------- issue 43 item 7: every error from a restore is a CheckpointError
 
-@pytest.mark.parametrize("kwargs, found", [
-    (dict(target={}, missing="drop"), "missing='drop'"),
-    (dict(target={}, unexpected="drop"), "unexpected='drop'"),
-    (dict(target={}, cast="yes"), "cast='yes': expected True or False"),
-    (dict(target={}, rename={"(": "x"}), "not a regular expression"),
-    (dict(target={}, rename=[("a", 1)]), "must be a str or None"),
-    (dict(target={}, rename=["abc"]), "expected \\(regex, replacement\\) pairs"),
-    (dict(rename={"params/(.*)": r"\2"}), "fails on"),
-    (dict(rename=lambda name: 7), "it returned 7"),
-    (dict(cast=True), "pass a target"),
-])
-def test_a_bad_restore_argument_is_a_checkpoint_error_and_still_a_value_or_type_error(tmp_path, kwargs, found):
+
+@pytest.mark.parametrize(
+    "kwargs, found",
+    [
+        (dict(target={}, missing="drop"), "missing='drop'"),
+        (dict(target={}, unexpected="drop"), "unexpected='drop'"),
+        (dict(target={}, cast="yes"), "cast='yes': expected True or False"),
+        (dict(target={}, rename={"(": "x"}), "not a regular expression"),
+        (dict(target={}, rename=[("a", 1)]), "must be a str or None"),
+        (dict(target={}, rename=["abc"]), "expected \\(regex, replacement\\) pairs"),
+        (dict(rename={"params/(.*)": r"\2"}), "fails on"),
+        (dict(rename=lambda name: 7), "it returned 7"),
+        (dict(cast=True), "pass a target"),
+    ],
+)
+def test_a_bad_restore_argument_is_a_checkpoint_error_and_still_a_value_or_type_error(
+    tmp_path, kwargs, found
+):
     path = saved(tmp_path)
     with pytest.raises(fc.CheckpointError, match=found) as e:
         fc.restore(path, **kwargs)

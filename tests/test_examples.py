@@ -31,14 +31,25 @@ pytestmark = pytest.mark.usefixtures("jax_compile_cache")  # the runs of one exa
 
 
 def train_cmd(script: str, directory: Path) -> list[str]:
-    return [sys.executable, str(EXAMPLES / script), "--directory", str(directory), "--steps", str(STEPS),
-            "--every", str(EVERY), "--log-every", "1"]
+    return [
+        sys.executable,
+        str(EXAMPLES / script),
+        "--directory",
+        str(directory),
+        "--steps",
+        str(STEPS),
+        "--every",
+        str(EVERY),
+        "--log-every",
+        "1",
+    ]
 
 
 def run(cmd: list[str], *, signal_at: int | None = None, sig: int = signal.SIGTERM) -> tuple[int, str]:
     """Runs ``cmd``; sends ``sig`` once it prints ``step <signal_at>``. Returns (status, output)."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=worker_env(devices=1))  # one CPU device, as a user has
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=worker_env(devices=1)
+    )  # one CPU device, as a user has
     watchdog = threading.Timer(TIMEOUT_S, proc.kill)
     watchdog.start()
     lines = []
@@ -80,6 +91,7 @@ def reference(tmp_path_factory):
             assert status == 0, out[-3000:]
             cache[script] = checkpoints(d), final_accuracy(out), d
         return cache[script]
+
     return get
 
 
@@ -120,9 +132,21 @@ def test_linen_sigterm_at_a_random_step_via_the_preemption_demo_is_bit_identical
     """examples/preemption_demo.py sends SIGTERM to train_linen.py at a random step and restarts it."""
     at = 10 * random.randint(EVERY // 10 + 1, STEPS // 30)  # the demo's child reports every 10 steps
     context = f"preemption_demo.py: SIGTERM after step {at}"
-    cmd = [sys.executable, str(EXAMPLES / "preemption_demo.py"), "--directory", str(tmp_path), "--steps",
-           str(STEPS), "--every", str(EVERY), "--at", str(at)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=2 * TIMEOUT_S, env=worker_env(devices=1))
+    cmd = [
+        sys.executable,
+        str(EXAMPLES / "preemption_demo.py"),
+        "--directory",
+        str(tmp_path),
+        "--steps",
+        str(STEPS),
+        "--every",
+        str(EVERY),
+        "--at",
+        str(at),
+    ]
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=2 * TIMEOUT_S, env=worker_env(devices=1)
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"{context}\n{out[-3000:]}"
     saved = re.search(r"run 1 saved step (\d+) and exited with status 143", out)
@@ -136,13 +160,24 @@ def test_the_demo_shows_only_the_library_s_log_lines_and_removes_its_temporary_f
     env = worker_env(devices=1)
     env.pop("JAX_PLATFORMS")  # as a user runs it: JAX looks for its backends and logs at INFO about it
     env["TMPDIR"] = str(tmp_path)
-    cmd = [sys.executable, str(EXAMPLES / "preemption_demo.py"), "--steps", "120", "--every", "50", "--at", "60"]
+    cmd = [
+        sys.executable,
+        str(EXAMPLES / "preemption_demo.py"),
+        "--steps",
+        "120",
+        "--every",
+        "50",
+        "--at",
+        "60",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=2 * TIMEOUT_S, env=env)
     out = proc.stdout + proc.stderr
     saved = re.search(r"run 1 saved step (\d+) and exited with status 143", out)  # a loaded machine may
     assert proc.returncode == 0 and saved and 60 <= int(saved[1]) < 120, out[-3000:]  # run past 60 first
     assert f"run 2 resumed from step {saved[1]} " in out, out[-3000:]
-    assert re.search(rf"^\[run 2\] INFO flax_ckpt[.\w]*: resumed from step {saved[1]} ", out, re.M), out[-3000:]
+    assert re.search(rf"^\[run 2\] INFO flax_ckpt[.\w]*: resumed from step {saved[1]} ", out, re.M), out[
+        -3000:
+    ]
     assert not re.search(r"^\[run \d\] INFO (?!flax_ckpt)", out, re.M), out[-3000:]
     assert list(tmp_path.iterdir()) == []
 
@@ -190,14 +225,18 @@ def test_examples_differ_from_a_checkpoint_free_loop_by_the_marked_lines():
         assert marked[1].startswith("ckpt = CheckpointCallback(")
         assert ".restore_or(" in marked[2] and marked[3].startswith("ckpt(step + 1, ")
         assert marked[4] == "ckpt.close()  # ckpt"
-        main = lines[next(i for i, line in enumerate(lines) if line.startswith("def main(")):]
+        main = lines[next(i for i, line in enumerate(lines) if line.startswith("def main(")) :]
         rest = [line for line in main if not line.endswith("  # ckpt")]
         shown = 'logging.getLogger("flax_ckpt").setLevel('  # which log lines show: the example's own choice
-        assert not [line for line in rest if ("ckpt" in line or "Checkpoint" in line)
-                    and not line.strip().startswith(shown)], script
+        assert not [
+            line
+            for line in rest
+            if ("ckpt" in line or "Checkpoint" in line) and not line.strip().startswith(shown)
+        ], script
 
 
 # ---------------------------------------------------------- the guide's loop snippets (docs/resuming.md), run
+
 
 def readme_snippet(marker: str) -> str:
     """The ```python block of the "Resuming" guide (docs/resuming.md) that holds ``marker``."""
@@ -220,23 +259,33 @@ def test_readme_snippet_continues_an_orbax_run_of_named_items(tmp_path):
     @jax.jit
     def train_step(state, batch):
         loss, grad = jax.value_and_grad(lambda w: jnp.mean((batch * w - 1.0) ** 2))(state["params"]["w"])
-        return {"params": {"w": state["params"]["w"] - 0.1 * grad, "b": state["params"]["b"] + 1},
-                "count": state["count"] + 1}, {"loss": loss}
+        return {
+            "params": {"w": state["params"]["w"] - 0.1 * grad, "b": state["params"]["b"] + 1},
+            "count": state["count"] + 1,
+        }, {"loss": loss}
 
     def batch_at(step):
         return np.random.default_rng(step).standard_normal(4).astype(np.float32)
 
     rng = np.random.default_rng(0)
-    saved = {"params": {"w": jnp.asarray(rng.standard_normal(4), jnp.float32), "b": jnp.full(2, 3, jnp.bfloat16)},
-             "count": jnp.int32(3)}
+    saved = {
+        "params": {"w": jnp.asarray(rng.standard_normal(4), jnp.float32), "b": jnp.full(2, 3, jnp.bfloat16)},
+        "count": jnp.int32(3),
+    }
     meta = {"lr": 0.1, "model": "mlp", "data": {"index": 3}}
     run_dir = tmp_path / "orbax_run"
     with ocp.CheckpointManager(run_dir, item_names=("state", "meta")) as mgr:
         mgr.save(3, args=ocp.args.Composite(state=ocp.args.StandardSave(saved), meta=ocp.args.JsonSave(meta)))
     fresh = jax.tree_util.tree_map(jnp.zeros_like, saved)
-    ns = {"CheckpointCallback": CheckpointCallback, "orbax_run_dir": str(run_dir), "state": fresh,
-          "meta": {"lr": 0.0, "model": "", "data": {"index": 0}}, "num_steps": 7, "train_step": train_step,
-          "batch_at": batch_at}
+    ns = {
+        "CheckpointCallback": CheckpointCallback,
+        "orbax_run_dir": str(run_dir),
+        "state": fresh,
+        "meta": {"lr": 0.0, "model": "", "data": {"index": 0}},
+        "num_steps": 7,
+        "train_step": train_step,
+        "batch_at": batch_at,
+    }
     exec(readme_snippet('restore_or({"state": state, "meta": meta})'), ns)
     assert ns["start"] == 3 and ns["meta"] == meta
     expected = saved  # the uninterrupted run: Orbax's step 3, then steps 3..6
@@ -246,8 +295,9 @@ def test_readme_snippet_continues_an_orbax_run_of_named_items(tmp_path):
     abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), saved)
     with ocp.CheckpointManager(run_dir, item_names=("state", "meta")) as mgr:
         assert mgr.all_steps() == [3, 7]
-        theirs = mgr.restore(7, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract),
-                                                        meta=ocp.args.JsonRestore()))
+        theirs = mgr.restore(
+            7, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore())
+        )
     assert leaf_bytes(theirs.state) == leaf_bytes(expected) and theirs.meta == meta
 
 
@@ -332,7 +382,9 @@ def test_readme_snippet_resumes_a_loop_of_epochs_mid_epoch_bit_exact(tmp_path):
     status, ref_out = child(tmp_path / "reference")
     assert status == 0 and "done" in ref_out and len(batches(ref_out)) == total, ref_out[-3000:]
     status, first = child(tmp_path / "run", stop_in=at)
-    assert status == 128 + signal.SIGTERM and len(batches(first)) == at, f"{context}: {status}\n{first[-3000:]}"
+    assert status == 128 + signal.SIGTERM and len(batches(first)) == at, (
+        f"{context}: {status}\n{first[-3000:]}"
+    )
     status, second = child(tmp_path / "run")
     assert status == 0 and f"resumed from step {at} of" in second, f"{context}\n{second[-3000:]}"
     assert batches(first) + batches(second) == batches(ref_out), context  # the same batches, in order

@@ -32,7 +32,7 @@ from helpers import assert_bit_exact, crash_state, step_state, worker_env
 TIMEOUT_S = 240
 SHAPE = (64, 33)
 
-CHILD = textwrap.dedent('''
+CHILD = textwrap.dedent("""
     import errno, gc, sys, time
     import flax_ckpt as fc
     from helpers import AfterWrite, assert_bit_exact, crash_state, step_state
@@ -84,14 +84,19 @@ CHILD = textwrap.dedent('''
             except fc.CheckpointLockedError:
                 time.sleep(0.1)
     print("end of script", flush=True)
-''')
+""")
 
 
 def run_child(tmp_path, case: str) -> subprocess.CompletedProcess:
     script = tmp_path / "child.py"
     script.write_text(CHILD)
-    return subprocess.run([sys.executable, str(script), str(tmp_path), case], capture_output=True, text=True,
-                          timeout=TIMEOUT_S, env=worker_env(devices=1))
+    return subprocess.run(
+        [sys.executable, str(script), str(tmp_path), case],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+        env=worker_env(devices=1),
+    )
 
 
 def assert_quiet_exit(r: subprocess.CompletedProcess) -> None:
@@ -111,8 +116,12 @@ def test_managers_left_open_exit_silently_with_their_steps_committed(tmp_path):
     r = run_child(tmp_path, "left-open")
     assert_quiet_exit(r)
     assert not r.stderr.strip(), r.stderr
-    saved = {"sync": step_state(1, SHAPE, 1), "async": step_state(1, SHAPE, 2), "tiered": step_state(1, SHAPE, 3),
-             "slow": crash_state(1)}
+    saved = {
+        "sync": step_state(1, SHAPE, 1),
+        "async": step_state(1, SHAPE, 2),
+        "tiered": step_state(1, SHAPE, 3),
+        "slow": crash_state(1),
+    }
     for name, want in saved.items():
         with reopen(tmp_path / name) as mgr:
             assert mgr.all_steps() == [1], name
@@ -126,7 +135,9 @@ def test_a_save_failing_at_exit_is_named_on_stderr_without_a_traceback(tmp_path)
     r = run_child(tmp_path, "failing")
     assert_quiet_exit(r)
     assert f"CheckpointManager({tmp_path / 'full'}) was not closed" in r.stderr, r.stderr
-    assert "step 1" in r.stderr and "No space left on device" in r.stderr and "not committed" in r.stderr, r.stderr
+    assert "step 1" in r.stderr and "No space left on device" in r.stderr and "not committed" in r.stderr, (
+        r.stderr
+    )
     with reopen(tmp_path / "full") as mgr:  # free; the crashed save's folder is removed, nothing committed
         assert mgr.all_steps() == []
 
@@ -140,13 +151,16 @@ def test_a_dropped_manager_frees_its_directory_at_once(tmp_path):
     assert_quiet_exit(r)
     for seed, name in ((4, "plain"), (5, "tiered")):
         with reopen(tmp_path / name) as mgr:
-            assert mgr.all_steps() == ([1, 2] if name == "plain" else [2]), name  # tiered: 1 was in memory only
+            assert mgr.all_steps() == ([1, 2] if name == "plain" else [2]), (
+                name
+            )  # tiered: 1 was in memory only
             assert_bit_exact(mgr.restore(2), step_state(2, SHAPE, seed), types=False)
     with reopen(tmp_path / "migrating") as mgr:
         assert_bit_exact(mgr.restore(1), step_state(1, SHAPE, 6), types=False)
 
 
 # ------------------------------------------------------------------------------------- item 17: lock file
+
 
 def cli_out(capsys, *args: str) -> str:
     assert cli(list(args)) == 0
@@ -167,7 +181,11 @@ def test_the_lock_file_stays_and_ls_prune_and_the_manager_ignore_it(tmp_path, ca
     caplog.set_level(logging.DEBUG, logger="flax_ckpt")
 
     assert LOCK_FILE not in cli_out(capsys, "ls", str(run))
-    assert [s["name"] for s in json.loads(cli_out(capsys, "ls", str(run), "--json", "-q"))["steps"]] == ["1", "2", "3"]
+    assert [s["name"] for s in json.loads(cli_out(capsys, "ls", str(run), "--json", "-q"))["steps"]] == [
+        "1",
+        "2",
+        "3",
+    ]
     pruned = json.loads(cli_out(capsys, "prune", str(run), "--keep", "1", "--json", "-q"))
     assert pruned["deleted"] == [1, 2] and pruned["kept"] == [3]
     assert sorted(os.listdir(run)) == [LOCK_FILE, "3"]

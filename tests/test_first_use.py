@@ -18,8 +18,12 @@ TREE = {"w": np.arange(4, dtype=np.float32)}
 def test_a_file_given_as_a_directory_is_a_checkpoint_error_naming_it(tmp_path):
     afile = tmp_path / "afile"
     afile.write_text("mine")
-    for make in (lambda: fc.CheckpointManager(afile), lambda: CheckpointCallback(afile, every_steps=1),
-                 lambda: fc.save(afile / "1", TREE), lambda: fc.CheckpointManager(afile / "run")):
+    for make in (
+        lambda: fc.CheckpointManager(afile),
+        lambda: CheckpointCallback(afile, every_steps=1),
+        lambda: fc.save(afile / "1", TREE),
+        lambda: fc.CheckpointManager(afile / "run"),
+    ):
         with pytest.raises(fc.CheckpointError, match=f"{afile} is a file, not a folder"):
             make()
     assert afile.read_text() == "mine" and sorted(os.listdir(tmp_path)) == ["afile"]
@@ -30,8 +34,11 @@ def test_restore_of_a_run_directory_names_its_steps(tmp_path):
         for step in (400, 450, 500):
             mgr.save(step, TREE, force=True)
     for call in (lambda: fc.restore(tmp_path / "run", TREE), lambda: fc.metadata(tmp_path / "run")):
-        with pytest.raises(fc.CheckpointNotFoundError, match=r"is a directory of steps \[400, 450, 500\].*"
-                                                             r"run/500\).*CheckpointManager"):
+        with pytest.raises(
+            fc.CheckpointNotFoundError,
+            match=r"is a directory of steps \[400, 450, 500\].*"
+            r"run/500\).*CheckpointManager",
+        ):
             call()
     os.makedirs(tmp_path / "crashed")  # a folder without a manifest and without steps: as before
     with pytest.raises(fc.CheckpointError, match="holds no committed checkpoint"):

@@ -18,11 +18,14 @@ import flax_ckpt as fc
 PQRS = {"p": {"q": np.array([1, 2])}, "r": np.array([7, 7]), "s": np.array([3])}
 
 
-@pytest.mark.parametrize("rename, leaf, folder", [
-    ({"r": "p"}, "'r' (renamed to 'p')", "'p/q'"),
-    ({"p/q": "r/q"}, "'r'", "'p/q' (renamed to 'r/q')"),
-    ({"r": "s/"}, "'s'", "'r' (renamed to 's/')"),
-])
+@pytest.mark.parametrize(
+    "rename, leaf, folder",
+    [
+        ({"r": "p"}, "'r' (renamed to 'p')", "'p/q'"),
+        ({"p/q": "r/q"}, "'r'", "'p/q' (renamed to 'r/q')"),
+        ({"r": "s/"}, "'s'", "'r' (renamed to 's/')"),
+    ],
+)
 def test_a_rename_that_puts_a_leaf_where_a_folder_is_is_refused_naming_both(tmp_path, rename, leaf, folder):
     fc.save(tmp_path / "ck", PQRS)
     with pytest.raises(fc.RenameCollisionError) as e:
@@ -43,7 +46,10 @@ def test_a_rename_that_moves_a_folder_whole_restores_everything_and_reports_it_t
     fc.save(tmp_path / "ck", PQRS)
     out, report = fc.restore(tmp_path / "ck", rename={"p/q": "p2/q", "r": "p/r"}, report=True)
     assert {k: sorted(v) if isinstance(v, dict) else v.tolist() for k, v in out.items()} == {
-        "p": ["r"], "p2": ["q"], "s": [3]}
+        "p": ["r"],
+        "p2": ["q"],
+        "s": [3],
+    }
     assert sorted(report.restored) == ["p/r", "p2/q", "s"]
 
 
@@ -67,18 +73,24 @@ def cast(tmp_path, values, dst):
     return fc.restore(tmp_path / "ck", {"w": np.zeros(values.shape, dst)}, cast=True)["w"]
 
 
-@pytest.mark.parametrize("values, dst, found", [
-    (np.array([1, 1000, -1e6], np.float32), F4,
-     r"2 values .*\(e\.g\. 1000\.0 would become 6\.0\).*finite range \[-6, 6\]"),
-    (np.array([1, 8, 100], np.float32), F6A, r"2 values .*8\.0 would become 7\.5.*\[-7\.5, 7\.5\]"),
-    (np.array([1, 29, 100], np.float32), F6B, r"1 values .*100\.0 would become 28\.0.*\[-28, 28\]"),
-    (np.array([1, np.inf], np.float32), E4M3FN, r"1 values .*inf would become nan.*has no infinity"),
-    (np.array([0, 1, -1], np.int32), E8M0, r"2 values .*0 would become nan"),
-    (np.array([True, False]), E8M0, r"1 values .*False would become nan"),
-    (np.array([np.nan, 1], np.float32), F4, r"1 values .*nan would become -?0\.0.*has no NaN"),
-    (np.array([1, 7], np.int8), F4, r"1 values .*7 would become 6\.0"),  # a tie rounds past 6, to even
-    (np.array([464, 465], np.float32), E4M3FN, r"1 values .*465\.0 would become nan"),
-])
+@pytest.mark.parametrize(
+    "values, dst, found",
+    [
+        (
+            np.array([1, 1000, -1e6], np.float32),
+            F4,
+            r"2 values .*\(e\.g\. 1000\.0 would become 6\.0\).*finite range \[-6, 6\]",
+        ),
+        (np.array([1, 8, 100], np.float32), F6A, r"2 values .*8\.0 would become 7\.5.*\[-7\.5, 7\.5\]"),
+        (np.array([1, 29, 100], np.float32), F6B, r"1 values .*100\.0 would become 28\.0.*\[-28, 28\]"),
+        (np.array([1, np.inf], np.float32), E4M3FN, r"1 values .*inf would become nan.*has no infinity"),
+        (np.array([0, 1, -1], np.int32), E8M0, r"2 values .*0 would become nan"),
+        (np.array([True, False]), E8M0, r"1 values .*False would become nan"),
+        (np.array([np.nan, 1], np.float32), F4, r"1 values .*nan would become -?0\.0.*has no NaN"),
+        (np.array([1, 7], np.int8), F4, r"1 values .*7 would become 6\.0"),  # a tie rounds past 6, to even
+        (np.array([464, 465], np.float32), E4M3FN, r"1 values .*465\.0 would become nan"),
+    ],
+)
 def test_a_cast_that_would_change_a_value_is_an_error_naming_it(tmp_path, values, dst, found):
     with pytest.raises(fc.CastOverflowError, match=found) as e:
         cast(tmp_path, values, dst)
@@ -87,14 +99,17 @@ def test_a_cast_that_would_change_a_value_is_an_error_naming_it(tmp_path, values
     assert "Fix:" in msg
 
 
-@pytest.mark.parametrize("values, dst", [
-    (np.array([1, 6, -6, 0.25, 6.9], np.float32), F4),  # 6.9 rounds to 6, the largest
-    (np.array([True, False]), F4),
-    (np.array([0.5, 1, 2.0 ** 100], np.float32), E8M0),
-    (np.array([np.nan, 448, -448, 464], np.float32), E4M3FN),  # it has a NaN; 464 is a tie, to even: 448
-    (np.array([np.nan, np.inf, -np.inf, 1], np.float32), ml_dtypes.bfloat16),
-    (np.array([-3, 3], np.int8), F6A),
-])
+@pytest.mark.parametrize(
+    "values, dst",
+    [
+        (np.array([1, 6, -6, 0.25, 6.9], np.float32), F4),  # 6.9 rounds to 6, the largest
+        (np.array([True, False]), F4),
+        (np.array([0.5, 1, 2.0**100], np.float32), E8M0),
+        (np.array([np.nan, 448, -448, 464], np.float32), E4M3FN),  # it has a NaN; 464 is a tie, to even: 448
+        (np.array([np.nan, np.inf, -np.inf, 1], np.float32), ml_dtypes.bfloat16),
+        (np.array([-3, 3], np.int8), F6A),
+    ],
+)
 def test_a_cast_of_values_the_target_holds_is_numpy_astype(tmp_path, values, dst):
     out = cast(tmp_path, values, dst)
     assert out.dtype == np.dtype(dst) and out.tobytes() == values.astype(dst).tobytes()

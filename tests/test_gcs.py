@@ -43,9 +43,11 @@ FAST_S = 10
 
 # -------------------------------------------------------------------------------------- endpoint
 
+
 @pytest.mark.parametrize("serializer", SERIALIZERS)
-def test_endpoint_from_options_wins_over_the_environment_and_leaves_it_alone(gcs: GcsPlace, monkeypatch,
-                                                                             serializer: str):
+def test_endpoint_from_options_wins_over_the_environment_and_leaves_it_alone(
+    gcs: GcsPlace, monkeypatch, serializer: str
+):
     """ObjectStoreOptions.endpoint takes a gs endpoint as it takes an S3 one, also for the zarr3 arrays
     that tensorstore opens later over the same bucket; TENSORSTORE_GCS_HTTP_URL is as it was after."""
     wrong = f"http://{HOST}:{free_port()}"  # nothing listens there
@@ -72,6 +74,7 @@ def test_endpoint_from_options_wins_over_the_environment_and_leaves_it_alone(gcs
 
 # ---------------------------------------------------------------------------------------- faults
 
+
 class _Rig:
     """reliability_s3's trials over gs://: the same judgement, the GCS front as the fault proxy."""
 
@@ -90,7 +93,9 @@ class _Rig:
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("serializer", SERIALIZERS)
-def test_faults_during_manager_save_and_restore_lose_nothing(gcs_faulty: GcsPlace, monkeypatch, serializer: str):
+def test_faults_during_manager_save_and_restore_lose_nothing(
+    gcs_faulty: GcsPlace, monkeypatch, serializer: str
+):
     import random
 
     point_env_at_gcs(monkeypatch, gcs_faulty.endpoint, attempts=3, delay_s=0.005)
@@ -120,10 +125,20 @@ def test_a_server_that_stalls_is_retried_then_fails_clearly(gcs_faulty: GcsPlace
     """Answers that stall past curl's low-speed limit (TENSORSTORE_CURL_LOW_SPEED_*, read once per process,
     hence a child) time out, are retried, and end in a StorageError naming the URL and the endpoint."""
     gcs_faulty.front.faults = Faults(delay_s=4.0)
-    env = dict(worker_env(devices=1), TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS="1",
-               TENSORSTORE_CURL_LOW_SPEED_LIMIT_BYTES="1", FLAX_CKPT_STORAGE_MAX_ATTEMPTS="2")
-    done = subprocess.run([sys.executable, "-c", _STALL_CHILD, f"{gcs_faulty.url}/ck"], env=env, cwd=tmp_path,
-                          capture_output=True, text=True, timeout=100)
+    env = dict(
+        worker_env(devices=1),
+        TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS="1",
+        TENSORSTORE_CURL_LOW_SPEED_LIMIT_BYTES="1",
+        FLAX_CKPT_STORAGE_MAX_ATTEMPTS="2",
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", _STALL_CHILD, f"{gcs_faulty.url}/ck"],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
     gcs_faulty.front.faults = Faults()
     r = json.loads(done.stdout.strip().splitlines()[-1])
     assert r["error"] == "StorageError", (r, done.stderr[-2000:])
@@ -134,6 +149,7 @@ def test_a_server_that_stalls_is_retried_then_fails_clearly(gcs_faulty: GcsPlace
 
 
 # ------------------------------------------------------------------------------- bad input
+
 
 def test_missing_bucket_is_a_clear_error_and_loses_nothing(gcs: GcsPlace):
     with fc.CheckpointManager(f"{gcs.url}/run", async_save=False) as mgr:
@@ -156,7 +172,9 @@ def test_missing_bucket_is_a_clear_error_and_loses_nothing(gcs: GcsPlace):
 
 @pytest.mark.parametrize("source", ["options", "env", "unresolvable"])
 def test_unreachable_endpoint_fails_fast_naming_it(monkeypatch, source):
-    endpoint = "http://nosuchhost.invalid:4443" if source == "unresolvable" else f"http://{HOST}:{free_port()}"
+    endpoint = (
+        "http://nosuchhost.invalid:4443" if source == "unresolvable" else f"http://{HOST}:{free_port()}"
+    )
     options = None
     if source == "options":
         monkeypatch.delenv(ENDPOINT_VAR, raising=False)
@@ -169,8 +187,12 @@ def test_unreachable_endpoint_fails_fast_naming_it(monkeypatch, source):
             mgr.save(1, small_tree())
     assert time.perf_counter() - t0 < FAST_S
     msg = str(err.value)
-    assert endpoint in msg and "gs://some-bucket/run" in msg and "Start the server, or fix the endpoint" in msg
-    assert ("ObjectStoreOptions.endpoint" if source == "options" else f"environment variable {ENDPOINT_VAR}") in msg
+    assert (
+        endpoint in msg and "gs://some-bucket/run" in msg and "Start the server, or fix the endpoint" in msg
+    )
+    assert (
+        "ObjectStoreOptions.endpoint" if source == "options" else f"environment variable {ENDPOINT_VAR}"
+    ) in msg
 
 
 _CREDS_CHILD = r"""
@@ -202,12 +224,22 @@ def test_refused_credentials_are_clear_permanent_errors_and_lose_nothing(gcs: Gc
     gcs.front.reset_stats()
     procs = {}
     for token in ("unknown-token", "confined-token"):
-        env = dict(worker_env(devices=1), GOOGLE_AUTH_TOKEN_FOR_TESTING=token, FLAX_CKPT_STORAGE_MAX_ATTEMPTS="10")
-        procs[token] = subprocess.Popen([sys.executable, "-c", _CREDS_CHILD, gcs.url], env=env, cwd=tmp_path,
-                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        env = dict(
+            worker_env(devices=1), GOOGLE_AUTH_TOKEN_FOR_TESTING=token, FLAX_CKPT_STORAGE_MAX_ATTEMPTS="10"
+        )
+        procs[token] = subprocess.Popen(
+            [sys.executable, "-c", _CREDS_CHILD, gcs.url],
+            env=env,
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
     try:
-        for token, want in (("unknown-token", "not authenticated (HTTP 401)"),
-                            ("confined-token", "permission denied (HTTP 403)")):
+        for token, want in (
+            ("unknown-token", "not authenticated (HTTP 401)"),
+            ("confined-token", "permission denied (HTTP 403)"),
+        ):
             out, err = procs[token].communicate(timeout=100)
             results = json.loads(out.strip().splitlines()[-1])
             for r in results:
@@ -228,6 +260,7 @@ def test_refused_credentials_are_clear_permanent_errors_and_lose_nothing(gcs: Gc
 
 # ----------------------------------------------------------------------- callback, CLI over gs://
 
+
 def test_callback_resumes_from_gs(gcs: GcsPlace):
     state = {"params": {"w": np.arange(6, dtype=np.float32)}, "data": {"epoch": 0, "index": 0}}
     url = f"{gcs.url}/cb"
@@ -236,15 +269,22 @@ def test_callback_resumes_from_gs(gcs: GcsPlace):
             state = {"params": {"w": state["params"]["w"] + 1}, "data": {"epoch": 0, "index": step}}
             ckpt(step, state)
     with CheckpointCallback(url, every_steps=2, max_to_keep=2) as ckpt:
-        got, start = ckpt.restore_or({"params": {"w": np.zeros(6, np.float32)}, "data": {"epoch": 0, "index": 0}})
+        got, start = ckpt.restore_or(
+            {"params": {"w": np.zeros(6, np.float32)}, "data": {"epoch": 0, "index": 0}}
+        )
         assert ckpt.manager.all_steps() == [4, 5]  # every 2nd step, and the last one on close; 2 kept
     assert start == 5 and got["data"] == {"epoch": 0, "index": 5}
     np.testing.assert_array_equal(got["params"]["w"], np.arange(6, dtype=np.float32) + 5)
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "flax_ckpt", *args], capture_output=True, text=True, timeout=120,
-                          env=worker_env(devices=1))
+    return subprocess.run(
+        [sys.executable, "-m", "flax_ckpt", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=worker_env(devices=1),
+    )
 
 
 def test_cli_ls_verify_and_prune_over_gs(gcs: GcsPlace):
@@ -268,6 +308,7 @@ def test_cli_ls_verify_and_prune_over_gs(gcs: GcsPlace):
 
 # ------------------------------------------------------------------------- server killed mid-save
 
+
 def big_state(step: int) -> dict:
     """Many zarr3 chunks (one object each): a save that takes a while, so the server can die during it."""
     rng = np.random.default_rng(step)
@@ -289,8 +330,14 @@ def test_server_killed_mid_save_commits_nothing_and_a_restart_recovers(tmp_path,
             def kill_once_step_2_is_under_way() -> None:
                 folder = root / bucket / "run"  # fake-gcs-server keeps object a/b/c as the file a/b/c
                 while not stop.is_set():
-                    if sum(len(files) for d, _, files in os.walk(folder) if "/2." in d or d.endswith("/2")
-                           or "/2/" in d) >= 3:
+                    if (
+                        sum(
+                            len(files)
+                            for d, _, files in os.walk(folder)
+                            if "/2." in d or d.endswith("/2") or "/2/" in d
+                        )
+                        >= 3
+                    ):
                         server.kill()
                         return
                     time.sleep(0.002)
@@ -308,7 +355,9 @@ def test_server_killed_mid_save_commits_nothing_and_a_restart_recovers(tmp_path,
             assert isinstance(cause, fc.StorageError) and url in str(cause), repr(cause)
             assert time.perf_counter() - t0 < 30
         server.start()  # the same port and data folder
-        assert not [k for k in server.keys_under(bucket, "run/2/") if k.endswith(MANIFEST)]  # nothing committed
+        assert not [
+            k for k in server.keys_under(bucket, "run/2/") if k.endswith(MANIFEST)
+        ]  # nothing committed
         with fc.CheckpointManager(url, serializer="zarr3") as mgr:
             assert mgr.all_steps() == [1]
             assert_bit_exact(mgr.restore(1, big_state(1)), big_state(1))

@@ -24,7 +24,7 @@ COMMENT_END = re.compile(r"-->\s*$")
 
 # The names a page's fragments use, made real. Keyed by page name.
 SETUP = {
-    "finetuning.md": '''
+    "finetuning.md": """
 import flax_ckpt as fc
 import jax
 import jax.numpy as jnp
@@ -37,7 +37,7 @@ new_params = {"backbone": {"w": jnp.zeros((4, 4))}, "head": {"w": jnp.zeros((4, 
 abstract_bf16_params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.bfloat16), pretrained)
 state = {**jax.tree.map(jnp.zeros_like, pretrained), "opt": {"mu": jnp.zeros(3)}}
 ckpt = CheckpointCallback("finetune_run", every_steps=10)
-''',
+""",
 }
 
 
@@ -48,11 +48,13 @@ def python_blocks(page: pathlib.Path) -> list[tuple[int, str, str | None]]:
     for m in FENCE.finditer(text):
         if m.group(1) != "python":
             continue
-        before = text[:m.start()].rstrip()
+        before = text[: m.start()].rstrip()
         skip = SKIP.search(before)
-        if COMMENT_END.search(before) and "<!-- test:" in before[before.rfind("<!--"):]:
-            assert skip, f"{page.name}: a test comment before line {text.count(chr(10), 0, m.start()) + 1} " \
-                         "must read <!-- test: skip (reason) -->"
+        if COMMENT_END.search(before) and "<!-- test:" in before[before.rfind("<!--") :]:
+            assert skip, (
+                f"{page.name}: a test comment before line {text.count(chr(10), 0, m.start()) + 1} "
+                "must read <!-- test: skip (reason) -->"
+            )
         out.append((text.count("\n", 0, m.start()) + 2, m.group(2), skip.group("reason") if skip else None))
     return out
 
@@ -84,8 +86,9 @@ def run_page(page: pathlib.Path) -> None:
         _close_open(ns)
 
 
-@pytest.mark.parametrize("page", [p for p in PAGES if any(r is None for _, _, r in python_blocks(p))],
-                         ids=lambda p: p.name)
+@pytest.mark.parametrize(
+    "page", [p for p in PAGES if any(r is None for _, _, r in python_blocks(p))], ids=lambda p: p.name
+)
 @pytest.mark.filterwarnings("ignore::UserWarning")  # orbax: "Sharding info not provided"
 def test_page_examples_run(page, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
@@ -102,10 +105,15 @@ def test_every_skipped_example_says_why_and_most_run():
 def test_a_failing_example_fails_the_test(tmp_path):
     """The runner runs every block that is not skipped and reports one that raises, by page and line."""
     page = tmp_path / "broken.md"
-    page.write_text("# A page\n\n```python\nx = 1\n```\n\n<!-- test: skip (not run on purpose here) -->\n"
-                    "```python\nraise KeyError('skipped')\n```\n\n```python\nraise ValueError(x)\n```\n")
+    page.write_text(
+        "# A page\n\n```python\nx = 1\n```\n\n<!-- test: skip (not run on purpose here) -->\n"
+        "```python\nraise KeyError('skipped')\n```\n\n```python\nraise ValueError(x)\n```\n"
+    )
     assert [(line, reason) for line, _, reason in python_blocks(page)] == [
-        (4, None), (9, "not run on purpose here"), (13, None)]
+        (4, None),
+        (9, "not run on purpose here"),
+        (13, None),
+    ]
     with pytest.raises(ValueError, match="^1$") as info:
         run_page(page)
     assert traceback.extract_tb(info.value.__traceback__)[-1].filename == "broken.md:13"
@@ -130,7 +138,11 @@ def test_every_command_line_shown_uses_options_the_command_has():
                     shown.setdefault(words[1], set()).update(options)
     assert {"ls", "info", "verify", "diff", "convert", "prune"} <= set(shown), sorted(shown)
     for command, options in sorted(shown.items()):
-        out = subprocess.run([sys.executable, "-m", "flax_ckpt", command, "--help"], capture_output=True,
-                             text=True, timeout=120)
+        out = subprocess.run(
+            [sys.executable, "-m", "flax_ckpt", command, "--help"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert out.returncode == 0, f"flax-ckpt {command} --help: {out.stderr[-500:]}"
         assert [o for o in sorted(options) if o not in out.stdout] == [], f"flax-ckpt {command}"

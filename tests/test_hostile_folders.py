@@ -35,7 +35,11 @@ OUTSIDE = b"the trainer's ssh config: must never be overwritten\n"
 
 
 def tree(step: int) -> dict:
-    return {"w": np.arange(12, dtype=np.float32).reshape(3, 4) + step, "b": np.full((5,), step, np.int16), "step": step}
+    return {
+        "w": np.arange(12, dtype=np.float32).reshape(3, 4) + step,
+        "b": np.full((5,), step, np.int16),
+        "step": step,
+    }
 
 
 def assert_tree(got: Any, step: int) -> None:
@@ -73,6 +77,7 @@ def never_hangs(fn: Callable[[], Any], seconds: float = 60) -> Any:
 
 # ------------------------------------------------------------------------------- 1. the lock file
 
+
 def _run_with_step(tmp_path) -> tuple[str, str]:
     run, outside = tmp_path / "run", tmp_path / "outside"
     fc.save(run / "1", tree(1), step=1)
@@ -102,8 +107,14 @@ def _plant(kind: str, lock: str, victim: str) -> None:
         raise AssertionError(kind)
 
 
-LOCK_CASES = {"symlink": "symbolic link", "dangling symlink": "symbolic link", "FIFO": "is a FIFO",
-              "folder": "is a folder", "hard link": "hard link", "another user's file": "another user"}
+LOCK_CASES = {
+    "symlink": "symbolic link",
+    "dangling symlink": "symbolic link",
+    "FIFO": "is a FIFO",
+    "folder": "is a folder",
+    "hard link": "hard link",
+    "another user's file": "another user",
+}
 
 
 def _opener(how: str, run: str, capsys) -> str:
@@ -134,7 +145,10 @@ def test_a_lock_file_that_is_not_ours_is_refused_and_left_untouched(tmp_path, ca
     assert not os.path.lexists(victim + ".new")  # a dangling link's target was not created
     after = os.lstat(lock)
     assert (stat.S_IFMT(after.st_mode), after.st_ino, after.st_size) == (
-        stat.S_IFMT(before.st_mode), before.st_ino, before.st_size)  # what was planted is left as found
+        stat.S_IFMT(before.st_mode),
+        before.st_ino,
+        before.st_size,
+    )  # what was planted is left as found
     if kind == "another user's file":
         with open(lock, "rb") as f:
             assert f.read() == OUTSIDE
@@ -159,9 +173,14 @@ def test_our_own_lock_file_is_reused_and_contention_still_refused(tmp_path):
 # --------------------------------------------------------------------- 2. only our temporary names
 
 USER_FILES = {  # names a user keeps in a run directory: none of them is ours to remove
-    "config.yaml.tmp-1": "file", "dataset.tmp-cache": "folder", "eval.orbax-checkpoint-tmp-results": "folder",
-    "notes.deleting-later.txt": "file", "5.tmp-1": "file", "6.deleting-soon": "folder",
-    "7.orbax-checkpoint-tmp-x": "folder", "notes.orbax-checkpoint-tmp": "file",
+    "config.yaml.tmp-1": "file",
+    "dataset.tmp-cache": "folder",
+    "eval.orbax-checkpoint-tmp-results": "folder",
+    "notes.deleting-later.txt": "file",
+    "5.tmp-1": "file",
+    "6.deleting-soon": "folder",
+    "7.orbax-checkpoint-tmp-x": "folder",
+    "notes.orbax-checkpoint-tmp": "file",
     "final.tmp-" + "ab" * 16: "folder",  # the name of a crashed fc.save of "final", which is no step
 }
 
@@ -187,12 +206,16 @@ def _interrupted_save(monkeypatch, save: Callable[[], Any], at: str) -> None:
     with monkeypatch.context() as m:
         m.setattr(commit_mod, "abort", lambda *a, **k: None)  # a crash runs no clean-up
         if at == "commit":
+
             def crash(*a, **k):
                 raise KeyboardInterrupt("crash before the commit")
+
             m.setattr(commit_mod, "commit", crash)
         else:
+
             def crash(self, src, dst):
                 raise KeyboardInterrupt("crash before the rename")
+
             m.setattr(LocalStorage, "rename", crash)
         with pytest.raises(KeyboardInterrupt):
             save()
@@ -201,15 +224,18 @@ def _interrupted_save(monkeypatch, save: Callable[[], Any], at: str) -> None:
 def _interrupted_deletion(monkeypatch, d, name: str, record: str) -> None:
     """Deletes step folder ``name`` with the real code and stops it after the un-commit (the rename)."""
     with monkeypatch.context() as m:
+
         def crash(self, name=""):
             raise KeyboardInterrupt("crash during the deletion")
+
         m.setattr(LocalStorage, "delete", crash)
         with pytest.raises(KeyboardInterrupt):
             commit_mod.remove(open_storage(d), name, record)
 
 
-def test_user_files_with_temporary_looking_names_survive_open_save_retention_and_prune(tmp_path, capsys,
-                                                                                       monkeypatch):
+def test_user_files_with_temporary_looking_names_survive_open_save_retention_and_prune(
+    tmp_path, capsys, monkeypatch
+):
     d = tmp_path / "run"
     for s in (1, 2, 3):
         fc.save(d / str(s), tree(s), step=s)
@@ -224,9 +250,13 @@ def test_user_files_with_temporary_looking_names_survive_open_save_retention_and
     with pytest.raises(fc.CheckpointNotCommittedError, match="in flight"):
         fc.restore(d / staged)
     rc, doc, _ = run_cli(capsys, "ls", str(d))
-    assert rc == 0 and sorted((s["name"], s["state"]) for s in doc["steps"]) == [("1", "committed"), ("3", "committed")]
+    assert rc == 0 and sorted((s["name"], s["state"]) for s in doc["steps"]) == [
+        ("1", "committed"),
+        ("3", "committed"),
+    ]
     assert sorted((s["name"], s["state"]) for s in doc["leftovers"]) == sorted(
-        (e, "deleting" if ".deleting-" in e else "in-flight") for e in leftovers)
+        (e, "deleting" if ".deleting-" in e else "in-flight") for e in leftovers
+    )
     with fc.CheckpointManager(d, max_to_keep=2) as mgr:  # the open removes the leftovers, nothing else
         assert mgr.all_steps() == [1, 3]
         assert sorted(os.listdir(d)) == sorted([LOCK_FILE, "1", "3", *USER_FILES])
@@ -254,8 +284,11 @@ def test_orbax_runs_user_files_survive_and_orbax_leftovers_are_removed(tmp_path,
     assert orbax_tmp == "ckpt_000004.orbax-checkpoint-tmp"
     (d / orbax_tmp / "default").mkdir(parents=True)
     (d / "ckpt_000005.orbax-checkpoint-tmp-1010101").mkdir()  # older Orbax releases add a timestamp
-    _interrupted_save(monkeypatch, lambda: write.save_step(open_storage(d), 8, snapshot(tree(8), copy=False),
-                                                           name="ckpt_000008"), "commit")
+    _interrupted_save(
+        monkeypatch,
+        lambda: write.save_step(open_storage(d), 8, snapshot(tree(8), copy=False), name="ckpt_000008"),
+        "commit",
+    )
     leftovers = sorted(set(os.listdir(d)) - set(USER_FILES) - {"ckpt_000001", "ckpt_000002", "ckpt_000003"})
     assert len(leftovers) == 3 and any(e.startswith("ckpt_000008.orbax-checkpoint-tmp-") for e in leftovers)
     with fc.CheckpointManager(d, max_to_keep=2) as mgr:
@@ -274,11 +307,25 @@ def test_orbax_runs_user_files_survive_and_orbax_leftovers_are_removed(tmp_path,
 
 def test_temporary_names_are_exactly_ours():
     hexes = "0123456789abcdef" * 2
-    for name, base in [(f"7.tmp-{hexes}", "7"), (f"7.deleting-{hexes}", "7"), ("7.orbax-checkpoint-tmp", "7"),
-                       ("ckpt_07.orbax-checkpoint-tmp-1712", "ckpt_07"), (f"final.tmp-{hexes}", "final")]:
+    for name, base in [
+        (f"7.tmp-{hexes}", "7"),
+        (f"7.deleting-{hexes}", "7"),
+        ("7.orbax-checkpoint-tmp", "7"),
+        ("ckpt_07.orbax-checkpoint-tmp-1712", "ckpt_07"),
+        (f"final.tmp-{hexes}", "final"),
+    ]:
         assert commit_mod.is_temporary(name) and commit_mod.base_name(name) == base, name
-    for name in [*USER_FILES, f"7.tmp-{hexes.upper()}", f"7.tmp-{hexes}0", f"7.tmp-{hexes}.bak", "7.tmp-",
-                 ".tmp-" + hexes, "7.orbax-checkpoint-tmp-", "7.orbax-checkpoint-tmp-12x", "7.damaged-0123abcd"]:
+    for name in [
+        *USER_FILES,
+        f"7.tmp-{hexes.upper()}",
+        f"7.tmp-{hexes}0",
+        f"7.tmp-{hexes}.bak",
+        "7.tmp-",
+        ".tmp-" + hexes,
+        "7.orbax-checkpoint-tmp-",
+        "7.orbax-checkpoint-tmp-12x",
+        "7.damaged-0123abcd",
+    ]:
         if name not in (f"final.tmp-{'ab' * 16}", "notes.orbax-checkpoint-tmp"):  # exact, but of no step
             assert not commit_mod.is_temporary(name) and commit_mod.base_name(name) == name, name
 
@@ -302,7 +349,9 @@ def test_folders_named_by_unicode_digits_are_no_steps(tmp_path, capsys, caplog):
     assert not [r for r in caplog.records if "damaged" in r.getMessage()]
     rc, doc, _ = run_cli(capsys, "ls", str(d))
     assert rc == 0 and [(s["name"], s["step"], s["state"]) for s in doc["steps"]] == [
-        ("1", 1, "committed"), ("3", 3, "committed")]
+        ("1", 1, "committed"),
+        ("3", 3, "committed"),
+    ]
     rc, doc, _ = run_cli(capsys, "verify", str(d))
     assert rc == 0 and doc["steps"] == [1, 3]
     rc, doc, _ = run_cli(capsys, "prune", str(d), "--keep", "1")
@@ -329,6 +378,7 @@ def test_orbax_step_names_need_ascii_digits(tmp_path):
 
 # ---------------------------------------------------------- 9. a step folder under another step's name
 
+
 def test_a_step_folder_copied_to_another_name_is_damaged_not_that_step(tmp_path, capsys, caplog):
     d = tmp_path / "run"
     with fc.CheckpointManager(d) as mgr:
@@ -344,7 +394,9 @@ def test_a_step_folder_copied_to_another_name_is_damaged_not_that_step(tmp_path,
     warned = [r.getMessage() for r in caplog.records if "damaged step 9" in r.getMessage()]
     assert warned and "folder name says step 9 but its manifest says step 1" in warned[0], warned
     with fc.CheckpointManager(d, strict=True) as mgr:  # strict: a damaged newest step is an error
-        with pytest.raises(fc.InvalidManifestError, match="folder name says step 9 but its manifest says step 1"):
+        with pytest.raises(
+            fc.InvalidManifestError, match="folder name says step 9 but its manifest says step 1"
+        ):
             mgr.restore()
     rc, doc, _ = run_cli(capsys, "ls", str(d))
     nine = next(s for s in doc["steps"] if s["name"] == "9")
@@ -374,8 +426,12 @@ def test_copies_under_other_step_names_never_shadow_the_run(tmp_path, src, dst):
     with fc.CheckpointManager(d) as mgr:
         assert mgr.all_steps() == [1, 2]
         assert_tree(mgr.restore(), 2)
-    with pytest.raises(fc.InvalidManifestError, match=f"says step {int(dst)} but its manifest says step {src}"):
-        layouts.step_folders(open_storage(d))[0][-1 if int(dst) > 2 else 0].layout.open(open_storage(d).sub(dst))
+    with pytest.raises(
+        fc.InvalidManifestError, match=f"says step {int(dst)} but its manifest says step {src}"
+    ):
+        layouts.step_folders(open_storage(d))[0][-1 if int(dst) > 2 else 0].layout.open(
+            open_storage(d).sub(dst)
+        )
     assert_tree(fc.restore(d / dst), int(src))
 
 

@@ -39,16 +39,27 @@ def run_py(code: str, timeout: float = 90) -> subprocess.CompletedProcess:
     """``code`` in a child Python (JAX on CPU, 8 GiB of address space at most), its output captured;
     the test fails (TimeoutExpired) rather than hangs when the child blocks."""
     head = "import resource; resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30))\n"
-    return subprocess.run([sys.executable, "-c", head + textwrap.dedent(code)], capture_output=True, text=True,
-                          timeout=timeout, env=worker_env(1))
+    return subprocess.run(
+        [sys.executable, "-c", head + textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=worker_env(1),
+    )
 
 
 def cli(*args: str, timeout: float = 90) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "flax_ckpt", *args], capture_output=True, text=True,
-                          timeout=timeout, env=worker_env(1))
+    return subprocess.run(
+        [sys.executable, "-m", "flax_ckpt", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=worker_env(1),
+    )
 
 
 # -------------------------------------------------------------------- item 4: exact chunk coverage
+
 
 def _craft(path, w: np.ndarray, boxes: list[list[tuple[int, int]]]) -> None:
     """A native checkpoint of ``w`` whose manifest lists ``boxes`` as the chunks of leaf "w": each
@@ -59,9 +70,17 @@ def _craft(path, w: np.ndarray, boxes: list[list[tuple[int, int]]]) -> None:
     chunks, parts, offset = [], [], 0
     for box in boxes:
         raw = np.ascontiguousarray(w[tuple(slice(s, e) for s, e in box)]).tobytes()
-        chunks.append({"block": 16, "crc32c": [crc32c.crc32c(raw[k:k + 16]) for k in range(0, len(raw), 16)] or
-                       [crc32c.crc32c(b"")], "file": "data/crafted.bin", "index": [list(b) for b in box],
-                       "nbytes": len(raw), "offset": offset})
+        chunks.append(
+            {
+                "block": 16,
+                "crc32c": [crc32c.crc32c(raw[k : k + 16]) for k in range(0, len(raw), 16)]
+                or [crc32c.crc32c(b"")],
+                "file": "data/crafted.bin",
+                "index": [list(b) for b in box],
+                "nbytes": len(raw),
+                "offset": offset,
+            }
+        )
         parts.append(raw)
         offset += len(raw)
     with open(os.path.join(path, "data", "crafted.bin"), "wb") as f:
@@ -86,8 +105,11 @@ def _overlapping(n: int) -> list[tuple[int, int]]:
 def test_overlapping_chunks_with_valid_checksums_are_refused(tmp_path, n):
     path = tmp_path / "ov"
     _one_d(n, _overlapping(n), path)
-    with pytest.raises(fc.InvalidManifestError, match=r"leaves\[0\]\.chunks \(leaf 'w'\).*element \[1\] is covered "
-                                                      r"by 2 chunks"):
+    with pytest.raises(
+        fc.InvalidManifestError,
+        match=r"leaves\[0\]\.chunks \(leaf 'w'\).*element \[1\] is covered "
+        r"by 2 chunks",
+    ):
         fc.restore(path)
     r = cli("verify", str(path))
     assert r.returncode == 1 and "DAMAGED" in r.stdout and "leaf 'w'" in r.stdout, r.stdout + r.stderr
@@ -100,8 +122,16 @@ def test_overlapping_chunks_of_a_two_dimensional_grid_are_refused(tmp_path):
     shape = (70, 70)
     w = np.arange(np.prod(shape), dtype=np.float32).reshape(shape)
     path = tmp_path / "grid"
-    _craft(path, w, [[(i, i + (2 if (i, j) == (0, 0) else 1)), (j, j + 1)]
-                     for i in range(shape[0]) for j in range(shape[1]) if (i, j) != (2, 0)])
+    _craft(
+        path,
+        w,
+        [
+            [(i, i + (2 if (i, j) == (0, 0) else 1)), (j, j + 1)]
+            for i in range(shape[0])
+            for j in range(shape[1])
+            if (i, j) != (2, 0)
+        ],
+    )
     with pytest.raises(fc.InvalidManifestError, match=r"element \[1, 0\] is covered by 2 chunks"):
         fc.restore(path)
 
@@ -127,7 +157,9 @@ def test_tiling_problem_agrees_with_counting_every_element(monkeypatch, pairwise
     for _ in range(600):
         shape = [rng.randint(1, 6) for _ in range(rng.randint(1, 3))]
         cuts = [sorted({0, d, *(rng.randint(0, d) for _ in range(rng.randint(0, 3)))}) for d in shape]
-        boxes = [[[c[i], c[i + 1]] for c, i in zip(cuts, idx)] for idx in np.ndindex(*[len(c) - 1 for c in cuts])]
+        boxes = [
+            [[c[i], c[i + 1]] for c, i in zip(cuts, idx)] for idx in np.ndindex(*[len(c) - 1 for c in cuts])
+        ]
         r = rng.random()
         if r < 0.25 and boxes:
             boxes.pop(rng.randrange(len(boxes)))
@@ -175,8 +207,16 @@ def test_memory_copy_whose_shards_overlap_falls_back_to_storage(tmp_path, caplog
         index = os.path.join(mgr.memory_tiers.local_dir, "1", tier_store.INDEX)
     body = json.loads(open(index, "rb").read())["body"]
     data = w.tobytes()
-    body["shards"] = [{"box": [[s, s + 4]], "chunks": [["r", crc32c.crc32c(data[4 * s:4 * s + 16]), 4 * s, 16]],
-                       "leaf": 0, "nbytes": 16, "primary": True} for s in (0, 2)]
+    body["shards"] = [
+        {
+            "box": [[s, s + 4]],
+            "chunks": [["r", crc32c.crc32c(data[4 * s : 4 * s + 16]), 4 * s, 16]],
+            "leaf": 0,
+            "nbytes": 16,
+            "primary": True,
+        }
+        for s in (0, 2)
+    ]
     with open(index, "r+b") as f:
         f.truncate(0)
         f.write(tier_store.encode_index(body))
@@ -191,6 +231,7 @@ def test_memory_copy_whose_shards_overlap_falls_back_to_storage(tmp_path, caplog
 
 # --------------------------------------------------- items 6 and 7: Orbax folders walked before reading
 
+
 @pytest.fixture(scope="module")
 def orbax_folders(tmp_path_factory):
     """{"ocdbt": ..., "plain": ...}: Orbax (zarr3) checkpoints of {"w": arange(1000), "b": ones((3, 4))}
@@ -200,11 +241,17 @@ def orbax_folders(tmp_path_factory):
     for name, ocdbt in (("ocdbt", True), ("plain", False)):
         handler = ocp.PyTreeCheckpointHandler(use_ocdbt=ocdbt, use_zarr3=True)
         made[name] = base / name
-        ocp.Checkpointer(handler).save(made[name], args=ocp.args.PyTreeSave(
-            {"w": np.arange(1000, dtype=np.float32), "b": np.ones((3, 4), np.int32)}))
+        ocp.Checkpointer(handler).save(
+            made[name],
+            args=ocp.args.PyTreeSave(
+                {"w": np.arange(1000, dtype=np.float32), "b": np.ones((3, 4), np.int32)}
+            ),
+        )
         made["outside-" + name] = base / ("outside-" + name)
-        ocp.Checkpointer(handler).save(made["outside-" + name], args=ocp.args.PyTreeSave(
-            {"w": SECRET, "b": np.full((3, 4), 7, np.int32)}))
+        ocp.Checkpointer(handler).save(
+            made["outside-" + name],
+            args=ocp.args.PyTreeSave({"w": SECRET, "b": np.full((3, 4), 7, np.int32)}),
+        )
     return made
 
 
@@ -268,10 +315,13 @@ def test_orbax_item_name_leading_out_of_the_step_is_refused(tmp_path, orbax_fold
     _copy(orbax_folders, "outside-ocdbt", tmp_path / "evil")
     handler = "orbax.checkpoint._src.handlers.pytree_checkpoint_handler.PyTreeCheckpointHandler"
     (tmp_path / "step" / "_CHECKPOINT_METADATA").write_text(
-        json.dumps({"item_handlers": {"default": handler, "../evil": handler}}))
+        json.dumps({"item_handlers": {"default": handler, "../evil": handler}})
+    )
     with pytest.raises(fc.CorruptCheckpointError, match="evil: an item of .* outside its folder"):
         fc.restore(tmp_path / "step")
-    np.testing.assert_array_equal(fc.restore(tmp_path / "step" / "default")["w"], np.arange(1000, dtype=np.float32))
+    np.testing.assert_array_equal(
+        fc.restore(tmp_path / "step" / "default")["w"], np.arange(1000, dtype=np.float32)
+    )
 
 
 FIFOS = {  # a FIFO in place of: (layout, the file)
@@ -293,7 +343,10 @@ def test_orbax_fifo_is_refused_and_nothing_blocks(tmp_path, orbax_folders, case)
     os.mkfifo(fifo)
     _refused_and_fifo_never_opened(path, fifo)
     r = cli("info", path, timeout=60)
-    if case in ("chunk", "chunk-folder"):  # info reads no array bytes: orbax/folders.py never reaches the FIFO
+    if case in (
+        "chunk",
+        "chunk-folder",
+    ):  # info reads no array bytes: orbax/folders.py never reaches the FIFO
         assert r.returncode == 0 and "w" in r.stdout, r.stdout + r.stderr
     else:
         assert r.returncode == 2 and "is not a regular file" in r.stderr, r.stdout + r.stderr
@@ -322,7 +375,8 @@ def test_orbax_fifo_behind_a_linked_array_folder_is_never_opened(tmp_path, orbax
 def _refused_and_fifo_never_opened(path: str, fifo: str) -> None:
     """fc.restore(path) in a child process: a CorruptCheckpointError naming a non-regular file, and
     nothing (no tensorstore thread left behind) holds ``fifo`` open for reading."""
-    r = run_py(f"""
+    r = run_py(
+        f"""
         import errno, os, time
         import flax_ckpt as fc
         try:
@@ -335,8 +389,12 @@ def _refused_and_fifo_never_opened(path: str, fifo: str) -> None:
             print("A READER OPENED THE FIFO")
         except OSError as e:
             print("NO READER" if e.errno == errno.ENXIO else e)
-    """, timeout=60)
-    assert r.returncode == 0 and "REFUSED" in r.stdout and "is not a regular file" in r.stdout, r.stdout + r.stderr
+    """,
+        timeout=60,
+    )
+    assert r.returncode == 0 and "REFUSED" in r.stdout and "is not a regular file" in r.stdout, (
+        r.stdout + r.stderr
+    )
     assert "NO READER" in r.stdout, r.stdout + r.stderr
 
 
@@ -362,6 +420,7 @@ def test_hard_links_are_reported_by_verify(tmp_path, orbax_folders, layout):
 
 
 # ------------------------------------------------------------------ item 8: Orbax memory is bounded
+
 
 def _rle_zstd(n: int) -> bytes:
     """A zstd frame of ``n`` zero bytes made of RLE blocks (4 bytes per 128 KiB), no content size."""
@@ -404,7 +463,9 @@ def test_orbax_array_declaring_64_gib_is_refused_without_allocating(tmp_path, or
     with open(meta, "w") as f:
         json.dump(doc, f)
     r = run_py(RESTORE_RSS.format(path=path))
-    assert "REFUSED CorruptCheckpointError" in r.stdout and "68719476736 bytes" in r.stdout, r.stdout + r.stderr
+    assert "REFUSED CorruptCheckpointError" in r.stdout and "68719476736 bytes" in r.stdout, (
+        r.stdout + r.stderr
+    )
     assert _rss(r.stdout) < 200, r.stdout
     assert fc.metadata(path).leaves["w"].shape == (1 << 34,)  # info reads no array bytes: it still answers
     r = cli("verify", path)
@@ -413,7 +474,9 @@ def test_orbax_array_declaring_64_gib_is_refused_without_allocating(tmp_path, or
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("reader", ["folders", "tensorstore"])
-def test_orbax_chunk_declared_larger_than_its_array_is_refused_without_allocating(tmp_path, orbax_folders, reader):
+def test_orbax_chunk_declared_larger_than_its_array_is_refused_without_allocating(
+    tmp_path, orbax_folders, reader
+):
     """w (1000 float32) declares chunks of 1 TiB: tensorstore would abort the process (std::bad_alloc)
     decoding one. Refused by orbax/folders.py, and before tensorstore reads (a symlinked array folder
     inside the checkpoint sends the step to tensorstore)."""
@@ -428,8 +491,12 @@ def test_orbax_chunk_declared_larger_than_its_array_is_refused_without_allocatin
         os.rename(os.path.join(path, "b"), os.path.join(path, "b-folder"))
         os.symlink("b-folder", os.path.join(path, "b"))
     r = run_py(RESTORE_RSS.format(path=path))
-    assert "REFUSED CorruptCheckpointError" in r.stdout and "refusing to decode them" in r.stdout, r.stdout + r.stderr
-    assert ("zarr.json: not zarr metadata" in r.stdout) == (reader == "folders"), r.stdout  # which reader refused
+    assert "REFUSED CorruptCheckpointError" in r.stdout and "refusing to decode them" in r.stdout, (
+        r.stdout + r.stderr
+    )
+    assert ("zarr.json: not zarr metadata" in r.stdout) == (reader == "folders"), (
+        r.stdout
+    )  # which reader refused
     assert _rss(r.stdout) < 200, r.stdout
 
 
@@ -453,7 +520,8 @@ def test_orbax_zeros_compressed_near_zstds_limit_still_restore(tmp_path):
     what Orbax writes."""
     path = tmp_path / "zeros"
     ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_ocdbt=False, use_zarr3=True)).save(
-        path, args=ocp.args.PyTreeSave({"z": np.zeros(32 << 20, np.float32)}))
+        path, args=ocp.args.PyTreeSave({"z": np.zeros(32 << 20, np.float32)})
+    )
     stored = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
     assert stored * 2 + (64 << 20) < (128 << 20)  # the native layout's bound would refuse it
     r = run_py(RESTORE_RSS.format(path=str(path)))

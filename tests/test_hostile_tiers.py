@@ -79,12 +79,15 @@ def owned_by_me(top: str) -> bool:
 
 # ------------------------------------------------------------------------ planted job folder (the attack)
 
+
 def test_a_job_folder_planted_by_another_user_is_refused_and_nothing_is_restored(tmp_path):
     """The reported attack: the job folder's name is sha256(directory)[:16], so another user creates it
     first, with a step-999 copy in it. The manager refuses to start, naming the folder and its owner;
     nothing of it is read, deleted or used."""
     d, local = str(tmp_path / "ckpt"), str(tmp_path / "shm")
-    with fc.CheckpointManager(d, tiers=fc.Tiers(local_dir=local, on_busy="wait", persist_interval_steps=1)) as mgr:
+    with fc.CheckpointManager(
+        d, tiers=fc.Tiers(local_dir=local, on_busy="wait", persist_interval_steps=1)
+    ) as mgr:
         mgr.save(1, state(1.0))  # persisted; cleanup=True removes the memory tiers at close
         job = os.path.dirname(mgr.memory_tiers.root)
     assert not os.path.exists(job)
@@ -104,6 +107,7 @@ def test_a_job_folder_planted_by_another_user_is_refused_and_nothing_is_restored
 
 
 # ------------------------------------------------------------------------- copies inside our own folder
+
 
 def _index_link(copy: str, tmp_path) -> None:
     outside = tmp_path / "outside"
@@ -143,8 +147,10 @@ def test_a_planted_copy_in_our_folder_is_never_restored(tmp_path, caplog, plant)
         mgr.wait_until_finished()
         assert_bit_exact(mgr.restore(target=state(0.0)), state(4.0), types=False)
     assert f"ignoring memory copy {os.path.join(root, 'local')}/{POISON}" in caplog.text
-    assert any(w in caplog.text for w in (f"uid {OTHER}", "writable by group or others", "symbolic link",
-                                          "2 names (hard links)"))
+    assert any(
+        w in caplog.text
+        for w in (f"uid {OTHER}", "writable by group or others", "symbolic link", "2 names (hard links)")
+    )
     assert not os.path.exists(target) and owned_by_me(local)
 
 
@@ -193,6 +199,7 @@ def test_a_file_with_a_second_hard_link_is_never_written_again(tmp_path, differe
 
 # ------------------------------------------------------------------------------------- folders
 
+
 def _symlink_to_own_folder(path: str, tmp_path) -> None:
     real = tmp_path / "real"
     real.mkdir(mode=0o700)
@@ -201,13 +208,25 @@ def _symlink_to_own_folder(path: str, tmp_path) -> None:
 
 
 FOLDERS = {  # what is done to which folder -> the words of the refusal
-    "local_dir-writable-by-others": ("local", lambda p, tmp: os.chmod(p, 0o777), "writable by group or others"),
+    "local_dir-writable-by-others": (
+        "local",
+        lambda p, tmp: os.chmod(p, 0o777),
+        "writable by group or others",
+    ),
     "local_dir-owned-by-another-user": ("local", lambda p, tmp: chown_tree(p), f"owned by uid {OTHER}"),
     "local_dir-is-a-symlink": ("local", _symlink_to_own_folder, "symbolic link"),
-    "job-folder-writable-by-others": ("job", lambda p, tmp: os.chmod(p, 0o777), "writable by group or others"),
+    "job-folder-writable-by-others": (
+        "job",
+        lambda p, tmp: os.chmod(p, 0o777),
+        "writable by group or others",
+    ),
     "job-folder-is-a-symlink": ("job", _symlink_to_own_folder, "symbolic link"),
     "process-folder-owned-by-another-user": ("proc", lambda p, tmp: chown_tree(p), f"owned by uid {OTHER}"),
-    "tier-folder-writable-by-others": ("tier", lambda p, tmp: os.chmod(p, 0o775), "writable by group or others"),
+    "tier-folder-writable-by-others": (
+        "tier",
+        lambda p, tmp: os.chmod(p, 0o775),
+        "writable by group or others",
+    ),
     "peer-folder-owned-by-another-user": ("peer", lambda p, tmp: chown_tree(p), f"owned by uid {OTHER}"),
 }
 
@@ -216,8 +235,13 @@ FOLDERS = {  # what is done to which folder -> the words of the refusal
 def test_an_unsafe_folder_is_refused_at_start_naming_it(tmp_path, case):
     which, spoil, words = FOLDERS[case]
     d, local, root = victim_run(tmp_path)
-    path = {"local": local, "job": os.path.dirname(root), "proc": root, "tier": os.path.join(root, "local"),
-            "peer": os.path.join(root, "peer-p1")}[which]
+    path = {
+        "local": local,
+        "job": os.path.dirname(root),
+        "proc": root,
+        "tier": os.path.join(root, "local"),
+        "peer": os.path.join(root, "peer-p1"),
+    }[which]
     if which == "peer":
         os.mkdir(path, 0o700)
     spoil(path, tmp_path)
@@ -242,7 +266,13 @@ def test_folders_are_made_private_whatever_the_umask(tmp_path):
             root = mgr.memory_tiers.root
     finally:
         os.umask(old)
-    for p in (local, os.path.dirname(root), root, os.path.join(root, "local"), os.path.join(root, "local", "1")):
+    for p in (
+        local,
+        os.path.dirname(root),
+        root,
+        os.path.join(root, "local"),
+        os.path.join(root, "local", "1"),
+    ):
         assert stat.S_IMODE(os.lstat(p).st_mode) == 0o700, p
     with fc.CheckpointManager(tmp_path / "ckpt", tiers=tiers(local)) as mgr:  # and they are accepted
         assert_bit_exact(mgr.restore(target=state(0.0)), state(1.0), types=False)
@@ -265,6 +295,7 @@ def test_a_system_sticky_folder_is_accepted_as_local_dir(tmp_path):
 
 
 # ------------------------------------------------------------------ whose job folder (issue 44, items 3, 4)
+
 
 def test_a_new_run_at_a_deleted_runs_path_never_restores_its_memory_copies(tmp_path, caplog):
     """The reported case (item 3): run A saves steps 1-15 with tiers (cleanup=False) and stops; `rm -rf`
@@ -338,9 +369,14 @@ def test_two_jobs_on_one_memory_url_never_share_memory_copies(tmp_path, caplog):
     B's step 7. Now B is refused while A lives; A's arrays and steps stay its own. After A is gone, B
     opens: A's copies are another run's (A's memory:// store died with it), ignored and removed."""
     url, local = f"memory://{tmp_path.name}/shared", str(tmp_path / "shm")
-    a = subprocess.Popen([sys.executable, "-c", _JOB_A, url, local], stdin=subprocess.PIPE,
-                         stdout=subprocess.PIPE, text=True, cwd=str(Path(__file__).resolve().parents[1]),
-                         preexec_fn=die_with_parent)
+    a = subprocess.Popen(
+        [sys.executable, "-c", _JOB_A, url, local],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=str(Path(__file__).resolve().parents[1]),
+        preexec_fn=die_with_parent,
+    )
     try:
         assert a.stdout.readline().strip() == "ready"
         with pytest.raises(fc.CheckpointLockedError, match="memory tiers: .* is in use by another live"):
@@ -390,8 +426,13 @@ def small_disk(tmp_path):
     """A 2 MiB tmpfs mounted at <tmp_path>/disk (skips where mounting is not allowed), unmounted after."""
     disk = tmp_path / "disk"
     disk.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(disk)],
-                                           capture_output=True).returncode != 0:
+    if (
+        os.geteuid() != 0
+        or subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(disk)], capture_output=True
+        ).returncode
+        != 0
+    ):
         pytest.skip("mounting a small tmpfs needs root")
     try:
         yield disk
@@ -409,9 +450,14 @@ def test_close_on_a_full_disk_during_the_final_migration_is_a_checkpoint_error(t
     disk = request.getfixturevalue("small_disk") if full == "tmpfs" else tmp_path
     d, local = str(disk / "run"), str(tmp_path / "shm")
     filler = "rlimit" if full == "rlimit" else str(disk / "filler")
-    run = subprocess.run([sys.executable, "-c", _FULL_DISK, d, local, filler], capture_output=True, text=True,
-                         timeout=120, cwd=str(Path(__file__).resolve().parents[1]),
-                         preexec_fn=die_with_parent)
+    run = subprocess.run(
+        [sys.executable, "-c", _FULL_DISK, d, local, filler],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=str(Path(__file__).resolve().parents[1]),
+        preexec_fn=die_with_parent,
+    )
     if full == "tmpfs":
         os.unlink(filler)
     got = json.loads(run.stdout.strip().splitlines()[-1])

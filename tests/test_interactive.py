@@ -40,12 +40,14 @@ LOOP = textwrap.dedent("""
 
 
 def _cell(directory, *, every: int, fail_at: int, sleep: float) -> str:
-    return (f"DIR, EVERY, FAIL_AT, SLEEP = {str(directory)!r}, {every}, {fail_at}, {sleep}\n" + LOOP)
+    return f"DIR, EVERY, FAIL_AT, SLEEP = {str(directory)!r}, {every}, {fail_at}, {sleep}\n" + LOOP
 
 
 def _outputs(cell) -> str:
-    return "".join(o.get("text", "") + "".join(o.get("traceback", [])) + o.get("ename", "")
-                   for o in cell.get("outputs", []))
+    return "".join(
+        o.get("text", "") + "".join(o.get("traceback", [])) + o.get("ename", "")
+        for o in cell.get("outputs", [])
+    )
 
 
 def test_cell_run_again_after_its_loop_raised(tmp_path):
@@ -54,8 +56,10 @@ def test_cell_run_again_after_its_loop_raised(tmp_path):
     is closed with a warning saying so, instead of CheckpointLockedError naming the kernel's own pid."""
     directory = tmp_path / "run"
     nb = nbformat.v4.new_notebook()
-    nb.cells = [nbformat.v4.new_code_cell(_cell(directory, every=5, fail_at=12, sleep=0)),
-                nbformat.v4.new_code_cell(_cell(directory, every=5, fail_at=-1, sleep=0))]
+    nb.cells = [
+        nbformat.v4.new_code_cell(_cell(directory, every=5, fail_at=12, sleep=0)),
+        nbformat.v4.new_code_cell(_cell(directory, every=5, fail_at=-1, sleep=0)),
+    ]
     NotebookClient(nb, timeout=TIMEOUT_S, kernel_name="python3", allow_errors=True).execute()
     first, again = _outputs(nb.cells[0]), _outputs(nb.cells[1])
     assert "ValueError" in first and "the loop failed at step 12" in first

@@ -17,18 +17,27 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 # Lower layers never import higher ones (a module may import its own rank and below).
 RANKS = {
-    "flax_ckpt._src.errors": 0, "flax_ckpt._src.lazy": 0,  # heavy imports (jax, tensorstore) on first use
-    "flax_ckpt._src.records": 1, "flax_ckpt._src.checks": 1, "flax_ckpt._src.tree": 1, "flax_ckpt._src.storage": 1,
+    "flax_ckpt._src.errors": 0,
+    "flax_ckpt._src.lazy": 0,  # heavy imports (jax, tensorstore) on first use
+    "flax_ckpt._src.records": 1,
+    "flax_ckpt._src.checks": 1,
+    "flax_ckpt._src.tree": 1,
+    "flax_ckpt._src.storage": 1,
     "flax_ckpt._src.serializers": 2,
     "flax_ckpt._src.commit": 3,  # the commit and the multi-process agreement (commit/distributed.py)
     "flax_ckpt._src.engine": 4,
-    "flax_ckpt._src.native": 5, "flax_ckpt._src.orbax": 5, "flax_ckpt._src.tiers": 5,  # the layouts, peers
+    "flax_ckpt._src.native": 5,
+    "flax_ckpt._src.orbax": 5,
+    "flax_ckpt._src.tiers": 5,  # the layouts, peers
     "flax_ckpt._src.foreign": 5,  # other libraries' files, read only: legacy Flax msgpack, safetensors
-    "flax_ckpt._src.layouts": 6, "flax_ckpt._src.api": 6, "flax_ckpt._src.retention": 6,
+    "flax_ckpt._src.layouts": 6,
+    "flax_ckpt._src.api": 6,
+    "flax_ckpt._src.retention": 6,
     "flax_ckpt._src.manager": 7,
     "flax_ckpt._src.tools": 8,
     "flax_ckpt._src.tools.cli": 9,
-    "flax_ckpt": 10, "flax_ckpt.__main__": 10,
+    "flax_ckpt": 10,
+    "flax_ckpt.__main__": 10,
     "flax_ckpt.callbacks": 11,  # the repository's callbacks/ folder (pyproject maps it into the package)
 }
 PACKAGES = {"flax_ckpt": ROOT / "flax_ckpt", "flax_ckpt.callbacks": ROOT / "callbacks"}
@@ -55,7 +64,7 @@ def _imports(path: pathlib.Path, name: str, modules: dict[str, pathlib.Path]) ->
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                up = package.split(".")[:len(package.split(".")) - node.level + 1]
+                up = package.split(".")[: len(package.split(".")) - node.level + 1]
                 base = ".".join(up + ([base] if base else []))
             for a in node.names:
                 found.add(f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base)
@@ -77,10 +86,20 @@ def test_public_faces_list_only_the_api():
 def test_layers_and_no_import_circle():
     modules = _modules()
     graph = {m: _imports(p, m, modules) - {m} for m, p in modules.items()}
-    upward = [f"{m} (layer {_rank(m)}) imports {d} (layer {_rank(d)})"
-              for m, deps in graph.items() for d in deps if _rank(d) > _rank(m)]
+    upward = [
+        f"{m} (layer {_rank(m)}) imports {d} (layer {_rank(d)})"
+        for m, deps in graph.items()
+        for d in deps
+        if _rank(d) > _rank(m)
+    ]
     assert not upward, upward
-    private = [m for m, deps in graph.items() if m.startswith("flax_ckpt.callbacks") for d in deps if d.startswith("flax_ckpt._src")]
+    private = [
+        m
+        for m, deps in graph.items()
+        if m.startswith("flax_ckpt.callbacks")
+        for d in deps
+        if d.startswith("flax_ckpt._src")
+    ]
     assert not private, f"callbacks must use flax_ckpt's public API only: {private}"
     state: dict[str, int] = {}  # 1: on the path, 2: done
 
@@ -100,9 +119,12 @@ def test_layers_and_no_import_circle():
 
 
 def test_jax_private_api_is_touched_in_one_function():
-    hits = [(p.relative_to(ROOT), i) for p in (ROOT / "flax_ckpt").rglob("*.py")
-            for i, line in enumerate(p.read_text().splitlines(), 1)
-            if "jax._src" in line and not line.lstrip().startswith(("#", '"', "this"))]
+    hits = [
+        (p.relative_to(ROOT), i)
+        for p in (ROOT / "flax_ckpt").rglob("*.py")
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if "jax._src" in line and not line.lstrip().startswith(("#", '"', "this"))
+    ]
     assert [str(p) for p, _ in hits] == [str(pathlib.Path("flax_ckpt/_src/commit/distributed.py"))], hits
 
 
@@ -118,7 +140,7 @@ def test_save_path_from_manager_to_file_write_is_six_calls(tmp_path, monkeypatch
     monkeypatch.setattr(LocalStorage, "write", write)
     with fc.CheckpointManager(tmp_path / "run", async_save=True) as mgr:
         mgr.save(1, {"w": np.ones(4, np.float32)})
-    (_, stack), = stacks
+    ((_, stack),) = stacks
     ours = [f.name for f in stack if "flax_ckpt" in f.filename and "/tests/" not in f.filename]
     # on the background writer: Directory.save (the manager's store) -> NativeLayout.persist ->
     # RawSerializer.write -> its per-file write -> LocalStorage.write; CheckpointManager.save and
@@ -131,8 +153,12 @@ def test_the_tiers_import_nothing_of_the_manager():
     modules = _modules()
     tiers = {m: _imports(p, m, modules) for m, p in modules.items() if m.startswith("flax_ckpt._src.tiers")}
     assert len(tiers) > 5
-    upward = sorted(f"{m} imports {d}" for m, deps in tiers.items() for d in deps
-                    if d.startswith("flax_ckpt._src.manager"))
+    upward = sorted(
+        f"{m} imports {d}"
+        for m, deps in tiers.items()
+        for d in deps
+        if d.startswith("flax_ckpt._src.manager")
+    )
     assert not upward, upward
 
 
@@ -142,16 +168,35 @@ def test_the_manager_has_one_path_through_one_store():
     path = ROOT / "flax_ckpt" / "_src" / "manager" / "manager.py"
     tree = ast.parse(path.read_text())
     manager = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "CheckpointManager")
-    branches = [ast.unparse(n.test) for n in ast.walk(manager) if isinstance(n, (ast.If, ast.IfExp))
-                if any(isinstance(x, ast.Attribute) and "tier" in x.attr and ast.unparse(x.value) == "self"
-                       for x in ast.walk(n.test))]
+    branches = [
+        ast.unparse(n.test)
+        for n in ast.walk(manager)
+        if isinstance(n, (ast.If, ast.IfExp))
+        if any(
+            isinstance(x, ast.Attribute) and "tier" in x.attr and ast.unparse(x.value) == "self"
+            for x in ast.walk(n.test)
+        )
+    ]
     assert branches == [], f"the manager branches on its tiers: {branches}"
     names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)} | {
-        n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
-    assert not names & {"local", "Thread", "_Directory", "ref"}, names & {"local", "Thread", "_Directory", "ref"}
-    private = sorted({f"{ast.unparse(n.value)}.{n.attr}" for n in ast.walk(manager) if isinstance(n, ast.Attribute)
-                      and n.attr.startswith("_") and not n.attr.startswith("__")
-                      and isinstance(n.value, ast.Attribute)})
+        n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)
+    }
+    assert not names & {"local", "Thread", "_Directory", "ref"}, names & {
+        "local",
+        "Thread",
+        "_Directory",
+        "ref",
+    }
+    private = sorted(
+        {
+            f"{ast.unparse(n.value)}.{n.attr}"
+            for n in ast.walk(manager)
+            if isinstance(n, ast.Attribute)
+            and n.attr.startswith("_")
+            and not n.attr.startswith("__")
+            and isinstance(n.value, ast.Attribute)
+        }
+    )
     assert private == [], f"the manager reaches into its parts' private members: {private}"
 
 
@@ -164,7 +209,9 @@ def test_both_stores_implement_the_whole_store_protocol():
     from flax_ckpt._src.tiers.tierset import TierSet
 
     def members(protocol: type) -> set[str]:
-        return {n for n in vars(protocol) if not n.startswith("_")} | set(getattr(protocol, "__annotations__", {}))
+        return {n for n in vars(protocol) if not n.startswith("_")} | set(
+            getattr(protocol, "__annotations__", {})
+        )
 
     assert {"admit", "snapshot", "save", "flush", "restore", "steps", "close"} <= members(Store)
     for cls, protocol in ((Directory, Store), (TierSet, Store), (Directory, Persistent)):
@@ -178,5 +225,11 @@ def _assigned(cls: type) -> set[str]:
     import textwrap
 
     tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    return {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store)
-            and isinstance(n.value, ast.Name) and n.value.id == "self"}
+    return {
+        n.attr
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Attribute)
+        and isinstance(n.ctx, ast.Store)
+        and isinstance(n.value, ast.Name)
+        and n.value.id == "self"
+    }

@@ -47,8 +47,15 @@ def _inspections(path: pathlib.Path, *, wide: bool = False) -> list[str]:
     for node in ast.walk(ast.parse(path.read_text())):
         bad = False
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "isinstance":
-            names = {n.id if isinstance(n, ast.Name) else n.attr for n in ast.walk(node.args[1])
-                     if isinstance(n, (ast.Name, ast.Attribute))} if len(node.args) == 2 else set()
+            names = (
+                {
+                    n.id if isinstance(n, ast.Name) else n.attr
+                    for n in ast.walk(node.args[1])
+                    if isinstance(n, (ast.Name, ast.Attribute))
+                }
+                if len(node.args) == 2
+                else set()
+            )
             bad = bool(names & (sources | ({"LocalStorage"} if wide else set())))
         elif isinstance(node, ast.Compare):
             sides = [node.left, *node.comparators]
@@ -57,8 +64,10 @@ def _inspections(path: pathlib.Path, *, wide: bool = False) -> list[str]:
         elif isinstance(node, ast.ImportFrom):
             bad = bool({a.name for a in node.names} & sources)
         if bad:
-            found.append(f"{path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}:{node.lineno}: "
-                         f"{ast.unparse(node)}")
+            found.append(
+                f"{path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}:{node.lineno}: "
+                f"{ast.unparse(node)}"
+            )
     return found
 
 
@@ -67,34 +76,51 @@ def _holds_a_name(node: ast.expr, named_as: set[str], wide: bool) -> bool:
         return node.attr in named_as
     if isinstance(node, ast.Name):
         return wide and node.id in named_as
-    return (wide and isinstance(node, ast.Call) and ast.unparse(node.func) == "getattr" and len(node.args) > 1
-            and isinstance(node.args[1], ast.Constant) and node.args[1].value == "name")
+    return (
+        wide
+        and isinstance(node, ast.Call)
+        and ast.unparse(node.func) == "getattr"
+        and len(node.args) > 1
+        and isinstance(node.args[1], ast.Constant)
+        and node.args[1].value == "name"
+    )
 
 
 def test_tools_and_api_ask_the_layout_and_source_never_inspect_them():
     found = [hit for path in ASKERS for hit in _inspections(path)]
-    assert not found, ("a tool or fc.save/restore inspects a source's type or a format's name; add the "
-                       "question to the Source or Layout protocol instead:\n" + "\n".join(found))
+    assert not found, (
+        "a tool or fc.save/restore inspects a source's type or a format's name; add the "
+        "question to the Source or Layout protocol instead:\n" + "\n".join(found)
+    )
 
 
 def test_the_manager_and_the_tiers_ask_the_layout_never_a_format_name():
     found = [hit for path in RUNNERS for hit in _inspections(path, wide=True)]
     assert len(RUNNERS) > 10 and not found, (
         "the manager or the tiers compare a format's or serializer's name, or the storage's kind; add the "
-        "question to layouts.Layout instead:\n" + "\n".join(found))
+        "question to layouts.Layout instead:\n" + "\n".join(found)
+    )
 
 
 def test_the_inspection_check_sees_what_it_forbids(tmp_path):
     bad = tmp_path / "bad.py"
-    bad.write_text("from x import OrbaxSource, Source\nif fmt.name == 'native' or isinstance(s, (NativeSource, int)):\n"
-                   "    pass\nif f.layout.name != \"orbax\":\n    pass\nif e.name == 'native-ish':\n    pass\n"
-                   "if self.format == 'orbax' and isinstance(st, LocalStorage):\n    pass\n"
-                   "if getattr(self.layout.serializer, 'name', None) == 'raw' or fmt != 'native':\n    pass\n")
+    bad.write_text(
+        "from x import OrbaxSource, Source\nif fmt.name == 'native' or isinstance(s, (NativeSource, int)):\n"
+        "    pass\nif f.layout.name != \"orbax\":\n    pass\nif e.name == 'native-ish':\n    pass\n"
+        "if self.format == 'orbax' and isinstance(st, LocalStorage):\n    pass\n"
+        "if getattr(self.layout.serializer, 'name', None) == 'raw' or fmt != 'native':\n    pass\n"
+    )
     hits = sorted(hit.split(": ", 1)[1] for hit in _inspections(bad, wide=True))
-    assert hits == ["f.layout.name != 'orbax'", "fmt != 'native'", "fmt.name == 'native'",
-                    "from x import OrbaxSource, Source", "getattr(self.layout.serializer, 'name', None) == 'raw'",
-                    "isinstance(s, (NativeSource, int))", "isinstance(st, LocalStorage)",
-                    "self.format == 'orbax'"]
+    assert hits == [
+        "f.layout.name != 'orbax'",
+        "fmt != 'native'",
+        "fmt.name == 'native'",
+        "from x import OrbaxSource, Source",
+        "getattr(self.layout.serializer, 'name', None) == 'raw'",
+        "isinstance(s, (NativeSource, int))",
+        "isinstance(st, LocalStorage)",
+        "self.format == 'orbax'",
+    ]
 
 
 def _members(protocol: type) -> set[str]:
@@ -109,7 +135,9 @@ def _memory_copy(folder: pathlib.Path) -> CopySource:
     from flax_ckpt._src.tiers import encode as tier_encode
     from flax_ckpt._src.tiers import store as tier_store
 
-    snap = tier_store.take_snapshot({"w": TREE["w"]}, copy=True, force=False, step=2, seen=tier_store.Seen(), base=None)
+    snap = tier_store.take_snapshot(
+        {"w": TREE["w"]}, copy=True, force=False, step=2, seen=tier_store.Seen(), base=None
+    )
     ident = {"step": 2, "session": "s", "process": 0, "process_count": 1}
     tier_store.write_copy(str(folder), 2, tier_encode.encode(snap, ident, None, delta=False))
     return CopySource(tier_store.open_copy(str(folder / "2")))
@@ -120,11 +148,16 @@ def sources(tmp_path_factory) -> dict[str, Source]:
     root = tmp_path_factory.mktemp("sources")
     fc.save(root / "native", TREE)
     fc.save(root / "orbax", TREE, format="orbax")
-    return {"native": layouts.open_checkpoint(open_storage(root / "native")),
-            "orbax": layouts.open_checkpoint(open_storage(root / "orbax")), "memory": _memory_copy(root / "memory")}
+    return {
+        "native": layouts.open_checkpoint(open_storage(root / "native")),
+        "orbax": layouts.open_checkpoint(open_storage(root / "orbax")),
+        "memory": _memory_copy(root / "memory"),
+    }
 
 
-@pytest.mark.parametrize("kind,cls", [("native", NativeSource), ("orbax", OrbaxSource), ("memory", CopySource)])
+@pytest.mark.parametrize(
+    "kind,cls", [("native", NativeSource), ("orbax", OrbaxSource), ("memory", CopySource)]
+)
 def test_every_source_implements_the_whole_source_protocol(sources, kind, cls):
     source = sources[kind]
     assert type(source) is cls
@@ -154,6 +187,7 @@ def test_native_verify_names_the_damaged_leaf_and_file(tmp_path):
 
 # ------------------------------------------------------------------- fc.save(format="orbax", step=)
 
+
 def test_orbax_save_with_a_step_is_a_step_folder_named_for_it(tmp_path):
     tree = {"w": np.arange(6, dtype=np.float32), "b": np.ones(2, np.int32)}
     run = tmp_path / "run"
@@ -181,9 +215,12 @@ def test_orbax_manager_lists_and_restores_a_step_saved_by_fc_save(tmp_path):
 
 
 def test_orbax_save_refuses_a_step_its_folder_name_does_not_carry(tmp_path):
-    with pytest.raises(ValueError, match=r"'final' does not name step 5; nothing was written\. Save step 5 as "
-                                         r".*/5 \(or <prefix>_5\), or use fc\.CheckpointManager\(directory, "
-                                         r"format='orbax'\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"'final' does not name step 5; nothing was written\. Save step 5 as "
+        r".*/5 \(or <prefix>_5\), or use fc\.CheckpointManager\(directory, "
+        r"format='orbax'\)",
+    ):
         fc.save(tmp_path / "final", {"w": np.ones(3)}, format="orbax", step=5)
     with pytest.raises(ValueError, match="does not name step 5"):
         fc.save(tmp_path / "6", {"w": np.ones(3)}, format="orbax", step=5)
@@ -194,8 +231,12 @@ def test_orbax_save_refuses_a_step_its_folder_name_does_not_carry(tmp_path):
 
 def test_ls_shows_an_orbax_step_saved_by_fc_save(tmp_path):
     fc.save(tmp_path / "4", {"w": np.ones(3)}, format="orbax", step=4, metrics={"loss": 1.0})
-    r = subprocess.run([sys.executable, "-m", "flax_ckpt", "ls", "--json", str(tmp_path)], capture_output=True,
-                       text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "flax_ckpt", "ls", "--json", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     [entry] = json.loads(r.stdout)["steps"]
     assert (entry["step"], entry["state"], entry["format"]) == (4, "committed", "orbax")
@@ -212,6 +253,7 @@ def test_orbax_save_without_a_step_keeps_its_metrics_where_orbax_does(tmp_path):
 
 
 # ------------------------------------------------------------------- the manager asks its layout
+
 
 def test_a_manager_takes_its_spare_files_from_its_layout(tmp_path, monkeypatch):
     """The run's layout decides whether a removed step's data files serve the next save

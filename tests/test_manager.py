@@ -25,6 +25,7 @@ def state(step: int) -> dict:
 
 # ------------------------------------------------------------------------------------- retention rules
 
+
 def test_max_to_keep_keeps_newest():
     assert steps_to_delete(range(1, 7), max_to_keep=2) == [1, 2, 3, 4]
     assert steps_to_delete(range(1, 7), max_to_keep=None) == []
@@ -67,6 +68,7 @@ def test_best_step_and_keep_best_share_one_ranking(tmp_path):
 
 
 # ----------------------------------------------------------------------------------- manager on disk
+
 
 @pytest.mark.parametrize("async_save", [True, False])
 def test_schedule_force_and_retention_on_disk(ckpt_dir, async_save):
@@ -149,6 +151,7 @@ def test_stats_are_recorded_and_logged(ckpt_dir, caplog):
 
 # ------------------------------------------------------------------------------------------ failures
 
+
 def test_background_failure_is_raised_next_and_commits_nothing(ckpt_dir):
     """A real write failure (file size limit: EFBIG, like a full disk) in the background thread."""
     with fc.CheckpointManager(ckpt_dir) as mgr:
@@ -205,14 +208,17 @@ def test_damaged_newest_step_falls_back_unless_strict(ckpt_dir, caplog):
 
 # ------------------------------------------------------------------------------------ lock, cleanup
 
+
 def test_second_manager_of_this_process_is_refused_saying_so(ckpt_dir):
     """An earlier, unclosed manager of this process on the same directory (a notebook cell run again):
     the error says that this process's own earlier manager holds it, and how to close it."""
     earlier = fc.CheckpointManager(ckpt_dir)
     earlier.save(1, state(1))
-    with pytest.raises(fc.CheckpointLockedError,
-                       match=r"in use by an earlier CheckpointManager of this process "
-                       rf"\(pid {os.getpid()}\), which was never closed .* mgr.close\(\)"):
+    with pytest.raises(
+        fc.CheckpointLockedError,
+        match=r"in use by an earlier CheckpointManager of this process "
+        rf"\(pid {os.getpid()}\), which was never closed .* mgr.close\(\)",
+    ):
         fc.CheckpointManager(str(ckpt_dir) + "/../" + ckpt_dir.name)
     earlier.close()
     with fc.CheckpointManager(ckpt_dir) as mgr:  # free again once closed
@@ -220,8 +226,10 @@ def test_second_manager_of_this_process_is_refused_saying_so(ckpt_dir):
 
 
 def test_lock_of_a_killed_process_is_released(ckpt_dir):
-    code = ("import flax_ckpt as fc, sys, time; m = fc.CheckpointManager(sys.argv[1]); "
-            "print('locked', flush=True); time.sleep(60)")
+    code = (
+        "import flax_ckpt as fc, sys, time; m = fc.CheckpointManager(sys.argv[1]); "
+        "print('locked', flush=True); time.sleep(60)"
+    )
     proc = subprocess.Popen([sys.executable, "-c", code, str(ckpt_dir)], stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline().strip() == "locked"
@@ -247,8 +255,12 @@ def test_leftovers_of_crashed_saves_are_removed(ckpt_dir):
 
 
 def test_bad_options_are_refused():
-    for kwargs, msg in [({"save_interval_steps": 0}, "save_interval_steps"), ({"max_to_keep": 0}, "max_to_keep"),
-                        ({"best_mode": "low"}, "best_mode"), ({"keep_best": 2}, "best_metric")]:
+    for kwargs, msg in [
+        ({"save_interval_steps": 0}, "save_interval_steps"),
+        ({"max_to_keep": 0}, "max_to_keep"),
+        ({"best_mode": "low"}, "best_mode"),
+        ({"keep_best": 2}, "best_metric"),
+    ]:
         with pytest.raises(ValueError, match=msg):
             fc.CheckpointManager("/tmp/never-created-flax-ckpt", **kwargs)
     assert not os.path.exists("/tmp/never-created-flax-ckpt")
@@ -289,7 +301,9 @@ def test_saving_a_step_whose_folder_is_damaged_sets_the_old_one_aside(ckpt_dir):
     assert len(aside) == 1 and (ckpt_dir / aside[0] / "data").is_dir()  # kept for inspection, not deleted
 
 
-def test_an_async_write_waits_a_grace_for_the_callers_next_step_unless_something_waits_for_it(tmp_path, monkeypatch):
+def test_an_async_write_waits_a_grace_for_the_callers_next_step_unless_something_waits_for_it(
+    tmp_path, monkeypatch
+):
     """An async save's write starts a grace after the save call (so that the caller's next step is
     dispatched before the writer competes for the GIL: manager._GRACE, made 30 s here to be seen), at
     most a tenth of the time since the previous save; the next save's back-pressure,
@@ -307,12 +321,14 @@ def test_an_async_write_waits_a_grace_for_the_callers_next_step_unless_something
     def persist(self, step, *args, **kwargs):
         started.append(step)
         return real(self, step, *args, **kwargs)
+
     monkeypatch.setattr(directory_mod.Directory, "save", persist)
 
     def until(n: int) -> None:
         deadline = time.monotonic() + 20
         while len(started) < n and time.monotonic() < deadline:
             time.sleep(0.01)
+
     t0 = time.monotonic()
     with fc.CheckpointManager(tmp_path / "run") as mgr:
         mgr.save(0, state(0))  # a first save: the whole grace

@@ -36,12 +36,18 @@ SLOW = os.environ.get("FLAX_CKPT_SLOW") == "1"
 @pytest.fixture(autouse=True)
 def _slow_only_when_asked(request):
     """The slow jobs run with ``-m slow`` (or FLAX_CKPT_SLOW=1), never in a plain suite run."""
-    if request.node.get_closest_marker("slow") and not SLOW and "slow" not in request.config.getoption("markexpr"):
+    if (
+        request.node.get_closest_marker("slow")
+        and not SLOW
+        and "slow" not in request.config.getoption("markexpr")
+    ):
         pytest.skip("a long many-process job: run with -m slow (or FLAX_CKPT_SLOW=1)")
 
 
 def job(tmp: Path, tag: str, mode: str, n: int, **cfg: Any) -> Job:
-    return Job(WORKER, tmp, tag, n, devices=1, timeout=TIMEOUT_S, mode=mode, dir=str(tmp / "run"), **cfg).start()
+    return Job(
+        WORKER, tmp, tag, n, devices=1, timeout=TIMEOUT_S, mode=mode, dir=str(tmp / "run"), **cfg
+    ).start()
 
 
 def run(tmp: Path, tag: str, mode: str, n: int, **cfg: Any) -> list[dict[str, Any]]:
@@ -58,7 +64,9 @@ def damage(run_dir: Path, step: int, process: int) -> None:
 
 
 def listing(run_dir: Path) -> dict[str, list[str]]:
-    return {str(p.relative_to(run_dir)): sorted(os.listdir(p)) for p in sorted(run_dir.rglob("*")) if p.is_dir()}
+    return {
+        str(p.relative_to(run_dir)): sorted(os.listdir(p)) for p in sorted(run_dir.rglob("*")) if p.is_dir()
+    }
 
 
 def check_consistent_fallback(tmp: Path, n: int, damaged: int) -> None:
@@ -100,12 +108,30 @@ def test_elastic_a_step_saved_by_8_restores_on_4_and_16_and_5_is_refused_on_ever
         assert mgr.restore(2)["w"].shape == (48, 8)
 
 
-def train(tmp: Path, tag: str, n: int, directory: Path, *, until: int, signal_to: int | None = None,
-          at_step: int = 20) -> list[tuple[int, str]]:
+def train(
+    tmp: Path,
+    tag: str,
+    n: int,
+    directory: Path,
+    *,
+    until: int,
+    signal_to: int | None = None,
+    at_step: int = 20,
+) -> list[tuple[int, str]]:
     """A training job of ``n`` processes (many_worker's train mode); with ``signal_to``, that process
     gets SIGTERM once it has printed step ``at_step``. Every process's exit status and log."""
-    j = Job(WORKER, tmp, tag, n, devices=1, timeout=TIMEOUT_S, mode="train", dir=str(directory),
-            every=40, until=until).start()
+    j = Job(
+        WORKER,
+        tmp,
+        tag,
+        n,
+        devices=1,
+        timeout=TIMEOUT_S,
+        mode="train",
+        dir=str(directory),
+        every=40,
+        until=until,
+    ).start()
     try:
         if signal_to is not None:
             log = j.path(signal_to, ".log")
@@ -144,9 +170,20 @@ def test_tiers_at_eight_processes_one_host_lost_restores_from_its_peer(tmp_path)
     n, lost = 8, 3
 
     def tier_job(tag: str, mode: str, **cfg: Any) -> list[dict[str, Any]]:
-        j = Job(WORKERS / "tier_worker.py", tmp_path, tag, n, devices=1, timeout=TIMEOUT_S, mode=mode,
-                dir=str(tmp_path / "ckpt"), per_process=lambda i: {"local": str(tmp_path / f"host{i}")},
-                timeout_s=60, persist=3, **cfg).start()
+        j = Job(
+            WORKERS / "tier_worker.py",
+            tmp_path,
+            tag,
+            n,
+            devices=1,
+            timeout=TIMEOUT_S,
+            mode=mode,
+            dir=str(tmp_path / "ckpt"),
+            per_process=lambda i: {"local": str(tmp_path / f"host{i}")},
+            timeout_s=60,
+            persist=3,
+            **cfg,
+        ).start()
         return j.check_ok(j.join(running=True))  # a train job keeps running, like hosts: killed here
 
     train = tier_job("train", "train", steps=4)
@@ -158,10 +195,13 @@ def test_tiers_at_eight_processes_one_host_lost_restores_from_its_peer(tmp_path)
     sources = res[0]["sources"]
     assert sources[lost][0] == "peer" and sources[lost][1] != lost, sources
     assert [s for i, s in enumerate(sources) if i != lost] == [["local", i] for i in range(n) if i != lost]
-    assert res[lost]["stats"] == ["peer"] and all(r["stats"] == ["local"] for i, r in enumerate(res) if i != lost)
+    assert res[lost]["stats"] == ["peer"] and all(
+        r["stats"] == ["local"] for i, r in enumerate(res) if i != lost
+    )
 
 
 # ------------------------------------------------------------- what agreement costs as the job grows
+
 
 class FakeCoordinator:
     """The jax.distributed key-value store in memory, shared by threads that stand for processes;
@@ -230,12 +270,14 @@ def threads_as_processes(monkeypatch):
                 out[i] = fn(i)
             except Exception as e:  # noqa: BLE001 - the test looks at it
                 out[i] = e
+
         ts = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(n)]
         for t in ts:
             t.start()
         for t in ts:
             t.join(120)
         return out, coord
+
     try:
         yield go
     finally:
@@ -251,10 +293,15 @@ def test_agreement_rounds_cost_linear_key_value_operations(threads_as_processes,
         view = distributed.lead("t", "view", {"from": i})
         votes = distributed.vote("t", "restore", 7, ValueError("bad") if i == n - 1 else None)
         return got, view, votes
+
     out, coord = threads_as_processes(n, job)
     assert all(r == out[0] for r in out), out[:2]
     got, view, votes = out[0]
-    assert got == [{"i": i} for i in range(n)] and view == {"from": 0} and votes == {n - 1: ("ValueError", "bad")}
+    assert (
+        got == [{"i": i} for i in range(n)]
+        and view == {"from": 0}
+        and votes == {n - 1: ("ValueError", "bad")}
+    )
     # three rounds: each N + 1 sets, 2N - 1 gets (a round where every process read every key: N^2)
     assert sum(coord.calls.values()) <= 3 * (3 * n + 1), coord.calls
     assert coord.calls[0] <= 3 * (n + 3) and max(coord.calls[i] for i in range(1, n)) <= 3 * 2
@@ -269,6 +316,7 @@ def test_a_process_missing_from_a_round_is_named_to_every_process(threads_as_pro
         if i == gone:
             return None  # never joins the round
         return distributed.vote("t", "restore", 3, None)
+
     out, _ = threads_as_processes(n, job, timeout=1)
     errors = [r for i, r in enumerate(out) if i != gone]
     assert all(isinstance(e, fc.DistributedError) for e in errors), errors
@@ -315,6 +363,7 @@ def test_merge_of_chunk_records_is_linear_and_keeps_what_it_kept(monkeypatch, ce
 
     def rec(box):
         return {"index": [list(b) for b in box]}
+
     for trial in range(300):  # random layouts: grids, whole copies, odd overlapping boxes, 0-d, empty
         nproc, parts = int(rng.integers(1, 7)), []
         for _ in range(nproc):
@@ -339,8 +388,10 @@ def test_merge_of_chunk_records_is_linear_and_keeps_what_it_kept(monkeypatch, ce
         return
     # 8,192 processes, one row block of each of 4 leaves each, and copies of a process-local leaf
     n = 8192
-    parts = [Written({**{leaf: [rec(((4 * j, 4 * j + 4), (0, 8)))] for leaf in range(4)},
-                      4: [rec(((0, 3),))]}, {}) for j in range(n)]
+    parts = [
+        Written({**{leaf: [rec(((4 * j, 4 * j + 4), (0, 8)))] for leaf in range(4)}, 4: [rec(((0, 3),))]}, {})
+        for j in range(n)
+    ]
     t0 = time.perf_counter()
     merged = dedupe(parts)
     assert time.perf_counter() - t0 < 10  # ~0.3 s here; the pairwise merge took minutes

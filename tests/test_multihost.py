@@ -31,7 +31,9 @@ TIMEOUT_S = 150
 
 
 def job(tmp: Path, tag: str, mode: str, n: int, **cfg) -> Job:
-    return Job(WORKER, tmp, tag, n, devices=1, timeout=TIMEOUT_S, mode=mode, dir=str(tmp / "run"), **cfg).start()
+    return Job(
+        WORKER, tmp, tag, n, devices=1, timeout=TIMEOUT_S, mode=mode, dir=str(tmp / "run"), **cfg
+    ).start()
 
 
 def run(tmp: Path, tag: str, mode: str, n: int, **cfg) -> list[dict]:
@@ -149,7 +151,7 @@ def test_hung_coordinator_gives_a_distributed_error_within_the_timeout(tmp_path,
     assert [(r["step"], r["exact"]) for r in results] == [(1, True)] * 2
 
 
-MULTI_CHILD = textwrap.dedent('''
+MULTI_CHILD = textwrap.dedent("""
     import sys, time
     import jax
     process_id, port, directory, n = int(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4])
@@ -172,17 +174,26 @@ MULTI_CHILD = textwrap.dedent('''
         ckpt(step + 1, state)
     ckpt.close()
     print("final", process_id, np.asarray(state["w"].addressable_shards[0].data).tobytes().hex(), flush=True)
-''')
+""")
 
 
-def _run_children(tmp: Path, tag: str, n: int, directory: Path, signal_to: int | None = None) -> list[tuple[int, str]]:
+def _run_children(
+    tmp: Path, tag: str, n: int, directory: Path, signal_to: int | None = None
+) -> list[tuple[int, str]]:
     script = tmp / "multi.py"
     script.write_text(MULTI_CHILD)
     env = worker_env(1)
     port = str(free_port())
     logs = [tmp / f"{tag}.p{i}.log" for i in range(n)]
-    procs = [subprocess.Popen([sys.executable, str(script), str(i), port, str(directory), str(n)], env=env,
-                              stdout=logs[i].open("w"), stderr=subprocess.STDOUT) for i in range(n)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(i), port, str(directory), str(n)],
+            env=env,
+            stdout=logs[i].open("w"),
+            stderr=subprocess.STDOUT,
+        )
+        for i in range(n)
+    ]
     watchdog = threading.Timer(TIMEOUT_S, lambda: [p.kill() for p in procs])
     watchdog.start()
     try:
@@ -219,7 +230,7 @@ def test_sigterm_to_one_of_four_processes_all_stop_at_one_step_and_resume_bit_id
         assert np.asarray(mgr.restore(400)["w"]).shape == (4 * n, 3)
 
 
-INIT_CHILD = textwrap.dedent('''
+INIT_CHILD = textwrap.dedent("""
     import sys
     import jax
     process_id, port, directory, pretrained, n = (int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4],
@@ -239,7 +250,7 @@ INIT_CHILD = textwrap.dedent('''
     except fc.CheckpointError as e:
         print("error", type(e).__name__, e, flush=True)
     ckpt.close()
-''')
+""")
 
 
 @pytest.mark.parametrize("overflow", [False, True])
@@ -252,11 +263,28 @@ def test_init_from_is_restored_on_every_process_or_refused_on_every_one(tmp_path
     script = tmp_path / "init.py"
     script.write_text(INIT_CHILD)
     port, env = str(free_port()), worker_env(1)
-    procs = [subprocess.Popen([sys.executable, str(script), str(i), port, str(tmp_path / "run"),
-                               str(tmp_path / "pretrained"), str(n)], env=env, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True) for i in range(n)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                str(script),
+                str(i),
+                port,
+                str(tmp_path / "run"),
+                str(tmp_path / "pretrained"),
+                str(n),
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(n)
+    ]
     outs = [p.communicate(timeout=TIMEOUT_S)[0] for p in procs]
-    lines = [next((ln for ln in out.splitlines() if ln.startswith(("ok ", "error "))), out[-2000:]) for out in outs]
+    lines = [
+        next((ln for ln in out.splitlines() if ln.startswith(("ok ", "error "))), out[-2000:]) for out in outs
+    ]
     if not overflow:
         assert lines == ["ok 0 [1, 2]", "ok 0 [3, 4]"], outs
         return

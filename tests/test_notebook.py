@@ -24,8 +24,9 @@ def test_finetune_notebook_runs_top_to_bottom(tmp_path, monkeypatch):
     (tmp_path / "tmp").mkdir()
     monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))  # the kernel's tempfile folder
     nb = nbformat.read(NOTEBOOK, as_version=4)
-    client = NotebookClient(nb, timeout=120, kernel_name="python3",
-                            resources={"metadata": {"path": str(tmp_path / "cwd")}})
+    client = NotebookClient(
+        nb, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(tmp_path / "cwd")}}
+    )
     try:
         client.execute()
     except CellExecutionError as e:
@@ -33,7 +34,8 @@ def test_finetune_notebook_runs_top_to_bottom(tmp_path, monkeypatch):
     assert list((tmp_path / "cwd").iterdir()) == []  # nothing left beside the notebook (issue 26, item 11)
     [work] = (tmp_path / "tmp").glob("finetune_notebook_*")
     assert (work / "pretrained" / "300").is_dir() and (work / "finetune").is_dir()
-    outputs = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code"
-                      for o in c.get("outputs", []))
+    outputs = "".join(
+        o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
+    )
     assert "best checkpoint (step" in outputs and "Dense_0 unchanged: True" in outputs
     assert "INFO flax_ckpt" in outputs and "INFO jax" not in outputs  # only the library's lines (item 12)

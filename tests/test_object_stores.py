@@ -49,6 +49,7 @@ def faulty_store(request: pytest.FixtureRequest) -> Store:
 
 # ------------------------------------------------------------------------------------- round trips
 
+
 @pytest.mark.parametrize("serializer", SERIALIZERS)
 def test_save_restore_metadata_bit_exact(store: Store, serializer: str):
     tree = mixed_tree()
@@ -58,8 +59,12 @@ def test_save_restore_metadata_bit_exact(store: Store, serializer: str):
     plain = fc.restore(path)
     np.testing.assert_array_equal(plain["jax"]["w"], np.asarray(tree["jax"]["w"]))
     info = fc.metadata(path)
-    assert (info.step, info.metrics, info.metadata, info.serializer) == (3, {"loss": 0.5}, {"run": store.scheme},
-                                                                         serializer)
+    assert (info.step, info.metrics, info.metadata, info.serializer) == (
+        3,
+        {"loss": 0.5},
+        {"run": store.scheme},
+        serializer,
+    )
     assert info.leaves["jax/w"].shape == (3, 4)
     assert "ck/" + MANIFEST in store.keys()  # really on the server, under the prefix
 
@@ -67,7 +72,9 @@ def test_save_restore_metadata_bit_exact(store: Store, serializer: str):
 @pytest.mark.parametrize("serializer", SERIALIZERS)
 def test_sharded_save_restores_into_another_sharding(store: Store, serializer: str):
     mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("data", "model"))
-    x = jax.device_put(np.arange(32 * 6, dtype=np.float32).reshape(32, 6), NamedSharding(mesh, P("data", "model")))
+    x = jax.device_put(
+        np.arange(32 * 6, dtype=np.float32).reshape(32, 6), NamedSharding(mesh, P("data", "model"))
+    )
     path = f"{store.url}/sharded"
     fc.save(path, {"x": x}, serializer=serializer)
     other = NamedSharding(mesh, P("model", None))
@@ -76,8 +83,9 @@ def test_sharded_save_restores_into_another_sharding(store: Store, serializer: s
     np.testing.assert_array_equal(np.asarray(out["x"]), np.asarray(x))
 
 
-def test_large_reads_run_as_parallel_ranged_requests_and_slow_answers_are_waited_for(faulty_store: Store,
-                                                                                    monkeypatch):
+def test_large_reads_run_as_parallel_ranged_requests_and_slow_answers_are_waited_for(
+    faulty_store: Store, monkeypatch
+):
     monkeypatch.setattr(kv_mod, "_PART", 64 << 10)  # 64 KiB parts: a 1 MiB leaf takes 16 requests
     tree = {"big": np.random.default_rng(1).standard_normal((256, 1024)).astype(np.float32)}
     path = f"{faulty_store.url}/big"
@@ -101,6 +109,7 @@ def test_refuses_to_overwrite_a_committed_checkpoint(store: Store):
 
 # --------------------------------------------------------------------------------- commit protocol
 
+
 def test_uncommitted_step_is_ignored_by_restore_and_listing(store: Store):
     fc.save(f"{store.url}/1", small_tree(1))
     fc.save(f"{store.url}/2", small_tree(2))
@@ -118,7 +127,11 @@ def test_uncommitted_step_is_ignored_by_restore_and_listing(store: Store):
 def test_commit_object_is_written_last_and_only_once(faulty_store: Store):
     path = f"{faulty_store.url}/ck"
     fc.save(path, {"a": np.ones((300, 300), np.float32), "b": np.arange(10)}, serializer="zarr3")
-    writes = [(i, e, name) for i, e in enumerate(faulty_store.proxy.log) if (name := faulty_store.written(e[1], e[2]))]
+    writes = [
+        (i, e, name)
+        for i, e in enumerate(faulty_store.proxy.log)
+        if (name := faulty_store.written(e[1], e[2]))
+    ]
     manifest = [i for i, e, name in writes if name.endswith("/ck/" + MANIFEST)]
     assert len(manifest) == 2  # begin and end of one upload
     data_ends = [i for i, e, name in writes if e[0] == "end" and not name.endswith(MANIFEST)]
@@ -153,6 +166,7 @@ def test_delete_removes_the_commit_object_first(faulty_store: Store):
 
 
 # ---------------------------------------------------------------------------------------- faults
+
 
 @pytest.mark.parametrize("serializer", SERIALIZERS)
 def test_transient_faults_are_retried_and_commit_correct_checkpoints(faulty_store: Store, serializer: str):
@@ -207,6 +221,7 @@ def test_random_faults_never_commit_a_corrupt_checkpoint(faulty_store: Store, mo
 
 # --------------------------------------------------------------------------------------- manager
 
+
 def test_manager_save_list_restore_and_retention(store: Store):
     url = f"{store.url}/run"
     with fc.CheckpointManager(url, max_to_keep=2) as mgr:
@@ -227,7 +242,9 @@ def test_two_process_sharded_save_and_manager(store: Store, tmp_path):
     each process uploads its own shards, process 0 writes the one manifest last; retention deletes."""
     from test_distributed import mp_job
 
-    job = mp_job(tmp_path, store.scheme, "s3", 2, 2, dir=store.url).start()  # mp_worker's "s3": any object store
+    job = mp_job(
+        tmp_path, store.scheme, "s3", 2, 2, dir=store.url
+    ).start()  # mp_worker's "s3": any object store
     try:
         results = job.check_ok(job.join())
     finally:

@@ -59,7 +59,9 @@ def test_auto_interval_keeps_measured_overhead_within_budget(ckpt_dir):
 
 
 def _auto_interval_run(ckpt_dir, budget: float, state: dict) -> None:
-    with fc.CheckpointManager(ckpt_dir, save_interval_steps="auto", overhead_budget=budget, max_to_keep=2) as mgr:
+    with fc.CheckpointManager(
+        ckpt_dir, save_interval_steps="auto", overhead_budget=budget, max_to_keep=2
+    ) as mgr:
         t_start = None
         for step in range(1, 301):
             time.sleep(0.002)  # the "training step"
@@ -88,7 +90,9 @@ def test_stats_reach_a_metric_writer_and_fsync_is_counted(ckpt_dir):
         mgr.save(1, {"w": np.ones(1000)})
     step, scalars = writer.rows[0]
     assert step == 1 and scalars["checkpoint/nbytes"] == 8000
-    assert scalars["checkpoint/fsync_s"] > 0 and scalars["checkpoint/durable_s"] >= scalars["checkpoint/write_s"]
+    assert (
+        scalars["checkpoint/fsync_s"] > 0 and scalars["checkpoint/durable_s"] >= scalars["checkpoint/write_s"]
+    )
     assert scalars["checkpoint/serialize_s"] > 0 and scalars["checkpoint/written_bytes"] == 8000
 
 

@@ -39,6 +39,7 @@ VARIANTS = [(True, True), (True, False), (False, True), (False, False)]  # (use_
 
 # ----------------------------------------------------------------------------------------- helpers
 
+
 def _folder(path):
     parent, name = split_location(path)
     return parent.sub(name)
@@ -93,14 +94,20 @@ class oc:
 
 # ----------------------------------------------------------------------------------------- helpers
 
+
 def _mesh(shape=(4, 2), names=("x", "y")):
     return jax.sharding.Mesh(np.array(jax.devices()[: int(np.prod(shape))]).reshape(shape), names)
 
 
 def _abstract(tree):
     return jax.tree_util.tree_map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
-        if isinstance(x, (jax.Array, np.ndarray, np.generic)) else x, tree)
+        lambda x: (
+            jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
+            if isinstance(x, (jax.Array, np.ndarray, np.generic))
+            else x
+        ),
+        tree,
+    )
 
 
 class MLP(nn.Module):
@@ -127,13 +134,16 @@ def _mixed(sharded: bool = True):
     special = np.array([np.nan, -0.0, np.inf, 1e-45], np.float32)
     special.view(np.uint32)[0] = 0x7FC0_1234  # a NaN payload must survive
     a = jnp.arange(64, dtype=jnp.float32).reshape(8, 8)
-    return {"a": jax.device_put(a, NamedSharding(_mesh(), P("x", "y"))) if sharded else a,
-            "bf16": jnp.linspace(-3, 3, 6, dtype=jnp.bfloat16),
-            "special": special,
-            "ints": np.arange(6, dtype=np.int8).reshape(2, 3),
-            "scalars": {"i": 7, "f": 2.5, "t": True},
-            "nested": [jnp.zeros((2,)), {"deep": (jnp.ones((1, 3), jnp.int32), np.float16(1.5))}],
-            "none": None, "empty": {}}
+    return {
+        "a": jax.device_put(a, NamedSharding(_mesh(), P("x", "y"))) if sharded else a,
+        "bf16": jnp.linspace(-3, 3, 6, dtype=jnp.bfloat16),
+        "special": special,
+        "ints": np.arange(6, dtype=np.int8).reshape(2, 3),
+        "scalars": {"i": 7, "f": 2.5, "t": True},
+        "nested": [jnp.zeros((2,)), {"deep": (jnp.ones((1, 3), jnp.int32), np.float16(1.5))}],
+        "none": None,
+        "empty": {},
+    }
 
 
 def _orbax_write(path, tree, use_ocdbt=True, use_zarr3=False):
@@ -142,6 +152,7 @@ def _orbax_write(path, tree, use_ocdbt=True, use_zarr3=False):
 
 
 # -------------------------------------------------------------------------- Orbax -> flax_ckpt
+
 
 @pytest.mark.parametrize("use_ocdbt,use_zarr3", VARIANTS)
 def test_orbax_pytree_to_flax_ckpt(ckpt_dir, use_ocdbt, use_zarr3):
@@ -156,8 +167,12 @@ def test_orbax_pytree_to_flax_ckpt(ckpt_dir, use_ocdbt, use_zarr3):
     assert as_bytes(plain["special"]) == as_bytes(tree["special"]) and plain["bf16"].dtype == jnp.bfloat16
     info = fc.metadata(path)
     assert info.format == "orbax" and info.leaves["a"].shape == (8, 8)
-    assert info.leaves["a"].sharding == {"type": "NamedSharding", "axis_names": ["x", "y"],
-                                         "mesh_shape": [4, 2], "spec": ["x", "y"]}
+    assert info.leaves["a"].sharding == {
+        "type": "NamedSharding",
+        "axis_names": ["x", "y"],
+        "mesh_shape": [4, 2],
+        "spec": ["x", "y"],
+    }
     assert info.serializer == f"orbax:{'zarr3' if use_zarr3 else 'zarr'}{'+ocdbt' if use_ocdbt else ''}"
 
 
@@ -193,8 +208,10 @@ def test_orbax_sharded_restores_onto_another_layout(ckpt_dir):
 def test_orbax_manager_directory(ckpt_dir):
     root = ckpt_dir / "run"
     tree = {"w": jnp.arange(4.0), "step": 0}
-    with ocp.CheckpointManager(root, options=ocp.CheckpointManagerOptions(
-            max_to_keep=3, best_fn=lambda m: m["loss"], best_mode="min")) as mgr:
+    with ocp.CheckpointManager(
+        root,
+        options=ocp.CheckpointManagerOptions(max_to_keep=3, best_fn=lambda m: m["loss"], best_mode="min"),
+    ) as mgr:
         for step in (1, 2, 3):
             mgr.save(step, args=ocp.args.StandardSave(dict(tree, step=step)), metrics={"loss": 1.0 / step})
     (root / "4.orbax-checkpoint-tmp-123").mkdir()  # an interrupted save: never a step
@@ -223,16 +240,26 @@ def _tmp_step(root):
 def test_orbax_composite_step_and_prefixed_names(ckpt_dir):
     root = ckpt_dir / "comp"
     state = {"w": jnp.ones((2, 2), jnp.bfloat16)}
-    with ocp.CheckpointManager(root, item_names=("state", "config"), options=ocp.CheckpointManagerOptions(
-            step_prefix="step", step_format_fixed_length=4)) as mgr:
-        mgr.save(7, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                            config=ocp.args.JsonSave({"lr": 0.1, "layers": [2, 3]})))
+    with ocp.CheckpointManager(
+        root,
+        item_names=("state", "config"),
+        options=ocp.CheckpointManagerOptions(step_prefix="step", step_format_fixed_length=4),
+    ) as mgr:
+        mgr.save(
+            7,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state), config=ocp.args.JsonSave({"lr": 0.1, "layers": [2, 3]})
+            ),
+        )
     assert oc.list_steps(root) == [7]
     step_dir = root / "step_0007"
     assert oc.step_item_path(root, 7) == str(step_dir / "state")
     config = {"lr": 0.1, "layers": [2, 3]}  # named items restore as {item: value}, JSON items as their JSON
-    assert_bit_exact({"config": config, "state": state}, fc.restore(step_dir, {"state": state, "config": None}),
-                     types=False)
+    assert_bit_exact(
+        {"config": config, "state": state},
+        fc.restore(step_dir, {"state": state, "config": None}),
+        types=False,
+    )
     assert_bit_exact(state, fc.restore(step_dir, state, item="state"), types=False)  # one item by itself
     assert oc.json_items(step_dir) == {"config": config}
     assert fc.metadata(step_dir).step == 7
@@ -242,8 +269,9 @@ def test_orbax_step_with_two_pytree_items(ckpt_dir):
     root = ckpt_dir / "two"
     params, opt = {"w": jnp.arange(6.0).reshape(2, 3)}, {"count": jnp.int32(4), "lr": 0.5}
     with ocp.CheckpointManager(root, item_names=("params", "opt")) as mgr:
-        mgr.save(1, args=ocp.args.Composite(params=ocp.args.StandardSave(params),
-                                            opt=ocp.args.StandardSave(opt)))
+        mgr.save(
+            1, args=ocp.args.Composite(params=ocp.args.StandardSave(params), opt=ocp.args.StandardSave(opt))
+        )
     assert oc.step_item_path(root, 1) == str(root / "1")  # several items: the step folder, {item: tree}
     both = {"params": params, "opt": opt}
     assert_bit_exact(both, fc.restore(root / "1", both), types=False)
@@ -265,6 +293,7 @@ def test_orbax_v1_api_state_item(ckpt_dir):
 
 # -------------------------------------------------------------------------- flax_ckpt -> Orbax
 
+
 @pytest.mark.parametrize("use_ocdbt,use_zarr3", VARIANTS)
 def test_flax_ckpt_to_orbax(ckpt_dir, use_ocdbt, use_zarr3):
     tree = dict(_mixed(), rng=jax.random.key(2))
@@ -283,7 +312,9 @@ def test_flax_ckpt_trainstate_to_orbax(ckpt_dir, trained_state):
     state = trained_state
     fc.save(ckpt_dir / "ts", state, format="orbax", metadata={"run": "a"})
     assert not (ckpt_dir / "ts" / "manifest.json").exists()
-    assert_bit_exact(state, ocp.StandardCheckpointer().restore(ckpt_dir / "ts", _abstract(state)), types=False)
+    assert_bit_exact(
+        state, ocp.StandardCheckpointer().restore(ckpt_dir / "ts", _abstract(state)), types=False
+    )
     assert_bit_exact(state, fc.restore(ckpt_dir / "ts", state), types=False)
     info = fc.metadata(ckpt_dir / "ts")
     assert info.metadata == {"run": "a"} and info.leaves["opt_state/0/count"].dtype == np.int32
@@ -299,13 +330,16 @@ def test_flax_ckpt_strings_and_empties_to_orbax_pytree(ckpt_dir):
 
 def test_save_step_restored_by_orbax_manager(ckpt_dir):
     root = ckpt_dir / "mine"
-    trees = {s: {"w": jax.device_put(jnp.full((8, 4), float(s)), NamedSharding(_mesh(), P("x"))), "step": s}
-             for s in (10, 20)}
+    trees = {
+        s: {"w": jax.device_put(jnp.full((8, 4), float(s)), NamedSharding(_mesh(), P("x"))), "step": s}
+        for s in (10, 20)
+    }
     for s, t in trees.items():
         oc.save_step(root, s, t, metrics={"loss": 1.0 / s})
     assert oc.list_steps(root) == [10, 20] and oc.read_step_metrics(root, 20) == {"loss": 0.05}
-    with ocp.CheckpointManager(root, options=ocp.CheckpointManagerOptions(
-            best_fn=lambda m: m["loss"], best_mode="min")) as mgr:
+    with ocp.CheckpointManager(
+        root, options=ocp.CheckpointManagerOptions(best_fn=lambda m: m["loss"], best_mode="min")
+    ) as mgr:
         assert mgr.all_steps() == [10, 20] and mgr.latest_step() == 20 and mgr.best_step() == 20
         out = mgr.restore(20, args=ocp.args.StandardRestore(_abstract(trees[20])))
         assert_bit_exact(trees[20], out, types=False)
@@ -338,6 +372,7 @@ def test_memory_storage_round_trip():
 
 # ----------------------------------------------------------------------------------------- errors
 
+
 @pytest.fixture
 def orbax_ckpt(ckpt_dir):
     tree = {"params": {"dense": {"kernel": jnp.ones((4, 6)), "bias": jnp.zeros(6)}}, "step": 3}
@@ -353,8 +388,9 @@ def test_structure_mismatch_names_both_sides(orbax_ckpt):
         fc.restore(path, wrong)
     msg = str(e.value)
     assert "'extra'" in msg and "'params/dense/bias'" in msg and "partial=True" in msg and str(path) in msg
-    part = fc.restore(path, {"params": {"dense": {"bias": jax.ShapeDtypeStruct((6,), jnp.float32)}}},
-                      partial=True)
+    part = fc.restore(
+        path, {"params": {"dense": {"bias": jax.ShapeDtypeStruct((6,), jnp.float32)}}}, partial=True
+    )
     assert np.array_equal(part["params"]["dense"]["bias"], np.zeros(6))
 
 
@@ -407,6 +443,7 @@ def test_save_refuses_existing_and_unsupported_names(ckpt_dir, orbax_ckpt):
 
 # ------------------------------------------------------ flax_ckpt's CheckpointManager (manager/manager.py)
 
+
 def test_manager_resumes_an_orbax_run(ckpt_dir):
     root = ckpt_dir / "run"
     trees = {s: {"w": jnp.full((4,), float(s), jnp.bfloat16), "step": s} for s in (1, 2)}
@@ -436,8 +473,10 @@ def test_manager_writes_orbax_steps(ckpt_dir):
 
 # ----------------------------------------------------------- small arrays encoded without tensorstore
 
+
 def _ocdbt_items(folder) -> dict[bytes, bytes]:
     import tensorstore as ts
+
     kv = ts.KvStore.open({"driver": "ocdbt", "base": {"driver": "file", "path": str(folder) + "/"}}).result()
     return {k: kv.read(k).result().value for k in kv.list().result()}
 
@@ -449,26 +488,36 @@ def test_small_arrays_are_stored_byte_for_byte_as_tensorstore_stores_them(tmp_pa
     dtype encoded there, 0-d to 3-d, one-byte types and sharded jax arrays included; Orbax restores them."""
     orbax_write = write
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("x",))
-    tree = {"f32": jnp.arange(12.0).reshape(3, 4), "scalar": jnp.float32(2.5), "py": 7,
-            "bf16": jnp.ones(5, jnp.bfloat16), "b": np.array([True, False, True]),
-            "i8": np.arange(-3, 3, dtype=np.int8), "u64": np.arange(4, dtype=np.uint64),
-            "c64": np.array([1 + 2j, -1j], np.complex64), "f16": np.full((2, 2, 2), 1.5, np.float16),
-            "rep": jax.device_put(jnp.arange(6.0), jax.sharding.NamedSharding(mesh, P())),
-            "split": jax.device_put(jnp.arange(8.0), jax.sharding.NamedSharding(mesh, P("x")))}
+    tree = {
+        "f32": jnp.arange(12.0).reshape(3, 4),
+        "scalar": jnp.float32(2.5),
+        "py": 7,
+        "bf16": jnp.ones(5, jnp.bfloat16),
+        "b": np.array([True, False, True]),
+        "i8": np.arange(-3, 3, dtype=np.int8),
+        "u64": np.arange(4, dtype=np.uint64),
+        "c64": np.array([1 + 2j, -1j], np.complex64),
+        "f16": np.full((2, 2, 2), 1.5, np.float16),
+        "rep": jax.device_put(jnp.arange(6.0), jax.sharding.NamedSharding(mesh, P())),
+        "split": jax.device_put(jnp.arange(8.0), jax.sharding.NamedSharding(mesh, P("x"))),
+    }
     encoded = []
     real = orbax_write._write_small
-    monkeypatch.setattr(orbax_write, "_write_small",
-                        lambda st, arrays, *a: (encoded.extend(arrays), real(st, arrays, *a))[1])
+    monkeypatch.setattr(
+        orbax_write, "_write_small", lambda st, arrays, *a: (encoded.extend(arrays), real(st, arrays, *a))[1]
+    )
     opened = []
     real_open = orbax_write.ts.open
-    monkeypatch.setattr(orbax_write.ts, "open",
-                        lambda spec, *a, **k: (opened.append(spec), real_open(spec, *a, **k))[1])
+    monkeypatch.setattr(
+        orbax_write.ts, "open", lambda spec, *a, **k: (opened.append(spec), real_open(spec, *a, **k))[1]
+    )
     orbax_write.save_item(open_storage(tmp_path), "here", snapshot(tree, copy=True), compression=compression)
     assert [spec["kvstore"]["path"] for spec in opened] == ["split"]  # tensorstore opens the sharded leaf
     monkeypatch.setattr(orbax_write.ts, "open", real_open)
     monkeypatch.setattr(orbax_write, "_SMALL", 0)  # every array through tensorstore
-    orbax_write.save_item(open_storage(tmp_path), "tensorstore", snapshot(tree, copy=True),
-                          compression=compression)
+    orbax_write.save_item(
+        open_storage(tmp_path), "tensorstore", snapshot(tree, copy=True), compression=compression
+    )
     assert {orbax_write.param(lf) for lf, _ in encoded} == set(tree) - {"split"}  # "split": two chunks
     assert _ocdbt_items(tmp_path / "here") == _ocdbt_items(tmp_path / "tensorstore")
     got = ocp.PyTreeCheckpointer().restore(tmp_path / "here")
@@ -479,6 +528,7 @@ def test_small_arrays_are_stored_byte_for_byte_as_tensorstore_stores_them(tmp_pa
 
 
 # ------------------------------------------------------------------ durability: what is fsynced, and when
+
 
 class _SlowDisk:
     """os.fsync as on a disk where each one takes ``delay`` seconds: records which file or folder each fsync
@@ -513,8 +563,9 @@ class _SlowDisk:
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="reads fsynced paths in /proc/self/fd (Linux)")
 @pytest.mark.parametrize("fmt,step", [("orbax", None), ("orbax", 3), ("native", None)])
-def test_a_save_makes_every_file_and_folder_durable_in_four_rounds_of_fsyncs(tmp_path, monkeypatch, fmt,
-                                                                              step):
+def test_a_save_makes_every_file_and_folder_durable_in_four_rounds_of_fsyncs(
+    tmp_path, monkeypatch, fmt, step
+):
     """Each file and folder of the checkpoint is fsynced before the rename that commits it, and the parent
     after it, with fsyncs that do not wait for each other run at once: on a disk where an fsync takes
     0.2 s, at most four rounds (the data; the commit record; the folders; the parent), in the Orbax layout
@@ -526,10 +577,13 @@ def test_a_save_makes_every_file_and_folder_durable_in_four_rounds_of_fsyncs(tmp
     path = tmp_path / ("ck" if step is None else str(step))  # step 3: an Orbax CheckpointManager step
     fc.save(path, tree, format=fmt, step=step)
     monkeypatch.undo()
-    (staging, final, renamed_at), = [r for r in disk.renames if r[1] == str(path)]
+    ((staging, final, renamed_at),) = [r for r in disk.renames if r[1] == str(path)]
     before = {p for p, _, end in disk.fsyncs if end <= renamed_at}
-    want = {staging + os.path.join(d, n)[len(str(path)):] for d, dirs, files in os.walk(path)
-            for n in [*dirs, *files]} | {staging}
+    want = {
+        staging + os.path.join(d, n)[len(str(path)) :]
+        for d, dirs, files in os.walk(path)
+        for n in [*dirs, *files]
+    } | {staging}
     assert not want - before, f"not fsynced before the commit's rename: {sorted(want - before)}"
     parent = [start for p, start, _ in disk.fsyncs if p == str(tmp_path)]
     assert any(start >= renamed_at for start in parent), "the parent folder was not fsynced after the rename"

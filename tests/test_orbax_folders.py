@@ -31,7 +31,8 @@ from trees import every_dtype
 
 def _orbax_save(path, tree, zarr3: bool) -> str:
     ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_ocdbt=False, use_zarr3=zarr3)).save(
-        path, args=ocp.args.PyTreeSave(tree))
+        path, args=ocp.args.PyTreeSave(tree)
+    )
     return str(path)
 
 
@@ -48,6 +49,7 @@ def opens(monkeypatch):
         def open(spec, *args, **kwargs):
             seen.append(spec["kvstore"]["path"])
             return ts.open(spec, *args, **kwargs)
+
     monkeypatch.setattr(orbax_read, "ts", Counted())
     return seen
 
@@ -55,10 +57,12 @@ def opens(monkeypatch):
 def _tree() -> dict:
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("a", "b"))
     big = np.arange(600 * 520, dtype=np.float32).reshape(600, 520) / 7
-    return {"dtypes": every_dtype(),
-            "sharded": jax.device_put(big, NamedSharding(mesh, P("a", "b"))),  # Orbax: a chunk per shard
-            "rows": jax.device_put(np.arange(64 * 3, dtype=np.int32).reshape(64, 3), NamedSharding(mesh, P("a"))),
-            "zero_d": np.array(7, np.int64)}
+    return {
+        "dtypes": every_dtype(),
+        "sharded": jax.device_put(big, NamedSharding(mesh, P("a", "b"))),  # Orbax: a chunk per shard
+        "rows": jax.device_put(np.arange(64 * 3, dtype=np.int32).reshape(64, 3), NamedSharding(mesh, P("a"))),
+        "zero_d": np.array(7, np.int64),
+    }
 
 
 @pytest.mark.parametrize("zarr3", [True, False], ids=["zarr3", "zarr2"])
@@ -71,7 +75,9 @@ def test_orbax_folders_restore_bit_exact_without_tensorstore(tmp_path, opens, za
     assert_bit_exact(fc.restore(path, tree), tree, types=False)
     assert_bit_exact(fc.restore(path), jax.tree.map(np.asarray, tree), types=False)
     info = fc.metadata(path)
-    assert info.leaves["sharded"].shape == (600, 520) and str(info.leaves["dtypes/bfloat16"].dtype) == "bfloat16"
+    assert (
+        info.leaves["sharded"].shape == (600, 520) and str(info.leaves["dtypes/bfloat16"].dtype) == "bfloat16"
+    )
     assert opens == []
     with pytest.MonkeyPatch.context() as m:  # the same step through tensorstore gives the same leaves
         m.setattr(orbax_read, "_open_folders", lambda arrays: None)
@@ -82,29 +88,76 @@ def test_orbax_folders_restore_bit_exact_without_tensorstore(tmp_path, opens, za
 def _folder(tmp_path, name, data, metadata, driver):
     """An array folder written by tensorstore with the given zarr metadata."""
     path = str(tmp_path / name)
-    store = ts.open({"driver": driver, "kvstore": {"driver": "file", "path": path},
-                     "metadata": metadata}, create=True, dtype=data.dtype.name).result()
+    store = ts.open(
+        {"driver": driver, "kvstore": {"driver": "file", "path": path}, "metadata": metadata},
+        create=True,
+        dtype=data.dtype.name,
+    ).result()
     store.write(data).result()
     return path
 
 
-SHARDED = {"shape": [10, 13], "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [4, 6]}},
-           "codecs": [{"name": "sharding_indexed", "configuration": {
-               "chunk_shape": [2, 3],
-               "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "zstd"},
-                          {"name": "crc32c"}],
-               "index_codecs": [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]}}]}
+SHARDED = {
+    "shape": [10, 13],
+    "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [4, 6]}},
+    "codecs": [
+        {
+            "name": "sharding_indexed",
+            "configuration": {
+                "chunk_shape": [2, 3],
+                "codecs": [
+                    {"name": "bytes", "configuration": {"endian": "little"}},
+                    {"name": "zstd"},
+                    {"name": "crc32c"},
+                ],
+                "index_codecs": [
+                    {"name": "bytes", "configuration": {"endian": "little"}},
+                    {"name": "crc32c"},
+                ],
+            },
+        }
+    ],
+}
 LAYOUTS = {  # name: (driver, metadata)
     "zarr3-sharded": ("zarr3", SHARDED),
-    "zarr3-index-first": ("zarr3", {**SHARDED, "codecs": [{"name": "sharding_indexed", "configuration": {
-        **SHARDED["codecs"][0]["configuration"], "index_location": "start"}}]}),
-    "zarr3-big-endian": ("zarr3", {"shape": [10, 13], "chunk_grid": {"name": "regular", "configuration": {
-        "chunk_shape": [3, 5]}}, "codecs": [{"name": "bytes", "configuration": {"endian": "big"}}, {"name": "crc32c"}]}),
-    "zarr3-v2-keys": ("zarr3", {"shape": [10, 13], "chunk_grid": {"name": "regular", "configuration": {
-        "chunk_shape": [4, 4]}}, "chunk_key_encoding": {"name": "v2"},
-        "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "zstd"}]}),
-    "zarr2-slash": ("zarr", {"shape": [10, 13], "chunks": [3, 4], "dimension_separator": "/",
-                             "compressor": {"id": "zstd", "level": 1}}),
+    "zarr3-index-first": (
+        "zarr3",
+        {
+            **SHARDED,
+            "codecs": [
+                {
+                    "name": "sharding_indexed",
+                    "configuration": {**SHARDED["codecs"][0]["configuration"], "index_location": "start"},
+                }
+            ],
+        },
+    ),
+    "zarr3-big-endian": (
+        "zarr3",
+        {
+            "shape": [10, 13],
+            "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [3, 5]}},
+            "codecs": [{"name": "bytes", "configuration": {"endian": "big"}}, {"name": "crc32c"}],
+        },
+    ),
+    "zarr3-v2-keys": (
+        "zarr3",
+        {
+            "shape": [10, 13],
+            "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [4, 4]}},
+            "chunk_key_encoding": {"name": "v2"},
+            "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "zstd"}],
+        },
+    ),
+    "zarr2-slash": (
+        "zarr",
+        {
+            "shape": [10, 13],
+            "chunks": [3, 4],
+            "dimension_separator": "/",
+            "compressor": {"id": "zstd", "level": 1},
+        },
+    ),
     "zarr2-fortran": ("zarr", {"shape": [10, 13], "chunks": [4, 5], "order": "F", "compressor": None}),
 }
 
@@ -112,15 +165,23 @@ LAYOUTS = {  # name: (driver, metadata)
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_any_box_of_an_array_of_many_chunks(tmp_path, layout):
     driver, metadata = LAYOUTS[layout]
-    data = (np.arange(130, dtype=np.float32).reshape(10, 13) * 1.5 - 40)
+    data = np.arange(130, dtype=np.float32).reshape(10, 13) * 1.5 - 40
     if layout == "zarr3-big-endian":
         data = data.astype(np.int16)
     _folder(tmp_path, "a", data, metadata, driver)
     array = folders.FolderArray(str(tmp_path), "a", driver == "zarr3")
     assert array.shape == (10, 13) and array.dtype == data.dtype and array.stored_bytes() > 0
     rng = np.random.default_rng(0)
-    boxes = [((0, 10), (0, 13)), ((3, 4), (5, 6)), ((0, 0), (0, 13)),  # chunk-aligned boxes: decoded in place
-             ((2, 4), (3, 6)), ((3, 6), (4, 8)), ((0, 3), (0, 5)), ((4, 8), (0, 13)), ((0, 4), (0, 4))]
+    boxes = [
+        ((0, 10), (0, 13)),
+        ((3, 4), (5, 6)),
+        ((0, 0), (0, 13)),  # chunk-aligned boxes: decoded in place
+        ((2, 4), (3, 6)),
+        ((3, 6), (4, 8)),
+        ((0, 3), (0, 5)),
+        ((4, 8), (0, 13)),
+        ((0, 4), (0, 4)),
+    ]
     for _ in range(40):
         lo = rng.integers(0, [10, 13])
         boxes.append(tuple((int(a), int(rng.integers(a + 1, d + 1))) for a, d in zip(lo, (10, 13))))
@@ -133,7 +194,9 @@ def test_any_box_of_an_array_of_many_chunks(tmp_path, layout):
 @pytest.fixture
 def per_array(tmp_path):
     """An Orbax step of one folder per array (zarr3): w (1000 float32, one shard of one chunk)."""
-    return _orbax_save(tmp_path / "o", {"w": np.arange(1000, dtype=np.float32), "b": np.ones(3, np.int8)}, True)
+    return _orbax_save(
+        tmp_path / "o", {"w": np.arange(1000, dtype=np.float32), "b": np.ones(3, np.int8)}, True
+    )
 
 
 def _rewrite(path: str, change) -> None:
@@ -147,14 +210,22 @@ def _flip(at: int):
     def change(data):
         data[at] ^= 1
         return data
+
     return change
 
 
 DAMAGE = {  # what is done to w/c/0 (a shard: one zstd chunk, then 16 bytes of index and its crc32c)
     "index-byte": (_flip(-10), "checksum mismatch"),
     "never-written": (lambda d: d[:-20] + b"\xff" * 16 + _crc(b"\xff" * 16), "was never written"),
-    "past-the-end": (lambda d: d[:-20] + (10 ** 6).to_bytes(8, "little") + d[-12:-4]
-                     + _crc((10 ** 6).to_bytes(8, "little") + d[-12:-4]), "lies past"),
+    "past-the-end": (
+        lambda d: (
+            d[:-20]
+            + (10**6).to_bytes(8, "little")
+            + d[-12:-4]
+            + _crc((10**6).to_bytes(8, "little") + d[-12:-4])
+        ),
+        "lies past",
+    ),
     "truncated": (lambda d: d[:10], "too short for its shard index"),
     "zstd-byte": (_flip(8), "zstd"),
 }
@@ -204,8 +275,13 @@ def test_what_folders_does_not_read_goes_to_tensorstore(tmp_path, opens):
     zarray = os.path.join(path, "w", ".zarray")
     meta = json.loads(open(zarray).read())
     shutil.rmtree(os.path.join(path, "w"))
-    _folder(tmp_path / "o", "w", tree["w"], {"shape": meta["shape"], "chunks": meta["chunks"],
-                                              "compressor": {"id": "zlib", "level": 1}}, "zarr")
+    _folder(
+        tmp_path / "o",
+        "w",
+        tree["w"],
+        {"shape": meta["shape"], "chunks": meta["chunks"], "compressor": {"id": "zlib", "level": 1}},
+        "zarr",
+    )
     with pytest.raises(folders.Unsupported, match="compressor"):
         folders.FolderArray(path, "w", False)
     assert_bit_exact(fc.restore(path, tree), tree, types=False)

@@ -31,8 +31,13 @@ PREFIXED = dict(step_prefix="ckpt", step_format_fixed_length=6)
 
 def tree(step: int) -> dict:
     rng = np.random.default_rng(step)
-    return {"params": {"w": jnp.asarray(rng.standard_normal((4, 3)), jnp.float32),
-                       "b": jnp.full((3,), step, jnp.bfloat16)}, "count": jnp.int32(step)}
+    return {
+        "params": {
+            "w": jnp.asarray(rng.standard_normal((4, 3)), jnp.float32),
+            "b": jnp.full((3,), step, jnp.bfloat16),
+        },
+        "count": jnp.int32(step),
+    }
 
 
 def abstract(t):
@@ -63,17 +68,25 @@ def run_copy(prefixed_run, tmp_path):
 
 # ----------------------------------------------------------------------- item 1: one step discovery
 
+
 def test_cli_ls_and_prune_see_prefixed_orbax_steps_like_the_manager(run_copy):
     doc = run_json("ls", str(run_copy))
     assert [(e["step"], e["name"], e["state"], e["format"]) for e in doc["steps"]] == [
-        (1, "ckpt_000001", "committed", "orbax"), (2, "ckpt_000002", "committed", "orbax"),
-        (3, "ckpt_000003", "committed", "orbax")]
+        (1, "ckpt_000001", "committed", "orbax"),
+        (2, "ckpt_000002", "committed", "orbax"),
+        (3, "ckpt_000003", "committed", "orbax"),
+    ]
     assert doc["steps"][1]["metrics"] == {"loss": 0.5}
     with fc.CheckpointManager(run_copy) as mgr:
         assert mgr.all_steps() == [e["step"] for e in doc["steps"]] and mgr.format == "orbax"
     assert run_json("prune", str(run_copy), "--keep", "2") == {
-        "directory": str(run_copy), "dry_run": False, "deleted": [1], "kept": [2, 3], "formats": ["native", "orbax"],
-        "left_alone": []}
+        "directory": str(run_copy),
+        "dry_run": False,
+        "deleted": [1],
+        "kept": [2, 3],
+        "formats": ["native", "orbax"],
+        "left_alone": [],
+    }
     assert sorted(os.listdir(run_copy)) == ["ckpt_000002", "ckpt_000003"]  # no lock file left behind
     with ocp.CheckpointManager(run_copy, options=orbax_options()) as omgr:  # Orbax agrees
         assert omgr.all_steps() == [2, 3]
@@ -81,6 +94,7 @@ def test_cli_ls_and_prune_see_prefixed_orbax_steps_like_the_manager(run_copy):
 
 
 # ------------------------------------------------------------------ item 3: a run stays in one format
+
 
 def test_manager_that_only_restores_an_orbax_run_writes_nothing_into_it(run_copy):
     crashed = run_copy / "ckpt_000004.orbax-checkpoint-tmp-1234"  # an Orbax save in flight (or crashed)
@@ -139,15 +153,21 @@ def test_a_directory_of_both_formats_follows_its_newest_step_with_a_warning(run_
 
 # --------------------------------------------------------------------------- item 2: named items
 
+
 @pytest.fixture(scope="module")
 def composite_run(tmp_path_factory):
     """Orbax runs of args.Composite: state (StandardSave) with metadata and dataset (JsonSave) at step 5;
     a one-item composite at step 1."""
     base = tmp_path_factory.mktemp("composite")
     with ocp.CheckpointManager(base / "three", item_names=("state", "metadata", "dataset")) as mgr:
-        mgr.save(5, args=ocp.args.Composite(state=ocp.args.StandardSave(tree(5)),
-                                            metadata=ocp.args.JsonSave({"lr": 0.1, "model": "resnet18"}),
-                                            dataset=ocp.args.JsonSave({"epoch": 2, "index": 17})))
+        mgr.save(
+            5,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardSave(tree(5)),
+                metadata=ocp.args.JsonSave({"lr": 0.1, "model": "resnet18"}),
+                dataset=ocp.args.JsonSave({"epoch": 2, "index": 17}),
+            ),
+        )
     with ocp.CheckpointManager(base / "one", item_names=("state",)) as mgr:
         mgr.save(1, args=ocp.args.Composite(state=ocp.args.StandardSave(tree(1))))
     return base
@@ -174,8 +194,9 @@ def test_named_items_restore_as_a_dict_of_items_json_as_json(composite_run):
     assert list(one) == ["state"]
     assert_bit_exact(tree(1), fc.restore(composite_run / "one" / "1", {"state": tree(1)})["state"])
     with ocp.CheckpointManager(composite_run / "three", item_names=("state", "metadata", "dataset")) as omgr:
-        theirs = omgr.restore(5, args=ocp.args.Composite(metadata=ocp.args.JsonRestore(),
-                                                         dataset=ocp.args.JsonRestore()))
+        theirs = omgr.restore(
+            5, args=ocp.args.Composite(metadata=ocp.args.JsonRestore(), dataset=ocp.args.JsonRestore())
+        )
     assert theirs.metadata == meta and theirs.dataset == data  # what Orbax itself gives back
 
 
@@ -186,7 +207,9 @@ def test_named_items_errors_name_the_items_present(composite_run, tmp_path):
     msg = str(e.value)
     assert "the pytree items 'state' and the JSON items 'dataset', 'metadata'" in msg
     assert "{'state': ...}" in msg and "item='state'" in msg and "'params'" in msg
-    with pytest.raises(fc.TargetMismatchError, match="no item 'opt'; its items are 'dataset', 'metadata', 'state'"):
+    with pytest.raises(
+        fc.TargetMismatchError, match="no item 'opt'; its items are 'dataset', 'metadata', 'state'"
+    ):
         fc.restore(step, item="opt")
     fc.save(tmp_path / "n", tree(1))
     with pytest.raises(fc.TargetMismatchError, match="native flax_ckpt checkpoint"):
@@ -230,17 +253,28 @@ def items(step: int) -> dict:
 def orbax_manager(root, use_ocdbt: bool, **options):
     """The Orbax job of the run: step_prefix, best_fn on "loss"; with use_ocdbt=False it names its
     handlers (that is how Orbax turns OCDBT off), with OCDBT on it is told nothing about the items."""
-    opts = ocp.CheckpointManagerOptions(step_prefix="ckpt", best_fn=lambda m: m["loss"], best_mode="min", **options)
+    opts = ocp.CheckpointManagerOptions(
+        step_prefix="ckpt", best_fn=lambda m: m["loss"], best_mode="min", **options
+    )
     if use_ocdbt:
         return ocp.CheckpointManager(root, options=opts)
-    return ocp.CheckpointManager(root, options=opts, item_handlers={
-        "state": ocp.StandardCheckpointHandler(use_ocdbt=False), "meta": ocp.JsonCheckpointHandler(),
-        "dataset": ocp.JsonCheckpointHandler()})
+    return ocp.CheckpointManager(
+        root,
+        options=opts,
+        item_handlers={
+            "state": ocp.StandardCheckpointHandler(use_ocdbt=False),
+            "meta": ocp.JsonCheckpointHandler(),
+            "dataset": ocp.JsonCheckpointHandler(),
+        },
+    )
 
 
 def orbax_composite(step: int) -> "ocp.args.Composite":
-    return ocp.args.Composite(state=ocp.args.StandardSave(tree(step)), meta=ocp.args.JsonSave(meta(step)),
-                              dataset=ocp.args.JsonSave(dataset(step)))
+    return ocp.args.Composite(
+        state=ocp.args.StandardSave(tree(step)),
+        meta=ocp.args.JsonSave(meta(step)),
+        dataset=ocp.args.JsonSave(dataset(step)),
+    )
 
 
 @pytest.fixture(scope="module", params=[True, False], ids=["ocdbt", "no-ocdbt"])
@@ -269,13 +303,23 @@ def test_new_steps_of_a_run_of_named_items_are_those_items_and_orbax_restores_th
         for s, loss in ((3, 0.1), (4, 0.3)):  # step 3 becomes the best of Orbax's best_fn
             assert mgr.save(s, items(s), metrics={"loss": loss})
     assert sorted(os.listdir(root)) == ["ckpt_1", "ckpt_2", "ckpt_3", "ckpt_4"]
-    assert sorted(os.listdir(root / "ckpt_4")) == ["_CHECKPOINT_METADATA", "commit_success.txt", "dataset", "meta",
-                                                   "metrics", "state"]
+    assert sorted(os.listdir(root / "ckpt_4")) == [
+        "_CHECKPOINT_METADATA",
+        "commit_success.txt",
+        "dataset",
+        "meta",
+        "metrics",
+        "state",
+    ]
     with orbax_manager(root, use_ocdbt) as omgr:  # the Orbax evaluation job sharing the directory
         assert omgr.all_steps() == [1, 2, 3, 4] and omgr.best_step() == 3 and omgr.latest_step() == 4
         for s in (4, 3, 2):
-            got = omgr.restore(s, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract(tree(s))),
-                                                          meta=ocp.args.JsonRestore()))
+            got = omgr.restore(
+                s,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardRestore(abstract(tree(s))), meta=ocp.args.JsonRestore()
+                ),
+            )
             assert_bit_exact(got.state, tree(s))
             assert got.meta == meta(s)
         got = omgr.restore(4, args=ocp.args.Composite(dataset=ocp.args.JsonRestore()))
@@ -285,8 +329,11 @@ def test_new_steps_of_a_run_of_named_items_are_those_items_and_orbax_restores_th
         with ocp.CheckpointManager(root, options=ocp.CheckpointManagerOptions(step_prefix="ckpt")) as omgr:
             got = omgr.restore(4)
         assert got.meta == meta(4) and got.dataset == dataset(4)
-        assert_bit_exact(jax.tree_util.tree_map(np.asarray, got.state), jax.tree_util.tree_map(np.asarray, tree(4)),
-                         types=False)
+        assert_bit_exact(
+            jax.tree_util.tree_map(np.asarray, got.state),
+            jax.tree_util.tree_map(np.asarray, tree(4)),
+            types=False,
+        )
     back = fc.restore(root / "ckpt_4", {"state": tree(4), "meta": None, "dataset": None})
     assert back["meta"] == meta(4) and back["dataset"] == dataset(4)
     assert_bit_exact(back["state"], tree(4))
@@ -303,9 +350,14 @@ def test_callback_continues_a_run_of_named_items(items_copy):
         ckpt(s, items(s), {"loss": 1.0 / s})
     ckpt.close()
     with orbax_manager(root, use_ocdbt) as omgr:
-        got = omgr.restore(4, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract(tree(4))),
-                                                      meta=ocp.args.JsonRestore(),
-                                                      dataset=ocp.args.JsonRestore()))
+        got = omgr.restore(
+            4,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract(tree(4))),
+                meta=ocp.args.JsonRestore(),
+                dataset=ocp.args.JsonRestore(),
+            ),
+        )
     assert_bit_exact(got.state, tree(4))
     assert got.meta == meta(4) and got.dataset == dataset(4)
 
@@ -329,7 +381,9 @@ def test_a_tree_that_does_not_fit_the_runs_items_writes_nothing(items_copy):
         with pytest.raises(fc.UnsupportedLeafError) as e:
             mgr.save(3, {**items(3), "meta": {"lr": 0.1, "mask": np.ones(3)}})
         assert "the JSON item 'meta'" in str(e.value) and "nothing was written" in str(e.value)
-        with pytest.raises(fc.UnsupportedLeafError, match="the JSON item 'dataset'.*set is not JSON-serializable"):
+        with pytest.raises(
+            fc.UnsupportedLeafError, match="the JSON item 'dataset'.*set is not JSON-serializable"
+        ):
             mgr.save(3, {**items(3), "dataset": {"seen": {1, 2}}})
         assert {d: sorted(os.listdir(root / d)) for d in os.listdir(root)} == before  # no lock file, no step
         assert mgr.all_steps() == [1, 2]
@@ -344,12 +398,21 @@ def test_steps_written_into_an_orbax_run_carry_checksums_that_verify_checks(item
     assert ours.returncode == 0 and ours.stdout.startswith("OK "), ours.stdout + ours.stderr
     theirs = run("verify", str(root / "ckpt_2"), "-q")  # Orbax's own step: no checksum to check
     assert theirs.returncode == 0 and theirs.stdout.startswith("UNVERIFIED"), theirs.stdout
-    with ocp.CheckpointManager(root, options=ocp.CheckpointManagerOptions(step_prefix="ckpt"),
-                               item_handlers={"state": ocp.PyTreeCheckpointHandler(),
-                                              "meta": ocp.JsonCheckpointHandler(),
-                                              "dataset": ocp.JsonCheckpointHandler()}) as omgr:
-        got = omgr.restore(3, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(), meta=ocp.args.JsonRestore()))
-    assert got.state["name"] == "resnet" and got.meta == meta(3)  # strings beside their checksum read by Orbax
+    with ocp.CheckpointManager(
+        root,
+        options=ocp.CheckpointManagerOptions(step_prefix="ckpt"),
+        item_handlers={
+            "state": ocp.PyTreeCheckpointHandler(),
+            "meta": ocp.JsonCheckpointHandler(),
+            "dataset": ocp.JsonCheckpointHandler(),
+        },
+    ) as omgr:
+        got = omgr.restore(
+            3, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(), meta=ocp.args.JsonRestore())
+        )
+    assert got.state["name"] == "resnet" and got.meta == meta(
+        3
+    )  # strings beside their checksum read by Orbax
     np.testing.assert_array_equal(got.state["params"]["w"], np.asarray(tree(3)["params"]["w"]))
     # a JSON item changed after the save (still valid JSON) no longer matches its checksum
     (root / "ckpt_3" / "meta" / "metadata").write_text('{"lr": 1.0, "model": "resnet18"}')
@@ -373,6 +436,7 @@ def test_steps_of_one_unnamed_item_carry_crc32c_chunks_that_orbax_restores(run_c
 
 # ---------------------------------------------------------- issue 27: retention that says what it deletes
 
+
 def test_retention_warns_once_when_it_deletes_steps_it_did_not_write(items_copy, caplog):
     from flax_ckpt.callbacks import CheckpointCallback
 
@@ -385,9 +449,13 @@ def test_retention_warns_once_when_it_deletes_steps_it_did_not_write(items_copy,
     assert sorted(os.listdir(root)) == ["ckpt_3", "ckpt_4", "ckpt_5"]  # Orbax's best step 1 went too
     warned = [r.getMessage() for r in caplog.records if "retention" in r.getMessage()]
     assert len(warned) == 1, warned  # once per manager, though steps 1 and 2 went at two saves
-    assert warned[0].startswith(f"retention (max_to_keep=3) deleted step 1 of {root}, which this manager did not write")
+    assert warned[0].startswith(
+        f"retention (max_to_keep=3) deleted step 1 of {root}, which this manager did not write"
+    )
     assert "max_to_keep=None" in warned[0] and "covers every step in its directory" in warned[0]
-    assert caplog.records[[r.getMessage() for r in caplog.records].index(warned[0])].levelno == logging.WARNING
+    assert (
+        caplog.records[[r.getMessage() for r in caplog.records].index(warned[0])].levelno == logging.WARNING
+    )
 
 
 def test_retention_of_its_own_steps_says_nothing(tmp_path, caplog):

@@ -49,8 +49,12 @@ def wheel(tmp_path_factory) -> zipfile.ZipFile:
         shutil.copytree(ROOT / folder, src / folder, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     # Without a build backend here, pip fetches the one pyproject.toml names (setuptools>=64) from the index.
     isolation = ["--no-build-isolation"] if _builds_offline() else []
-    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", *isolation, "-w", str(out),
-                        str(src)], capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", *isolation, "-w", str(out), str(src)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     (built,) = out.glob("flax_ckpt-*.whl")
     with zipfile.ZipFile(built) as z:
@@ -64,12 +68,17 @@ def test_the_wheel_holds_one_top_level_package_with_the_callbacks_inside(wheel):
     assert len(dist_info) == 1 and top == {"flax_ckpt", *dist_info}, sorted(top)
     assert wheel.read(f"{dist_info[0]}/top_level.txt").decode().split() == ["flax_ckpt"]
     assert not [n for n in names if n.startswith("callbacks")], "a top-level callbacks package is installed"
-    expected = {f"{inside}/{p.relative_to(ROOT / folder).as_posix()}"
-                for folder, inside in PACKAGES.items() for p in (ROOT / folder).rglob("*.py")
-                if "__pycache__" not in p.parts}
+    expected = {
+        f"{inside}/{p.relative_to(ROOT / folder).as_posix()}"
+        for folder, inside in PACKAGES.items()
+        for p in (ROOT / folder).rglob("*.py")
+        if "__pycache__" not in p.parts
+    }
     assert "flax_ckpt/callbacks/checkpoint_callback.py" in expected
     shipped = {n for n in names if n.endswith(".py")}
-    assert shipped == expected, f"missing: {sorted(expected - shipped)}; unexpected: {sorted(shipped - expected)}"
+    assert shipped == expected, (
+        f"missing: {sorted(expected - shipped)}; unexpected: {sorted(shipped - expected)}"
+    )
     assert wheel.read("flax_ckpt/callbacks/__init__.py") == (ROOT / "callbacks/__init__.py").read_bytes()
     entry_points = wheel.read(f"{dist_info[0]}/entry_points.txt").decode()
     assert "flax-ckpt = flax_ckpt._src.tools.cli:main" in entry_points
@@ -79,7 +88,7 @@ def test_the_wheel_holds_one_top_level_package_with_the_callbacks_inside(wheel):
 # (``python -c`` and ``python script.py`` both put that folder first on sys.path).
 USER_CALLBACKS = "WHOSE = 'the user'\nCheckpointCallback = None  # a name of theirs, not ours\n"
 
-USER_PROGRAM = textwrap.dedent('''
+USER_PROGRAM = textwrap.dedent("""
     import sys
     import callbacks as theirs  # the user's own module, imported first
     import flax_ckpt.callbacks
@@ -110,7 +119,7 @@ USER_PROGRAM = textwrap.dedent('''
         jax.tree.map(lambda a: jax.random.key_data(a) if jnp.issubdtype(a.dtype, jax.dtypes.prng_key) else a, t))]
     assert bits(restored) == bits(state(7)), "not bit-exact"
     print("restored step", start)
-''')
+""")
 
 
 @pytest.mark.parametrize("layout", ["callbacks.py and callbacks/", "callbacks.py"])
@@ -124,11 +133,19 @@ def test_a_users_callbacks_module_in_the_working_directory_shadows_nothing(tmp_p
         (project / "callbacks" / "__init__.py").write_text(USER_CALLBACKS)
         theirs = project / "callbacks" / "__init__.py"
     directory = tmp_path / "run"
-    r = subprocess.run([sys.executable, "-c", USER_PROGRAM, str(directory)], cwd=project, capture_output=True,
-                       text=True, timeout=180, env=worker_env(devices=1))
+    r = subprocess.run(
+        [sys.executable, "-c", USER_PROGRAM, str(directory)],
+        cwd=project,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=worker_env(devices=1),
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     assert f"theirs: {theirs}" in r.stdout and "restored step 7" in r.stdout, r.stdout
     assert f"resumed from step 7 of {directory}" in r.stderr, r.stderr
     saved = fc.restore(directory / "7")  # what the child saved, read back here
     rng = np.random.default_rng(7)
-    assert np.asarray(saved["params"]["w"]).tobytes() == rng.standard_normal((5, 3)).astype(np.float32).tobytes()
+    assert (
+        np.asarray(saved["params"]["w"]).tobytes() == rng.standard_normal((5, 3)).astype(np.float32).tobytes()
+    )

@@ -39,6 +39,7 @@ def streaming(monkeypatch):
 
     monkeypatch.setattr(transfer, "write_streamed", spy)
     import flax_ckpt._src.native.layout as layout_mod
+
     monkeypatch.setattr(layout_mod, "write_streamed", spy)
     return calls
 
@@ -46,11 +47,15 @@ def streaming(monkeypatch):
 def _state() -> dict:
     rng = np.random.default_rng(0)
     return {
-        "params": {"w": jnp.asarray(rng.standard_normal((300, 128), dtype=np.float32)),  # 150 KiB: 3 pieces
-                   "b": jnp.asarray(rng.standard_normal(7).astype(ml_dtypes.bfloat16)),
-                   "empty": jnp.zeros((0, 3), jnp.float32)},
-        "opt": {"mu": jnp.asarray(rng.standard_normal((64, 64), dtype=np.float32)),
-                "count": jnp.asarray(5, jnp.int32)},
+        "params": {
+            "w": jnp.asarray(rng.standard_normal((300, 128), dtype=np.float32)),  # 150 KiB: 3 pieces
+            "b": jnp.asarray(rng.standard_normal(7).astype(ml_dtypes.bfloat16)),
+            "empty": jnp.zeros((0, 3), jnp.float32),
+        },
+        "opt": {
+            "mu": jnp.asarray(rng.standard_normal((64, 64), dtype=np.float32)),
+            "count": jnp.asarray(5, jnp.int32),
+        },
         "host": np.arange(10, dtype=np.int64),
         "key": jax.random.key(3),
         "step": 7,
@@ -76,10 +81,16 @@ def test_streamed_save_round_trips_bit_exact(tmp_path, streaming):
 def test_streamed_save_sharded_over_eight_devices(tmp_path, streaming):
     mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("data", "model"))
     rng = np.random.default_rng(1)
-    layouts = {"rows": P("data", None), "both": P("data", "model"), "replicated": P(),
-               "cols": P(None, "model")}
-    state = {name: jax.device_put(rng.standard_normal((256, 96), dtype=np.float32), NamedSharding(mesh, spec))
-             for name, spec in layouts.items()}
+    layouts = {
+        "rows": P("data", None),
+        "both": P("data", "model"),
+        "replicated": P(),
+        "cols": P(None, "model"),
+    }
+    state = {
+        name: jax.device_put(rng.standard_normal((256, 96), dtype=np.float32), NamedSharding(mesh, spec))
+        for name, spec in layouts.items()
+    }
     fc.save(tmp_path / "c", state)
     assert streaming == ["p0"]
     chunks = leaf_chunks(tmp_path / "c")
@@ -221,8 +232,11 @@ def test_pieces_are_cut_at_the_batch_size():
     x = np.zeros((10, 4), np.float32)  # rows of 16 bytes
     pieces = transfer._split(0, x, ((0, 10), (0, 4)), x.nbytes, 48)
     assert [(p.box, p.rows, p.nbytes) for p in pieces] == [
-        (((0, 3), (0, 4)), slice(0, 3), 48), (((3, 6), (0, 4)), slice(3, 6), 48),
-        (((6, 9), (0, 4)), slice(6, 9), 48), (((9, 10), (0, 4)), slice(9, 12), 16)]
+        (((0, 3), (0, 4)), slice(0, 3), 48),
+        (((3, 6), (0, 4)), slice(3, 6), 48),
+        (((6, 9), (0, 4)), slice(6, 9), 48),
+        (((9, 10), (0, 4)), slice(9, 12), 16),
+    ]
     assert transfer._batch_bytes(1 << 30) == 32 << 20  # four batches per writer thread
     assert transfer._batch_bytes(1 << 20) == transfer._BATCH_MIN
 

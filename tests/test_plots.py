@@ -29,24 +29,57 @@ def _plots():
 
 def _reports(bench_out: pathlib.Path) -> None:
     bench_out.mkdir()
-    medians = {"raw-file": {"save": 0.3, "restore_cold": 0.25, "restore_warm": 0.05},
-               "flax_ckpt-raw": {"save": 0.16, "restore_cold": 0.2, "restore_warm": 0.11},
-               "orbax": {"save": 0.74, "restore_cold": 0.78, "restore_warm": 0.56}}
-    (bench_out / "save_restore-20260102-030405.json").write_text(json.dumps(
-        {"machine": MACHINE, "args": {"size_mb": "128.0", "rounds": "2"}, "leaves": 410,
-         "nbytes": 128 << 20, "medians": medians}))
-    row = {"floor": {"wall": 0.07, "cpu": 0.07}, "memory": {"wall": 0.1, "cpu": 0.12},
-           "orbax": {"wall": 2.0, "cpu": 1.7}}
-    (bench_out / "every_step-20260102-030405.json").write_text(json.dumps(
-        {"machine": MACHINE, "args": {"models": "mlp", "every": "1,10", "steps": 40, "rounds": 3},
-         "summary": {"mlp": {"1": row, "10": row}}}))
-    leaves = {str(n): {"n": n, "device_put_us": 40.0,
-                       "flax_ckpt_us": {"save": 60.0, "restore": 120.0, "manager_save_blocked": 9.0,
-                                        "tier_save_blocked": 7.0},
-                       **({"orbax": {"save": {"us_per_leaf": 1300.0}, "restore": {"us_per_leaf": 900.0}}}
-                          if n == 1000 else {})} for n in (1000, 5000)}
-    (bench_out / "bench_scale-20260102-030405.json").write_text(json.dumps(
-        {"machine": MACHINE, "args": {"leaves": [1000, 5000], "rounds": 1}, "leaves": leaves}))
+    medians = {
+        "raw-file": {"save": 0.3, "restore_cold": 0.25, "restore_warm": 0.05},
+        "flax_ckpt-raw": {"save": 0.16, "restore_cold": 0.2, "restore_warm": 0.11},
+        "orbax": {"save": 0.74, "restore_cold": 0.78, "restore_warm": 0.56},
+    }
+    (bench_out / "save_restore-20260102-030405.json").write_text(
+        json.dumps(
+            {
+                "machine": MACHINE,
+                "args": {"size_mb": "128.0", "rounds": "2"},
+                "leaves": 410,
+                "nbytes": 128 << 20,
+                "medians": medians,
+            }
+        )
+    )
+    row = {
+        "floor": {"wall": 0.07, "cpu": 0.07},
+        "memory": {"wall": 0.1, "cpu": 0.12},
+        "orbax": {"wall": 2.0, "cpu": 1.7},
+    }
+    (bench_out / "every_step-20260102-030405.json").write_text(
+        json.dumps(
+            {
+                "machine": MACHINE,
+                "args": {"models": "mlp", "every": "1,10", "steps": 40, "rounds": 3},
+                "summary": {"mlp": {"1": row, "10": row}},
+            }
+        )
+    )
+    leaves = {
+        str(n): {
+            "n": n,
+            "device_put_us": 40.0,
+            "flax_ckpt_us": {
+                "save": 60.0,
+                "restore": 120.0,
+                "manager_save_blocked": 9.0,
+                "tier_save_blocked": 7.0,
+            },
+            **(
+                {"orbax": {"save": {"us_per_leaf": 1300.0}, "restore": {"us_per_leaf": 900.0}}}
+                if n == 1000
+                else {}
+            ),
+        }
+        for n in (1000, 5000)
+    }
+    (bench_out / "bench_scale-20260102-030405.json").write_text(
+        json.dumps({"machine": MACHINE, "args": {"leaves": [1000, 5000], "rounds": 1}, "leaves": leaves})
+    )
 
 
 def test_charts_and_tables_from_reports(tmp_path):
@@ -54,8 +87,13 @@ def test_charts_and_tables_from_reports(tmp_path):
     _reports(bench_out)
     written = plots.main(["--bench-out", str(bench_out), "--out", str(out)])
     names = sorted(p.name for p in written)
-    assert names == ["accelerator_table.md", "every_step.png", "per_leaf.png", "perf_table.md",
-                     "save_restore.png"], names
+    assert names == [
+        "accelerator_table.md",
+        "every_step.png",
+        "per_leaf.png",
+        "perf_table.md",
+        "save_restore.png",
+    ], names
     for name in ("every_step.png", "per_leaf.png", "save_restore.png"):
         assert (out / name).read_bytes().startswith(PNG), name
     table = (out / "perf_table.md").read_text()
@@ -70,10 +108,18 @@ def test_charts_and_tables_from_reports(tmp_path):
 def test_accelerator_report_fills_the_table_and_its_chart(tmp_path):
     plots, bench_out, out = _plots(), tmp_path / "bench_out", tmp_path / "static"
     bench_out.mkdir()
-    (bench_out / "accelerator-20260102-030405.json").write_text(json.dumps(
-        {"machine": MACHINE, "device": "TPU v5 lite", "rows": [
-            {"contender": "on-device copy", "blocked_s": 0.006},
-            {"contender": "flax_ckpt async save", "blocked_s": 0.012, "durable_s": 2.0}]}))
+    (bench_out / "accelerator-20260102-030405.json").write_text(
+        json.dumps(
+            {
+                "machine": MACHINE,
+                "device": "TPU v5 lite",
+                "rows": [
+                    {"contender": "on-device copy", "blocked_s": 0.006},
+                    {"contender": "flax_ckpt async save", "blocked_s": 0.012, "durable_s": 2.0},
+                ],
+            }
+        )
+    )
     written = plots.main(["--bench-out", str(bench_out), "--out", str(out)])
     assert sorted(p.name for p in written) == ["accelerator.png", "accelerator_table.md"]
     table = (out / "accelerator_table.md").read_text()
@@ -86,10 +132,19 @@ def test_bench_accelerators_own_report_gives_medians_in_ms(tmp_path):
     medians in ms, what a save blocks apart from the synchronous calls' whole time."""
     plots, bench_out, out = _plots(), tmp_path / "bench_out", tmp_path / "static"
     bench_out.mkdir()
-    (bench_out / "accelerator-20260102-030405.json").write_text(json.dumps(
-        {"machine": dict(MACHINE, devices="1 x tpu TPU v5 lite"), "table": {
-            "device-copy": [0.005, 0.004, 0.006], "fc-async": [0.002, 0.003, 0.001],
-            "fc-async:until_durable": [2.0, 3.0, 1.0], "fc-save": [1.5, 1.4, 1.6]}}))
+    (bench_out / "accelerator-20260102-030405.json").write_text(
+        json.dumps(
+            {
+                "machine": dict(MACHINE, devices="1 x tpu TPU v5 lite"),
+                "table": {
+                    "device-copy": [0.005, 0.004, 0.006],
+                    "fc-async": [0.002, 0.003, 0.001],
+                    "fc-async:until_durable": [2.0, 3.0, 1.0],
+                    "fc-save": [1.5, 1.4, 1.6],
+                },
+            }
+        )
+    )
     written = plots.main(["--bench-out", str(bench_out), "--out", str(out)])
     assert sorted(p.name for p in written) == ["accelerator.png", "accelerator_table.md"]
     table = (out / "accelerator_table.md").read_text()

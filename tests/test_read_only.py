@@ -30,7 +30,8 @@ def state(step: int) -> dict:
     return out
 
 
-WRITER = textwrap.dedent("""
+WRITER = textwrap.dedent(
+    """
     import sys
     import numpy as np
     import flax_ckpt as fc
@@ -47,12 +48,19 @@ WRITER = textwrap.dedent("""
         print("ready", first, flush=True)
         for step in range(first, first + 100000):
             mgr.save(step, state(step))
-""" % (SHAPE, SEED))
+"""
+    % (SHAPE, SEED)
+)
 
 
 def _writer(directory, fmt: str) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-c", WRITER, str(directory), fmt, "0"], env=worker_env(1),
-                            stdout=subprocess.PIPE, text=True, preexec_fn=die_with_parent)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", WRITER, str(directory), fmt, "0"],
+        env=worker_env(1),
+        stdout=subprocess.PIPE,
+        text=True,
+        preexec_fn=die_with_parent,
+    )
     assert proc.stdout.readline().startswith("ready"), "the writer did not start"
     return proc
 
@@ -212,6 +220,7 @@ def test_reader_scan_outrun_by_the_writer_still_sees_steps(ckpt_dir, monkeypatch
     reading of the steps listed: every step it listed is gone by then, yet steps are committed all along.
     The reader sees the new ones (it once concluded 'no committed checkpoint')."""
     from flax_ckpt._src import layouts
+
     with fc.CheckpointManager(ckpt_dir, max_to_keep=2, async_save=False, format=fmt) as writer:
         writer.save(1, state(1))
         writer.save(2, state(2))
@@ -226,6 +235,7 @@ def test_reader_never_takes_a_new_orbax_step_for_a_damaged_one(ckpt_dir, monkeyp
     """An Orbax step committed while the reader's scan lists the directory is not read as a native step
     and reported damaged (the scan once listed the directory twice: Orbax steps first, the rest after)."""
     from flax_ckpt._src.orbax import locate
+
     with fc.CheckpointManager(ckpt_dir, max_to_keep=2, async_save=False, format="orbax") as writer:
         writer.save(1, state(1))
         writer.save(2, state(2))

@@ -36,8 +36,13 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # orbax: "Shardi
 def run_py(code: str, *, limit: int = 4 << 30, timeout: float = 120) -> subprocess.CompletedProcess:
     """``code`` in a child Python (JAX on CPU) under an address-space limit of ``limit`` bytes."""
     head = f"import resource; resource.setrlimit(resource.RLIMIT_AS, ({limit}, {limit}))\n"
-    return subprocess.run([sys.executable, "-c", head + textwrap.dedent(code)], capture_output=True, text=True,
-                          timeout=timeout, env=worker_env(1))
+    return subprocess.run(
+        [sys.executable, "-c", head + textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=worker_env(1),
+    )
 
 
 def _safetensors(path, header: dict, data: bytes = b"") -> str:
@@ -50,7 +55,9 @@ def _safetensors(path, header: dict, data: bytes = b"") -> str:
 # ----------------------------------------------------------- item 5: a file rewritten while it is read
 
 N_FLOATS = 26 << 20  # 104 MiB of float32
-RESTORES = 80  # enough: the code before the fix mixed about every other (safetensors) or fifth (msgpack) restore,
+RESTORES = (
+    80  # enough: the code before the fix mixed about every other (safetensors) or fifth (msgpack) restore,
+)
 # and ran fewer than this in the 20 s that bound the loop; a quiet machine reaches it in about 10 s
 
 
@@ -121,12 +128,18 @@ def test_a_file_that_settled_is_read_once(tmp_path, monkeypatch):
     """A file not modified lately is read once (its identity checked before and after); a recent one twice."""
     from flax_ckpt._src.foreign import files
 
-    path = _safetensors(tmp_path / "m.safetensors", {"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}},
-                        np.arange(4, dtype=np.float32).tobytes())
+    path = _safetensors(
+        tmp_path / "m.safetensors",
+        {"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}},
+        np.arange(4, dtype=np.float32).tobytes(),
+    )
     reads = []
     real = files.CheckpointFile._pread
-    monkeypatch.setattr(files.CheckpointFile, "_pread", lambda self, fd, offset, out: (
-        reads.append(len(out)), real(self, fd, offset, out))[1])
+    monkeypatch.setattr(
+        files.CheckpointFile,
+        "_pread",
+        lambda self, fd, offset, out: (reads.append(len(out)), real(self, fd, offset, out))[1],
+    )
     np.testing.assert_array_equal(fc.restore(path)["w"], np.arange(4))
     recent = reads.count(16)
     os.utime(path, ns=(time.time_ns() - 60 * 10**9,) * 2)
@@ -140,8 +153,10 @@ def test_a_file_rewritten_between_two_reads_is_refused_naming_it(tmp_path):
     from flax_ckpt._src import layouts
     from flax_ckpt._src.storage import open_storage
 
-    header = {"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
-              "b": {"dtype": "F32", "shape": [2], "data_offsets": [8, 16]}}
+    header = {
+        "a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+        "b": {"dtype": "F32", "shape": [2], "data_offsets": [8, 16]},
+    }
     path = _safetensors(tmp_path / "m.safetensors", header, np.ones(4, np.float32).tobytes())
     source = layouts.open_checkpoint(open_storage(path))
     time.sleep(0.01)  # a timestamp tick
@@ -154,7 +169,7 @@ def test_a_file_rewritten_between_two_reads_is_refused_naming_it(tmp_path):
 
 # ---------------------------------------------------------------- item 8: bombs in small files
 
-BOMBS = r'''
+BOMBS = r"""
 import json, os, resource, struct, sys, tempfile, time
 import msgpack, numpy as np
 import flax_ckpt as fc, jax
@@ -209,26 +224,41 @@ for call in (fc.metadata, fc.restore):
         out = f"RAW {type(e).__name__}: {e}"
     print(json.dumps({"call": call.__name__, "seconds": time.perf_counter() - t0, "out": out[:300],
                       "grew_mib": (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) >> 10}))
-'''
+"""
 
 
-@pytest.mark.parametrize("case,match", [
-    ("msgpack_nils", "its tree costs more than its 1000008 bytes can hold"),
-    ("msgpack_deep", "its tree costs more than its"),
-    ("msgpack_long_key", "its tree costs more than its"),
-    ("safetensors_dots", "100000 keys deep, deeper than 512"),
-    ("safetensors_prefixes", "'a.a': its key path passes through the leaf 'a'"),
-    ("safetensors_keys", r"6000 names: 3000000 keys in a \d+-byte header, more than its size allows"),
-    ("orbax_gap", r"_METADATA: key paths that make no tree: 'c/300000000': sequence indices up to 300000000"),
-    ("orbax_long", r"_METADATA: entry crafted0...: 30000 keys deep, deeper than 512"),
-    ("orbax_digits", r"_METADATA: entry crafted0: sequence key '1111.*' is not an index below 2147483648"),
-    ("orbax_mixed", r"_METADATA: key paths that make no tree: 'c/x'\[1\]: a node mixes sequence indices"),
-])
+@pytest.mark.parametrize(
+    "case,match",
+    [
+        ("msgpack_nils", "its tree costs more than its 1000008 bytes can hold"),
+        ("msgpack_deep", "its tree costs more than its"),
+        ("msgpack_long_key", "its tree costs more than its"),
+        ("safetensors_dots", "100000 keys deep, deeper than 512"),
+        ("safetensors_prefixes", "'a.a': its key path passes through the leaf 'a'"),
+        ("safetensors_keys", r"6000 names: 3000000 keys in a \d+-byte header, more than its size allows"),
+        (
+            "orbax_gap",
+            r"_METADATA: key paths that make no tree: 'c/300000000': sequence indices up to 300000000",
+        ),
+        ("orbax_long", r"_METADATA: entry crafted0...: 30000 keys deep, deeper than 512"),
+        (
+            "orbax_digits",
+            r"_METADATA: entry crafted0: sequence key '1111.*' is not an index below 2147483648",
+        ),
+        ("orbax_mixed", r"_METADATA: key paths that make no tree: 'c/x'\[1\]: a node mixes sequence indices"),
+    ],
+)
 def test_a_small_file_is_refused_in_bounded_time_and_memory(tmp_path, case, match):
     script = tmp_path / "bomb.py"
     script.write_text(BOMBS)
-    done = subprocess.run([sys.executable, str(script), case], capture_output=True, text=True, timeout=120,
-                          env=worker_env(1), preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (3 << 30,) * 2))
+    done = subprocess.run(
+        [sys.executable, str(script), case],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=worker_env(1),
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (3 << 30,) * 2),
+    )
     lines = [json.loads(x) for x in done.stdout.splitlines() if x.startswith("{")]
     assert len(lines) == 2, done.stdout + done.stderr[-3000:]
     for line in lines:
@@ -259,8 +289,13 @@ def test_crafted_orbax_metadata_is_damage_and_the_manager_falls_back(tmp_path, c
 
 def test_orbax_tree_checks_keep_what_orbax_writes(tmp_path):
     """Lists, dicts keyed by digits, empty containers, None and deep nesting still restore bit-exact."""
-    tree = {"layers": [{"w": np.ones(2, np.float32)}, {"w": np.zeros(2, np.float32)}], "by_id": {"7": np.ones(1)},
-            "empty": {}, "none": None, "deep": {"a": {"b": {"c": {"d": [np.arange(3)]}}}}}
+    tree = {
+        "layers": [{"w": np.ones(2, np.float32)}, {"w": np.zeros(2, np.float32)}],
+        "by_id": {"7": np.ones(1)},
+        "empty": {},
+        "none": None,
+        "deep": {"a": {"b": {"c": {"d": [np.arange(3)]}}}},
+    }
     fc.save(tmp_path / "o", tree, format="orbax")
     got = fc.restore(tmp_path / "o")
     np.testing.assert_array_equal(got["layers"][1]["w"], tree["layers"][1]["w"])
@@ -270,20 +305,33 @@ def test_orbax_tree_checks_keep_what_orbax_writes(tmp_path):
 
 # -------------------------------------------------------------------- item 9: errors that escaped
 
+
 def test_a_safetensors_dtype_that_is_a_list_is_corrupt_and_info_prints_no_traceback(tmp_path):
-    path = _safetensors(tmp_path / "m.safetensors", {"w": {"dtype": [], "shape": [1], "data_offsets": [0, 4]}},
-                        b"abcd")
+    path = _safetensors(
+        tmp_path / "m.safetensors", {"w": {"dtype": [], "shape": [1], "data_offsets": [0, 4]}}, b"abcd"
+    )
     with pytest.raises(fc.CorruptCheckpointError, match=r"'w': dtype '\[\]' is none of"):
         fc.metadata(path)
-    done = subprocess.run([sys.executable, "-m", "flax_ckpt", "info", path], capture_output=True, text=True,
-                          timeout=120, env=worker_env(1))
-    assert done.returncode != 0 and "Traceback" not in done.stderr and "is none of" in done.stderr, done.stderr
+    done = subprocess.run(
+        [sys.executable, "-m", "flax_ckpt", "info", path],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=worker_env(1),
+    )
+    assert done.returncode != 0 and "Traceback" not in done.stderr and "is none of" in done.stderr, (
+        done.stderr
+    )
 
 
 def test_a_zero_element_array_numpy_cannot_make_is_refused_when_opened(tmp_path):
-    huge = [0, 2 ** 61, 2 ** 61]
-    path = _safetensors(tmp_path / "m.safetensors", {"w": {"dtype": "F32", "shape": huge, "data_offsets": [0, 0]}})
-    with pytest.raises(fc.CorruptCheckpointError, match=r"'w': shape \[0, 2305843009213693952, .* spans more"):
+    huge = [0, 2**61, 2**61]
+    path = _safetensors(
+        tmp_path / "m.safetensors", {"w": {"dtype": "F32", "shape": huge, "data_offsets": [0, 0]}}
+    )
+    with pytest.raises(
+        fc.CorruptCheckpointError, match=r"'w': shape \[0, 2305843009213693952, .* spans more"
+    ):
         fc.metadata(path)
     ext = msgpack.ExtType(1, msgpack.packb((huge, "float32", b""), use_bin_type=True))
     (tmp_path / "checkpoint_1").write_bytes(msgpack.packb({"w": ext}, use_bin_type=True))
@@ -291,10 +339,12 @@ def test_a_zero_element_array_numpy_cannot_make_is_refused_when_opened(tmp_path)
         fc.restore(tmp_path / "checkpoint_1")
     fc.save(tmp_path / "native", {"w": np.zeros((0, 2, 2), np.float32)})
     body = manifest_body(tmp_path / "native")
-    body["leaves"][0]["shape"] = [0, 2 ** 48, 2 ** 48]
-    body["leaves"][0]["chunks"][0]["index"] = [[0, 0], [0, 2 ** 48], [0, 2 ** 48]]
+    body["leaves"][0]["shape"] = [0, 2**48, 2**48]
+    body["leaves"][0]["chunks"][0]["index"] = [[0, 0], [0, 2**48], [0, 2**48]]
     write_manifest_body(tmp_path / "native", body)
-    with pytest.raises(fc.InvalidManifestError, match=r"\[0, 281474976710656, 281474976710656\] of float32 spans"):
+    with pytest.raises(
+        fc.InvalidManifestError, match=r"\[0, 281474976710656, 281474976710656\] of float32 spans"
+    ):
         fc.metadata(tmp_path / "native")
 
 
@@ -302,24 +352,33 @@ def test_an_orbax_array_of_zero_elements_numpy_cannot_make_is_corrupt(tmp_path):
     ocp = pytest.importorskip("orbax.checkpoint")
     path = tmp_path / "plain"
     ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_ocdbt=False, use_zarr3=True)).save(
-        path, args=ocp.args.PyTreeSave({"w": np.zeros((1, 2, 2), np.float32)}))
+        path, args=ocp.args.PyTreeSave({"w": np.zeros((1, 2, 2), np.float32)})
+    )
     meta = json.loads((path / "w" / "zarr.json").read_text())
-    meta["shape"] = [0, 2 ** 61, 2 ** 61]  # before: MemoryError (a tuple of 2**60 chunk indices)
+    meta["shape"] = [0, 2**61, 2**61]  # before: MemoryError (a tuple of 2**60 chunk indices)
     (path / "w" / "zarr.json").write_text(json.dumps(meta))
     for call in (fc.metadata, fc.restore):
-        with pytest.raises(fc.CorruptCheckpointError, match=r"w/zarr.json: .*shape \[0, 2305843009213693952, .* spans"):
+        with pytest.raises(
+            fc.CorruptCheckpointError, match=r"w/zarr.json: .*shape \[0, 2305843009213693952, .* spans"
+        ):
             call(path)
-    meta["codecs"].insert(0, {"name": "transpose", "configuration": {"order": [0, 1, 2]}})  # read by tensorstore
+    meta["codecs"].insert(
+        0, {"name": "transpose", "configuration": {"order": [0, 1, 2]}}
+    )  # read by tensorstore
     (path / "w" / "zarr.json").write_text(json.dumps(meta))
     for call in (fc.metadata, fc.restore):
-        with pytest.raises(fc.CorruptCheckpointError, match=r"the array of 'w' .*: shape \[0, 2305843009213693952, "):
+        with pytest.raises(
+            fc.CorruptCheckpointError, match=r"the array of 'w' .*: shape \[0, 2305843009213693952, "
+        ):
             call(path)
 
 
 def test_zero_element_arrays_numpy_can_make_still_restore(tmp_path):
     fc.save(tmp_path / "native", {"w": np.zeros((0, 1 << 20, 4), np.float32)})
     assert fc.restore(tmp_path / "native")["w"].shape == (0, 1 << 20, 4)
-    path = _safetensors(tmp_path / "m.safetensors", {"w": {"dtype": "F32", "shape": [0, 4096], "data_offsets": [0, 0]}})
+    path = _safetensors(
+        tmp_path / "m.safetensors", {"w": {"dtype": "F32", "shape": [0, 4096], "data_offsets": [0, 0]}}
+    )
     assert fc.restore(path)["w"].shape == (0, 4096)
 
 
@@ -336,15 +395,19 @@ def test_an_orbax_path_that_is_not_utf8_is_a_storage_error(tmp_path):
 
 # ----------------------------------------------------- item 10: reads allocate the file, not the limit
 
+
 def test_a_restore_under_a_tight_address_space_limit_reads_only_what_the_manifest_holds(tmp_path):
     fc.save(tmp_path / "n", {"w": np.arange(4, dtype=np.float32)})
-    done = run_py(f"""
+    done = run_py(
+        f"""
         import flax_ckpt as fc, numpy as np
-        fc.restore({str(tmp_path / 'n')!r})  # everything imported and warmed up
+        fc.restore({str(tmp_path / "n")!r})  # everything imported and warmed up
         vm = next(int(x.split()[1]) for x in open("/proc/self/status") if x.startswith("VmSize:")) << 10
         resource.setrlimit(resource.RLIMIT_AS, (vm + (128 << 20), vm + (128 << 20)))
-        print(fc.restore({str(tmp_path / 'n')!r})["w"].tolist())
-    """, limit=-1)
+        print(fc.restore({str(tmp_path / "n")!r})["w"].tolist())
+    """,
+        limit=-1,
+    )
     assert done.returncode == 0 and "[0.0, 1.0, 2.0, 3.0]" in done.stdout, done.stderr[-3000:]
 
 
@@ -358,7 +421,9 @@ def test_local_read_allocates_the_file_and_refuses_one_that_changes_size(tmp_pat
         store.read("f", 416)
     real = os.fstat
     monkeypatch.setattr(os, "fstat", lambda fd: os.stat_result((*real(fd)[:6], 400, *real(fd)[7:])))
-    with pytest.raises(fc.CorruptCheckpointError, match=r"changed size while it was being read \(400 bytes, then 401"):
+    with pytest.raises(
+        fc.CorruptCheckpointError, match=r"changed size while it was being read \(400 bytes, then 401"
+    ):
         store.read("f", 256 << 20)
     monkeypatch.undo()
     fstats = []
@@ -382,7 +447,8 @@ def test_an_orbax_chunk_file_written_while_it_is_read_is_refused(tmp_path, monke
     path = tmp_path / "plain"
     w = np.arange(1000, dtype=np.float32)
     ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_ocdbt=False, use_zarr3=True)).save(
-        path, args=ocp.args.PyTreeSave({"w": w}))
+        path, args=ocp.args.PyTreeSave({"w": w})
+    )
     [chunk] = [os.path.join(d, f) for d, _, fs in os.walk(path / "w") for f in fs if "zarr.json" not in f]
     real, rewritten = os.pread, []
 
@@ -403,7 +469,7 @@ def test_an_orbax_chunk_file_written_while_it_is_read_is_refused(tmp_path, monke
     np.testing.assert_array_equal(fc.restore(path)["w"], w)
 
 
-@pytest.mark.parametrize("key", [True, -1, 2 ** 31, "1" * 11, "٣", None, 1.5])
+@pytest.mark.parametrize("key", [True, -1, 2**31, "1" * 11, "٣", None, 1.5])
 def test_an_orbax_sequence_key_that_is_no_index_is_invalid_metadata(tmp_path, key):
     fc.save(tmp_path / "o", {"c": [np.zeros(2, np.float32)]}, format="orbax")
     meta = tmp_path / "o" / "_METADATA"
@@ -411,5 +477,7 @@ def test_an_orbax_sequence_key_that_is_no_index_is_invalid_metadata(tmp_path, ke
     [entry] = doc["tree_metadata"].values()
     entry["key_metadata"][1]["key"] = key
     meta.write_text(json.dumps(doc))
-    with pytest.raises(fc.InvalidManifestError, match="_METADATA: entry .*: (sequence key .* is not an index|bad key)"):
+    with pytest.raises(
+        fc.InvalidManifestError, match="_METADATA: entry .*: (sequence key .* is not an index|bad key)"
+    ):
         fc.restore(tmp_path / "o")

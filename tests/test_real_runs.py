@@ -26,6 +26,7 @@ ROOT = os.path.dirname(TESTS)
 
 # ------------------------------------------------------------------------------------------- metrics
 
+
 def test_pmap_metrics_of_one_element_are_stored_as_numbers(ckpt_dir):
     loss = jax.pmap(lambda x: x.mean(), devices=jax.devices()[:1])(jnp.arange(6.0).reshape(1, 6))
     assert loss.shape == (1,)
@@ -40,6 +41,7 @@ def test_pmap_metrics_of_one_element_are_stored_as_numbers(ckpt_dir):
 
 
 # ------------------------------------------------------------------------------------ the last steps
+
 
 def counted(step: int) -> dict:
     return {"w": jnp.full((3,), float(step)), "step": jnp.int32(step)}
@@ -84,6 +86,7 @@ def test_close_skips_a_donated_last_state_with_a_warning(ckpt_dir, caplog):
 
 # ------------------------------------------------------------------------------ step type after resume
 
+
 def _train(state):
     grads = jax.tree.map(jnp.zeros_like, state.params)
     return state.apply_gradients(grads=grads)
@@ -110,8 +113,10 @@ def test_readme_abstract_target_recipe_works_on_a_fresh_train_state(tmp_path):
     fc.save(tmp_path / "ts", trained)
     state = train_state_tree()  # step is the Python int 0 here
     s = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s, weak_type=x.weak_type),
-                            jax.eval_shape(lambda: state))  # the README's recipe
+    abstract = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s, weak_type=x.weak_type),
+        jax.eval_shape(lambda: state),
+    )  # the README's recipe
     out = fc.restore(tmp_path / "ts", abstract)
     assert isinstance(out, train_state.TrainState) and out.step.weak_type and int(out.step) == 1
     assert_bit_exact(jax.tree.leaves(out.params), jax.tree.leaves(trained.params))
@@ -119,6 +124,7 @@ def test_readme_abstract_target_recipe_works_on_a_fresh_train_state(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------- verify
+
 
 def test_verify_never_says_ok_for_orbax_data_without_checksums(tmp_path):
     ocp = pytest.importorskip("orbax.checkpoint")
@@ -129,8 +135,10 @@ def test_verify_never_says_ok_for_orbax_data_without_checksums(tmp_path):
     clean = run("verify", str(ob))
     assert clean.returncode == 0 and clean.stdout.startswith("UNVERIFIED") and "of 2 leaves" in clean.stdout
     assert run("verify", str(ob), "--strict").returncode == 3
-    data = sorted((os.path.join(d, f) for d, _, fs in os.walk(ob) if os.path.basename(d) == "d" for f in fs),
-                  key=os.path.getsize)[-1]
+    data = sorted(
+        (os.path.join(d, f) for d, _, fs in os.walk(ob) if os.path.basename(d) == "d" for f in fs),
+        key=os.path.getsize,
+    )[-1]
     raw = bytearray(open(data, "rb").read())
     raw[len(raw) // 2] ^= 0x01
     open(data, "wb").write(bytes(raw))
@@ -155,6 +163,7 @@ def test_verify_of_a_run_directory_checks_every_step(tmp_path):
 
 # ------------------------------------------------------------------------------------------- smaller
 
+
 def test_a_generator_leaf_is_refused_naming_the_get_state_protocol(tmp_path):
     with pytest.raises(fc.UnsupportedLeafError, match=r"get_state\(\)/set_state\(\)"):
         fc.save(tmp_path / "g", {"w": np.ones(2), "batches": (i for i in range(3))})
@@ -162,8 +171,10 @@ def test_a_generator_leaf_is_refused_naming_the_get_state_protocol(tmp_path):
 
 
 def test_convert_to_safetensors_says_how_many_leaves_it_left_out(tmp_path):
-    fc.save(tmp_path / "ck", {"params": {"w": np.ones(3, np.float32)}, "opt": {"count": 3},
-                              "rng": jax.random.key(0)})
+    fc.save(
+        tmp_path / "ck",
+        {"params": {"w": np.ones(3, np.float32)}, "opt": {"count": 3}, "rng": jax.random.key(0)},
+    )
     r = run("convert", str(tmp_path / "ck"), str(tmp_path / "m.safetensors"), "--subtree", "")
     assert r.returncode == 0 and "left out 2 leaves" in r.stdout, r.stdout
 
@@ -175,21 +186,29 @@ def test_progress_bars_only_on_a_terminal_or_when_asked(tmp_path):
 
 
 def test_resumed_line_is_visible_without_logging_set_up(tmp_path):
-    script = textwrap.dedent(f'''
+    script = textwrap.dedent(f"""
         import numpy as np
         from flax_ckpt.callbacks import CheckpointCallback
         for _ in range(2):
             with CheckpointCallback({str(tmp_path / "run")!r}, every_steps=1, preemption_signals=()) as ckpt:
                 state, start = ckpt.restore_or({{"w": np.zeros(2)}})
                 ckpt(start + 1, {{"w": np.ones(2)}})
-    ''')
-    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT,
-                       env=worker_env(1), timeout=120)
+    """)
+    r = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=worker_env(1),
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
-    assert "no checkpoint in" in r.stderr and f"resumed from step 1 of {tmp_path / 'run'}" in r.stderr, r.stderr
+    assert "no checkpoint in" in r.stderr and f"resumed from step 1 of {tmp_path / 'run'}" in r.stderr, (
+        r.stderr
+    )
 
 
-AT_EXIT_CHILD = textwrap.dedent('''
+AT_EXIT_CHILD = textwrap.dedent("""
     import logging, sys
     import jax.numpy as jnp
     from flax_ckpt.callbacks import CheckpointCallback
@@ -203,7 +222,7 @@ AT_EXIT_CHILD = textwrap.dedent('''
         state = {"w": state["w"] + 1}
         ckpt(step + 1, state)
     print("done", flush=True)  # no close(): the callback is closed at interpreter exit
-''')
+""")
 
 
 def test_an_open_callback_saves_its_last_step_at_interpreter_exit(tmp_path):
@@ -211,8 +230,14 @@ def test_an_open_callback_saves_its_last_step_at_interpreter_exit(tmp_path):
     script.write_text(AT_EXIT_CHILD)
 
     def child(*args: str) -> subprocess.CompletedProcess:
-        r = subprocess.run([sys.executable, str(script), str(directory), *args], capture_output=True, text=True,
-                           cwd=ROOT, timeout=120, env=worker_env(1))
+        r = subprocess.run(
+            [sys.executable, str(script), str(directory), *args],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            timeout=120,
+            env=worker_env(1),
+        )
         assert r.returncode == 0 and "done" in r.stdout, r.stderr
         return r
 
@@ -231,9 +256,13 @@ def test_an_open_callback_saves_its_last_step_at_interpreter_exit(tmp_path):
 def test_restore_keeps_the_target_leaf_type_and_weak_type(tmp_path):
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
+
     weak = jax.jit(lambda n: n + 1)(3)  # a Python int through jit: a weak-typed int32
     assert weak.weak_type
-    fc.save(tmp_path / "c", {"step": weak, "count": jnp.int32(9), "lr": np.float32(0.5), "scale": jnp.asarray(1.5)})
+    fc.save(
+        tmp_path / "c",
+        {"step": weak, "count": jnp.int32(9), "lr": np.float32(0.5), "scale": jnp.asarray(1.5)},
+    )
     out = fc.restore(tmp_path / "c", {"step": 0, "count": 0, "lr": 0.0, "scale": 0.0})
     assert (type(out["step"]), out["step"], type(out["count"]), type(out["lr"])) == (int, 4, int, float)
     replicated = NamedSharding(Mesh(np.array(jax.devices()[:4]), ("d",)), P())
@@ -251,19 +280,32 @@ def test_which_zarr_codecs_checksum_the_data(tmp_path):
     import tensorstore as ts
 
     from flax_ckpt._src.orbax.read import data_checksummed
+
     made = []
 
     def metadata(codecs, driver="zarr3"):
         made.append(tmp_path / f"a{len(made)}")
-        spec = {"driver": driver, "kvstore": {"driver": "file", "path": str(made[-1])},
-                "metadata": {"shape": [4], "data_type": "uint8", "codecs": codecs} if driver == "zarr3"
-                else {"shape": [4], "dtype": "|u1", "compressor": {"id": "zstd", "level": 1}}}
+        spec = {
+            "driver": driver,
+            "kvstore": {"driver": "file", "path": str(made[-1])},
+            "metadata": {"shape": [4], "data_type": "uint8", "codecs": codecs}
+            if driver == "zarr3"
+            else {"shape": [4], "dtype": "|u1", "compressor": {"id": "zstd", "level": 1}},
+        }
         return ts.open(spec, create=True).result().spec().to_json()["metadata"]
 
     assert data_checksummed(metadata([{"name": "bytes"}, {"name": "crc32c"}]))
-    assert not data_checksummed(metadata([{"name": "bytes"}, {"name": "zstd", "configuration": {"level": 1}}]))
-    inner = {"name": "sharding_indexed", "configuration": {
-        "chunk_shape": [2], "codecs": [{"name": "bytes"}], "index_codecs": [{"name": "bytes"}, {"name": "crc32c"}]}}
+    assert not data_checksummed(
+        metadata([{"name": "bytes"}, {"name": "zstd", "configuration": {"level": 1}}])
+    )
+    inner = {
+        "name": "sharding_indexed",
+        "configuration": {
+            "chunk_shape": [2],
+            "codecs": [{"name": "bytes"}],
+            "index_codecs": [{"name": "bytes"}, {"name": "crc32c"}],
+        },
+    }
     assert not data_checksummed(metadata([inner]))  # Orbax's zarr3: only the shard index is checksummed
     inner["configuration"]["codecs"].append({"name": "crc32c"})
     assert data_checksummed(metadata([inner]))

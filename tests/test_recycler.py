@@ -21,7 +21,10 @@ from helpers import assert_bit_exact
 
 def _state(step: int, rows: int = 768) -> dict:
     rng = np.random.default_rng(step)
-    return {"w": rng.standard_normal((rows, 1024)).astype(np.float32), "b": np.full(7, step, np.int64)}  # 3 MiB
+    return {
+        "w": rng.standard_normal((rows, 1024)).astype(np.float32),
+        "b": np.full(7, step, np.int64),
+    }  # 3 MiB
 
 
 def _data_files(run, step: int) -> dict[str, os.stat_result]:
@@ -51,7 +54,9 @@ def test_a_removed_steps_files_become_the_next_saves_and_hold_only_its_bytes(tmp
             for s in mgr.all_steps():
                 assert_bit_exact(mgr.restore(s, states[s]), states[s])
             files = json.loads((run / str(step) / "manifest.json").read_bytes())["body"]["files"]
-            assert {f"data/{n}": st.st_size for n, st in _data_files(run, step).items()} == files  # nothing past the end
+            assert {
+                f"data/{n}": st.st_size for n, st in _data_files(run, step).items()
+            } == files  # nothing past the end
             assert sum(files.values()) == states[step]["w"].nbytes + states[step]["b"].nbytes
         assert mgr.all_steps() == [4, 5]
     assert sorted(p.name for p in run.iterdir() if not p.name.startswith(".")) == ["4", "5"]

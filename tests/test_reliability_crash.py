@@ -37,7 +37,9 @@ def kill_many(z: Zygote, directory: str, kills: int, seed: int, tiers: bool = Fa
 @pytest.mark.timeout(300)
 def test_sigkill_at_random_moments_of_async_saves_loses_nothing(zygote, tmp_path):
     run = kill_many(zygote, str(tmp_path / "ckpts"), DEFAULT_KILLS, seed=7)
-    assert len(run.reported) >= DEFAULT_KILLS, "the savers committed too little for the kills to test anything"
+    assert len(run.reported) >= DEFAULT_KILLS, (
+        "the savers committed too little for the kills to test anything"
+    )
 
 
 @pytest.mark.timeout(300)
@@ -48,15 +50,20 @@ def test_sigkill_of_saves_through_a_memory_tier_loses_nothing(zygote, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
-@pytest.mark.skipif(not SLOW, reason="200 SIGKILLs take minutes: set FLAX_CKPT_SLOW=1 (or run benchmarks/faults.py)")
+@pytest.mark.skipif(
+    not SLOW, reason="200 SIGKILLs take minutes: set FLAX_CKPT_SLOW=1 (or run benchmarks/faults.py)"
+)
 def test_two_hundred_sigkills(zygote, tmp_path):
     for part in range(10):  # a fresh directory every 20 kills bounds the disk use and re-reads
         kill_many(zygote, str(tmp_path / f"run{part}"), 20, seed=1000 + part, tiers=part % 2 == 1)
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("scenario,twice", [("save", False), ("save", True), ("restore", False)],
-                         ids=["during-save", "twice-during-save", "during-restore"])
+@pytest.mark.parametrize(
+    "scenario,twice",
+    [("save", False), ("save", True), ("restore", False)],
+    ids=["during-save", "twice-during-save", "during-restore"],
+)
 def test_sigterm_waits_for_the_save_in_flight_and_exits_cleanly(tmp_path, scenario, twice):
     outcome = sigterm_trial(str(tmp_path / "ckpts"), scenario, random.Random(3), twice=twice)
     assert outcome.ok, f"{outcome.kind}: {outcome.detail}"

@@ -29,7 +29,9 @@ from reliability_trials import (
 
 import flax_ckpt as fc
 
-CASES = [(ser, cls, mode) for ser, classes in DAMAGE_CLASSES.items() for cls in classes for mode in DAMAGE_MODES]
+CASES = [
+    (ser, cls, mode) for ser, classes in DAMAGE_CLASSES.items() for cls in classes for mode in DAMAGE_MODES
+]
 
 
 @pytest.fixture
@@ -53,10 +55,16 @@ def test_full_disk_fails_the_save_clearly_keeps_older_steps_and_recovers(small_t
 def test_full_tmpfs_fails_a_memory_tier_save_clearly_and_keeps_the_older_copy(small_tmpfs, tmp_path):
     """The memory tier writes through maps: a full tmpfs must be an error naming the file (pages are
     reserved before they are mapped), never a SIGBUS, and the copy before it must still restore."""
+
     def state(step: int, mib: int) -> dict:
         return {"w": jnp.asarray(np.random.default_rng(step).standard_normal(mib << 18, np.float32))}
-    tiers = fc.Tiers(local_dir=os.path.join(small_tmpfs, "tiers"), persist_interval_steps=None, max_to_keep=1,
-                     cleanup=False)
+
+    tiers = fc.Tiers(
+        local_dir=os.path.join(small_tmpfs, "tiers"),
+        persist_interval_steps=None,
+        max_to_keep=1,
+        cleanup=False,
+    )
     with fc.CheckpointManager(tmp_path / "ckpt", tiers=tiers) as mgr:
         for step in (1, 2):  # 2 MiB copies: the second is written into the spare the first left
             mgr.save(step, state(step, 2))
@@ -76,7 +84,9 @@ def test_full_tmpfs_fails_a_memory_tier_save_clearly_and_keeps_the_older_copy(sm
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("serializer,cls,mode", CASES, ids=["-".join(c) for c in CASES])
 def test_damaged_newest_step_is_named_and_the_manager_falls_back(tmp_path, serializer, cls, mode):
-    outcome = damage_trial(str(tmp_path / "ckpts"), serializer, cls, mode, random.Random(hash((cls, mode)) & 0xFFFF))
+    outcome = damage_trial(
+        str(tmp_path / "ckpts"), serializer, cls, mode, random.Random(hash((cls, mode)) & 0xFFFF)
+    )
     assert outcome.ok, f"{outcome.kind}: {outcome.detail}"
 
 

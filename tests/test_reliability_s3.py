@@ -52,8 +52,13 @@ def test_a_transient_error_while_a_manager_scans_does_not_hide_a_committed_step(
     with fc.CheckpointManager(url) as mgr:
         mgr.save(1, s3_state(1))
     failures = itertools.count()  # the first 4 GETs of the manifest answer 503: more than the retries
-    rig.proxy.faults = Faults(rate=1.0, modes=("503",), match=lambda method, path: method == "GET" and path.split(
-        "?")[0].endswith("/1/manifest.json") and next(failures) < 4)
+    rig.proxy.faults = Faults(
+        rate=1.0,
+        modes=("503",),
+        match=lambda method, path: (
+            method == "GET" and path.split("?")[0].endswith("/1/manifest.json") and next(failures) < 4
+        ),
+    )
     try:
         with fc.CheckpointManager(url) as mgr:  # may raise StorageError: saying so is fine, hiding is not
             assert mgr.latest_step() == 1

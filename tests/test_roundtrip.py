@@ -51,14 +51,16 @@ def test_restore_without_target_gives_plain_containers(location, serializer):
     assert isinstance(out["point"], dict) and set(out["point"]) == {"x", "y"} and out["point"]["x"] == 3
     assert isinstance(out["point"]["y"], list)
     assert out["extra"]["b"] == 4 and "name" not in out["extra"]
-    assert out["scalars"][1] == -2**70 and out["scalars"][5] is True
+    assert out["scalars"][1] == -(2**70) and out["scalars"][5] is True
     assert np.float64(out["scalars"][3]).tobytes() == np.float64(-0.0).tobytes()
     assert out["text"] == "héllo" and out["none"] is None
     assert out["empty_dict"] == {} and out["empty_list"] == [] and out["empty_tuple"] == ()
     assert out["int_keys"][3] == "three" and list(out["int_keys"]) == [3, 10]
     assert out["opt"][0]["mu"]["a"].shape == (3,)
     assert jax.dtypes.issubdtype(out["typed_key"].dtype, jax.dtypes.prng_key)
-    np.testing.assert_array_equal(jax.random.key_data(out["typed_key"]), jax.random.key_data(tree["typed_key"]))
+    np.testing.assert_array_equal(
+        jax.random.key_data(out["typed_key"]), jax.random.key_data(tree["typed_key"])
+    )
     assert out["raw_key"].dtype == np.uint32
 
 
@@ -99,12 +101,18 @@ def test_shape_dtype_struct_target_places_on_sharding(tmp_path):
     x = jax.device_put(jnp.arange(64.0).reshape(8, 8), NamedSharding(mesh, P("a", "b")))
     fc.save(tmp_path / "s", {"x": x})
     target_sharding = NamedSharding(Mesh(np.array(jax.devices()[:8]), ("d",)), P(None, "d"))
-    out = fc.restore(tmp_path / "s", {"x": jax.ShapeDtypeStruct((8, 8), jnp.float32, sharding=target_sharding)})
+    out = fc.restore(
+        tmp_path / "s", {"x": jax.ShapeDtypeStruct((8, 8), jnp.float32, sharding=target_sharding)}
+    )
     assert out["x"].sharding == target_sharding
     np.testing.assert_array_equal(np.asarray(out["x"]), np.asarray(x))
     info = fc.metadata(tmp_path / "s")
-    assert info.leaves["x"].sharding == {"type": "NamedSharding", "axis_names": ["a", "b"], "mesh_shape": [2, 2],
-                                         "spec": ["a", "b"]}
+    assert info.leaves["x"].sharding == {
+        "type": "NamedSharding",
+        "axis_names": ["a", "b"],
+        "mesh_shape": [2, 2],
+        "spec": ["a", "b"],
+    }
 
 
 def test_shardings_argument_overrides_placement_without_target(tmp_path):
@@ -152,14 +160,26 @@ def test_large_array_is_split_into_subchunks_and_restored(tmp_path):
 # ------------------------------------------------------------------------------------ property-based
 
 leaf = st.one_of(
-    st.integers(-2**80, 2**80), st.floats(allow_nan=True), st.booleans(), st.text(max_size=8), st.none(),
+    st.integers(-(2**80), 2**80),
+    st.floats(allow_nan=True),
+    st.booleans(),
+    st.text(max_size=8),
+    st.none(),
     st.sampled_from(["float32", "int8", "uint16", "float16", "bool", "complex64", "int64"]).flatmap(
         lambda dt: st.lists(st.integers(0, 3), max_size=3).map(
-            lambda shape: np.random.default_rng(len(shape)).integers(0, 100, shape).astype(dt))),
+            lambda shape: np.random.default_rng(len(shape)).integers(0, 100, shape).astype(dt)
+        )
+    ),
 )
-trees = st.recursive(leaf, lambda kids: st.one_of(
-    st.lists(kids, max_size=3), st.tuples(kids, kids),
-    st.dictionaries(st.text(min_size=1, max_size=5), kids, max_size=3)), max_leaves=10)
+trees = st.recursive(
+    leaf,
+    lambda kids: st.one_of(
+        st.lists(kids, max_size=3),
+        st.tuples(kids, kids),
+        st.dictionaries(st.text(min_size=1, max_size=5), kids, max_size=3),
+    ),
+    max_leaves=10,
+)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -174,7 +194,9 @@ def test_python_scalar_target_accepts_the_0d_array_a_jitted_step_saved(tmp_path)
     """TrainState.create starts step as a Python int; after a jitted step it is an int32 array. Restore
     keeps the target's leaf type: a Python int target gets a Python int back."""
     state = train_state_tree()
-    trained = jax.jit(lambda s: s.apply_gradients(grads=jax.tree_util.tree_map(jnp.zeros_like, s.params)))(state)
+    trained = jax.jit(lambda s: s.apply_gradients(grads=jax.tree_util.tree_map(jnp.zeros_like, s.params)))(
+        state
+    )
     fc.save(tmp_path / "ts", trained)
     out = fc.restore(tmp_path / "ts", train_state_tree())
     assert type(out.step) is int and out.step == 1
@@ -188,21 +210,32 @@ def test_python_scalar_target_accepts_the_0d_array_a_jitted_step_saved(tmp_path)
 # the same treedef (tree.flat, engine/snapshot.learned): every later save must still record each leaf
 # as it is then.
 
+
 def test_a_structure_saved_again_records_every_leaf_as_it_is_now(tmp_path):
     mesh = Mesh(np.array(jax.devices()[:4]), ("x",))
-    first = {"a": jnp.arange(6, dtype=jnp.float32), "b": np.ones((2, 3), np.int32), "c": 1,
-             "d": jnp.zeros(8), "e": jax.random.key(0)}
-    second = {"a": jnp.arange(6, dtype=jnp.bfloat16).reshape(2, 3),  # dtype and shape changed
-              "b": 2.5,  # an array became a Python float
-              "c": np.arange(3, dtype=np.int64),  # a Python int became an array
-              "d": jax.device_put(jnp.arange(8.0), NamedSharding(mesh, P("x"))),  # sharded over 4 devices
-              "e": jax.random.key(1, impl="rbg")}  # another key implementation: other key data
+    first = {
+        "a": jnp.arange(6, dtype=jnp.float32),
+        "b": np.ones((2, 3), np.int32),
+        "c": 1,
+        "d": jnp.zeros(8),
+        "e": jax.random.key(0),
+    }
+    second = {
+        "a": jnp.arange(6, dtype=jnp.bfloat16).reshape(2, 3),  # dtype and shape changed
+        "b": 2.5,  # an array became a Python float
+        "c": np.arange(3, dtype=np.int64),  # a Python int became an array
+        "d": jax.device_put(jnp.arange(8.0), NamedSharding(mesh, P("x"))),  # sharded over 4 devices
+        "e": jax.random.key(1, impl="rbg"),
+    }  # another key implementation: other key data
     assert jax.tree_util.tree_structure(first) == jax.tree_util.tree_structure(second)
     fc.save(str(tmp_path / "1"), first)
     fc.save(str(tmp_path / "2"), second)
     assert_bit_exact(fc.restore(str(tmp_path / "1"), first), first)
-    assert_bit_exact(fc.restore(str(tmp_path / "2"), second), second, {"a": None, "b": None, "c": None,
-                                                                       "d": second["d"].sharding, "e": None})
+    assert_bit_exact(
+        fc.restore(str(tmp_path / "2"), second),
+        second,
+        {"a": None, "b": None, "c": None, "d": second["d"].sharding, "e": None},
+    )
     info = fc.metadata(str(tmp_path / "2")).leaves
     assert (info["a"].dtype, info["a"].shape) == (np.dtype(jnp.bfloat16), (2, 3))
     assert info["b"].kind == "scalar" and info["c"].kind == "numpy"
@@ -240,9 +273,13 @@ def test_a_save_keeps_no_reference_to_the_arrays_it_saved(tmp_path):
     tree = {"w": jnp.ones((256, 256)), "b": np.zeros(4)}
     refs = [weakref.ref(tree["w"]), weakref.ref(tree["b"])]
     fc.save(str(tmp_path / "1"), tree)
-    managers = [fc.CheckpointManager(str(tmp_path / "run")),  # and its managers, once closed
-                fc.CheckpointManager(str(tmp_path / "tiered"), tiers=fc.Tiers(
-                    local_dir=str(tmp_path / "shm"), peer=False, persist_interval_steps=2))]
+    managers = [
+        fc.CheckpointManager(str(tmp_path / "run")),  # and its managers, once closed
+        fc.CheckpointManager(
+            str(tmp_path / "tiered"),
+            tiers=fc.Tiers(local_dir=str(tmp_path / "shm"), peer=False, persist_interval_steps=2),
+        ),
+    ]
     for mgr in managers:
         with mgr:
             mgr.save(1, tree)
@@ -257,12 +294,14 @@ def test_a_save_keeps_no_reference_to_the_arrays_it_saved(tmp_path):
 # A writer makes each save's manifest as text from parts it keeps (native/manifest.SaveManifests): it
 # must be the canonical encoding of the body, byte for byte, and validated as restore validates it.
 
+
 def _manifest(path) -> bytes:
     return (path / "manifest.json").read_bytes()
 
 
 def _canonical(raw: bytes) -> bytes:
     from flax_ckpt._src.checks import seal
+
     body = json.loads(raw)["body"]
     return seal(body, name="flax_ckpt", version=1)
 
@@ -279,21 +318,38 @@ def test_a_structure_saved_again_is_validated_once_and_written_canonically(tmp_p
     """A manager's saves of one structure validate its leaves once (then those that changed), the rest
     of the body at every save; each manifest stays canonical and restores bit-exact."""
     from flax_ckpt._src.native import manifest as manifest_mod
+
     calls = []
     real = manifest_mod.validate_leaf
+
     def counted(*a):  # on the writer's thread: the saves' validation, not the restores'
         if threading.current_thread().name.startswith("flax_ckpt-writer"):
             calls.append(a[1])
         return real(*a)
+
     monkeypatch.setattr(manifest_mod, "validate_leaf", counted)
     mesh = Mesh(np.array(jax.devices()[:4]), ("x",))
-    state = dict(mixed_tree(), key=jax.random.key(3), s="text", none=None, empty={},
-                 sharded=jax.device_put(jnp.arange(64.0), NamedSharding(mesh, P("x"))),
-                 big=np.arange(5 << 20, dtype=np.float32))  # big: two raw sub-chunks
+    state = dict(
+        mixed_tree(),
+        key=jax.random.key(3),
+        s="text",
+        none=None,
+        empty={},
+        sharded=jax.device_put(jnp.arange(64.0), NamedSharding(mesh, P("x"))),
+        big=np.arange(5 << 20, dtype=np.float32),
+    )  # big: two raw sub-chunks
     with fc.CheckpointManager(tmp_path / "m", max_to_keep=None) as mgr:
         for step in range(4):
-            state = jax.tree_util.tree_map(lambda x: x + 1 if isinstance(x, (np.ndarray, jax.Array)) and x.dtype != bool
-                                           and not jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x, state)
+            state = jax.tree_util.tree_map(
+                lambda x: (
+                    x + 1
+                    if isinstance(x, (np.ndarray, jax.Array))
+                    and x.dtype != bool
+                    and not jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
+                    else x
+                ),
+                state,
+            )
             mgr.save(step, state, metrics={"loss": 1.0 / (step + 1)})
             mgr.wait_until_finished()
             raw = _manifest(tmp_path / "m" / str(step))

@@ -32,6 +32,7 @@ def _train_step(state):
 
     def body(_, c):
         return jnp.tanh(c @ c.T) @ c * 1e-3 + c
+
     h = jax.lax.fori_loop(0, 150, body, jnp.broadcast_to(w[:1], (384, 256)))
     return {"w": w * 0.999 + h[:256, :256] * 1e-6, "step": state["step"] + 1}
 
@@ -58,8 +59,13 @@ def _start():
 
 @pytest.mark.parametrize("on_busy", ["skip", "wait"])
 def test_memory_tier_every_step_of_a_loop_running_ahead_saves_most_steps(tmp_path, on_busy):
-    tiers = fc.Tiers(local_dir=str(tmp_path / "shm"), peer=False, persist_interval_steps=None,
-                     on_busy=on_busy, max_to_keep=2)
+    tiers = fc.Tiers(
+        local_dir=str(tmp_path / "shm"),
+        peer=False,
+        persist_interval_steps=None,
+        on_busy=on_busy,
+        max_to_keep=2,
+    )
     state = _train(_start())  # compiled
     jax.block_until_ready(state)
     with fc.CheckpointManager(tmp_path / "run", tiers=tiers) as mgr:
@@ -98,6 +104,7 @@ def test_on_busy_is_given_once(tmp_path):
     with pytest.raises(ValueError, match=r"on_busy='wait' contradicts tiers=Tiers\(on_busy='skip'\)"):
         fc.CheckpointManager(tmp_path / "b", on_busy="wait", tiers=fc.Tiers(local_dir=str(tmp_path / "shm")))
     assert not os.path.exists(tmp_path / "a") and not os.path.exists(tmp_path / "b")  # nothing made
-    with fc.CheckpointManager(tmp_path / "c", tiers=fc.Tiers(local_dir=str(tmp_path / "shm"), peer=False,
-                                                             on_busy="wait")) as mgr:
+    with fc.CheckpointManager(
+        tmp_path / "c", tiers=fc.Tiers(local_dir=str(tmp_path / "shm"), peer=False, on_busy="wait")
+    ) as mgr:
         assert mgr.on_busy == "wait"

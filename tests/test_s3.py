@@ -26,16 +26,24 @@ from s3_fixtures import S3Place, point_env_at
 
 # ------------------------------------------------------------------------------- explicit options
 
+
 def test_kvstore_spec_and_explicit_options_without_credentials_in_env(s3: S3Place, monkeypatch):
     for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "FLAX_CKPT_S3_ENDPOINT", "AWS_ENDPOINT_URL"):
         monkeypatch.delenv(var)
     keys = s3.server.admin
-    opts = ObjectStoreOptions(endpoint=s3.endpoint, access_key_id=keys.access_key_id,
-                              secret_access_key=keys.secret_access_key, max_attempts=2, retry_delay_s=0.01)
+    opts = ObjectStoreOptions(
+        endpoint=s3.endpoint,
+        access_key_id=keys.access_key_id,
+        secret_access_key=keys.secret_access_key,
+        max_attempts=2,
+        retry_delay_s=0.01,
+    )
     parent = open_storage({"driver": "s3", "bucket": s3.bucket, "path": s3.prefix}, options=opts)
     assert parent.url == s3.url and parent.spec["aws_region"] == "us-east-1"
     tree = small_tree(2)
-    NativeLayout(get_serializer("raw")).persist(snapshot(tree), parent, "ck", step=None, metrics=None, metadata=None)
+    NativeLayout(get_serializer("raw")).persist(
+        snapshot(tree), parent, "ck", step=None, metrics=None, metadata=None
+    )
     folder = parent.sub("ck")
     assert_bit_exact(engine.restore(open_native(folder), tree), tree)
     again, name = split_location(folder)
@@ -43,6 +51,7 @@ def test_kvstore_spec_and_explicit_options_without_credentials_in_env(s3: S3Plac
 
 
 # ------------------------------------------------------------------------------- permanent errors
+
 
 def test_missing_bucket_is_a_clear_permanent_error(s3: S3Place):
     t0 = time.perf_counter()
@@ -71,25 +80,41 @@ def test_access_denied_is_a_clear_permanent_error(s3: S3Place, monkeypatch):
 
 # ------------------------------------------------------------------------- spec mapping (no server)
 
+
 def test_s3_and_gs_urls_map_to_tensorstore_specs(monkeypatch):
-    for var in ("FLAX_CKPT_S3_ENDPOINT", "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_REGION",
-                "AWS_DEFAULT_REGION"):
+    for var in (
+        "FLAX_CKPT_S3_ENDPOINT",
+        "AWS_ENDPOINT_URL_S3",
+        "AWS_ENDPOINT_URL",
+        "AWS_REGION",
+        "AWS_DEFAULT_REGION",
+    ):
         monkeypatch.delenv(var, raising=False)
     gs = open_storage("gs://my-bucket/runs/a/")
-    assert isinstance(gs, KvStorage) and gs.spec == {"driver": "gcs", "bucket": "my-bucket", "path": "runs/a/"}
+    assert isinstance(gs, KvStorage) and gs.spec == {
+        "driver": "gcs",
+        "bucket": "my-bucket",
+        "path": "runs/a/",
+    }
     assert gs.url == "gs://my-bucket/runs/a" and gs.sub("7").kvstore_spec("z")["path"] == "runs/a/7/z/"
     ts.KvStore.Spec(gs.spec)  # a valid tensorstore spec
     assert open_storage({"driver": "gcs", "bucket": "my-bucket", "path": "x"}).url == "gs://my-bucket/x"
     with pytest.raises(ValueError, match="s3:// only"):
         open_storage("gs://my-bucket/x", options={"region": "eu-west-1"})
     gs_at = open_storage("gs://my-bucket/x", options={"endpoint": "http://127.0.0.1:1/"})  # tests/test_gcs.py
-    assert gs_at.endpoint == "http://127.0.0.1:1" and gs_at.spec == {"driver": "gcs", "bucket": "my-bucket", "path": "x/"}
+    assert gs_at.endpoint == "http://127.0.0.1:1" and gs_at.spec == {
+        "driver": "gcs",
+        "bucket": "my-bucket",
+        "path": "x/",
+    }
     s3s = open_storage("s3://bkt/p")
     assert s3s.spec == {"driver": "s3", "bucket": "bkt", "path": "p/"}  # region left to tensorstore
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
     monkeypatch.setenv("FLAX_CKPT_S3_ENDPOINT", "http://127.0.0.1:8")
     assert open_storage("s3://bkt/p").spec["endpoint"] == "http://127.0.0.1:8"
-    explicit = open_storage({"driver": "s3", "bucket": "bkt", "endpoint": "http://127.0.0.1:7"}, options={"region": "eu-west-1"})
+    explicit = open_storage(
+        {"driver": "s3", "bucket": "bkt", "endpoint": "http://127.0.0.1:7"}, options={"region": "eu-west-1"}
+    )
     assert explicit.spec["endpoint"] == "http://127.0.0.1:7" and explicit.spec["aws_region"] == "eu-west-1"
     parent, name = split_location("s3://bkt/p/run/12")
     assert (parent.url, parent.spec["path"], name) == ("s3://bkt/p/run", "p/run/", "12")
@@ -101,4 +126,3 @@ def test_s3_and_gs_urls_map_to_tensorstore_specs(monkeypatch):
         open_storage("s3://bkt/p")
     with pytest.raises(ValueError, match="together"):
         ObjectStoreOptions(access_key_id="a")
-

@@ -26,7 +26,9 @@ from flax_ckpt._src.storage import ObjectStoreOptions, open_storage
 from flax_ckpt._src.storage import endpoints as endpoints_mod
 from helpers import HOST, free_port, worker_env
 
-ABSL_LINE = re.compile(r"^[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ ", re.M)  # e.g. "E1204 16:19:08.033383   11027 "
+ABSL_LINE = re.compile(
+    r"^[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ ", re.M
+)  # e.g. "E1204 16:19:08.033383   11027 "
 FAST_S = 10
 
 _CHILD = r"""
@@ -52,8 +54,12 @@ print(json.dumps(results))
 def child_env(tmp_path, endpoint: str) -> dict[str, str]:
     """A first-time user's environment: an endpoint, no credentials (tensorstore's default AWS chain,
     which logged to stderr), an empty HOME, and no EC2 metadata lookups (they would leave loopback)."""
-    env = {k: v for k, v in worker_env(devices=1).items()
-           if not k.startswith(("AWS_", "FLAX_CKPT_")) and k.lower() not in ("http_proxy", "https_proxy", "all_proxy")}
+    env = {
+        k: v
+        for k, v in worker_env(devices=1).items()
+        if not k.startswith(("AWS_", "FLAX_CKPT_"))
+        and k.lower() not in ("http_proxy", "https_proxy", "all_proxy")
+    }
     home = tmp_path / "home"
     home.mkdir()
     return dict(env, HOME=str(home), AWS_ENDPOINT_URL=endpoint, AWS_EC2_METADATA_DISABLED="true")
@@ -66,8 +72,14 @@ def test_unreachable_endpoint_fails_fast_and_quietly_in_a_real_process(tmp_path,
     env = child_env(tmp_path, endpoint)
     t0 = time.perf_counter()
     try:
-        done = subprocess.run([sys.executable, "-c", _CHILD, "s3://bucket/prefix"], env=env, cwd=tmp_path,
-                              capture_output=True, text=True, timeout=60)
+        done = subprocess.run(
+            [sys.executable, "-c", _CHILD, "s3://bucket/prefix"],
+            env=env,
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
     except subprocess.TimeoutExpired as e:
         stderr = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else e.stderr
         pytest.fail(f"no error within {e.timeout:.0f} s (the retries ran)\nstderr: {stderr}")
@@ -87,8 +99,12 @@ def test_refused_endpoint_from_options_names_its_source(monkeypatch):
     for var in ("FLAX_CKPT_S3_ENDPOINT", "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"):
         monkeypatch.delenv(var, raising=False)
     endpoint = f"http://{HOST}:{free_port()}"
-    storage = open_storage("s3://bucket/p", options=ObjectStoreOptions(
-        endpoint=endpoint, access_key_id="x", secret_access_key="y", max_attempts=10))
+    storage = open_storage(
+        "s3://bucket/p",
+        options=ObjectStoreOptions(
+            endpoint=endpoint, access_key_id="x", secret_access_key="y", max_attempts=10
+        ),
+    )
     t0 = time.perf_counter()
     with pytest.raises(fc.StorageError, match="refused the connection") as err:
         storage.list()
@@ -150,9 +166,14 @@ def test_an_endpoint_that_dies_after_the_check_names_the_endpoint_not_more_retri
     listener = Listener()
     endpoints_mod.check_endpoint(listener.endpoint, "s3://bucket/p")  # reachable now: checked, and cached
     listener.close()  # the server goes away
-    for var, value in {"AWS_ENDPOINT_URL": listener.endpoint, "AWS_REGION": "us-east-1",
-                       "AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "y",
-                       "FLAX_CKPT_STORAGE_MAX_ATTEMPTS": "2", "FLAX_CKPT_STORAGE_RETRY_DELAY": "0.005"}.items():
+    for var, value in {
+        "AWS_ENDPOINT_URL": listener.endpoint,
+        "AWS_REGION": "us-east-1",
+        "AWS_ACCESS_KEY_ID": "x",
+        "AWS_SECRET_ACCESS_KEY": "y",
+        "FLAX_CKPT_STORAGE_MAX_ATTEMPTS": "2",
+        "FLAX_CKPT_STORAGE_RETRY_DELAY": "0.005",
+    }.items():
         monkeypatch.setenv(var, value)
     for var in ("FLAX_CKPT_S3_ENDPOINT", "AWS_ENDPOINT_URL_S3", "AWS_PROFILE"):
         monkeypatch.delenv(var, raising=False)

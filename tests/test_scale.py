@@ -23,8 +23,10 @@ N = 3000
 
 def small_leaves(n: int = N) -> dict:
     rng = np.random.default_rng(0)
-    return {f"block{j}": {f"w{i}": rng.standard_normal(64).astype(np.float32) for i in range(100)}
-            for j in range(n // 100)}
+    return {
+        f"block{j}": {f"w{i}": rng.standard_normal(64).astype(np.float32) for i in range(100)}
+        for j in range(n // 100)
+    }
 
 
 @pytest.fixture
@@ -55,7 +57,9 @@ def test_restore_reads_each_data_file_in_a_few_calls(saved, monkeypatch):
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(host)))
     opened_data = [a for a in opens.calls if "/data/" in str(a[0])]
     assert len(opened_data) <= data_files  # not one open per leaf
-    assert len(preads.calls) <= data_files * (N // 1024 + 1)  # adjacent chunks: one preadv per IOV_MAX buffers
+    assert len(preads.calls) <= data_files * (
+        N // 1024 + 1
+    )  # adjacent chunks: one preadv per IOV_MAX buffers
 
 
 def test_restore_places_leaves_with_batched_device_puts(saved, monkeypatch):
@@ -94,8 +98,11 @@ def test_the_collector_does_not_run_per_leaf(saved):
 
     gc.callbacks.append(watch)
     try:
-        for op in (lambda: fc.restore(path, state), lambda: fc.metadata(path),
-                   lambda: fc.save(path.parent / "again", state)):
+        for op in (
+            lambda: fc.restore(path, state),
+            lambda: fc.metadata(path),
+            lambda: fc.save(path.parent / "again", state),
+        ):
             gc.collect()  # what earlier tests left pending is not this operation's collection
             collections.clear()
             op()

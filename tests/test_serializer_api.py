@@ -33,7 +33,7 @@ def _install(site: Path) -> None:
     info = site / "npy_serializer_example-1.0.dist-info"
     info.mkdir(parents=True)
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: npy-serializer-example\nVersion: 1.0\n")
-    (info / "entry_points.txt").write_text('[flax_ckpt.serializers]\nnpy = npy_serializer:NpySerializer\n')
+    (info / "entry_points.txt").write_text("[flax_ckpt.serializers]\nnpy = npy_serializer:NpySerializer\n")
 
 
 @pytest.fixture
@@ -49,8 +49,13 @@ def installed(tmp_path, monkeypatch) -> dict[str, str]:
 
 
 def _verify(path: Path, env: dict[str, str]) -> tuple[int, dict]:
-    p = subprocess.run([sys.executable, "-m", "flax_ckpt", "verify", "--json", str(path)], env=env,
-                       capture_output=True, text=True, timeout=120)
+    p = subprocess.run(
+        [sys.executable, "-m", "flax_ckpt", "verify", "--json", str(path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     return p.returncode, json.loads(p.stdout)
 
 
@@ -67,7 +72,7 @@ def test_files_are_plain_npy_with_the_librarys_checksums_beside(tmp_path):
     x = np.arange(24, dtype=np.float32).reshape(4, 6)
     fc.save(tmp_path / "ck", {"x": x, "b": jnp.ones(3, jnp.bfloat16)}, serializer=NpySerializer())
     body = manifest_body(tmp_path / "ck")
-    chunk, = leaf_chunks(tmp_path / "ck")["x"]
+    (chunk,) = leaf_chunks(tmp_path / "ck")["x"]
     np.testing.assert_array_equal(np.load(tmp_path / "ck" / chunk["file"]), x)
     assert body["serializer"] == "npy" and chunk["file"] + ".crc32c" in body["files"]
     assert all((tmp_path / "ck" / f).stat().st_size == n for f, n in body["files"].items())
@@ -80,20 +85,26 @@ def test_manager_saves_and_restores_with_the_serializer(tmp_path, installed):
             mgr.save(step, dict(state, step=step))
         mgr.wait_until_finished()
         stats = mgr.stats[-1]
-    assert stats.written_bytes > 8000 and stats.serialize_s > 0 and stats.fsync_s > 0  # from Written, not a clock
+    assert (
+        stats.written_bytes > 8000 and stats.serialize_s > 0 and stats.fsync_s > 0
+    )  # from Written, not a clock
     with fc.CheckpointManager(tmp_path / "run") as mgr:
         assert mgr.all_steps() == [2, 3]
         assert_bit_exact(mgr.restore(), dict(state, step=3), types=False)
 
 
 def test_restore_into_another_sharding(tmp_path, installed):
-    x = jax.device_put(jnp.arange(8 * 12, dtype=jnp.float32).reshape(8, 12),
-                       NamedSharding(Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("a", "b")), P("a", "b")))
+    x = jax.device_put(
+        jnp.arange(8 * 12, dtype=jnp.float32).reshape(8, 12),
+        NamedSharding(Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("a", "b")), P("a", "b")),
+    )
     fc.save(tmp_path / "ck", {"x": x}, serializer=NpySerializer())
     assert len(leaf_chunks(tmp_path / "ck")["x"]) == 4
-    for sharding in (NamedSharding(Mesh(np.array(jax.devices()[:8]), ("d",)), P(None, None)),
-                     NamedSharding(Mesh(np.array(jax.devices()[:3]), ("d",)), P(None, "d")),
-                     NamedSharding(Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("a", "b")), P("b", "a"))):
+    for sharding in (
+        NamedSharding(Mesh(np.array(jax.devices()[:8]), ("d",)), P(None, None)),
+        NamedSharding(Mesh(np.array(jax.devices()[:3]), ("d",)), P(None, "d")),
+        NamedSharding(Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("a", "b")), P("b", "a")),
+    ):
         out = fc.restore(tmp_path / "ck", {"x": jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)})
         assert out["x"].sharding == sharding
         assert_bit_exact(out, {"x": x}, {"x": sharding})
@@ -137,8 +148,13 @@ def test_unknown_serializer_name_says_how_to_make_it_known(tmp_path):
     msg = str(e.value)
     assert "unknown serializer 'npy'" in msg and str(path) in msg
     assert '[project.entry-points."flax_ckpt.serializers"] npy = ' in msg
-    p = subprocess.run([sys.executable, "-m", "flax_ckpt", "verify", str(path)], env=worker_env(),
-                       capture_output=True, text=True, timeout=120)
+    p = subprocess.run(
+        [sys.executable, "-m", "flax_ckpt", "verify", str(path)],
+        env=worker_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert p.returncode == 1 and "unknown serializer 'npy'" in p.stdout and "entry-points" in p.stdout
 
 
@@ -177,19 +193,24 @@ class _Bad(NpySerializer):
         for item in items:
             name = self.file or f"{tag}.{item.leaf}"
             storage.write(name, [item.shards[0].data])
-            chunks[item.leaf] = [{"index": [list(b) for b in item.shards[0].box]}
-                                 | ({"file": name} if self.record_file else {})]
+            chunks[item.leaf] = [
+                {"index": [list(b) for b in item.shards[0].box]}
+                | ({"file": name} if self.record_file else {})
+            ]
         return fc.Written(chunks)
 
 
-@pytest.mark.parametrize("bad, message", [
-    (_Bad(name="raw"), "name must be a short word"),
-    (_Bad(name="a b"), "name must be a short word"),
-    (_Bad(file="shared.bin"), "start with the tag 'p0'"),
-    (_Bad(file="p0.x.crc32c"), "the library's checksum files"),
-    (_Bad(file="../p0.x"), "not a relative path inside"),
-    (_Bad(record_file=False), "every chunk record names the object"),
-])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (_Bad(name="raw"), "name must be a short word"),
+        (_Bad(name="a b"), "name must be a short word"),
+        (_Bad(file="shared.bin"), "start with the tag 'p0'"),
+        (_Bad(file="p0.x.crc32c"), "the library's checksum files"),
+        (_Bad(file="../p0.x"), "not a relative path inside"),
+        (_Bad(record_file=False), "every chunk record names the object"),
+    ],
+)
 def test_a_serializer_breaking_the_contract_is_refused_and_nothing_is_committed(tmp_path, bad, message):
     with pytest.raises((ValueError, fc.SaveFailedError), match=message):
         fc.save(tmp_path / "ck", {"w": np.ones(4)}, serializer=bad)
@@ -201,10 +222,15 @@ def test_readme_section_shows_the_examples_code():
     aside), so it cannot drift from the code this file runs."""
     guide = (EXAMPLES.parent / "docs" / "serializer.md").read_text()
     block = guide.split("```python\n", 1)[1].split("```", 1)[0]
-    source = {line.split("  #")[0].strip() for line in (EXAMPLES / "npy_serializer.py").read_text().splitlines()}
+    source = {
+        line.split("  #")[0].strip() for line in (EXAMPLES / "npy_serializer.py").read_text().splitlines()
+    }
     shown = [line.split("  #")[0].strip() for line in block.splitlines()]
-    missing = [line for line in shown if line and line != "..." and not line.startswith(("fc.", "def "))
-               and line not in source]
+    missing = [
+        line
+        for line in shown
+        if line and line != "..." and not line.startswith(("fc.", "def ")) and line not in source
+    ]
     assert not missing, missing
 
 

@@ -80,9 +80,18 @@ def _expected_pages() -> list[str]:
 
 
 def _render(page: pathlib.Path, width: int) -> dict:
-    cmd = [_chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
-           "--no-first-run", f"--window-size={width},900", "--virtual-time-budget=5000", "--dump-dom",
-           page.as_uri()]
+    cmd = [
+        _chromium(),
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--hide-scrollbars",
+        "--no-first-run",
+        f"--window-size={width},900",
+        "--virtual-time-budget=5000",
+        "--dump-dom",
+        page.as_uri(),
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120).stdout
     m = RESULT.search(out)
     assert m, f"{page.name} at {width} px: the page did not load or its check did not run"

@@ -111,6 +111,7 @@ class _Gate:
             self.entered.set()
             assert self.open.wait(60), "the test never opened the gate"
             return real(*a, **kw)
+
         monkeypatch.setattr(tier_store, "write_copy", write_copy)
 
 
@@ -174,15 +175,19 @@ def test_a_due_migration_is_put_off_while_the_previous_one_runs(tmp_path, monkey
 
     def slow_first(self, step, job):  # the first migration runs until released
         return real(self, step, (lambda: (release.wait(60), job())) if step == 1 else job)
+
     monkeypatch.setattr(Migration, "start", slow_first)
-    mgr = fc.CheckpointManager(tmp_path / "ckpt", tiers=_tiers(tmp_path, persist_interval_steps=1,
-                                                               max_to_keep=5))
+    mgr = fc.CheckpointManager(
+        tmp_path / "ckpt", tiers=_tiers(tmp_path, persist_interval_steps=1, max_to_keep=5)
+    )
     try:
         assert mgr.save(1, _state(1))
         deadline = time.monotonic() + 30
         for step in (2, 3):  # each due; the migration of step 1 still runs: neither waits for it
             while not mgr.save(step, _state(step)):
-                assert time.monotonic() < deadline, f"step {step} never saved: the writer waits for the migration"
+                assert time.monotonic() < deadline, (
+                    f"step {step} never saved: the writer waits for the migration"
+                )
                 time.sleep(0.01)
         while len(mgr.tier_stats) < 3 or mgr.memory_tiers.deferred < 2:
             assert time.monotonic() < deadline, "the writer waits for the migration in flight"
@@ -203,7 +208,9 @@ def test_every_kept_copy_restores_bit_exact(tmp_path):
     """Bases, deltas, raw chunks and references, across a rebase, each step restored from memory."""
     tiers = _tiers(tmp_path, max_to_keep=7, rebase_interval=3)
     with fc.CheckpointManager(tmp_path / "ckpt", tiers=tiers) as mgr:
-        mgr.memory_tiers.policy.budget = tier_encode.DeltaBudget(share=1.0, credit_s=60.0)  # deltas however loaded
+        mgr.memory_tiers.policy.budget = tier_encode.DeltaBudget(
+            share=1.0, credit_s=60.0
+        )  # deltas however loaded
         for step in range(1, 8):
             mgr.save(step, _state(step))
             mgr.wait_until_finished()
@@ -227,20 +234,25 @@ def test_a_full_copy_is_taken_into_its_data_file_and_the_arrays_are_free_to_dona
 
     train = jax.jit(lambda s: jax.tree_util.tree_map(lambda a: a * 1.001 + 0.5, s), donate_argnums=0)
     rng = np.random.default_rng(3)
-    state = {"w": jnp.asarray(rng.standard_normal((512, 1024), np.float32)),
-             "b": jnp.asarray(rng.standard_normal((1000,), np.float32)), "n": jnp.arange(7)}
+    state = {
+        "w": jnp.asarray(rng.standard_normal((512, 1024), np.float32)),
+        "b": jnp.asarray(rng.standard_normal((1000,), np.float32)),
+        "n": jnp.arange(7),
+    }
     saved: dict[int, dict[str, np.ndarray]] = {}
     gate, real = threading.Event(), tier_store.write_copy
 
     def held(*args, **kwargs):
         assert gate.wait(60)
         return real(*args, **kwargs)
+
     pending, real_encode = [], tier_encode.encode  # per copy, the checksums left for the writer to make
 
     def encode(*args, **kwargs):
         enc = real_encode(*args, **kwargs)
         pending.append(len(enc.pending))
         return enc
+
     monkeypatch.setattr(tier_encode, "encode", encode)
     tiers = _tiers(tmp_path, on_busy="wait", persist_interval_steps=2, max_to_keep=2)
     with fc.CheckpointManager(tmp_path / "ckpt", tiers=tiers) as mgr:
@@ -255,7 +267,9 @@ def test_a_full_copy_is_taken_into_its_data_file_and_the_arrays_are_free_to_dona
                 before = state
                 state = train(state)
                 jax.block_until_ready(state)
-                if step >= 3:  # once a spare data file exists (the first copies make one), and copies are full
+                if (
+                    step >= 3
+                ):  # once a spare data file exists (the first copies make one), and copies are full
                     assert all(x.is_deleted() for x in jax.tree_util.tree_leaves(before)), step
         finally:
             gate.set()
@@ -279,13 +293,20 @@ def test_full_copies_into_the_data_file_keep_every_dtype_and_layout_bit_exact(tm
 
     def state(step: int, big: int = 1) -> dict[str, Any]:
         rng = np.random.default_rng(step)
-        return {"bf16": jnp.asarray(rng.standard_normal((700, 1100)), jnp.bfloat16),
-                "mask": jnp.asarray(rng.random((333, 77)) > 0.5), "scalar": jnp.float32(step),
-                "key": jax.random.key(step), "empty": np.zeros((0, 5), np.float32),
-                "t": rng.standard_normal((900, 1300)).astype(np.float32).T,
-                "strided": rng.integers(0, 255, 9_000_001, dtype=np.uint8)[::3],
-                "grows": rng.standard_normal(big << 20).astype(np.float32),
-                "odd": rng.integers(0, 255, 1001, dtype=np.uint8), "name": f"run-{step}", "n": step}
+        return {
+            "bf16": jnp.asarray(rng.standard_normal((700, 1100)), jnp.bfloat16),
+            "mask": jnp.asarray(rng.random((333, 77)) > 0.5),
+            "scalar": jnp.float32(step),
+            "key": jax.random.key(step),
+            "empty": np.zeros((0, 5), np.float32),
+            "t": rng.standard_normal((900, 1300)).astype(np.float32).T,
+            "strided": rng.integers(0, 255, 9_000_001, dtype=np.uint8)[::3],
+            "grows": rng.standard_normal(big << 20).astype(np.float32),
+            "odd": rng.integers(0, 255, 1001, dtype=np.uint8),
+            "name": f"run-{step}",
+            "n": step,
+        }
+
     tiers = _tiers(tmp_path, on_busy="wait", max_to_keep=8)
     saved = {}
     with fc.CheckpointManager(tmp_path / "ckpt", tiers=tiers) as mgr:
@@ -294,7 +315,9 @@ def test_full_copies_into_the_data_file_keep_every_dtype_and_layout_bit_exact(tm
             mgr.save(step, saved[step], metrics={"loss": 1 / (step + 3), "acc": step})
             mgr.wait_until_finished()
         for step in range(6):
-            assert_bit_exact(mgr.restore(step, target=state(0, 1 if step < 4 else 3)), saved[step], types=False)
+            assert_bit_exact(
+                mgr.restore(step, target=state(0, 1 if step < 4 else 3)), saved[step], types=False
+            )
             assert mgr.restore_stats[-1].tier == "local"
             _check_full_copy(os.path.join(mgr.memory_tiers.local_dir, str(step)))
 
@@ -307,7 +330,7 @@ def _check_full_copy(folder: str) -> None:
     import crc32c
 
     raw = open(os.path.join(folder, tier_store.INDEX), "rb").read()
-    canon = raw[raw.index(b'"body": ') + len(b'"body": '):-2]
+    canon = raw[raw.index(b'"body": ') + len(b'"body": ') : -2]
     body = json.loads(canon)
     assert canon.decode() == json.dumps(body, sort_keys=True, separators=(",", ":"))
     assert tier_store.decode_index(raw, folder) == body and body["base"] is None
@@ -317,10 +340,12 @@ def _check_full_copy(folder: str) -> None:
         assert s["nbytes"] == sum(e[3] for e in s["chunks"])
         assert not s["chunks"] or s["chunks"][0][2] % 64 == 0
         for kind, crc, off, n in s["chunks"]:
-            assert kind == "r" and crc == crc32c.crc32c(data[off:off + n])
+            assert kind == "r" and crc == crc32c.crc32c(data[off : off + n])
 
 
-def test_a_full_copy_written_where_the_snapshot_lies_equals_the_copy_encoded_piece_by_piece(tmp_path, monkeypatch):
+def test_a_full_copy_written_where_the_snapshot_lies_equals_the_copy_encoded_piece_by_piece(
+    tmp_path, monkeypatch
+):
     """A full copy whose snapshot lies in its data file where the encoding puts it is written from the
     layout kept since the last one (encode.FullLayout): its index and data bytes are those of the
     piece-by-piece encoding, byte for byte, with the structure unchanged, after a leaf changed size
@@ -337,18 +362,25 @@ def test_a_full_copy_written_where_the_snapshot_lies_equals_the_copy_encoded_pie
     def state(step: int) -> dict[str, Any]:
         rng = np.random.default_rng(step)
         odd = 1001 if step < 3 else 1501  # from step 3 the shards after it lie 512 bytes further
-        out = {"bf16": jnp.asarray(rng.standard_normal((300, 700)), jnp.bfloat16),
-               "odd": rng.integers(0, 255, odd, dtype=np.uint8), "key": jax.random.key(step),
-               "empty": np.zeros((0, 3), np.float32), "three": rng.standard_normal(700_000).astype(np.float32),
-               "sharded": jax.device_put(rng.standard_normal((64, 333)).astype(np.float32), sharded),
-               "n": step}
+        out = {
+            "bf16": jnp.asarray(rng.standard_normal((300, 700)), jnp.bfloat16),
+            "odd": rng.integers(0, 255, odd, dtype=np.uint8),
+            "key": jax.random.key(step),
+            "empty": np.zeros((0, 3), np.float32),
+            "three": rng.standard_normal(700_000).astype(np.float32),
+            "sharded": jax.device_put(rng.standard_normal((64, 333)).astype(np.float32), sharded),
+            "n": step,
+        }
         if step >= 5:
             out["added"] = rng.standard_normal(777).astype(np.float32)
         return out
+
     checked, compared = in_place_checked()
     monkeypatch.setattr(tier_encode, "_encode_in_place", checked)
     saved = {}
-    with fc.CheckpointManager(tmp_path / "ckpt", tiers=_tiers(tmp_path, on_busy="wait", max_to_keep=8)) as mgr:
+    with fc.CheckpointManager(
+        tmp_path / "ckpt", tiers=_tiers(tmp_path, on_busy="wait", max_to_keep=8)
+    ) as mgr:
         for step in range(8):
             saved[step] = state(step)
             mgr.save(step, saved[step])
@@ -371,16 +403,20 @@ def test_the_copy_into_a_data_file_gives_the_crc32c_of_every_chunk_it_copied():
     from flax_ckpt._src.engine import snapshot as snap_mod
 
     rng = np.random.default_rng(9)
-    sources = [rng.standard_normal(3 << 20).astype(np.float32), rng.standard_normal((700, 900)).astype(np.float32).T,
-               rng.integers(0, 255, 3_000_001, dtype=np.uint8)[::3], np.zeros((0, 4), np.float32),
-               rng.standard_normal(5).astype(np.float64)]
+    sources = [
+        rng.standard_normal(3 << 20).astype(np.float32),
+        rng.standard_normal((700, 900)).astype(np.float32).T,
+        rng.integers(0, 255, 3_000_001, dtype=np.uint8)[::3],
+        np.zeros((0, 4), np.float32),
+        rng.standard_normal(5).astype(np.float64),
+    ]
     copies = [(np.empty(a.shape, a.dtype), a) for a in sources]
     chunk = 1 << 20
     crcs = snap_mod.copy_all(copies, chunk)
     for (d, a), got in zip(copies, crcs):
         assert np.array_equal(d, a)
         flat = d.reshape(-1).view(np.uint8)
-        assert got.tolist() == [crc32c.crc32c(flat[k:k + chunk]) for k in range(0, flat.nbytes, chunk)]
+        assert got.tolist() == [crc32c.crc32c(flat[k : k + chunk]) for k in range(0, flat.nbytes, chunk)]
     assert snap_mod.copy_all([(np.empty(4, np.int32), np.arange(4, dtype=np.int32))]) is None
 
 
@@ -423,7 +459,9 @@ def test_changed_share_samples_the_chunks_that_a_differential_copy_would_store(t
         c = a + 1
         share = {}
         for name, x in (("same", a.copy()), ("quarter", b), ("all", c)):
-            ts = tier_store.take_snapshot({"w": x}, copy=True, force=False, step=1, seen=tier_store.Seen(), base=None)
+            ts = tier_store.take_snapshot(
+                {"w": x}, copy=True, force=False, step=1, seen=tier_store.Seen(), base=None
+            )
             share[name] = tier_encode.changed_share(ts, base)
     assert share == {"same": 0.0, "quarter": 0.25, "all": 1.0}
 

@@ -32,12 +32,19 @@ JOB_TIMEOUT_S = 90
 
 # ------------------------------------------------------------------------------------- one process
 
+
 def tuned(step: int, frozen: np.ndarray) -> dict[str, Any]:
     """A fine-tuning state: a large frozen backbone and a small trained head that changes every step."""
     rng = np.random.default_rng(step)
-    return {"backbone": {"w": frozen}, "head": {"w": jnp.asarray(rng.standard_normal((256, 256), np.float32)),
-                                                "b": rng.standard_normal((256,)).astype(np.float32)},
-            "step": step, "key": jax.random.key(step)}
+    return {
+        "backbone": {"w": frozen},
+        "head": {
+            "w": jnp.asarray(rng.standard_normal((256, 256), np.float32)),
+            "b": rng.standard_normal((256,)).astype(np.float32),
+        },
+        "step": step,
+        "key": jax.random.key(step),
+    }
 
 
 @pytest.fixture
@@ -47,7 +54,9 @@ def frozen() -> np.ndarray:
 
 def test_differential_copy_costs_only_the_trained_part(tmp_path, frozen, caplog):
     caplog.set_level(logging.INFO, "flax_ckpt")
-    tiers = fc.Tiers(local_dir=str(tmp_path / "shm"), on_busy="wait", persist_interval_steps=100, cleanup=False)
+    tiers = fc.Tiers(
+        local_dir=str(tmp_path / "shm"), on_busy="wait", persist_interval_steps=100, cleanup=False
+    )
     with fc.CheckpointManager(tmp_path / "ckpt", tiers=tiers) as mgr:
         for step in range(1, 6):
             mgr.save(step, tuned(step, frozen))
@@ -67,7 +76,13 @@ def test_differential_copy_costs_only_the_trained_part(tmp_path, frozen, caplog)
 
 def test_unchanged_jax_leaves_are_neither_copied_nor_hashed(tmp_path):
     backbone = jnp.asarray(np.random.default_rng(2).standard_normal((1024, 1024), np.float32))  # 4 MiB
-    tiers = fc.Tiers(local_dir=str(tmp_path / "shm"), on_busy="wait", persist_interval_steps=3, rebase_interval=2, cleanup=False)
+    tiers = fc.Tiers(
+        local_dir=str(tmp_path / "shm"),
+        on_busy="wait",
+        persist_interval_steps=3,
+        rebase_interval=2,
+        cleanup=False,
+    )
     states = {s: {"backbone": backbone, "head": jnp.full((64, 64), float(s))} for s in range(1, 7)}
     with fc.CheckpointManager(tmp_path / "ckpt", tiers=tiers) as mgr:
         for step in range(1, 7):
@@ -89,8 +104,14 @@ def test_an_unchanged_leaf_is_known_by_name_when_the_structure_around_it_changes
     another structure (a leaf added before it, then removed) by name: the backbone, the same object
     throughout, is never copied again, whatever its place among the leaves."""
     backbone = jnp.asarray(np.random.default_rng(3).standard_normal((1024, 1024), np.float32))  # 4 MiB
-    tiers = fc.Tiers(local_dir=str(tmp_path / "shm"), on_busy="wait", persist_interval_steps=None,
-                     rebase_interval=10, max_to_keep=10, cleanup=False)
+    tiers = fc.Tiers(
+        local_dir=str(tmp_path / "shm"),
+        on_busy="wait",
+        persist_interval_steps=None,
+        rebase_interval=10,
+        max_to_keep=10,
+        cleanup=False,
+    )
     states = {s: {"backbone": backbone, "head": jnp.full((64, 64), float(s))} for s in range(1, 7)}
     for s in (3, 4):  # "a_extra" sorts first: the backbone is the second leaf, the head the third
         states[s] = {"a_extra": jnp.full((8,), float(s)), **states[s]}
@@ -100,14 +121,18 @@ def test_an_unchanged_leaf_is_known_by_name_when_the_structure_around_it_changes
         mgr.wait_until_finished()
         stats = {s.step: s for s in mgr.tier_stats}
         assert [s for s, t in stats.items() if t.base] == [1]
-        assert all(stats[s].reused == backbone.nbytes for s in range(2, 7)), {s: t.reused for s, t in stats.items()}
+        assert all(stats[s].reused == backbone.nbytes for s in range(2, 7)), {
+            s: t.reused for s, t in stats.items()
+        }
         for step in range(1, 7):
             assert_bit_exact(mgr.restore(step, target=states[step]), states[step], types=False)
 
 
 def test_small_changes_are_stored_as_compressed_xor_deltas(tmp_path):
     base = np.random.default_rng(1).standard_normal((512, 1024)).astype(np.float32)  # 2 MiB
-    tiers = fc.Tiers(local_dir=str(tmp_path / "shm"), on_busy="wait", persist_interval_steps=None, cleanup=False)
+    tiers = fc.Tiers(
+        local_dir=str(tmp_path / "shm"), on_busy="wait", persist_interval_steps=None, cleanup=False
+    )
     with fc.CheckpointManager(tmp_path / "ckpt", tiers=tiers) as mgr:
         mgr.save(1, {"w": base})
         mgr.save(2, {"w": base + np.float32(1e-6) * base})  # every element changes a little
@@ -139,8 +164,14 @@ def test_memory_tier_holds_its_base_one_spare_and_the_differential_copies(tmp_pa
     differential copies that need it, it is the next spare (no third full-size file)."""
     frozen = np.random.default_rng(0).standard_normal((512, 512)).astype(np.float32)  # 1 MiB
     leaf = jnp.asarray(frozen) if kind == "jax" else frozen
-    cfg = fc.Tiers(local_dir=str(tmp_path / "shm"), on_busy="wait", persist_interval_steps=None, peer=False,
-                   cleanup=False, rebase_interval=4)
+    cfg = fc.Tiers(
+        local_dir=str(tmp_path / "shm"),
+        on_busy="wait",
+        persist_interval_steps=None,
+        peer=False,
+        cleanup=False,
+        rebase_interval=4,
+    )
     worst = 0.0
     with fc.CheckpointManager(tmp_path / "ckpt", tiers=cfg) as mgr:
         for step in range(1, 12):
@@ -148,16 +179,25 @@ def test_memory_tier_holds_its_base_one_spare_and_the_differential_copies(tmp_pa
             mgr.wait_until_finished()
             stats = mgr.tier_stats[-1]
             assert stats.base or stats.written < 1024, stats  # a differential copy of a few dozen bytes
-            diffs = sum(s.written for s in mgr.tier_stats[-cfg.max_to_keep:] if not s.base)
+            diffs = sum(s.written for s in mgr.tier_stats[-cfg.max_to_keep :] if not s.base)
             worst = max(worst, (_tmpfs_bytes(str(tmp_path / "shm")) - diffs) / frozen.nbytes)
         assert [s.step for s in mgr.tier_stats if s.base] == [1, 6, 11]
-        assert_bit_exact(mgr.restore(target={"frozen": frozen, "step": np.int32(0)}),
-                         {"frozen": frozen, "step": np.int32(11)}, types=False)
+        assert_bit_exact(
+            mgr.restore(target={"frozen": frozen, "step": np.int32(0)}),
+            {"frozen": frozen, "step": np.int32(11)},
+            types=False,
+        )
     assert worst <= 2.1, f"{worst:.2f}x the state in tmpfs: more than the base and one spare"
 
 
 def test_retention_rebase_cleanup_and_final_migration(tmp_path, frozen):
-    tiers = fc.Tiers(local_dir=str(tmp_path / "shm"), on_busy="wait", persist_interval_steps=4, max_to_keep=2, rebase_interval=3)
+    tiers = fc.Tiers(
+        local_dir=str(tmp_path / "shm"),
+        on_busy="wait",
+        persist_interval_steps=4,
+        max_to_keep=2,
+        rebase_interval=3,
+    )
     mgr = fc.CheckpointManager(tmp_path / "ckpt", tiers=tiers)
     for step in range(1, 11):
         mgr.save(step, tuned(step, frozen))
@@ -187,8 +227,9 @@ def test_damaged_memory_copy_falls_back_with_a_warning(tmp_path, frozen, caplog)
         f.seek(100)
         f.write(bytes([byte[0] ^ 1]))
     with fc.CheckpointManager(tmp_path / "ckpt", tiers=tiers) as mgr:
-        assert_bit_exact(mgr.restore(target=tuned(0, frozen)), tuned(2, frozen),
-                         types=False)  # step 2: memory and persistent
+        assert_bit_exact(
+            mgr.restore(target=tuned(0, frozen)), tuned(2, frozen), types=False
+        )  # step 2: memory and persistent
     assert "could not restore from local memory" in caplog.text and "checksum mismatch" in caplog.text
     with fc.CheckpointManager(tmp_path / "ckpt", tiers=tiers, strict=True) as mgr:
         with pytest.raises(fc.CheckpointError, match="strict"):
@@ -210,9 +251,17 @@ def _mapping_of(address: int) -> str:
 def test_memory_restore_maps_the_copy_and_reused_pages_never_change_it(tmp_path):
     """A restore from local memory hands out the copy's own pages (no copy), and the tier, which writes
     new copies into the pages of removed ones, never writes into pages a restored array still uses."""
+
     def state(step: int) -> dict[str, Any]:  # every leaf changes: every copy is a full one
         return {"w": jnp.asarray(np.random.default_rng(step).standard_normal((1024, 1024), np.float32))}
-    tiers = fc.Tiers(local_dir=str(tmp_path / "shm"), on_busy="wait", persist_interval_steps=None, max_to_keep=1, cleanup=False)
+
+    tiers = fc.Tiers(
+        local_dir=str(tmp_path / "shm"),
+        on_busy="wait",
+        persist_interval_steps=None,
+        max_to_keep=1,
+        cleanup=False,
+    )
     target = {"w": jax.ShapeDtypeStruct((1024, 1024), np.float32, sharding=state(0)["w"].sharding)}
     with fc.CheckpointManager(tmp_path / "ckpt", tiers=tiers) as mgr:
         for step in range(1, 4):
@@ -243,13 +292,17 @@ def test_a_training_step_that_donates_restored_arrays_leaves_the_memory_copy_int
     """Restored arrays are the copy's read-only pages; a jitted step that donates them (as training
     loops do) must neither crash nor write into the copy: the next restore is still the saved step."""
     state = {"w": jnp.asarray(np.random.default_rng(7).standard_normal((512, 1024), np.float32))}
-    tiers = fc.Tiers(local_dir=str(tmp_path / "shm"), on_busy="wait", persist_interval_steps=None, cleanup=False)
+    tiers = fc.Tiers(
+        local_dir=str(tmp_path / "shm"), on_busy="wait", persist_interval_steps=None, cleanup=False
+    )
     step_fn = jax.jit(lambda s: jax.tree.map(lambda x: x.at[0, 0].set(42.0) * 2, s), donate_argnums=0)
     with fc.CheckpointManager(tmp_path / "ckpt", tiers=tiers) as mgr:
         mgr.save(1, state)
         mgr.wait_until_finished()
-        got = mgr.restore(1, target=jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
-                                                                                  sharding=x.sharding), state))
+        got = mgr.restore(
+            1,
+            target=jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state),
+        )
         assert _mapping_of(got["w"].unsafe_buffer_pointer()).endswith(os.path.join("1", tier_store.DATA))
         for _ in range(3):
             got = step_fn(got)
@@ -265,6 +318,7 @@ def test_failed_migration_is_raised_and_memory_still_serves(tmp_path):
     class DiskFull(RawSerializer):
         def write(self, storage, items, *, tag):
             raise OSError(28, "No space left on device")
+
     tiers = fc.Tiers(local_dir=str(tmp_path / "shm"), on_busy="wait", persist_interval_steps=1, cleanup=False)
     state = {"w": np.arange(8.0)}
     with fc.CheckpointManager(tmp_path / "ckpt", tiers=tiers, serializer=DiskFull()) as mgr:
@@ -280,13 +334,18 @@ def test_plan_never_mixes_steps_or_runs():
     from flax_ckpt._src.tiers.plan import choose, peer_shift
 
     def inv(local, peer=None):
-        return {"local": {str(s): v for s, v in local.items()}, "peer": {
-            str(k): {str(s): v for s, v in steps.items()} for k, steps in (peer or {}).items()}}
+        return {
+            "local": {str(s): v for s, v in local.items()},
+            "peer": {str(k): {str(s): v for s, v in steps.items()} for k, steps in (peer or {}).items()},
+        }
+
     x, y = "run-x", "run-y"
     # step 9: written everywhere, but no process holds a commit record (the vote never finished);
     # step 8: committed, but process 1's copy is from another run; step 7: process 1 lost its local copy
-    invs = [inv({9: [x, False], 8: [x, True], 7: [x, True]}, {1: {7: [x, True]}}),
-            inv({9: [x, False], 8: [y, True]})]
+    invs = [
+        inv({9: [x, False], 8: [x, True], 7: [x, True]}, {1: {7: [x, True]}}),
+        inv({9: [x, False], 8: [y, True]}),
+    ]
     plan = choose(invs, {6}, None, set())
     assert (plan.step, plan.sources) == (7, (("local", 0), ("peer", 0)))
     assert choose(invs, {6, 7}, None, {(1, "peer", 7)}).sources == (("local", 0), ("persistent", None))
@@ -310,10 +369,21 @@ def test_tiers_config_is_validated(tmp_path):
 
 # ----------------------------------------------------------------------------------- multi-process
 
+
 def tier_job(tmp: Path, tag: str, mode: str, n: int = 2, **cfg: Any) -> Job:
     """N tier_worker processes of one jax.distributed job, started; process i's local_dir is <tmp>/host<i>."""
-    return Job(WORKER, tmp, tag, n, devices=2, timeout=JOB_TIMEOUT_S, mode=mode, dir=str(tmp / "ckpt"),
-               per_process=lambda i: {"local": str(tmp / f"host{i}")}, **cfg).start()
+    return Job(
+        WORKER,
+        tmp,
+        tag,
+        n,
+        devices=2,
+        timeout=JOB_TIMEOUT_S,
+        mode=mode,
+        dir=str(tmp / "ckpt"),
+        per_process=lambda i: {"local": str(tmp / f"host{i}")},
+        **cfg,
+    ).start()
 
 
 def tier_results(tmp: Path, tag: str, mode: str, **cfg: Any) -> list[dict[str, Any]]:
@@ -371,16 +441,29 @@ def test_full_copies_holding_other_processes_boxes_are_written_where_the_snapsho
 def test_crash_in_a_memory_save_or_a_migration_never_mixes_steps(tmp_path):
     # process 1 dies in its local-tier save of step 5 (written, not renamed); process 0 has committed
     # nothing of step 5: the vote never completed
-    job = tier_job(tmp_path, "crash-local", "loop", persist=2, until=9, flush_at=[4],
-                   crash={"process": 1, "at": "local", "step": 5})
+    job = tier_job(
+        tmp_path,
+        "crash-local",
+        "loop",
+        persist=2,
+        until=9,
+        flush_at=[4],
+        crash={"process": 1, "at": "local", "step": 5},
+    )
     job.wait(lambda: job.procs[1].poll() is not None)
     job.kill()
     assert job.procs[1].returncode == -signal.SIGKILL
     assert max(p["local"] for p in job.progress(0)) == 4
     assert any(".tmp-" in e for e in os.listdir(next((tmp_path / "host1").rglob("local"))))
     # restart: step 4 from local memory everywhere; then process 1 dies inside the migration of step 6
-    job = tier_job(tmp_path, "crash-migrate", "loop", persist=2, until=9,
-                   crash={"process": 1, "at": "migrate", "write": 1})
+    job = tier_job(
+        tmp_path,
+        "crash-migrate",
+        "loop",
+        persist=2,
+        until=9,
+        crash={"process": 1, "at": "migrate", "write": 1},
+    )
     job.wait(lambda: job.procs[1].poll() is not None)
     job.kill()
     first = job.result(0, ".restored")

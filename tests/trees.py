@@ -26,11 +26,28 @@ class Extra:
 def every_dtype() -> dict[str, np.ndarray]:
     rng = np.random.default_rng(0)
     out = {}
-    for dt in ["float32", "float64", "float16", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32",
-               "uint64", "bool", "complex64", "complex128"]:
+    for dt in [
+        "float32",
+        "float64",
+        "float16",
+        "int8",
+        "int16",
+        "int32",
+        "int64",
+        "uint8",
+        "uint16",
+        "uint32",
+        "uint64",
+        "bool",
+        "complex64",
+        "complex128",
+    ]:
         kind = np.dtype(dt).kind
-        out[dt] = (rng.integers(0 if kind in "ub" else -100, 2 if kind == "b" else 100, (3, 5)).astype(dt)
-                   if kind in "iub" else (rng.standard_normal((3, 5)) * 100).astype(dt))
+        out[dt] = (
+            rng.integers(0 if kind in "ub" else -100, 2 if kind == "b" else 100, (3, 5)).astype(dt)
+            if kind in "iub"
+            else (rng.standard_normal((3, 5)) * 100).astype(dt)
+        )
     for name in ["bfloat16", "float8_e4m3fn", "float8_e5m2"]:
         out[name] = (rng.standard_normal((4, 2)) * 3).astype(np.dtype(getattr(ml_dtypes, name)))
     out["int4"] = rng.integers(-8, 8, (4, 2)).astype(np.dtype(ml_dtypes.int4))
@@ -51,14 +68,23 @@ def mixed_tree() -> dict:
     return {
         "arrays": every_dtype(),
         "jax": {"w": jnp.arange(12.0).reshape(3, 4), "bf": jnp.ones((2, 3), jnp.bfloat16)},
-        "zero_d": np.float32(2.5), "zero_d_jax": jnp.array(7, jnp.int32), "empty": np.zeros((0, 4), np.float32),
-        "scalars": [1, -2**70, 3.25, -0.0, float("nan"), True, complex(1, -2)],
-        "text": "héllo", "none": None, "empty_dict": {}, "empty_list": [], "empty_tuple": (),
-        "point": Point(np.int16(3), [np.ones(2)]), "extra": Extra(jnp.zeros(3), 4),
-        "typed_key": jax.random.key(42), "raw_key": jax.random.PRNGKey(7),
+        "zero_d": np.float32(2.5),
+        "zero_d_jax": jnp.array(7, jnp.int32),
+        "empty": np.zeros((0, 4), np.float32),
+        "scalars": [1, -(2**70), 3.25, -0.0, float("nan"), True, complex(1, -2)],
+        "text": "héllo",
+        "none": None,
+        "empty_dict": {},
+        "empty_list": [],
+        "empty_tuple": (),
+        "point": Point(np.int16(3), [np.ones(2)]),
+        "extra": Extra(jnp.zeros(3), 4),
+        "typed_key": jax.random.key(42),
+        "raw_key": jax.random.PRNGKey(7),
         "keys": jax.random.split(jax.random.key(1), 3),
         "opt": optax.adam(1e-3).init({"a": jnp.ones(3)}),
-        "masked": optax.masked(optax.sgd(0.1), {"a": True, "b": False}).init({"a": jnp.ones(2), "b": jnp.ones(2)}),
+        "masked": optax.masked(optax.sgd(0.1), {"a": True, "b": False}).init(
+            {"a": jnp.ones(2), "b": jnp.ones(2)}
+        ),
         "int_keys": {3: "three", 10: np.ones(1)},
     }
-

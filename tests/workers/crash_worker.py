@@ -32,7 +32,9 @@ def main() -> None:
         while True:
             mgr.save(step, crash_state(step))
             if step > 1:
-                print(f"committed {step - 1}", flush=True)  # the previous save is durable once this one starts
+                print(
+                    f"committed {step - 1}", flush=True
+                )  # the previous save is durable once this one starts
             step += 1
 
 

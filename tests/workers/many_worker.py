@@ -42,8 +42,11 @@ ROWS, COLS = 48, 8  # 48 rows: 1, 2, 3, 4, 6, 8, 12, 16 processes divide it; 5 a
 
 def host_state(step: int) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(1000 + step)
-    return {"w": rng.standard_normal((ROWS, COLS)).astype(np.float32),
-            "b": np.full(COLS, float(step), np.float32), "step": np.int32(step)}
+    return {
+        "w": rng.standard_normal((ROWS, COLS)).astype(np.float32),
+        "b": np.full(COLS, float(step), np.float32),
+        "step": np.int32(step),
+    }
 
 
 def shardings() -> dict[str, Any]:
@@ -89,8 +92,12 @@ def mode_restore(cfg: dict) -> dict:
         except fc.CheckpointError as e:
             return {"error": type(e).__name__, "message": str(e), "steps": mgr.all_steps()}
         step = mgr.restore_stats[-1].step
-        return {"step": step, "exact": exact(got, step), "steps": mgr.all_steps(),
-                "seconds": time.perf_counter() - t0}
+        return {
+            "step": step,
+            "exact": exact(got, step),
+            "steps": mgr.all_steps(),
+            "seconds": time.perf_counter() - t0,
+        }
 
 
 def train(cfg: dict) -> None:

@@ -42,6 +42,7 @@ from helpers import AfterWrite, assert_bit_exact, kill_self, report, start_worke
 
 # ------------------------------------------------------------------------------------------ the state
 
+
 def _apply(params, x):
     return x @ params["dense"]["kernel"] + params["dense"]["bias"]
 
@@ -53,9 +54,13 @@ def host_state(variant: int) -> train_state.TrainState:
     """A TrainState (params, Adam state after one update, step counter) of numpy arrays, identical on
     every process for the same ``variant``."""
     rng = np.random.default_rng(variant)
-    params = {"dense": {"kernel": rng.standard_normal((8, 8), dtype=np.float32),
-                        "bias": rng.standard_normal((8,), dtype=np.float32)},
-              "embed": {"table": rng.standard_normal((16, 8), dtype=np.float32).astype(jnp.bfloat16)}}
+    params = {
+        "dense": {
+            "kernel": rng.standard_normal((8, 8), dtype=np.float32),
+            "bias": rng.standard_normal((8,), dtype=np.float32),
+        },
+        "embed": {"table": rng.standard_normal((16, 8), dtype=np.float32).astype(jnp.bfloat16)},
+    }
     cpu = jax.local_devices()[0]
     with jax.default_device(cpu):
         state = train_state.TrainState.create(apply_fn=_apply, params=params, tx=TX)
@@ -83,11 +88,14 @@ def shardings(state: Any, layout: str) -> Any:
         key = jax.tree_util.keystr(path)
         spec = kernel if "kernel" in key else bias if "bias" in key else table if "table" in key else P()
         return NamedSharding(mesh, spec)
+
     return jax.tree_util.tree_map_with_path(pick, state)
 
 
 def place(host: Any, shard_tree: Any) -> Any:
-    return jax.tree.map(lambda a, s: jax.make_array_from_callback(a.shape, s, lambda i: a[i]), host, shard_tree)
+    return jax.tree.map(
+        lambda a, s: jax.make_array_from_callback(a.shape, s, lambda i: a[i]), host, shard_tree
+    )
 
 
 def abstract(host: Any, shard_tree: Any) -> Any:
@@ -124,13 +132,16 @@ def needed_bytes(body: dict, shard_tree: Any) -> int:
         shape = tuple(rec["shape"])
         boxes = {box_of(i, shape) for i in sharding.addressable_devices_indices_map(shape).values()}
         for ch in rec["chunks"]:
-            if any(all(max(a0, b0) < min(a1, b1) for (a0, a1), (b0, b1) in zip(ch["index"], box))
-                   for box in boxes):
+            if any(
+                all(max(a0, b0) < min(a1, b1) for (a0, a1), (b0, b1) in zip(ch["index"], box))
+                for box in boxes
+            ):
                 total += ch["nbytes"]
     return total
 
 
 # -------------------------------------------------------------------------------------------- modes
+
 
 def mode_save(cfg: dict) -> dict:
     """2 processes x 2 devices: fc.save (raw and zarr3) and an async CheckpointManager."""
@@ -141,6 +152,7 @@ def mode_save(cfg: dict) -> dict:
     fc.save(os.path.join(d, "ts"), state, metadata={"run": "mp"}, step=1)
     fc.save(os.path.join(d, "ts_zarr"), state, serializer="zarr3")
     from flax_ckpt._src.engine import transfer
+
     off_host, transfer._off_host = transfer._off_host, lambda k: True  # streamed as from an accelerator
     try:
         fc.save(os.path.join(d, "ts_stream"), state, step=1)
@@ -148,8 +160,10 @@ def mode_save(cfg: dict) -> dict:
         transfer._off_host = off_host
     assert_bit_exact(fc.restore(os.path.join(d, "ts_stream"), abstract(host, sh)), host, sh, types=False)
     info = fc.metadata(os.path.join(d, "ts"))
-    out: dict[str, Any] = {"kernel_sharding": info.leaves["params/dense/kernel"].sharding,
-                           "process_count": info.process_count}
+    out: dict[str, Any] = {
+        "kernel_sharding": info.leaves["params/dense/kernel"].sharding,
+        "process_count": info.process_count,
+    }
     mgr_dir = os.path.join(d, "mgr")
     mgr = fc.CheckpointManager(mgr_dir, max_to_keep=2, async_save=True)
     for step in (1, 2):
@@ -197,7 +211,10 @@ def mode_restore(cfg: dict) -> dict:
         adam = host.opt_state[0]
         out["plain_leaves"] = assert_bit_exact(
             [plain["params"], plain["step"], plain["opt_state"][0]],
-            [host.params, host.step, {"count": adam.count, "mu": adam.mu, "nu": adam.nu}], None, types=False)
+            [host.params, host.step, {"count": adam.count, "mu": adam.mu, "nu": adam.nu}],
+            None,
+            types=False,
+        )
         with fc.CheckpointManager(os.path.join(cfg["dir"], "mgr")) as mgr:
             out["mgr_steps"] = mgr.all_steps()
             sh = shardings(host, cfg["layouts"][0])
@@ -207,10 +224,12 @@ def mode_restore(cfg: dict) -> dict:
 
 def record_and_die(marker: str):
     """After writing its shards: note which files, then SIGKILL (a process dying mid distributed save)."""
+
     def then(written) -> None:
         with open(marker, "w") as f:
             json.dump(sorted(written.files), f)
         kill_self()
+
     return then
 
 
@@ -234,8 +253,12 @@ def mode_kill(cfg: dict) -> dict:
         mgr.wait_until_finished()
         out["error"] = None
     except fc.SaveFailedError as e:
-        out.update(error=str(e), cause_type=type(e.__cause__).__name__, cause=str(e.__cause__),
-                   detected_after_s=time.perf_counter() - t0)
+        out.update(
+            error=str(e),
+            cause_type=type(e.__cause__).__name__,
+            cause=str(e.__cause__),
+            detected_after_s=time.perf_counter() - t0,
+        )
     out["steps"] = mgr.all_steps()
     return out
 
@@ -274,10 +297,14 @@ def mode_spares(cfg: dict) -> dict:
         for step in range(1, 6):
             mgr.save(step, {"w": state(step)["w"]})
             mgr.wait_until_finished()
-            distributed.allgather("spares-test", f"saved-{step}", {})  # a barrier: process 0's retention is done
+            distributed.allgather(
+                "spares-test", f"saved-{step}", {}
+            )  # a barrier: process 0's retention is done
             if jax.process_index() == 0:
                 folder = os.path.join(d, str(step), "data")
-                inodes[str(step)] = {n: os.stat(os.path.join(folder, n)).st_ino for n in sorted(os.listdir(folder))}
+                inodes[str(step)] = {
+                    n: os.stat(os.path.join(folder, n)).st_ino for n in sorted(os.listdir(folder))
+                }
             for kept in mgr.all_steps():
                 out = mgr.restore(kept, {"w": jax.ShapeDtypeStruct((2048, 1024), jnp.float32, sharding=sh)})
                 for shard in out["w"].addressable_shards:
@@ -293,8 +320,10 @@ def main() -> None:
     signal.alarm(cfg.get("alarm_s", 120))  # a worker never outlives a stuck job, even an orphaned one
     distributed.set_timeout(cfg.get("timeout_s", 30))
     start_worker(cfg)
-    code = report(cfg, {"save": mode_save, "restore": mode_restore, "kill": mode_kill, "s3": mode_s3,
-                                "spares": mode_spares})
+    code = report(
+        cfg,
+        {"save": mode_save, "restore": mode_restore, "kill": mode_kill, "s3": mode_s3, "spares": mode_spares},
+    )
     if code == 0 and cfg["num_processes"] > 1 and cfg["mode"] != "kill":  # kill: a peer is gone
         jax.distributed.shutdown()  # a barrier: process 0, which hosts the coordinator, leaves last
     os._exit(code)

@@ -41,8 +41,11 @@ ROWS = 8  # rows per process
 
 def host_state(step: int, n: int) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(step)
-    return {"w": rng.standard_normal((ROWS * n, 16)).astype(np.float32),
-            "b": np.full(16, float(step), np.float32), "step": np.int32(step)}
+    return {
+        "w": rng.standard_normal((ROWS * n, 16)).astype(np.float32),
+        "b": np.full(16, float(step), np.float32),
+        "step": np.int32(step),
+    }
 
 
 def shardings(n: int) -> dict[str, Any]:
@@ -72,7 +75,7 @@ def exact(got: dict, step: int, n: int) -> bool:
 def die_or_hang(kind: str) -> None:
     if kind == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
-    time.sleep(10 ** 6)  # a hung program: the coordination service's own threads keep running
+    time.sleep(10**6)  # a hung program: the coordination service's own threads keep running
 
 
 def manager(cfg: dict, **kw: Any) -> fc.CheckpointManager:
@@ -112,8 +115,10 @@ def mode_part(cfg: dict, n: int) -> dict:
                 data = bytearray(open(path, "rb").read())
                 data[len(data) // 2] ^= 0x01
                 open(path, "wb").write(bytes(data))
+
         stage.write = write
         real(self, stage, written, digest)
+
     if jax.process_index() == 1:
         distributed.SaveRound.publish = publish
     sh = shardings(n)
@@ -145,8 +150,12 @@ def mode_lagging(cfg: dict, n: int) -> dict:
     with fc.CheckpointManager(directory) as mgr:
         latest, steps = mgr.latest_step(), mgr.all_steps()
         got = mgr.restore(target=target(n))
-        return {"latest": latest, "steps": steps, "step": mgr.restore_stats[-1].step,
-                "exact": exact(got, mgr.restore_stats[-1].step, n)}
+        return {
+            "latest": latest,
+            "steps": steps,
+            "step": mgr.restore_stats[-1].step,
+            "exact": exact(got, mgr.restore_stats[-1].step, n),
+        }
 
 
 def mode_auto(cfg: dict, n: int) -> dict:
@@ -186,6 +195,7 @@ def mode_coordinator(cfg: dict, n: int) -> dict:
                     if what == "vote":  # the restore's vote
                         die_or_hang(kind)
                     return real(prefix, what, value, reduce)
+
                 distributed._round = round_
             mgr.restore(target=target(n))
         out["error"] = None
@@ -196,9 +206,17 @@ def mode_coordinator(cfg: dict, n: int) -> dict:
     return out
 
 
-MODES = {"save": mode_save, "restore": mode_restore, "part": mode_part, "lagging": mode_lagging,
-         "auto": mode_auto, "kill-save": mode_coordinator, "kill-restore": mode_coordinator,
-         "hang-save": mode_coordinator, "hang-restore": mode_coordinator}
+MODES = {
+    "save": mode_save,
+    "restore": mode_restore,
+    "part": mode_part,
+    "lagging": mode_lagging,
+    "auto": mode_auto,
+    "kill-save": mode_coordinator,
+    "kill-restore": mode_coordinator,
+    "hang-save": mode_coordinator,
+    "hang-restore": mode_coordinator,
+}
 
 
 def main() -> None:

@@ -45,24 +45,32 @@ def host_state(step: int) -> dict[str, Any]:
     """The state at ``step``, identical on every process: a frozen part (the same at every step), a
     trained part, a replicated vector, a host value and a Python int."""
     rng = np.random.default_rng(step)
-    return {"frozen": np.arange(64 * 32, dtype=np.float32).reshape(64, 32),
-            "w": rng.standard_normal((16, 8)).astype(np.float32),
-            "r": rng.standard_normal((4,)).astype(np.float32),
-            "host": np.full((3,), step, np.int64), "step": step}
+    return {
+        "frozen": np.arange(64 * 32, dtype=np.float32).reshape(64, 32),
+        "w": rng.standard_normal((16, 8)).astype(np.float32),
+        "r": rng.standard_normal((4,)).astype(np.float32),
+        "host": np.full((3,), step, np.int64),
+        "step": step,
+    }
 
 
 def shardings() -> dict[str, Any]:
     """A (process, device) mesh: frozen split over both axes, w over processes only (replicated on a
     process's two devices), r replicated everywhere (process 1 holds a replica, process 0 writes it)."""
     mesh = Mesh(np.array(jax.devices()).reshape(jax.process_count(), -1), ("proc", "dev"))
-    return {"frozen": NamedSharding(mesh, P("proc", "dev")), "w": NamedSharding(mesh, P("proc")),
-            "r": NamedSharding(mesh, P())}
+    return {
+        "frozen": NamedSharding(mesh, P("proc", "dev")),
+        "w": NamedSharding(mesh, P("proc")),
+        "r": NamedSharding(mesh, P()),
+    }
 
 
 def place(host: dict[str, Any]) -> dict[str, Any]:
     sh = shardings()
-    return {k: jax.make_array_from_callback(v.shape, sh[k], lambda i, v=v: v[i]) if k in sh else v
-            for k, v in host.items()}
+    return {
+        k: jax.make_array_from_callback(v.shape, sh[k], lambda i, v=v: v[i]) if k in sh else v
+        for k, v in host.items()
+    }
 
 
 def target() -> dict[str, Any]:
@@ -91,13 +99,19 @@ def install_crash(cfg: dict[str, Any]) -> Any:
         if f"{os.sep}local{os.sep}{crash['step']}{'.tmp-'}" in path:
             os.kill(os.getpid(), signal.SIGKILL)
         real(path)
+
     storage_local.fsync_dir = fsync_dir  # what LocalStorage.sync calls before the commit's rename
     return None
 
 
 def manager(cfg: dict[str, Any], serializer: Any = None) -> fc.CheckpointManager:
-    tiers = fc.Tiers(local_dir=cfg["local"], on_busy="wait", persist_interval_steps=cfg["persist"], cleanup=False,
-                     differential=cfg.get("differential", True))
+    tiers = fc.Tiers(
+        local_dir=cfg["local"],
+        on_busy="wait",
+        persist_interval_steps=cfg["persist"],
+        cleanup=False,
+        differential=cfg.get("differential", True),
+    )
     return fc.CheckpointManager(cfg["dir"], tiers=tiers, serializer=serializer)
 
 
@@ -105,14 +119,21 @@ def report_restore(mgr: fc.CheckpointManager) -> dict[str, Any]:
     got = mgr.restore(target=target())
     plan = mgr.memory_tiers.last_plan
     check_bit_exact(got, plan.step)
-    return {"restored": plan.step, "sources": [list(s) for s in plan.sources],
-            "stats": [s.tier for s in mgr.restore_stats]}
+    return {
+        "restored": plan.step,
+        "sources": [list(s) for s in plan.sources],
+        "stats": [s.tier for s in mgr.restore_stats],
+    }
 
 
 def progress(cfg: dict[str, Any], mgr: fc.CheckpointManager, step: int) -> None:
     tiers = mgr.memory_tiers
-    line = {"saved": step, "local": max(tiers.committed("local"), default=0),
-            "peer": max(tiers.committed("peer"), default=0), "persistent": max(tiers.persistent.steps(), default=0)}
+    line = {
+        "saved": step,
+        "local": max(tiers.committed("local"), default=0),
+        "peer": max(tiers.committed("peer"), default=0),
+        "persistent": max(tiers.persistent.steps(), default=0),
+    }
     with open(os.path.join(cfg["out"], f"{cfg['tag']}.p{jax.process_index()}.progress"), "a") as f:
         f.write(json.dumps(line) + "\n")
 
@@ -133,9 +154,14 @@ def mode_train(cfg: dict[str, Any]) -> dict[str, Any]:
         mgr.save(step, place(host_state(step)))
     mgr.wait_until_finished()
     ts = mgr.memory_tiers
-    return {"local": ts.committed("local"), "peer": ts.committed("peer"), "steps": mgr.all_steps(),
-            "peer_dst": ts.ring.dst, "written": [[s.step, s.written, s.nbytes, s.base] for s in mgr.tier_stats],
-            "in_place": in_place}
+    return {
+        "local": ts.committed("local"),
+        "peer": ts.committed("peer"),
+        "steps": mgr.all_steps(),
+        "peer_dst": ts.ring.dst,
+        "written": [[s.step, s.written, s.nbytes, s.base] for s in mgr.tier_stats],
+        "in_place": in_place,
+    }
 
 
 def mode_restore(cfg: dict[str, Any]) -> dict[str, Any]:
