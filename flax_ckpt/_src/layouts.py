@@ -20,17 +20,17 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from flax_ckpt._src.checks import MANIFEST
 from flax_ckpt._src.commit import atomic as commit_mod
-from flax_ckpt._src.native.layout import NativeLayout
-from flax_ckpt._src.records import PersistTimes
+from flax_ckpt._src.commit.recycler import Recycler
 from flax_ckpt._src.engine.reader import Source
 from flax_ckpt._src.engine.snapshot import Snapshot
-from flax_ckpt._src.checks import MANIFEST
-from flax_ckpt._src.commit.recycler import Recycler
 from flax_ckpt._src.errors import CheckpointNotFoundError
 from flax_ckpt._src.foreign import layout as foreign
-from flax_ckpt._src.orbax.layout import OrbaxLayout
+from flax_ckpt._src.native.layout import NativeLayout
 from flax_ckpt._src.orbax import locate as orbax_locate
+from flax_ckpt._src.orbax.layout import OrbaxLayout
+from flax_ckpt._src.records import PersistTimes
 from flax_ckpt._src.serializers import Serializer
 from flax_ckpt._src.storage import Storage
 

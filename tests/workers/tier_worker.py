@@ -33,7 +33,8 @@ if TESTS not in sys.path:
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P
 
 import flax_ckpt as fc  # noqa: E402
 from flax_ckpt._src.commit import distributed  # noqa: E402

@@ -22,13 +22,13 @@ from typing import Any, Callable, Sequence
 import crc32c
 import numpy as np
 
+from flax_ckpt._src.checks import tiling_problem
 from flax_ckpt._src.engine import restore as engine
 from flax_ckpt._src.engine.fit import Fit
 from flax_ckpt._src.engine.leaves import CheckpointInfo, checkpoint_info
 from flax_ckpt._src.engine.reader import Damage, read_back
 from flax_ckpt._src.engine.snapshot import HostLeaf, Snapshot
 from flax_ckpt._src.errors import CheckpointError, CorruptCheckpointError
-from flax_ckpt._src.checks import tiling_problem
 from flax_ckpt._src.records import LeafRecord, dtype_from_name, leaf_name
 from flax_ckpt._src.serializers import Box, Shard, for_each_overlap, local
 from flax_ckpt._src.tiers import files as tier_files

@@ -36,17 +36,17 @@ from typing import Any, Sequence
 import crc32c
 import numpy as np
 
-from flax_ckpt._src.commit import atomic as commit_mod
 from flax_ckpt._src import tree as tree_mod
+from flax_ckpt._src.checks import seal, seal_text, unseal
+from flax_ckpt._src.commit import atomic as commit_mod
 from flax_ckpt._src.engine.snapshot import HostLeaf, Snapshot, copy_all, snapshot
 from flax_ckpt._src.errors import CorruptCheckpointError
-from flax_ckpt._src.checks import seal, seal_text, unseal
+from flax_ckpt._src.lazy import lazy
 from flax_ckpt._src.records import LeafRecord, dtype_from_name, leaf_name
 from flax_ckpt._src.serializers import Box, Shard, box_of
 from flax_ckpt._src.storage import LocalStorage
 from flax_ckpt._src.tiers import files as tier_files
 from flax_ckpt._src.tiers.files import SpareFolder
-from flax_ckpt._src.lazy import lazy
 
 jax = lazy("jax", globals())  # imported on first use (lazy.py)
 
