@@ -31,12 +31,12 @@ What does not belong here: scheduling, signals, anything about the manager.
 from __future__ import annotations
 
 import random
+import sys
 from typing import Any, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 import flax_ckpt as fc
 
@@ -45,16 +45,21 @@ _PY_SCALARS = (bool, int, float, complex)
 # flax >= 0.11 names the base of nnx modules, optimizers and Rngs ``nnx.Pytree``; flax 0.10 calls it
 # ``nnx.Object``. ``nnx.to_pure_dict`` / ``nnx.replace_by_pure_dict`` are functions from flax 0.10.4 on;
 # before that they are only methods of ``nnx.State`` (0.10.4 to 0.10.7 keep both; the methods warn).
-_NNX_OBJECT = getattr(nnx, "Pytree", None) or nnx.Object
+
+
+def _nnx() -> Any:
+    """``flax.nnx`` once the program has imported it, else None: no nnx object or State exists before
+    that, and importing it would cost every program that uses none (about a second of CPU)."""
+    return sys.modules.get("flax.nnx")
 
 
 def _to_pure_dict(state: Any) -> Any:
-    fn = getattr(nnx, "to_pure_dict", None)
+    fn = getattr(_nnx(), "to_pure_dict", None)
     return fn(state) if fn is not None else state.to_pure_dict()
 
 
 def _replace_by_pure_dict(state: Any, pure: Any) -> None:
-    fn = getattr(nnx, "replace_by_pure_dict", None)
+    fn = getattr(_nnx(), "replace_by_pure_dict", None)
     if fn is not None:
         fn(state, pure)
     else:
@@ -72,7 +77,13 @@ class Stateful(Protocol):
 
 
 def _is_nnx(x: Any) -> bool:
-    return isinstance(x, (_NNX_OBJECT, nnx.State))
+    nnx = _nnx()
+    return nnx is not None and isinstance(x, (getattr(nnx, "Pytree", None) or nnx.Object, nnx.State))
+
+
+def _is_nnx_state(x: Any) -> bool:
+    nnx = _nnx()
+    return nnx is not None and isinstance(x, nnx.State)
 
 
 # ------------------------------------------------------------------ Python's random state, as one array
@@ -139,7 +150,7 @@ def _is_object_leaf(x: Any) -> bool:
 
 def _pure(x: Any, pure_nnx: bool = False) -> Any:
     if _is_nnx(x):
-        st = x if isinstance(x, nnx.State) else nnx.state(x)
+        st = x if _is_nnx_state(x) else _nnx().state(x)
         return _to_pure_dict(st) if pure_nnx else st
     if _is_random(x):
         return encode_random(x.getstate())
@@ -185,18 +196,19 @@ def _saved_pure(obj: Any, saved: Any) -> bool:
     """Whether ``saved`` (the checkpoint's sub-tree at an nnx object) holds its pure dict, not its State."""
     if saved is None:
         return False
-    st = obj if isinstance(obj, nnx.State) else nnx.state(obj)
+    st = obj if _is_nnx_state(obj) else _nnx().state(obj)
     have = _leaf_paths(saved)
     return not _leaf_paths(st) <= have and _leaf_paths(_to_pure_dict(st)) <= have
 
 
 def _put_back(live: Any, restored: Any) -> Any:
-    if _is_nnx(live) and isinstance(restored, nnx.State):
+    if _is_nnx(live) and _is_nnx_state(restored):
         restored = _to_pure_dict(restored)
-    if isinstance(live, nnx.State):
+    if _is_nnx_state(live):
         _replace_by_pure_dict(live, restored)
         return live
     if _is_nnx(live):
+        nnx = _nnx()
         current = nnx.state(live)
         _replace_by_pure_dict(current, restored)
         nnx.update(live, current)
