@@ -311,3 +311,20 @@ def test_page_cache_writes_are_bounded_per_call_and_keep_every_byte(tmp_path, mo
     LocalStorage(str(tmp_path)).write("f.bin", bufs)
     assert max(calls) <= 1000 and len(calls) >= sum(b.nbytes for b in bufs) // 1000
     assert (tmp_path / "f.bin").read_bytes() == b"".join(b.tobytes() for b in bufs)
+
+
+def test_a_file_deleted_while_it_is_read_is_not_found_not_rewritten(tmp_path, monkeypatch):
+    """Retention deleting a step while a reader reads its manifest: unlinking the file moves its ctime,
+    which read as "rewritten" (a CorruptCheckpointError: damage) once in about 2,000 reads of a reader
+    beside a live run; it is a FileNotFoundError, which readers report as a step gone."""
+    (tmp_path / "manifest.json").write_bytes(b"{}" * 100)
+    real = os.fdopen
+
+    def fdopen(fd, *args, **kwargs):
+        f = real(fd, *args, **kwargs)
+        os.unlink(tmp_path / "manifest.json")  # after the open, before the read
+        return f
+
+    monkeypatch.setattr(os, "fdopen", fdopen)
+    with pytest.raises(FileNotFoundError, match="deleted while it was being read"):
+        LocalStorage(str(tmp_path)).read("manifest.json", 1 << 20)

@@ -230,7 +230,8 @@ class LocalStorage:
     def read(self, name: str, max_bytes: int) -> bytes:
         """The whole file ``name``; CorruptCheckpointError when it holds more than ``max_bytes``.
         Allocates what the file holds (plus one byte, to see it grow), never ``max_bytes``; a file
-        whose size or times change while it is read is a CorruptCheckpointError."""
+        whose size or times change while it is read is a CorruptCheckpointError, one deleted meanwhile a
+        FileNotFoundError (as if it had been deleted before)."""
         fd, path = self._open_regular(name)
         with os.fdopen(fd, "rb") as f:
             before = os.fstat(fd)
@@ -241,6 +242,8 @@ class LocalStorage:
                 )
             data = f.read(size + 1)
             after = os.fstat(fd)
+        if after.st_nlink == 0:  # unlinked meanwhile (its ctime moved): gone, not rewritten
+            raise FileNotFoundError(errno.ENOENT, f"{path} was deleted while it was being read", path)
         if len(data) != size:
             raise CorruptCheckpointError(
                 f"{path} changed size while it was being read ({size} bytes, then "
