@@ -8,6 +8,7 @@ The stress test runs a real manager in a child process saving every step with ``
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import subprocess
@@ -119,7 +120,7 @@ def test_a_step_deleted_while_verify_reads_it_is_gone_not_damaged(tmp_path, caps
                     m.save(3, {"w": np.zeros(1000, np.float32)})
                 deleted.append(sorted(os.listdir(d)))
 
-    monkeypatch.setattr(sys.modules["flax_ckpt._src.tools.verify"], "bar", lambda *a, **k: Bar())
+    monkeypatch.setattr(importlib.import_module("flax_ckpt._src.tools.verify"), "bar", lambda *a, **k: Bar())
     rc = cli([str(x) for x in ("verify", d, "--json", "-q")])
     doc = json.loads(capsys.readouterr().out)
     assert deleted and "1" not in deleted[0] and "2" not in deleted[0]

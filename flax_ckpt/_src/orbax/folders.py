@@ -156,6 +156,8 @@ def _pread(fd: int, path: str, st: os.stat_result, ranges: Sequence[tuple[int, i
             )
         out.append(data)
     after = os.fstat(fd)
+    if after.st_nlink == 0:  # unlinked meanwhile (which moves its ctime): missing, as at its open
+        raise CorruptCheckpointError(f"{path} is missing (deleted while it was being read)")
     if (after.st_size, after.st_mtime_ns, after.st_ctime_ns) != (st.st_size, st.st_mtime_ns, st.st_ctime_ns):
         raise CorruptCheckpointError(
             f"{path} changed while it was being read (rewritten); restore it again once nothing writes it"
