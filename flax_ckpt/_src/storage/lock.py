@@ -23,6 +23,7 @@ import os
 import stat
 
 from flax_ckpt._src.errors import CheckpointLockedError, CheckpointNotFoundError, StorageError
+from flax_ckpt._src.storage.owned import kind
 
 LOCK_FILE = ".flax_ckpt.lock"
 # Never through a link, never blocking (a FIFO), never inherited by a child process.
@@ -75,7 +76,7 @@ class DirectoryLock:
     def _check(self, st: os.stat_result) -> None:
         """Refuses an open lock file that is not this user's own regular file with one link."""
         if not stat.S_ISREG(st.st_mode):
-            raise self._error(f"is {_kind(st.st_mode)}")
+            raise self._error(f"is {kind(st.st_mode)}")
         if st.st_nlink != 1:
             raise self._error(
                 f"is a hard link ({st.st_nlink} names for one file, perhaps one outside the directory)"
@@ -107,7 +108,7 @@ class DirectoryLock:
                 target = "?"
             return self._error(f"is a symbolic link (to {target})")
         if not stat.S_ISREG(st.st_mode):
-            return self._error(f"is {_kind(st.st_mode)}")
+            return self._error(f"is {kind(st.st_mode)}")
         owner = f", belongs to uid {st.st_uid}" if st.st_uid != os.geteuid() else ""
         return self._error(f"cannot be opened ({e.strerror or e}{owner})")
 
@@ -137,23 +138,6 @@ class DirectoryLock:
             _flock(self.fd, _un)
             _close(self.fd)
             self.fd = -1
-
-
-def _kind(mode: int) -> str:
-    """What a file that is not a regular one is, for a message."""
-    return (
-        "a folder"
-        if stat.S_ISDIR(mode)
-        else "a FIFO"
-        if stat.S_ISFIFO(mode)
-        else "a socket"
-        if stat.S_ISSOCK(mode)
-        else "a device"
-        if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
-        else "a symbolic link"
-        if stat.S_ISLNK(mode)
-        else "not a regular file"
-    )
 
 
 __all__ = ["DirectoryLock", "LOCK_FILE"]
