@@ -22,7 +22,7 @@ from typing import Any, Callable
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
-OUT_DIR = REPO / "bench_out"
+OUT_DIR = Path(os.environ.get("FLAX_CKPT_BENCH_OUT", REPO / "bench_out"))  # ab.py gives each run its own
 # per process, so that concurrent benchmark runs (and their clean-ups) never touch each other's files
 SCRATCH = Path(os.environ.get("FLAX_CKPT_BENCH_DIR", "/tmp/flax_ckpt_bench")) / f"run-{os.getpid()}"
 MB = 1 << 20
