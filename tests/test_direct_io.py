@@ -328,3 +328,21 @@ def test_a_file_deleted_while_it_is_read_is_not_found_not_rewritten(tmp_path, mo
     monkeypatch.setattr(os, "fdopen", fdopen)
     with pytest.raises(FileNotFoundError, match="deleted while it was being read"):
         LocalStorage(str(tmp_path)).read("manifest.json", 1 << 20)
+
+
+def test_write_if_absent_stages_under_a_temporary_name(tmp_path, monkeypatch):
+    """A process killed inside write_if_absent (the commit record, the run's id file) leaves at most
+    its staging file, named as every temporary of the library is (never read as a checkpoint, recognised
+    by the crash checks): it was ``<name>.tmp-<pid>-<ns>``, which a SIGKILL trial found as an unknown
+    entry of the run directory."""
+    from flax_ckpt._src.commit import atomic
+
+    staged = []
+    real = os.link
+    monkeypatch.setattr(
+        os, "link", lambda src, dst: (staged.append(os.path.basename(src)), real(src, dst))[1]
+    )
+    assert LocalStorage(str(tmp_path)).write_if_absent(".flax_ckpt.run", b"{}")
+    assert len(staged) == 1 and atomic.is_temporary(staged[0]), staged
+    assert atomic.base_name(staged[0]) == ".flax_ckpt.run"
+    assert sorted(os.listdir(tmp_path)) == [".flax_ckpt.run"]

@@ -27,6 +27,7 @@ import shutil
 import stat
 import threading
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal, Sequence
 
@@ -184,7 +185,7 @@ class LocalStorage:
         path = self._p(name)
         if os.path.lexists(path):
             return False
-        tmp = f"{name}.tmp-{os.getpid()}-{time.monotonic_ns()}"
+        tmp = f"{name}.tmp-{uuid.uuid4().hex}"  # a temporary name (commit/atomic.py is_temporary), never read
         try:
             self.write(tmp, [data])
             os.link(self._p(tmp), path)
