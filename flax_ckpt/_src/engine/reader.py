@@ -17,7 +17,7 @@ from __future__ import annotations
 import copy
 import math
 import threading
-from typing import Any, Callable, NamedTuple, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Protocol, Sequence
 
 import numpy as np
 
@@ -29,7 +29,10 @@ from flax_ckpt._src.lazy import lazy
 from flax_ckpt._src.records import LeafRecord
 from flax_ckpt._src.serializers import Box, box_of
 
-jax = lazy("jax", globals())  # imported on first use (lazy.py)
+if TYPE_CHECKING:  # the real modules for the type checker; at run time the lazy proxies
+    import jax
+else:
+    jax = lazy("jax", globals())  # imported on first use (lazy.py)
 
 _ALIGN = 64  # restored host buffers start on this boundary (see aligned_empty)
 _CAST_SLAB = 8 << 20  # a cast reads at most this many saved bytes at a time (or one row of its first axis)
@@ -42,11 +45,20 @@ class Source(Protocol):
     record cannot make it allocate more), or None where no bound is known. ``remote``: every read is a
     request round trip (object stores, tensorstore drivers): leaves are read concurrently."""
 
-    url: str
-    where: str
-    hint: str
-    leaves: Sequence[LeafRecord]
-    remote: bool
+    @property
+    def url(self) -> str: ...
+
+    @property
+    def where(self) -> str: ...
+
+    @property
+    def hint(self) -> str: ...
+
+    @property
+    def leaves(self) -> Sequence[LeafRecord]: ...
+
+    @property
+    def remote(self) -> bool: ...
 
     @property
     def budget(self) -> int | None: ...
@@ -54,29 +66,36 @@ class Source(Protocol):
     def read(self, leaf: LeafRecord, box: Box, out: np.ndarray) -> None:
         """Fills ``out`` (the extents of ``box``, the leaf's dtype) with verified bytes. ``box``: any box
         within the leaf (a cast reads a leaf in slabs of rows along its first axis)."""
+        ...
 
     def read_many(self, requests: Sequence[tuple[LeafRecord, Box, np.ndarray]]) -> None:
         """``read`` for many boxes at once; a source may batch them (one read per file region)."""
+        ...
 
     def view(self, leaf: LeafRecord, box: Box) -> np.ndarray | None:
         """The box as a verified read-only array over bytes never written again, or None."""
+        ...
 
     def info(self) -> CheckpointInfo:
         """The checkpoint's CheckpointInfo (fc.metadata's answer), from its records alone."""
+        ...
 
     def select(self, target: Any) -> "tuple[Source, Any]":
         """The part of this checkpoint ``target`` asks for, and the target to check against it: the
         source itself for most layouts; for an Orbax step of named items, only the items the target (a
         dict keyed by item names) names. Raises a TargetMismatchError naming what the source holds."""
+        ...
 
     def unchecked(self) -> list[str]:
         """The leaves (key paths) whose stored bytes carry no checksum, so that reading them back proves
         nothing (a verify reports them as unverified); [] where every byte is checksummed."""
+        ...
 
     def verify(self, update: Callable[[int], None]) -> "list[Damage]":
         """Re-reads every stored byte of every array leaf, checking every checksum, and returns the
         damage found ([]: none). ``update(n)``: called as each ``n`` bytes of leaves are read (a
         progress bar's). ``read_back`` is the verify of a source read leaf by leaf."""
+        ...
 
 
 class Damage(NamedTuple):

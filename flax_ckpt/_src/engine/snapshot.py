@@ -19,7 +19,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import crc32c
 import numpy as np
@@ -33,8 +33,12 @@ from flax_ckpt._src.errors import CheckpointError, format_list
 from flax_ckpt._src.lazy import lazy
 from flax_ckpt._src.records import LeafRecord
 from flax_ckpt._src.serializers import ArrayItem, Box, Shard, box_of
+from flax_ckpt._src.storage.base import as_buffer
 
-jax = lazy("jax", globals())  # imported on first use (lazy.py)
+if TYPE_CHECKING:  # the real modules for the type checker; at run time the lazy proxies
+    import jax
+else:
+    jax = lazy("jax", globals())  # imported on first use (lazy.py)
 
 _BIG = 1 << 20  # leaves of more bytes are copied on a small pool
 
@@ -241,19 +245,19 @@ def copy_all(
             if crcs is not None and one:
                 if d.nbytes <= _CACHED:
                     np.copyto(d, a)
-                    crcs[c][k] = crc32c.crc32c(d)
+                    crcs[c][k] = crc32c.crc32c(as_buffer(d))
                     continue
                 d, a, crc = d.reshape(-1).view(np.uint8), a.reshape(-1).view(np.uint8), 0
                 for j in range(0, d.nbytes, _CACHED):  # copied and checksummed in pieces that stay in
                     np.copyto(d[j : j + _CACHED], a[j : j + _CACHED])  # the core's cache
-                    crc = crc32c.crc32c(d[j : j + _CACHED], crc)
+                    crc = crc32c.crc32c(as_buffer(d[j : j + _CACHED]), crc)
                 crcs[c][k] = crc
                 continue
             np.copyto(d, a)
             if crcs is not None:
                 flat = d.reshape(-1).view(np.uint8)
                 for j in range(0, flat.nbytes, step):
-                    crcs[c][k + j // step] = crc32c.crc32c(flat[j : j + step])
+                    crcs[c][k + j // step] = crc32c.crc32c(as_buffer(flat[j : j + step]))
 
     total = sum(u[2].nbytes for u in units)
     n = max(1, min(4, os.cpu_count() or 1, len(units), total // (8 << 20)))
@@ -519,7 +523,7 @@ def _wait_for_host_part(
     if choice.ready:  # ``choose`` found them all computed
         return 0.0
     rest = [x for j, x, _, _ in arrays if j not in on_dev]
-    if not rest or all(x.is_ready() for x in rest):
+    if not rest or all(tree_mod.is_ready(x) for x in rest):
         return 0.0
     t0 = time.perf_counter()
     jax.block_until_ready(rest)

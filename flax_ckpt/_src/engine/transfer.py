@@ -19,7 +19,7 @@ import threading
 from collections import deque
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 
@@ -30,7 +30,10 @@ from flax_ckpt._src.lazy import lazy
 from flax_ckpt._src.serializers import ArrayItem, Box, Serializer, Shard, Written, box_of
 from flax_ckpt._src.storage import Storage
 
-jax = lazy("jax", globals())  # imported on first use (lazy.py)
+if TYPE_CHECKING:  # the real modules for the type checker; at run time the lazy proxies
+    import jax
+else:
+    jax = lazy("jax", globals())  # imported on first use (lazy.py)
 
 THREADS = 8  # batches written at once
 WINDOW = 0  # bytes of transfers in flight at once (0: every transfer started at once)

@@ -28,6 +28,7 @@ from flax_ckpt._src.errors import CheckpointError, CorruptCheckpointError, forma
 from flax_ckpt._src.foreign.files import CheckpointFile, FileSource, whole
 from flax_ckpt._src.records import LeafRecord, dtype_from_name
 from flax_ckpt._src.serializers import Box
+from flax_ckpt._src.storage.base import as_buffer
 
 MAX_HEADER = 100 << 20  # the safetensors library's own limit
 EXPORT = "flax_ckpt export"
@@ -247,7 +248,7 @@ class SafetensorsSource(FileSource):
         offset, nbytes = self._spans[leaf.name]
         if whole(box, leaf.shape):
             self.file.read(
-                offset, memoryview(out.reshape(-1).view(np.uint8)) if out.size else memoryview(b"")
+                offset, memoryview(as_buffer(out.reshape(-1).view(np.uint8))) if out.size else memoryview(b"")
             )
             return
         full = np.empty(leaf.shape, leaf.dtype)

@@ -31,7 +31,7 @@ import math
 import os
 import stat
 import threading
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import crc32c
 import numpy as np
@@ -40,8 +40,12 @@ import zstandard
 from flax_ckpt._src.checks import shape_problem
 from flax_ckpt._src.errors import CorruptCheckpointError
 from flax_ckpt._src.lazy import lazy
+from flax_ckpt._src.storage.base import as_buffer
 
-ml_dtypes = lazy("ml_dtypes", globals())  # imported on first use (lazy.py)
+if TYPE_CHECKING:  # the real modules for the type checker; at run time the lazy proxies
+    import ml_dtypes
+else:
+    ml_dtypes = lazy("ml_dtypes", globals())  # imported on first use (lazy.py)
 
 MAX_CHUNKS = 1 << 16  # chunk files of one array looked at when it is opened; more: Unsupported
 MAX_METADATA = 1 << 20
@@ -296,7 +300,7 @@ def unzstd(data: Any, size: int, path: str, into: np.ndarray | None = None) -> m
             raise CorruptCheckpointError(
                 f"{path}: a zstd frame of {declared} bytes where a chunk of {size} was declared"
             )
-        out = memoryview(into if into is not None else bytearray(size))
+        out = memoryview(as_buffer(into) if into is not None else bytearray(size))
         with dctx.stream_reader(data, read_size=max(1, len(data)), read_across_frames=True) as reader:
             n = 0
             while n < size:

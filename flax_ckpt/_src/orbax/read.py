@@ -19,7 +19,7 @@ import copy
 import json
 import threading
 from collections.abc import Mapping
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 
@@ -56,7 +56,10 @@ from flax_ckpt._src.records import LeafRecord
 from flax_ckpt._src.serializers import Box
 from flax_ckpt._src.storage import Storage
 
-ts = lazy("tensorstore", globals(), "ts")  # imported on first use (lazy.py)
+if TYPE_CHECKING:  # the real modules for the type checker; at run time the lazy proxies
+    import tensorstore as ts
+else:
+    ts = lazy("tensorstore", globals(), "ts")  # imported on first use (lazy.py)
 
 _ARRAY_TYPES = {"jax.Array": "jax", "np.ndarray": "numpy", "scalar": "numpy"}
 _EMPTY_TYPES = {"None": "none", "Dict": "dict", "List": "list", "Tuple": "tuple", "NamedTuple": "none"}

@@ -27,7 +27,7 @@ import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import crc32c
 import numpy as np
@@ -62,8 +62,12 @@ from flax_ckpt._src.orbax.read import OCDBT_FILE_SIZE, array_kvstore, context_fo
 from flax_ckpt._src.storage import Storage
 from flax_ckpt._src.storage.local import fsync_all
 
-jax = lazy("jax", globals())  # imported on first use (lazy.py)
-ts = lazy("tensorstore", globals(), "ts")  # imported on first use (lazy.py)
+if TYPE_CHECKING:  # the real modules for the type checker; at run time the lazy proxies
+    import jax
+    import tensorstore as ts
+else:
+    jax = lazy("jax", globals())  # imported on first use (lazy.py)
+    ts = lazy("tensorstore", globals(), "ts")  # imported on first use (lazy.py)
 
 _EMPTY_VALUE_TYPES = {"none": "None", "dict": "Dict", "list": "List", "tuple": "Tuple"}
 

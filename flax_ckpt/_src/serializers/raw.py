@@ -20,10 +20,10 @@ import numpy as np
 
 from flax_ckpt._src.checks import check_relpath
 from flax_ckpt._src.errors import CorruptCheckpointError, InvalidManifestError
-from flax_ckpt._src.records import LeafRecord
 from flax_ckpt._src.serializers import for_each_overlap, local
-from flax_ckpt._src.serializers.base import ArrayItem, Box, Shard, Written
+from flax_ckpt._src.serializers.base import ArrayItem, Box, Shard, StoredArray, Written
 from flax_ckpt._src.storage import Storage
+from flax_ckpt._src.storage.base import as_buffer
 
 BLOCK = 8 << 20
 SUBCHUNK = 64 << 20
@@ -136,7 +136,7 @@ class RawSerializer:
             """Writes file i; returns (seconds of checksums, seconds of fsync)."""
             offset, bufs, t0 = 0, [], time.perf_counter()
             for leaf, box, data, crcs in bins[i]:
-                mv = memoryview(data.reshape(-1).view(np.uint8)) if data.size else memoryview(b"")
+                mv = memoryview(as_buffer(data.reshape(-1).view(np.uint8))) if data.size else memoryview(b"")
                 chunks[leaf].append(
                     {
                         "index": _index(box),
@@ -164,10 +164,10 @@ class RawSerializer:
             serialize_s=sum(s for s, _ in times),
         )
 
-    def view(self, storage: Storage, leaf: LeafRecord, box: Box, where: str) -> None:
+    def view(self, storage: Storage, leaf: StoredArray, box: Box, where: str) -> None:
         return None  # files on disk: read, never mapped
 
-    def validate(self, leaf: LeafRecord, files: dict[str, int], where: str) -> None:
+    def validate(self, leaf: StoredArray, files: dict[str, int], where: str) -> None:
         itemsize = leaf.dtype.itemsize
         for j, ch in enumerate(leaf.chunks):
             f = f"chunks[{j}]"
@@ -196,7 +196,7 @@ class RawSerializer:
             ):
                 raise InvalidManifestError(f"{where}: leaf chunk {f}: wrong number of checksums")
 
-    def read(self, storage: Storage, leaf: LeafRecord, box: Box, out: np.ndarray, where: str) -> None:
+    def read(self, storage: Storage, leaf: StoredArray, box: Box, out: np.ndarray, where: str) -> None:
         parts = list(for_each_overlap(leaf, box))
         if len(parts) < 2 or out.nbytes < PARALLEL_READ_MIN:
             for chunk, cbox, ov in parts:
@@ -211,14 +211,14 @@ class RawSerializer:
             f.result()
 
     def read_many(
-        self, storage: Storage, requests: Sequence[tuple[LeafRecord, Box, np.ndarray]], where: str
+        self, storage: Storage, requests: Sequence[tuple[StoredArray, Box, np.ndarray]], where: str
     ) -> None:
         """Fills every (leaf, box, out) of ``requests``. Boxes that are one whole chunk each (the small
         leaves of a large tree) are read in batches: per data file, chunks that lie back to back become
         one ranged read into their outputs (one open per file, one preadv per run of chunks), then every
         chunk's blocks are checked. Anything else, and any request whose batch fails (so that its error
         names the file and the leaf), goes through ``read``."""
-        runs: dict[str, list[tuple[int, int, LeafRecord, Box, np.ndarray, dict]]] = {}
+        runs: dict[str, list[tuple[int, int, StoredArray, Box, np.ndarray, dict]]] = {}
         rest = []
         for leaf, box, out in requests:
             parts = list(for_each_overlap(leaf, box))
@@ -239,7 +239,11 @@ class RawSerializer:
             parts: list[tuple[int, list[memoryview]]] = []
             end = None
             for offset, nbytes, _, _, out, _ in items:
-                view = memoryview(out.reshape(-1).view(np.uint8)) if out.size else memoryview(bytearray(0))
+                view = (
+                    memoryview(as_buffer(out.reshape(-1).view(np.uint8)))
+                    if out.size
+                    else memoryview(bytearray(0))
+                )
                 if offset != end:
                     parts.append((offset, []))
                 parts[-1][1].append(view)
@@ -251,7 +255,8 @@ class RawSerializer:
                 continue
             for _, _, leaf, box, out, chunk in items:
                 if not _blocks_ok(
-                    chunk, memoryview(out.reshape(-1).view(np.uint8)) if out.size else memoryview(b"")
+                    chunk,
+                    memoryview(as_buffer(out.reshape(-1).view(np.uint8))) if out.size else memoryview(b""),
                 ):
                     rest.append((leaf, box, out))
         for leaf, box, out in rest:
@@ -264,14 +269,18 @@ class RawSerializer:
         dst = out[local(ov, box)]
         shape = tuple(e - s for s, e in cbox)
         if ov == cbox and dst.flags.c_contiguous:
-            buf = memoryview(dst.reshape(-1).view(np.uint8)) if dst.size else memoryview(bytearray(0))
+            buf = (
+                memoryview(as_buffer(dst.reshape(-1).view(np.uint8)))
+                if dst.size
+                else memoryview(bytearray(0))
+            )
             self._read_blocks(storage, chunk, 0, len(buf), buf, where)
             return
         # rows [r0, r1) of the chunk along axis 0 hold the overlap; read and verify just those
         rowbytes = chunk["nbytes"] // shape[0] if shape and shape[0] else chunk["nbytes"]
         r0, r1 = (ov[0][0] - cbox[0][0], ov[0][1] - cbox[0][0]) if shape else (0, 1)
         tmp = np.empty(((r1 - r0) * rowbytes,), np.uint8)
-        self._read_blocks(storage, chunk, r0 * rowbytes, r1 * rowbytes, memoryview(tmp), where)
+        self._read_blocks(storage, chunk, r0 * rowbytes, r1 * rowbytes, memoryview(as_buffer(tmp)), where)
         rows = tmp.view(out.dtype).reshape((r1 - r0,) + shape[1:])
         dst[...] = rows[(slice(None),) + local(ov, cbox)[1:]]
 

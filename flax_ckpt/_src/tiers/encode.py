@@ -26,6 +26,7 @@ import crc32c
 import numpy as np
 
 from flax_ckpt._src.checks import canonical
+from flax_ckpt._src.storage.base import as_buffer
 from flax_ckpt._src.tiers import files as tier_files
 from flax_ckpt._src.tiers.store import (
     CHUNK,
@@ -49,7 +50,7 @@ def shuffle(x: np.ndarray, itemsize: int) -> np.ndarray:
 
 def _xor_delta(raw: memoryview, old: memoryview, itemsize: int) -> bytes | None:
     """zlib of the byte-shuffled XOR, or None when that is not clearly smaller than the chunk."""
-    z = zlib.compress(shuffle(np.bitwise_xor(_u8(raw), _u8(old)), itemsize), 1)
+    z = zlib.compress(as_buffer(shuffle(np.bitwise_xor(_u8(raw), _u8(old)), itemsize)), 1)
     return z if len(z) < 0.9 * len(raw) else None
 
 
@@ -143,7 +144,7 @@ def changed_share(ts: TierSnapshot, base: Copy, budget: DeltaBudget | None = Non
             c, lo = divmod(pos, CHUNK)  # _PROBE_BYTES at the sample's place in its chunk
             lo = max(0, min(lo, min(CHUNK, n - c * CHUNK) - _PROBE_BYTES))
             e = b["chunks"][c]
-            raw = memoryview(mine[c * CHUNK + lo : c * CHUNK + lo + _PROBE_BYTES])
+            raw = memoryview(as_buffer(mine[c * CHUNK + lo : c * CHUNK + lo + _PROBE_BYTES]))
             r = delta_ratio(raw, base.data.view(e[2] + lo, e[2] + lo + len(raw)))
             changed += r if r == 0 or (budget is not None and budget.worth(r)) else 1
         at += n

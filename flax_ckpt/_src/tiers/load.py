@@ -33,6 +33,7 @@ from flax_ckpt._src.records import LeafRecord, dtype_from_name, leaf_name
 from flax_ckpt._src.serializers import Box, Shard, for_each_overlap, local
 from flax_ckpt._src.tiers import files as tier_files
 from flax_ckpt._src.tiers.store import Copy
+from flax_ckpt._src.storage.base import as_buffer
 
 _PARALLEL_MIN = 16 << 20
 
@@ -131,7 +132,7 @@ def view_shard(copy: Copy, s: dict[str, Any]) -> np.ndarray | None:
 
 
 def _flat_bytes(a: np.ndarray) -> memoryview:
-    return memoryview(a.reshape(-1).view(np.uint8)) if a.size else memoryview(bytearray(0))
+    return memoryview(as_buffer(a.reshape(-1).view(np.uint8))) if a.size else memoryview(bytearray(0))
 
 
 def shard_array(copy: Copy, s: dict[str, Any]) -> np.ndarray:

@@ -28,10 +28,11 @@ import dataclasses
 import json
 import math
 import os
+import threading
 import uuid
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import crc32c
 import numpy as np
@@ -47,8 +48,12 @@ from flax_ckpt._src.storage import LocalStorage
 from flax_ckpt._src.tiers import files as tier_files
 from flax_ckpt._src.tiers.files import SpareFolder
 from flax_ckpt._src.lazy import lazy
+from flax_ckpt._src.storage.base import as_buffer
 
-jax = lazy("jax", globals())  # imported on first use (lazy.py)
+if TYPE_CHECKING:  # the real modules for the type checker; at run time the lazy proxies
+    import jax
+else:
+    jax = lazy("jax", globals())  # imported on first use (lazy.py)
 
 CHUNK = 1 << 20
 INDEX, DATA, COMMIT = "index.json", "data.bin", "commit.json"
@@ -187,7 +192,10 @@ class TierSnapshot:
 
     # the device copies (engine/device.py): those of ``part``, brought to host by ``complete``
     choice = property(lambda self: self.part.choice if self.part is not None else None)
-    on_host = property(lambda self: (self.part if self.part is not None else self.snap).on_host)
+
+    @property
+    def on_host(self) -> threading.Event:
+        return (self.part if self.part is not None else self.snap).on_host
 
     @property
     def waited_s(self) -> float:
@@ -422,7 +430,11 @@ def _u8(buf: Any) -> np.ndarray:
 
 def bytes_of(a: np.ndarray) -> memoryview:
     """A host array's bytes, flat (a copy only where it is not contiguous)."""
-    return memoryview(np.ascontiguousarray(a).reshape(-1).view(np.uint8)) if a.size else memoryview(b"")
+    return (
+        memoryview(as_buffer(np.ascontiguousarray(a).reshape(-1).view(np.uint8)))
+        if a.size
+        else memoryview(b"")
+    )
 
 
 def shard_key(rec: dict[str, Any], box: Any) -> str:

@@ -109,9 +109,15 @@ class TierSet:
             self.holdings.release()
             raise
 
-    skipped = property(lambda self: self.admission.skipped)
+    @property
+    def skipped(self) -> int:
+        return self.admission.skipped
+
     deferred = property(lambda self: self.migration.deferred)
-    tier_stats = property(lambda self: self.stats)
+
+    @property
+    def tier_stats(self) -> list[TierStats]:
+        return self.stats
 
     # ---------------------------------------------------------------------------------- start
 
@@ -219,21 +225,21 @@ class TierSet:
         return ts
 
     def save(
-        self, step: int, ts: store.TierSnapshot, metrics: dict | None, t0: float, blocked: float
+        self, step: int, snap: store.TierSnapshot, metrics: dict | None, t0: float, blocked: float
     ) -> None:
         """Background (the manager's writer): stores the received replica, then this step's local copy;
         commits both tiers; starts the migration when it is due (migration.py)."""
         self._store_replica()
         self.migration.busy_somewhere = False
         if step in self._kept["local"]:
-            ts.complete()
+            snap.complete()
             log.info("step %d is already in the memory tiers; not replaced", step)
         else:
-            self._save_local(step, ts, metrics, t0, blocked)
+            self._save_local(step, snap, metrics, t0, blocked)
         self.migration.offer(
             step,
-            ts.force,
-            lambda: (ts.verify_views(), self.persistent.migrate(step, ts.snap, metrics, t0, blocked)),
+            snap.force,
+            lambda: (snap.verify_views(), self.persistent.migrate(step, snap.snap, metrics, t0, blocked)),
         )
 
     def _ident(self, step: int) -> dict[str, Any]:
