@@ -99,17 +99,17 @@ def streamed(tree: Any) -> Snapshot:
     parts: list[tuple[int, jax.Array, Box]] = []
     for i in device:
         k, x = seen[i], data[i]
-        leaves[i] = HostLeaf(k.record, (), x.sharding, whole=k.whole)
+        leaves[i] = HostLeaf(k.array, (), x.sharding, whole=k.whole)
         parts += (
             [(i, x, k.box)]
             if k.whole
             else [
-                (i, s.data, box_of(s.index, k.record.shape))
+                (i, s.data, box_of(s.index, k.array.array_shape))
                 for s in x.addressable_shards
                 if s.replica_id == 0
             ]
         )
-    size = [math.prod(e - s for s, e in box) * seen[i].record.dtype.itemsize for i, _, box in parts]
+    size = [math.prod(e - s for s, e in box) * seen[i].array.array_dtype.itemsize for i, _, box in parts]
     limit = _batch_bytes(sum(size))
     pieces = [p for (i, part, box), n in zip(parts, size) for p in _split(i, part, box, n, limit)]
     return Streamed(
@@ -182,7 +182,7 @@ def _items(snap: Snapshot, batch: list[Piece]) -> list[ArrayItem]:
     out = []
     for i, shards in by_leaf.items():
         rec = snap.leaves[i].record
-        out.append(ArrayItem(i, rec.name, rec.dtype, rec.shape, tuple(shards)))
+        out.append(ArrayItem(i, rec.name, rec.array_dtype, rec.array_shape, tuple(shards)))
     return out
 
 

@@ -13,7 +13,7 @@ import math
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, wait
-from typing import Any, Sequence
+from typing import Any, Sequence, TypeGuard
 
 import crc32c
 import numpy as np
@@ -65,6 +65,11 @@ def _index(box: Box) -> list[list[int]]:
             _INDEX.clear()
         out = _INDEX[box] = [list(b) for b in box]
     return out
+
+
+def _natural(v: Any) -> TypeGuard[int]:
+    """Whether a record's field is an int >= 0 (not a bool)."""
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 
 def _blocks_ok(chunk: dict, buf: memoryview) -> bool:
@@ -174,17 +179,16 @@ class RawSerializer:
             name = ch.get("file")
             if not isinstance(name, str) or name not in files:  # the names in files are checked already
                 name = check_relpath(name, f + ".file", where)
-            ints = [ch.get(k) for k in ("offset", "nbytes", "block")]
+            offset, nbytes, block = (ch.get(k) for k in ("offset", "nbytes", "block"))
             crcs = ch.get("crc32c")
             if (
                 name not in files
-                or any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in ints)
-                or ints[2] == 0
-                or ints[2] % 16
+                or not (_natural(offset) and _natural(nbytes) and _natural(block))
+                or block == 0
+                or block % 16
                 or not isinstance(crcs, list)
             ):
                 raise InvalidManifestError(f"{where}: leaf chunk {f} has invalid raw fields {ch!r}")
-            offset, nbytes, block = ints
             volume = math.prod(b - a for a, b in ch["index"])
             if nbytes != volume * itemsize or offset + nbytes > files[name]:
                 raise InvalidManifestError(
@@ -236,7 +240,7 @@ class RawSerializer:
             )
         for name, items in runs.items():
             items.sort(key=lambda it: it[0])
-            parts: list[tuple[int, list[memoryview]]] = []
+            ranges: list[tuple[int, list[memoryview]]] = []
             end = None
             for offset, nbytes, _, _, out, _ in items:
                 view = (
@@ -245,11 +249,11 @@ class RawSerializer:
                     else memoryview(bytearray(0))
                 )
                 if offset != end:
-                    parts.append((offset, []))
-                parts[-1][1].append(view)
+                    ranges.append((offset, []))
+                ranges[-1][1].append(view)
                 end = offset + nbytes
             try:
-                storage.read_ranges(name, parts)
+                storage.read_ranges(name, ranges)
             except (OSError, CorruptCheckpointError):
                 rest += [(leaf, box, out) for _, _, leaf, box, out, _ in items]
                 continue
