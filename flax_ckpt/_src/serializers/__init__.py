@@ -15,6 +15,7 @@ from __future__ import annotations
 import re
 from importlib import metadata as importlib_metadata
 from types import EllipsisType
+from typing import cast
 
 from flax_ckpt._src.serializers.base import ArrayItem, Box, Serializer, Shard, StoredArray, Written
 
@@ -62,7 +63,8 @@ def get_serializer(spec: "str | Serializer | None") -> Serializer:
     if spec is None or spec == "raw":
         return RawSerializer()
     if spec == "zarr3":
-        return Zarr3Serializer()
+        # It takes a TensorstoreStorage, which every storage flax_ckpt makes is (local, kvstore).
+        return cast(Serializer, Zarr3Serializer())
     if spec == "tensorstore":
         raise ValueError(
             "unknown serializer 'tensorstore': the serializer built on tensorstore is called 'zarr3' "

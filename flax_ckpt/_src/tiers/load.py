@@ -31,6 +31,7 @@ from flax_ckpt._src.errors import CheckpointError, CorruptCheckpointError
 from flax_ckpt._src.checks import tiling_problem
 from flax_ckpt._src.records import LeafRecord, dtype_from_name, leaf_name
 from flax_ckpt._src.serializers import Box, Shard, for_each_overlap, local
+from flax_ckpt._src.serializers.base import stored
 from flax_ckpt._src.tiers import files as tier_files
 from flax_ckpt._src.tiers.store import Copy
 from flax_ckpt._src.storage.base import as_buffer
@@ -166,7 +167,9 @@ class CopySource:
         ]
 
     def read(self, leaf: LeafRecord, box: Box, out: np.ndarray) -> None:
-        parts = list(for_each_overlap(leaf, box))  # they must cover the box exactly: nothing left unwritten
+        parts = list(
+            for_each_overlap(stored(leaf), box)
+        )  # they must cover the box exactly: nothing left unwritten
         problem = tiling_problem([ov for _, _, ov in parts], box)
         if problem is not None and sum(math.prod(e - a for a, e in ov) for _, _, ov in parts) >= math.prod(
             e - a for a, e in box
@@ -194,7 +197,7 @@ class CopySource:
             self.read(leaf, box, out)
 
     def view(self, leaf: LeafRecord, box: Box) -> np.ndarray | None:
-        hits = list(for_each_overlap(leaf, box))
+        hits = list(for_each_overlap(stored(leaf), box))
         if len(hits) != 1 or not hits[0][1] == hits[0][2] == box:
             return None
         return view_shard(self.copy, self.copy.body["shards"][hits[0][0]["shard"]])
