@@ -281,7 +281,9 @@ def _encode_full(ts: TierSnapshot, ident: dict[str, Any]) -> Encoded:
 def _body_ends(ts: TierSnapshot, ident: dict[str, Any], data: int) -> tuple[str, str]:
     """A full copy's index text before its "shards" list (up to its "[") and after it (from its "]"):
     the body's other keys, sorted as canonical text has them."""
-    fields = {k: canonical(v) for k, v in dict(ident, base=None, chunk=CHUNK, data=data).items()}
+    fields: dict[str, str | None] = {
+        k: canonical(v) for k, v in dict(ident, base=None, chunk=CHUNK, data=data).items()
+    }
     fields["leaves"] = "[" + ",".join(lf.record.json_text() for lf in ts.snap.leaves) + "]"
     fields["shards"] = None
     keys = sorted(fields)
@@ -344,8 +346,9 @@ def _encode_in_place(ts: TierSnapshot, ident: dict[str, Any], layouts: FullLayou
         lay = layouts.last = FullLayout(key, shards)
     if lay.end > len(lent.map) or at != lay.offsets:
         return None
-    crcs = [ts.crcs.get(id(sh.data)) for sh in shards if sh.data.nbytes]
-    if any(c is None for c in crcs) or [len(c) for c in crcs] != lay.counts:
+    found = [ts.crcs.get(id(sh.data)) for sh in shards if sh.data.nbytes]
+    crcs = [c for c in found if c is not None]
+    if len(crcs) != len(found) or [len(c) for c in crcs] != lay.counts:
         return None
     for lo, hi in lay.pads:
         lent.zero(lo, hi)
@@ -409,6 +412,7 @@ def _encode_segment(
         raw = mv[k : k + CHUNK]
         crc = crcs[k // CHUNK] if crcs is not None else None
         if b is not None:
+            assert base is not None, "a leaf's base entry comes with its base copy"
             be = b["chunks"][k // CHUNK]
             old = base.data.view(be[2], be[2] + len(raw))
             if _same(raw, old):

@@ -57,7 +57,7 @@ def _fill(copy: Copy, e: list, dst: memoryview, itemsize: int, where: str) -> No
     if e[0] == "r":
         copy.data.read_into(e[2], dst)
     elif e[0] == "b":
-        copy.base.data.read_into(e[2], dst)
+        copy.base_data.read_into(e[2], dst)
     else:
         z = bytearray(e[3])
         copy.data.read_into(e[2], memoryview(z))
@@ -68,7 +68,7 @@ def _fill(copy: Copy, e: list, dst: memoryview, itemsize: int, where: str) -> No
             x = b""
         if len(x) != n or not d.eof:
             raise CorruptCheckpointError(f"{where}: a delta chunk does not decompress to {n} bytes")
-        copy.base.data.read_into(e[4], dst)
+        copy.base_data.read_into(e[4], dst)
         np.bitwise_xor(_u8(dst), _unshuffle(_u8(x), itemsize), out=_u8(dst))
     _check_chunk(dst, e, where)
 
@@ -114,7 +114,7 @@ def view_shard(copy: Copy, s: dict[str, Any]) -> np.ndarray | None:
     start = entries[0][2]
     if any(e[2] != start + k * size for k, e in enumerate(entries)):
         return None
-    data = copy.data if kinds == {"r"} else copy.base.data
+    data = copy.data if kinds == {"r"} else copy.base_data
     mv = data.view(start, start + s["nbytes"])
     where = f"{copy.where}: leaf {leaf_name(rec)!r} box {list(s['box'])}"
     step = max(1, _PARALLEL_MIN // size)

@@ -278,6 +278,7 @@ class TierSet:
             spares.give_back(ts.lent)  # a loan no write took (a failed step)
         t3 = time.perf_counter()
         self._commit("local", step, self.local_dir, err, enc.base if enc else None)
+        assert enc is not None, "a failed copy (no enc) raised in _commit"
         now = time.perf_counter()
         reused = sum(sh.data.nbytes for sh in ts.shards() if sh.base is not None)
         self.stats.append(
@@ -311,12 +312,14 @@ class TierSet:
 
     def _ready_spare(self, spares: store.SpareFolder) -> None:
         """After a local commit: the pages of the next snapshot, or the older base's file as the spare."""
+        base = self._base
+        assert base is not None, "a local commit made or kept a base"
         with self._mutex:  # a base older than this one, still kept: its file is the next spare
-            older = any(b is not None and b != self._base.step for b in self._kept["local"].values())
+            older = any(b is not None and b != base.step for b in self._kept["local"].values())
         if older:
             spares.release()
         else:
-            spares.prepare(len(self._base.data))  # the next snapshot's pages
+            spares.prepare(len(base.data))  # the next snapshot's pages
 
     def _commit(self, tier: str, step: int, folder: str, err: Exception | None, base: int | None) -> None:
         """Commits ``step`` in ``tier`` once every process voted that it holds its copy there."""
@@ -363,6 +366,7 @@ class TierSet:
         if received is None:
             return
         (step, buf), src = received, self.ring.src
+        assert src is not None, "a received replica has its sender"
         folder, err, base = self.holdings.peer(src), None, None
         try:
             parts = self.ring.unframe(step, buf)
