@@ -7,6 +7,7 @@ step=...)`` records the step where Orbax's layout has room for it (a step folder
 from __future__ import annotations
 
 import ast
+import inspect
 import json
 import os
 import pathlib
@@ -19,6 +20,7 @@ import pytest
 import flax_ckpt as fc
 from flax_ckpt._src import layouts
 from flax_ckpt._src.engine.reader import Damage, Source
+from flax_ckpt._src.foreign.layout import FlaxMsgpackLayout, SafetensorsLayout
 from flax_ckpt._src.native.layout import NativeLayout, NativeSource
 from flax_ckpt._src.orbax.layout import OrbaxLayout
 from flax_ckpt._src.orbax.read import OrbaxSource
@@ -168,10 +170,15 @@ def test_every_source_implements_the_whole_source_protocol(sources, kind, cls):
     assert sum(seen) == sum(leaf.nbytes for leaf in source.leaves if leaf.is_array) >= TREE["w"].nbytes
 
 
-@pytest.mark.parametrize("layout", [NativeLayout(None), OrbaxLayout()])
+@pytest.mark.parametrize(
+    "layout", [NativeLayout(None), OrbaxLayout(), FlaxMsgpackLayout(), SafetensorsLayout()]
+)
 def test_every_layout_implements_the_whole_layout_protocol(layout):
     missing = sorted(m for m in _members(layouts.Layout) if not hasattr(layout, m))
     assert not missing, f"{type(layout).__name__} lacks {missing} of layouts.Layout"
+    methods = [m for m, v in vars(layouts.Layout).items() if inspect.isfunction(v) and not m.startswith("_")]
+    shadowed = sorted(m for m in methods if not callable(getattr(layout, m)))  # an attribute of that name
+    assert not shadowed, f"{type(layout).__name__}'s {shadowed} are not the methods of layouts.Layout"
 
 
 def test_native_verify_names_the_damaged_leaf_and_file(tmp_path):

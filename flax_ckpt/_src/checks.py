@@ -274,7 +274,7 @@ class _Node:
         self.top = -1  # the largest index seen (a list of top + 1 slots is built on restore)
 
 
-_LEAF = object()
+_LEAF = _Node()  # the child a leaf is: a sentinel, never walked into (check_tree fails first)
 
 
 def check_tree(

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, overload
 
 from flax_ckpt._src.checks import MANIFEST
 from flax_ckpt._src.commit import atomic as commit_mod
@@ -44,42 +44,64 @@ class Layout(Protocol):
     are opened, so that one failing to open is damaged; False where opening is what tells (it may hold
     no committed checkpoint). The tools ask these and the Source, never a format's name."""
 
-    name: str
-    record: str
-    manifest: str | None
-    evident: bool
-    foreign: bool  # a directory of this format is another library's: a manager writes nothing until it saves
-    recycles: bool  # a removed step's data files are worth handing to the next save (a run's ``recycler``)
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def record(self) -> str: ...
+
+    @property
+    def manifest(self) -> str | None: ...
+
+    @property
+    def evident(self) -> bool: ...
+
+    @property
+    def foreign(self) -> bool:
+        """A directory of this format is another library's: a manager writes nothing until it saves."""
+        ...
+
+    @property
+    def recycles(self) -> bool:
+        """A removed step's data files are worth handing to the next save (a run's ``recycler``)."""
+        ...
 
     def snapshot(self, tree: Any, *, copy: bool, reuse: Snapshot | None = None) -> Snapshot:
         """The blocking half of a save (caller's thread); refuses what the format cannot store."""
+        ...
 
     def persist(
         self, snap: Snapshot, parent: Storage, name: str, *, step: int | None, metrics: Any, metadata: Any
     ) -> PersistTimes:
         """Writes and commits ``snap`` as ``parent/name`` (background thread). ``step``: recorded where
         the format has room; a ValueError, before anything is written, where it cannot be."""
+        ...
 
     def open(self, folder: Storage, item: str | None = None) -> Source:
         """A committed folder of this format as a restore Source (with ``info()``, ``step``, ``metrics``);
         ``item``: one named item of an Orbax step (a TargetMismatchError for a format without items)."""
+        ...
 
     def metrics(self, folder: Storage) -> dict[str, Any] | None:
         """The metrics saved with a committed step folder, read cheaply (a manager's scan); raises a
         CheckpointError for a damaged one."""
+        ...
 
     def recycler(self, storage: Storage) -> Recycler | None:
         """The spare files of a run directory this layout writes into (``storage``, read-write): the data
         files of removed steps, handed to the next save's writes (set as ``storage.recycler``); None where
         the format's writes would not take them."""
+        ...
 
     def follow(self, root: Storage, newest: str | None) -> None:
         """A run's new steps follow its newest committed step of this format, folder ``newest`` of
         ``root`` (Orbax: its named items); nothing to follow for a format whose steps are alike."""
+        ...
 
     def check_items(self, tree: Any) -> None:
         """Refuses, before anything is written, a tree that the run's steps cannot hold (Orbax: one that
         does not fit the run's named items)."""
+        ...
 
 
 def layout(name: str, serializer: "str | Serializer | None" = None) -> Layout:
@@ -96,6 +118,10 @@ def layout(name: str, serializer: "str | Serializer | None" = None) -> Layout:
     raise ValueError(f"unknown format {name!r}; use 'native' or 'orbax'")
 
 
+@overload
+def _renamed(name: str) -> str: ...
+@overload
+def _renamed(name: None) -> None: ...
 def _renamed(name: str | None) -> str | None:
     if name == "flax_ckpt":
         warnings.warn("format='flax_ckpt' is now called format='native'", DeprecationWarning, stacklevel=4)

@@ -11,14 +11,17 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
 from flax_ckpt._src.checks import canonical
 from flax_ckpt._src.lazy import lazy
 
-ml_dtypes = lazy("ml_dtypes", globals())  # imported on first use (lazy.py)
+if TYPE_CHECKING:  # the real modules for the type checker; at run time the lazy proxies
+    import ml_dtypes
+else:
+    ml_dtypes = lazy("ml_dtypes", globals())  # imported on first use (lazy.py)
 
 ARRAY_KINDS = ("jax", "numpy", "prng_key")  # leaf kinds with a dtype, a shape and chunks
 
@@ -89,15 +92,32 @@ class LeafRecord:
         return self.kind in ARRAY_KINDS
 
     @property
+    def array_dtype(self) -> np.dtype:
+        """``dtype``, of a leaf known to be an array (every array kind has one)."""
+        assert self.dtype is not None, f"{self.name}: a {self.kind} leaf has no dtype"
+        return self.dtype
+
+    @property
+    def array_shape(self) -> tuple[int, ...]:
+        """``shape``, of a leaf known to be an array (every array kind has one)."""
+        assert self.shape is not None, f"{self.name}: a {self.kind} leaf has no shape"
+        return self.shape
+
+    @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize if self.is_array else 0
+        return math.prod(self.array_shape) * self.array_dtype.itemsize if self.is_array else 0
 
     @property
     def logical_shape(self) -> tuple[int, ...] | None:
         """The shape a user sees: for a PRNG key array, without the key data's trailing dimensions."""
         if self.kind == "prng_key":
-            return self.shape[: len(self.shape) - len(self.key_shape)]
+            return self.array_shape[: len(self.array_shape) - len(self._key_shape)]
         return self.shape
+
+    @property
+    def _key_shape(self) -> tuple[int, ...]:
+        assert self.key_shape is not None, f"{self.name}: a PRNG key leaf has a key_shape"
+        return self.key_shape
 
     def with_chunks(self, chunks: Sequence[dict[str, Any]]) -> "LeafRecord":
         return LeafRecord(
@@ -116,10 +136,11 @@ class LeafRecord:
     def describe(self) -> str:
         """As error messages show it: float32[4,6], key<threefry2x32>[2], Python int, str, None, {}."""
         if self.kind in ("jax", "numpy"):
-            text = f"{self.dtype.name}{list(self.shape)}".replace(" ", "")
+            text = f"{self.array_dtype.name}{list(self.array_shape)}".replace(" ", "")
             return f"Python scalar ({text})" if self.python else text
         if self.kind == "prng_key":
-            return f"key<{self.key_impl}>{list(self.logical_shape)}".replace(" ", "")
+            logical = self.array_shape[: len(self.array_shape) - len(self._key_shape)]  # logical_shape
+            return f"key<{self.key_impl}>{list(logical)}".replace(" ", "")
         if self.kind == "scalar":
             return f"Python {type(self.value).__name__}"
         if self.kind == "string":
@@ -166,10 +187,10 @@ class LeafRecord:
             )
         else:
             if self.kind == "prng_key":
-                rec["key_impl"], rec["key_shape"] = self.key_impl, list(self.key_shape)
+                rec["key_impl"], rec["key_shape"] = self.key_impl, list(self._key_shape)
             rec.update(
-                dtype=self.dtype.name,
-                shape=list(self.shape),
+                dtype=self.array_dtype.name,
+                shape=list(self.array_shape),
                 sharding=self.sharding,
                 chunks=list(self.chunks),
             )

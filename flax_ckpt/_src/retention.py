@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Iterable, Literal, Mapping
+from typing import Any, Iterable, Literal, Mapping, TypeGuard
 
 
 def ranked(values: Mapping[int, float | None], mode: Literal["min", "max"] = "min") -> list[int]:
@@ -65,7 +65,7 @@ def steps_to_delete(
     return [s for s in steps if s not in keep]
 
 
-def finite(v: Any) -> bool:
+def finite(v: Any) -> TypeGuard[int | float]:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Sequence, cast
 
 import numpy as np
 
@@ -18,7 +18,10 @@ from flax_ckpt._src.errors import UnsupportedLeafError
 from flax_ckpt._src.lazy import lazy
 from flax_ckpt._src.records import dtype_from_name, keystr
 
-jax = lazy("jax", globals())  # imported on first use (lazy.py)
+if TYPE_CHECKING:  # the real modules for the type checker; at run time the lazy proxies
+    import jax
+else:
+    jax = lazy("jax", globals())  # imported on first use (lazy.py)
 
 # A key path: a tuple of (kind, key) with kind "key" (a dict key), "attr" (an attribute or namedtuple /
 # dataclass field) or "idx" (a sequence index).
@@ -122,8 +125,14 @@ def empty_kind(x: Any) -> str | None:
     return None
 
 
+def is_ready(x: jax.Array) -> bool:
+    """Whether the computation that produces ``x`` is done (``x.is_ready()`` without waiting)."""
+    # jax.Array's type stub lacks ``is_ready``, which every concrete jax array (ArrayImpl) has.
+    return cast(Any, x).is_ready()
+
+
 def is_prng_key(x: Any) -> bool:
-    return isinstance(x, (jax.Array, jax.ShapeDtypeStruct)) and jax.dtypes.issubdtype(
+    return isinstance(x, (jax.Array, jax.ShapeDtypeStruct)) and jax.numpy.issubdtype(
         x.dtype, jax.dtypes.prng_key
     )
 

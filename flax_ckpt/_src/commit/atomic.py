@@ -143,6 +143,7 @@ def remove(parent: Storage, name: str, record: str, *, salvage: Callable[[str], 
         parent.rename(name, gone)
         parent.sync(tree=False)
         if salvage is not None:
+            assert parent.local_path is not None, "a storage that renames is a local folder"
             salvage(os.path.join(parent.local_path, gone))
         parent.delete(gone)
     else:

@@ -30,7 +30,7 @@ import math
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import crc32c
 
@@ -40,7 +40,10 @@ from flax_ckpt._src.lazy import lazy
 from flax_ckpt._src.serializers import Written, intersect
 from flax_ckpt._src.storage import Storage
 
-jax = lazy("jax", globals())  # imported on first use (lazy.py)
+if TYPE_CHECKING:  # the real modules for the type checker; at run time the lazy proxies
+    import jax
+else:
+    jax = lazy("jax", globals())  # imported on first use (lazy.py)
 
 PARTS = "parts"
 _ROOT = "flax_ckpt"

@@ -132,6 +132,7 @@ class Recycler:
         """Deletes every recycled file and the folder; the next retire makes a new one."""
         if self._fd is None:
             return
+        assert self._folder is not None, "the folder is set with its descriptor"
         self._clear()
         os.close(self._fd)
         self._fd = None

@@ -30,14 +30,18 @@ import math
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 
 from flax_ckpt._src.errors import CheckpointError
 from flax_ckpt._src.lazy import lazy
+from flax_ckpt._src.tree import is_ready
 
-jax = lazy("jax", globals())  # imported on first use (lazy.py)
+if TYPE_CHECKING:  # the real modules for the type checker; at run time the lazy proxies
+    import jax
+else:
+    jax = lazy("jax", globals())  # imported on first use (lazy.py)
 
 log = logging.getLogger("flax_ckpt")
 
@@ -128,7 +132,7 @@ def choose(arrays: Sequence[tuple[int, jax.Array, bool, bool]]) -> tuple[set[int
     total = sum(x.nbytes for _, x, _, _ in arrays)
     if m == "never" or not arrays:
         return set(), Choice("host", 0, total, ready=not arrays)
-    if m == "auto" and all(cpu for *_, cpu in arrays) and all(x.is_ready() for _, x, _, _ in arrays):
+    if m == "auto" and all(cpu for *_, cpu in arrays) and all(is_ready(x) for _, x, _, _ in arrays):
         return set(), Choice("host", 0, total, ready=True)
     room: dict[int, int | None] = {}
     chosen: set[int] = set()
@@ -140,10 +144,10 @@ def choose(arrays: Sequence[tuple[int, jax.Array, bool, bool]]) -> tuple[set[int
             if d.id not in room:
                 room[d.id] = headroom(d)
             need[d.id] = need.get(d.id, 0) + a.nbytes
-        if all(room[d] is None or room[d] >= n for d, n in need.items()):
+        if all((r := room[d]) is None or r >= n for d, n in need.items()):
             for d, n in need.items():
-                if room[d] is not None:
-                    room[d] -= n
+                if (r := room[d]) is not None:
+                    room[d] = r - n
             chosen.add(i)
             dev_bytes += sum(need.values())
     host = total - sum(x.nbytes for i, x, _, _ in arrays if i in chosen)

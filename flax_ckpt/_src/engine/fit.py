@@ -16,7 +16,7 @@ import math
 import re
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
@@ -25,7 +25,10 @@ from flax_ckpt._src.lazy import lazy
 from flax_ckpt._src.records import LeafRecord
 from flax_ckpt._src.tree import KeyPath
 
-ml_dtypes = lazy("ml_dtypes", globals())  # imported on first use (lazy.py)
+if TYPE_CHECKING:  # the real modules for the type checker; at run time the lazy proxies
+    import ml_dtypes
+else:
+    ml_dtypes = lazy("ml_dtypes", globals())  # imported on first use (lazy.py)
 
 Rules = tuple[tuple["re.Pattern[str]", "str | None"], ...]
 RenameArg = (

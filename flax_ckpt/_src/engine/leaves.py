@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import typing
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
 
 import numpy as np
 
@@ -28,7 +28,10 @@ from flax_ckpt._src.errors import (
 from flax_ckpt._src.lazy import lazy
 from flax_ckpt._src.records import LeafRecord
 
-jax = lazy("jax", globals())  # imported on first use (lazy.py)
+if TYPE_CHECKING:  # the real modules for the type checker; at run time the lazy proxies
+    import jax
+else:
+    jax = lazy("jax", globals())  # imported on first use (lazy.py)
 
 
 _SHOWN = 20  # leaves an error lists, then a count of the rest

@@ -17,7 +17,8 @@ from __future__ import annotations
 import copy
 import math
 import threading
-from typing import Any, Callable, NamedTuple, Protocol, Sequence
+from types import EllipsisType
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Protocol, Sequence, cast
 
 import numpy as np
 
@@ -29,7 +30,10 @@ from flax_ckpt._src.lazy import lazy
 from flax_ckpt._src.records import LeafRecord
 from flax_ckpt._src.serializers import Box, box_of
 
-jax = lazy("jax", globals())  # imported on first use (lazy.py)
+if TYPE_CHECKING:  # the real modules for the type checker; at run time the lazy proxies
+    import jax
+else:
+    jax = lazy("jax", globals())  # imported on first use (lazy.py)
 
 _ALIGN = 64  # restored host buffers start on this boundary (see aligned_empty)
 _CAST_SLAB = 8 << 20  # a cast reads at most this many saved bytes at a time (or one row of its first axis)
@@ -42,11 +46,20 @@ class Source(Protocol):
     record cannot make it allocate more), or None where no bound is known. ``remote``: every read is a
     request round trip (object stores, tensorstore drivers): leaves are read concurrently."""
 
-    url: str
-    where: str
-    hint: str
-    leaves: Sequence[LeafRecord]
-    remote: bool
+    @property
+    def url(self) -> str: ...
+
+    @property
+    def where(self) -> str: ...
+
+    @property
+    def hint(self) -> str: ...
+
+    @property
+    def leaves(self) -> Sequence[LeafRecord]: ...
+
+    @property
+    def remote(self) -> bool: ...
 
     @property
     def budget(self) -> int | None: ...
@@ -54,29 +67,36 @@ class Source(Protocol):
     def read(self, leaf: LeafRecord, box: Box, out: np.ndarray) -> None:
         """Fills ``out`` (the extents of ``box``, the leaf's dtype) with verified bytes. ``box``: any box
         within the leaf (a cast reads a leaf in slabs of rows along its first axis)."""
+        ...
 
     def read_many(self, requests: Sequence[tuple[LeafRecord, Box, np.ndarray]]) -> None:
         """``read`` for many boxes at once; a source may batch them (one read per file region)."""
+        ...
 
     def view(self, leaf: LeafRecord, box: Box) -> np.ndarray | None:
         """The box as a verified read-only array over bytes never written again, or None."""
+        ...
 
     def info(self) -> CheckpointInfo:
         """The checkpoint's CheckpointInfo (fc.metadata's answer), from its records alone."""
+        ...
 
     def select(self, target: Any) -> "tuple[Source, Any]":
         """The part of this checkpoint ``target`` asks for, and the target to check against it: the
         source itself for most layouts; for an Orbax step of named items, only the items the target (a
         dict keyed by item names) names. Raises a TargetMismatchError naming what the source holds."""
+        ...
 
     def unchecked(self) -> list[str]:
         """The leaves (key paths) whose stored bytes carry no checksum, so that reading them back proves
         nothing (a verify reports them as unverified); [] where every byte is checksummed."""
+        ...
 
     def verify(self, update: Callable[[int], None]) -> "list[Damage]":
         """Re-reads every stored byte of every array leaf, checking every checksum, and returns the
         damage found ([]: none). ``update(n)``: called as each ``n`` bytes of leaves are read (a
         progress bar's). ``read_back`` is the verify of a source read leaf by leaf."""
+        ...
 
 
 class Damage(NamedTuple):
@@ -138,14 +158,14 @@ class Reader:
     def host(self, leaf: LeafRecord, box: Box | None = None, *, device: bool = False) -> np.ndarray:
         """A box of a leaf in host memory. ``device``: it only goes on to jax.device_put, so a verified
         read-only view of bytes the source holds in memory will do (``Source.view``), where one exists."""
-        box = box or tuple((0, d) for d in leaf.shape)
+        box = box or tuple((0, d) for d in leaf.array_shape)
         ready = self._ready.pop((leaf.name, box), None)
         if ready is not None:
             return ready
         dtype = self._casts.get(leaf.name)
         if dtype is not None:
             out = self._allocate(leaf, box, dtype)
-            for slab in slabs(box, leaf.dtype.itemsize):
+            for slab in slabs(box, leaf.array_dtype.itemsize):
                 self._cast(leaf, slab, out[local_rows(slab, box)])
             return out
         if device:
@@ -161,10 +181,10 @@ class Reader:
         saved bytes it holds); the source's read must fill all of it (native chunks and memory-copy
         shards are checked to tile it exactly: checks.tiling_problem)."""
         extents = tuple(e - s for s, e in box)
-        nbytes = math.prod(extents) * leaf.dtype.itemsize
+        nbytes = math.prod(extents) * leaf.array_dtype.itemsize
         self._reserve(nbytes, leaf)
         try:
-            return aligned_empty(extents, dtype or leaf.dtype)
+            return aligned_empty(extents, dtype or leaf.array_dtype)
         except MemoryError:
             raise CheckpointError(
                 f"{self.source.where} leaf {leaf.name!r}: cannot allocate {nbytes} bytes to "
@@ -174,7 +194,7 @@ class Reader:
 
     def _cast(self, leaf: LeafRecord, box: Box, out: np.ndarray) -> None:
         """Reads ``box`` into a buffer of the saved dtype and converts it into ``out`` (fit.cast_into)."""
-        tmp = np.empty(tuple(e - s for s, e in box), leaf.dtype)
+        tmp = np.empty(tuple(e - s for s, e in box), leaf.array_dtype)
         self.source.read(leaf, box, tmp)
         cast_into(tmp, out, leaf.name, self.source.where)
 
@@ -188,7 +208,7 @@ class Reader:
             dtype = self._casts.get(leaf.name)
             if dtype is not None:
                 batch.append((leaf, box, self._allocate(leaf, box, dtype)))
-                held += batch[-1][2].size * leaf.dtype.itemsize
+                held += batch[-1][2].size * leaf.array_dtype.itemsize
                 if held >= _CAST_SLAB:
                     self._prefetch_cast(batch)
                     batch, held = [], 0
@@ -205,7 +225,7 @@ class Reader:
     def _prefetch_cast(self, batch: list[tuple[LeafRecord, Box, np.ndarray]]) -> None:
         if not batch:
             return
-        tmps = [(leaf, box, np.empty(out.shape, leaf.dtype)) for leaf, box, out in batch]
+        tmps = [(leaf, box, np.empty(out.shape, leaf.array_dtype)) for leaf, box, out in batch]
         self.source.read_many(tmps)
         for (leaf, box, out), (_, _, tmp) in zip(batch, tmps):
             cast_into(tmp, out, leaf.name, self.source.where)
@@ -232,16 +252,16 @@ class Reader:
         """Each local device's box, and the one box to read for all of them when they tile one bounding
         box (the usual case: no stored byte is then read twice), else None (read each box). Computed
         once per sharding and shape (a large tree has many leaves of few layouts)."""
-        key = (sharding, leaf.shape)
+        key = (sharding, leaf.array_shape)
         found = self._boxes.get(key)
         if found is None:
             try:
-                found = self._boxes[key] = self._layout(leaf.shape, sharding)
+                found = self._boxes[key] = self._layout(leaf.array_shape, sharding)
             except (
                 ValueError
             ) as e:  # jax: a dimension the mesh does not divide (e.g. 48 rows over 5 processes)
                 raise TargetMismatchError(
-                    f"restore of {leaf.name!r} from {self.source.where}: the saved shape {list(leaf.shape)} "
+                    f"restore of {leaf.name!r} from {self.source.where}: the saved shape {list(leaf.array_shape)} "
                     f"cannot be laid out as the target's sharding {sharding} asks, over {jax.process_count()} "
                     f"process(es) and {_device_count(sharding)} device(s): {e}. Fix: restore with a process "
                     "and device count whose mesh divides the saved shape, or pass shardings= (e.g. a "
@@ -251,10 +271,10 @@ class Reader:
 
     @staticmethod
     def _layout(shape: tuple[int, ...], sharding: jax.sharding.Sharding) -> tuple[dict[Any, Box], Box | None]:
-        boxes = {
-            dev: box_of(index, shape)
-            for dev, index in sharding.addressable_devices_indices_map(shape).items()
-        }
+        boxes = {}
+        for dev, index in sharding.addressable_devices_indices_map(shape).items():
+            assert index is not None, f"the addressable device {dev} holds a part of the array"
+            boxes[dev] = box_of(index, shape)
         unique = set(boxes.values())
         if len(unique) == 1:
             return boxes, next(iter(unique))
@@ -266,10 +286,10 @@ class Reader:
     def host_box(self, leaf: LeafRecord, target: Any, sharding: Any) -> Box | None:
         """The one box ``value`` reads of an array leaf for ``target``/``sharding`` (None: several)."""
         if leaf.python or python_scalar_kinds(target) is not None or leaf.kind == "prng_key":
-            return tuple((0, d) for d in leaf.shape)
+            return tuple((0, d) for d in leaf.array_shape)
         sharding = sharding or placement_of(target)
         if sharding is None:
-            return tuple((0, d) for d in leaf.shape)
+            return tuple((0, d) for d in leaf.array_shape)
         return self._device_boxes(leaf, sharding)[1]
 
     def sharded(self, leaf: LeafRecord, sharding: jax.sharding.Sharding, puts: list | None = None) -> Any:
@@ -286,7 +306,7 @@ class Reader:
         else:
             cache = {b: self.host(leaf, b, device=True) for b in unique}
         arrays = [jax.device_put(cache[box], dev) for dev, box in boxes.items()]
-        return jax.make_array_from_single_device_arrays(leaf.shape, sharding, arrays)
+        return jax.make_array_from_single_device_arrays(leaf.array_shape, sharding, arrays)
 
     @staticmethod
     def _put(host: np.ndarray, sharding: Any, puts: list | None) -> Any:
@@ -313,7 +333,8 @@ class Reader:
             return leaf.value
         if kind == "prng_key":
             data = self.host(leaf, device=True)
-            key = jax.random.wrap_key_data(data, impl=leaf.key_impl)
+            # wrap_key_data takes a numpy array as well (its stub says jax.Array): no copy made here
+            key = jax.random.wrap_key_data(cast("jax.Array", data), impl=leaf.key_impl)
             sharding = sharding or placement_of(target)
             return jax.device_put(key, sharding) if sharding is not None else key
         if leaf.python and target is None:
@@ -345,7 +366,7 @@ def slabs(box: Box, itemsize: int, limit: int | None = None) -> list[Box]:
     return [((a, min(a + step, hi)),) + rest for a in range(lo, hi, step)] or [box]
 
 
-def local_rows(slab: Box, box: Box) -> tuple[slice, ...]:
+def local_rows(slab: Box, box: Box) -> tuple[slice | EllipsisType, ...]:
     """Where ``slab`` (rows of ``box``) lies in an array holding ``box``."""
     return (slice(slab[0][0] - box[0][0], slab[0][1] - box[0][0]),) if box else (Ellipsis,)
 

@@ -19,7 +19,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence, cast
 
 import crc32c
 import numpy as np
@@ -33,8 +33,12 @@ from flax_ckpt._src.errors import CheckpointError, format_list
 from flax_ckpt._src.lazy import lazy
 from flax_ckpt._src.records import LeafRecord
 from flax_ckpt._src.serializers import ArrayItem, Box, Shard, box_of
+from flax_ckpt._src.storage.base import as_buffer
 
-jax = lazy("jax", globals())  # imported on first use (lazy.py)
+if TYPE_CHECKING:  # the real modules for the type checker; at run time the lazy proxies
+    import jax
+else:
+    jax = lazy("jax", globals())  # imported on first use (lazy.py)
 
 _BIG = 1 << 20  # leaves of more bytes are copied on a small pool
 
@@ -142,13 +146,15 @@ class Snapshot:
         def shards(lf: HostLeaf) -> tuple[Shard, ...]:
             if not self.crcs:
                 return lf.shards
+            block = self.checksum
+            assert block is not None, "checksums made as copied come with their block size"
             return tuple(
-                s if (c := self.crcs.get(id(s.data))) is None else Shard(s.box, s.data, (self.checksum, c))
+                s if (c := self.crcs.get(id(s.data))) is None else Shard(s.box, s.data, (block, c))
                 for s in lf.shards
             )
 
         return [
-            ArrayItem(i, lf.record.name, lf.record.dtype, lf.record.shape, shards(lf))
+            ArrayItem(i, lf.record.name, lf.record.array_dtype, lf.record.array_shape, shards(lf))
             for i, lf in enumerate(self.leaves)
             if lf.record.is_array
         ]
@@ -159,6 +165,7 @@ def describe_sharding(s: Any) -> dict[str, Any] | None:
     if s is None:
         return None
     if isinstance(s, jax.sharding.NamedSharding):
+        assert isinstance(s.mesh, jax.sharding.Mesh), "an array's sharding has devices"
         spec = [None if p is None else (p if isinstance(p, str) else list(p)) for p in s.spec]
         return {
             "type": "NamedSharding",
@@ -241,19 +248,19 @@ def copy_all(
             if crcs is not None and one:
                 if d.nbytes <= _CACHED:
                     np.copyto(d, a)
-                    crcs[c][k] = crc32c.crc32c(d)
+                    crcs[c][k] = crc32c.crc32c(as_buffer(d))
                     continue
                 d, a, crc = d.reshape(-1).view(np.uint8), a.reshape(-1).view(np.uint8), 0
                 for j in range(0, d.nbytes, _CACHED):  # copied and checksummed in pieces that stay in
                     np.copyto(d[j : j + _CACHED], a[j : j + _CACHED])  # the core's cache
-                    crc = crc32c.crc32c(d[j : j + _CACHED], crc)
+                    crc = crc32c.crc32c(as_buffer(d[j : j + _CACHED]), crc)
                 crcs[c][k] = crc
                 continue
             np.copyto(d, a)
             if crcs is not None:
                 flat = d.reshape(-1).view(np.uint8)
                 for j in range(0, flat.nbytes, step):
-                    crcs[c][k + j // step] = crc32c.crc32c(flat[j : j + step])
+                    crcs[c][k + j // step] = crc32c.crc32c(as_buffer(flat[j : j + step]))
 
     total = sum(u[2].nbytes for u in units)
     n = max(1, min(4, os.cpu_count() or 1, len(units), total // (8 << 20)))
@@ -262,9 +269,11 @@ def copy_all(
     for u in units:  # contiguous runs: thread k takes the units that start in its share of the bytes
         parts[min(n - 1, acc * n // max(1, total))].append(u)
         acc += u[2].nbytes
-    if n > 1 and _copier is None:
-        _copier = ThreadPoolExecutor(4, thread_name_prefix="flax_ckpt-copy")
-    futures = [_copier.submit(run, part) for part in parts[1:] if part] if n > 1 else []
+    futures = []
+    if n > 1:
+        if _copier is None:
+            _copier = ThreadPoolExecutor(4, thread_name_prefix="flax_ckpt-copy")
+        futures = [_copier.submit(run, part) for part in parts[1:] if part]
     try:
         run(parts[0])
     finally:
@@ -293,6 +302,12 @@ class _Learned:
     whole: bool = False
     cpu: bool = False
 
+    @property
+    def array(self) -> LeafRecord:
+        """``record``, of an array leaf (every array kind has one)."""
+        assert self.record is not None, f"a {self.kind} leaf has no array record"
+        return self.record
+
 
 def _sig(x: Any) -> tuple[Any, ...]:
     if isinstance(x, jax.Array):
@@ -309,7 +324,9 @@ def _learn(path: tree_mod.KeyPath, x: Any, kind: str, sig: tuple[Any, ...]) -> _
     if kind == "prng_key":
         key_impl = str(jax.random.key_impl(x))
         x = jax.random.key_data(x)
-        key_shape = tuple(x.shape[x.ndim - len(key_data_shape(key_impl)) :])
+        data_shape = key_data_shape(key_impl)
+        assert data_shape is not None, f"jax knows the PRNG implementation {key_impl} of its own key"
+        key_shape = tuple(x.shape[x.ndim - len(data_shape) :])
     shape = tuple(int(d) for d in x.shape)
     box = tuple((0, d) for d in shape)
     whole, cpu, desc = True, False, None
@@ -336,7 +353,7 @@ def _array_leaf(
 ) -> HostLeaf:
     if seen.kind == "prng_key":
         x = jax.random.key_data(x)
-    rec = seen.record
+    rec = seen.array
     if isinstance(x, jax.Array):
         # A CPU array's host view is already a snapshot: jax arrays are immutable, the view keeps the
         # buffer alive through x.delete(), and XLA never donates a buffer that has host views (it
@@ -345,7 +362,9 @@ def _array_leaf(
         parts = (
             [(x, seen.box)]
             if seen.whole
-            else [(s.data, box_of(s.index, rec.shape)) for s in x.addressable_shards if s.replica_id == 0]
+            else [
+                (s.data, box_of(s.index, rec.array_shape)) for s in x.addressable_shards if s.replica_id == 0
+            ]
         )
 
         def host(a: Any, b: Box) -> np.ndarray:
@@ -360,7 +379,7 @@ def _array_leaf(
     return HostLeaf(rec, (Shard(seen.box, buf),), whole=True)
 
 
-_PY = (bool, int, float, complex)
+_PY: tuple[type, ...] = (bool, int, float, complex)
 
 
 def _value_leaf(path: tree_mod.KeyPath, x: Any, kind: str) -> HostLeaf:
@@ -384,7 +403,7 @@ def learned(flat: tree_mod.Flat, only: Sequence[int]) -> list[_Learned]:
         for j, kind in zip(miss, kinds):
             i = only[j]
             out[j] = flat.memo[i] = _learn(flat.paths[i], flat.leaves[i], kind, sigs[j])
-    return out
+    return cast(list[_Learned], out)  # every miss learned just above: no None is left
 
 
 @gc_paused()
@@ -473,7 +492,7 @@ def snapshot(
             data = jax.random.key_data(x) if k.kind == "prng_key" else x
             buf = _copied_into(into, data, copies)
             if buf is not None:
-                leaves[j] = HostLeaf(k.record, (Shard(k.box, buf),), data.sharding, whole=True)
+                leaves[j] = HostLeaf(k.array, (Shard(k.box, buf),), data.sharding, whole=True)
             else:  # ``into`` gave none for it (asked once): snapshotted as without it
                 leaves[j] = _array_leaf(x, k, copy, old_buffers, None, copies)
             continue
@@ -519,7 +538,7 @@ def _wait_for_host_part(
     if choice.ready:  # ``choose`` found them all computed
         return 0.0
     rest = [x for j, x, _, _ in arrays if j not in on_dev]
-    if not rest or all(x.is_ready() for x in rest):
+    if not rest or all(tree_mod.is_ready(x) for x in rest):
         return 0.0
     t0 = time.perf_counter()
     jax.block_until_ready(rest)
@@ -532,17 +551,19 @@ def _device_leaf(
     """A leaf whose shards are copied on their devices (``pending``; dispatched together at the end of
     the snapshot): its shards' data comes with ``Snapshot.complete``. A CPU array's host copy goes into
     ``into``'s buffer where it gives one (the arena, the memory tier's pages), as without the device."""
-    rec = seen.record
+    rec = seen.array
     parts = (
         [(data, seen.box)]
         if seen.whole
-        else [(s.data, box_of(s.index, rec.shape)) for s in data.addressable_shards if s.replica_id == 0]
+        else [
+            (s.data, box_of(s.index, rec.array_shape)) for s in data.addressable_shards if s.replica_id == 0
+        ]
     )
     shards = []
     for a, b in parts:
         dest = into(tuple(a.shape), np.dtype(a.dtype)) if into is not None and seen.cpu else None
         pending.append(device.Pending(j, len(shards), a, dest))
-        shards.append(Shard(b, None))
+        shards.append(Shard(b, cast(np.ndarray, None)))  # its data: Snapshot.complete sets it
     return HostLeaf(rec, tuple(shards), data.sharding, whole=seen.whole)
 
 

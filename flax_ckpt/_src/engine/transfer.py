@@ -19,7 +19,7 @@ import threading
 from collections import deque
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 
@@ -30,7 +30,10 @@ from flax_ckpt._src.lazy import lazy
 from flax_ckpt._src.serializers import ArrayItem, Box, Serializer, Shard, Written, box_of
 from flax_ckpt._src.storage import Storage
 
-jax = lazy("jax", globals())  # imported on first use (lazy.py)
+if TYPE_CHECKING:  # the real modules for the type checker; at run time the lazy proxies
+    import jax
+else:
+    jax = lazy("jax", globals())  # imported on first use (lazy.py)
 
 THREADS = 8  # batches written at once
 WINDOW = 0  # bytes of transfers in flight at once (0: every transfer started at once)
@@ -96,17 +99,17 @@ def streamed(tree: Any) -> Snapshot:
     parts: list[tuple[int, jax.Array, Box]] = []
     for i in device:
         k, x = seen[i], data[i]
-        leaves[i] = HostLeaf(k.record, (), x.sharding, whole=k.whole)
+        leaves[i] = HostLeaf(k.array, (), x.sharding, whole=k.whole)
         parts += (
             [(i, x, k.box)]
             if k.whole
             else [
-                (i, s.data, box_of(s.index, k.record.shape))
+                (i, s.data, box_of(s.index, k.array.array_shape))
                 for s in x.addressable_shards
                 if s.replica_id == 0
             ]
         )
-    size = [math.prod(e - s for s, e in box) * seen[i].record.dtype.itemsize for i, _, box in parts]
+    size = [math.prod(e - s for s, e in box) * seen[i].array.array_dtype.itemsize for i, _, box in parts]
     limit = _batch_bytes(sum(size))
     pieces = [p for (i, part, box), n in zip(parts, size) for p in _split(i, part, box, n, limit)]
     return Streamed(
@@ -179,7 +182,7 @@ def _items(snap: Snapshot, batch: list[Piece]) -> list[ArrayItem]:
     out = []
     for i, shards in by_leaf.items():
         rec = snap.leaves[i].record
-        out.append(ArrayItem(i, rec.name, rec.dtype, rec.shape, tuple(shards)))
+        out.append(ArrayItem(i, rec.name, rec.array_dtype, rec.array_shape, tuple(shards)))
     return out
 
 

@@ -11,17 +11,20 @@ format is its own module's (flax_msgpack.py, safetensors_file.py).
 
 from __future__ import annotations
 
+import abc
 import errno
 import os
 import re
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from flax_ckpt._src.engine.leaves import CheckpointInfo, checkpoint_info
 from flax_ckpt._src.engine.reader import Damage, read_back
 from flax_ckpt._src.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
+from flax_ckpt._src.records import LeafRecord
+from flax_ckpt._src.serializers.base import Box
 from flax_ckpt._src.storage.local import open_regular
 
 _STEP_NAME = re.compile(r"(?:.+_)?([0-9]+)")  # ASCII digits only, as orbax/locate.py's step folder names
@@ -165,7 +168,7 @@ class CheckpointFile:
         return buf
 
 
-class FileSource:
+class FileSource(abc.ABC):
     """What every foreign file's restore Source shares: one file (``url`` and ``where``), read locally,
     no checksums (``unchecked``: every leaf but empty containers; ``verify`` reads every array back,
     which finds truncation and changes, never flipped bits). Subclasses set ``leaves``, ``file``,
@@ -178,9 +181,19 @@ class FileSource:
     step: int | None = None
     metrics: dict[str, Any] | None = None
     metadata: Any = None
+    leaves: Sequence[LeafRecord]  # set by each file's source when it parses the file
+    budget: int | None  # see Source.budget
 
     def __init__(self, file: CheckpointFile):
         self.file, self.url, self.where = file, file.path, file.path
+
+    @abc.abstractmethod
+    def read(self, leaf: LeafRecord, box: Box, out: np.ndarray) -> None:
+        """See Source.read."""
+
+    @abc.abstractmethod
+    def view(self, leaf: LeafRecord, box: Box) -> np.ndarray | None:
+        """See Source.view."""
 
     def select(self, target: Any) -> tuple["FileSource", Any]:
         return self, target

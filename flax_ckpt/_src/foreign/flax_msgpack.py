@@ -282,11 +282,13 @@ def _chunked(node: dict) -> _Chunks | _Bad:
         or not isinstance(chunks, dict)
     ):
         return _Bad("a chunked array without exactly its 'shape' and 'chunks' maps")
-    dims = [shape.get(str(i)) for i in range(len(shape))]
-    parts = [chunks.get(str(i)) for i in range(len(chunks))]
-    if len(dims) > MAX_NDIM or not all(type(d) is int and 0 <= d < 1 << 62 for d in dims):
+    got = [shape.get(str(i)) for i in range(len(shape))]
+    dims = [d for d in got if type(d) is int and 0 <= d < 1 << 62]
+    if len(got) > MAX_NDIM or len(dims) != len(got):
         return _Bad("a chunked array whose shape is not a map of sizes keyed '0', '1', ...")
-    if not parts or not all(isinstance(p, np.ndarray) and p.ndim == 1 for p in parts):
+    found = [chunks.get(str(i)) for i in range(len(chunks))]
+    parts = [p for p in found if isinstance(p, np.ndarray) and p.ndim == 1]
+    if not found or len(parts) != len(found):
         return _Bad("a chunked array whose chunks are not flat arrays keyed '0', '1', ...")
     if len({p.dtype for p in parts}) != 1:
         return _Bad(
@@ -315,7 +317,7 @@ class MsgpackSource(FileSource):
 
     def read(self, leaf: LeafRecord, box: Box, out: np.ndarray) -> None:
         stored = self._arrays[leaf.name]
-        if isinstance(stored, _Chunks) and whole(box, leaf.shape):
+        if isinstance(stored, _Chunks) and whole(box, leaf.array_shape):
             flat, at = out.reshape(-1), 0
             for part in stored.parts:
                 flat[at : at + part.size] = part
@@ -326,7 +328,7 @@ class MsgpackSource(FileSource):
 
     def view(self, leaf: LeafRecord, box: Box) -> np.ndarray | None:
         stored = self._arrays[leaf.name]
-        return stored if isinstance(stored, np.ndarray) and whole(box, leaf.shape) else None
+        return stored if isinstance(stored, np.ndarray) and whole(box, leaf.array_shape) else None
 
 
 __all__ = ["MsgpackSource", "decode"]

@@ -7,20 +7,21 @@ files of a run directory). Parsing each file is flax_msgpack.py's and safetensor
 
 from __future__ import annotations
 
+import abc
 import os
-from typing import Any
+from typing import Any, NoReturn
 
 from flax_ckpt._src.commit import atomic as commit_mod
 from flax_ckpt._src.engine.snapshot import Snapshot
 from flax_ckpt._src.errors import TargetMismatchError
-from flax_ckpt._src.foreign.files import CheckpointFile, step_of
+from flax_ckpt._src.foreign.files import CheckpointFile, FileSource, step_of
 from flax_ckpt._src.foreign.flax_msgpack import MsgpackSource
 from flax_ckpt._src.foreign.safetensors_file import SafetensorsSource, looks_like
 from flax_ckpt._src.records import PersistTimes
 from flax_ckpt._src.storage import Storage
 
 
-class _FileLayout:
+class _FileLayout(abc.ABC):
     """What the two file layouts share: read-only, one file that is its own record, recognized by
     being a file (``evident``: one that fails to open is damaged), another library's (``foreign``)."""
 
@@ -30,12 +31,16 @@ class _FileLayout:
     evident = True
     foreign = True
 
-    def __init__(self, *, step: int | None = None, follow: bool = True):
-        """``step``: the step a run directory's listing gave (its name's); ``follow``: follow a symlink
-        (a file the user names); False for a file found by listing a run directory."""
-        self.step, self.follow = step, follow
+    def __init__(self, *, step: int | None = None, follow_links: bool = True):
+        """``step``: the step a run directory's listing gave (its name's); ``follow_links``: follow a
+        symlink (a file the user names); False for a file found by listing a run directory."""
+        self.step, self.follow_links = step, follow_links
 
-    def snapshot(self, tree: Any, *, copy: bool, reuse: Snapshot | None = None) -> Snapshot:
+    @abc.abstractmethod
+    def open(self, folder: Storage, item: str | None = None) -> FileSource:
+        """See Layout.open."""
+
+    def snapshot(self, tree: Any, *, copy: bool, reuse: Snapshot | None = None) -> NoReturn:
         raise ValueError(
             f"flax_ckpt reads {self.name} files but never writes them; save with format='native' "
             "(or 'orbax'), or export arrays with `flax-ckpt convert SRC DST.safetensors`"
@@ -52,7 +57,7 @@ class _FileLayout:
                 f"{folder.url} is a {self.name} file, one tree without items; item={item!r} "
                 "selects an item of an Orbax step. Restore it without item="
             )
-        return CheckpointFile(folder.url, follow=self.follow)
+        return CheckpointFile(folder.url, follow=self.follow_links)
 
     def metrics(self, folder: Storage) -> dict[str, Any] | None:
         return self.open(folder).metrics
@@ -61,6 +66,9 @@ class _FileLayout:
 
     def recycler(self, storage: Storage) -> None:
         """None: these files are never written."""
+
+    def follow(self, root: Storage, newest: str | None) -> None:
+        """Nothing to follow: these files are never written."""
 
     def check_items(self, tree: Any) -> None:
         self.snapshot(tree, copy=False)  # refused: never written
@@ -124,7 +132,7 @@ def step_files(root: Storage) -> list[tuple[int, str, FlaxMsgpackLayout]]:
                     and not e.is_dir(follow_symlinks=False)
                     and not e.is_symlink()
                 ):
-                    found.append((step, e.name, FlaxMsgpackLayout(step=step, follow=False)))
+                    found.append((step, e.name, FlaxMsgpackLayout(step=step, follow_links=False)))
     except (FileNotFoundError, NotADirectoryError):
         return []
     return sorted(found, key=lambda f: (f[0], f[1]))

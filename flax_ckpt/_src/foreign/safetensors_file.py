@@ -28,6 +28,7 @@ from flax_ckpt._src.errors import CheckpointError, CorruptCheckpointError, forma
 from flax_ckpt._src.foreign.files import CheckpointFile, FileSource, whole
 from flax_ckpt._src.records import LeafRecord, dtype_from_name
 from flax_ckpt._src.serializers import Box
+from flax_ckpt._src.storage.base import as_buffer
 
 MAX_HEADER = 100 << 20  # the safetensors library's own limit
 EXPORT = "flax_ckpt export"
@@ -245,13 +246,15 @@ class SafetensorsSource(FileSource):
 
     def read(self, leaf: LeafRecord, box: Box, out: np.ndarray) -> None:
         offset, nbytes = self._spans[leaf.name]
-        if whole(box, leaf.shape):
+        if whole(box, leaf.array_shape):
             self.file.read(
-                offset, memoryview(out.reshape(-1).view(np.uint8)) if out.size else memoryview(b"")
+                offset, memoryview(as_buffer(out.reshape(-1).view(np.uint8))) if out.size else memoryview(b"")
             )
             return
-        full = np.empty(leaf.shape, leaf.dtype)
-        self.file.read(offset, memoryview(full.reshape(-1).view(np.uint8)) if full.size else memoryview(b""))
+        full = np.empty(leaf.array_shape, leaf.array_dtype)
+        self.file.read(
+            offset, memoryview(as_buffer(full.reshape(-1).view(np.uint8))) if full.size else memoryview(b"")
+        )
         out[...] = full[tuple(slice(s, e) for s, e in box)]
 
     def view(self, leaf: LeafRecord, box: Box) -> None:

@@ -52,7 +52,7 @@ class AgreedRestore:
         self.stats: list[RestoreStats] = []
 
     def restore(
-        self, step: int | None, target_of: TargetOf, shardings: Any, fit: "Fit | bool", item: str | None
+        self, step: int | None, target_of: TargetOf, shardings: Any, fit: Fit, item: str | None
     ) -> Any:
         """``step`` (None: the newest committed step, falling back past damaged ones unless strict), on
         every process alike (a collective with several processes: first all adopt process 0's view).
@@ -79,9 +79,7 @@ class AgreedRestore:
             raise CheckpointNotFoundError(f"no committed checkpoint in {self.directory}")
         return self._first_agreed(steps[::-1], read, fallback=not self.strict)
 
-    def read(
-        self, step: int, target_of: TargetOf, shardings: Any, fit: "Fit | bool", item: str | None = None
-    ) -> Any:
+    def read(self, step: int, target_of: TargetOf, shardings: Any, fit: Fit, item: str | None = None) -> Any:
         """Restores ``step`` from the directory on this process alone (checking every checksum); with
         Fit.report, returns (tree, RestoreReport)."""
         t0 = time.perf_counter()
@@ -119,6 +117,7 @@ class AgreedRestore:
             damage = all(kind in DAMAGE for kind, _ in failures.values())
             if not damage or not fallback or i == len(candidates) - 1:
                 if distributed.process_count() == 1:
+                    assert err is not None, "one process votes only its own failure: this read's error"
                     raise err
                 raise shared_error(self.directory, s, failures) from err
             for j, (kind, msg) in sorted(failures.items()):

@@ -97,9 +97,17 @@ class Directory:
             self.let_go()
             raise
 
-    strict = property(lambda self: self._restore.strict)
-    skipped = property(lambda self: self.admission.skipped)
-    tier_stats = property(lambda self: [])
+    @property
+    def strict(self) -> bool:
+        return self._restore.strict
+
+    @property
+    def skipped(self) -> int:
+        return self.admission.skipped
+
+    @property
+    def tier_stats(self) -> list[Any]:
+        return []
 
     # ---------------------------------------------------------------------------------- claim
 

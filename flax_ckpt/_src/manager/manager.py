@@ -17,7 +17,7 @@ import logging
 import threading
 import time
 import weakref
-from typing import Any, Callable, Literal
+from typing import TYPE_CHECKING, Any, Callable, Literal
 
 from flax_ckpt._src import layouts
 from flax_ckpt._src.engine.fit import Fit, RenameArg
@@ -36,8 +36,12 @@ from flax_ckpt._src.serializers import Serializer
 from flax_ckpt._src.storage import ObjectStoreOptions, Storage
 from flax_ckpt._src.tiers import Tiers
 from flax_ckpt._src.tiers.tierset import TierSet
+from flax_ckpt._src.tree import is_ready
 
-jax = lazy("jax", globals())  # imported on first use (lazy.py)
+if TYPE_CHECKING:  # the real modules for the type checker; at run time the lazy proxies
+    import jax
+else:
+    jax = lazy("jax", globals())  # imported on first use (lazy.py)
 
 log = logging.getLogger("flax_ckpt")
 _POLL = 0.002  # seconds between looks at the state's progress while the writer writes (_wait_for_device)
@@ -415,7 +419,7 @@ class CheckpointManager:
         if not self._writer.busy:
             return 0.0
         computing = [
-            x for x in map(_data, jax.tree_util.tree_leaves(state)) if x is not None and not x.is_ready()
+            x for x in map(_data, jax.tree_util.tree_leaves(state)) if x is not None and not is_ready(x)
         ]
         if not computing:
             return 0.0
@@ -425,7 +429,7 @@ class CheckpointManager:
         while on_host is not None and not on_host.wait(_POLL_LONG) and self._writer.busy:
             pass  # its device copies are not done: the device is behind this state too
         while not self._writer.settle(_POLL):  # the writer's own work, while the state is computed
-            while computing and computing[-1].is_ready():
+            while computing and is_ready(computing[-1]):
                 computing.pop()
             if not computing:
                 break
@@ -627,7 +631,7 @@ def _data(x: Any) -> jax.Array | None:
     """The jax.Array holding leaf ``x``'s bytes (a PRNG key's data), or None (not a jax.Array, deleted)."""
     if not isinstance(x, jax.Array) or x.is_deleted():
         return None
-    return jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x
+    return jax.random.key_data(x) if jax.numpy.issubdtype(x.dtype, jax.dtypes.prng_key) else x
 
 
 def _on_busy(on_busy: str | None, tiers: Any) -> str:

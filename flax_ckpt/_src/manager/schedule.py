@@ -24,6 +24,7 @@ class Schedule:
         if self._auto is None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
             raise ValueError(f"save_interval_steps must be a positive int or 'auto', got {every!r}")
         self.every = every
+        self._fixed = every if isinstance(every, int) else 0  # the interval when not "auto"
         self._agreed = 1  # "auto" with several processes: the interval all of them use (see saved)
         self.last_saved: int | None = None  # the step of the last save started
         self._last_call_end: float | None = None
@@ -32,14 +33,14 @@ class Schedule:
         """Whether ``step`` is on the schedule (a step already saved is the caller's to rule out)."""
         if self._auto is not None:
             return self.last_saved is None or step - self.last_saved >= self.interval
-        return step % self.every == 0
+        return step % self._fixed == 0
 
     @property
     def interval(self) -> int:
         """The steps between saves now in force (re-tuned continuously in "auto" mode; with several
         processes, the largest of their intervals, agreed at each save)."""
         if self._auto is None:
-            return self.every
+            return self._fixed
         return self._auto.interval() if distributed.process_count() == 1 else self._agreed
 
     def call_started(self, t0: float) -> None:

@@ -7,12 +7,30 @@ migrate into). The manager is its schedule, its writer and one Store; it never a
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Callable, Protocol
 
 from flax_ckpt._src.engine.fit import Fit
-from flax_ckpt._src.engine.snapshot import Snapshot
 
 TargetOf = Callable[[Any], Any]  # the restore target for an opened step or copy
+
+
+class Taken(Protocol):
+    """What ``Store.snapshot`` hands the manager, which gives it back to ``Store.save``: an
+    ``engine.snapshot.Snapshot`` or the memory tiers' ``TierSnapshot``."""
+
+    @property
+    def waited_s(self) -> float:
+        """The caller's seconds spent waiting for the device (not a checkpoint's cost)."""
+        ...
+
+    @waited_s.setter
+    def waited_s(self, value: float) -> None: ...
+
+    @property
+    def on_host(self) -> threading.Event:
+        """Set once nothing of the snapshot is left on the devices."""
+        ...
 
 
 class Store(Protocol):
@@ -34,7 +52,7 @@ class Store(Protocol):
         """Whether to save ``step`` now, the writer ``busy`` with the previous save or not (on_busy)."""
         ...
 
-    def snapshot(self, step: int, state: Any, *, copy: bool, force: bool) -> Snapshot:
+    def snapshot(self, step: int, state: Any, *, copy: bool, force: bool) -> Taken:
         """The blocking half of a save (the writer idle): ``state`` as the caller's next steps cannot
         change it (``copy``: copied to host memory)."""
         ...

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, cast
 
 import numpy as np
 
@@ -37,6 +37,7 @@ from flax_ckpt._src.errors import (
 from flax_ckpt._src.native.manifest import SaveManifests, decode
 from flax_ckpt._src.records import LeafRecord, PersistTimes
 from flax_ckpt._src.serializers import Box, Serializer, Written, get_serializer, raw, serializer_for
+from flax_ckpt._src.serializers.base import StoredArray, stored
 from flax_ckpt._src.storage import LocalStorage, Storage
 
 _BUDGET_SLACK = 64 << 20  # see NativeSource.budget
@@ -270,7 +271,7 @@ class NativeSource:
 
     def read(self, leaf: LeafRecord, box: Box, out: np.ndarray) -> None:
         try:
-            self.serializer.read(self.storage, leaf, box, out, f"{self.where} leaf {leaf.name!r}")
+            self.serializer.read(self.storage, stored(leaf), box, out, f"{self.where} leaf {leaf.name!r}")
         except CorruptCheckpointError as e:
             if not self.storage.exists(MANIFEST):
                 raise CheckpointNotFoundError(
@@ -281,7 +282,10 @@ class NativeSource:
 
     def read_many(self, requests: Sequence[tuple[LeafRecord, Box, np.ndarray]]) -> None:
         try:
-            self.serializer.read_many(self.storage, requests, self.where)
+            # array records, as stored() says
+            self.serializer.read_many(
+                self.storage, cast("Sequence[tuple[StoredArray, Box, np.ndarray]]", requests), self.where
+            )
         except CorruptCheckpointError as e:
             if not self.storage.exists(MANIFEST):
                 raise CheckpointNotFoundError(
@@ -291,7 +295,7 @@ class NativeSource:
             raise
 
     def view(self, leaf: LeafRecord, box: Box) -> np.ndarray | None:
-        return self.serializer.view(self.storage, leaf, box, f"{self.where} leaf {leaf.name!r}")
+        return self.serializer.view(self.storage, stored(leaf), box, f"{self.where} leaf {leaf.name!r}")
 
     def select(self, target: Any) -> tuple["NativeSource", Any]:
         return self, target
@@ -330,7 +334,7 @@ class NativeSource:
             try:
                 self.serializer.read(
                     self.storage,
-                    leaf.with_chunks([chunk]),
+                    stored(leaf.with_chunks([chunk])),
                     box,
                     out,
                     f"{self.storage.url} leaf {leaf.name!r}",
@@ -441,7 +445,7 @@ def _open_native(storage: Storage, given: Serializer | None = None) -> NativeSou
     leaves = [LeafRecord.from_json(r) for r in body["leaves"]]
     for i, leaf in enumerate(leaves):
         if leaf.is_array:
-            serializer.validate(leaf, body["files"], f"{where}: leaves[{i}] ({leaf.name})")
+            serializer.validate(stored(leaf), body["files"], f"{where}: leaves[{i}] ({leaf.name})")
         if leaf.kind == "prng_key":
             shape = key_data_shape(leaf.key_impl)
             if shape is None:
@@ -450,7 +454,7 @@ def _open_native(storage: Storage, given: Serializer | None = None) -> NativeSou
                 )
             if leaf.key_shape != shape:
                 raise InvalidManifestError(
-                    f"{where}: field leaves[{i}].key_shape: {list(leaf.key_shape)} is not "
+                    f"{where}: field leaves[{i}].key_shape: {list(leaf.key_shape or ())} is not "
                     f"the key data shape of {leaf.key_impl!r}"
                 )
     return NativeSource(storage, body, leaves, serializer)

@@ -12,7 +12,7 @@ Nothing here touches array bytes; storage access goes through a Storage.
 from __future__ import annotations
 
 import threading
-from typing import Any, Sequence
+from typing import Any, Literal, NoReturn, Sequence, TypeVar, overload
 
 from flax_ckpt._src.checks import (  # noqa: F401 (re-exported)
     MAX_LIST_GAPS,
@@ -93,7 +93,7 @@ class SaveManifests:
             validate_head(head, c)
             for i in todo:
                 validate_leaf(_leaf(records[i], chunks[i]), i, c)
-            if not same or any(records[i].path != was[3][i] for i in todo):
+            if was is None or not same or any(records[i].path != was[3][i] for i in todo):
                 check_tree([r.json()["path"] for r in records], c)
         except InvalidManifestError as e:
             raise CheckpointError(
@@ -136,16 +136,29 @@ def decode(raw: bytes, where: str) -> dict[str, Any]:
     return body
 
 
+_T = TypeVar("_T")
+
+
 class _Check:
     """Field checks that raise InvalidManifestError naming the field."""
 
     def __init__(self, where: str):
         self.where = where
 
-    def fail(self, field: str, msg: str):
+    def fail(self, field: str, msg: str) -> NoReturn:
         raise InvalidManifestError(f"{self.where}: field {field}: {msg}")
 
-    def typed(self, obj: Any, key: str, types, field: str, optional: bool = False):
+    @overload
+    def typed(
+        self, obj: Any, key: str, types: type[_T], field: str, optional: Literal[False] = False
+    ) -> _T: ...
+    @overload
+    def typed(self, obj: Any, key: str, types: type[_T], field: str, optional: bool) -> _T | None: ...
+    @overload
+    def typed(
+        self, obj: Any, key: str, types: tuple[type, ...], field: str, optional: bool = False
+    ) -> Any: ...
+    def typed(self, obj: Any, key: str, types: Any, field: str, optional: bool = False) -> Any:
         if not isinstance(obj, dict):
             self.fail(field, f"expected an object, found {type(obj).__name__}")
         if key not in obj:

@@ -31,7 +31,7 @@ import math
 import os
 import stat
 import threading
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Literal, Sequence
 
 import crc32c
 import numpy as np
@@ -40,8 +40,12 @@ import zstandard
 from flax_ckpt._src.checks import shape_problem
 from flax_ckpt._src.errors import CorruptCheckpointError
 from flax_ckpt._src.lazy import lazy
+from flax_ckpt._src.storage.base import as_buffer
 
-ml_dtypes = lazy("ml_dtypes", globals())  # imported on first use (lazy.py)
+if TYPE_CHECKING:  # the real modules for the type checker; at run time the lazy proxies
+    import ml_dtypes
+else:
+    ml_dtypes = lazy("ml_dtypes", globals())  # imported on first use (lazy.py)
 
 MAX_CHUNKS = 1 << 16  # chunk files of one array looked at when it is opened; more: Unsupported
 MAX_METADATA = 1 << 20
@@ -232,7 +236,7 @@ class _Chain:
     """A zarr3 codec list of ``bytes`` then zstd/crc32c (a zarr v2 chunk is one too), decoding one chunk
     of ``shape`` (its elements in ``order``)."""
 
-    def __init__(self, codecs: Any, dtype: np.dtype, shape: tuple[int, ...], order: str = "C"):
+    def __init__(self, codecs: Any, dtype: np.dtype, shape: tuple[int, ...], order: Literal["C", "F"] = "C"):
         if (
             not isinstance(codecs, list)
             or not codecs
@@ -244,7 +248,8 @@ class _Chain:
         if endian not in ("little", "big"):
             raise Unsupported(f"endian {endian!r}")
         self.dtype = dtype.newbyteorder("<" if endian == "little" else ">") if dtype.itemsize > 1 else dtype
-        self.shape, self.raw, self.order = shape, _size(shape, dtype), order
+        self.shape, self.raw = shape, _size(shape, dtype)
+        self.order: Literal["C", "F"] = order
         self.steps: list[tuple[str, int]] = []  # (codec, the size it decodes to; -1 unknown), as encoded
         size = self.raw
         for c in codecs[1:]:
@@ -271,12 +276,17 @@ class _Chain:
                 view = view[:-4]
             else:
                 in_place = into is not None and k == last
-                view = unzstd(view, size, path, into.reshape(-1).view(np.uint8) if in_place else None)
+                view = unzstd(
+                    view,
+                    size,
+                    path,
+                    into.reshape(-1).view(np.uint8) if into is not None and in_place else None,
+                )
         if len(view) != self.raw:
             raise CorruptCheckpointError(
                 f"{path}: a chunk of {len(view)} bytes where {self.raw} were declared"
             )
-        if in_place:
+        if in_place and into is not None:  # (in_place: into is given)
             return into
         chunk = np.frombuffer(view, self.dtype).reshape(self.shape, order=self.order)
         if into is not None:
@@ -298,7 +308,7 @@ def unzstd(data: Any, size: int, path: str, into: np.ndarray | None = None) -> m
             raise CorruptCheckpointError(
                 f"{path}: a zstd frame of {declared} bytes where a chunk of {size} was declared"
             )
-        out = memoryview(into if into is not None else bytearray(size))
+        out = memoryview(as_buffer(into) if into is not None else bytearray(size))
         with dctx.stream_reader(data, read_size=max(1, len(data)), read_across_frames=True) as reader:
             n = 0
             while n < size:
@@ -381,7 +391,7 @@ class _Layout:
             raise Unsupported(f"chunk grid {grid!r}")
         self.chunk = _ints(grid["configuration"]["chunk_shape"], len(self.shape), "chunk_shape", True)
         self.dtype = _dtype(m["data_type"], True)
-        enc = m.get("chunk_key_encoding") or {"name": "default"}
+        enc: dict[str, Any] = m.get("chunk_key_encoding") or {"name": "default"}
         sep = (enc.get("configuration") or {}).get("separator", "/" if enc.get("name") == "default" else ".")
         if enc.get("name") not in ("default", "v2") or sep not in (".", "/"):
             raise Unsupported(f"chunk key encoding {enc!r}")
@@ -518,6 +528,7 @@ class FolderArray:
         """The inner chunks of one shard that ``box`` needs: its index read and checked, then only them."""
         lay, path = self.layout, f"{where}/{name}"
         inner, n = lay.inner, math.prod(lay.per_shard)
+        assert lay.index is not None, "a sharded layout has its index codecs"
         most = n * (2 * inner.raw + (1 << 16)) + lay.index_size
         fd, st = _open_file(folder, where, name, most)
         size = st.st_size

@@ -121,6 +121,7 @@ def item_roots(located: "Located") -> list[str] | None:
     an_item = None in located.items or located.json_root is not None  # ``base`` is one item of a step
     for s in (*located.items.values(), *located.json_items.values()):
         path = s.local_path
+        assert path is not None, "the items of a local checkpoint are local folders"
         if path == base.local_path or path.startswith(base.local_path + os.sep):
             continue  # walked with the checkpoint folder
         if not an_item or os.path.dirname(path) != parent or os.path.islink(path):  # an item's sibling items

@@ -19,7 +19,7 @@ import copy
 import json
 import threading
 from collections.abc import Mapping
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence, cast
 
 import numpy as np
 
@@ -54,9 +54,12 @@ from flax_ckpt._src.orbax.locate import (
 )
 from flax_ckpt._src.records import LeafRecord
 from flax_ckpt._src.serializers import Box
-from flax_ckpt._src.storage import Storage
+from flax_ckpt._src.storage import Storage, TensorstoreStorage
 
-ts = lazy("tensorstore", globals(), "ts")  # imported on first use (lazy.py)
+if TYPE_CHECKING:  # the real modules for the type checker; at run time the lazy proxies
+    import tensorstore as ts
+else:
+    ts = lazy("tensorstore", globals(), "ts")  # imported on first use (lazy.py)
 
 _ARRAY_TYPES = {"jax.Array": "jax", "np.ndarray": "numpy", "scalar": "numpy"}
 _EMPTY_TYPES = {"None": "none", "Dict": "dict", "List": "list", "Tuple": "tuple", "NamedTuple": "none"}
@@ -71,17 +74,20 @@ _BUDGET_SLACK = 64 << 20
 
 def context_for(storage: Storage) -> ts.Context:
     """A tensorstore context for an Orbax folder: the storage's (object store settings) plus an OCDBT cache."""
-    parent = storage.context if storage.context is not None else ts.Context()
+    # Orbax folders are read and written through tensorstore: every storage flax_ckpt makes is one.
+    tss = cast(TensorstoreStorage, storage)
+    parent = tss.context if tss.context is not None else ts.Context()
     return ts.Context(ts.Context.Spec(_CONTEXT), parent)
 
 
 def array_kvstore(item: Storage, param: str, use_ocdbt: bool, write: bool = False) -> dict[str, Any]:
     """The kvstore of one parameter's array: inside the item's OCDBT database, or its own folder."""
+    tss = cast(TensorstoreStorage, item)  # as in context_for
     if not use_ocdbt:
-        return item.kvstore_spec(param)
+        return tss.kvstore_spec(param)
     spec: dict[str, Any] = {
         "driver": "ocdbt",
-        "base": item.kvstore_spec(),
+        "base": tss.kvstore_spec(),
         "path": param,
         "cache_pool": "cache_pool#ocdbt",
     }
@@ -236,7 +242,7 @@ def _entry_path(key_meta: Any, where: str, key: str) -> tuple[tree_mod.KeyPath, 
                 e["key"]
                 if type(e["key"]) is int
                 else int(name)
-                if (len(name) <= 10 and name.isascii() and name.isdigit())
+                if (name is not None and len(name) <= 10 and name.isascii() and name.isdigit())
                 else -1
             )
             if not 0 <= index < MAX_INDEX:
@@ -246,7 +252,8 @@ def _entry_path(key_meta: Any, where: str, key: str) -> tuple[tree_mod.KeyPath, 
                 )
             path.append(("idx", index))
         else:
-            path.append(("key", name if name is not None else _int_name(e["key"], where, key)))
+            k = e["key"]  # a name, or an int (checked above)
+            path.append(("key", k if isinstance(k, str) else _int_name(k, where, key)))
     return tuple(path), ".".join(str(k) for _, k in path)
 
 
@@ -408,8 +415,8 @@ class OrbaxSource:
         self.leaves += [
             LeafRecord(path, "json", value=json_value(located.json_items[n], n)) for path, n in json_leaves
         ]
-        if located.names is not None:  # {item name: value} in the order of the names
-            self.leaves.sort(key=lambda leaf: located.names.index(leaf.path[0][1]))
+        if (names := located.names) is not None:  # {item name: value} in the order of the names
+            self.leaves.sort(key=lambda leaf: names.index(leaf.path[0][1]))
 
     def select(self, target: Any) -> tuple["OrbaxSource", Any]:
         """For a step of named items: only the items ``target`` (a dict keyed by item names) names, each
@@ -458,6 +465,7 @@ class OrbaxSource:
     def _walked(self) -> list[str]:
         with self._lock:
             if self._files is None:
+                assert self._roots is not None, "only a local checkpoint's folders are walked"
                 self._files = walk(self._roots)
             return self._files
 
@@ -540,6 +548,7 @@ class OrbaxSource:
                 ok = strings[id(item)]
             elif leaf.kind == "json":
                 name = leaf.path[0][1] if leaf.path else self.located.json_root
+                assert name is not None, "a JSON leaf without a path is the step's JSON root item"
                 ok = json_checksummed(self.located.json_items[name], name)
             else:
                 ok = not leaf.is_array or data_checksummed(self.arrays[leaf.name].metadata)
@@ -634,7 +643,9 @@ def _open_folders(arrays: dict[int, tuple[_Item, tree_mod.KeyPath, str]]) -> dic
             param, f"tree_metadata[{tree_mod.keystr(path)!r}]", item.where
         )  # a folder inside the item
         try:
-            opened[i] = FolderArray(item.storage.local_path, param, item.use_zarr3)
+            root = item.storage.local_path
+            assert root is not None, "folders are opened for a local checkpoint's items"
+            opened[i] = FolderArray(root, param, item.use_zarr3)
         except Unsupported:
             return None
         except (CorruptCheckpointError, OSError) as e:

@@ -27,7 +27,7 @@ import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import crc32c
 import numpy as np
@@ -62,8 +62,12 @@ from flax_ckpt._src.orbax.read import OCDBT_FILE_SIZE, array_kvstore, context_fo
 from flax_ckpt._src.storage import Storage
 from flax_ckpt._src.storage.local import fsync_all
 
-jax = lazy("jax", globals())  # imported on first use (lazy.py)
-ts = lazy("tensorstore", globals(), "ts")  # imported on first use (lazy.py)
+if TYPE_CHECKING:  # the real modules for the type checker; at run time the lazy proxies
+    import jax
+    import tensorstore as ts
+else:
+    jax = lazy("jax", globals())  # imported on first use (lazy.py)
+    ts = lazy("tensorstore", globals(), "ts")  # imported on first use (lazy.py)
 
 _EMPTY_VALUE_TYPES = {"none": "None", "dict": "Dict", "list": "List", "tuple": "Tuple"}
 
@@ -98,7 +102,7 @@ def _array(lf: HostLeaf) -> tuple[tuple[int, ...], np.dtype, list[tuple[tuple, n
         return (), a.dtype, [((), a)]
     if not lf.record.is_array:
         return None
-    return lf.record.shape, lf.record.dtype, [(s.box, s.data) for s in lf.shards]
+    return lf.record.array_shape, lf.record.array_dtype, [(s.box, s.data) for s in lf.shards]
 
 
 def write_shape(lf: HostLeaf) -> tuple[int, ...] | None:
@@ -107,8 +111,8 @@ def write_shape(lf: HostLeaf) -> tuple[int, ...] | None:
     if s is None:
         return None
     if isinstance(s, jax.sharding.SingleDeviceSharding):  # the whole array (no hashing of the sharding)
-        return tuple(lf.record.shape)
-    return _shard_shape(s, tuple(lf.record.shape))
+        return tuple(lf.record.array_shape)
+    return _shard_shape(s, tuple(lf.record.array_shape))
 
 
 @functools.lru_cache(maxsize=4096)  # a state's leaves share a few shardings and shapes
@@ -279,7 +283,9 @@ def _write_with(
     """Writes ``arrays`` through tensorstore, each array opened on its own."""
     opened = []
     for lf in arrays:
-        shape, dtype, shards = _array(lf)
+        got = _array(lf)
+        assert got is not None, f"{lf.record.name} is an array leaf"
+        shape, dtype, shards = got
         spec = {
             "driver": "zarr3" if use_zarr3 else "zarr",
             "dtype": dtype.name,
@@ -504,6 +510,7 @@ def _sharding_json(s: jax.sharding.Sharding) -> str | None:
 def _sharding_of(s: jax.sharding.Sharding | None) -> dict[str, Any] | None:
     """Orbax's ``_sharding`` description of a jax sharding (None: Orbax writes none either)."""
     if isinstance(s, jax.sharding.NamedSharding):
+        assert isinstance(s.mesh, jax.sharding.Mesh), "an array's sharding has devices"
         ids = np.vectorize(lambda d: {"id": int(d.id)}, otypes=[object])(s.mesh.devices).tolist()
         spec = [p if p is None or isinstance(p, str) else list(p) for p in s.spec]
         return {
@@ -526,7 +533,7 @@ def _array_metadatas(arrays: list[HostLeaf], names: list[str]) -> bytes | None:
     for lf, name in zip(arrays, names):
         ws = write_shape(lf)
         if ws is not None and value_type(lf) == "jax.Array":
-            chunk = _chunk_tuple(tuple(lf.record.shape), lf.record.dtype, ws)
+            chunk = _chunk_tuple(tuple(lf.record.array_shape), lf.record.array_dtype, ws)
             entries.append(_array_entry(name, ws, chunk, lf.record.key_impl))
     return b'{"array_metadatas": [' + ", ".join(entries).encode() + b"]}" if entries else None
 

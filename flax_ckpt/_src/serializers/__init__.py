@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import re
 from importlib import metadata as importlib_metadata
+from types import EllipsisType
+from typing import cast
 
 from flax_ckpt._src.serializers.base import ArrayItem, Box, Serializer, Shard, StoredArray, Written
 
@@ -25,7 +27,7 @@ _NAME = re.compile(r"[A-Za-z][A-Za-z0-9_.-]{0,63}")
 
 def box_of(index: tuple[slice, ...], shape: tuple[int, ...]) -> Box:
     """A jax shard index (slices, possibly open-ended) as a box in an array of ``shape``."""
-    return tuple(tuple(sl.indices(d)[:2]) for sl, d in zip(index, shape))
+    return tuple(sl.indices(d)[:2] for sl, d in zip(index, shape))
 
 
 def intersect(a: Box, b: Box) -> Box | None:
@@ -33,7 +35,7 @@ def intersect(a: Box, b: Box) -> Box | None:
     return out if all(s < e for s, e in out) or not out else None
 
 
-def local(box: Box, origin: Box) -> tuple[slice, ...]:
+def local(box: Box, origin: Box) -> tuple[slice | EllipsisType, ...]:
     """``box`` as slices relative to ``origin``'s start (an Ellipsis for 0-d, so indexing gives a view)."""
     if not box:
         return (Ellipsis,)
@@ -61,7 +63,8 @@ def get_serializer(spec: "str | Serializer | None") -> Serializer:
     if spec is None or spec == "raw":
         return RawSerializer()
     if spec == "zarr3":
-        return Zarr3Serializer()
+        # It takes a TensorstoreStorage, which every storage flax_ckpt makes is (local, kvstore).
+        return cast(Serializer, Zarr3Serializer())
     if spec == "tensorstore":
         raise ValueError(
             "unknown serializer 'tensorstore': the serializer built on tensorstore is called 'zarr3' "

@@ -17,11 +17,14 @@ restore and ``flax-ckpt verify``, a Storage that checks every byte it reads agai
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, Sequence, cast
 
 import numpy as np
 
 from flax_ckpt._src.storage.base import Storage
+
+if TYPE_CHECKING:
+    from flax_ckpt._src.records import LeafRecord
 
 Box = tuple[tuple[int, int], ...]  # per dimension [start, stop) in global coordinates; () for a 0-d array
 
@@ -83,6 +86,12 @@ class StoredArray(Protocol):
     def shape(self) -> tuple[int, ...]: ...
     @property
     def chunks(self) -> tuple[dict[str, Any], ...]: ...
+
+
+def stored(leaf: LeafRecord) -> StoredArray:
+    """``leaf`` itself, an array's record, as a serializer reads it: an array record has the dtype and
+    shape that ``LeafRecord`` types as optional (they are None for leaves that are not arrays)."""
+    return cast(StoredArray, leaf)
 
 
 class Serializer(Protocol):

@@ -271,7 +271,8 @@ class _Verifier(_Wrapped):
         )
         size, block, crcs = body.get("size"), body.get("block"), body.get("crc32c")
         if (
-            not all(type(v) is int for v in (size, block))
+            type(size) is not int
+            or type(block) is not int
             or size < 0
             or block <= 0
             or not isinstance(crcs, list)

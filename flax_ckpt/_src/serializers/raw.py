@@ -13,17 +13,17 @@ import math
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, wait
-from typing import Any, Sequence
+from typing import Any, Sequence, TypeGuard
 
 import crc32c
 import numpy as np
 
 from flax_ckpt._src.checks import check_relpath
 from flax_ckpt._src.errors import CorruptCheckpointError, InvalidManifestError
-from flax_ckpt._src.records import LeafRecord
 from flax_ckpt._src.serializers import for_each_overlap, local
-from flax_ckpt._src.serializers.base import ArrayItem, Box, Shard, Written
+from flax_ckpt._src.serializers.base import ArrayItem, Box, Shard, StoredArray, Written
 from flax_ckpt._src.storage import Storage
+from flax_ckpt._src.storage.base import as_buffer
 
 BLOCK = 8 << 20
 SUBCHUNK = 64 << 20
@@ -65,6 +65,11 @@ def _index(box: Box) -> list[list[int]]:
             _INDEX.clear()
         out = _INDEX[box] = [list(b) for b in box]
     return out
+
+
+def _natural(v: Any) -> TypeGuard[int]:
+    """Whether a record's field is an int >= 0 (not a bool)."""
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 
 def _blocks_ok(chunk: dict, buf: memoryview) -> bool:
@@ -136,7 +141,7 @@ class RawSerializer:
             """Writes file i; returns (seconds of checksums, seconds of fsync)."""
             offset, bufs, t0 = 0, [], time.perf_counter()
             for leaf, box, data, crcs in bins[i]:
-                mv = memoryview(data.reshape(-1).view(np.uint8)) if data.size else memoryview(b"")
+                mv = memoryview(as_buffer(data.reshape(-1).view(np.uint8))) if data.size else memoryview(b"")
                 chunks[leaf].append(
                     {
                         "index": _index(box),
@@ -164,27 +169,26 @@ class RawSerializer:
             serialize_s=sum(s for s, _ in times),
         )
 
-    def view(self, storage: Storage, leaf: LeafRecord, box: Box, where: str) -> None:
+    def view(self, storage: Storage, leaf: StoredArray, box: Box, where: str) -> None:
         return None  # files on disk: read, never mapped
 
-    def validate(self, leaf: LeafRecord, files: dict[str, int], where: str) -> None:
+    def validate(self, leaf: StoredArray, files: dict[str, int], where: str) -> None:
         itemsize = leaf.dtype.itemsize
         for j, ch in enumerate(leaf.chunks):
             f = f"chunks[{j}]"
             name = ch.get("file")
             if not isinstance(name, str) or name not in files:  # the names in files are checked already
                 name = check_relpath(name, f + ".file", where)
-            ints = [ch.get(k) for k in ("offset", "nbytes", "block")]
+            offset, nbytes, block = (ch.get(k) for k in ("offset", "nbytes", "block"))
             crcs = ch.get("crc32c")
             if (
                 name not in files
-                or any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in ints)
-                or ints[2] == 0
-                or ints[2] % 16
+                or not (_natural(offset) and _natural(nbytes) and _natural(block))
+                or block == 0
+                or block % 16
                 or not isinstance(crcs, list)
             ):
                 raise InvalidManifestError(f"{where}: leaf chunk {f} has invalid raw fields {ch!r}")
-            offset, nbytes, block = ints
             volume = math.prod(b - a for a, b in ch["index"])
             if nbytes != volume * itemsize or offset + nbytes > files[name]:
                 raise InvalidManifestError(
@@ -196,7 +200,7 @@ class RawSerializer:
             ):
                 raise InvalidManifestError(f"{where}: leaf chunk {f}: wrong number of checksums")
 
-    def read(self, storage: Storage, leaf: LeafRecord, box: Box, out: np.ndarray, where: str) -> None:
+    def read(self, storage: Storage, leaf: StoredArray, box: Box, out: np.ndarray, where: str) -> None:
         parts = list(for_each_overlap(leaf, box))
         if len(parts) < 2 or out.nbytes < PARALLEL_READ_MIN:
             for chunk, cbox, ov in parts:
@@ -211,14 +215,14 @@ class RawSerializer:
             f.result()
 
     def read_many(
-        self, storage: Storage, requests: Sequence[tuple[LeafRecord, Box, np.ndarray]], where: str
+        self, storage: Storage, requests: Sequence[tuple[StoredArray, Box, np.ndarray]], where: str
     ) -> None:
         """Fills every (leaf, box, out) of ``requests``. Boxes that are one whole chunk each (the small
         leaves of a large tree) are read in batches: per data file, chunks that lie back to back become
         one ranged read into their outputs (one open per file, one preadv per run of chunks), then every
         chunk's blocks are checked. Anything else, and any request whose batch fails (so that its error
         names the file and the leaf), goes through ``read``."""
-        runs: dict[str, list[tuple[int, int, LeafRecord, Box, np.ndarray, dict]]] = {}
+        runs: dict[str, list[tuple[int, int, StoredArray, Box, np.ndarray, dict]]] = {}
         rest = []
         for leaf, box, out in requests:
             parts = list(for_each_overlap(leaf, box))
@@ -236,22 +240,27 @@ class RawSerializer:
             )
         for name, items in runs.items():
             items.sort(key=lambda it: it[0])
-            parts: list[tuple[int, list[memoryview]]] = []
+            ranges: list[tuple[int, list[memoryview]]] = []
             end = None
             for offset, nbytes, _, _, out, _ in items:
-                view = memoryview(out.reshape(-1).view(np.uint8)) if out.size else memoryview(bytearray(0))
+                view = (
+                    memoryview(as_buffer(out.reshape(-1).view(np.uint8)))
+                    if out.size
+                    else memoryview(bytearray(0))
+                )
                 if offset != end:
-                    parts.append((offset, []))
-                parts[-1][1].append(view)
+                    ranges.append((offset, []))
+                ranges[-1][1].append(view)
                 end = offset + nbytes
             try:
-                storage.read_ranges(name, parts)
+                storage.read_ranges(name, ranges)
             except (OSError, CorruptCheckpointError):
                 rest += [(leaf, box, out) for _, _, leaf, box, out, _ in items]
                 continue
             for _, _, leaf, box, out, chunk in items:
                 if not _blocks_ok(
-                    chunk, memoryview(out.reshape(-1).view(np.uint8)) if out.size else memoryview(b"")
+                    chunk,
+                    memoryview(as_buffer(out.reshape(-1).view(np.uint8))) if out.size else memoryview(b""),
                 ):
                     rest.append((leaf, box, out))
         for leaf, box, out in rest:
@@ -264,14 +273,18 @@ class RawSerializer:
         dst = out[local(ov, box)]
         shape = tuple(e - s for s, e in cbox)
         if ov == cbox and dst.flags.c_contiguous:
-            buf = memoryview(dst.reshape(-1).view(np.uint8)) if dst.size else memoryview(bytearray(0))
+            buf = (
+                memoryview(as_buffer(dst.reshape(-1).view(np.uint8)))
+                if dst.size
+                else memoryview(bytearray(0))
+            )
             self._read_blocks(storage, chunk, 0, len(buf), buf, where)
             return
         # rows [r0, r1) of the chunk along axis 0 hold the overlap; read and verify just those
         rowbytes = chunk["nbytes"] // shape[0] if shape and shape[0] else chunk["nbytes"]
         r0, r1 = (ov[0][0] - cbox[0][0], ov[0][1] - cbox[0][0]) if shape else (0, 1)
         tmp = np.empty(((r1 - r0) * rowbytes,), np.uint8)
-        self._read_blocks(storage, chunk, r0 * rowbytes, r1 * rowbytes, memoryview(tmp), where)
+        self._read_blocks(storage, chunk, r0 * rowbytes, r1 * rowbytes, memoryview(as_buffer(tmp)), where)
         rows = tmp.view(out.dtype).reshape((r1 - r0,) + shape[1:])
         dst[...] = rows[(slice(None),) + local(ov, cbox)[1:]]
 

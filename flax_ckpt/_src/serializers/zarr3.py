@@ -9,19 +9,21 @@ storage protocol's tensorstore part: ``context``, ``kvstore_spec``), which both 
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
 from flax_ckpt._src.checks import check_relpath
 from flax_ckpt._src.errors import CorruptCheckpointError, InvalidManifestError, StorageError
 from flax_ckpt._src.lazy import lazy
-from flax_ckpt._src.records import LeafRecord
 from flax_ckpt._src.serializers import for_each_overlap, local
-from flax_ckpt._src.serializers.base import ArrayItem, Box, Written
+from flax_ckpt._src.serializers.base import ArrayItem, Box, StoredArray, Written
 from flax_ckpt._src.storage import TensorstoreStorage, explain
 
-ts = lazy("tensorstore", globals(), "ts")  # imported on first use (lazy.py)
+if TYPE_CHECKING:  # the real modules for the type checker; at run time the lazy proxies
+    import tensorstore as ts
+else:
+    ts = lazy("tensorstore", globals(), "ts")  # imported on first use (lazy.py)
 
 CODECS = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]
 _UNSUPPORTED = {"uint4", "uint2"}
@@ -87,16 +89,16 @@ class Zarr3Serializer:
             f.result()
         return Written(chunks, {})
 
-    def view(self, storage: TensorstoreStorage, leaf: LeafRecord, box: Box, where: str) -> None:
+    def view(self, storage: TensorstoreStorage, leaf: StoredArray, box: Box, where: str) -> None:
         return None  # files on disk: read, never mapped
 
     def read_many(
-        self, storage: TensorstoreStorage, requests: Sequence[tuple[LeafRecord, Box, np.ndarray]], where: str
+        self, storage: TensorstoreStorage, requests: Sequence[tuple[StoredArray, Box, np.ndarray]], where: str
     ) -> None:
         for leaf, box, out in requests:
             self.read(storage, leaf, box, out, f"{where} leaf {leaf.name!r}")
 
-    def validate(self, leaf: LeafRecord, files: dict[str, int], where: str) -> None:
+    def validate(self, leaf: StoredArray, files: dict[str, int], where: str) -> None:
         for j, ch in enumerate(leaf.chunks):
             check_relpath(ch.get("array"), f"chunks[{j}].array", where)
             check_relpath(ch.get("key"), f"chunks[{j}].key", where)
@@ -110,7 +112,7 @@ class Zarr3Serializer:
                 )
 
     def read(
-        self, storage: TensorstoreStorage, leaf: LeafRecord, box: Box, out: np.ndarray, where: str
+        self, storage: TensorstoreStorage, leaf: StoredArray, box: Box, out: np.ndarray, where: str
     ) -> None:
         handles: dict[str, Any] = {}
         for chunk, _, ov in for_each_overlap(leaf, box):
@@ -136,7 +138,7 @@ class Zarr3Serializer:
 
 
 def _check_chunk_present(
-    storage: TensorstoreStorage, leaf: LeafRecord, chunk: dict[str, Any], where: str
+    storage: TensorstoreStorage, leaf: StoredArray, chunk: dict[str, Any], where: str
 ) -> None:
     """tensorstore reads a missing chunk as fill value; a chunk we wrote must exist, so check."""
     box = chunk["index"]

@@ -13,9 +13,19 @@ never through shared state.
 
 from __future__ import annotations
 
-from typing import Any, Literal, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, Protocol, Sequence, cast, runtime_checkable
+
+if TYPE_CHECKING:
+    import numpy as np
+    from typing_extensions import Buffer as _Buffer
 
 Buffer = Any  # anything with the buffer protocol (bytes, memoryview, C-contiguous numpy array)
+
+
+def as_buffer(a: np.ndarray) -> _Buffer:
+    """``a`` itself, typed as the buffer it is for what takes one (crc32c, memoryview, zlib): numpy's
+    type stubs give ``ndarray`` its ``__buffer__`` only from Python 3.12 on."""
+    return cast("_Buffer", a)
 
 
 @runtime_checkable

@@ -32,13 +32,16 @@ import tempfile
 import threading
 import urllib.request
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
 from flax_ckpt._src.errors import StorageError
 from flax_ckpt._src.lazy import lazy
 
-ts = lazy("tensorstore", globals(), "ts")  # imported on first use (lazy.py)
+if TYPE_CHECKING:  # the real modules for the type checker; at run time the lazy proxies
+    import tensorstore as ts
+else:
+    ts = lazy("tensorstore", globals(), "ts")  # imported on first use (lazy.py)
 
 _open_lock = threading.Lock()
 _contexts: dict[str, Any] = {}  # one tensorstore context per resolved set of options

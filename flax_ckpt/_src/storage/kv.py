@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import re
 import threading
-from typing import Any, Literal, Sequence
+from typing import TYPE_CHECKING, Any, Literal, Sequence
 
 from flax_ckpt._src.errors import CorruptCheckpointError, StorageError
 from flax_ckpt._src.lazy import lazy
@@ -28,7 +28,10 @@ from flax_ckpt._src.storage.endpoints import (
     s3_setup,
 )
 
-ts = lazy("tensorstore", globals(), "ts")  # imported on first use (lazy.py)
+if TYPE_CHECKING:  # the real modules for the type checker; at run time the lazy proxies
+    import tensorstore as ts
+else:
+    ts = lazy("tensorstore", globals(), "ts")  # imported on first use (lazy.py)
 
 _MEMORY_CONTEXT: list[Any] = []  # the in-process memory kvstore of every memory:// path, made on first use
 _MEMORY_LOCK = threading.Lock()
@@ -47,7 +50,7 @@ class KvStorage:
     protocol writes the commit record last instead (``write_if_absent``)."""
 
     supports_rename = False
-    local_path = None
+    local_path: str | None = None  # an object store is no folder of this host
 
     def __init__(self, spec: dict[str, Any], url: str, context: Any = None, endpoint: str | None = None):
         spec = dict(spec)
@@ -242,7 +245,7 @@ def _join(buffers: Sequence[Buffer]) -> bytes:
 
 
 def _url_of(spec: dict[str, Any]) -> str:
-    driver, path = spec.get("driver"), str(spec.get("path", "")).strip("/")
+    driver, path = str(spec.get("driver")), str(spec.get("path", "")).strip("/")
     scheme = {"s3": "s3", "gcs": "gs"}.get(driver)
     if scheme:
         return f"{scheme}://{spec.get('bucket', '')}/{path}".rstrip("/")

@@ -129,7 +129,11 @@ class Persistent(Protocol):
     into it, restore from it, and close it when they close. The tiers import nothing of the manager."""
 
     url: str  # named in messages
-    strict: bool  # a damaged newest step is an error, not a fallback (the restore's default)
+
+    @property
+    def strict(self) -> bool:
+        """A damaged newest step is an error, not a fallback (the restore's default)."""
+        ...
 
     @property
     def storage(self) -> Storage:

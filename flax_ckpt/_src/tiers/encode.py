@@ -26,6 +26,7 @@ import crc32c
 import numpy as np
 
 from flax_ckpt._src.checks import canonical
+from flax_ckpt._src.storage.base import as_buffer
 from flax_ckpt._src.tiers import files as tier_files
 from flax_ckpt._src.tiers.store import (
     CHUNK,
@@ -49,7 +50,7 @@ def shuffle(x: np.ndarray, itemsize: int) -> np.ndarray:
 
 def _xor_delta(raw: memoryview, old: memoryview, itemsize: int) -> bytes | None:
     """zlib of the byte-shuffled XOR, or None when that is not clearly smaller than the chunk."""
-    z = zlib.compress(shuffle(np.bitwise_xor(_u8(raw), _u8(old)), itemsize), 1)
+    z = zlib.compress(as_buffer(shuffle(np.bitwise_xor(_u8(raw), _u8(old)), itemsize)), 1)
     return z if len(z) < 0.9 * len(raw) else None
 
 
@@ -143,7 +144,7 @@ def changed_share(ts: TierSnapshot, base: Copy, budget: DeltaBudget | None = Non
             c, lo = divmod(pos, CHUNK)  # _PROBE_BYTES at the sample's place in its chunk
             lo = max(0, min(lo, min(CHUNK, n - c * CHUNK) - _PROBE_BYTES))
             e = b["chunks"][c]
-            raw = memoryview(mine[c * CHUNK + lo : c * CHUNK + lo + _PROBE_BYTES])
+            raw = memoryview(as_buffer(mine[c * CHUNK + lo : c * CHUNK + lo + _PROBE_BYTES]))
             r = delta_ratio(raw, base.data.view(e[2] + lo, e[2] + lo + len(raw)))
             changed += r if r == 0 or (budget is not None and budget.worth(r)) else 1
         at += n
@@ -280,7 +281,9 @@ def _encode_full(ts: TierSnapshot, ident: dict[str, Any]) -> Encoded:
 def _body_ends(ts: TierSnapshot, ident: dict[str, Any], data: int) -> tuple[str, str]:
     """A full copy's index text before its "shards" list (up to its "[") and after it (from its "]"):
     the body's other keys, sorted as canonical text has them."""
-    fields = {k: canonical(v) for k, v in dict(ident, base=None, chunk=CHUNK, data=data).items()}
+    fields: dict[str, str | None] = {
+        k: canonical(v) for k, v in dict(ident, base=None, chunk=CHUNK, data=data).items()
+    }
     fields["leaves"] = "[" + ",".join(lf.record.json_text() for lf in ts.snap.leaves) + "]"
     fields["shards"] = None
     keys = sorted(fields)
@@ -343,8 +346,9 @@ def _encode_in_place(ts: TierSnapshot, ident: dict[str, Any], layouts: FullLayou
         lay = layouts.last = FullLayout(key, shards)
     if lay.end > len(lent.map) or at != lay.offsets:
         return None
-    crcs = [ts.crcs.get(id(sh.data)) for sh in shards if sh.data.nbytes]
-    if any(c is None for c in crcs) or [len(c) for c in crcs] != lay.counts:
+    found = [ts.crcs.get(id(sh.data)) for sh in shards if sh.data.nbytes]
+    crcs = [c for c in found if c is not None]
+    if len(crcs) != len(found) or [len(c) for c in crcs] != lay.counts:
         return None
     for lo, hi in lay.pads:
         lent.zero(lo, hi)
@@ -408,6 +412,7 @@ def _encode_segment(
         raw = mv[k : k + CHUNK]
         crc = crcs[k // CHUNK] if crcs is not None else None
         if b is not None:
+            assert base is not None, "a leaf's base entry comes with its base copy"
             be = b["chunks"][k // CHUNK]
             old = base.data.view(be[2], be[2] + len(raw))
             if _same(raw, old):

@@ -42,6 +42,7 @@ import numpy as np
 
 from flax_ckpt._src.errors import CorruptCheckpointError, StorageError
 from flax_ckpt._src.storage import owned
+from flax_ckpt._src.storage.base import as_buffer
 
 _lock = threading.RLock()  # orders map_read against SpareFolder.retire (check for maps, then move)
 _readers: dict[tuple[int, int], list[weakref.ref]] = {}
@@ -351,7 +352,7 @@ class SpareFolder:
                 if j not in placed:
                     out[offs[j] : offs[j + 1]] = pieces[j]
                 if checksum[j]:
-                    crcs[j] = crc32c.crc32c(out[offs[j] : offs[j + 1]])
+                    crcs[j] = crc32c.crc32c(as_buffer(out[offs[j] : offs[j + 1]]))
 
         try:
             if todo:  # none when a snapshot copied and checksummed every piece in place: no threads woken
@@ -502,7 +503,7 @@ def _reserve(fd: int, size: int, path: str) -> mmap.mmap:
 def _checksum(pieces: Sequence[np.ndarray], checksum: Sequence[bool], crcs: list, a: int, b: int) -> None:
     for j in range(a, b):
         if checksum[j]:
-            crcs[j] = crc32c.crc32c(pieces[j])
+            crcs[j] = crc32c.crc32c(as_buffer(pieces[j]))
 
 
 def _parts(pieces: Sequence[np.ndarray], work: Callable[[int, int], None]) -> None:
@@ -529,7 +530,7 @@ def _parts(pieces: Sequence[np.ndarray], work: Callable[[int, int], None]) -> No
 def _write_all(fd: int, path: str, pieces: Sequence[np.ndarray]) -> None:
     try:
         for k in range(0, len(pieces), 512):
-            batch = [memoryview(p) for p in pieces[k : k + 512] if len(p)]
+            batch = [memoryview(as_buffer(p)) for p in pieces[k : k + 512] if len(p)]
             while batch:
                 n = os.writev(fd, batch)
                 while batch and n >= len(batch[0]):

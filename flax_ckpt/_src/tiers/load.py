@@ -31,6 +31,8 @@ from flax_ckpt._src.engine.snapshot import HostLeaf, Snapshot
 from flax_ckpt._src.errors import CheckpointError, CorruptCheckpointError
 from flax_ckpt._src.records import LeafRecord, dtype_from_name, leaf_name
 from flax_ckpt._src.serializers import Box, Shard, for_each_overlap, local
+from flax_ckpt._src.serializers.base import stored
+from flax_ckpt._src.storage.base import as_buffer
 from flax_ckpt._src.tiers import files as tier_files
 from flax_ckpt._src.tiers.store import Copy
 
@@ -55,7 +57,7 @@ def _fill(copy: Copy, e: list, dst: memoryview, itemsize: int, where: str) -> No
     if e[0] == "r":
         copy.data.read_into(e[2], dst)
     elif e[0] == "b":
-        copy.base.data.read_into(e[2], dst)
+        copy.base_data.read_into(e[2], dst)
     else:
         z = bytearray(e[3])
         copy.data.read_into(e[2], memoryview(z))
@@ -66,7 +68,7 @@ def _fill(copy: Copy, e: list, dst: memoryview, itemsize: int, where: str) -> No
             x = b""
         if len(x) != n or not d.eof:
             raise CorruptCheckpointError(f"{where}: a delta chunk does not decompress to {n} bytes")
-        copy.base.data.read_into(e[4], dst)
+        copy.base_data.read_into(e[4], dst)
         np.bitwise_xor(_u8(dst), _unshuffle(_u8(x), itemsize), out=_u8(dst))
     _check_chunk(dst, e, where)
 
@@ -112,7 +114,7 @@ def view_shard(copy: Copy, s: dict[str, Any]) -> np.ndarray | None:
     start = entries[0][2]
     if any(e[2] != start + k * size for k, e in enumerate(entries)):
         return None
-    data = copy.data if kinds == {"r"} else copy.base.data
+    data = copy.data if kinds == {"r"} else copy.base_data
     mv = data.view(start, start + s["nbytes"])
     where = f"{copy.where}: leaf {leaf_name(rec)!r} box {list(s['box'])}"
     step = max(1, _PARALLEL_MIN // size)
@@ -131,7 +133,7 @@ def view_shard(copy: Copy, s: dict[str, Any]) -> np.ndarray | None:
 
 
 def _flat_bytes(a: np.ndarray) -> memoryview:
-    return memoryview(a.reshape(-1).view(np.uint8)) if a.size else memoryview(bytearray(0))
+    return memoryview(as_buffer(a.reshape(-1).view(np.uint8))) if a.size else memoryview(bytearray(0))
 
 
 def shard_array(copy: Copy, s: dict[str, Any]) -> np.ndarray:
@@ -165,7 +167,9 @@ class CopySource:
         ]
 
     def read(self, leaf: LeafRecord, box: Box, out: np.ndarray) -> None:
-        parts = list(for_each_overlap(leaf, box))  # they must cover the box exactly: nothing left unwritten
+        parts = list(
+            for_each_overlap(stored(leaf), box)
+        )  # they must cover the box exactly: nothing left unwritten
         problem = tiling_problem([ov for _, _, ov in parts], box)
         if problem is not None and sum(math.prod(e - a for a, e in ov) for _, _, ov in parts) >= math.prod(
             e - a for a, e in box
@@ -193,7 +197,7 @@ class CopySource:
             self.read(leaf, box, out)
 
     def view(self, leaf: LeafRecord, box: Box) -> np.ndarray | None:
-        hits = list(for_each_overlap(leaf, box))
+        hits = list(for_each_overlap(stored(leaf), box))
         if len(hits) != 1 or not hits[0][1] == hits[0][2] == box:
             return None
         return view_shard(self.copy, self.copy.body["shards"][hits[0][0]["shard"]])

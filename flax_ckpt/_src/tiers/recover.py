@@ -64,6 +64,7 @@ class Recovery:
             votes = self.group.allgather("restored", {"error": err})
             failed = [(j, v["error"]) for j, v in enumerate(votes) if v["error"]]
             if not failed:
+                assert done is not None, "this process voted no error: it restored the plan's step"
                 log.info("restored step %d of %s: %s", plan.step, self.directory, plan.describe())
                 return done[1][0], plan, done[1][1]
             for j, e in failed:
@@ -80,7 +81,9 @@ class Recovery:
 
     def _transfers(self, plan: Plan) -> Any:
         """The plan's replicas, each from its holder to its owner (a collective); what this process got."""
-        perm = [(h, j) for j, (t, h) in enumerate(plan.sources) if t == "peer"]
+        perm = [
+            (h, j) for j, (t, h) in enumerate(plan.sources) if t == "peer" and h is not None
+        ]  # a peer's: h
         if not perm:
             return None
         serve = next((j for h, j in perm if h == self.i), None)

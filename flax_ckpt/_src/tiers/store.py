@@ -28,10 +28,11 @@ import dataclasses
 import json
 import math
 import os
+import threading
 import uuid
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import crc32c
 import numpy as np
@@ -45,10 +46,14 @@ from flax_ckpt._src.lazy import lazy
 from flax_ckpt._src.records import LeafRecord, dtype_from_name, leaf_name
 from flax_ckpt._src.serializers import Box, Shard, box_of
 from flax_ckpt._src.storage import LocalStorage
+from flax_ckpt._src.storage.base import as_buffer
 from flax_ckpt._src.tiers import files as tier_files
 from flax_ckpt._src.tiers.files import SpareFolder
 
-jax = lazy("jax", globals())  # imported on first use (lazy.py)
+if TYPE_CHECKING:  # the real modules for the type checker; at run time the lazy proxies
+    import jax
+else:
+    jax = lazy("jax", globals())  # imported on first use (lazy.py)
 
 CHUNK = 1 << 20
 INDEX, DATA, COMMIT = "index.json", "data.bin", "commit.json"
@@ -70,6 +75,7 @@ class Data:
             tier_files.check_file(path, st, "data file")
             self.size, self._id = st.st_size, (st.st_dev, st.st_ino)
         else:
+            assert buf is not None, "data is a file or a buffer"
             self.size = len(buf)
 
     def __len__(self) -> int:
@@ -77,6 +83,7 @@ class Data:
 
     def view(self, lo: int, hi: int) -> memoryview:
         if self._buf is None:
+            assert self.path is not None, "data without a buffer is a file"
             m = tier_files.map_read(self.path, self._id)
             self._buf = memoryview(m if m is not None else b"")
             if len(self._buf) != self.size:
@@ -121,8 +128,15 @@ class Copy:
     @property
     def body(self) -> dict[str, Any]:
         if self._body is None:
+            assert self.index is not None, "a copy has its body or its index bytes"
             self._body = decode_index(self.index, self.where)
         return self._body
+
+    @property
+    def base_data(self) -> Data:
+        """The data of the base this copy is a delta of (its chunks "b" and "x" refer to it)."""
+        assert self.base is not None, f"{self.where}: a copy whose chunks refer to a base has one"
+        return self.base.data
 
     @property
     def step(self) -> int:
@@ -187,7 +201,10 @@ class TierSnapshot:
 
     # the device copies (engine/device.py): those of ``part``, brought to host by ``complete``
     choice = property(lambda self: self.part.choice if self.part is not None else None)
-    on_host = property(lambda self: (self.part if self.part is not None else self.snap).on_host)
+
+    @property
+    def on_host(self) -> threading.Event:
+        return (self.part if self.part is not None else self.snap).on_host
 
     @property
     def waited_s(self) -> float:
@@ -218,9 +235,9 @@ class TierSnapshot:
             ]
             out, at = own + self.extra, None
             if self.lent is not None:
-                at = [self.lent.offset(sh.data) for sh in out]
-                order = sorted(range(len(out)), key=lambda k: (0, at[k]) if at[k] is not None else (1, k))
-                out, at = [out[k] for k in order], [at[k] for k in order]
+                offs = [self.lent.offset(sh.data) for sh in out]
+                order = sorted(range(len(out)), key=lambda k: (0, offs[k]) if offs[k] is not None else (1, k))
+                out, at = [out[k] for k in order], [offs[k] for k in order]
             self._shards, self._at = out, at
         return self._shards
 
@@ -321,8 +338,9 @@ def take_snapshot(
     plans: list[Any] = [None] * len(flat.leaves)
     for i, p in zip(fresh, part.leaves):
         plans[i] = p
-    ts = TierSnapshot(Snapshot(plans, 0), [], force, base.step if reuse else None)
+    ts = TierSnapshot(Snapshot(plans, 0), [], force, base.step if reuse and base is not None else None)
     for i, (rec, shards) in reuse.items():
+        assert base is not None, "leaves are reused from a base"
         views = [(tuple(map(tuple, s["box"])), base.array(s), s) for s in shards]
         record = dataclasses.replace(LeafRecord.from_json(rec), path=flat.paths[i])
         plans[i] = HostLeaf(record, tuple(Shard(b, a) for b, a, s in views if s["primary"]))
@@ -336,7 +354,9 @@ def take_snapshot(
         copies
     ):  # copied as the snapshot's are, with their chunks' crc32c (a full copy is then written in place)
         ts.crcs = dict(part.crcs)
-        ts.crcs.update({id(d): c for (d, _), c in zip(copies, copy_all(copies, CHUNK)) if d.size})
+        made = copy_all(copies, CHUNK)
+        assert made is not None, "copy_all checksums what it is asked to"
+        ts.crcs.update({id(d): c for (d, _), c in zip(copies, made) if d.size})
     if (
         into is not None and into.used
     ):  # its pages are this snapshot's while it lives (a migration reads them)
@@ -409,11 +429,11 @@ class Encoded:
         for j, where, at in self.pending:
             where[at] = crcs[j] if where is not self.text else str(crcs[j])
         self.pending = []
-        self.index = (
-            seal_text("".join(self.text), name=_FORMAT, version=_VERSION)
-            if self.text is not None
-            else encode_index(self.body)
-        )
+        if self.text is not None:
+            self.index = seal_text("".join(self.text), name=_FORMAT, version=_VERSION)
+        else:
+            assert self.body is not None, "an index is sealed from its text or its body"
+            self.index = encode_index(self.body)
 
 
 def _u8(buf: Any) -> np.ndarray:
@@ -422,7 +442,11 @@ def _u8(buf: Any) -> np.ndarray:
 
 def bytes_of(a: np.ndarray) -> memoryview:
     """A host array's bytes, flat (a copy only where it is not contiguous)."""
-    return memoryview(np.ascontiguousarray(a).reshape(-1).view(np.uint8)) if a.size else memoryview(b"")
+    return (
+        memoryview(as_buffer(np.ascontiguousarray(a).reshape(-1).view(np.uint8)))
+        if a.size
+        else memoryview(b"")
+    )
 
 
 def shard_key(rec: dict[str, Any], box: Any) -> str:

@@ -29,6 +29,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from flax_ckpt._src.commit import distributed
 from flax_ckpt._src.errors import CorruptCheckpointError, DistributedError
+from flax_ckpt._src.storage.base import as_buffer
 
 _MAX_PIECE = 32 << 20
 _MIN_PIECE = 4 << 10
@@ -123,7 +124,7 @@ def frame(parts: Sequence[Sequence[Any]]) -> list[memoryview]:
 
 
 def unframe(buf: np.ndarray | None, where: str) -> list[memoryview]:
-    mv = memoryview(buf if buf is not None else b"").cast("B")
+    mv = memoryview(as_buffer(buf) if buf is not None else b"").cast("B")
     try:
         (count,) = struct.unpack_from("<I", mv, 4)
         sizes = struct.unpack_from(f"<{count}Q", mv, 8)

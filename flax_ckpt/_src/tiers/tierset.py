@@ -109,9 +109,15 @@ class TierSet:
             self.holdings.release()
             raise
 
-    skipped = property(lambda self: self.admission.skipped)
+    @property
+    def skipped(self) -> int:
+        return self.admission.skipped
+
     deferred = property(lambda self: self.migration.deferred)
-    tier_stats = property(lambda self: self.stats)
+
+    @property
+    def tier_stats(self) -> list[TierStats]:
+        return self.stats
 
     # ---------------------------------------------------------------------------------- start
 
@@ -219,21 +225,21 @@ class TierSet:
         return ts
 
     def save(
-        self, step: int, ts: store.TierSnapshot, metrics: dict | None, t0: float, blocked: float
+        self, step: int, snap: store.TierSnapshot, metrics: dict | None, t0: float, blocked: float
     ) -> None:
         """Background (the manager's writer): stores the received replica, then this step's local copy;
         commits both tiers; starts the migration when it is due (migration.py)."""
         self._store_replica()
         self.migration.busy_somewhere = False
         if step in self._kept["local"]:
-            ts.complete()
+            snap.complete()
             log.info("step %d is already in the memory tiers; not replaced", step)
         else:
-            self._save_local(step, ts, metrics, t0, blocked)
+            self._save_local(step, snap, metrics, t0, blocked)
         self.migration.offer(
             step,
-            ts.force,
-            lambda: (ts.verify_views(), self.persistent.migrate(step, ts.snap, metrics, t0, blocked)),
+            snap.force,
+            lambda: (snap.verify_views(), self.persistent.migrate(step, snap.snap, metrics, t0, blocked)),
         )
 
     def _ident(self, step: int) -> dict[str, Any]:
@@ -272,6 +278,7 @@ class TierSet:
             spares.give_back(ts.lent)  # a loan no write took (a failed step)
         t3 = time.perf_counter()
         self._commit("local", step, self.local_dir, err, enc.base if enc else None)
+        assert enc is not None, "a failed copy (no enc) raised in _commit"
         now = time.perf_counter()
         reused = sum(sh.data.nbytes for sh in ts.shards() if sh.base is not None)
         self.stats.append(
@@ -305,12 +312,14 @@ class TierSet:
 
     def _ready_spare(self, spares: store.SpareFolder) -> None:
         """After a local commit: the pages of the next snapshot, or the older base's file as the spare."""
+        base = self._base
+        assert base is not None, "a local commit made or kept a base"
         with self._mutex:  # a base older than this one, still kept: its file is the next spare
-            older = any(b is not None and b != self._base.step for b in self._kept["local"].values())
+            older = any(b is not None and b != base.step for b in self._kept["local"].values())
         if older:
             spares.release()
         else:
-            spares.prepare(len(self._base.data))  # the next snapshot's pages
+            spares.prepare(len(base.data))  # the next snapshot's pages
 
     def _commit(self, tier: str, step: int, folder: str, err: Exception | None, base: int | None) -> None:
         """Commits ``step`` in ``tier`` once every process voted that it holds its copy there."""
@@ -357,6 +366,7 @@ class TierSet:
         if received is None:
             return
         (step, buf), src = received, self.ring.src
+        assert src is not None, "a received replica has its sender"
         folder, err, base = self.holdings.peer(src), None, None
         try:
             parts = self.ring.unframe(step, buf)

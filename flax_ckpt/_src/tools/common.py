@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import stat
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -19,7 +19,10 @@ from flax_ckpt._src.lazy import lazy
 from flax_ckpt._src.storage import Storage, split_location
 from flax_ckpt._src.storage.lock import LOCK_FILE
 
-jax = lazy("jax", globals())  # imported on first use (lazy.py)
+if TYPE_CHECKING:  # the real modules for the type checker; at run time the lazy proxies
+    import jax
+else:
+    jax = lazy("jax", globals())  # imported on first use (lazy.py)
 
 
 def bar(total: int, desc: str, progress: bool) -> Any:
@@ -144,6 +147,6 @@ class Leaves:
         v = self.value(key)
         return (
             np.asarray(jax.random.key_data(v))
-            if isinstance(v, jax.Array) and jax.dtypes.issubdtype(v.dtype, jax.dtypes.prng_key)
+            if isinstance(v, jax.Array) and jax.numpy.issubdtype(v.dtype, jax.dtypes.prng_key)
             else v
         )

@@ -86,7 +86,7 @@ def prune(
             metrics=metrics,
             best_mode=best_mode,
             keep_best=keep_best,
-            formats={s: e.format for s, e in acted.items()},
+            formats={s: e.format for s, e in acted.items() if e.format is not None},
         )
         if not dry_run:
             _delete(root, [acted[s] for s in doomed])
