@@ -17,7 +17,7 @@ restore and ``flax-ckpt verify``, a Storage that checks every byte it reads agai
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, Sequence, cast
+from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 import numpy as np
 
@@ -88,10 +88,17 @@ class StoredArray(Protocol):
     def chunks(self) -> tuple[dict[str, Any], ...]: ...
 
 
-def stored(leaf: LeafRecord) -> StoredArray:
-    """``leaf`` itself, an array's record, as a serializer reads it: an array record has the dtype and
-    shape that ``LeafRecord`` types as optional (they are None for leaves that are not arrays)."""
-    return cast(StoredArray, leaf)
+if TYPE_CHECKING:
+
+    def stored(leaf: LeafRecord) -> StoredArray:
+        """``leaf`` itself, an array's record, as a serializer reads it: an array record has the dtype
+        and shape that ``LeafRecord`` types as optional (they are None for leaves that are not arrays)."""
+        ...
+
+else:
+
+    def stored(leaf):  # at run time the record itself, and no more (it is called per leaf)
+        return leaf
 
 
 class Serializer(Protocol):

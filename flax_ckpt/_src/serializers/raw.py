@@ -13,7 +13,7 @@ import math
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, wait
-from typing import Any, Sequence, TypeGuard
+from typing import Any, Sequence
 
 import crc32c
 import numpy as np
@@ -65,11 +65,6 @@ def _index(box: Box) -> list[list[int]]:
             _INDEX.clear()
         out = _INDEX[box] = [list(b) for b in box]
     return out
-
-
-def _natural(v: Any) -> TypeGuard[int]:
-    """Whether a record's field is an int >= 0 (not a bool)."""
-    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 
 def _blocks_ok(chunk: dict, buf: memoryview) -> bool:
@@ -179,12 +174,16 @@ class RawSerializer:
             name = ch.get("file")
             if not isinstance(name, str) or name not in files:  # the names in files are checked already
                 name = check_relpath(name, f + ".file", where)
-            offset, nbytes, block = (ch.get(k) for k in ("offset", "nbytes", "block"))
+            offset, nbytes, block = ch.get("offset"), ch.get("nbytes"), ch.get("block")
             crcs = ch.get("crc32c")
             if (
                 name not in files
-                or not (_natural(offset) and _natural(nbytes) and _natural(block))
-                or block == 0
+                or type(offset) is not int  # not a bool either
+                or type(nbytes) is not int
+                or type(block) is not int
+                or offset < 0
+                or nbytes < 0
+                or block <= 0
                 or block % 16
                 or not isinstance(crcs, list)
             ):

@@ -13,7 +13,7 @@ never through shared state.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Literal, Protocol, Sequence, cast, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, Protocol, Sequence, runtime_checkable
 
 if TYPE_CHECKING:
     import numpy as np
@@ -22,10 +22,17 @@ if TYPE_CHECKING:
 Buffer = Any  # anything with the buffer protocol (bytes, memoryview, C-contiguous numpy array)
 
 
-def as_buffer(a: np.ndarray) -> _Buffer:
-    """``a`` itself, typed as the buffer it is for what takes one (crc32c, memoryview, zlib): numpy's
-    type stubs give ``ndarray`` its ``__buffer__`` only from Python 3.12 on."""
-    return cast("_Buffer", a)
+if TYPE_CHECKING:
+
+    def as_buffer(a: np.ndarray) -> _Buffer:
+        """``a`` itself, typed as the buffer it is for what takes one (crc32c, memoryview, zlib): numpy's
+        type stubs give ``ndarray`` its ``__buffer__`` only from Python 3.12 on."""
+        ...
+
+else:
+
+    def as_buffer(a):  # at run time the array itself, and no more (it is called per leaf)
+        return a
 
 
 @runtime_checkable
