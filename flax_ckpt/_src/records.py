@@ -105,7 +105,11 @@ class LeafRecord:
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.array_shape) * self.array_dtype.itemsize if self.is_array else 0
+        if not self.is_array:
+            return 0
+        shape, dtype = self.shape, self.dtype  # read per leaf of a restore: no property calls
+        assert shape is not None and dtype is not None, f"{self.name}: a {self.kind} leaf has no shape"
+        return math.prod(shape) * dtype.itemsize
 
     @property
     def logical_shape(self) -> tuple[int, ...] | None:

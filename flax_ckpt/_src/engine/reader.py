@@ -181,10 +181,12 @@ class Reader:
         saved bytes it holds); the source's read must fill all of it (native chunks and memory-copy
         shards are checked to tile it exactly: checks.tiling_problem)."""
         extents = tuple(e - s for s, e in box)
-        nbytes = math.prod(extents) * leaf.array_dtype.itemsize
+        saved = leaf.dtype  # per leaf: an attribute, not array_dtype's property call
+        assert saved is not None, f"{leaf.name}: a {leaf.kind} leaf has no dtype"
+        nbytes = math.prod(extents) * saved.itemsize
         self._reserve(nbytes, leaf)
         try:
-            return aligned_empty(extents, dtype or leaf.array_dtype)
+            return aligned_empty(extents, dtype or saved)
         except MemoryError:
             raise CheckpointError(
                 f"{self.source.where} leaf {leaf.name!r}: cannot allocate {nbytes} bytes to "
@@ -285,11 +287,13 @@ class Reader:
 
     def host_box(self, leaf: LeafRecord, target: Any, sharding: Any) -> Box | None:
         """The one box ``value`` reads of an array leaf for ``target``/``sharding`` (None: several)."""
+        shape = leaf.shape  # per leaf: an attribute, not array_shape's property call
+        assert shape is not None, f"{leaf.name}: a {leaf.kind} leaf has no shape"
         if leaf.python or python_scalar_kinds(target) is not None or leaf.kind == "prng_key":
-            return tuple((0, d) for d in leaf.array_shape)
+            return tuple((0, d) for d in shape)
         sharding = sharding or placement_of(target)
         if sharding is None:
-            return tuple((0, d) for d in leaf.array_shape)
+            return tuple((0, d) for d in shape)
         return self._device_boxes(leaf, sharding)[1]
 
     def sharded(self, leaf: LeafRecord, sharding: jax.sharding.Sharding, puts: list | None = None) -> Any:
