@@ -37,7 +37,7 @@ from flax_ckpt._src.errors import CorruptCheckpointError, StorageError
 from flax_ckpt._src.storage.base import Buffer
 
 _IO_STEP = 1 << 30  # bytes per preadv call
-WRITE_STEP = 1 << 20  # bytes per writev call (see _write_all)
+WRITE_STEP = 1 << 20  # bytes per writev call (see write_all)
 _IOV_MAX = min(
     os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024
 )  # buffers per writev/preadv
@@ -167,7 +167,7 @@ class LocalStorage:
             if direct:
                 _write_direct(fd, views, folder)
             else:
-                _write_all(fd, views)
+                write_all(fd, views)
             if reused:  # an old file written over from its start: it ends where the new bytes end
                 os.ftruncate(fd, size)
             t0 = time.perf_counter()
@@ -570,7 +570,7 @@ def _pwrite_all(fd: int, buf: memoryview, pos: int, direct: bool, folder: str) -
     return direct
 
 
-def _write_all(fd: int, views: list[memoryview]) -> None:
+def write_all(fd: int, views: list[memoryview]) -> None:
     """Writes the buffers back to back with writev: one syscall for many small leaves (at most IOV_MAX
     buffers), at most WRITE_STEP bytes per call (one long write holds up other threads of the process
     in the kernel: a training step waiting on its accelerator among them)."""

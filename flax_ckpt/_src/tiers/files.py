@@ -43,6 +43,7 @@ import numpy as np
 from flax_ckpt._src.errors import CorruptCheckpointError, StorageError
 from flax_ckpt._src.storage import owned
 from flax_ckpt._src.storage.base import as_buffer
+from flax_ckpt._src.storage.local import write_all
 
 _lock = threading.RLock()  # orders map_read against SpareFolder.retire (check for maps, then move)
 _readers: dict[tuple[int, int], list[weakref.ref]] = {}
@@ -528,15 +529,9 @@ def _parts(pieces: Sequence[np.ndarray], work: Callable[[int, int], None]) -> No
 
 
 def _write_all(fd: int, path: str, pieces: Sequence[np.ndarray]) -> None:
+    """The pieces back to back, with the storage's bounded writev (storage/local.py write_all: at most
+    WRITE_STEP bytes a call); an OSError names ``path``."""
     try:
-        for k in range(0, len(pieces), 512):
-            batch = [memoryview(as_buffer(p)) for p in pieces[k : k + 512] if len(p)]
-            while batch:
-                n = os.writev(fd, batch)
-                while batch and n >= len(batch[0]):
-                    n -= len(batch[0])
-                    batch.pop(0)
-                if batch:
-                    batch[0] = batch[0][n:]
+        write_all(fd, [memoryview(as_buffer(p)).cast("B") for p in pieces if p.nbytes])
     except OSError as e:
         raise OSError(e.errno, f"{e.strerror} (writing {path})", path) from None
