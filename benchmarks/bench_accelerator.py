@@ -545,7 +545,18 @@ def saver(name: str, d: Path, copy: Callable) -> Saver | None:
 def loop_once(
     name: str, state: Any, step: Callable, copy: Callable, every: int, steps: int, sync: bool, scratch: Path
 ) -> tuple[Any, dict[str, Any]]:
-    """One timed loop; returns the state (donated along the way) and its figures."""
+    """One timed loop; returns the state (donated along the way) and its figures. ``name@window=B``:
+    the contender with B bytes of device-to-host transfers in flight (engine/device.py's WINDOW)."""
+    if "@" in name:
+        from flax_ckpt._src.engine import device
+
+        knob, value = name.split("@")[1].split("=")
+        assert knob == "window", name
+        old, device.WINDOW = device.WINDOW, int(value)
+        try:
+            return loop_once(name.split("@")[0], state, step, copy, every, steps, sync, scratch)
+        finally:
+            device.WINDOW = old
     import jax
 
     d = C.fresh_dir(scratch / f"loop-{name}")
@@ -571,9 +582,10 @@ def loop_once(
                 b0 = time.perf_counter()
                 made += s.save(i, state)
                 blocked.append(time.perf_counter() - b0)
+        state = jax.block_until_ready(state)
+        steady = time.perf_counter() - t0  # without the wait for the last save (paid once, at the end)
         if s is not None:
             s.finish()
-        state = jax.block_until_ready(state)
         wall = time.perf_counter() - t0
     finally:
         if s is not None:
@@ -585,6 +597,7 @@ def loop_once(
     return state, {
         "slowest_ms_and_steps_after_save": slowest,
         "step_s": wall / steps,
+        "steady_step_s": steady / steps,
         "saves": made,
         "asked": len(range(1, steps + 1, every)),
         "blocked_s": statistics.median(blocked) if blocked else 0.0,
@@ -678,19 +691,20 @@ def summarize(body: dict[str, Any]) -> str:
         lines += [f"| {k} | {v:.2f} |" for k, v in ratios.items()]
     loop = body["loop"]
     if loop:
+        cols = LOOP + sorted({c for by in loop.values() for c in by if c not in LOOP})
         lines += [
             "",
-            "Loop: ms per step; overhead against `none` (median of per-round ratios − 1); "
-            "saves made / "
-            "asked; median blocked per save",
+            "Loop: ms per step; overhead against `none` (median of per-round ratios − 1), with the "
+            "wait for the last save at the end, and without it (steady); saves made / asked; median "
+            "blocked per save",
             "",
-            "| setting | " + " | ".join(LOOP) + " |",
-            "|---|" + "---|" * len(LOOP),
+            "| setting | " + " | ".join(cols) + " |",
+            "|---|" + "---|" * len(cols),
         ]
         for key, by in loop.items():
             base = by.get("none", [])
             cells = []
-            for c in LOOP:
+            for c in cols:
                 runs = by.get(c, [])
                 if not runs:
                     cells.append("-")
@@ -700,8 +714,12 @@ def summarize(body: dict[str, Any]) -> str:
                 over = (
                     ""
                     if not pairs or c == "none"
-                    else f" {statistics.median(y / x for x, y in pairs) - 1:+.0%}"
+                    else f" {statistics.median(y / x for x, y in pairs) - 1:+.1%}"
                 )
+                pairs = [(b.get("steady_step_s"), r.get("steady_step_s")) for b, r in zip(base, runs)]
+                pairs = [(x, y) for x, y in pairs if x and y]
+                if pairs and c != "none":  # the loop's cost without the wait for its last save
+                    over += f" (steady {statistics.median(y / x for x, y in pairs) - 1:+.1%})"
                 made = statistics.median(r["saves"] for r in runs)
                 blocked = statistics.median(r["blocked_s"] for r in runs) * 1e3
                 saves = "" if c == "none" else f" ({made:g}/{runs[0]['asked']}, {blocked:.1f} ms)"

@@ -241,3 +241,82 @@ def test_a_step_that_fails_on_the_device_is_a_clear_error_and_nothing_is_written
         np.testing.assert_array_equal(mgr.restore(1)["w"], np.full((1024, 1024), 2, np.float32))
         mgr.save(3, {"w": big})  # the manager goes on
     assert not [e for e in os.listdir(tmp_path / "run") if e.startswith("2")]  # nothing of step 2 at all
+
+
+class _Landing:
+    """A device copy whose transfer to host is logged: ("start", k) at ``copy_to_host_async``, ("land",
+    k) when its host value is taken."""
+
+    sharding = type("S", (), {"device_set": {type("D", (), {"platform": "tpu"})()}})()
+
+    def __init__(self, k: int, nbytes: int, log: list, on_land=None):
+        self.k, self.log, self.on_land = k, log, on_land
+        self.host = np.full(nbytes, k, np.uint8)
+
+    def block_until_ready(self):
+        return self
+
+    def copy_to_host_async(self):
+        self.log.append(("start", self.k))
+
+    def __array__(self, dtype=None, copy=None):
+        self.log.append(("land", self.k))
+        if self.on_land is not None:
+            self.on_land(self.k)
+        return self.host
+
+
+def _pending(sizes, log, on_land=None):
+    out = []
+    for k, n in enumerate(sizes):
+        p = dev.Pending(k, 0, np.zeros(n, np.uint8), None)
+        p.dev, p.src = _Landing(k, n, log, on_land), None
+        out.append(p)
+    return out
+
+
+def test_transfers_to_host_keep_at_most_the_window_in_flight(monkeypatch):
+    monkeypatch.setattr(dev, "WINDOW", 30)
+    sizes = [10, 10, 10, 10, 45, 10, 5, 5]
+    log: list = []
+    hosts, _ = dev.to_host(_pending(sizes, log))
+    assert [h.tobytes() for h in hosts] == [bytes([k]) * n for k, n in enumerate(sizes)]
+    started = [k for e, k in log if e == "start"]
+    assert started == list(range(len(sizes)))  # in order, each once
+    flight: set = set()
+    for e, k in log:
+        if e == "start":
+            flight.add(k)
+            held = sum(sizes[j] for j in flight)
+            assert held <= 30 or len(flight) == 1, (log, flight)  # a piece over the window goes alone
+        else:
+            assert k in flight and k == min(flight), log  # waited for in order, once started
+            flight.discard(k)
+
+
+def test_something_waiting_for_the_save_starts_every_transfer_left(monkeypatch):
+    import threading
+
+    monkeypatch.setattr(dev, "WINDOW", 10)
+    hurry = threading.Event()
+    log: list = []
+    hosts, _ = dev.to_host(_pending([10] * 6, log, lambda k: k == 1 and hurry.set()), hurry)
+    assert len(hosts) == 6
+    before_land_2 = log[: log.index(("land", 2))]
+    assert [k for e, k in before_land_2 if e == "start"] == list(range(6)), log  # paced, then all at once
+    assert log[:4] == [("start", 0), ("land", 0), ("start", 1), ("land", 1)], log
+
+
+def test_a_wait_for_the_writer_sets_the_hurry_of_its_job():
+    import threading
+
+    from flax_ckpt._src.manager.writer import AsyncWriter
+
+    hurry, seen = threading.Event(), []
+    w = AsyncWriter()
+    try:
+        w.submit(lambda: seen.append(hurry.wait(30)), "job", hurry=hurry)
+        w.wait()  # the job waits for its hurry: without it, 30 s
+        assert seen == [True]
+    finally:
+        w.close()

@@ -8,6 +8,8 @@ and the ``Snapshot`` that holds both (snapshot.py).
 A copy dispatched on the device is ordered by XLA after the computation that produces the array and
 before any later one that reuses its buffers (a donating step), so ``save`` returns without waiting for
 either; the transfer to host, the checksums and the writes run on the writer, overlapping the next steps.
+The transfers run a few at a time (``WINDOW`` bytes in flight) while nothing waits for the save: the
+training steps that run meanwhile wait for the device's transfers less than when all are queued at once.
 The copy uses only memory the device has to spare: ``bytes_limit`` less the peak in use (with our own
 earlier copies counted out of that peak, as they are freed once on host) less a margin (a tenth of the
 limit). Leaves that do not fit are copied to host before ``save`` returns, as without a device copy.
@@ -28,6 +30,7 @@ import functools
 import logging
 import math
 import os
+import threading
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Sequence
@@ -47,6 +50,8 @@ log = logging.getLogger("flax_ckpt")
 
 MODES = ("auto", "always", "never")
 _MARGIN = 0.10  # of a device's bytes_limit, left free beside the copies
+WINDOW = 64 << 20  # bytes of device-to-host transfers in flight at once (0: all started at once): the
+#   training steps that run meanwhile wait less for a few transfers than for all (benchmarks/README.md)
 
 
 def mode() -> str:
@@ -186,18 +191,34 @@ def dispatch(pending: Sequence[Pending]) -> None:
         _ours[d.id] = max(_ours.get(d.id, 0), n)
 
 
-def to_host(pending: Sequence[Pending]) -> tuple[list[np.ndarray], float]:
+def to_host(
+    pending: Sequence[Pending], hurry: threading.Event | None = None
+) -> tuple[list[np.ndarray], float]:
     """The host copies of ``pending``'s device copies (the writer's thread), and when the device copies
-    were found done (perf_counter): every transfer started, then each waited for. A failure of the
-    computation that produced a copy's source (an XLA error of the training step) is raised as a
-    CheckpointError whose cause it is."""
+    were found done (perf_counter): the transfers started in order, at most ``WINDOW`` bytes in flight
+    (at least one transfer) until ``hurry`` is set (something waits for this save: then all that are
+    left at once), each waited for in turn. A failure of the computation that produced a copy's source
+    (an XLA error of the training step) is raised as a CheckpointError whose cause it is."""
     try:
-        for p in pending:
-            if not _on_cpu(p.dev):
-                p.dev.copy_to_host_async()
         jax.block_until_ready([p.dev for p in pending])
         ready = time.perf_counter()
-        return [np.asarray(p.dev) for p in pending], ready
+        out: list[np.ndarray] = []
+        started = held = 0
+        for p in pending:
+            while started < len(pending) and (
+                not WINDOW
+                or started == len(out)
+                or held + pending[started].nbytes <= WINDOW
+                or (hurry is not None and hurry.is_set())
+            ):
+                q = pending[started]
+                if not _on_cpu(q.dev):
+                    q.dev.copy_to_host_async()
+                held += q.nbytes
+                started += 1
+            out.append(np.asarray(p.dev))
+            held -= p.nbytes
+        return out, ready
     except Exception as e:
         raise CheckpointError(
             f"the computation that produced the saved state failed on the device ({type(e).__name__}: "

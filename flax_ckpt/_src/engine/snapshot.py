@@ -79,6 +79,8 @@ class Snapshot:
     ready_at: float | None = None  # when ``complete`` found the device copies done (perf_counter)
     on_host: threading.Event = field(default_factory=threading.Event, repr=False)  # set once nothing of it
     #   waits for a device (``complete`` has run, or there was nothing to bring to host)
+    hurry: threading.Event = field(default_factory=threading.Event, repr=False)  # set once something waits
+    #   for this save: ``complete`` then starts every transfer left at once (engine/device.py WINDOW)
 
     def __post_init__(self) -> None:
         if not self.pending:
@@ -92,7 +94,7 @@ class Snapshot:
         if not self.pending:
             return
         try:
-            hosts, self.ready_at = device.to_host(self.pending)
+            hosts, self.ready_at = device.to_host(self.pending, self.hurry)
         finally:
             self.on_host.set()
         copies: list[tuple[np.ndarray, np.ndarray]] = []

@@ -403,6 +403,7 @@ class CheckpointManager:
                 functools.partial(self._store.save, step, snap, metrics, t0, blocked),
                 f"step {step} in {self.directory}",
                 grace=grace if self.async_save else 0.0,
+                hurry=snap.hurry,
             )
             if not self.async_save:
                 self._writer.wait()

@@ -32,6 +32,11 @@ class Taken(Protocol):
         """Set once nothing of the snapshot is left on the devices."""
         ...
 
+    @property
+    def hurry(self) -> threading.Event:
+        """Set once something waits for this save: its transfers from the devices stop pacing."""
+        ...
+
 
 class Store(Protocol):
     """Where a manager's saves go. The caller's thread calls ``admit``, ``snapshot``, ``flush``,

@@ -38,14 +38,22 @@ class AsyncWriter:
         self._lock = threading.Lock()
         self._closed = False
 
-    def submit(self, job: Callable[[], object], label: str, *, grace: float = 0.0) -> Future:
+    def submit(
+        self,
+        job: Callable[[], object],
+        label: str,
+        *,
+        grace: float = 0.0,
+        hurry: threading.Event | None = None,
+    ) -> Future:
         """Waits for the previous job (raising its failure), then starts ``job`` in the background,
-        ``grace`` seconds later unless something waits for it first."""
+        ``grace`` seconds later unless something waits for it first. ``hurry``: the event set once
+        something waits for the job (the job may read it to stop pacing itself)."""
         with self._lock:
             if self._closed:
                 raise RuntimeError("the writer is closed")
             self.wait()
-            self._hurry = threading.Event()
+            self._hurry = hurry or threading.Event()
             if grace > 0:  # the pool's one thread takes its tasks in order: the grace, then the job
                 self._pool.submit(self._hurry.wait, grace)
             self._pending, self._label = self._pool.submit(job), label

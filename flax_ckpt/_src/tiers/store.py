@@ -207,6 +207,10 @@ class TierSnapshot:
         return (self.part if self.part is not None else self.snap).on_host
 
     @property
+    def hurry(self) -> threading.Event:
+        return (self.part if self.part is not None else self.snap).hurry
+
+    @property
     def waited_s(self) -> float:
         return self.snap.waited_s
 
