@@ -546,17 +546,20 @@ def loop_once(
     name: str, state: Any, step: Callable, copy: Callable, every: int, steps: int, sync: bool, scratch: Path
 ) -> tuple[Any, dict[str, Any]]:
     """One timed loop; returns the state (donated along the way) and its figures. ``name@window=B``:
-    the contender with B bytes of device-to-host transfers in flight (engine/device.py's WINDOW)."""
+    the contender with B bytes of device-to-host transfers in flight (engine/device.py's WINDOW);
+    ``name@wstep=B``: with B bytes per write call (storage/local.py's WRITE_STEP)."""
     if "@" in name:
         from flax_ckpt._src.engine import device
+        from flax_ckpt._src.storage import local
 
         knob, value = name.split("@")[1].split("=")
-        assert knob == "window", name
-        old, device.WINDOW = device.WINDOW, int(value)
+        mod, attr = {"window": (device, "WINDOW"), "wstep": (local, "WRITE_STEP")}[knob]
+        old = getattr(mod, attr)
+        setattr(mod, attr, int(value))
         try:
             return loop_once(name.split("@")[0], state, step, copy, every, steps, sync, scratch)
         finally:
-            device.WINDOW = old
+            setattr(mod, attr, old)
     import jax
 
     d = C.fresh_dir(scratch / f"loop-{name}")

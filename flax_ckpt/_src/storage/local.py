@@ -37,7 +37,7 @@ from flax_ckpt._src.errors import CorruptCheckpointError, StorageError
 from flax_ckpt._src.storage.base import Buffer
 
 _IO_STEP = 1 << 30  # bytes per preadv call
-WRITE_STEP = 1 << 20  # bytes per writev call (see write_all)
+WRITE_STEP = 256 << 10  # bytes per writev call (see write_all; benchmarks/README.md)
 _IOV_MAX = min(
     os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024
 )  # buffers per writev/preadv
