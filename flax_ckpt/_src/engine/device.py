@@ -32,8 +32,9 @@ import math
 import os
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence, TypeVar
 
 import numpy as np
 
@@ -47,6 +48,7 @@ else:
     jax = lazy("jax", globals())  # imported on first use (lazy.py)
 
 log = logging.getLogger("flax_ckpt")
+T = TypeVar("T")
 
 MODES = ("auto", "always", "never")
 _MARGIN = 0.10  # of a device's bytes_limit, left free beside the copies
@@ -202,29 +204,42 @@ def to_host(
     try:
         jax.block_until_ready([p.dev for p in pending])
         ready = time.perf_counter()
-        out: list[np.ndarray] = []
-        started = held = 0
-        for p in pending:
-            while started < len(pending) and (
-                not WINDOW
-                or started == len(out)
-                or held + pending[started].nbytes <= WINDOW
-                or (hurry is not None and hurry.is_set())
-            ):
-                q = pending[started]
-                if not _on_cpu(q.dev):
-                    q.dev.copy_to_host_async()
-                held += q.nbytes
-                started += 1
-            out.append(np.asarray(p.dev))
-            held -= p.nbytes
-        return out, ready
+        items = [(p, p.nbytes) for p in pending]
+        return [np.asarray(p.dev) for p in paced(items, _start_transfer, WINDOW, hurry)], ready
     except Exception as e:
         raise CheckpointError(
             f"the computation that produced the saved state failed on the device ({type(e).__name__}: "
             f"{str(e).splitlines()[0] if str(e) else ''}); nothing of this step was written. Earlier steps "
             "are intact; the cause is attached"
         ) from e
+
+
+def _start_transfer(p: Pending) -> None:
+    if not _on_cpu(p.dev):
+        p.dev.copy_to_host_async()
+
+
+def paced(
+    items: Sequence[tuple[T, int]],
+    start: Callable[[T], None],
+    window: int,
+    hurry: threading.Event | None = None,
+) -> Iterator[T]:
+    """Starts the (item, bytes) ``items`` in order with ``start`` and yields each item, in order, for the
+    caller to wait for before it asks for the next: at most ``window`` bytes started and not yet waited
+    for (a larger item alone; 0: no limit), and no limit at all once ``hurry`` is set."""
+    flight: deque[tuple[T, int]] = deque()
+    held = 0
+    for x, n in items:
+        while flight and window and held + n > window and not (hurry is not None and hurry.is_set()):
+            y, m = flight.popleft()
+            held -= m
+            yield y
+        start(x)
+        flight.append((x, n))
+        held += n
+    while flight:
+        yield flight.popleft()[0]
 
 
 def _on_cpu(x: jax.Array) -> bool:
@@ -255,4 +270,4 @@ def tell(choice: Choice) -> None:
     )
 
 
-__all__ = ["Choice", "Pending", "choose", "dispatch", "headroom", "mode", "tell", "to_host"]
+__all__ = ["Choice", "Pending", "choose", "dispatch", "headroom", "mode", "paced", "tell", "to_host"]

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import math
 import threading
-from collections import deque
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Sequence
@@ -24,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import numpy as np
 
 from flax_ckpt._src import tree as tree_mod
+from flax_ckpt._src.engine.device import paced
 from flax_ckpt._src.engine.snapshot import HostLeaf, Snapshot, learned, snapshot
 from flax_ckpt._src.errors import CheckpointError
 from flax_ckpt._src.lazy import lazy
@@ -243,19 +243,11 @@ class _Feeder:
         self._thread.start()
 
     def _run(self) -> None:
-        flight: deque[tuple[jax.Array, int]] = deque()
-        held = 0
         try:
-            for x, n in self.transfers:
-                while flight and held + n > WINDOW:
-                    y, m = flight.popleft()
-                    if self._stopped.is_set():
-                        return
-                    _landed(y)
-                    held -= m
-                _start(x)
-                flight.append((x, n))
-                held += n
+            for y in paced(self.transfers, _start, WINDOW):
+                if self._stopped.is_set():
+                    return
+                _landed(y)
         except Exception:  # noqa: BLE001 - the write that needs the array raises it
             return
 
