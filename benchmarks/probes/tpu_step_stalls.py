@@ -15,12 +15,11 @@ import os
 import shutil
 import sys
 import tempfile
-import threading
-import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import jax
 import numpy as np
+from _stalls import steps_lost
 
 import bench_accelerator as B
 
@@ -30,37 +29,19 @@ host = [np.array(x) for x in B.leaves_of(state)]
 res: dict = {}
 
 
-def run(name, job, n=50, start=3):
-    """n steps, ``job`` started on a thread before step ``start``."""
+def run(name, job, make=None, n=50, start=3):
+    """n steps, ``job`` started on a thread before step ``start`` (_stalls.steps_lost)."""
     global state
-    for _ in range(2):
-        state = jax.block_until_ready(step(state))
-    times, took = [], [0.0]
-
-    def timed():
-        a = time.perf_counter()
-        job()
-        took[0] = time.perf_counter() - a
-
-    th = threading.Thread(target=timed)
-    for i in range(n):
-        if i == start:
-            th.start()
-        a = time.perf_counter()
-        state = jax.block_until_ready(step(state))
-        times.append(time.perf_counter() - a)
-    th.join()
-    med = sorted(times)[len(times) // 2]
-    res[name] = {
-        "excess_s": round(sum(times) - med * len(times), 3),
-        "max_ms": round(max(times) * 1e3, 1),
-        "work_s": round(took[0], 3),
-    }
+    state, excess, longest, took = steps_lost(step, state, job, make, n, start)
+    res[name] = {"excess_s": excess, "max_ms": longest, "work_s": took}
     print(name, res[name], flush=True)
 
 
-def transfer():
-    xs = B.leaves_of(copy(state))
+def device_copy(s):
+    return B.leaves_of(copy(s))
+
+
+def transfer(xs):
     for x in xs:
         x.copy_to_host_async()
     for x in xs:
@@ -97,8 +78,8 @@ part = sys.argv[1] if len(sys.argv) > 1 else "work"
 for r in range(2):
     if part == "work":
         run(f"nothing_{r}", lambda: None)
-        run(f"transfer_{r}", transfer)
-        run(f"device_get_{r}", lambda: jax.device_get(copy(state)))
+        run(f"transfer_{r}", transfer, device_copy)
+        run(f"device_get_{r}", jax.device_get, device_copy)
         run(f"host_copy_{r}", host_copy)
         run(f"write_tmp_{r}", writer("/tmp"))
         run(f"write_shm_{r}", writer("/dev/shm"))

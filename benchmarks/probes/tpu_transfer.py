@@ -31,6 +31,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import jax
 import jax.numpy as jnp
 import numpy as np
+from _stalls import steps_lost
 
 import bench_accelerator as B
 
@@ -169,32 +170,13 @@ def ticking(way):
     return out, s, max(gaps or [0]) * 1e3, sum(g for g in gaps if g > 0.005) * 1e3
 
 
-def stalls(way, n=40, start=3):
-    """Steps' time lost, the longest step (ms), and the move's seconds, when before step ``start`` the
-    caller makes the device copy and a thread moves it to host."""
+def stalls(way):
+    """Steps' time lost, the longest step (ms), and the move's seconds, when before a step the caller
+    makes the device copy and a thread moves it to host (_stalls.steps_lost)."""
     global state
-    for _ in range(2):
-        state = jax.block_until_ready(step(state))
-    times, took = [], [0.0]
     make, move = way
-    made = []
-
-    def timed():
-        a = time.perf_counter()
-        move(made[0])
-        took[0] = time.perf_counter() - a
-
-    th = threading.Thread(target=timed)
-    for i in range(n):
-        if i == start:
-            made.append(make(B.leaves_of(state)))  # dispatched before the next step donates the state
-            th.start()
-        a = time.perf_counter()
-        state = jax.block_until_ready(step(state))
-        times.append(time.perf_counter() - a)
-    th.join()
-    med = sorted(times)[len(times) // 2]
-    return round(sum(times) - med * len(times), 3), round(max(times) * 1e3, 1), round(took[0], 3)
+    state, *figures = steps_lost(step, state, move, lambda s: make(B.leaves_of(s)))
+    return figures
 
 
 for name, way in WAYS.items():  # warm-up (compiles) and the bit-exact check
