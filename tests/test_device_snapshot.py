@@ -1,7 +1,10 @@
-"""The snapshot taken on the device's stream (engine/device.py), on CPU devices.
+"""The snapshot taken on the device's stream (engine/device.py), on CPU devices (``always``).
 
-- A save of a state still being computed returns long before the step ends (a jitted copy is
-  dispatched behind it; the writer brings it to host), and restores bit-exact.
+- With ``auto`` (the default) a CPU state is never copied on the device: a save of a state still being
+  computed waits for the step (``waited_for_device_s``) and makes one host copy, the memory tier's and
+  the persistent manager's alike; a step donating the state right after ``save`` cannot change it.
+- With ``always``, a save of a state still being computed returns long before the step ends (a copy
+  is dispatched behind it; the writer brings it to host), and restores bit-exact.
 - The copy is a new buffer: a donating step dispatched right after ``save`` cannot change what is saved
   (one device, and 8 devices sharded).
 - Device memory: FLAX_CKPT_DEVICE_BUDGET=0 (no room) copies to host before ``save`` returns; a budget
@@ -60,7 +63,7 @@ def _state(n: int = 256) -> dict:
     }
 
 
-def test_a_save_of_a_state_still_computing_returns_before_the_step_ends(tmp_path):
+def test_a_save_of_a_state_still_computing_returns_before_the_step_ends(tmp_path, always):
     big = jnp.asarray(np.random.default_rng(1).standard_normal((1024, 1024)).astype(np.float32))
     _slow(big).block_until_ready()
     t = time.perf_counter()
@@ -79,6 +82,48 @@ def test_a_save_of_a_state_still_computing_returns_before_the_step_ends(tmp_path
         assert mgr.stats[-1].snapshot_mode == "device"
         assert mgr.stats[-1].blocked_s < 0.15 * step_s
         assert_bit_exact(mgr.restore(1), {"w": np.asarray(state["w"])})
+
+
+@pytest.mark.parametrize("manager", ["persistent", "memory"])
+def test_on_cpu_devices_auto_makes_one_host_copy_and_no_device_copy(tmp_path, manager, monkeypatch):
+    from flax_ckpt._src.engine import snapshot as snap_mod
+
+    dispatched, copied = [], []
+    real_dispatch, real_copy_all = dev.dispatch, snap_mod.copy_all
+    monkeypatch.setattr(
+        dev, "dispatch", lambda ps: (dispatched.extend(p.nbytes for p in ps), real_dispatch(ps))
+    )
+    monkeypatch.setattr(
+        snap_mod,
+        "copy_all",
+        lambda cs, *a: (copied.extend(d.nbytes for d, _ in cs), real_copy_all(cs, *a))[1],
+    )
+    tiers = (
+        fc.Tiers(local_dir=str(tmp_path / "shm"), peer=False, persist_interval_steps=None)
+        if manager == "memory"
+        else None
+    )
+    big = jnp.asarray(np.random.default_rng(2).standard_normal((1024, 1024)).astype(np.float32))
+    _slow(big).block_until_ready()
+    with fc.CheckpointManager(tmp_path / "run", tiers=tiers) as mgr:
+        mgr.save(0, {"w": big, "b": jnp.arange(7)})
+        mgr.wait_until_finished()
+        state = {"w": _slow(big), "b": jnp.arange(7)}
+        assert not state["w"].is_ready()  # a loop running ahead: the save finds its state computing
+        want = np.asarray(big)  # _slow's result equals its input
+        dispatched.clear(), copied.clear()
+        mgr.save(1, state)
+        state = _step(state)  # donates the saved arrays at once
+        jax.block_until_ready(state)
+        mgr.wait_until_finished()
+        s = (mgr.tier_stats if manager == "memory" else mgr.stats)[-1]
+        assert dispatched == []  # no copy on the device: it would compete with the step for the cores
+        assert sum(copied) == big.nbytes + 7 * 4, copied  # one host copy of each array
+        if manager == "persistent":
+            assert s.snapshot_mode == "host" and s.device_bytes == 0, s
+        assert s.waited_for_device_s > 0, s  # the step's time, reported as the device's
+        got = mgr.restore(1)
+    assert_bit_exact(got["w"], want)
 
 
 @pytest.mark.parametrize("how", ["device_put", "jit"])

@@ -1,5 +1,7 @@
 """A training loop that dispatches steps ahead of the device (no sync per step), saving every step.
 
+On CPU devices (these tests) a save waits for the step computing its own state, then copies it to
+host once (``FLAX_CKPT_DEVICE_SNAPSHOT=auto``); with ``always`` it copies on the device and returns.
 "The writer is busy" is judged against the device's progress: a save that finds the previous one still
 waiting for its device copy (the device behind the loop) waits for it, which costs the loop nothing
 the device would not cost it anyway, and is reported as ``waited_for_device_s``, not ``blocked_s``. So
@@ -83,7 +85,9 @@ def test_memory_tier_every_step_of_a_loop_running_ahead_saves_most_steps(tmp_pat
     assert_bit_exact(last["w"], np.asarray(state["w"]), types=False)
 
 
-def test_persistent_manager_on_busy_skip_judged_by_the_device(tmp_path):
+@pytest.mark.parametrize("mode", ["auto", "always"])
+def test_persistent_manager_on_busy_skip_judged_by_the_device(tmp_path, mode, monkeypatch):
+    monkeypatch.setenv("FLAX_CKPT_DEVICE_SNAPSHOT", mode)
     state = _train(_start())
     jax.block_until_ready(state)
     with fc.CheckpointManager(tmp_path / "run", on_busy="skip", max_to_keep=2) as mgr:
@@ -93,8 +97,15 @@ def test_persistent_manager_on_busy_skip_judged_by_the_device(tmp_path):
         state, saved, _ = _run(mgr, state)
         assert len(saved) >= 0.8 * _N, (len(saved), saved)
         assert mgr.skipped == _N - len(saved)
-        assert {s.snapshot_mode for s in mgr.stats[1:]} <= {"device", "host"}  # "host": a state computed
-        assert sum(s.snapshot_mode == "device" for s in mgr.stats[1:]) >= len(saved) / 2
+        stats = mgr.stats[1:]
+        if mode == "auto":  # CPU devices: the save waits for its own state's step, then one host copy
+            assert {s.snapshot_mode for s in stats} == {"host"}
+            waited = sorted(s.waited_for_device_s for s in stats)
+            blocked = sorted(s.blocked_s for s in stats)
+            assert blocked[len(blocked) // 2] < waited[len(waited) // 2], (blocked, waited)
+        else:
+            assert {s.snapshot_mode for s in stats} <= {"device", "host"}  # "host": a state computed
+            assert sum(s.snapshot_mode == "device" for s in stats) >= len(saved) / 2
         np.testing.assert_array_equal(mgr.restore(saved[-1])["w"], np.asarray(state["w"]))
 
 

@@ -17,9 +17,13 @@ limit). Leaves that do not fit are copied to host before ``save`` returns, as wi
 Settings (environment, read at each save):
 
 - ``FLAX_CKPT_DEVICE_SNAPSHOT``: ``auto`` (the default: on accelerators every jax.Array leaf that fits;
-  on CPU devices, whose host copy is a plain memory copy, only when the state is still being computed,
-  so that ``save`` does not wait for the step), ``always`` (CPU devices too) or ``never`` (copies to host
-  before ``save`` returns, as older releases did).
+  never on CPU devices), ``always`` (CPU devices too) or ``never`` (copies to host before ``save``
+  returns, as older releases did). On a CPU device the device's memory is the host's and its stream
+  runs on the cores that compute the step: a copy there is one more full copy of the state on those
+  cores, before the host copy the write needs (or the memory tier's copy into its file), and the step
+  after it waits for it. So ``auto`` waits for the step computing the state (time reported apart from
+  the save's, as the device's) and copies to host once: into the memory tier's pages or the
+  persistent manager's arena.
 - ``FLAX_CKPT_DEVICE_BUDGET``: bytes each device may give the copies of one save, in place of what its
   ``memory_stats()`` reports (CPU devices report nothing: no limit but this one).
 """
@@ -132,19 +136,21 @@ def _jax_parts(x: jax.Array, whole: bool) -> list[tuple[Any, Any]]:
 
 
 def choose(arrays: Sequence[tuple[int, jax.Array, bool, bool]]) -> tuple[set[int], Choice]:
-    """Which of ``arrays`` (index, array, whole, on CPU) are copied on their devices: per the mode,
-    whether the state is still being computed (CPU devices, "auto") and each device's headroom, in
-    order, a leaf taken when all its shards fit."""
+    """Which of ``arrays`` (index, array, whole, on CPU) are copied on their devices: per the mode
+    (CPU arrays only with "always") and each device's headroom, in order, a leaf taken when all its
+    shards fit."""
     m = mode()
-    total = sum(x.nbytes for _, x, _, _ in arrays)
+    total = sum(math.prod(x.shape) * x.dtype.itemsize for _, x, _, _ in arrays)  # jax's nbytes: slower
     if m == "never" or not arrays:
         return set(), Choice("host", 0, total, ready=not arrays)
-    if m == "auto" and all(cpu for *_, cpu in arrays) and all(is_ready(x) for _, x, _, _ in arrays):
-        return set(), Choice("host", 0, total, ready=True)
+    if m == "auto" and all(cpu for *_, cpu in arrays):  # a CPU state: copied to host once, never on the
+        return set(), Choice("host", 0, total, ready=all(is_ready(x) for _, x, _, _ in arrays))  # device
     room: dict[int, int | None] = {}
     chosen: set[int] = set()
     dev_bytes = 0
-    for i, x, whole, _ in arrays:
+    for i, x, whole, cpu in arrays:
+        if cpu and m == "auto":  # beside accelerators' arrays, a CPU array is copied to host, as above
+            continue
         parts = _jax_parts(x, whole)
         need: dict[int, int] = {}
         for a, d in parts:
@@ -160,6 +166,13 @@ def choose(arrays: Sequence[tuple[int, jax.Array, bool, bool]]) -> tuple[set[int
     host = total - sum(x.nbytes for i, x, _, _ in arrays if i in chosen)
     kind = "device" if len(chosen) == len(arrays) else "split" if chosen else "host"
     return chosen, Choice(kind, dev_bytes, host)
+
+
+def copied_to_host(arrays: Sequence[jax.Array]) -> bool:
+    """Whether a snapshot copies ``arrays`` to host, waiting for them to be computed, whatever the
+    devices' memory: the mode is "never", or "auto" and they all lie on CPU devices."""
+    m = mode()
+    return m == "never" or (m == "auto" and all(_on_cpu(x) for x in arrays))
 
 
 _HOW: str | None = None  # how the copy is made: a jitted jnp.copy ("jit": accelerators, where it was measured
@@ -243,7 +256,14 @@ def paced(
 
 
 def _on_cpu(x: jax.Array) -> bool:
-    return all(d.platform == "cpu" for d in x.sharding.device_set)
+    return _cpu_sharding(x.sharding)
+
+
+@functools.lru_cache(maxsize=256)
+def _cpu_sharding(s: jax.sharding.Sharding) -> bool:
+    """Whether every device of ``s`` is a CPU (asked per leaf at every save: the arrays of a state share
+    a few shardings, whose device set is a new Python set at each ask)."""
+    return all(d.platform == "cpu" for d in s.device_set)
 
 
 _told: set[str] = set()
@@ -259,7 +279,7 @@ def tell(choice: Choice) -> None:
         "device": "on the devices' streams (save returns before the step and the transfer end)",
         "split": "partly on the devices, within their free memory; the rest copied to host before save "
         "returns",
-        "host": "to host before save returns (FLAX_CKPT_DEVICE_SNAPSHOT, a ready CPU state, or no free "
+        "host": "to host before save returns (FLAX_CKPT_DEVICE_SNAPSHOT, a CPU state, or no free "
         "device memory)",
     }[choice.mode]
     log.info(
@@ -270,4 +290,15 @@ def tell(choice: Choice) -> None:
     )
 
 
-__all__ = ["Choice", "Pending", "choose", "dispatch", "headroom", "mode", "paced", "tell", "to_host"]
+__all__ = [
+    "Choice",
+    "Pending",
+    "choose",
+    "copied_to_host",
+    "dispatch",
+    "headroom",
+    "mode",
+    "paced",
+    "tell",
+    "to_host",
+]

@@ -20,6 +20,7 @@ import weakref
 from typing import TYPE_CHECKING, Any, Callable, Literal
 
 from flax_ckpt._src import layouts
+from flax_ckpt._src.engine import device
 from flax_ckpt._src.engine.fit import Fit, RenameArg
 from flax_ckpt._src.engine.leaves import CheckpointInfo
 from flax_ckpt._src.engine.snapshot import metrics_json
@@ -321,9 +322,10 @@ class CheckpointManager:
         """Saves ``state`` as ``step`` if the schedule says so, or off schedule with ``force=True``.
 
         Returns once a snapshot exists that the caller's next steps cannot change (async): jax.Array
-        leaves copied on their devices' streams where they fit (the copy is ordered before any step that
-        donates them, and ``save`` waits neither for the step computing the state nor for the
-        transfer), the rest copied to host; or once committed (sync). The transfer, write and commit
+        leaves on accelerators copied on their devices' streams where they fit (the copy is ordered
+        before any step that donates them, and ``save`` waits neither for the step computing the state
+        nor for the transfer), the rest copied to host (a CPU state once computed: one copy,
+        ``FLAX_CKPT_DEVICE_SNAPSHOT``); or once committed (sync). The transfer, write and commit
         run on the background writer, starting a few milliseconds later (the caller's next step is
         dispatched first) unless something waits for them.
 
@@ -427,6 +429,9 @@ class CheckpointManager:
         t1 = time.perf_counter()
         on_host = self._inflight
         self._writer.settle(0.0)  # ends its grace: it starts now
+        if device.copied_to_host(computing):  # the snapshot waits for the state anyway (a CPU state):
+            jax.block_until_ready(computing)  # wait for it once, not polling; on_busy decides after
+            return time.perf_counter() - t1
         while on_host is not None and not on_host.wait(_POLL_LONG) and self._writer.busy:
             pass  # its device copies are not done: the device is behind this state too
         while not self._writer.settle(_POLL):  # the writer's own work, while the state is computed
