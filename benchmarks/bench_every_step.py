@@ -9,7 +9,8 @@
 Two plain Flax Linen loops trained with optax adam, jitted with the state donated, on the CPU device:
 ``mlp`` (an MLP 4x1024 on 256 inputs, batch 512: 39 MiB of state with adam's moments) and
 ``transformer`` (a 4-layer decoder, d_model 256, 4 heads, vocab 2048, sequence 64, batch 4). Every
-step ends with ``jax.block_until_ready`` on the new state, as a loop that reads its loss each step does.
+step ends with ``jax.block_until_ready`` on the new state, as a loop that reads its loss each step does;
+with ``--ahead`` it does not (a loop that dispatches steps ahead of the device, synced once at the end).
 
 Contenders, each run in its own process (a fresh jax: no host copy cached by another contender):
 - ``none``: the loop without checkpoints (the reference of every ratio);
@@ -204,8 +205,11 @@ def saver(name: str, state: Any, d: Path) -> Saver | None:
 # ------------------------------------------------------------------------------------------ a child
 
 
-def child(contender: str, model: str, everies: list[int], steps: int, scratch: Path) -> dict[str, Any]:
-    """One process: the loop once per frequency; {every: {wall, cpu, saves, skipped}} or {"error"}."""
+def child(
+    contender: str, model: str, everies: list[int], steps: int, scratch: Path, ahead: bool = False
+) -> dict[str, Any]:
+    """One process: the loop once per frequency; {every: {wall, cpu, saves, skipped}} or {"error"}.
+    ``ahead``: no sync per step (the loop runs ahead of the device), one at the end."""
     import jax
     import numpy as np
 
@@ -232,9 +236,10 @@ def child(contender: str, model: str, everies: list[int], steps: int, scratch: P
                 getattr(s, "mark", lambda: None)()
             t0, c0, made = time.perf_counter(), time.process_time(), 0
             for i in range(1, steps + 1):
-                state = jax.block_until_ready(step(state))
+                state = step(state) if ahead else jax.block_until_ready(step(state))
                 if s is not None and i % every == 0:
                     made += bool(s.save(i, state))
+            jax.block_until_ready(state)
             if s is not None:
                 s.finish()
             wall, cpu = time.perf_counter() - t0, time.process_time() - c0
@@ -275,7 +280,7 @@ def run(args) -> dict[str, Any]:
                     args.every,
                     "--steps",
                     str(args.steps),
-                ]
+                ] + (["--ahead"] if args.ahead else [])
                 env = dict(os.environ)
                 if c.endswith("@base"):
                     if not args.baseline:
@@ -288,7 +293,10 @@ def run(args) -> dict[str, Any]:
                 res = json.loads(line) if line else {"error": (p.stderr or "no output").strip()[-300:]}
                 rows.setdefault(model, {}).setdefault(c, []).append(res)
                 brief = res.get("error") or "  ".join(
-                    f"every {e}: {res[str(e)]['wall'] * 1e3:.1f} ms/step" for e in everies if str(e) in res
+                    f"every {e}: {res[str(e)]['wall'] * 1e3:.1f} ms/step, CPU {res[str(e)]['cpu'] * 1e3:.1f} ms, "
+                    f"{res[str(e)]['saves']} saves"
+                    for e in everies
+                    if str(e) in res
                 )
                 if (
                     c.endswith("@base")
@@ -381,13 +389,17 @@ def main() -> None:
         help="a folder holding the flax_ckpt package that "
         "<contender>@base runs (e.g. a git worktree of an earlier commit)",
     )
+    ap.add_argument(
+        "--ahead", action="store_true", help="no sync per step: the loop runs ahead of the device"
+    )
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     C.jax_cpu_env()
     if args.child:
         scratch = C.SCRATCH
         try:
-            res = child(args.child, args.models, [int(e) for e in args.every.split(",")], args.steps, scratch)
+            everies = [int(e) for e in args.every.split(",")]
+            res = child(args.child, args.models, everies, args.steps, scratch, args.ahead)
         finally:
             C.remove_scratch(scratch)
         print(json.dumps(res), flush=True)
