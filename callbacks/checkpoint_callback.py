@@ -126,6 +126,7 @@ class CheckpointCallback:
             raise
         self._closed = False
         self._pending: tuple[int, Any, Metrics] | None = None  # the last call's step, state, metrics: unsaved
+        self._pid = os.getpid()  # a child forked from this process (a data loader's worker) never closes it
         _close_at_exit(self)
 
     # ------------------------------------------------------------------------------------------ resume
@@ -336,6 +337,15 @@ class CheckpointCallback:
     def _close(self, *, final_save: bool, at_exit: bool) -> None:
         if self._closed:
             return
+        if self._pid != os.getpid():  # a forked child: the run, its last step and its lock are the parent's
+            if at_exit or not final_save:
+                return  # the child exits (or drops its copy) without saving or closing anything
+            raise fc.CheckpointError(
+                f"CheckpointCallback({self.manager.directory}).close() in process {os.getpid()}, a child "
+                f"forked from process {self._pid}, which opened it: only that process saves its last "
+                "step and closes it. Fix: close it in the parent; a child that saves needs a "
+                "CheckpointCallback of its own, on another directory"
+            )
         self._closed = True
         _OPEN.discard(self)
         if self._guard.requested and not self.preempted:
