@@ -70,8 +70,12 @@ def _budget_env() -> int | None:
         return None
     try:
         n = int(float(v))
-    except ValueError:
-        raise ValueError(f"FLAX_CKPT_DEVICE_BUDGET={v!r}: give a number of bytes") from None
+    except (ValueError, OverflowError):  # "abc", "nan"; "inf" (no int holds it)
+        raise ValueError(
+            f"FLAX_CKPT_DEVICE_BUDGET={v!r}: give a finite number of bytes each device may give one "
+            "save's copies (e.g. 2e9), 0 to copy to host at once, or unset it to use what the devices "
+            "report (FLAX_CKPT_DEVICE_SNAPSHOT=always copies every leaf that fits)"
+        ) from None
     return max(0, n)
 
 
@@ -207,11 +211,18 @@ def to_host(
         items = [(p, p.nbytes) for p in pending]
         return [np.asarray(p.dev) for p in paced(items, _start_transfer, WINDOW, hurry)], ready
     except Exception as e:
-        raise CheckpointError(
-            f"the computation that produced the saved state failed on the device ({type(e).__name__}: "
-            f"{str(e).splitlines()[0] if str(e) else ''}); nothing of this step was written. Earlier steps "
-            "are intact; the cause is attached"
-        ) from e
+        raise failed(e) from e
+
+
+def failed(e: BaseException) -> CheckpointError:
+    """The error of a save whose state's computation failed on the device (``e``: an XLA error of the
+    training step, raised where the state is waited for or copied), to be raised from ``e``."""
+    return CheckpointError(
+        f"the computation that produced the saved state failed on the device ({type(e).__name__}: "
+        f"{str(e).splitlines()[0] if str(e) else ''}); nothing of this step was written. Earlier steps "
+        "are intact; the cause is attached. Fix the training step (a smaller batch for an out-of-memory "
+        "error) and save the state it returns"
+    )
 
 
 def _start_transfer(p: Pending) -> None:
