@@ -9,6 +9,7 @@ process (interpreter exit is what is tested), with real Pool workers and real fo
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -148,3 +149,26 @@ def test_a_child_forked_during_a_save_exits_without_hanging_and_the_save_commits
     done = _run(DURING_SAVE, str(tmp_path))
     assert done.returncode == 0, done.stdout[-500:] + done.stderr[-3000:]
     assert done.stdout.splitlines()[-1] == "parent done"
+
+
+CREDENTIALS = textwrap.dedent("""
+    import os, sys
+    from flax_ckpt._src.storage import endpoints
+
+    profile = endpoints._profile_for_keys("AKIDEXAMPLE", "secret", None)
+    pid = os.fork()
+    if pid == 0:
+        sys.exit(0)  # a normal exit: atexit hooks run
+    os.waitpid(pid, 0)
+    print(os.path.exists(profile["credentials_file"]), profile["credentials_file"], flush=True)
+""")
+
+
+def test_a_forked_child_leaves_the_parents_object_store_credentials_in_place(tmp_path):
+    """Explicit object-store keys live in a private file removed at exit: by the process that made it,
+    not by a forked child exiting first (the parent's next request would find no credentials)."""
+    done = _run(CREDENTIALS)
+    assert done.returncode == 0, done.stderr[-3000:]
+    there, path = done.stdout.split()
+    assert there == "True"
+    assert not os.path.exists(path)  # the parent removed it at its own exit
