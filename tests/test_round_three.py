@@ -247,3 +247,49 @@ def test_a_follower_beside_orbax_deleting_a_step_reports_it_gone_not_damaged(
         assert follower.restore()["b"].tolist() == (np.arange(8) * 3).tolist()
     assert [r.getMessage() for r in caplog.records if "damaged" in r.getMessage()] == []
     assert not (run / "1").exists()
+
+
+def test_a_step_orbax_starts_deleting_while_the_follower_reads_it_is_reported_gone(tmp_path, monkeypatch):
+    """The deletion begins after the follower listed the step and before it read its arrays: the
+    step's metadata is still there (so the listing keeps it) but its array files are gone; the
+    follower watches the folder empty, and a named step is a CheckpointNotFoundError saying it was
+    deleted while being restored (it was a CorruptCheckpointError)."""
+    import os
+    import shutil
+    import types
+
+    try:
+        from flax_ckpt._src.manager import vanishing
+    except ImportError:  # before the fix
+        vanishing = types.SimpleNamespace()
+
+    run = tmp_path / "run"
+    with fc.CheckpointManager(run, format="orbax", async_save=False) as mgr:
+        for step in (1, 2):
+            mgr.save(step, {"w": np.full(64, step, np.float32)})
+    follower = fc.CheckpointManager(run, read_only=True)
+    assert follower.all_steps() == [1, 2]
+    files = sorted(os.path.join(top, n) for top, _, names in os.walk(run / "1") for n in names)
+    data = [p for p in files if not os.path.basename(p).startswith(("_", "commit_success"))]
+    left = [p for p in files if p not in data]
+    restore = follower._directory._restore.restore
+
+    def begun(*args, **kwargs):  # Orbax's deleter starts with the array files
+        for path in data:
+            if os.path.exists(path):
+                os.unlink(path)
+        return restore(*args, **kwargs)
+
+    real = getattr(vanishing, "_entries", None)
+
+    def look(path):  # ... and goes on by one file each time the follower looks, then the folder
+        if left:
+            os.unlink(left.pop())
+        else:
+            shutil.rmtree(run / "1", ignore_errors=True)
+        return real(path)
+
+    monkeypatch.setattr(follower._directory._restore, "restore", begun)
+    monkeypatch.setattr(vanishing, "_entries", look, raising=False)
+    with pytest.raises(fc.CheckpointNotFoundError, match="step 1 .* was deleted while it was being restored"):
+        follower.restore(1)
