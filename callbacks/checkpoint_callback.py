@@ -68,6 +68,10 @@ class CheckpointCallback:
         any device count, with or without pmap; the steps that are not saved cost nothing.
         ``restore_or`` replicates the restored state onto the local devices again. The replicas are
         assumed equal (kept in sync by ``pmean``): the first is saved.
+      compile_cache: keep JAX's compiled programs in ``<directory>/compile_cache`` (True), in another
+        folder (a path or URL), or not (False), so that a resumed run loads its training step instead of
+        compiling it again (``fc.use_compilation_cache``). A cache the program configured itself
+        (``jax_compilation_cache_dir``) is used as it is.
       **manager_options: any other ``fc.CheckpointManager`` option (``keep_period``, ``best_metric``,
         ``best_mode``, ``keep_best``, ``async_save``, ``serializer``, ...).
 
@@ -103,6 +107,7 @@ class CheckpointCallback:
         preemption_signals: Sequence[int] = (signal.SIGTERM, signal.SIGINT),
         force_after: int | None = 3,
         replicated: bool = False,
+        compile_cache: bool | str | os.PathLike = True,
         **manager_options: Any,
     ):
         if "save_interval_steps" in manager_options:
@@ -126,6 +131,7 @@ class CheckpointCallback:
             raise
         self._closed = False
         self._pending: tuple[int, Any, Metrics] | None = None  # the last call's step, state, metrics: unsaved
+        self.compile_cache = _use_compile_cache(directory, compile_cache, manager_options)
         _close_at_exit(self)
 
     # ------------------------------------------------------------------------------------------ resume
@@ -352,6 +358,8 @@ class CheckpointCallback:
             self.manager.close()
         finally:
             self._guard.close()
+            if self.compile_cache is not None:
+                self.compile_cache.close()
 
     def _save_pending(self, at_exit: bool) -> None:
         """The final save of close(): the last call's step, unless saved, preempted or its arrays gone."""
@@ -420,6 +428,16 @@ class Preempted(KeyboardInterrupt):
 
     def _render_traceback_(self) -> list[str]:  # IPython shows these lines in place of a traceback
         return [f"Preempted: {self}"]
+
+
+def _use_compile_cache(
+    directory: str | os.PathLike, setting: bool | str | os.PathLike, options: dict[str, Any]
+) -> "fc.CompilationCache | None":
+    """Installs the run's compilation cache as ``compile_cache`` says; None without one."""
+    if setting is False or setting is None:
+        return None
+    location = f"{os.fspath(directory).rstrip('/')}/compile_cache" if setting is True else setting
+    return fc.use_compilation_cache(location, options=options.get("storage_options"))
 
 
 def _values(metrics: Metrics) -> dict[str, Any] | None:
