@@ -15,7 +15,9 @@ loaded from a compilation cache, and run). Modes:
 - ``fresh``: a run with no checkpoint: init, then the first step;
 - ``fc``: a restarted run with ``CheckpointCallback`` as it is (its compilation cache in the run folder,
   filled by the run before the restart);
-- ``fc-nocache``: the same with ``compile_cache=False``;
+- ``fc-early``: the same with the callback made before the state is built, so that the programs that
+  build it are loaded from the cache too;
+- ``fc-nocache``: the same as ``fc`` with ``compile_cache=False``;
 - ``orbax``: Orbax's ``CheckpointManager`` restoring the same state (``StandardRestore``), no cache.
 
 Before the rounds, one process trains a step and saves it three ways (the callback's run with its
@@ -42,7 +44,7 @@ sys.path.insert(0, str(HERE))
 import _common as C  # noqa: E402
 from bench_accelerator import FULL, SMALL  # noqa: E402
 
-MODES = ("fresh", "fc", "fc-nocache", "orbax")
+MODES = ("fresh", "fc", "fc-early", "fc-nocache", "orbax")
 PHASES = ("imports", "backend", "init", "restore", "first_step")
 
 
@@ -68,6 +70,7 @@ def child(mode: str, folder: Path, dims: dict[str, int]) -> dict[str, float]:
     from bench_accelerator import make_model
 
     init, step, _ = make_model(**dims)
+    early = CheckpointCallback(folder / "fc", every_steps=1) if mode == "fc-early" else None
     state = jax.block_until_ready(init())
     marks["init"] = time.time()
     if mode == "seed":
@@ -80,8 +83,8 @@ def child(mode: str, folder: Path, dims: dict[str, int]) -> dict[str, float]:
             mgr.save(1, args=ocp.args.StandardSave(state))
             mgr.wait_until_finished()
         return marks
-    if mode in ("fc", "fc-nocache"):
-        ckpt = CheckpointCallback(folder / mode, every_steps=1, compile_cache=mode == "fc")
+    if mode in ("fc", "fc-early", "fc-nocache"):
+        ckpt = early or CheckpointCallback(folder / mode, every_steps=1, compile_cache=mode == "fc")
         state, start = ckpt.restore_or(state)
         assert start == 1, start
         jax.block_until_ready(state)
@@ -136,9 +139,9 @@ def summarize(body: dict[str, Any]) -> str:
         cells = [f"{phases[p]:.2f}" if p in phases else "-" for p in (*PHASES, "total")]
         rows.append(f"| {mode} | " + " | ".join(cells) + " |")
     lines = [f"Restart to first step, {body['device']} ({body['state_mib']:.0f} MiB state), "]
-    lines[0] += f"medians of {body['rounds']} rounds, seconds:"
+    lines[0] += f"medians of {body.get('rounds_run', body['rounds'])} rounds, seconds:"
     lines += ["", *rows, ""]
-    for mode in ("fc", "fc-nocache", "orbax"):
+    for mode in ("fc", "fc-early", "fc-nocache", "orbax"):
         if mode in med and "fresh" in med:
             lines.append(
                 f"- {mode}: first step {med[mode]['first_step']:.2f} s after the restore's end, "
@@ -154,6 +157,7 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="d,layers,heads,vocab,seq,batch")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--budget-s", type=float, default=None, help="start no round after this many seconds")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--folder", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--dims", default=None, help=argparse.SUPPRESS)
@@ -183,7 +187,11 @@ def main() -> None:
         body["state_mib"] = sum(np.dtype(x.dtype).itemsize * x.size for x in leaves) / C.MB
         body["seed"] = spawn("seed", folder, dims)
         print(f"{body['device']}, state {body['state_mib']:.0f} MiB; seeded in {body['seed']['total']:.1f} s")
+        t0 = time.time()
         for r in range(args.rounds):
+            if args.budget_s is not None and r and time.time() - t0 > args.budget_s:
+                break
+            body["rounds_run"] = r + 1
             for mode in modes[r % len(modes) :] + modes[: r % len(modes)]:
                 res = spawn(mode, folder, dims)
                 body["runs"][mode].append(res)
@@ -193,8 +201,19 @@ def main() -> None:
             for m, runs in body["runs"].items()
             if runs
         }
+    except Exception as e:  # a contender's failure: the report keeps what ran
+        body["error"] = repr(e)[-3000:]
+        print(body["error"], flush=True)
     finally:
         shutil.rmtree(C.SCRATCH, ignore_errors=True)
+    body.setdefault(
+        "medians",
+        {
+            m: {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+            for m, runs in body["runs"].items()
+            if runs
+        },
+    )
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     C.OUT_DIR.mkdir(parents=True, exist_ok=True)
     path = C.OUT_DIR / f"resume-{stamp}.json"

@@ -42,7 +42,7 @@ def _env(**extra: str) -> dict[str, str]:
     return env
 
 
-def _run(tmp: Path, run: Path, steps: int, opts: dict | None = None, **env: str) -> tuple[dict, str]:
+def _run(tmp: Path, run: "Path | str", steps: int, opts: dict | None = None, **env: str) -> tuple[dict, str]:
     """Runs PROGRAM (one file for all: a program's source lines are part of its cache key, so a restarted
     program is the same file) on ``run`` up to ``steps``."""
     script = Path(__file__).parent / "workers" / "compile_cache_program.py"
@@ -187,3 +187,15 @@ def test_use_compilation_cache_refuses_a_bad_bound():
     for bad in (0, -1, 1.5, "1GB"):
         with pytest.raises(ValueError, match="max_bytes"):
             fc.use_compilation_cache("/nonexistent", max_bytes=bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("store", ["s3", "gcs"])
+def test_a_run_on_an_object_store_keeps_its_cache_there(tmp_path, store, request, uninterrupted):
+    place = request.getfixturevalue(store)  # the environment points flax_ckpt (and the children) at it
+    first, _ = _run(tmp_path, place.url, 2)  # type: ignore[arg-type]
+    assert first["writes"] > 0 and first["location"].startswith(place.url + "/compile_cache/")
+    stored = [k for k in place.keys("compile_cache") if k.endswith(".xc")]
+    assert len(stored) == first["entries"]
+    resumed, _ = _run(tmp_path, place.url, 4)  # type: ignore[arg-type]
+    assert resumed["start"] == 2 and resumed["hits"] > 0 and resumed["writes"] == 0
+    assert resumed["w"] == uninterrupted
