@@ -74,6 +74,10 @@ def child(mode: str, folder: Path, dims: dict[str, int]) -> dict[str, float]:
     state = jax.block_until_ready(init())
     marks["init"] = time.time()
     if mode == "seed":
+        leaves = jax.tree_util.tree_leaves(state)
+        marks["state_mib"] = sum(x.nbytes for x in leaves if hasattr(x, "nbytes")) / C.MB
+        marks["device"] = f"{jax.device_count()} x {jax.devices()[0].device_kind}"  # type: ignore[assignment]
+        marks["jax"] = jax.__version__  # type: ignore[assignment]
         state = jax.block_until_ready(step(state))
         for name, opts in (("fc", {}), ("fc-nocache", {"compile_cache": False})):
             ckpt = CheckpointCallback(folder / name, every_steps=1, **opts)
@@ -122,7 +126,8 @@ def spawn(mode: str, folder: Path, dims: dict[str, int]) -> dict[str, float]:
     if p.returncode != 0:
         raise RuntimeError(f"{mode}: exit {p.returncode}\n{p.stderr[-3000:]}")
     marks = json.loads(p.stdout.strip().splitlines()[-1])
-    out, last = {}, t0
+    out: dict[str, Any] = {k: marks[k] for k in ("device", "state_mib", "jax") if k in marks}
+    last = t0
     for phase in PHASES:
         if phase in marks:
             out[phase] = marks[phase] - last
@@ -175,17 +180,9 @@ def main() -> None:
     folder.mkdir(parents=True)
     body: dict[str, Any] = {"dims": dims, "rounds": args.rounds, "runs": {m: [] for m in modes}}
     try:
-        import jax
-        import numpy as np
-
-        body["device"] = f"{jax.device_count()} x {jax.devices()[0].device_kind}"
-        body["jax"] = jax.__version__
-        from bench_accelerator import make_model
-
-        init, _, _ = make_model(**dims)
-        leaves = jax.tree_util.tree_leaves(jax.eval_shape(init))
-        body["state_mib"] = sum(np.dtype(x.dtype).itemsize * x.size for x in leaves) / C.MB
-        body["seed"] = spawn("seed", folder, dims)
+        body["seed"] = spawn("seed", folder, dims)  # the parent never opens the device: a child holds it
+        body["device"], body["state_mib"] = body["seed"].pop("device"), body["seed"].pop("state_mib")
+        body["jax"] = body["seed"].pop("jax")
         print(f"{body['device']}, state {body['state_mib']:.0f} MiB; seeded in {body['seed']['total']:.1f} s")
         t0 = time.time()
         for r in range(args.rounds):
