@@ -12,4 +12,4 @@ _pip --no-index --no-deps --upgrade --target /tmp/site .whl-tpu/*.whl \
   && rm -rf /tmp/shim && mkdir -p /tmp/shim && cp -r flax_ckpt /tmp/shim/ \
   && cp -r callbacks /tmp/shim/flax_ckpt/callbacks \
   && export PYTHONPATH=/tmp/shim:$PYTHONPATH:/tmp/site:/tmp/site2 \
-  && python3 -c "import jax, flax, optax, orbax.checkpoint, flax_ckpt.callbacks; print('tpu env:', jax.__version__, flax.__version__, orbax.checkpoint.__version__)"
+  && (cd /tmp && python3 -c "import jax, flax, optax, orbax.checkpoint, flax_ckpt.callbacks; print('tpu env:', jax.__version__, flax.__version__, orbax.checkpoint.__version__)")
