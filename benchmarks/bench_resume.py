@@ -20,8 +20,9 @@ loaded from a compilation cache, and run). Modes:
 - ``fc-nocache``: the same as ``fc`` with ``compile_cache=False``;
 - ``orbax``: Orbax's ``CheckpointManager`` restoring the same state (``StandardRestore``), no cache.
 
-Before the rounds, one process trains a step and saves it three ways (the callback's run with its
-cache, one without, Orbax's). Reported: the median of each phase's length per mode, the first step
+Before the rounds, one process (with the callback made before its state is built) trains two steps and
+saves the state three ways (the callback's run with its cache, one without, Orbax's): the run that a
+preemption stopped. Reported: the median of each phase's length per mode, the first step
 after the restore's end, and ratios. The JSON report goes to bench_out/ (FLAX_CKPT_BENCH_OUT).
 """
 
@@ -70,7 +71,7 @@ def child(mode: str, folder: Path, dims: dict[str, int]) -> dict[str, float]:
     from bench_accelerator import make_model
 
     init, step, _ = make_model(**dims)
-    early = CheckpointCallback(folder / "fc", every_steps=1) if mode == "fc-early" else None
+    early = CheckpointCallback(folder / "fc", every_steps=1) if mode in ("fc-early", "seed") else None
     state = jax.block_until_ready(init())
     marks["init"] = time.time()
     if mode == "seed":
@@ -78,19 +79,22 @@ def child(mode: str, folder: Path, dims: dict[str, int]) -> dict[str, float]:
         marks["state_mib"] = sum(x.nbytes for x in leaves if hasattr(x, "nbytes")) / C.MB
         marks["device"] = f"{jax.device_count()} x {jax.devices()[0].device_kind}"  # type: ignore[assignment]
         marks["jax"] = jax.__version__  # type: ignore[assignment]
-        state = jax.block_until_ready(step(state))
-        for name, opts in (("fc", {}), ("fc-nocache", {"compile_cache": False})):
-            ckpt = CheckpointCallback(folder / name, every_steps=1, **opts)
-            ckpt(1, state)
-            ckpt.close()
+        for _ in range(2):  # the run a preemption stops: its steps after the first get the state a step gave
+            state = jax.block_until_ready(step(state))
+        assert early is not None
+        early(2, state)
+        early.close()
+        ckpt = CheckpointCallback(folder / "fc-nocache", every_steps=1, compile_cache=False)
+        ckpt(2, state)
+        ckpt.close()
         with ocp.CheckpointManager(folder / "orbax") as mgr:
-            mgr.save(1, args=ocp.args.StandardSave(state))
+            mgr.save(2, args=ocp.args.StandardSave(state))
             mgr.wait_until_finished()
         return marks
     if mode in ("fc", "fc-early", "fc-nocache"):
         ckpt = early or CheckpointCallback(folder / mode, every_steps=1, compile_cache=mode == "fc")
         state, start = ckpt.restore_or(state)
-        assert start == 1, start
+        assert start == 2, start
         jax.block_until_ready(state)
         marks["restore"] = time.time()
         jax.block_until_ready(step(state))
