@@ -137,3 +137,21 @@ def test_a_grain_item_of_other_process_counts_is_named(run_copy):
     os.rename(run_copy / "2" / "ds" / "process_0-of-1.json", run_copy / "2" / "ds" / "process_3-of-4.json")
     with pytest.raises(fc.CorruptCheckpointError, match=r"'process_3-of-4.json'.*process_0-of-1.json"):
         fc.restore(run_copy / "2", item="ds")
+
+
+def test_init_from_an_orbax_run_carries_its_step_and_data_position(grain_run, tmp_path):
+    """nanodo's checkpoint_restore_dir: a new run in a directory of its own continues the Orbax run at
+    its step, with its data position."""
+    from flax_ckpt.callbacks import CheckpointCallback
+
+    ref = batches(dataset_iter, 3)
+    ds = dataset_iter()
+    with CheckpointCallback(tmp_path / "new", every_steps=1, preemption_signals=()) as ckpt:
+        restored, start = ckpt.restore_or(
+            {"state": state(0), "ds": ds}, init_from=grain_run, continue_step=True
+        )
+        assert start == 2
+        assert_bit_exact(restored["state"], state(2))
+        np.testing.assert_array_equal(next(ds), ref[2])
+        ckpt(3, {"state": state(3), "ds": ds})
+    assert fc.metadata(tmp_path / "new" / "3").format == "native"
