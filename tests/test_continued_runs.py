@@ -81,8 +81,9 @@ def test_a_program_that_saves_more_continues_an_orbax_run_in_place(tmp_path):
         for s in (1, 2):
             omgr.save(s, args=ocp.args.Composite(state=ocp.args.StandardSave({"params": params(s)})))
     with callback(root) as ckpt:
-        with pytest.raises(fc.StructureMismatchError, match='missing="keep"'):
+        with pytest.raises(fc.StructureMismatchError) as e:
             ckpt.restore_or({"state": grown(0)})
+        assert 'missing="keep"' in str(e.value) and "'state/rngs'" in str(e.value)
         state, step = ckpt.restore_or({"state": grown(0)}, missing="keep")
         assert step == 2
         assert_bit_exact(state["state"], {**grown(0), "params": params(2)})
