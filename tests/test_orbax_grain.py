@@ -155,3 +155,18 @@ def test_init_from_an_orbax_run_carries_its_step_and_data_position(grain_run, tm
         np.testing.assert_array_equal(next(ds), ref[2])
         ckpt(3, {"state": state(3), "ds": ds})
     assert fc.metadata(tmp_path / "new" / "3").format == "native"
+
+
+def test_our_grain_files_verify_and_an_iterator_given_to_the_manager_is_refused(run_copy):
+    ds = dataset_iter()
+    before = sorted(os.listdir(run_copy))
+    with fc.CheckpointManager(run_copy, async_save=False) as mgr:
+        with pytest.raises(fc.UnsupportedLeafError, match=r"'ds': iterator.get_state\(\)"):
+            mgr.save(3, {"state": state(3), "data": loader_iter().get_state(), "ds": ds})
+        assert sorted(os.listdir(run_copy)) == before  # nothing was written
+        mgr.save(3, {"state": state(3), "data": loader_iter().get_state(), "ds": ds.get_state()})
+    ours = run("verify", str(run_copy / "3"), "-q")
+    assert ours.returncode == 0 and ours.stdout.startswith("OK "), ours.stdout + ours.stderr
+    (run_copy / "3" / "ds" / "process_0-of-1.json").write_text('{"next_index": 9}')
+    with pytest.raises(fc.CorruptCheckpointError, match="process_0-of-1.json"):
+        fc.restore(run_copy / "3", item="ds")

@@ -754,10 +754,10 @@ def check_items(tree: Any, handlers: dict[str, str], where: str) -> dict[str, An
         )
     json_items = {}
     for n in json_names:
+        if is_grain(handlers[n]):
+            json_items[n] = _grain_item(tree[n], n, where)
+            continue
         try:
-            if is_grain(handlers[n]):
-                json_items[n] = grain_text(tree[n], n)
-                continue
             json_items[n] = jsonable(tree[n], f"the JSON item {n!r}")
         except CheckpointError as e:
             raise UnsupportedLeafError(
@@ -766,6 +766,18 @@ def check_items(tree: Any, handlers: dict[str, str], where: str) -> dict[str, An
                 "Convert it (e.g. int(x), x.tolist()), or keep arrays in a pytree item."
             ) from None
     return json_items
+
+
+def _grain_item(value: Any, name: str, where: str) -> bytes:
+    """``grain_text`` of a grain item's value, or an UnsupportedLeafError saying what the item holds."""
+    try:
+        return grain_text(value, name)
+    except CheckpointError as e:
+        raise UnsupportedLeafError(
+            f"{where}: {e}. The run's steps hold {name!r} as grain's data item (PyGrainCheckpointSave), so its "
+            "value is the iterator's get_state(): save {..., " + repr(name) + ": iterator.get_state()}, or "
+            "give the iterator itself to CheckpointCallback, which does that; nothing was written."
+        ) from None
 
 
 def grain_text(value: Any, name: str) -> bytes:
