@@ -50,6 +50,7 @@ class CompilationCacheInfo:
       nbytes: their bytes.
       max_bytes: the bound on the whole cache.
       hits: programs this process loaded from it instead of compiling.
+      misses: programs this process looked for and did not find (or found damaged).
       writes: programs this process stored in it.
     """
 
@@ -58,6 +59,7 @@ class CompilationCacheInfo:
     nbytes: int
     max_bytes: int
     hits: int
+    misses: int
     writes: int
 
 
@@ -98,6 +100,7 @@ class CompilationCache:
         self._used: set[str] = set()  # keys this process read or wrote
         self._said: set[str] = set()  # the log lines said (one each)
         self.hits = 0
+        self.misses = 0
         self.writes = 0
         self.broken = False
 
@@ -109,6 +112,8 @@ class CompilationCache:
             with self._lock:
                 folder = self._open()
                 name = self._names.get(key) if folder is not None and _KEY.fullmatch(key) else None
+                if folder is not None and name is None:
+                    self.misses += 1
             if folder is None or name is None:
                 return None
             data = folder.read(name, self._sizes[name])
@@ -116,6 +121,8 @@ class CompilationCache:
             if payload is None:
                 self._say("damaged", f"compilation cache: {folder.url}/{name} is damaged; compiling it again")
                 self._forget(key, name, delete=True)
+                with self._lock:
+                    self.misses += 1
                 return None
             with self._lock:
                 self._used.add(key)
@@ -182,7 +189,7 @@ class CompilationCache:
             url = folder.url if folder is not None else self.root.url
             sizes = dict(self._sizes)
         return CompilationCacheInfo(
-            url, len(sizes), sum(sizes.values()), self.max_bytes, self.hits, self.writes
+            url, len(sizes), sum(sizes.values()), self.max_bytes, self.hits, self.misses, self.writes
         )
 
     def _open(self) -> Storage | None:
