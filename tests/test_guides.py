@@ -79,8 +79,8 @@ def run_page(page: pathlib.Path) -> None:
                 try:
                     exec(compile(code, f"{page.name}:{line}", "exec"), ns)
                 except ModuleNotFoundError as e:
-                    if e.name and e.name.split(".")[0] == "orbax":
-                        pytest.skip(f"{page.name}:{line} needs orbax-checkpoint (the test extra)")
+                    if e.name and e.name.split(".")[0] in ("orbax", "grain"):
+                        pytest.skip(f"{page.name}:{line} needs {e.name.split('.')[0]} (the test extra)")
                     raise
     finally:
         _close_open(ns)

@@ -241,7 +241,9 @@ def _ls_note(e: Any) -> str:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
+    from flax_ckpt._src import compile_cache
     from flax_ckpt._src import tools as fi
+    from flax_ckpt._src.storage import open_storage
 
     entries = fi.list_steps(args.directory)
     if args.local_dir:
@@ -290,8 +292,22 @@ def cmd_ls(args: argparse.Namespace) -> int:
         if steps
         else f"no steps in {args.directory}"
     )
-    _emit(args, doc, text + _leftovers_line(leftovers))
+    cache = compile_cache.summary(open_storage(args.directory))
+    if cache is not None:
+        doc["compile_cache"] = {"programs": cache[0], "nbytes": cache[1], "for": cache[2]}
+    _emit(args, doc, text + _leftovers_line(leftovers) + _cache_line(cache))
     return EXIT_OK
+
+
+def _cache_line(cache: tuple[int, int, list[str]] | None) -> str:
+    """The line of a run's compilation cache (compile_cache/), or nothing."""
+    if cache is None:
+        return ""
+    n, nbytes, kinds = cache
+    made = f" ({', '.join(kinds)})" if kinds else ""
+    return (
+        f"\ncompile_cache/: {n} compiled {'program' if n == 1 else 'programs'}, {human_bytes(nbytes)}{made}"
+    )
 
 
 _LEFTOVERS = {
