@@ -301,6 +301,18 @@ _installed: CompilationCache | None = None
 _install_lock = threading.Lock()
 
 
+def _after_fork_in_child() -> None:
+    """A forked child starts with its own locks: one a parent's thread held at the fork (a compile in
+    flight) would never be released in the child."""
+    global _install_lock
+    _install_lock = threading.Lock()
+    if _installed is not None:
+        _installed._lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def use_compilation_cache(
     location: Any,
     *,
