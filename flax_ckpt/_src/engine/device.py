@@ -266,19 +266,22 @@ def tell(choice: Choice) -> None:
         return
     _told.add(choice.mode)
     mb = lambda n: f"{n / 2**20:.1f} MiB"  # noqa: E731
-    what = {
-        "device": "on the devices' streams (save returns before the step and the transfer end)",
-        "split": "partly on the devices, within their free memory; the rest copied to host before save "
-        "returns",
-        "host": "to host before save returns (FLAX_CKPT_DEVICE_SNAPSHOT, a ready CPU state, or no free "
-        "device memory)",
-    }[choice.mode]
-    log.info(
-        "snapshots are taken %s: %s on device, %s to host",
-        what,
-        mb(choice.device_bytes),
-        mb(choice.host_bytes),
-    )
+    if choice.mode == "device":
+        text = f"saves copy the state ({mb(choice.device_bytes)}) on its devices and return at once"
+    elif choice.mode == "split":
+        text = (
+            f"the devices have room for part of the state: saves copy {mb(choice.device_bytes)} on them "
+            f"and {mb(choice.host_bytes)} to host memory before returning"
+        )
+    elif choice.device_bytes + choice.host_bytes == 0 or choice.ready:
+        log.debug("saves copy the state (%s) to host memory before returning", mb(choice.host_bytes))
+        return  # a CPU state already computed: the copy is all a save can do, nothing to tell
+    else:
+        text = (
+            f"saves copy the state ({mb(choice.host_bytes)}) to host memory before returning: no device "
+            "memory to spare, or FLAX_CKPT_DEVICE_SNAPSHOT=never"
+        )
+    log.info("%s (the Accelerators guide says why)", text)
 
 
 __all__ = ["Choice", "Pending", "choose", "dispatch", "headroom", "mode", "paced", "tell", "to_host"]
