@@ -20,6 +20,9 @@ loaded from a compilation cache, and run). Modes:
 - ``fc-nocache``: the same as ``fc`` with ``compile_cache=False``;
 - ``orbax``: Orbax's ``CheckpointManager`` restoring the same state (``StandardRestore``), no cache.
 
+The chart (docs/_static/resume.png) and the figures pages quote are drawn by plots.py from the report
+once it is copied to benchmarks/results/ (a name with "resume" in it).
+
 Before the rounds, one process (with the callback made before its state is built) trains two steps and
 saves the state three ways (the callback's run with its cache, one without, Orbax's): the run that a
 preemption stopped. Reported: the median of each phase's length per mode, the first step
@@ -160,54 +163,6 @@ def summarize(body: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-LABELS = {
-    "fresh": "a fresh run (no checkpoint)",
-    "fc": "flax_ckpt callback, made after the state",
-    "fc-early": "flax_ckpt callback, made before the state",
-    "fc-nocache": "flax_ckpt callback, compile_cache=False",
-    "orbax": "Orbax CheckpointManager",
-}
-PHASE_LABELS = {
-    "imports": "imports",
-    "backend": "device runtime starts",
-    "init": "state built",
-    "restore": "checkpoint restored",
-    "first_step": "first step (compile or load, run)",
-}
-
-
-def plot(report: Path, png: Path) -> None:
-    """A chart of a report's medians: one bar per mode, its phases stacked, each round's total a dot."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    body = json.loads(report.read_text())
-    modes = [m for m in LABELS if m in body["medians"]][::-1]
-    fig, ax = plt.subplots(figsize=(10, 5.2), dpi=100)
-    colors = ["#bbbbbb", "#8da0cb", "#66c2a5", "#fc8d62", "#e78ac3"]
-    for i, phase in enumerate(PHASES):
-        left = [sum(body["medians"][m].get(p, 0.0) for p in PHASES[:i]) for m in modes]
-        width = [body["medians"][m].get(phase, 0.0) for m in modes]
-        ax.barh([LABELS[m] for m in modes], width, left=left, color=colors[i], label=PHASE_LABELS[phase])
-    for y, m in enumerate(modes):
-        totals = [r["total"] for r in body["runs"][m]]
-        ax.plot(totals, [y] * len(totals), "k.", markersize=7)
-    ax.set_xlabel("seconds from the process's start to the end of its first training step")
-    n = body.get("rounds_run", body["rounds"])
-    ax.set_title(
-        f"Restart after a preemption: {body['device']}, {body['state_mib'] / 1024:.1f} GiB of state\n"
-        f"bars: medians of {n} {'round' if n == 1 else 'rounds'}, each a fresh process; dots: each round",
-        fontsize=12,
-    )
-    ax.tick_params(labelsize=11)
-    ax.legend(fontsize=10, loc="upper center", bbox_to_anchor=(0.4, -0.16), ncol=3, frameon=False)
-    ax.set_xlim(0, max(r["total"] for runs in body["runs"].values() for r in runs) * 1.02)
-    fig.tight_layout()
-    fig.savefig(png)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--small", action="store_true", help="a small decoder (a CPU)")
@@ -215,14 +170,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--budget-s", type=float, default=None, help="start no round after this many seconds")
-    ap.add_argument("--plot", nargs=2, metavar=("REPORT", "PNG"), help="draw a report's chart, run nothing")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--folder", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--dims", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.plot:
-        plot(Path(args.plot[0]), Path(args.plot[1]))
-        return
     if args.child:
         marks = child(args.child, Path(args.folder), json.loads(args.dims))
         print(json.dumps(marks), flush=True)
@@ -235,6 +186,7 @@ def main() -> None:
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
     body: dict[str, Any] = {"dims": dims, "rounds": args.rounds, "runs": {m: [] for m in modes}}
+    body["command"] = "bench_resume.py " + " ".join(sys.argv[1:])
     try:
         body["seed"] = spawn("seed", folder, dims)  # the parent never opens the device: a child holds it
         body["device"], body["state_mib"] = body["seed"].pop("device"), body["seed"].pop("state_mib")

@@ -99,8 +99,11 @@ SMALL = 11
 
 def kinds(body: dict[str, Any], name: str) -> list[str]:
     """What a report holds: "save_restore", "every_step", "bench_scale", "accelerator" (a table of
-    what saves cost on a device) and "accelerator_loop" (a training loop with saves on a device)."""
+    what saves cost on a device), "accelerator_loop" (a training loop with saves on a device) and
+    "resume" (a restart's phases, bench_resume.py)."""
     found = [k for k in ("save_restore", "every_step", "bench_scale") if name.startswith(k)]
+    if "resume" in name and isinstance(body.get("medians"), dict) and isinstance(body.get("runs"), dict):
+        found.append("resume")
     if isinstance(body.get("table"), dict) and body["table"] or isinstance(body.get("rows"), list):
         found.append("accelerator")
     if isinstance(body.get("loop"), dict) and body["loop"]:
@@ -624,18 +627,78 @@ def accelerator_chart(body: dict[str, Any], out: pathlib.Path, svg: bool) -> lis
     return _save(fig, out, "accelerator", svg)
 
 
+RESUME_LABELS = {
+    "fresh": "a fresh run (no checkpoint)",
+    "fc": "flax_ckpt callback, made after the state",
+    "fc-early": "flax_ckpt callback, made before the state",
+    "fc-nocache": "flax_ckpt callback, compile_cache=False",
+    "orbax": "Orbax CheckpointManager",
+}
+RESUME_PHASES = {
+    "imports": "imports",
+    "backend": "device runtime starts",
+    "init": "state built",
+    "restore": "checkpoint restored",
+    "first_step": "first step (compile or load, run)",
+}
+
+
+def _resume_figures(body: dict[str, Any]) -> dict[str, float]:
+    out, medians = {}, body["medians"]
+    for mode, phases in medians.items():
+        for phase, seconds in phases.items():
+            out[f"restart, {RESUME_LABELS.get(mode, mode)}: {phase} (s)"] = seconds
+        if mode != "fresh" and "fresh" in medians:
+            first = phases["first_step"] / medians["fresh"]["first_step"]
+            out[f"restart, {RESUME_LABELS.get(mode, mode)}: first step / a fresh run's (x)"] = first
+            out[f"restart, {RESUME_LABELS.get(mode, mode)}: total / a fresh run's (x)"] = (
+                phases["total"] / medians["fresh"]["total"]
+            )
+    return out
+
+
+def resume_chart(body: dict[str, Any], out: pathlib.Path, svg: bool) -> list[pathlib.Path]:
+    """A restart's phases: one bar per way of restarting, its phases stacked, each round's total a dot."""
+    plt = _pyplot()
+    medians = body["medians"]
+    modes = [m for m in RESUME_LABELS if m in medians][::-1]
+    fig, ax = plt.subplots(figsize=(10, 5.4))
+    colors = ["#bbbbbb", "#8da0cb", "#66c2a5", "#fc8d62", "#e78ac3"]
+    phases = list(RESUME_PHASES)
+    for i, phase in enumerate(phases):
+        left = [sum(medians[m].get(p, 0.0) for p in phases[:i]) for m in modes]
+        width = [medians[m].get(phase, 0.0) for m in modes]
+        ax.barh(
+            [RESUME_LABELS[m] for m in modes], width, left=left, color=colors[i], label=RESUME_PHASES[phase]
+        )
+    for y, m in enumerate(modes):
+        totals = [r["total"] for r in body["runs"][m]]
+        ax.plot(totals, [y] * len(totals), linestyle="", marker="o", markersize=4, color="black")
+    n = body.get("rounds_run", body.get("rounds", 1))
+    ax.set_xlabel("seconds from the process's start to the end of its first training step")
+    ax.set_title(
+        f"Restart after a preemption, {machine(body).split(',')[0]}, {body['state_mib'] / 1024:.1f} GiB state\n"
+        f"bars: medians of {n} {'round' if n == 1 else 'rounds'} (each a fresh process); dots: each round"
+    )
+    ax.legend(loc="upper center", bbox_to_anchor=(0.35, -0.14), ncol=3, frameon=False)
+    _source(fig, body, -0.12)
+    return _save(fig, out, "resume", svg)
+
+
 FIGURES = {
     "save_restore": _save_restore_figures,
     "every_step": _every_step_figures,
     "bench_scale": _scale_figures,
     "accelerator": _accelerator_figures,
     "accelerator_loop": _loop_figures,
+    "resume": _resume_figures,
 }
 CHARTS = [
     ("save_restore", "save_restore.png", save_restore_chart),
     ("every_step", "every_step.png", every_step_chart),
     ("bench_scale", "per_leaf.png", per_leaf_chart),
     ("accelerator", "accelerator.png", accelerator_chart),
+    ("resume", "resume.png", resume_chart),
 ]
 
 

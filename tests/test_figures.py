@@ -21,7 +21,10 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 STATIC = ROOT / "docs" / "_static"
-PAGES = [ROOT / "README.md", *(ROOT / "docs" / n for n in ("index.md", "performance.md", "accelerators.md"))]
+PAGES = [
+    ROOT / "README.md",
+    *(ROOT / "docs" / n for n in ("index.md", "performance.md", "accelerators.md", "training-loop.md")),
+]
 MARK = re.compile(r"<!-- figures: ([^>]*?) -->")
 FIGURE = re.compile(
     r"(?<![\w.+-])(?P<sign>[+-]?)(?P<num>\d+(?:\.\d+)?)"
