@@ -120,6 +120,7 @@ class CrashRun:
     tiers: bool = False  # savers also write a memory tier (reliability_worker.crash_tiers)
     reported: set[int] = field(default_factory=set)  # steps a saver reported durable
     verified: set[int] = field(default_factory=set)  # steps already restored bit-exact (not re-read)
+    pace: float = 0.0  # seconds per commit, as the savers of this run measured it (0: not yet measured)
 
     def manager(self) -> fc.CheckpointManager:
         """The manager a resumed job would open."""
@@ -128,16 +129,45 @@ class CrashRun:
 
 
 def crash_trial(
-    z: Zygote, run: CrashRun, rng: random.Random, serializer: str, max_delay: float = 1.2
+    z: Zygote, run: CrashRun, rng: random.Random, serializer: str, max_commits: int = 3
 ) -> Outcome:
-    """Forks a saver (async manager, retention), SIGKILLs it after a random delay, judges the folder."""
+    """Forks a saver (async manager, retention) and SIGKILLs it at a random moment, then judges the folder.
+
+    The moment is counted in the saver's progress, not in seconds, so that a busy machine moves it
+    with the saver: after 0 to ``max_commits`` commits (0: while its manager opens, scans and cleans
+    up, or saves its first step), plus a random fraction of one commit's time as measured in this run."""
     pid, seen = z.fork("crash", run.directory, serializer, "crash", "tiers" if run.tiers else "none")
-    time.sleep(rng.uniform(0.0, max_delay))
+    commits, t0 = rng.randint(0, max_commits), time.monotonic()
+    for _ in range(commits):
+        if not _next_commit(z, pid, seen):
+            rc = z.kill(pid, seen)
+            return Outcome("error", f"the saver stopped committing (exit {rc}); output: {seen[-3:]}")
+    if commits:
+        run.pace = (time.monotonic() - t0) / commits
+    time.sleep(rng.uniform(0.0, run.pace))
     rc = z.kill(pid, seen)
     if rc != -signal.SIGKILL:
         return Outcome("error", f"the saver exited with {rc} before it was killed; output: {seen[-3:]}")
     run.reported.update(int(s.split()[1]) for s in seen if s.startswith("committed "))
     return judge_crash(run)
+
+
+def _next_commit(z: Zygote, pid: int, seen: list[str], hang_s: float = 300) -> bool:
+    """Waits for the saver's next "committed" line: False if it exited first, or wrote none for ``hang_s``
+    (a hang, not slowness: a commit takes well under a second on an idle machine)."""
+    deadline = time.monotonic() + hang_s
+    while time.monotonic() < deadline:
+        try:
+            z.lines.until(lambda s: s.startswith("committed "), 1.0, seen)
+            return True
+        except TimeoutError:
+            try:  # the zygote reaps its children only when asked: an exited one is a zombie until then
+                with open(f"/proc/{pid}/stat") as f:
+                    if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                        return False
+            except FileNotFoundError:
+                return False
+    return False
 
 
 def judge_crash(run: CrashRun) -> Outcome:
@@ -538,16 +568,19 @@ def _tree_stat(folder: str) -> dict[str, tuple[int, int]]:
     return out
 
 
+SIGTERM_HANG_S = 240  # detects a hang, judges no speed: a busy machine may take tens of seconds per save
+
+
 def sigterm_trial(
     directory: str, scenario: str, rng: random.Random, *, twice: bool = False, serializer: str = "raw"
 ) -> Outcome:
     """A fresh process with a SIGTERM handler (wait for the save in flight, close, exit 0) is sent
     SIGTERM (``twice``: two, a few ms apart) while a save is in flight, or while it restores. It must
-    exit 0 within a minute; every step it had in flight is committed and bit-exact; no temporary folder
-    is left; a restore changes nothing on disk. One exception to exit 0: a second SIGTERM that arrives
-    after the handler finished, while the interpreter is exiting (Python has restored the default
-    action by then), kills the process with -15; everything was durable already (the exact Outcome's
-    detail says so)."""
+    exit 0 (waiting up to SIGTERM_HANG_S: a hang, not slowness); every step it had in flight is
+    committed and bit-exact; no temporary folder is left; a restore changes nothing on disk. One
+    exception to exit 0: a second SIGTERM that arrives after the handler finished, while the
+    interpreter is exiting (Python has restored the default action by then), kills the process with
+    -15; everything was durable already (the exact Outcome's detail says so)."""
     proc, lines = spawn("sigterm", directory, scenario, serializer)
     seen: list[str] = []
     try:
@@ -563,9 +596,11 @@ def sigterm_trial(
             time.sleep(rng.uniform(0.0, 0.02))
             proc.send_signal(signal.SIGTERM)
         try:
-            rc = proc.wait(timeout=60)
+            rc = proc.wait(timeout=SIGTERM_HANG_S)
         except subprocess.TimeoutExpired:
-            return Outcome("error", f"{scenario}: the process hung after SIGTERM; output {seen[-3:]}")
+            return Outcome(
+                "error", f"{scenario}: no exit {SIGTERM_HANG_S} s after SIGTERM (a hang); output {seen[-3:]}"
+            )
         while (line := lines.next(10)) is not None:
             seen.append(line)
     finally:
