@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 
 import flax_ckpt as fc
-from helpers import manifest_body, worker_env, write_manifest_body
+from helpers import Within, manifest_body, worker_env, write_manifest_body
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # orbax: "Sharding info not provided"
 
@@ -283,20 +283,22 @@ for call in (fc.metadata, fc.restore):
 def test_a_small_file_is_refused_in_bounded_time_and_memory(tmp_path, case, match):
     script = tmp_path / "bomb.py"
     script.write_text(BOMBS)
-    done = subprocess.run(
-        [sys.executable, str(script), case],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=worker_env(1),
-        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (3 << 30,) * 2),
-    )
+    with Within(120, "the child") as limit:
+        done = subprocess.run(
+            [sys.executable, str(script), case],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=worker_env(1),
+            preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (3 << 30,) * 2),
+        )
     lines = [json.loads(x) for x in done.stdout.splitlines() if x.startswith("{")]
     assert len(lines) == 2, done.stdout + done.stderr[-3000:]
     for line in lines:
         assert line["out"].startswith(("CorruptCheckpointError", "InvalidManifestError")), line
         assert re.search(match, line["out"]), line
-    assert lines[-1]["seconds"] < 5 and lines[-1]["grew_mib"] < 150, lines
+    assert lines[-1]["grew_mib"] < 150, lines
+    limit.check(lines[-1]["seconds"], 5, f"the refusals of {case} ({lines})")
 
 
 def test_crafted_orbax_metadata_is_damage_and_the_manager_falls_back(tmp_path, caplog):
