@@ -469,15 +469,20 @@ def _disk_full(d: str, filler: str, mount: str, serializer: str, rng: random.Ran
 # ------------------------------------------------------------------------------- concurrent reading
 
 
-def reader_trial(z: Zygote, directory: str, seconds: float, tally: Tally) -> None:
+def reader_trial(
+    z: Zygote, directory: str, seconds: float, tally: Tally, *, restores: int = 0, hang_s: float = 300
+) -> None:
     """A forked writer commits small steps as fast as it can with max_to_keep=2 (so retention deletes
-    one step per commit) while this process lists the folder and restores every step it sees. Each
-    restore is a trial: bit-exact, or refused with CheckpointNotFoundError/CheckpointNotCommittedError
-    because the step was deleted meanwhile (a note, not a failure). A second manager is refused."""
-    pid, seen = z.fork("crash", directory, "raw", "small")
+    one step per commit) while this process lists the folder and restores every step it sees, for
+    ``seconds`` and then until ``restores`` restores have succeeded (progress, not time: a busy machine
+    takes longer; ``hang_s`` in all is a hang). Each restore is a trial: bit-exact, or refused with
+    CheckpointNotFoundError/CheckpointNotCommittedError because the step was deleted meanwhile (a note,
+    not a failure). A second manager is refused."""
+    pid, seen = z.fork("crash", directory, "raw", "small", timeout=hang_s)
     try:
-        z.lines.until(lambda s: s.startswith("committed "), 60, seen)  # its manager holds the lock now
-        deadline = time.monotonic() + seconds
+        z.lines.until(lambda s: s.startswith("committed "), hang_s, seen)  # its manager holds the lock now
+        start = time.monotonic()
+        deadline = start + seconds
         try:
             fc.CheckpointManager(directory).close()
             tally.add(Outcome("error", "a second manager opened a directory that a live writer holds"))
@@ -486,7 +491,9 @@ def reader_trial(z: Zygote, directory: str, seconds: float, tally: Tally) -> Non
                 EXACT if f"pid {pid}" in str(e) else Outcome("error", f"lock error names no pid: {e}"),
                 "second manager refused",
             )
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline or (
+            tally.notes["restored while committing"] < restores and time.monotonic() < start + hang_s
+        ):
             for e in os.listdir(directory):
                 if e.isdigit():
                     _read_while_churning(os.path.join(directory, e), int(e), tally)
