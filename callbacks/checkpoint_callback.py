@@ -151,7 +151,10 @@ class CheckpointCallback:
     ) -> Any:
         """``(state restored from the newest good checkpoint, its step)``, or ``(state, 0)`` if there is none.
 
-        nnx objects and stateful iterators in ``state`` are updated in place. A resumed run restores
+        nnx objects and stateful iterators in ``state`` are updated in place; an ``nnx.State`` (also a
+        filtered one, ``nnx.state(model, nnx.LoRAParam)``) is restored into its ``nnx.Variable``
+        objects, which are the model's own, so the model holds the values (a State of copies is
+        restored with a warning naming the fix, ``nnx.update(model, state)``). A resumed run restores
         its own newest step; ``init_from`` applies only to a run with no checkpoint yet.
 
         ``missing``, ``unexpected`` and ``cast`` fit the checkpoint restored to ``state``: the run's own

@@ -30,6 +30,7 @@ What does not belong here: scheduling, signals, anything about the manager.
 
 from __future__ import annotations
 
+import logging
 import random
 import sys
 from typing import Any, Protocol, runtime_checkable
@@ -39,6 +40,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import flax_ckpt as fc
+
+log = logging.getLogger("flax_ckpt.callbacks")
 
 _PY_SCALARS = (bool, int, float, complex)
 
@@ -162,13 +165,47 @@ def _random_target(saved: Any) -> Any:
     return 3, (0,) * _MT_WORDS, 0.0 if isinstance(gauss, fc.LeafInfo) and gauss.kind != "empty" else None
 
 
+# ------------------------------------------------------------------ bytes in an iterator's state, as uint8
+# grain's DataLoader iterator returns its state as JSON text in bytes; bytes are no array and no JSON value,
+# so they are stored as the uint8 array of their bytes (checksummed like any array) and given back as bytes.
+
+
+def encode_bytes(state: Any) -> Any:
+    """``state`` (what a ``get_state()`` returned) with each ``bytes`` value as a uint8 array of its bytes."""
+    return jax.tree_util.tree_map(lambda v: np.frombuffer(v, np.uint8) if isinstance(v, bytes) else v, state)
+
+
+def decode_bytes(like: Any, restored: Any) -> Any:
+    """``restored`` (shaped like ``encode_bytes(like)``) with the value at each place where ``like`` holds
+    ``bytes`` turned back into ``bytes``: what ``set_state`` takes."""
+
+    def back(was: Any, value: Any) -> Any:
+        return np.asarray(value, np.uint8).tobytes() if isinstance(was, bytes) else value
+
+    return jax.tree_util.tree_map(back, like, restored)
+
+
+def _stateful_target(obj: Any, saved: Any) -> Any:
+    """The restore target of ``obj.get_state()`` where the checkpoint's node is ``saved``: each ``bytes``
+    value as a uint8 array as long as the one stored (the position's text may have grown or shrunk)."""
+
+    def target(path: tuple[Any, ...], v: Any) -> Any:
+        if not isinstance(v, bytes):
+            return v
+        leaf = saved if not path and isinstance(saved, fc.LeafInfo) else _saved_leaf(saved, path)
+        shape = leaf.shape if leaf is not None else None
+        return np.zeros(shape if shape is not None and len(shape) == 1 else (len(v),), np.uint8)
+
+    return jax.tree_util.tree_map_with_path(target, obj.get_state())
+
+
+def _is_stateful(x: Any) -> bool:
+    """An object (not a class) with ``get_state()`` / ``set_state()`` that is not an nnx object."""
+    return isinstance(x, Stateful) and not isinstance(x, type) and not _is_nnx(x)
+
+
 def _is_object_leaf(x: Any) -> bool:
-    return (
-        _is_nnx(x)
-        or (isinstance(x, Stateful) and not isinstance(x, type))
-        or _is_random(x)
-        or _is_random_state(x)
-    )
+    return _is_nnx(x) or _is_stateful(x) or _is_random(x) or _is_random_state(x)
 
 
 def _pure(x: Any, pure_nnx: bool = False) -> Any:
@@ -179,8 +216,8 @@ def _pure(x: Any, pure_nnx: bool = False) -> Any:
         return encode_random(x.getstate())
     if _is_random_state(x):
         return encode_random(x)
-    if isinstance(x, Stateful) and not isinstance(x, type):
-        return x.get_state()
+    if _is_stateful(x):
+        return encode_bytes(x.get_state())
     return x
 
 
@@ -200,6 +237,9 @@ def target_tree(state: Any, info: "fc.CheckpointInfo | None") -> Any:
     for path, x in flat:
         if _is_random(x) or _is_random_state(x):
             out.append(_random_target(None if info is None else _saved_node(info.tree, path)))
+            continue
+        if _is_stateful(x):
+            out.append(_stateful_target(x, None if info is None else _saved_node(info.tree, path)))
             continue
         pure = info is not None and _is_nnx(x) and _saved_pure(x, _saved_node(info.tree, path))
         out.append(_pure(x, pure_nnx=pure))
@@ -224,13 +264,69 @@ def _saved_pure(obj: Any, saved: Any) -> bool:
     return not _leaf_paths(st) <= have and _leaf_paths(_to_pure_dict(st)) <= have
 
 
-def _put_back(live: Any, restored: Any) -> Any:
-    if _is_nnx(live) and _is_nnx_state(restored):
-        restored = _to_pure_dict(restored)
+def _variable_kinds() -> tuple[type, ...]:
+    """The classes of an nnx State's leaves: ``nnx.Variable`` and, in flax versions that have it,
+    ``nnx.VariableState`` (the copies that their ``nnx.state`` gives)."""
+    nnx = _nnx()
+    return tuple(t for t in (nnx.Variable, getattr(nnx, "VariableState", None)) if isinstance(t, type))
+
+
+def _flat_variables(tree: Any, kinds: tuple[type, ...]) -> list[tuple[tuple[str, ...], Any]]:
+    """``(key path as strings, leaf)`` of an nnx State or pure dict, a Variable counting as one leaf."""
+    flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: isinstance(x, kinds))[0]
+    return [(tuple(str(getattr(k, "key", getattr(k, "idx", k))) for k in path), x) for path, x in flat]
+
+
+def _path_str(path: tuple[Any, ...]) -> str:
+    """A jax key path as the checkpoint's key paths read: ``0/lora/lora_a``."""
+    return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+
+
+def _variable_value(x: Any, kinds: tuple[type, ...]) -> Any:
+    if not isinstance(x, kinds):
+        return x
+    return x.get_value() if hasattr(type(x), "get_value") else x.value
+
+
+def _restore_state(live: Any, restored: Any, where: str) -> None:
+    """Puts ``restored`` (an nnx State or its pure dict) into the State ``live``: into its
+    ``nnx.Variable`` objects themselves, which ``nnx.state(model, ...)`` shares with the model, so the
+    model holds the values; other leaves (copies) are replaced in ``live``, with a warning that no model
+    sees them."""
+    nnx = _nnx()
+    kinds = _variable_kinds()
+    values = dict((path, _variable_value(x, kinds)) for path, x in _flat_variables(restored, kinds))
+    copies: dict[str, Any] = {}
+    for path, x in _flat_variables(live, kinds):
+        if path not in values:
+            continue
+        if not isinstance(x, nnx.Variable):
+            node = copies
+            for k in path[:-1]:
+                node = node.setdefault(k, {})
+            node[path[-1]] = values[path]
+        elif hasattr(type(x), "set_value"):
+            x.set_value(values[path])
+        else:
+            x.value = values[path]
+    if not copies:
+        return
+    _replace_by_pure_dict(live, copies)
+    log.warning(
+        "the nnx.State at '%s' holds copies of its variables (nnx.VariableState or arrays, not a "
+        "model's own nnx.Variable objects): the restored values are in that State, and no model holds "
+        "them. Put them into the model with nnx.update(model, state), or give the model itself",
+        where or "/",
+    )
+
+
+def _put_back(live: Any, restored: Any, where: str = "") -> Any:
     if _is_nnx_state(live):
-        _replace_by_pure_dict(live, restored)
+        _restore_state(live, restored, where)
         return live
     if _is_nnx(live):
+        if _is_nnx_state(restored):
+            restored = _to_pure_dict(restored)
         nnx = _nnx()
         current = nnx.state(live)
         _replace_by_pure_dict(current, restored)
@@ -241,8 +337,8 @@ def _put_back(live: Any, restored: Any) -> Any:
         return live
     if _is_random_state(live):
         return decode_random(restored)
-    if isinstance(live, Stateful) and not isinstance(live, type):
-        live.set_state(restored)
+    if _is_stateful(live):
+        live.set_state(decode_bytes(live.get_state(), restored))
         return live
     return restored
 
@@ -250,10 +346,15 @@ def _put_back(live: Any, restored: Any) -> Any:
 def from_tree(state: Any, restored: Any) -> Any:
     """``state`` with the values of ``restored`` (a tree shaped like ``to_tree(state)``): nnx objects,
     stateful iterators and ``random.Random`` objects are updated in place and returned; a
-    ``random.getstate()`` tuple is replaced by the restored one; pytree leaves are replaced."""
-    leaves, treedef = jax.tree_util.tree_flatten(state, is_leaf=_is_object_leaf)
+    ``random.getstate()`` tuple is replaced by the restored one; pytree leaves are replaced.
+
+    An ``nnx.State`` is restored into its ``nnx.Variable`` objects, so the model that
+    ``nnx.state(model, ...)`` took them from holds the values; a State of copies (``nnx.VariableState``
+    or arrays) is restored as a State, with a warning that no model holds the values."""
+    flat, treedef = jax.tree_util.tree_flatten_with_path(state, is_leaf=_is_object_leaf)
     parts = treedef.flatten_up_to(restored)
-    return jax.tree_util.tree_unflatten(treedef, [_put_back(a, b) for a, b in zip(leaves, parts)])
+    out = [_put_back(x, part, _path_str(path)) for (path, x), part in zip(flat, parts)]
+    return jax.tree_util.tree_unflatten(treedef, out)
 
 
 def _saved_node(tree: Any, path: tuple[Any, ...]) -> Any:
