@@ -228,3 +228,43 @@ def test_bytes_in_a_get_state_are_stored_as_uint8_and_given_back_as_bytes(tmp_pa
     assert to_tree({"d": data})["d"]["text"].tobytes() == data.text
     from_tree({"d": data}, {"d": {"text": np.frombuffer(b"xy", np.uint8), "n": 2}})
     assert data.text == b"xy"
+
+
+# ---------------------------------------------------------------------------------- the smaller items
+
+
+def test_a_target_less_restore_gives_typed_keys_as_the_docs_say(tmp_path):
+    """Without a target, a typed key comes back a typed key (the docs say so, and how to get its
+    words); a raw key is a uint32 array, numpy like everything else."""
+    key, raw = jax.random.key(3), jax.random.PRNGKey(4)
+    fc.save(tmp_path / "1", {"key": key, "raw": raw, "w": jnp.ones(2)})
+    got = fc.restore(tmp_path / "1")
+    assert jax.dtypes.issubdtype(got["key"].dtype, jax.dtypes.prng_key)
+    assert np.array_equal(np.asarray(jax.random.key_data(got["key"])), jax.random.key_data(key))
+    assert isinstance(got["raw"], np.ndarray) and isinstance(got["w"], np.ndarray)
+    assert np.array_equal(got["raw"], raw)
+    with pytest.raises(TypeError):
+        np.asarray(got["key"])  # what the docs warn of
+    engine_md = open(os.path.join(ROOT, "docs", "engine.md")).read()
+    for doc in (fc.restore.__doc__, engine_md):
+        assert "typed key arrays" in doc and "jax.random.key_data(key)" in doc
+
+
+def test_the_report_tells_leaves_a_rename_dropped_from_leaves_the_target_lacks(tmp_path):
+    fc.save(tmp_path / "1", {"params": {"encoder": {"w": jnp.ones(2)}, "head": {"w": jnp.ones(3)}}, "opt": 1})
+    target = {"params": {"backbone": {"w": jnp.zeros(2)}}}
+    _, report = fc.restore(
+        tmp_path / "1",
+        target,
+        rename={r"params/encoder/(.*)": r"params/backbone/\1", r"params/head/.*": None},
+        unexpected="ignore",
+        report=True,
+    )
+    assert report.ignored == ("opt", "params/head/w") and report.dropped == ("params/head/w",)
+    assert report.summary() == (
+        "restored 1 leaves (1 renamed); ignored 1 a rename dropped: 'params/head/w'; "
+        "ignored 1 the target lacks: 'opt'"
+    )
+    _, report = fc.restore(tmp_path / "1", rename={r"params/head/.*": None}, report=True)  # no target
+    assert report.dropped == ("params/head/w",)
+    assert report.summary() == "restored 2 leaves; ignored 1 a rename dropped: 'params/head/w'"

@@ -493,7 +493,7 @@ class CheckpointManager:
         Args:
           step: the step to restore; None: the newest good one.
           target: a pytree of arrays or ``jax.ShapeDtypeStruct`` (as for ``fc.restore``); None gives
-            nested dicts/lists of numpy arrays.
+            nested dicts/lists of numpy arrays (typed PRNG keys as typed key arrays, as fc.restore).
           shardings: one sharding, or a tree of them, overriding the target's placement.
           partial: the older name of ``unexpected="ignore"``.
           item: one named item of an Orbax step (saved with ``args.Composite``).
