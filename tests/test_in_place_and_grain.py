@@ -268,3 +268,20 @@ def test_the_report_tells_leaves_a_rename_dropped_from_leaves_the_target_lacks(t
     _, report = fc.restore(tmp_path / "1", rename={r"params/head/.*": None}, report=True)  # no target
     assert report.dropped == ("params/head/w",)
     assert report.summary() == "restored 2 leaves; ignored 1 a rename dropped: 'params/head/w'"
+
+
+def test_the_documented_loops_name_their_parts():
+    """The guides and the examples give the callback a dict of named parts, so that `flax-ckpt info`
+    shows 'model/...', 'optimizer/...', 'data/...' rather than a tuple's '0/', '1/', '2/'."""
+    import glob
+    import re
+
+    loops = re.compile(r"restore_or\(\(|ckpt\([^,()]+, \(")
+    files = [os.path.join(ROOT, "README.md"), *glob.glob(os.path.join(ROOT, "docs", "*.md"))]
+    files += glob.glob(os.path.join(ROOT, "examples", "*.py")) + [os.path.join(ROOT, "examples", "README.md")]
+    tuples = [
+        f"{os.path.relpath(f, ROOT)}: {m.group(0)}" for f in files for m in loops.finditer(open(f).read())
+    ]
+    assert tuples == []
+    info = open(os.path.join(ROOT, "docs", "training-loop.md")).read()
+    assert "its parts are `0/`, `1/`, `2/`" in info
