@@ -11,9 +11,16 @@ Two kinds of leaf are mutable objects that are not stored as themselves:
   State, so ``fc.restore(path, nnx.state(model))`` restores what the callback saved and the callback
   resumes from what ``fc.save`` saved; restored in place (``nnx.update``), so the caller's objects
   hold the restored values. Checkpoints of earlier versions, which stored the pure dict
-  (``nnx.to_pure_dict``: no ``/value``), are recognised by their key paths and restore as well.
+  (``nnx.to_pure_dict``: no ``/value``), are recognised by their key paths and restore as well. A
+  State given as it is (also a filtered one, ``nnx.state(model, nnx.LoRAParam)``) is restored into
+  its ``nnx.Variable`` objects themselves, which are the model's own (flax 0.12's ``nnx.state`` gives
+  them, not copies), so the model holds the restored values; a State whose leaves are copies (an
+  ``nnx.VariableState``, plain arrays) reaches no model: it is restored as a State, and a warning
+  names the fix, ``nnx.update(model, state)``.
 * objects with ``get_state()`` / ``set_state(state)`` (the protocol of grain's data iterators): stored as
-  ``get_state()``, restored with ``set_state``.
+  ``get_state()``, restored with ``set_state``. A ``bytes`` value in it (grain's ``DataLoader`` iterator
+  gives its position as JSON text in bytes) is stored as the uint8 array of those bytes and given back
+  to ``set_state`` as the same ``bytes``.
 * Python's ``random`` state: a ``random.Random`` instance (or the ``random`` module itself) and the
   tuple ``random.getstate()`` returns. Stored as one uint32 array of 628 words (see ``encode_random``),
   not as the tuple's 627 numbers; an instance is restored in place (``setstate``), the tuple given back
