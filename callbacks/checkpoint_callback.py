@@ -264,7 +264,7 @@ class CheckpointCallback:
 
     def _tree(self, state: Any) -> Any:
         """The pytree saved for ``state`` (its first replica with ``replicated=True``)."""
-        tree = to_tree(state)
+        tree = to_tree(state, keep_bytes=self.manager.format == "orbax")  # Orbax: grain's file
         return first_replica(tree) if self.replicated else tree
 
     # ------------------------------------------------------------------------------------------ saving
@@ -432,7 +432,7 @@ class CheckpointCallback:
                 step,
             )
             return
-        tree = to_tree(state)
+        tree = to_tree(state, keep_bytes=self.manager.format == "orbax")
         if any(isinstance(x, jax.Array) and x.is_deleted() for x in jax.tree_util.tree_leaves(tree)):
             log.warning(
                 "not saving step %d at close: its arrays were deleted or donated after ckpt(%d, ...) (a "

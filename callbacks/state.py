@@ -187,7 +187,9 @@ def decode_bytes(like: Any, restored: Any) -> Any:
     ``bytes`` turned back into ``bytes``: what ``set_state`` takes."""
 
     def back(was: Any, value: Any) -> Any:
-        return np.asarray(value, np.uint8).tobytes() if isinstance(was, bytes) else value
+        if not isinstance(was, bytes) or isinstance(value, (bytes, str)):  # str: a grain item's text
+            return value
+        return np.asarray(value, np.uint8).tobytes()
 
     return jax.tree_util.tree_map(back, like, restored)
 
@@ -195,6 +197,9 @@ def decode_bytes(like: Any, restored: Any) -> Any:
 def _stateful_target(obj: Any, saved: Any) -> Any:
     """The restore target of ``obj.get_state()`` where the checkpoint's node is ``saved``: each ``bytes``
     value as a uint8 array as long as the one stored (the position's text may have grown or shrunk)."""
+
+    if isinstance(saved, fc.LeafInfo) and saved.kind == "json":  # an Orbax run's grain item: its file
+        return obj.get_state()
 
     def target(path: tuple[Any, ...], v: Any) -> Any:
         if not isinstance(v, bytes):
@@ -215,7 +220,7 @@ def _is_object_leaf(x: Any) -> bool:
     return _is_nnx(x) or _is_stateful(x) or _is_random(x) or _is_random_state(x)
 
 
-def _pure(x: Any, pure_nnx: bool = False) -> Any:
+def _pure(x: Any, pure_nnx: bool = False, keep_bytes: bool = False) -> Any:
     if _is_nnx(x):
         st = x if _is_nnx_state(x) else _nnx().state(x)
         return _to_pure_dict(st) if pure_nnx else st
@@ -224,14 +229,16 @@ def _pure(x: Any, pure_nnx: bool = False) -> Any:
     if _is_random_state(x):
         return encode_random(x)
     if _is_stateful(x):
-        return encode_bytes(x.get_state())
+        return x.get_state() if keep_bytes else encode_bytes(x.get_state())
     return x
 
 
-def to_tree(state: Any) -> Any:
+def to_tree(state: Any, *, keep_bytes: bool = False) -> Any:
     """The pytree that is saved for ``state``: nnx objects as their ``nnx.State``, stateful iterators
-    as their ``get_state()``; everything else as it is. Reads, never mutates."""
-    return jax.tree_util.tree_map(_pure, state, is_leaf=_is_object_leaf)
+    as their ``get_state()`` (``bytes`` in it as uint8 arrays, unless ``keep_bytes``: an Orbax run
+    stores a grain iterator's bytes as grain's own file); everything else as it is. Reads, never
+    mutates."""
+    return jax.tree_util.tree_map(lambda x: _pure(x, keep_bytes=keep_bytes), state, is_leaf=_is_object_leaf)
 
 
 def target_tree(state: Any, info: "fc.CheckpointInfo | None") -> Any:
