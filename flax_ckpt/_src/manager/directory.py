@@ -26,6 +26,7 @@ from flax_ckpt._src.errors import CheckpointError, CheckpointLockedError, Checkp
 from flax_ckpt._src.manager.agreed import DAMAGE, AgreedRestore, TargetOf
 from flax_ckpt._src.manager.stats import RestoreStats, SaveStats, publish
 from flax_ckpt._src.manager.steps import StepIndex
+from flax_ckpt._src.native import sharing
 from flax_ckpt._src.retention import Retention
 from flax_ckpt._src.storage import ObjectStoreOptions, Storage, open_storage
 from flax_ckpt._src.storage.lock import DirectoryLock
@@ -75,6 +76,8 @@ class Directory:
         if warning is not None:
             log.warning("%s", warning)
         self.layout: layouts.Layout = layouts.layout(self.format, serializer)
+        if not read_only and not tiered:  # native steps on a local folder share unchanged chunks
+            sharing.enable(self.layout, self.storage)
         self.recycler = None if read_only else self.layout.recycler(self.storage)
         self.index = StepIndex(self.storage, self.layout, self.prefix, serializer, self.recycler)
         self._restore = AgreedRestore(self.index, self.prefix, strict=strict)

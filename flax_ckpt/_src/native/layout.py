@@ -34,6 +34,7 @@ from flax_ckpt._src.errors import (
     StorageError,
     TargetMismatchError,
 )
+from flax_ckpt._src.native import sharing
 from flax_ckpt._src.native.manifest import SaveManifests, decode
 from flax_ckpt._src.records import LeafRecord, PersistTimes
 from flax_ckpt._src.serializers import Box, Serializer, Written, get_serializer, raw, serializer_for
@@ -56,9 +57,12 @@ def manifest_bytes(
     metadata: Any,
     process_count: int = 1,
     manifests: SaveManifests | None = None,
+    shares: "tuple[str, sharing.Base | None] | None" = None,
 ) -> bytes:
     """The manifest of a save (validated as restore will validate it). ``manifests``: the writer's
-    (made faster for a structure it saved before)."""
+    (made faster for a structure it saved before). ``shares``: (this save's id, the step it compared
+    with) for a step of a run that shares bytes (native/sharing.py): the manifest records its id and the
+    files of other steps its chunks name."""
     if len(written) == 1:  # one process: its records as they are
         chunks = written[0].chunks
     else:
@@ -76,6 +80,11 @@ def manifest_bytes(
         "serializer": serializer.name,
         "files": files,
     }
+    if shares is not None:
+        head["id"] = shares[0]
+        shared = sharing.shared_head(chunks, shares[1])
+        if shared is not None:
+            head["shared"] = shared
     return (manifests or SaveManifests()).encode(
         head,
         [lf.record for lf in snap.leaves],
@@ -95,6 +104,9 @@ class NativeLayout:
         this layout must hold that step (open_native's ``step``)."""
         self.serializer, self.step = get_serializer(serializer), step
         self._manifests = SaveManifests()
+        self.share = False  # steps share unchanged chunks with the run's previous step (a manager sets it)
+        self._base: sharing.Base | None = None  # the step this layout committed last
+        self.shared_bytes = 0  # bytes the last save referred to instead of writing them
 
     def snapshot(self, tree: Any, *, copy: bool, reuse: Snapshot | None = None) -> Snapshot:
         """``copy``: every array shard copied into an arena (engine/arena.py), ``reuse``'s when it holds
@@ -137,10 +149,13 @@ class NativeLayout:
         stage = parent.sub(staging)
         try:
             t0 = time.perf_counter()
+            sharer, shares = self._sharer(parent, name, staging)
             written = (
                 write_streamed(serializer, stage, snap, snap.items(), tag="p0")
                 if isinstance(snap, Streamed)
                 else serializer.write(stage, snap.items(), tag="p0")
+                if sharer is None
+                else cast(raw.RawSerializer, serializer).write(stage, snap.items(), tag="p0", share=sharer)
             )
             t1 = time.perf_counter()
             data = manifest_bytes(
@@ -151,14 +166,56 @@ class NativeLayout:
                 metrics=metrics,
                 metadata=metadata,
                 manifests=self._manifests,
+                shares=shares,
             )
             commit_mod.commit(parent, staging, name, MANIFEST, data)
+            self._committed(snap, name, written, shares, sharer)
             times.write, times.commit = t1 - t0, time.perf_counter() - t1
             times.fsync, times.serialize, times.written = written.fsync_s, written.serialize_s, written.nbytes
         except BaseException:
             commit_mod.abort(parent, staging, MANIFEST)
             raise
         return times
+
+    def _sharer(
+        self, parent: Storage, name: str, staging: str
+    ) -> "tuple[sharing.Sharer | None, tuple[str, sharing.Base | None] | None]":
+        """(the raw serializer's share hook, (this save's id, its base)) of a save of step folder ``name``
+        when this layout shares (a manager's native steps on a local folder, the raw serializer), else
+        (None, None). Without a base step (the run's first save, or an unreadable newest step) the
+        hook is None but the save still records its id, so that the next one may refer to it."""
+        ident = sharing.staging_id(staging)
+        if not self.share or ident is None or not isinstance(self.serializer, raw.RawSerializer):
+            return None, None
+        base = sharing.newest_base(parent, name, self._base)
+        return (None if base is None else sharing.Sharer(base, parent, raw.BLOCK)), (ident, base)
+
+    def _committed(
+        self,
+        snap: Snapshot,
+        name: str,
+        written: Written,
+        shares: "tuple[str, sharing.Base | None] | None",
+        sharer: "sharing.Sharer | None",
+    ) -> None:
+        """Keeps the step just committed as the next save's base (its records as written, no re-read)."""
+        self.shared_bytes = 0 if sharer is None else sharer.shared
+        if shares is None:
+            return
+        base = shares[1]
+        sizes = {(name, f): n for f, n in written.files.items()}
+        ids: dict[str, str] = {}
+        if base is not None:
+            sizes.update(base.sizes)
+            ids.update(base.ids)
+        self._base = sharing.Base(
+            name,
+            shares[0],
+            [lf.record.name if lf.record.is_array else None for lf in snap.leaves],
+            written.chunks,
+            sizes,
+            ids,
+        )
 
     def open(self, folder: Storage, item: str | None = None) -> "NativeSource":
         if item is not None:
@@ -260,18 +317,26 @@ class NativeSource:
         self.storage, self.body, self.leaves, self.serializer = storage, body, leaves, serializer
         self.url, self.where = storage.url, f"{storage.url}/{MANIFEST}"
         self.remote = not storage.supports_rename
+        shared = body.get("shared") or {}
+        # what the serializer reads through: the folder, or with bytes of other steps (sharing.py) a view
+        # that finds those too
+        self.files: Storage = (
+            cast(Storage, sharing.RunFiles(storage, {s: h["id"] for s, h in shared.items()}))
+            if shared
+            else storage
+        )
 
     @property
     def budget(self) -> int | None:
         """A restore allocates at most twice the bytes the folder stores (plus _BUDGET_SLACK, so that a
         merely truncated file reaches the serializer, whose error names it). Asking walks the folder
         once, refusing links out of it and special files before anything is read."""
-        stored = self.storage.stored_bytes()
+        stored = self.files.stored_bytes()
         return None if stored is None else 2 * stored + _BUDGET_SLACK
 
     def read(self, leaf: LeafRecord, box: Box, out: np.ndarray) -> None:
         try:
-            self.serializer.read(self.storage, stored(leaf), box, out, f"{self.where} leaf {leaf.name!r}")
+            self.serializer.read(self.files, stored(leaf), box, out, f"{self.where} leaf {leaf.name!r}")
         except CorruptCheckpointError as e:
             if not self.storage.exists(MANIFEST):
                 raise CheckpointNotFoundError(
@@ -284,7 +349,7 @@ class NativeSource:
         try:
             # array records, as stored() says
             self.serializer.read_many(
-                self.storage, cast("Sequence[tuple[StoredArray, Box, np.ndarray]]", requests), self.where
+                self.files, cast("Sequence[tuple[StoredArray, Box, np.ndarray]]", requests), self.where
             )
         except CorruptCheckpointError as e:
             if not self.storage.exists(MANIFEST):
@@ -295,7 +360,7 @@ class NativeSource:
             raise
 
     def view(self, leaf: LeafRecord, box: Box) -> np.ndarray | None:
-        return self.serializer.view(self.storage, stored(leaf), box, f"{self.where} leaf {leaf.name!r}")
+        return self.serializer.view(self.files, stored(leaf), box, f"{self.where} leaf {leaf.name!r}")
 
     def select(self, target: Any) -> tuple["NativeSource", Any]:
         return self, target
@@ -314,9 +379,9 @@ class NativeSource:
 
     def _check_sizes(self) -> list[Damage]:
         found = []
-        for fname, size in sorted(self.body["files"].items()):
+        for fname, size in sorted(all_files(self.body).items()):
             try:
-                self.storage.check_size(fname, size)
+                self.files.check_size(fname, size)
             except (CorruptCheckpointError, StorageError, OSError) as e:
                 found.append(Damage(None, fname, str(e)))
         return found
@@ -333,7 +398,7 @@ class NativeSource:
             out = np.empty(extents, leaf.dtype)
             try:
                 self.serializer.read(
-                    self.storage,
+                    self.files,
                     stored(leaf.with_chunks([chunk])),
                     box,
                     out,
@@ -383,6 +448,18 @@ class NativeSource:
             serializer=b["serializer"],
             format="native",
         )
+
+
+def all_files(body: dict[str, Any]) -> dict[str, int]:
+    """The files a manifest's chunks may name, with their sizes: its own, and those of the steps it shares
+    bytes with as ``../<step>/<file>`` (native/sharing.py)."""
+    shared = body.get("shared")
+    if not shared:
+        return body["files"]
+    out = dict(body["files"])
+    for step, held in shared.items():
+        out.update({f"../{step}/{f}": n for f, n in held["files"].items()})
+    return out
 
 
 def open_native(
@@ -443,9 +520,10 @@ def _open_native(storage: Storage, given: Serializer | None = None) -> NativeSou
     except ValueError as e:
         raise InvalidManifestError(f"{where}: field body.serializer: {e}") from None
     leaves = [LeafRecord.from_json(r) for r in body["leaves"]]
+    files = all_files(body)
     for i, leaf in enumerate(leaves):
         if leaf.is_array:
-            serializer.validate(stored(leaf), body["files"], f"{where}: leaves[{i}] ({leaf.name})")
+            serializer.validate(stored(leaf), files, f"{where}: leaves[{i}] ({leaf.name})")
         if leaf.kind == "prng_key":
             shape = key_data_shape(leaf.key_impl)
             if shape is None:

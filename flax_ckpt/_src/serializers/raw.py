@@ -13,7 +13,7 @@ import math
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, wait
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import crc32c
 import numpy as np
@@ -105,19 +105,57 @@ def _pieces(shard: Shard) -> list[tuple[Box, np.ndarray, tuple[int, ...] | None]
     return out
 
 
+Share = Callable[[int, str, Box, memoryview, Callable[[], tuple[int, ...]]], "dict[str, Any] | None"]
+_Piece = tuple[int, Box, np.ndarray, "tuple[int, ...] | None"]
+
+
+def _unshared(
+    pieces: list[_Piece], names: dict[int, str], share: Share, chunks: dict[int, list[dict[str, Any]]]
+) -> list[_Piece]:
+    """The pieces to write: each one ``share`` gives a record for (a reference to equal bytes stored
+    before) goes into ``chunks`` instead; the others keep the checksums computed for asking."""
+    out = []
+    for leaf, box, data, crcs in pieces:
+        mv = memoryview(as_buffer(data.reshape(-1).view(np.uint8))) if data.size else memoryview(b"")
+        made: list[tuple[int, ...]] = []
+
+        def sums(
+            mv: memoryview = mv, crcs: tuple[int, ...] | None = crcs, made: list = made
+        ) -> tuple[int, ...]:
+            if crcs is not None:
+                return crcs
+            if not made:
+                made.append(_crcs(mv))
+            return made[0]
+
+        record = share(leaf, names[leaf], box, mv, sums)
+        if record is None:
+            out.append((leaf, box, data, crcs if crcs is not None else (made[0] if made else None)))
+        else:
+            chunks[leaf].append(dict(record, index=_index(box)))
+    return out
+
+
 class RawSerializer:
     name = "raw"
 
     def __init__(self, max_files: int = MAX_FILES):
         self.max_files = max_files
 
-    def write(self, storage: Storage, items: Sequence[ArrayItem], *, tag: str) -> Written:
+    def write(
+        self, storage: Storage, items: Sequence[ArrayItem], *, tag: str, share: Share | None = None
+    ) -> Written:
+        """See Serializer.write. ``share`` (the native layout's steps that share bytes,
+        native/sharing.py): asked for each piece; a record it gives is stored instead of the piece."""
         pieces = [
             (item.leaf, box, data, crcs)
             for item in items
             for shard in item.shards
             for box, data, crcs in _pieces(shard)
         ]
+        chunks: dict[int, list[dict[str, Any]]] = {item.leaf: [] for item in items}
+        if share is not None:
+            pieces = _unshared(pieces, {item.leaf: item.name for item in items}, share, chunks)
         total = sum(p[2].nbytes for p in pieces)
         nfiles = max(1, min(self.max_files, len(pieces), math.ceil(total / SUBCHUNK)))
         # files of about equal bytes, each a run of the pieces in the order given: that of a snapshot's
@@ -130,7 +168,6 @@ class RawSerializer:
             acc += p[2].nbytes
         bins = [b for b in bins if b] or [[]]
         names = [f"data/{tag}.{i}.bin" for i in range(len(bins))]
-        chunks: dict[int, list[dict[str, Any]]] = {item.leaf: [] for item in items}
 
         def write_file(i: int) -> tuple[float, float]:
             """Writes file i; returns (seconds of checksums, seconds of fsync)."""
