@@ -150,12 +150,13 @@ class NativeLayout:
         try:
             t0 = time.perf_counter()
             sharer, shares = self._sharer(parent, name, staging)
+            writer = (
+                serializer if sharer is None else sharing.Sharing(cast(raw.RawSerializer, serializer), sharer)
+            )
             written = (
-                write_streamed(serializer, stage, snap, snap.items(), tag="p0")
+                write_streamed(writer, stage, snap, snap.items(), tag="p0")
                 if isinstance(snap, Streamed)
-                else serializer.write(stage, snap.items(), tag="p0")
-                if sharer is None
-                else cast(raw.RawSerializer, serializer).write(stage, snap.items(), tag="p0", share=sharer)
+                else writer.write(stage, snap.items(), tag="p0")
             )
             t1 = time.perf_counter()
             data = manifest_bytes(
@@ -489,6 +490,11 @@ def _open_native(storage: Storage, given: Serializer | None = None) -> NativeSou
     if commit_mod.is_temporary(storage.url.rstrip("/").rsplit("/", 1)[-1]):
         raise CheckpointNotCommittedError(
             f"{storage.url} is the folder of a save in flight or one that crashed; it is never read"
+        )
+    if sharing.is_held(storage.url.rstrip("/").rsplit("/", 1)[-1]):
+        raise CheckpointNotCommittedError(
+            f"{storage.url} is a removed step's folder, kept for the bytes later steps of its run share "
+            "(docs/design.md); it is never read as a checkpoint"
         )
     where = f"{storage.url}/{MANIFEST}"
     try:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import re
+import threading
 import uuid
 from typing import Any, Callable, Sequence
 
@@ -140,6 +141,7 @@ class Sharer:
     def __init__(self, base: Base, run: Storage, block: int):
         self.base, self.files, self.block = base, RunFiles(run, base.ids, run=run), block
         self.shared = 0  # bytes referred to instead of written
+        self._mutex = threading.Lock()
 
     def __call__(
         self, leaf: int, name: str, box: Box, data: memoryview, crcs: Callable[[], tuple[int, ...]]
@@ -156,7 +158,8 @@ class Sharer:
         step, file = self.base.located(old)
         if not self._equal(step, file, old, data):
             return None
-        self.shared += n
+        with self._mutex:
+            self.shared += n
         return dict(old, file=f"../{step}/{file}")
 
     def _equal(self, step: str, file: str, old: dict[str, Any], data: memoryview) -> bool:
@@ -178,6 +181,17 @@ class Sharer:
         except (OSError, CheckpointError):
             return False
         return True
+
+
+class Sharing:
+    """The raw serializer asking ``sharer`` for each piece: a Serializer for write_streamed's batches
+    (every one of a save's ``write`` calls shares)."""
+
+    def __init__(self, serializer: Any, sharer: Sharer):
+        self.serializer, self.sharer, self.name = serializer, sharer, serializer.name
+
+    def write(self, storage: Storage, items: Sequence[Any], *, tag: str) -> Any:
+        return self.serializer.write(storage, items, tag=tag, share=self.sharer)
 
 
 def shared_head(chunks: dict[int, list[dict[str, Any]]], base: Base | None) -> dict[str, Any] | None:
