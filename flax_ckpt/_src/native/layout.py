@@ -142,7 +142,7 @@ class NativeLayout:
         serializer = self.serializer
         if distributed.process_count() > 1:
             return _persist_shared(
-                snap, parent, name, serializer, step=step, metrics=metrics, metadata=metadata
+                snap, parent, name, serializer, step=step, metrics=metrics, metadata=metadata, layout=self
             )
         times = PersistTimes()
         staging = commit_mod.staging_name(parent, name, record=MANIFEST)
@@ -150,9 +150,7 @@ class NativeLayout:
         try:
             t0 = time.perf_counter()
             sharer, shares = self._sharer(parent, name, staging)
-            writer = (
-                serializer if sharer is None else sharing.Sharing(cast(raw.RawSerializer, serializer), sharer)
-            )
+            writer = serializer if sharer is None else cast(Serializer, sharing.Sharing(serializer, sharer))
             written = (
                 write_streamed(writer, stage, snap, snap.items(), tag="p0")
                 if isinstance(snap, Streamed)
@@ -188,7 +186,10 @@ class NativeLayout:
         ident = sharing.staging_id(staging)
         if not self.share or ident is None or not isinstance(self.serializer, raw.RawSerializer):
             return None, None
-        base = sharing.newest_base(parent, name, self._base)
+        # with several processes each reads the base's merged manifest (its records name every
+        # process's files); alone, the records this layout kept from its last commit
+        known = self._base if distributed.process_count() == 1 else None
+        base = sharing.newest_base(parent, name, known)
         return (None if base is None else sharing.Sharer(base, parent, raw.BLOCK)), (ident, base)
 
     def _committed(
@@ -255,12 +256,15 @@ def _persist_shared(
     step: int | None,
     metrics: dict | None,
     metadata: Any,
+    layout: NativeLayout | None = None,
 ) -> PersistTimes:
     """persist() across processes: process 0 names the staging folder, each process writes its own
     shards there (files tagged p<i>) and publishes its chunk records, process 0 merges them into the
     manifest and commits; the others return once the commit is announced (distributed.SaveRound).
     Leaves a process holds no shard of are skipped; host values (numpy leaves) are written by process
-    0 alone."""
+    0 alone. ``layout``: the run's, when its steps share bytes: each process compares only its own
+    shards with the base step (the newest committed one, the same for all), and process 0 lists the
+    files of other steps that the merged records name."""
     times, rnd = PersistTimes(), distributed.SaveRound.begin(parent, name)
     staging = rnd.agree_staging(lambda: commit_mod.staging_name(parent, name, record=MANIFEST))
     stage, digest = parent.sub(staging), distributed.tree_digest([lf.record for lf in snap.leaves])
@@ -271,10 +275,12 @@ def _persist_shared(
     ]
     try:
         t0 = time.perf_counter()
+        sharer, shares = (None, None) if layout is None else layout._sharer(parent, name, staging)
+        writer = serializer if sharer is None else cast(Serializer, sharing.Sharing(serializer, sharer))
         written = (
-            write_streamed(serializer, stage, snap, items, tag=f"p{rnd.index}")
+            write_streamed(writer, stage, snap, items, tag=f"p{rnd.index}")
             if isinstance(snap, Streamed)
-            else serializer.write(stage, items, tag=f"p{rnd.index}")
+            else writer.write(stage, items, tag=f"p{rnd.index}")
         )
         t1 = time.perf_counter()
         if rnd.index:
@@ -290,6 +296,7 @@ def _persist_shared(
                 metrics=metrics,
                 metadata=metadata,
                 process_count=rnd.count,
+                shares=shares,
             )
             decode(data, f"{stage.url}/{MANIFEST}")  # the merged chunks must tile every array exactly
             commit_mod.commit(parent, staging, name, MANIFEST, data)

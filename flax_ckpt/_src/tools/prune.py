@@ -154,7 +154,7 @@ def _delete(root: Storage, doomed: list[StepEntry]) -> None:
 
 def _plan(
     root: Storage, e: StepEntry, f: layouts.StepFolder | None, refs: set[tuple[str, str]] | None
-) -> Callable[[], None]:
+) -> Callable[[], object]:
     """How to delete step ``e`` (``f``: its step folder, listed again now), checked now: a
     CheckpointNotFoundError if it is no longer as it was listed."""
     where = f"{root.url.rstrip('/')}/{e.name}"
