@@ -163,24 +163,34 @@ class Sharer:
         return dict(old, file=f"../{step}/{file}")
 
     def _equal(self, step: str, file: str, old: dict[str, Any], data: memoryview) -> bool:
-        """Whether the stored bytes of ``old`` are ``data``: read block by block, each checked against its
-        crc32c; a damaged or missing earlier chunk is never referred to."""
-        import crc32c
-
-        block, crcs, offset = old["block"], old["crc32c"], old["offset"]
-        buf = bytearray(min(block, len(data)))
+        """Whether the stored bytes of ``old`` are ``data``, read a block at a time and compared as
+        words, stopping at the first difference. (Equal bytes whose crc32c ``__call__`` found equal to
+        the record's need no checksum of their own: a damaged or missing earlier chunk differs from
+        ``data``, or fails to read, and is never referred to.)"""
+        step_bytes = min(old["block"], _COMPARE)
+        buf = bytearray(min(step_bytes, len(data)))
         try:
-            for k in range(len(crcs)):
-                lo, hi = k * block, min((k + 1) * block, len(data))
+            for lo in range(0, len(data), step_bytes):
+                hi = min(lo + step_bytes, len(data))
                 view = memoryview(buf)[: hi - lo]
-                self.files.read_into(f"../{step}/{file}", offset + lo, view)
-                if crc32c.crc32c(view) != crcs[k] or not np.array_equal(
-                    np.frombuffer(view, np.uint8), np.frombuffer(data[lo:hi], np.uint8)
-                ):
+                self.files.read_into(f"../{step}/{file}", old["offset"] + lo, view)
+                if not _same(view, data[lo:hi]):
                     return False
         except (OSError, CheckpointError):
             return False
         return True
+
+
+_COMPARE = 4 << 20  # bytes read and compared at a time
+
+
+def _same(a: memoryview, b: memoryview) -> bool:
+    """Whether two byte buffers of one length are equal (as 8-byte words where they divide)."""
+    n = len(a) - len(a) % 8
+    x, y = np.frombuffer(a, np.uint8), np.frombuffer(b, np.uint8)
+    return bool(np.array_equal(x[:n].view(np.uint64), y[:n].view(np.uint64))) and bool(
+        np.array_equal(x[n:], y[n:])
+    )
 
 
 class Sharing:
@@ -320,14 +330,20 @@ class RunFiles:
 
 
 def _shared_of(run: Storage, name: str) -> dict[str, str] | None:
-    """{step folder: id} that the committed manifest of ``name`` refers to ({} for none); None when its
-    manifest cannot be read (what it refers to is then unknown)."""
+    """{step folder: id} that the committed manifest of ``name`` refers to ({} for none, and for a folder
+    without a manifest: an Orbax step, or a native one never committed); None when its manifest cannot
+    be read (what it refers to is then unknown)."""
     try:
         raw = run.sub(name).read(MANIFEST, MAX_MANIFEST_BYTES)
+    except (FileNotFoundError, NotADirectoryError):
+        return {}
+    except OSError:
+        return None
+    try:
         body = unseal(
             raw, name="flax_ckpt", version=1, where=f"{run.url}/{name}", max_bytes=MAX_MANIFEST_BYTES
         )
-    except (OSError, CheckpointError, ValueError):
+    except (CheckpointError, ValueError):
         return None
     shared = body.get("shared") or {}
     if not isinstance(shared, dict):
