@@ -149,19 +149,25 @@ def _forge(data: np.ndarray, at: int, patch_at: int) -> np.ndarray:
 
 def test_equal_crc32c_is_not_equal_bytes(tmp_path):
     """A chunk whose every crc32c block equals the earlier chunk's but whose bytes differ is written:
-    sharing is decided by the bytes, never by crc32c alone."""
+    sharing is decided by the bytes (step 1, against a chunk step 0 wrote: read back and compared) or
+    by their SHA-256 (step 3, against a chunk step 2 shared), never by crc32c alone."""
     data = np.random.default_rng(3).integers(0, 255, 4 * MiB, dtype=np.uint8)
     forged = _forge(data, 1000, 2 * MiB)
     assert crc32c.crc32c(forged.tobytes()) == crc32c.crc32c(data.tobytes())
     assert not np.array_equal(forged, data)
     same = np.random.default_rng(4).integers(0, 255, 4 * MiB, dtype=np.uint8)
     with fc.CheckpointManager(tmp_path, async_save=False) as mgr:
-        mgr.save(0, {"x": data, "same": same})
-        mgr.save(1, {"x": forged, "same": same})
-        np.testing.assert_array_equal(mgr.restore(1)["x"], forged)
-    body = json.load(open(tmp_path / "1" / "manifest.json"))["body"]
-    files = {leaf["path"][0][1]: leaf["chunks"][0]["file"] for leaf in body["leaves"]}
-    assert files == {"x": "data/p0.0.bin", "same": "../0/data/p0.0.bin"}
+        for step, x in enumerate([data, forged, forged, data]):
+            mgr.save(step, {"x": x, "same": same})
+            np.testing.assert_array_equal(mgr.restore(step)["x"], x)
+
+    def files(step: int) -> dict[str, str]:
+        body = json.load(open(tmp_path / str(step) / "manifest.json"))["body"]
+        return {leaf["path"][0][1]: leaf["chunks"][0]["file"] for leaf in body["leaves"]}
+
+    assert files(1) == {"x": "data/p0.0.bin", "same": "../0/data/p0.0.bin"}  # bytes compared
+    assert files(2) == {"x": "../1/data/p0.0.bin", "same": "../0/data/p0.0.bin"}  # shared, with its hash
+    assert files(3) == {"x": "data/p0.0.bin", "same": "../0/data/p0.0.bin"}  # hashes compared
 
 
 def test_retention_keeps_the_bytes_kept_steps_share_and_frees_them_with_the_last(tmp_path):

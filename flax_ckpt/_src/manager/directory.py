@@ -229,6 +229,7 @@ class Directory:
         out = self._restore.restore(step, target_of, shardings, fit, item)
         if len(self.restore_stats) > restores:  # resumed the run: its steps up to this one are this run's
             self.index.resumed(self.restore_stats[-1].step)
+            sharing.resumed(self.layout, self.restore_stats[-1].step)
         return out
 
     def read(self, step: int, target_of: TargetOf, shardings: Any, fit: Fit) -> Any:

@@ -106,6 +106,7 @@ class NativeLayout:
         self._manifests = SaveManifests()
         self.share = False  # steps share unchanged chunks with the run's previous step (a manager sets it)
         self._base: sharing.Base | None = None  # the step this layout committed last
+        self.resumed_from: str | None = None  # the step a manager restored: the next save's base
         self.shared_bytes = 0  # bytes the last save referred to instead of writing them
 
     def snapshot(self, tree: Any, *, copy: bool, reuse: Snapshot | None = None) -> Snapshot:
@@ -189,7 +190,8 @@ class NativeLayout:
         # with several processes each reads the base's merged manifest (its records name every
         # process's files); alone, the records this layout kept from its last commit
         known = self._base if distributed.process_count() == 1 else None
-        base = sharing.newest_base(parent, name, known)
+        base = sharing.newest_base(parent, name, known, self.resumed_from)
+        self.resumed_from = None
         return (None if base is None else sharing.Sharer(base, parent, raw.BLOCK)), (ident, base)
 
     def _committed(

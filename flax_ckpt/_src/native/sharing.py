@@ -16,6 +16,7 @@ folder): never a step, never a leftover. Local folders only (a retirement is one
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import re
 import threading
@@ -83,6 +84,13 @@ def enable(layout: Any, run: Storage) -> None:
         layout.share = True
 
 
+def resumed(layout: Any, step: int) -> None:
+    """A manager restored ``step`` (read whole, every block checked): the next save of its sharing
+    ``layout`` compares with that step, not with the newest (which may be newer and damaged)."""
+    if getattr(layout, "share", False):
+        layout.resumed_from = str(step)
+
+
 class Base:
     """The step a save compares with: its folder ``name`` and ``id``, per leaf number its key path and
     chunk records, the sizes of the files they name (``(step folder, file)``) and the ids of the steps
@@ -136,7 +144,7 @@ class Base:
 
 class Sharer:
     """The raw serializer's ``share`` hook for one save against ``base``, reading its bytes from the run
-    directory ``run``. Thread-safe (it keeps no state but its counters)."""
+    directory ``run``. Thread-safe (pieces are asked in parallel: hashlib releases the GIL)."""
 
     def __init__(self, base: Base, run: Storage, block: int):
         self.base, self.files, self.block = base, RunFiles(run, base.ids, run=run), block
@@ -147,20 +155,23 @@ class Sharer:
         self, leaf: int, name: str, box: Box, data: memoryview, crcs: Callable[[], tuple[int, ...]]
     ) -> dict[str, Any] | None:
         """A reference record for the piece ``data`` of leaf ``leaf`` in ``box`` when the base's chunk
-        there holds the same bytes (its crc32c blocks equal ``crcs()``, then its bytes, read and
-        checked, equal ``data``); else None."""
+        there holds the same bytes, else None: its crc32c blocks must equal ``crcs()``, then its SHA-256
+        (``HASH`` in the record) that of ``data``; a record without one (the chunk was written, not
+        shared, by the base) is read back and compared byte for byte. A shared record carries the
+        SHA-256, so the next save compares hashes only."""
         n = len(data)
         old = self.base.candidate(leaf, name, box)
         if n < MIN_SHARED or old is None or old["nbytes"] != n or old["block"] != self.block:
             return None
         if list(crcs()) != list(old["crc32c"]):
             return None
+        digest = hashlib.sha256(data).hexdigest()
         step, file = self.base.located(old)
-        if not self._equal(step, file, old, data):
+        if old.get(HASH) != digest if HASH in old else not self._equal(step, file, old, data):
             return None
         with self._mutex:
             self.shared += n
-        return dict(old, file=f"../{step}/{file}")
+        return dict(old, file=f"../{step}/{file}", **{HASH: digest})
 
     def _equal(self, step: str, file: str, old: dict[str, Any], data: memoryview) -> bool:
         """Whether the stored bytes of ``old`` are ``data``, read a block at a time and compared as
@@ -181,6 +192,7 @@ class Sharer:
         return True
 
 
+HASH = "sha256"  # a shared chunk record's field: the SHA-256 of its bytes, hex
 _COMPARE = 4 << 20  # bytes read and compared at a time
 
 
@@ -220,14 +232,17 @@ def shared_head(chunks: dict[int, list[dict[str, Any]]], base: Base | None) -> d
     return out or None
 
 
-def newest_base(run: Storage, exclude: str, known: Base | None) -> Base | None:
-    """The base of a save into ``run``: the committed native step with the highest number (but
-    ``exclude``, the step being saved); ``known`` when it is that step (the last one this layout
-    committed). None when there is none, or its manifest cannot be read (the save then writes all)."""
+def newest_base(run: Storage, exclude: str, known: Base | None, first: str | None = None) -> Base | None:
+    """The base of a save into ``run``: step folder ``first`` (the step the manager restored) when it is
+    still committed, else the committed native step with the highest number (but ``exclude``, the step
+    being saved); ``known`` when it is that step (the last one this layout committed). None when there
+    is none, or its manifest cannot be read (the save then writes all)."""
     steps = sorted(
         (n for n in map(commit_mod.step_number, run.list()) if n is not None and str(n) != exclude),
         reverse=True,
     )
+    if first is not None and first != exclude and int(first) in steps:
+        steps.insert(0, int(first))
     for step in steps[:3]:
         name = str(step)
         if known is not None and known.name == name and run.sub(name).exists(MANIFEST):

@@ -29,6 +29,7 @@ BLOCK = 8 << 20
 SUBCHUNK = 64 << 20
 MAX_FILES = 8
 READ_THREADS = 8
+SHARE_THREADS = 4  # pieces compared with an earlier step's at once (native/sharing.py)
 PARALLEL_READ_MIN = 16 << 20  # a leaf's chunks are read in parallel when it needs at least this many bytes
 
 _pool: ThreadPoolExecutor | None = None
@@ -113,24 +114,36 @@ def _unshared(
     pieces: list[_Piece], names: dict[int, str], share: Share, chunks: dict[int, list[dict[str, Any]]]
 ) -> list[_Piece]:
     """The pieces to write: each one ``share`` gives a record for (a reference to equal bytes stored
-    before) goes into ``chunks`` instead; the others keep the checksums computed for asking."""
-    out = []
-    for leaf, box, data, crcs in pieces:
+    before) goes into ``chunks`` instead; the others keep the checksums computed for asking. Pieces are
+    asked in parallel (what ``share`` does, hashing and reading, releases the GIL)."""
+
+    def ask(piece: _Piece) -> tuple[dict[str, Any] | None, tuple[int, ...] | None]:
+        leaf, box, data, crcs = piece
         mv = memoryview(as_buffer(data.reshape(-1).view(np.uint8))) if data.size else memoryview(b"")
         made: list[tuple[int, ...]] = []
 
-        def sums(
-            mv: memoryview = mv, crcs: tuple[int, ...] | None = crcs, made: list = made
-        ) -> tuple[int, ...]:
+        def sums() -> tuple[int, ...]:
             if crcs is not None:
                 return crcs
             if not made:
                 made.append(_crcs(mv))
             return made[0]
 
-        record = share(leaf, names[leaf], box, mv, sums)
+        return share(leaf, names[leaf], box, mv, sums), crcs if crcs is not None else (
+            made[0] if made else None
+        )
+
+    if len(pieces) > 1:
+        with ThreadPoolExecutor(
+            min(SHARE_THREADS, len(pieces)), thread_name_prefix="flax_ckpt-share"
+        ) as pool:
+            answers = list(pool.map(ask, pieces))
+    else:
+        answers = [ask(p) for p in pieces]
+    out = []
+    for (leaf, box, data, _), (record, crcs) in zip(pieces, answers):
         if record is None:
-            out.append((leaf, box, data, crcs if crcs is not None else (made[0] if made else None)))
+            out.append((leaf, box, data, crcs))
         else:
             chunks[leaf].append(dict(record, index=_index(box)))
     return out
