@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import re
 import threading
 import uuid
@@ -35,7 +36,7 @@ from flax_ckpt._src.storage import Storage
 log = logging.getLogger("flax_ckpt")
 
 HELD_MARK = ".held-"
-MIN_SHARED = 64 << 10  # pieces smaller than this are always written: their bytes cost less than a record
+MIN_SHARED = 64 << 10  # pieces smaller than this are always written (raw.SHARE_MIN: not even asked)
 _HELD = re.compile(r"([0-9]+)\.held-([0-9a-f]{32})")
 _ID = re.compile(r"[0-9a-f]{32}")
 
@@ -160,8 +161,8 @@ class Sharer:
         shared, by the base) is read back and compared byte for byte. A shared record carries the
         SHA-256, so the next save compares hashes only."""
         n = len(data)
-        old = self.base.candidate(leaf, name, box)
-        if n < MIN_SHARED or old is None or old["nbytes"] != n or old["block"] != self.block:
+        old = None if n < MIN_SHARED else self.base.candidate(leaf, name, box)
+        if old is None or old["nbytes"] != n or old["block"] != self.block:
             return None
         if list(crcs()) != list(old["crc32c"]):
             return None
@@ -344,31 +345,56 @@ class RunFiles:
 # ------------------------------------------------------------------------------------------ deleting
 
 
-def _shared_of(run: Storage, name: str) -> dict[str, str] | None:
-    """{step folder: id} that the committed manifest of ``name`` refers to ({} for none, and for a folder
-    without a manifest: an Orbax step, or a native one never committed); None when its manifest cannot
-    be read (what it refers to is then unknown)."""
+_Head = tuple["str | None", "dict[str, str] | None"]
+_HEADS: dict[tuple[str, int, int, int], _Head] = {}  # (manifest path, inode, mtime, size) -> head
+_HEADS_MAX = 4096
+
+
+def _head(run: Storage, name: str) -> _Head | None:
+    """(its id, {step folder: id} it refers to) of step folder ``name``'s committed manifest: (None, {})
+    for a folder without one (an Orbax step, a native one never committed); (None, None) when the
+    manifest cannot be read (what it refers to is then unknown). A committed manifest never changes:
+    on a local folder its reading is kept, by the file's identity (inode, mtime, size)."""
+    key = None
+    if run.local_path is not None:
+        path = os.path.join(run.local_path, name, MANIFEST)
+        try:
+            st = os.stat(path, follow_symlinks=False)
+        except (FileNotFoundError, NotADirectoryError):
+            return None, {}
+        except OSError:
+            return None, None
+        key = (path, st.st_ino, st.st_mtime_ns, st.st_size)
+        if key in _HEADS:
+            return _HEADS[key]
     try:
         raw = run.sub(name).read(MANIFEST, MAX_MANIFEST_BYTES)
     except (FileNotFoundError, NotADirectoryError):
-        return {}
+        return None, {}
     except OSError:
-        return None
+        return None, None
     try:
         body = unseal(
             raw, name="flax_ckpt", version=1, where=f"{run.url}/{name}", max_bytes=MAX_MANIFEST_BYTES
         )
     except (CheckpointError, ValueError):
-        return None
+        return None, None
+    ident = body.get("id") if is_id(body.get("id")) else None
     shared = body.get("shared") or {}
+    out: dict[str, str] | None = {}
     if not isinstance(shared, dict):
-        return None
-    out = {}
-    for step, held in shared.items():
-        if not isinstance(held, dict) or not is_id(held.get("id")):
-            return None
-        out[step] = held["id"]
-    return out
+        out = None
+    else:
+        for step, held in shared.items():
+            if not isinstance(held, dict) or not is_id(held.get("id")):
+                out = None
+                break
+            out[step] = held["id"]
+    if key is not None:
+        if len(_HEADS) >= _HEADS_MAX:
+            _HEADS.clear()
+        _HEADS[key] = (ident, out)
+    return ident, out
 
 
 def referenced(run: Storage, gone: Sequence[str] = ()) -> set[tuple[str, str]] | None:
@@ -378,7 +404,7 @@ def referenced(run: Storage, gone: Sequence[str] = ()) -> set[tuple[str, str]] |
     for entry in run.list():
         if commit_mod.step_number(entry) is None or entry in gone:
             continue
-        shared = _shared_of(run, entry)
+        shared = _head(run, entry)[1]
         if shared is None:
             return None
         out.update(shared.items())
@@ -387,14 +413,7 @@ def referenced(run: Storage, gone: Sequence[str] = ()) -> set[tuple[str, str]] |
 
 def own_id(run: Storage, name: str) -> str | None:
     """The id in the manifest of step folder ``name`` (None: none, or unreadable)."""
-    try:
-        raw = run.sub(name).read(MANIFEST, MAX_MANIFEST_BYTES)
-        body = unseal(
-            raw, name="flax_ckpt", version=1, where=f"{run.url}/{name}", max_bytes=MAX_MANIFEST_BYTES
-        )
-    except (OSError, CheckpointError, ValueError):
-        return None
-    return body.get("id") if is_id(body.get("id")) else None
+    return _head(run, name)[0]
 
 
 def remove_step(

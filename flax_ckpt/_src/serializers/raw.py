@@ -30,6 +30,7 @@ SUBCHUNK = 64 << 20
 MAX_FILES = 8
 READ_THREADS = 8
 SHARE_THREADS = 4  # pieces compared with an earlier step's at once (native/sharing.py)
+SHARE_MIN = 64 << 10  # smaller pieces are always written: their bytes cost less than the comparison
 PARALLEL_READ_MIN = 16 << 20  # a leaf's chunks are read in parallel when it needs at least this many bytes
 
 _pool: ThreadPoolExecutor | None = None
@@ -133,19 +134,19 @@ def _unshared(
             made[0] if made else None
         )
 
-    if len(pieces) > 1:
-        with ThreadPoolExecutor(
-            min(SHARE_THREADS, len(pieces)), thread_name_prefix="flax_ckpt-share"
-        ) as pool:
-            answers = list(pool.map(ask, pieces))
+    asked = [p for p in pieces if p[2].nbytes >= SHARE_MIN]
+    if len(asked) > 1:
+        with ThreadPoolExecutor(min(SHARE_THREADS, len(asked)), thread_name_prefix="flax_ckpt-share") as pool:
+            answers = dict(zip(map(id, asked), pool.map(ask, asked)))
     else:
-        answers = [ask(p) for p in pieces]
+        answers = {id(p): ask(p) for p in asked}
     out = []
-    for (leaf, box, data, _), (record, crcs) in zip(pieces, answers):
+    for p in pieces:
+        record, crcs = answers.get(id(p), (None, p[3]))
         if record is None:
-            out.append((leaf, box, data, crcs))
+            out.append((p[0], p[1], p[2], crcs))
         else:
-            chunks[leaf].append(dict(record, index=_index(box)))
+            chunks[p[0]].append(dict(record, index=_index(p[1])))
     return out
 
 
