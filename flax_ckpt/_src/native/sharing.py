@@ -350,7 +350,7 @@ _HEADS: dict[tuple[str, int, int, int], _Head] = {}  # (manifest path, inode, mt
 _HEADS_MAX = 4096
 
 
-def _head(run: Storage, name: str) -> _Head | None:
+def _head(run: Storage, name: str) -> _Head:
     """(its id, {step folder: id} it refers to) of step folder ``name``'s committed manifest: (None, {})
     for a folder without one (an Orbax step, a native one never committed); (None, None) when the
     manifest cannot be read (what it refers to is then unknown). A committed manifest never changes:
