@@ -140,10 +140,19 @@ class CrashRun:
 
 
 def crash_trial(
-    z: Zygote, run: CrashRun, rng: random.Random, serializer: str, max_delay: float = 1.2
+    z: Zygote,
+    run: CrashRun,
+    rng: random.Random,
+    serializer: str,
+    max_delay: float = 1.2,
+    ready: str = "started",
 ) -> Outcome:
-    """Forks a saver (async manager, retention), SIGKILLs it after a random delay, judges the folder."""
-    pid, seen = z.fork("crash", run.directory, serializer, run.state, "tiers" if run.tiers else "none")
+    """Forks a saver (async manager, retention), SIGKILLs it after a random delay, judges the folder.
+    ``ready``: the delay starts once the saver said it ("durable": after its first commit, so that a
+    busy machine never makes every kill land before anything was committed)."""
+    pid, seen = z.fork(
+        "crash", run.directory, serializer, run.state, "tiers" if run.tiers else "none", ready=ready
+    )
     time.sleep(rng.uniform(0.0, max_delay))
     rc = z.kill(pid, seen)
     if rc != -signal.SIGKILL:
