@@ -192,7 +192,9 @@ class NativeLayout:
         known = self._base if distributed.process_count() == 1 else None
         base = sharing.newest_base(parent, name, known, self.resumed_from)
         self.resumed_from = None
-        return (None if base is None else sharing.Sharer(base, parent, raw.BLOCK)), (ident, base)
+        # a subclass's own write takes no share hook: it writes all (its steps may still be referred to)
+        hook = type(self.serializer).write is raw.RawSerializer.write
+        return (None if base is None or not hook else sharing.Sharer(base, parent, raw.BLOCK)), (ident, base)
 
     def _committed(
         self,
