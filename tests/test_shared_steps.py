@@ -258,3 +258,22 @@ def test_tools_read_a_shared_step(tmp_path, capsys):
 
     target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state(1, base))
     assert_tree_equal(fc.restore(tmp_path / "1", target), state(1, base))
+
+
+def test_nothing_is_freed_while_a_step_s_manifest_cannot_be_read(tmp_path, capsys):
+    """A step whose manifest is damaged may refer to any earlier step: prune then retires the steps it
+    removes instead of deleting them, and sweeps nothing, until that step is repaired or removed."""
+    base = frozen_base()
+    run(tmp_path, range(4), base, async_save=False)
+    manifest = tmp_path / "3" / "manifest.json"
+    manifest.write_bytes(manifest.read_bytes()[:-40])  # step 3: unreadable, what it names unknown
+    rc, out = cli(capsys, "prune", str(tmp_path), "--keep", "1")
+    assert rc == 0, out
+    left = {n.split(".")[0] for n in os.listdir(tmp_path) if is_held(n)}
+    assert left == {"0", "1"}  # 0: named by step 2; 1: named by nothing readable, kept all the same
+    assert_tree_equal(fc.restore(tmp_path / "2"), state(2, base))
+    shutil.rmtree(tmp_path / "3")  # the damaged step removed: the next prune frees what nothing names
+    rc, out = cli(capsys, "prune", str(tmp_path), "--keep", "1")
+    assert rc == 0, out
+    assert {n.split(".")[0] for n in os.listdir(tmp_path) if is_held(n)} == {"0"}
+    assert_tree_equal(fc.restore(tmp_path / "2"), state(2, base))
