@@ -76,7 +76,7 @@ def sigkill(args: argparse.Namespace, scratch: str, z: Zygote) -> list[RT.Tally]
         if i % 20 == 0:
             run = RT.CrashRun(RT.fresh(scratch, f"shared{i // 20}"), state="shared")
             os.makedirs(run.directory)
-        shared.add(RT.crash_trial(z, run, rng, "raw", ready="durable"))
+        shared.add(RT.crash_trial(z, run, rng, "raw"))
         _progress(shared, args.shared_kills)
     return [tally, tiered, shared]
 

@@ -85,14 +85,11 @@ def crash_loop(directory: str, serializer: str, state: str = "crash", tiers: str
     if tiers == "tiers":
         keep["tiers"] = crash_tiers(directory)
     with fc.CheckpointManager(directory, serializer=serializer, **keep) as mgr:
-        step, durable = (mgr.latest_step() or 0) + 1, False
+        step = (mgr.latest_step() or 0) + 1
         while True:
             mgr.save(step, make(step))
             if step > 1 and (step - 1) in mgr.all_steps():
                 say(f"committed {step - 1}")  # the previous save is durable once this one started
-                if not durable:
-                    durable = True
-                    say("durable")  # once: a trial may wait for it before its random delay
             step += 1
 
 

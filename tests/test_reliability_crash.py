@@ -55,7 +55,7 @@ def test_sigkill_of_saves_that_share_bytes_never_frees_what_a_kept_step_needs(zy
     never read and at most one is referred to by no step (a kill between a removal and its sweep)."""
     rng, run = random.Random(11), CrashRun(str(tmp_path / "ckpts"), state="shared")
     for i in range(max(3, DEFAULT_KILLS // 2)):
-        outcome = crash_trial(zygote, run, rng, "raw", ready="durable")
+        outcome = crash_trial(zygote, run, rng, "raw")
         assert outcome.ok, f"kill {i + 1}: {outcome.kind}: {outcome.detail}"
     assert len(run.reported) >= 3, "the savers committed too little for the kills to test anything"
     manifests = [p for p in (tmp_path / "ckpts").glob("*/manifest.json")]
