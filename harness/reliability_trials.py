@@ -29,13 +29,24 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 import numpy as np
-from basics import bit_exact, crash_state, step_state
-from reliability_worker import CRASH_KEEP, Zygote, big_state, crash_tiers, small_state, spawn, stop
+from basics import bit_exact, step_state
+from reliability_worker import (
+    CRASH_KEEP,
+    STATES,
+    Zygote,
+    big_state,
+    crash_tiers,
+    small_state,
+    spawn,
+    stop,
+)
 
 import flax_ckpt as fc
 from flax_ckpt._src.checks import MANIFEST
 from flax_ckpt._src.commit import atomic as commit_mod
 from flax_ckpt._src.manager import LOCK_FILE
+from flax_ckpt._src.native import sharing
+from flax_ckpt._src.storage import open_storage
 from flax_ckpt._src.tiers.holdings import RUN_FILE
 
 KINDS = ("exact", "lost", "corrupt", "error")
@@ -120,6 +131,7 @@ class CrashRun:
     tiers: bool = False  # savers also write a memory tier (reliability_worker.crash_tiers)
     reported: set[int] = field(default_factory=set)  # steps a saver reported durable
     verified: set[int] = field(default_factory=set)  # steps already restored bit-exact (not re-read)
+    state: str = "crash"  # what the savers save (reliability_worker.STATES): "shared" shares bytes
     pace: float = 0.0  # seconds per commit, as the savers of this run measured it (0: not yet measured)
 
     def manager(self) -> fc.CheckpointManager:
@@ -136,7 +148,7 @@ def crash_trial(
     The moment is counted in the saver's progress, not in seconds, so that a busy machine moves it
     with the saver: after 0 to ``max_commits`` commits (0: while its manager opens, scans and cleans
     up, or saves its first step), plus a random fraction of one commit's time as measured in this run."""
-    pid, seen = z.fork("crash", run.directory, serializer, "crash", "tiers" if run.tiers else "none")
+    pid, seen = z.fork("crash", run.directory, serializer, run.state, "tiers" if run.tiers else "none")
     commits, t0 = rng.randint(0, max_commits), time.monotonic()
     for _ in range(commits):
         if not _next_commit(z, pid, seen):
@@ -176,9 +188,22 @@ def judge_crash(run: CrashRun) -> Outcome:
     d = run.directory
     entries = os.listdir(d) if os.path.isdir(d) else []  # killed before its manager made the folder
     steps = sorted(int(e) for e in entries if e.isdigit())
+    made = STATES[run.state]
+    held = [e for e in entries if sharing.is_held(e)]
+    if held:  # removed steps' folders kept for bytes later steps share: never read, at most one stale
+        refs = sharing.referenced(open_storage(d))
+        stale = [e for e in held if refs is not None and tuple(e.split(".held-")) not in refs]
+        if len(stale) > 1:
+            return Outcome("error", f"retired folders {stale} are referred to by no step")
     for e in entries:
         if e.isdigit() or e in (LOCK_FILE, RUN_FILE):  # RUN_FILE: the run's id, tied to its memory tiers
             continue
+        if e in held:
+            try:
+                fc.restore(os.path.join(d, e))
+                return Outcome("corrupt", f"the retired folder {e} was restored as a checkpoint")
+            except fc.CheckpointNotCommittedError:
+                continue
         if not commit_mod.is_temporary(e):
             return Outcome("error", f"unexpected entry {e!r} in {d}")
         try:
@@ -202,7 +227,7 @@ def judge_crash(run: CrashRun) -> Outcome:
     for s in steps:
         if s in run.verified and s != steps[-1]:
             continue
-        out = restore_exact(lambda: fc.restore(os.path.join(d, str(s))), crash_state(s), f"step {s}")
+        out = restore_exact(lambda: fc.restore(os.path.join(d, str(s))), made(s), f"step {s}")
         if not out.ok:
             return out if out.kind != "lost" else Outcome("corrupt", f"visible step folder {s}: {out.detail}")
         run.verified.add(s)
@@ -215,7 +240,7 @@ def judge_crash(run: CrashRun) -> Outcome:
         if not run.tiers and latest != (steps[-1] if steps else None):
             return Outcome("error", f"a new manager sees latest {latest}, the folder {steps[-1:]}")
         if latest is not None:
-            return restore_exact(mgr.restore, crash_state(latest), f"manager restore of step {latest}")
+            return restore_exact(mgr.restore, made(latest), f"manager restore of step {latest}")
     return EXACT
 
 

@@ -72,6 +72,22 @@ def test_damage_on_one_process_makes_all_fall_back_together(tmp_path, serializer
 
 
 @pytest.mark.timeout(300)
+def test_steps_share_each_process_s_unchanged_shards_and_restore_anywhere(tmp_path):
+    """Two processes save a state with a frozen sharded leaf: each refers to its own shard's bytes in
+    step 1 (retired by max_to_keep=2, not deleted); every process restores step 3 exactly, and so does
+    this one process alone, target-less (another topology)."""
+    results = run(tmp_path, "share", "share", 2)
+    assert [(r["steps"], r["exact"]) for r in results] == [([2, 3], True)] * 2
+    body = json.loads((tmp_path / "run" / "3" / "manifest.json").read_text())["body"]
+    (f,) = [leaf for leaf in body["leaves"] if leaf["path"] == [["key", "f"]]]
+    assert sorted(c["file"] for c in f["chunks"]) == ["../1/data/p0.0.bin", "../1/data/p1.0.bin"]
+    assert [n for n in os.listdir(tmp_path / "run") if n.startswith("1.held-")]
+    got = fc.restore(tmp_path / "run" / "3")
+    frozen = np.random.default_rng(99).standard_normal((16, 4096)).astype(np.float32)
+    np.testing.assert_array_equal(got["f"], frozen)
+
+
+@pytest.mark.timeout(300)
 def test_strict_raises_the_same_error_on_every_process(tmp_path):
     run(tmp_path, "save", "save", 2, serializer="raw")
     victim = damage_one_process(tmp_path / "run", "raw", 1)

@@ -92,6 +92,23 @@ def mode_save(cfg: dict, n: int) -> dict:
         return {"steps": mgr.all_steps()}
 
 
+def mode_share(cfg: dict, n: int) -> dict:
+    """Steps 1-3 of a state whose sharded leaf "f" never changes (max_to_keep=2: step 1 retired, its
+    bytes kept for steps 2 and 3); then a restore of step 3 on every process."""
+    sh = dict(shardings(n), f=shardings(n)["w"])
+    frozen = np.random.default_rng(99).standard_normal((ROWS * n, 4096)).astype(np.float32)
+    with manager(cfg, max_to_keep=2) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, place(dict(host_state(step, n), f=frozen), sh))
+        mgr.wait_until_finished()
+        tgt = dict(target(n), f=jax.ShapeDtypeStruct(frozen.shape, frozen.dtype, sharding=sh["f"]))
+        got = mgr.restore(target=tgt)
+    ok = all(
+        np.asarray(s.data).tobytes() == frozen[s.index].tobytes() for s in got.pop("f").addressable_shards
+    )
+    return {"steps": mgr.all_steps(), "exact": ok and exact(got, 3, n)}
+
+
 def mode_restore(cfg: dict, n: int) -> dict:
     with manager(cfg, strict=cfg.get("strict", False)) as mgr:
         try:
@@ -222,6 +239,7 @@ MODES = {
     "compile-cache": mode_compile_cache,
     "save": mode_save,
     "restore": mode_restore,
+    "share": mode_share,
     "part": mode_part,
     "lagging": mode_lagging,
     "auto": mode_auto,

@@ -27,6 +27,7 @@ from flax_ckpt._src.manager.agreed import DAMAGE, AgreedRestore, TargetOf
 from flax_ckpt._src.manager.stats import RestoreStats, SaveStats, publish
 from flax_ckpt._src.manager.steps import StepIndex
 from flax_ckpt._src.manager.vanishing import being_deleted
+from flax_ckpt._src.native import sharing
 from flax_ckpt._src.retention import Retention
 from flax_ckpt._src.storage import ObjectStoreOptions, Storage, open_storage
 from flax_ckpt._src.storage.lock import DirectoryLock
@@ -76,6 +77,8 @@ class Directory:
         if warning is not None:
             log.warning("%s", warning)
         self.layout: layouts.Layout = layouts.layout(self.format, serializer)
+        if not read_only and not tiered:  # native steps on a local folder share unchanged chunks
+            sharing.enable(self.layout, self.storage)
         self.recycler = None if read_only else self.layout.recycler(self.storage)
         self.index = StepIndex(self.storage, self.layout, self.prefix, serializer, self.recycler)
         self._restore = AgreedRestore(self.index, self.prefix, strict=strict)
@@ -227,6 +230,7 @@ class Directory:
         out = self._restore.restore(step, target_of, shardings, fit, item)
         if len(self.restore_stats) > restores:  # resumed the run: its steps up to this one are this run's
             self.index.resumed(self.restore_stats[-1].step)
+            sharing.resumed(self.layout, self.restore_stats[-1].step)
         return out
 
     def read(self, step: int, target_of: TargetOf, shardings: Any, fit: Fit) -> Any:

@@ -21,6 +21,7 @@ from flax_ckpt._src.commit.recycler import Recycler
 from flax_ckpt._src.engine.reader import Source
 from flax_ckpt._src.errors import CheckpointError, CheckpointNotFoundError, StorageError, error_class
 from flax_ckpt._src.manager.vanishing import being_deleted
+from flax_ckpt._src.native import sharing
 from flax_ckpt._src.retention import Retention
 from flax_ckpt._src.storage import Storage
 
@@ -227,21 +228,33 @@ class StepIndex:
         with self._mutex:
             formats = {s: f.layout.name for s, f in self._folders.items()}
         doomed = retention.doomed(self.all_metrics(), formats)  # each format's steps apart
+        lead = distributed.process_index() == 0
+        with self._mutex:
+            gone = [self._folders[s].name for s in doomed if s in self._folders]
+        # what the kept steps refer to (native/sharing.py): those steps are retired, not removed
+        refs = (
+            sharing.referenced(self.storage, gone)
+            if lead and doomed and self.storage.supports_rename
+            else None
+        )
         for step in doomed:
             with self._mutex:
                 folder = self._folders.pop(step, None)
                 self._metrics.pop(step, None)
-            if folder is not None and distributed.process_index() == 0:
+            if folder is not None and lead:
                 recycler = (
                     self.recycler if folder.layout.recycles else None
                 )  # its data files: the next save's
-                commit_mod.remove(
-                    self.storage,
-                    folder.name,
-                    folder.layout.record,
-                    salvage=recycler.retire if recycler is not None else None,
-                )
+                salvage = recycler.retire if recycler is not None else None
+                if folder.layout.name == "native" and self.storage.supports_rename:
+                    sharing.remove_step(
+                        self.storage, folder.name, folder.layout.record, refs=refs, salvage=salvage
+                    )
+                else:
+                    commit_mod.remove(self.storage, folder.name, folder.layout.record, salvage=salvage)
             log.info("retention removed step %d from %s", step, self.directory)
+        if lead and self.storage.supports_rename:
+            sharing.sweep(self.storage)  # retired folders that no kept step refers to any more
         others = [s for s in doomed if s not in self._written]
         if others and not self._retention_warned and distributed.process_index() == 0:
             self._retention_warned = True

@@ -275,6 +275,24 @@ def validate_head(body: dict, c: _Check) -> None:
     for name, size in files.items():
         check_relpath(name, f"files[{name!r}]", c.where)
         c.nonneg_int(size, f"files[{name!r}]", MAX_ARRAY_BYTES)
+    ident = c.typed(body, "id", str, "body", optional=True)
+    if ident is not None and not _is_id(ident):
+        c.fail("body.id", f"expected 32 hex digits, found {ident!r}")
+    shared = c.typed(body, "shared", dict, "body", optional=True)
+    for step, held in (shared or {}).items():
+        f = f"shared[{step!r}]"
+        if not (step.isascii() and step.isdigit()):
+            c.fail(f, "not a step folder of the run (digits)")
+        if not _is_id(c.typed(held, "id", str, f)):
+            c.fail(f + ".id", f"expected 32 hex digits, found {held['id']!r}")
+        for name, size in c.typed(held, "files", dict, f).items():
+            check_relpath(name, f"{f}.files[{name!r}]", c.where)
+            c.nonneg_int(size, f"{f}.files[{name!r}]", MAX_ARRAY_BYTES)
+
+
+def _is_id(value: str) -> bool:
+    """A save's id (native/sharing.py): 32 lowercase hex digits."""
+    return len(value) == 32 and all(ch in "0123456789abcdef" for ch in value)
 
 
 def json_depth(obj: Any) -> int:

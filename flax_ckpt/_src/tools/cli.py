@@ -245,6 +245,8 @@ def _ls_note(e: Any) -> str:
     """Metrics of a committed step; otherwise its folder name and, for an invalid one, why."""
     if e.committed:
         return _metrics_text(e.metrics)
+    if e.state == "held":
+        return f"{e.name}: bytes later steps share"
     note = e.name if e.name != str(e.step) else "-"
     return note + (f" ({e.problem.splitlines()[0][:80]})" if e.problem and e.state == "invalid" else "")
 
@@ -268,7 +270,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
             e.state,
             e.tier,
             e.format or "-",
-            human_bytes(e.nbytes),
+            human_bytes(e.nbytes) + (f" +{human_bytes(e.shared)} shared" if e.shared else ""),
             _time_text(e.created),
             _ls_note(e),
         ]
@@ -285,6 +287,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
                 "tier": e.tier,
                 "format": e.format,
                 "nbytes": e.nbytes,
+                "shared_nbytes": e.shared,
                 "metrics": e.metrics,
                 "created": e.created,
                 "problem": e.problem,

@@ -20,6 +20,7 @@ from flax_ckpt._src.errors import (
     CorruptCheckpointError,
     InvalidManifestError,
 )
+from flax_ckpt._src.native import sharing
 from flax_ckpt._src.orbax.locate import step_number
 from flax_ckpt._src.storage import LocalStorage, Storage, open_storage
 from flax_ckpt._src.tiers import store as tier_store
@@ -31,7 +32,10 @@ class StepEntry:
     """One entry of a checkpoint directory. ``state``: "committed" (a valid manifest, or an Orbax
     step), "in-flight" (a save in flight or one that crashed), "deleting" (an interrupted deletion),
     "invalid" (a manifest or Orbax metadata that fails validation) or "uncommitted" (no manifest).
-    ``format``: "native", "orbax", "flax_msgpack" (a legacy Flax file), "memory (...)" or None when unknown."""
+    ``format``: "native", "orbax", "flax_msgpack" (a legacy Flax file), "memory (...)" or None when unknown.
+    A step of a run whose steps share bytes (docs/design.md): ``nbytes`` counts its own files,
+    ``shared`` the bytes of other steps' files it refers to; state "held": a removed step's folder,
+    kept for the bytes later steps refer to (deleted with the last of them)."""
 
     name: str
     step: int | None
@@ -42,6 +46,7 @@ class StepEntry:
     metrics: dict[str, Any] | None = None
     created: float | None = None
     problem: str | None = None
+    shared: int = 0
 
     @property
     def committed(self) -> bool:
@@ -80,6 +85,11 @@ def list_steps(directory: Any, *, tier: str = "persistent") -> list[StepEntry]:
         raise CheckpointNotFoundError(f"{root.url} is not a folder of checkpoints")
     folders, temporary = layouts.step_folders(root, files=True)
     entries = [e for e in (_entry(root, f, tier) for f in folders) if e is not None]
+    entries += [
+        StepEntry(name, int(name.split(".", 1)[0]), "held", tier, "native", _disk_size(root.sub(name)))
+        for name in root.list()
+        if sharing.is_held(name)
+    ]
     for name in temporary:
         step = step_number(commit_mod.base_name(name))  # "<step>" or Orbax's "<prefix>_<step>"
         state = "deleting" if commit_mod.DELETING_MARK in name else "in-flight"
@@ -102,7 +112,11 @@ def _entry(root: Storage, f: layouts.StepFolder, tier: str, tries: int = 3) -> S
             return _entry(root, f, tier, tries - 1) if tries > 1 else None
         return _failed(folder, f, tier, e)
     size = _disk_size(folder) if folder.local_path is not None else info.nbytes
-    return StepEntry(f.name, f.step, "committed", tier, f.layout.name, size, info.metrics, info.created)
+    held = (getattr(source, "body", None) or {}).get("shared") or {}
+    shared = sum(n for h in held.values() for n in h["files"].values())
+    return StepEntry(
+        f.name, f.step, "committed", tier, f.layout.name, size, info.metrics, info.created, shared=shared
+    )
 
 
 def _failed(folder: Storage, f: layouts.StepFolder, tier: str, e: Exception) -> StepEntry:
