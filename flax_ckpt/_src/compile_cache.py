@@ -172,8 +172,7 @@ class CompilationCache:
         """Stops using this cache: programs compiled from now on are not stored (and the folder is not
         created again once its run is deleted). ``CheckpointCallback.close`` calls it."""
         global _installed
-        from jax._src import compilation_cache as cc
-
+        cc = _jax_cache()
         with _install_lock:
             if _installed is not self:
                 return
@@ -301,6 +300,14 @@ _installed: CompilationCache | None = None
 _install_lock = threading.Lock()
 
 
+def _jax_cache() -> Any:
+    """JAX's compilation-cache module: the one place of this module that touches JAX's private API (JAX
+    has no public way to install a cache of one's own; its globals are set under its own lock)."""
+    import importlib
+
+    return importlib.import_module("jax._src.compilation_cache")
+
+
 def _after_fork_in_child() -> None:
     """A forked child starts with its own locks: one a parent's thread held at the fork (a compile in
     flight) would never be released in the child."""
@@ -356,7 +363,7 @@ def use_compilation_cache(
     import jax
 
     try:
-        from jax._src import compilation_cache as cc
+        cc = _jax_cache()
     except ImportError:  # pragma: no cover - a JAX without the module
         log.warning("compilation cache: this JAX (%s) has none to set; compiling as usual", jax.__version__)
         return None
