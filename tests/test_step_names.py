@@ -1,0 +1,73 @@
+"""A run's step folders as the file system shows them: a step folder (or its ``data/``) that is a
+symbolic link to a folder elsewhere is removed as a link by retention and prune, never followed (the
+recycler never moves a file out of it); folders whose names stand for one step number (``10`` and
+``00010``) make that step ambiguous everywhere: never restored, retained, pruned or verified as one."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+import flax_ckpt as fc
+from flax_ckpt._src.commit.recycler import MIN_BYTES
+from flax_ckpt._src.tools.prune import prune
+
+
+def _files(folder) -> dict[str, str]:
+    """{path under ``folder``: sha256 of its bytes} of every file below it."""
+    out = {}
+    for dirpath, _, names in os.walk(folder):
+        for n in names:
+            path = os.path.join(dirpath, n)
+            with open(path, "rb") as f:
+                out[os.path.relpath(path, folder)] = hashlib.sha256(f.read()).hexdigest()
+    return out
+
+
+def _state(value: float) -> dict:
+    return {"w": np.full(MIN_BYTES // 2, value, np.float32)}  # 2 MiB: its data file is recycled
+
+
+def _link_away(run, away, step: int, what: str) -> None:
+    """Moves step ``step``'s folder (``what`` "step") or its data/ ("data") to ``away`` (a folder of the
+    same disk) and leaves a symbolic link in its place."""
+    src = run / str(step) if what == "step" else run / str(step) / "data"
+    dst = away / f"{what}{step}"
+    shutil.move(src, dst)
+    os.symlink(dst, src)
+
+
+@pytest.mark.parametrize("what", ["step", "data"])
+def test_retention_and_prune_remove_a_linked_step_as_a_link_and_leave_its_target(tmp_path, what, caplog):
+    run, away = tmp_path / "run", tmp_path / "away"
+    away.mkdir()
+    with fc.CheckpointManager(run, async_save=False) as mgr:
+        for step in (1, 2):
+            mgr.save(step, _state(step))
+    _link_away(run, away, 1, what)
+    _link_away(run, away, 2, what)
+    before = _files(away)
+    assert len(before) == (4 if what == "step" else 2)
+    with caplog.at_level(logging.WARNING, logger="flax_ckpt"):
+        with fc.CheckpointManager(run, max_to_keep=2, async_save=False) as mgr:
+            assert mgr.all_steps() == [1, 2]
+            for step in (3, 4, 5):  # retention removes 1 (its files would be recycled), then 2, 3
+                mgr.save(step, _state(step))
+            assert mgr.all_steps() == [4, 5]
+    assert _files(away) == before  # byte for byte: nothing moved, written over or deleted there
+    assert not os.path.lexists(run / "1") and not os.path.lexists(run / "2")
+    if what == "step":
+        assert f"{run / '1'} was a symbolic link to {away / 'step1'}" in caplog.text
+    # prune removes a linked step the same way
+    with fc.CheckpointManager(run, async_save=False) as mgr:
+        mgr.save(6, _state(6))
+    _link_away(run, away, 5, what)
+    before = _files(away)
+    assert prune(run, keep=1).deleted == [4, 5]
+    assert _files(away) == before
+    assert sorted(p.name for p in run.iterdir() if not p.name.startswith(".")) == ["6"]
