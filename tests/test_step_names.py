@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import flax_ckpt as fc
+from flax_ckpt._src import tools as fc_tools
 from flax_ckpt._src.commit.recycler import MIN_BYTES
 from flax_ckpt._src.tools.prune import prune
 
@@ -71,3 +72,31 @@ def test_retention_and_prune_remove_a_linked_step_as_a_link_and_leave_its_target
     assert prune(run, keep=1).deleted == [4, 5]
     assert _files(away) == before
     assert sorted(p.name for p in run.iterdir() if not p.name.startswith(".")) == ["6"]
+
+
+def test_folders_that_name_one_step_make_it_ambiguous_for_the_manager_ls_prune_and_verify(tmp_path):
+    run, other = tmp_path / "run", tmp_path / "other"
+    with fc.CheckpointManager(run, async_save=False) as mgr:
+        mgr.save(5, {"w": np.full(3, 5.0)})
+        mgr.save(10, {"w": np.full(3, 10.0)})
+    with fc.CheckpointManager(other, async_save=False) as mgr:
+        mgr.save(10, {"w": np.full(3, -1.0)})  # a stale step 10, copied in as 00010
+    shutil.copytree(other / "10", run / "00010")
+    with fc.CheckpointManager(run, async_save=False, max_to_keep=1) as mgr:
+        assert mgr.all_steps() == [5]  # neither folder is taken for step 10
+        np.testing.assert_array_equal(mgr.restore()["w"], np.full(3, 5.0))
+        with pytest.raises(fc.CheckpointError, match="ambiguous step 10: the folders 00010 and 10"):
+            mgr.restore(10)
+    entries = {e.name: e for e in fc_tools.list_steps(run)}
+    assert entries["10"].state == entries["00010"].state == "ambiguous"
+    assert "move the others out of the run directory" in (entries["10"].problem or "")
+    result = prune(run, keep=1)
+    assert (result.deleted, result.kept) == ([], [5])
+    assert {"10", "00010"} <= set(result.left_alone)
+    assert (run / "10").is_dir() and (run / "00010").is_dir()
+    problems = fc_tools.verify(run)
+    assert sorted(p.file for p in problems) == ["00010", "10"]
+    assert all(p.step == 10 and "ambiguous step 10" in p.message for p in problems)
+    shutil.rmtree(run / "00010")  # the fix the message names: the step is the run's again
+    with fc.CheckpointManager(run, async_save=False) as mgr:
+        np.testing.assert_array_equal(mgr.restore(10)["w"], np.full(3, 10.0))

@@ -68,8 +68,10 @@ class AgreedRestore:
 
         if step is not None:
             if step not in steps:
+                why = self._steps.ambiguity(step)
                 raise CheckpointNotFoundError(
                     f"no committed step {step} in {self.directory} (steps: {steps})"
+                    + (f": {why}" if why else "")
                 )
             return self._first_agreed([step], read, fallback=False)
         damaged = self._steps.newest_damaged()

@@ -80,6 +80,11 @@ class StepIndex:
         step = max(self._damaged, default=None)
         return None if step is None else (step, self._damaged[step][0])
 
+    def ambiguity(self, step: int) -> str | None:
+        """Why ``step`` is none of the run's steps when several folders name it (layouts.StepFolder), else None."""
+        damaged = self._damaged.get(step)
+        return None if damaged is None or not damaged[1].clash else str(damaged[0])
+
     def open(self, step: int, item: str | None = None) -> Source:
         """Step ``step``'s folder, in its own format, as a restore Source (``item``: one named item)."""
         folder = self._folders.get(step) or layouts.StepFolder(step, str(step), self.layout)
@@ -121,6 +126,10 @@ class StepIndex:
             metrics, found, damaged, leftovers, vanished = {}, {}, {}, list(temporary), False
             for f in sorted(folders, key=lambda f: f.step, reverse=True):  # the newest first: the last to go
                 key = (f.name, f.layout.name)
+                ambiguous = f.ambiguity(self.directory)
+                if ambiguous is not None:  # never read as the step (layouts.StepFolder.clash)
+                    damaged[f.step] = (CheckpointError(ambiguous), f)
+                    continue
                 if key not in read:
                     try:
                         read[key] = f.layout.metrics(self.storage.sub(f.name))
@@ -187,14 +196,16 @@ class StepIndex:
         damaged = self._damaged.pop(step, None)
         if damaged is not None and distributed.process_index() == 0:
             if self.storage.supports_rename:
-                aside = f"{damaged[1].name}.damaged-{uuid.uuid4().hex[:8]}"
-                self.storage.rename(damaged[1].name, aside)
-                log.warning(
-                    "step %d in %s was damaged; moved to %s before saving it again",
-                    step,
-                    self.directory,
-                    aside,
-                )
+                for name in damaged[1].clash or (damaged[1].name,):  # an ambiguous step: all its folders
+                    aside = f"{name}.damaged-{uuid.uuid4().hex[:8]}"
+                    self.storage.rename(name, aside)
+                    log.warning(
+                        "step %d in %s was damaged; %s moved to %s before saving it again",
+                        step,
+                        self.directory,
+                        name,
+                        aside,
+                    )
             else:
                 commit_mod.remove(self.storage, damaged[1].name, damaged[1].layout.record)
                 log.warning("step %d in %s was damaged; removed before saving it again", step, self.directory)

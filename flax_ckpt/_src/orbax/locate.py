@@ -297,6 +297,12 @@ def step_number(name: str) -> int | None:
     return int(m.group(2)) if m else None
 
 
+def step_parts(name: str) -> tuple[str | None, int] | None:
+    """(prefix or None, step) of a step folder name (``<step>`` or ``<prefix>_<step>``), or None."""
+    m = _STEP_NAME.fullmatch(name)
+    return (m.group(1), int(m.group(2))) if m else None
+
+
 def _as_item_of_step(storage: Storage, meta: dict[str, Any]) -> Located:
     """A pytree item folder; inside a CheckpointManager step, with that step's metadata and metrics."""
     parent, name = storage.parent()

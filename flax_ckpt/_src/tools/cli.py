@@ -237,7 +237,9 @@ def _ls_note(e: Any) -> str:
     if e.committed:
         return _metrics_text(e.metrics)
     note = e.name if e.name != str(e.step) else "-"
-    return note + (f" ({e.problem.splitlines()[0][:80]})" if e.problem and e.state == "invalid" else "")
+    return note + (
+        f" ({e.problem.splitlines()[0][:80]})" if e.problem and e.state in ("invalid", "ambiguous") else ""
+    )
 
 
 def cmd_ls(args: argparse.Namespace) -> int:

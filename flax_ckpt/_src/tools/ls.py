@@ -30,7 +30,9 @@ from flax_ckpt._src.tools.common import identity
 class StepEntry:
     """One entry of a checkpoint directory. ``state``: "committed" (a valid manifest, or an Orbax
     step), "in-flight" (a save in flight or one that crashed), "deleting" (an interrupted deletion),
-    "invalid" (a manifest or Orbax metadata that fails validation) or "uncommitted" (no manifest).
+    "invalid" (a manifest or Orbax metadata that fails validation), "uncommitted" (no manifest) or
+    "ambiguous" (one of several folders whose names stand for the same step, ``10`` and ``00010``: never
+    read as the step; ``problem`` names them).
     ``format``: "native", "orbax", "flax_msgpack" (a legacy Flax file), "memory (...)" or None when unknown."""
 
     name: str
@@ -94,6 +96,9 @@ def _entry(root: Storage, f: layouts.StepFolder, tier: str, tries: int = 3) -> S
     before = identity(folder, f.layout.record)
     if before is None:
         return None
+    ambiguous = f.ambiguity(root.url)
+    if ambiguous is not None:  # several folders name this step: none of them is it
+        return StepEntry(f.name, f.step, "ambiguous", tier, None, _disk_size(folder), problem=ambiguous)
     try:
         source = f.layout.open(folder)
         info = source.info()
