@@ -25,7 +25,9 @@ from flax_ckpt._src.errors import CheckpointError, InvalidManifestError
 MANIFEST = (
     "manifest.json"  # the native layout's commit record (native/manifest.py): no stored location names it
 )
-MAX_MANIFEST_BYTES = 256 << 20  # the largest sealed document read (a manifest, a process's part of one)
+MAX_MANIFEST_BYTES = 256 << 20  # the largest sealed document or Orbax JSON file read, and so written (a
+#                                  manifest, a process's part of one, a memory-tier index, Orbax _METADATA);
+#                                  read as checks.MAX_MANIFEST_BYTES wherever used, so one value binds both
 MAX_NDIM = 64  # numpy's own limit
 MAX_ARRAY_BYTES = 1 << 50  # more than any array a checkpoint holds
 
@@ -47,7 +49,20 @@ def seal_text(canon: str, *, name: str, version: int) -> bytes:
     """``seal`` of a body given as its canonical text (``canonical(body)``), for a writer that builds
     that text from parts it keeps (the memory tiers' index of a full copy, tiers/encode.py)."""
     head = {"format": name, "version": version, "crc32c": crc32c.crc32c(canon.encode())}
-    return (json.dumps(head)[:-1] + _BODY + canon + "}\n").encode()
+    return check_written((json.dumps(head)[:-1] + _BODY + canon + "}\n").encode(), f"{name} document")
+
+
+def check_written(raw: bytes, what: str) -> bytes:
+    """``raw``, a document about to be written, unless restore would refuse to read it back (more
+    than MAX_MANIFEST_BYTES): then a CheckpointError, before anything is committed."""
+    if len(raw) > MAX_MANIFEST_BYTES:
+        raise CheckpointError(
+            f"cannot save: its {what} would hold {len(raw)} bytes, more than the {MAX_MANIFEST_BYTES} "
+            "that restore reads, so the checkpoint could never be restored; nothing was committed. "
+            "Save fewer leaves (e.g. stack per-layer arrays into one), shorter key paths, or fewer "
+            "chunks per leaf"
+        )
+    return raw
 
 
 _BODY = ', "body": '
@@ -61,11 +76,12 @@ def unseal(
     where: str,
     what: str = "manifest",
     error: type[CheckpointError] = InvalidManifestError,
-    max_bytes: int = 256 << 20,
+    max_bytes: int | None = None,
 ) -> dict[str, Any]:
     """The verified body of a sealed document; ``error`` (naming ``where``) when it is not valid JSON,
     not of format ``name``/``version``, or its body's checksum does not match."""
     raw = bytes(raw)
+    max_bytes = MAX_MANIFEST_BYTES if max_bytes is None else max_bytes
     if len(raw) > max_bytes:
         raise error(f"{where}: {what} of {len(raw)} bytes exceeds {max_bytes}")
     doc, crc = _fast_parse(raw)

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import crc32c
 import numpy as np
 
+from flax_ckpt._src import checks
 from flax_ckpt._src import tree as tree_mod
 from flax_ckpt._src.checks import seal, seal_text, unseal
 from flax_ckpt._src.commit import atomic as commit_mod
@@ -58,7 +59,6 @@ else:
 CHUNK = 1 << 20
 INDEX, DATA, COMMIT = "index.json", "data.bin", "commit.json"
 _FORMAT, _VERSION = "flax_ckpt-tier", 1
-_MAX_INDEX = 256 << 20
 
 
 # ------------------------------------------------------------------------------------------- bytes
@@ -470,7 +470,6 @@ def decode_index(raw: bytes | memoryview, where: str) -> dict[str, Any]:
         where=f"{where}/{INDEX}",
         what="memory-tier index",
         error=CorruptCheckpointError,
-        max_bytes=_MAX_INDEX,
     )
 
 
@@ -509,7 +508,7 @@ def open_copy(folder: str, *, with_base: bool = True) -> Copy:
     tier_files.check_folder(folder, "memory copy")
     fd, _ = tier_files.open_own(os.path.join(folder, INDEX), "copy index")
     with os.fdopen(fd, "rb") as f:
-        body = decode_index(f.read(_MAX_INDEX), folder)
+        body = decode_index(f.read(checks.MAX_MANIFEST_BYTES + 1), folder)
     base = None
     if body["base"] is not None and with_base:
         base = open_copy(os.path.join(os.path.dirname(folder), str(body["base"])), with_base=False)
