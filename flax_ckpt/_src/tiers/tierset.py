@@ -72,9 +72,10 @@ class TierSet:
     def __init__(self, cfg: Tiers, persistent: Persistent):
         self.cfg, self.persistent, self.directory = cfg, persistent, persistent.url
         steps = set(persistent.steps())
-        digest = hashlib.sha256(self.directory.encode()).hexdigest()[:16]
+        digest = hashlib.sha256(self.directory.encode()).hexdigest()[:16]  # the processes' rounds
         self.group = Group(digest)
-        self.holdings = Holdings(cfg.local_dir, digest, self.group.index, self.group.count)
+        folder = holdings_mod.folder_key(persistent.storage)  # this volume's directory: its own folder
+        self.holdings = Holdings(cfg.local_dir, folder, self.group.index, self.group.count)
         self.root, self.local_dir = self.holdings.root, self.holdings.local_dir
         try:
             self.holdings.make()  # and locked: one live manager per process folder

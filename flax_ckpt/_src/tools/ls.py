@@ -7,7 +7,6 @@ metrics. Which folders are steps is layouts.step_folders', the same discovery th
 
 from __future__ import annotations
 
-import hashlib
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +22,7 @@ from flax_ckpt._src.errors import (
 from flax_ckpt._src.orbax.locate import step_number
 from flax_ckpt._src.storage import LocalStorage, Storage, open_storage
 from flax_ckpt._src.tiers import store as tier_store
+from flax_ckpt._src.tiers.holdings import folder_key
 from flax_ckpt._src.tools.common import identity
 
 
@@ -121,9 +121,8 @@ def _failed(folder: Storage, f: layouts.StepFolder, tier: str, e: Exception) -> 
 
 def memory_tier_root(directory: Any, local_dir: str) -> str:
     """Where a tiered CheckpointManager of ``directory`` keeps its memory tiers under ``Tiers.local_dir``
-    (the scheme of tierset.TierSet: ``<local_dir>/<sha256 of the directory's URL, 16 hex>/``)."""
-    url = open_storage(directory).url
-    return os.path.join(os.path.abspath(local_dir), hashlib.sha256(url.encode()).hexdigest()[:16])
+    (the scheme of tierset.TierSet: ``<local_dir>/<tiers.holdings.folder_key of the directory>/``)."""
+    return os.path.join(os.path.abspath(local_dir), folder_key(open_storage(directory)))
 
 
 def list_memory_tiers(directory: Any, local_dir: str) -> list[StepEntry]:
