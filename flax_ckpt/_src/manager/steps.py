@@ -233,10 +233,12 @@ class StepIndex:
         with self._mutex:
             formats = {s: f.layout.name for s, f in self._folders.items()}
         doomed = retention.doomed(self.all_metrics(), formats)  # each format's steps apart
+        others = [s for s in doomed if s not in self._written]
         for step in doomed:
             with self._mutex:
                 folder = self._folders.pop(step, None)
                 self._metrics.pop(step, None)
+                self._written.discard(step)  # what a long run keeps stays as many as its steps
             if folder is not None and distributed.process_index() == 0:
                 recycler = (
                     self.recycler if folder.layout.recycles else None
@@ -248,7 +250,6 @@ class StepIndex:
                     salvage=recycler.retire if recycler is not None else None,
                 )
             log.info("retention removed step %d from %s", step, self.directory)
-        others = [s for s in doomed if s not in self._written]
         if others and not self._retention_warned and distributed.process_index() == 0:
             self._retention_warned = True
             log.warning(

@@ -38,6 +38,7 @@ from flax_ckpt._src.tiers.policy import CopyPolicy
 from flax_ckpt._src.tiers.recover import Recovery
 from flax_ckpt._src.tiers.ring import PeerRing
 from flax_ckpt._src.tiers.sync import Group
+from flax_ckpt._src.window import Window
 
 log = logging.getLogger("flax_ckpt")
 
@@ -101,7 +102,7 @@ class TierSet:
             (lambda mine: caller.allgather("admit", mine)) if self.group.count > 1 else None,
             _warn_skipped,
         )
-        self.stats: list[TierStats] = []
+        self.stats: Window[TierStats] = Window()  # the newest copies, with totals
         self.last_plan: Plan | None = None
         try:
             self._start(steps, refused, run)
