@@ -1,17 +1,21 @@
-"""Memory copies belong to their run directory, not to its path: two jobs whose directories have one
-path on two volumes (two containers sharing one host tmpfs, each with its own volume at that path)
-keep their memory copies apart (tiers/holdings.py folder_key: the directory's device and inode), so
-neither deletes the other's memory-only steps. Simulated on one machine by one path, a symbolic link
-led to one job's directory and then the other's."""
+"""Memory copies belong to their run directory's volume, not to its path alone: two jobs whose
+directories have one path on two volumes (two containers sharing one host tmpfs, each with its own
+volume at that path) keep their memory copies apart (tiers/holdings.py folder_key: the device the
+directory lies on), so neither deletes the other's memory-only steps. Simulated on one machine by one
+path, a symbolic link led to one job's directory (on the disk of the test's tmp_path) and then to the
+other's (on /dev/shm, another file system)."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 import flax_ckpt as fc
 from flax_ckpt._src.storage import open_storage
@@ -42,13 +46,19 @@ def _point(link: Path, volume: Path) -> None:
     link.symlink_to(volume, target_is_directory=True)
 
 
-def test_two_jobs_with_one_path_on_two_volumes_keep_their_memory_only_steps(tmp_path):
-    vol_a, vol_b, path, local = (
-        tmp_path / "vol_a",
-        tmp_path / "vol_b",
-        tmp_path / "run",
-        str(tmp_path / "shm"),
-    )
+@pytest.fixture
+def other_volume(tmp_path):
+    """A folder on a file system other than tmp_path's (/dev/shm), removed after the test."""
+    if not os.path.isdir("/dev/shm") or os.stat("/dev/shm").st_dev == os.stat(tmp_path).st_dev:
+        pytest.skip("needs /dev/shm on a file system of its own, beside tmp_path's")
+    folder = tempfile.mkdtemp(dir="/dev/shm", prefix="flax_ckpt-test-vol-")
+    yield Path(folder)
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_two_jobs_with_one_path_on_two_volumes_keep_their_memory_only_steps(tmp_path, other_volume):
+    vol_a, vol_b = tmp_path / "vol_a", other_volume / "vol_b"
+    path, local = tmp_path / "run", str(tmp_path / "shm")
     vol_a.mkdir()
     vol_b.mkdir()
     _point(path, vol_a)
@@ -76,9 +86,10 @@ def test_two_jobs_with_one_path_on_two_volumes_keep_their_memory_only_steps(tmp_
         assert str(a.all_steps()).split() == steps_a
         np.testing.assert_array_equal(a.restore(3)["w"], np.full(64, 3.0, np.float32))
         assert a.memory_tiers.root == root_a
-    # the key names the directory's device and inode, beside its path
+    # the key names the directory's volume beside its path: a run re-made on the same volume shares it
     key = holdings.folder_key(open_storage(path))
-    st = os.stat(vol_a)
     _point(path, vol_b)
     assert holdings.folder_key(open_storage(path)) != key
-    assert st.st_ino != os.stat(vol_b).st_ino
+    (tmp_path / "vol_c").mkdir()
+    _point(path, tmp_path / "vol_c")
+    assert holdings.folder_key(open_storage(path)) == key

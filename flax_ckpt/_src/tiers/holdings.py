@@ -7,9 +7,9 @@ earlier run left that no one can use, the spare data files kept for the next cop
 it all at close. Not here: the copy format (store.py), the agreement (tierset.py, sync.py).
 
 Whose copies they are: the folder's name is a digest of the directory's URL and, for a local
-directory, its device and inode (``folder_key``: one path on two volumes names two folders), which a
-new run at the same URL may still share (after ``rm -rf`` of the old one, should its inode come back,
-or another job on one ``memory://`` URL). So each
+directory, the device it lies on (``folder_key``: one path on two volumes names two folders), which a
+new run at the same URL on the same volume shares (after ``rm -rf`` of the old one, or another job on
+one ``memory://`` URL). So each
 process folder is held by one live manager (an flock on ``<p<i>>/.flax_ckpt.lock``, released by the
 OS when its holder dies; a second manager is refused with CheckpointLockedError), and belongs to one
 run directory: the run's id is stored in the directory (``.flax_ckpt.run``, made with the first
@@ -43,15 +43,16 @@ _MAX_ID = 4096
 
 def folder_key(storage: Storage) -> str:
     """The name of the folder under ``Tiers.local_dir`` that holds the memory copies of the run in
-    ``storage``: a digest (16 hex) of the directory's URL and, for a local directory, of its device and
-    inode. Two jobs whose directories have one path on different volumes (two containers sharing one
-    host tmpfs, each with its own volume mounted at that path) get folders of their own: neither takes
-    the other's copies for another run's and deletes them."""
+    ``storage``: a digest (16 hex) of the directory's URL and, for a local directory, of the device
+    (file system) it lies on. Two jobs whose directories have one path on different volumes (two
+    containers sharing one host tmpfs, each with its own volume mounted at that path) get folders of
+    their own: neither takes the other's copies for another run's and deletes them. A new run at a
+    deleted run's path on the same volume gets the deleted run's folder, whose copies it removes
+    (their run id is not its own); the directory's inode is left out for that reason."""
     text = storage.url
     if storage.local_path is not None:
         try:
-            st = os.stat(storage.local_path)  # the directory itself, where a link leads
-            text += f"\0{st.st_dev}:{st.st_ino}"
+            text += f"\0{os.stat(storage.local_path).st_dev}"  # the directory's, where a link leads
         except OSError:
             pass  # not made yet: its path alone, as for an object store
     return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:16]
