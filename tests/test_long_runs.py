@@ -20,12 +20,12 @@ def test_statistics_keep_the_newest_records_and_totals_over_every_save(tmp_path,
         for _ in range(7):
             mgr.restore(11, state)
         assert [s.step for s in mgr.stats] == [7, 8, 9, 10, 11]
-        assert mgr.stats.count == 12 and mgr.stats.totals["nbytes"] == 12 * state["w"].nbytes
+        assert mgr.stats.added == 12 and mgr.stats.totals["nbytes"] == 12 * state["w"].nbytes
         assert sum(s.durable_s for s in mgr.stats) < mgr.stats.totals["durable_s"]
-        assert len(mgr.restore_stats) == 5 and mgr.restore_stats.count == 7
+        assert len(mgr.restore_stats) == 5 and mgr.restore_stats.added == 7
     with fc.CheckpointManager(tmp_path / "tiered", tiers=tiers) as mgr:
         for step in range(12):
             mgr.save(step, state)
             mgr.wait_until_finished()
         assert [s.step for s in mgr.tier_stats] == [7, 8, 9, 10, 11]
-        assert mgr.tier_stats.count == 12 and mgr.tier_stats.totals["nbytes"] == 12 * state["w"].nbytes
+        assert mgr.tier_stats.added == 12 and mgr.tier_stats.totals["nbytes"] == 12 * state["w"].nbytes

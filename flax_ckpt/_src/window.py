@@ -15,19 +15,19 @@ SIZE = 1000  # records kept of each kind (the newest): about 0.5 MiB of a run's 
 
 
 class Window(list, Generic[T]):
-    """The newest ``size`` records of a run (a list: index, slice, iterate, ``len``), with ``count``
+    """The newest ``size`` records of a run (a list: index, slice, iterate, ``len``), with ``added``
     (records added in all) and ``totals`` ({numeric field: its sum over every record added}): a long
     run's statistics stay the same size however many saves it makes."""
 
     def __init__(self, size: int | None = None):
         super().__init__()
-        self.size, self.count = SIZE if size is None else size, 0
+        self.size, self.added = SIZE if size is None else size, 0
         self.totals: dict[str, float] = {}
 
     def append(self, record: T) -> None:
         """Adds ``record`` (a dataclass), dropping the oldest one kept past ``size``."""
         super().append(record)
-        self.count += 1
+        self.added += 1
         if is_dataclass(record):
             for f in fields(record):
                 v: Any = getattr(record, f.name)
@@ -37,8 +37,8 @@ class Window(list, Generic[T]):
             del self[0]
 
     def copy(self) -> Window[T]:
-        """A copy of the records kept, with the same ``count`` and ``totals``."""
+        """A copy of the records kept, with the same ``added`` and ``totals``."""
         out: Window[T] = Window(self.size)
         out.extend(self)
-        out.count, out.totals = self.count, dict(self.totals)
+        out.added, out.totals = self.added, dict(self.totals)
         return out

@@ -84,7 +84,7 @@ class Directory:
             on_busy, self._vote if distributed.process_count() > 1 else None, self._warn
         )
         self.stats: Window[SaveStats] = Window()  # the newest saves, with totals
-        self.restore_stats: list[RestoreStats] = self._restore.stats
+        self.restore_stats: Window[RestoreStats] = self._restore.stats
         self._arena: Snapshot | None = None  # the last durable snapshot, refilled by the next one
         self._refill = False  # the snapshot in flight is a copy: its buffers serve the next one
         self._created = time.perf_counter()

@@ -290,7 +290,7 @@ class CheckpointManager:
     @property
     def tier_stats(self) -> list[Any]:
         """Per-save records of the memory tiers (bytes written, reused, seconds per phase), the newest
-        1000, with ``count`` and ``totals`` over all (a Window, as ``stats``); [] without tiers."""
+        1000, with ``added`` and ``totals`` over all (a Window, as ``stats``); [] without tiers."""
         return Window.copy(self._store.tier_stats) if isinstance(self._store.tier_stats, Window) else []
 
     def should_save(self, step: int) -> bool:
