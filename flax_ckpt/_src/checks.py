@@ -32,12 +32,12 @@ MAX_NDIM = 64  # numpy's own limit
 MAX_ARRAY_BYTES = 1 << 50  # more than any array a checkpoint holds
 
 
-def seal(body: dict[str, Any], *, name: str, version: int) -> bytes:
+def seal(body: dict[str, Any], *, name: str, version: int, what: str = "manifest") -> bytes:
     """A JSON document whose body is covered by a crc32c: ``{"format", "version", "crc32c", "body"}``,
     the body written canonically (sorted keys, no spaces) last, so that a reader finds and checks its
     bytes without parsing twice. One codec for every checksummed JSON file flax_ckpt writes (the
     manifest, the memory tiers' indexes)."""
-    return seal_text(canonical(body), name=name, version=version)
+    return seal_text(canonical(body), name=name, version=version, what=what)
 
 
 def canonical(value: Any) -> str:
@@ -45,11 +45,11 @@ def canonical(value: Any) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"))
 
 
-def seal_text(canon: str, *, name: str, version: int) -> bytes:
+def seal_text(canon: str, *, name: str, version: int, what: str = "manifest") -> bytes:
     """``seal`` of a body given as its canonical text (``canonical(body)``), for a writer that builds
     that text from parts it keeps (the memory tiers' index of a full copy, tiers/encode.py)."""
     head = {"format": name, "version": version, "crc32c": crc32c.crc32c(canon.encode())}
-    return check_written((json.dumps(head)[:-1] + _BODY + canon + "}\n").encode(), f"{name} document")
+    return check_written((json.dumps(head)[:-1] + _BODY + canon + "}\n").encode(), what)
 
 
 def check_written(raw: bytes, what: str) -> bytes:

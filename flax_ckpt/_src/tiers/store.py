@@ -434,7 +434,9 @@ class Encoded:
             where[at] = crcs[j] if where is not self.text else str(crcs[j])
         self.pending = []
         if self.text is not None:
-            self.index = seal_text("".join(self.text), name=_FORMAT, version=_VERSION)
+            self.index = seal_text(
+                "".join(self.text), name=_FORMAT, version=_VERSION, what="memory-tier index"
+            )
         else:
             assert self.body is not None, "an index is sealed from its text or its body"
             self.index = encode_index(self.body)
@@ -459,7 +461,7 @@ def shard_key(rec: dict[str, Any], box: Any) -> str:
 
 
 def encode_index(body: dict[str, Any]) -> bytes:
-    return seal(body, name=_FORMAT, version=_VERSION)
+    return seal(body, name=_FORMAT, version=_VERSION, what="memory-tier index")
 
 
 def decode_index(raw: bytes | memoryview, where: str) -> dict[str, Any]:
