@@ -124,10 +124,33 @@ def decode_random(words: Any) -> tuple[int, tuple[int, ...], float | None]:
     """The ``random.getstate()`` tuple that ``encode_random`` made ``words`` of (bit-exact); a tuple as
     it is (what checkpoints of earlier versions restore) is returned as such, its numbers as Python's."""
     if isinstance(words, (tuple, list)):
-        return int(words[0]), tuple(int(w) for w in words[1]), None if words[2] is None else float(words[2])
+        state = int(words[0]), tuple(int(w) for w in words[1]), None if words[2] is None else float(words[2])
+        return _checked_random(state)
     a = np.asarray(words, np.uint32)
     gauss = float(a[_MT_WORDS + 1 :].astype("<u4").view("<f8")[0]) if a[_MT_WORDS] else None
-    return 3, tuple(a[:_MT_WORDS].tolist()), gauss
+    return _checked_random((3, tuple(a[:_MT_WORDS].tolist()), gauss))
+
+
+def _checked_random(
+    state: tuple[int, tuple[int, ...], float | None],
+) -> tuple[int, tuple[int, ...], float | None]:
+    """``state`` when ``random.setstate`` accepts it and it generates: a CorruptCheckpointError for a
+    position outside 0..624 (setstate's bare ValueError) or a Mersenne Twister with every state bit
+    zero (accepted, after which ``random()`` returns 0.0 forever)."""
+    version, words, _ = state
+    if version != 3 or len(words) != _MT_WORDS or any(not 0 <= w < 1 << 32 for w in words):
+        found = f"version {version}, {len(words)} words"
+    elif not 0 <= words[-1] <= _MT_WORDS - 1:
+        found = f"position {words[-1]}, outside 0..{_MT_WORDS - 1}"
+    elif not words[0] >> 31 and not any(words[1:-1]):
+        found = "every state bit zero (random() would return 0.0 forever)"
+    else:
+        return state
+    raise fc.CorruptCheckpointError(
+        f"the stored state of Python's random generator is not one it can resume from: {found}. Restore "
+        "an earlier step, or restore without it (a target without the random state) and reseed it "
+        "with random.seed()"
+    )
 
 
 def _random_target(saved: Any) -> Any:

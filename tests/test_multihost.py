@@ -290,3 +290,17 @@ def test_init_from_is_restored_on_every_process_or_refused_on_every_one(tmp_path
         return
     assert lines[1].startswith("error CastOverflowError") and "'w'" in lines[1], outs
     assert lines[0].startswith("error CheckpointError") and "failed on process 1" in lines[0], outs
+
+
+def test_every_process_reads_the_compilation_cache_and_process_0_alone_writes_it(tmp_path, monkeypatch):
+    monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
+    monkeypatch.setenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")  # the test's small program too
+    first = run(tmp_path, "first", "compile-cache", 2)
+    assert first[0]["writes"] > 0 and first[1]["writes"] == 0
+    assert first[0]["hits"] == first[1]["hits"] == 0
+    again = run(tmp_path, "again", "compile-cache", 2)  # a restarted job
+    assert again[0]["hits"] > 0 and again[0]["misses"] == 0
+    assert again[1]["hits"] + again[1]["misses"] > 0  # process 1 looks its program up too
+    assert again[0]["writes"] == again[1]["writes"] == 0
+    # (on a CPU JAX keys a program by its process's device: process 1's is not the one process 0 stored)
+    assert again[0]["total"] == again[1]["total"] == first[0]["total"]

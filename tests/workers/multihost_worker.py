@@ -8,6 +8,7 @@ jax.distributed job on 127.0.0.1 (gloo collectives); it writes what it saw to
   part      step 2's save with process 1's part record damaged before process 0 reads it
   lagging   process 1's listing of the directory hides step 2 (an object store's lagging view)
   auto      save_interval_steps="auto" with a different step time per process
+  compile-cache  a sharded program compiled with the run's compilation cache (fc.use_compilation_cache)
   kill-save / kill-restore / hang-save / hang-restore: process 0 (the coordinator) is SIGKILLed, or its
             program hangs (the coordination service in it still runs), in its save of step 2 or in
             its restore's vote
@@ -206,7 +207,19 @@ def mode_coordinator(cfg: dict, n: int) -> dict:
     return out
 
 
+def mode_compile_cache(cfg: dict, n: int) -> dict:
+    """A sharded program (a sum across the processes) compiled with the run's compilation cache on."""
+    cache = fc.use_compilation_cache(os.path.join(cfg["dir"], "compile_cache"))
+    assert cache is not None
+    sh = shardings(n)
+    x = place(host_state(1, n), sh)
+    total = jax.jit(lambda t: (t["w"] * 2.0).sum() + t["b"].sum())(x)
+    info = cache.info()
+    return {"total": float(total), "hits": info.hits, "misses": info.misses, "writes": info.writes}
+
+
 MODES = {
+    "compile-cache": mode_compile_cache,
     "save": mode_save,
     "restore": mode_restore,
     "part": mode_part,

@@ -94,10 +94,9 @@ class AgreedRestore:
         )
         self.stats.append(stats)
         log.info(
-            "restored step %d from %s (%s tier): %.1f MB in %.2f s",
+            "restored step %d from %s: %.1f MB in %.2f s",
             step,
             self.directory,
-            stats.tier,
             stats.nbytes / 1e6,
             stats.seconds,
         )

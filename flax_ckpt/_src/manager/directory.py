@@ -26,6 +26,7 @@ from flax_ckpt._src.errors import CheckpointError, CheckpointLockedError, Checkp
 from flax_ckpt._src.manager.agreed import DAMAGE, AgreedRestore, TargetOf
 from flax_ckpt._src.manager.stats import RestoreStats, SaveStats, publish
 from flax_ckpt._src.manager.steps import StepIndex
+from flax_ckpt._src.manager.vanishing import being_deleted
 from flax_ckpt._src.retention import Retention
 from flax_ckpt._src.storage import ObjectStoreOptions, Storage, open_storage
 from flax_ckpt._src.storage.lock import DirectoryLock
@@ -272,6 +273,8 @@ class Directory:
         that does not fit) and asked for (``step``) or strict; a CheckpointNotFoundError for a named
         step that was deleted meanwhile; else logged, and the next newest step is tried."""
         self.reload()
+        if s in self.index.steps() and type(e).__name__ in DAMAGE and self._going(s):
+            self.reload()  # its files go first (Orbax's deletion): once gone, it is not in the steps
         if s in self.index.steps():
             if step is not None or self.strict or type(e).__name__ not in DAMAGE:
                 raise e
@@ -295,6 +298,10 @@ class Directory:
                 s,
                 self.url,
             )
+
+    def _going(self, step: int) -> bool:
+        """Whether committed ``step``, which failed to read, is being deleted (manager/vanishing.py)."""
+        return being_deleted(self.storage, self.index.folder_name(step))
 
     # ---------------------------------------------------------------------------------- close
 

@@ -20,6 +20,7 @@ from flax_ckpt._src.commit import distributed
 from flax_ckpt._src.commit.recycler import Recycler
 from flax_ckpt._src.engine.reader import Source
 from flax_ckpt._src.errors import CheckpointError, CheckpointNotFoundError, StorageError, error_class
+from flax_ckpt._src.manager.vanishing import being_deleted
 from flax_ckpt._src.retention import Retention
 from flax_ckpt._src.storage import Storage
 
@@ -85,6 +86,10 @@ class StepIndex:
         damaged = self._damaged.get(step)
         return None if damaged is None or not damaged[1].clash else str(damaged[0])
 
+    def folder_name(self, step: int) -> str:
+        """The name of step ``step``'s folder in the directory."""
+        return (self._folders.get(step) or layouts.StepFolder(step, str(step), self.layout)).name
+
     def open(self, step: int, item: str | None = None) -> Source:
         """Step ``step``'s folder, in its own format, as a restore Source (``item``: one named item)."""
         folder = self._folders.get(step) or layouts.StepFolder(step, str(step), self.layout)
@@ -148,8 +153,8 @@ class StepIndex:
     def _unreadable(self, f: layouts.StepFolder, e: Exception, damaged: dict, leftovers: list[str]) -> bool:
         """Sorts a step folder that failed to open with ``e``: True when it is gone (deleted while the
         scan read it); else it is a leftover (an object-store step whose commit never came) or damaged."""
-        if f.name not in self.storage.list():
-            return True
+        if f.name not in self.storage.list() or being_deleted(self.storage, f.name):
+            return True  # gone, or going: deleted by the run this manager follows (Orbax's files first)
         if not self.storage.supports_rename and not self.storage.sub(f.name).exists(f.layout.record):
             leftovers.append(f.name)  # an uncommitted object-store step: its commit object never came
         else:

@@ -58,6 +58,8 @@ from flax_ckpt._src.orbax.locate import (
     TMP_SUFFIX,
     TREE_METADATA,
     handler_kind,
+    is_grain,
+    process_file,
 )
 from flax_ckpt._src.orbax.read import OCDBT_FILE_SIZE, array_kvstore, context_for
 from flax_ckpt._src.storage import Storage
@@ -766,6 +768,9 @@ def check_items(tree: Any, handlers: dict[str, str], where: str) -> dict[str, An
         )
     json_items = {}
     for n in json_names:
+        if is_grain(handlers[n]):
+            json_items[n] = _grain_item(tree[n], n, where)
+            continue
         try:
             json_items[n] = jsonable(tree[n], f"the JSON item {n!r}")
         except CheckpointError as e:
@@ -775,6 +780,37 @@ def check_items(tree: Any, handlers: dict[str, str], where: str) -> dict[str, An
                 "Convert it (e.g. int(x), x.tolist()), or keep arrays in a pytree item."
             ) from None
     return json_items
+
+
+def _grain_item(value: Any, name: str, where: str) -> bytes:
+    """``grain_text`` of a grain item's value, or an UnsupportedLeafError saying what the item holds."""
+    try:
+        return grain_text(value, name)
+    except CheckpointError as e:
+        raise UnsupportedLeafError(
+            f"{where}: {e}. The run's steps hold {name!r} as grain's data item (PyGrainCheckpointSave), so its "
+            "value is the iterator's get_state(): save {..., " + repr(name) + ": iterator.get_state()}, or "
+            "give the iterator itself to CheckpointCallback, which does that; nothing was written."
+        ) from None
+
+
+def grain_text(value: Any, name: str) -> bytes:
+    """The file grain's handler writes for a data iterator's state ``value`` (``get_state()``): a
+    DataLoaderIterator's bytes (or a str of them) as they are, a DatasetIterator's dict as
+    ``json.dumps(value, indent=4)``; CheckpointError for bytes that are not UTF-8 text or a value that is
+    not JSON."""
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        try:
+            bytes(value).decode()
+        except UnicodeDecodeError as e:
+            raise CheckpointError(
+                f"the grain item {name!r} is {len(bytes(value))} bytes that are not UTF-8 text ({e}); grain's "
+                "handler stores a DataLoaderIterator's state as text"
+            ) from None
+        return bytes(value)
+    if isinstance(value, str):
+        return value.encode()
+    return json.dumps(jsonable(value, f"the grain item {name!r}"), indent=4).encode()
 
 
 def item_snapshot(snap: Snapshot, name: str) -> Snapshot:
@@ -848,6 +884,10 @@ def save_step(
                 functools.partial(write_item, item, tree, use_ocdbt=use_ocdbt, use_zarr3=use_zarr3),
             )
         for n, value in json_items.items():
+            if is_grain(handlers[n]):  # grain's layout: this process's file, its state's text
+                _write_checked(folder.sub(n), process_file(), value)
+                folder.sub(n).write(COMMIT_SUCCESS, [_success(folder.sub(n))])
+                continue
             _write_json_item(folder.sub(n), _json_file(handlers[n]), value)
         if metrics is not None:
             _write_json_item(folder.sub(METRICS_ITEM), METRICS_ITEM, metrics)
