@@ -559,7 +559,7 @@ def json_text(storage: Storage, item: str) -> bytes:
     """A JSON item's file as it is stored (checked against its ``.crc32c`` when flax_ckpt wrote it): a
     grain DataLoaderIterator's state, which its ``set_state`` takes as bytes."""
     name = json_file(storage, item)
-    raw = storage.read(name, MAX_JSON)
+    raw = storage.read(name, checks.MAX_MANIFEST_BYTES)
     _check_crc(storage, name, raw)
     return raw
 

@@ -482,8 +482,9 @@ def _json_bytes(obj: Any) -> bytes:
 
 def _write_checked(storage: Storage, name: str, data: bytes) -> None:
     """A JSON data file (Orbax gives it no checksum) with its crc32c beside it, ``<name>.crc32c``,
-    which flax_ckpt checks on read and verify reports as verified; Orbax reads only ``name``."""
-    storage.write(name, [data])
+    which flax_ckpt checks on read and verify reports as verified; Orbax reads only ``name``. Refused
+    (before the commit) when restore would not read it back (checks.check_written)."""
+    storage.write(name, [checks.check_written(data, f"JSON item file {name}")])
     storage.write(name + CRC_SUFFIX, [str(crc32c.crc32c(data)).encode()])
 
 
