@@ -32,6 +32,7 @@ from flax_ckpt._src.retention import Retention
 from flax_ckpt._src.storage import ObjectStoreOptions, Storage, open_storage
 from flax_ckpt._src.storage.lock import DirectoryLock
 from flax_ckpt._src.tiers.admission import Admission
+from flax_ckpt._src.window import Window
 
 log = logging.getLogger("flax_ckpt")
 
@@ -86,8 +87,8 @@ class Directory:
         self.admission = Admission(
             on_busy, self._vote if distributed.process_count() > 1 else None, self._warn
         )
-        self.stats: list[SaveStats] = []
-        self.restore_stats: list[RestoreStats] = self._restore.stats
+        self.stats: Window[SaveStats] = Window()  # the newest saves, with totals
+        self.restore_stats: Window[RestoreStats] = self._restore.stats
         self._arena: Snapshot | None = None  # the last durable snapshot, refilled by the next one
         self._refill = False  # the snapshot in flight is a copy: its buffers serve the next one
         self._created = time.perf_counter()

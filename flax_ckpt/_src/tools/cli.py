@@ -248,7 +248,9 @@ def _ls_note(e: Any) -> str:
     if e.state == "held":
         return f"{e.name}: bytes later steps share"
     note = e.name if e.name != str(e.step) else "-"
-    return note + (f" ({e.problem.splitlines()[0][:80]})" if e.problem and e.state == "invalid" else "")
+    return note + (
+        f" ({e.problem.splitlines()[0][:80]})" if e.problem and e.state in ("invalid", "ambiguous") else ""
+    )
 
 
 def cmd_ls(args: argparse.Namespace) -> int:

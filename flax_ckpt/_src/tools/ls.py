@@ -7,7 +7,6 @@ metrics. Which folders are steps is layouts.step_folders', the same discovery th
 
 from __future__ import annotations
 
-import hashlib
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +23,7 @@ from flax_ckpt._src.native import sharing
 from flax_ckpt._src.orbax.locate import step_number
 from flax_ckpt._src.storage import LocalStorage, Storage, open_storage
 from flax_ckpt._src.tiers import store as tier_store
+from flax_ckpt._src.tiers.holdings import folder_key
 from flax_ckpt._src.tools.common import identity
 
 
@@ -31,7 +31,9 @@ from flax_ckpt._src.tools.common import identity
 class StepEntry:
     """One entry of a checkpoint directory. ``state``: "committed" (a valid manifest, or an Orbax
     step), "in-flight" (a save in flight or one that crashed), "deleting" (an interrupted deletion),
-    "invalid" (a manifest or Orbax metadata that fails validation) or "uncommitted" (no manifest).
+    "invalid" (a manifest or Orbax metadata that fails validation), "uncommitted" (no manifest) or
+    "ambiguous" (one of several folders whose names stand for the same step, ``10`` and ``00010``: never
+    read as the step; ``problem`` names them).
     ``format``: "native", "orbax", "flax_msgpack" (a legacy Flax file), "memory (...)" or None when unknown.
     A step of a run whose steps share bytes (docs/design.md): ``nbytes`` counts its own files,
     ``shared`` the bytes of other steps' files it refers to; state "held": a removed step's folder,
@@ -104,6 +106,9 @@ def _entry(root: Storage, f: layouts.StepFolder, tier: str, tries: int = 3) -> S
     before = identity(folder, f.layout.record)
     if before is None:
         return None
+    ambiguous = f.ambiguity(root.url)
+    if ambiguous is not None:  # several folders name this step: none of them is it
+        return StepEntry(f.name, f.step, "ambiguous", tier, None, _disk_size(folder), problem=ambiguous)
     try:
         source = f.layout.open(folder)
         info = source.info()
@@ -130,9 +135,8 @@ def _failed(folder: Storage, f: layouts.StepFolder, tier: str, e: Exception) -> 
 
 def memory_tier_root(directory: Any, local_dir: str) -> str:
     """Where a tiered CheckpointManager of ``directory`` keeps its memory tiers under ``Tiers.local_dir``
-    (the scheme of tierset.TierSet: ``<local_dir>/<sha256 of the directory's URL, 16 hex>/``)."""
-    url = open_storage(directory).url
-    return os.path.join(os.path.abspath(local_dir), hashlib.sha256(url.encode()).hexdigest()[:16])
+    (the scheme of tierset.TierSet: ``<local_dir>/<tiers.holdings.folder_key of the directory>/``)."""
+    return os.path.join(os.path.abspath(local_dir), folder_key(open_storage(directory)))
 
 
 def list_memory_tiers(directory: Any, local_dir: str) -> list[StepEntry]:

@@ -111,7 +111,7 @@ def _check_options(
 
 def _left_alone(root: Storage, entries: list[StepEntry], formats: tuple[str, ...]) -> list[str]:
     """Checkpoints of other formats in the directory: steps of other formats and .safetensors files."""
-    names = [e.name for e in entries if e.committed and e.format not in formats]
+    names = [e.name for e in entries if (e.committed and e.format not in formats) or e.state == "ambiguous"]
     try:
         names += [n for n in root.list() if n.endswith(".safetensors")]
     except (CheckpointError, OSError):
