@@ -216,6 +216,9 @@ def leaves_part(ns: list[int], rounds: int, peer_n: int, peers: list[str], scrat
             "n": n,
             "device_put_us": dp,
             "flax_ckpt_us": per,
+            "rounds_us": {  # every round's microseconds per leaf: the charts draw their spread
+                m: [1e6 * t / n for t in res.times["flax_ckpt"].get(m, [])] for m in LEAF_MEASURES
+            },
             "vs_device_put": {
                 m: statistics.median(
                     t / d for t, d in zip(res.times["flax_ckpt"][m], res.times["device_put"]["per_leaf"])

@@ -71,7 +71,14 @@ def sigkill(args: argparse.Namespace, scratch: str, z: Zygote) -> list[RT.Tally]
             os.makedirs(run.directory)
         tiered.add(RT.crash_trial(z, run, rng, ("raw", "zarr3")[i % 2]))
         _progress(tiered, args.tier_kills)
-    return [tally, tiered]
+    shared = RT.Tally("SIGKILL during async saves whose steps share bytes, + retention (raw)")
+    for i in range(args.shared_kills):
+        if i % 20 == 0:
+            run = RT.CrashRun(RT.fresh(scratch, f"shared{i // 20}"), state="shared")
+            os.makedirs(run.directory)
+        shared.add(RT.crash_trial(z, run, rng, "raw"))
+        _progress(shared, args.shared_kills)
+    return [tally, tiered, shared]
 
 
 def sigterm(args: argparse.Namespace, scratch: str, z: Zygote) -> list[RT.Tally]:
@@ -219,6 +226,9 @@ def main() -> None:
     p.add_argument("--kills", type=int, default=200, help="SIGKILL trials (default 200)")
     p.add_argument(
         "--tier-kills", type=int, default=100, help="SIGKILL trials with a memory tier (default 100)"
+    )
+    p.add_argument(
+        "--shared-kills", type=int, default=100, help="SIGKILL trials of steps that share bytes (default 100)"
     )
     p.add_argument("--trials", type=int, default=20, help="trials per other class (default 20)")
     p.add_argument(

@@ -68,6 +68,10 @@ class CheckpointCallback:
         any device count, with or without pmap; the steps that are not saved cost nothing.
         ``restore_or`` replicates the restored state onto the local devices again. The replicas are
         assumed equal (kept in sync by ``pmean``): the first is saved.
+      compile_cache: keep JAX's compiled programs in ``<directory>/compile_cache`` (True), in another
+        folder (a path or URL), or not (False), so that a resumed run loads its training step instead of
+        compiling it again (``fc.use_compilation_cache``). A cache the program configured itself
+        (``jax_compilation_cache_dir``) is used as it is.
       **manager_options: any other ``fc.CheckpointManager`` option (``keep_period``, ``best_metric``,
         ``best_mode``, ``keep_best``, ``async_save``, ``serializer``, ...).
 
@@ -103,6 +107,7 @@ class CheckpointCallback:
         preemption_signals: Sequence[int] = (signal.SIGTERM, signal.SIGINT),
         force_after: int | None = 3,
         replicated: bool = False,
+        compile_cache: bool | str | os.PathLike = True,
         **manager_options: Any,
     ):
         if "save_interval_steps" in manager_options:
@@ -126,6 +131,8 @@ class CheckpointCallback:
             raise
         self._closed = False
         self._pending: tuple[int, Any, Metrics] | None = None  # the last call's step, state, metrics: unsaved
+        self._pid = os.getpid()  # a child forked from this process (a data loader's worker) never closes it
+        self.compile_cache = _use_compile_cache(directory, compile_cache, manager_options)
         _close_at_exit(self)
 
     # ------------------------------------------------------------------------------------------ resume
@@ -135,31 +142,48 @@ class CheckpointCallback:
         state: Any,
         *,
         init_from: str | os.PathLike | None = None,
+        continue_step: bool = False,
         rename: Any = None,
         missing: str = "error",
         unexpected: str = "error",
         cast: bool = False,
-    ) -> tuple[Any, int]:
+        report: bool = False,
+    ) -> Any:
         """``(state restored from the newest good checkpoint, its step)``, or ``(state, 0)`` if there is none.
 
-        nnx objects and stateful iterators in ``state`` are updated in place. A resumed run restores
-        its own newest step, exactly; ``init_from`` applies only to a run with no checkpoint yet.
+        nnx objects and stateful iterators in ``state`` are updated in place; an ``nnx.State`` (also a
+        filtered one, ``nnx.state(model, nnx.LoRAParam)``) is restored into its ``nnx.Variable``
+        objects, which are the model's own, so the model holds the values (a State of copies is
+        restored with a warning naming the fix, ``nnx.update(model, state)``). A resumed run restores
+        its own newest step; ``init_from`` applies only to a run with no checkpoint yet.
+
+        ``missing``, ``unexpected`` and ``cast`` fit the checkpoint restored to ``state``: the run's own
+        newest step when it has one (a program that now saves more than its earlier steps hold resumes
+        with ``missing="keep"``), else ``init_from``'s. ``rename`` applies to ``init_from`` when it is
+        given (a resumed run's own steps already have the program's key paths), else to the run's own
+        steps. Each logs a one-line ``fc.RestoreReport`` of what it changed.
 
         Args:
           state: the freshly initialised state: it gives the structure, dtypes and placement.
-          init_from: a checkpoint (any path fc.restore takes, e.g. a pretrained model's) that a fresh
-            run starts from, at step 0.
-          rename: as fc.restore's, for ``init_from``.
-          missing: as fc.restore's, for ``init_from`` (e.g. "keep" for a new head and the optimizer
-            state).
-          unexpected: as fc.restore's, for ``init_from``.
-          cast: as fc.restore's, for ``init_from``.
+          init_from: where a fresh run starts from: a checkpoint (any path fc.restore takes, e.g. a
+            pretrained model's) or a run directory (another run's, native or Orbax: its newest good
+            step, as its manager would restore it).
+          continue_step: with ``init_from``, start at the step ``init_from`` was saved at (its run's
+            step), so that a run continued in a new directory keeps its learning-rate schedule and data
+            position; False (the default) starts at step 0, as a fine-tune does.
+          rename: as fc.restore's: for ``init_from`` when given, else for the run's own steps.
+          missing: as fc.restore's ("keep": leaves of ``state`` the checkpoint lacks keep their values).
+          unexpected: as fc.restore's ("ignore": leaves of the checkpoint ``state`` lacks are not read).
+          cast: as fc.restore's.
+          report: also return the ``fc.RestoreReport`` (None when nothing was restored).
 
         Returns:
-          ``(state, step)``: the restored state and the step to continue from.
+          ``(state, step)``: the restored state and the step to continue from; with ``report=True``,
+          ``(state, step, report)``.
 
         Raises:
-          TypeError: ``rename``, ``missing``, ``unexpected`` or ``cast`` without ``init_from``.
+          TypeError: ``continue_step`` without ``init_from``.
+          ValueError: ``continue_step`` with an ``init_from`` checkpoint that records no step.
           TargetMismatchError: ``state`` does not fit the checkpoint (the message lists every leaf).
           CorruptCheckpointError: every step is damaged (or, when strict, the newest).
 
@@ -173,43 +197,74 @@ class CheckpointCallback:
           ({'head': array([0.], dtype=float32), 'w': array([1., 1.], dtype=float32)}, 0)
           >>> ckpt.close()
         """
-        options = dict(rename=rename, missing=missing, unexpected=unexpected, cast=cast)
-        if init_from is None and options != dict(
-            rename=None, missing="error", unexpected="error", cast=False
-        ):
+        if continue_step and init_from is None:
             raise TypeError(
-                "restore_or: rename, missing, unexpected and cast apply to the init_from checkpoint; "
-                "pass init_from=..., or restore the run's own steps with ckpt.manager.restore(...)"
+                "restore_or: continue_step=True carries init_from's step on; pass init_from=<the run or "
+                "checkpoint to continue> (a run's own steps always resume at their step)"
             )
-        if not self.manager.all_steps():
-            if init_from is None:
-                _announce("no checkpoint in %s; starting from step 0", self.manager.directory)
-                return state, 0
-            live = target_tree(state, _metadata_or_none(init_from))
-            restored = _restore_everywhere(
-                init_from, first_replica(live) if self.replicated else live, options
-            )
-            if self.replicated:
-                restored = replicate_like(live, restored)
-            _announce("no checkpoint in %s; starting from step 0 with %s", self.manager.directory, init_from)
-            return from_tree(state, restored), 0
+        fit = dict(missing=missing, unexpected=unexpected, cast=cast, report=report)
+        own = dict(fit, rename=rename if init_from is None else None)
+        if self.manager.all_steps():
+            restored, step, got = self._restore_run(self.manager, state, own)
+            _announce("resumed from step %d of %s", step, self.manager.directory)
+            return (restored, step, got) if report else (restored, step)
+        if init_from is None:
+            _announce("no checkpoint in %s; starting from step 0", self.manager.directory)
+            return (state, 0, None) if report else (state, 0)
+        restored, saved_step, got = self._restore_init(state, init_from, dict(fit, rename=rename))
+        step = 0
+        if continue_step:
+            if saved_step is None:
+                raise ValueError(
+                    f"restore_or(init_from={os.fspath(init_from)!r}, continue_step=True): that checkpoint "
+                    "records no step (saved without step=, or an Orbax StandardCheckpointer folder); pass "
+                    "the run directory or a step folder of it, or leave continue_step False to start at 0"
+                )
+            step = saved_step
+        _announce(
+            "no checkpoint in %s; starting from step %d with %s", self.manager.directory, step, init_from
+        )
+        return (restored, step, got) if report else (restored, step)
+
+    def _restore_run(
+        self, manager: fc.CheckpointManager, state: Any, options: dict[str, Any]
+    ) -> tuple[Any, int, Any]:
+        """``(state, step, report or None)`` from the newest good step of ``manager``'s run: the manager
+        decides the step, alike on every process of a job."""
         used: list[Any] = []  # the target of the step restored (the last one tried)
 
         def target_for(info: fc.CheckpointInfo) -> Any:
             used[:] = [target_tree(state, info)]  # nnx parts as the step holds them: State or pure dict
             return match_saved_scalars(first_replica(used[0]) if self.replicated else used[0], info)
 
-        # the manager decides the step: the newest that restores, alike on every process of a job
-        restored = self.manager.restore(target_for=target_for)
-        step = self.manager.restore_stats[-1].step
-        _announce("resumed from step %d of %s", step, self.manager.directory)
+        restored = manager.restore(target_for=target_for, **options)
+        restored, got = restored if options["report"] else (restored, None)
+        step = manager.restore_stats[-1].step
         if self.replicated:
             restored = replicate_like(used[0], restored)
-        return from_tree(state, restored), step
+        return from_tree(state, restored), step, got
+
+    def _restore_init(
+        self, state: Any, init_from: Any, options: dict[str, Any]
+    ) -> tuple[Any, int | None, Any]:
+        """``(state, init_from's step or None, report or None)`` from ``init_from``: a checkpoint folder,
+        else a run directory (its newest good step, through a read-only manager)."""
+        info = _metadata_or_none(init_from)
+        if info is None:
+            run = _run_or_none(init_from)
+            if run is not None:
+                with run:
+                    return self._restore_run(run, state, options)
+        live = target_tree(state, info)
+        restored = _restore_everywhere(init_from, first_replica(live) if self.replicated else live, options)
+        restored, got = restored if options["report"] else (restored, None)
+        if self.replicated:
+            restored = replicate_like(live, restored)
+        return from_tree(state, restored), None if info is None else info.step, got
 
     def _tree(self, state: Any) -> Any:
         """The pytree saved for ``state`` (its first replica with ``replicated=True``)."""
-        tree = to_tree(state)
+        tree = to_tree(state, keep_bytes=self.manager.format == "orbax")  # Orbax: grain's file
         return first_replica(tree) if self.replicated else tree
 
     # ------------------------------------------------------------------------------------------ saving
@@ -336,6 +391,15 @@ class CheckpointCallback:
     def _close(self, *, final_save: bool, at_exit: bool) -> None:
         if self._closed:
             return
+        if self._pid != os.getpid():  # a forked child: the run, its last step and its lock are the parent's
+            if at_exit or not final_save:
+                return  # the child exits (or drops its copy) without saving or closing anything
+            raise fc.CheckpointError(
+                f"CheckpointCallback({self.manager.directory}).close() in process {os.getpid()}, a child "
+                f"forked from process {self._pid}, which opened it: only that process saves its last "
+                "step and closes it. Fix: close it in the parent; a child that saves needs a "
+                "CheckpointCallback of its own, on another directory"
+            )
         self._closed = True
         _OPEN.discard(self)
         if self._guard.requested and not self.preempted:
@@ -352,6 +416,8 @@ class CheckpointCallback:
             self.manager.close()
         finally:
             self._guard.close()
+            if self.compile_cache is not None:
+                self.compile_cache.close()
 
     def _save_pending(self, at_exit: bool) -> None:
         """The final save of close(): the last call's step, unless saved, preempted or its arrays gone."""
@@ -366,7 +432,7 @@ class CheckpointCallback:
                 step,
             )
             return
-        tree = to_tree(state)
+        tree = to_tree(state, keep_bytes=self.manager.format == "orbax")
         if any(isinstance(x, jax.Array) and x.is_deleted() for x in jax.tree_util.tree_leaves(tree)):
             log.warning(
                 "not saving step %d at close: its arrays were deleted or donated after ckpt(%d, ...) (a "
@@ -422,6 +488,16 @@ class Preempted(KeyboardInterrupt):
         return [f"Preempted: {self}"]
 
 
+def _use_compile_cache(
+    directory: str | os.PathLike, setting: bool | str | os.PathLike, options: dict[str, Any]
+) -> "fc.CompilationCache | None":
+    """Installs the run's compilation cache as ``compile_cache`` says; None without one."""
+    if setting is False or setting is None:
+        return None
+    location = f"{os.fspath(directory).rstrip('/')}/compile_cache" if setting is True else setting
+    return fc.use_compilation_cache(location, options=options.get("storage_options"))
+
+
 def _values(metrics: Metrics) -> dict[str, Any] | None:
     """The metrics of a step as the manager's ``save`` takes them: called if a callable, as a dict."""
     values = metrics() if callable(metrics) else metrics
@@ -442,6 +518,19 @@ def _metadata_or_none(path: Any) -> fc.CheckpointInfo | None:
         return fc.metadata(path)
     except (fc.CheckpointError, OSError, ValueError):
         return None
+
+
+def _run_or_none(path: Any) -> fc.CheckpointManager | None:
+    """A read-only manager of the run directory ``path`` when it holds committed steps, else None (the
+    restore of ``path`` as one checkpoint then says why it is not one)."""
+    try:
+        run = fc.CheckpointManager(path, read_only=True)
+    except (fc.CheckpointError, OSError, ValueError):
+        return None
+    if run.all_steps():
+        return run
+    run.close()
+    return None
 
 
 def _restore_everywhere(path: Any, target: Any, options: dict[str, Any]) -> Any:

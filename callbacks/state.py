@@ -11,9 +11,16 @@ Two kinds of leaf are mutable objects that are not stored as themselves:
   State, so ``fc.restore(path, nnx.state(model))`` restores what the callback saved and the callback
   resumes from what ``fc.save`` saved; restored in place (``nnx.update``), so the caller's objects
   hold the restored values. Checkpoints of earlier versions, which stored the pure dict
-  (``nnx.to_pure_dict``: no ``/value``), are recognised by their key paths and restore as well.
+  (``nnx.to_pure_dict``: no ``/value``), are recognised by their key paths and restore as well. A
+  State given as it is (also a filtered one, ``nnx.state(model, nnx.LoRAParam)``) is restored into
+  its ``nnx.Variable`` objects themselves, which are the model's own (flax 0.12's ``nnx.state`` gives
+  them, not copies), so the model holds the restored values; a State whose leaves are copies (an
+  ``nnx.VariableState``, plain arrays) reaches no model: it is restored as a State, and a warning
+  names the fix, ``nnx.update(model, state)``.
 * objects with ``get_state()`` / ``set_state(state)`` (the protocol of grain's data iterators): stored as
-  ``get_state()``, restored with ``set_state``.
+  ``get_state()``, restored with ``set_state``. A ``bytes`` value in it (grain's ``DataLoader`` iterator
+  gives its position as JSON text in bytes) is stored as the uint8 array of those bytes and given back
+  to ``set_state`` as the same ``bytes``.
 * Python's ``random`` state: a ``random.Random`` instance (or the ``random`` module itself) and the
   tuple ``random.getstate()`` returns. Stored as one uint32 array of 628 words (see ``encode_random``),
   not as the tuple's 627 numbers; an instance is restored in place (``setstate``), the tuple given back
@@ -30,6 +37,7 @@ What does not belong here: scheduling, signals, anything about the manager.
 
 from __future__ import annotations
 
+import logging
 import random
 import sys
 from typing import Any, Protocol, runtime_checkable
@@ -39,6 +47,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import flax_ckpt as fc
+
+log = logging.getLogger("flax_ckpt.callbacks")
 
 _PY_SCALARS = (bool, int, float, complex)
 
@@ -124,10 +134,33 @@ def decode_random(words: Any) -> tuple[int, tuple[int, ...], float | None]:
     """The ``random.getstate()`` tuple that ``encode_random`` made ``words`` of (bit-exact); a tuple as
     it is (what checkpoints of earlier versions restore) is returned as such, its numbers as Python's."""
     if isinstance(words, (tuple, list)):
-        return int(words[0]), tuple(int(w) for w in words[1]), None if words[2] is None else float(words[2])
+        state = int(words[0]), tuple(int(w) for w in words[1]), None if words[2] is None else float(words[2])
+        return _checked_random(state)
     a = np.asarray(words, np.uint32)
     gauss = float(a[_MT_WORDS + 1 :].astype("<u4").view("<f8")[0]) if a[_MT_WORDS] else None
-    return 3, tuple(a[:_MT_WORDS].tolist()), gauss
+    return _checked_random((3, tuple(a[:_MT_WORDS].tolist()), gauss))
+
+
+def _checked_random(
+    state: tuple[int, tuple[int, ...], float | None],
+) -> tuple[int, tuple[int, ...], float | None]:
+    """``state`` when ``random.setstate`` accepts it and it generates: a CorruptCheckpointError for a
+    position outside 0..624 (setstate's bare ValueError) or a Mersenne Twister with every state bit
+    zero (accepted, after which ``random()`` returns 0.0 forever)."""
+    version, words, _ = state
+    if version != 3 or len(words) != _MT_WORDS or any(not 0 <= w < 1 << 32 for w in words):
+        found = f"version {version}, {len(words)} words"
+    elif not 0 <= words[-1] <= _MT_WORDS - 1:
+        found = f"position {words[-1]}, outside 0..{_MT_WORDS - 1}"
+    elif not words[0] >> 31 and not any(words[1:-1]):
+        found = "every state bit zero (random() would return 0.0 forever)"
+    else:
+        return state
+    raise fc.CorruptCheckpointError(
+        f"the stored state of Python's random generator is not one it can resume from: {found}. Restore "
+        "an earlier step, or restore without it (a target without the random state) and reseed it "
+        "with random.seed()"
+    )
 
 
 def _random_target(saved: Any) -> Any:
@@ -139,16 +172,55 @@ def _random_target(saved: Any) -> Any:
     return 3, (0,) * _MT_WORDS, 0.0 if isinstance(gauss, fc.LeafInfo) and gauss.kind != "empty" else None
 
 
+# ------------------------------------------------------------------ bytes in an iterator's state, as uint8
+# grain's DataLoader iterator returns its state as JSON text in bytes; bytes are no array and no JSON value,
+# so they are stored as the uint8 array of their bytes (checksummed like any array) and given back as bytes.
+
+
+def encode_bytes(state: Any) -> Any:
+    """``state`` (what a ``get_state()`` returned) with each ``bytes`` value as a uint8 array of its bytes."""
+    return jax.tree_util.tree_map(lambda v: np.frombuffer(v, np.uint8) if isinstance(v, bytes) else v, state)
+
+
+def decode_bytes(like: Any, restored: Any) -> Any:
+    """``restored`` (shaped like ``encode_bytes(like)``) with the value at each place where ``like`` holds
+    ``bytes`` turned back into ``bytes``: what ``set_state`` takes."""
+
+    def back(was: Any, value: Any) -> Any:
+        if not isinstance(was, bytes) or isinstance(value, (bytes, str)):  # str: a grain item's text
+            return value
+        return np.asarray(value, np.uint8).tobytes()
+
+    return jax.tree_util.tree_map(back, like, restored)
+
+
+def _stateful_target(obj: Any, saved: Any) -> Any:
+    """The restore target of ``obj.get_state()`` where the checkpoint's node is ``saved``: each ``bytes``
+    value as a uint8 array as long as the one stored (the position's text may have grown or shrunk)."""
+
+    if isinstance(saved, fc.LeafInfo) and saved.kind == "json":  # an Orbax run's grain item: its file
+        return obj.get_state()
+
+    def target(path: tuple[Any, ...], v: Any) -> Any:
+        if not isinstance(v, bytes):
+            return v
+        leaf = saved if not path and isinstance(saved, fc.LeafInfo) else _saved_leaf(saved, path)
+        shape = leaf.shape if leaf is not None else None
+        return np.zeros(shape if shape is not None and len(shape) == 1 else (len(v),), np.uint8)
+
+    return jax.tree_util.tree_map_with_path(target, obj.get_state())
+
+
+def _is_stateful(x: Any) -> bool:
+    """An object (not a class) with ``get_state()`` / ``set_state()`` that is not an nnx object."""
+    return isinstance(x, Stateful) and not isinstance(x, type) and not _is_nnx(x)
+
+
 def _is_object_leaf(x: Any) -> bool:
-    return (
-        _is_nnx(x)
-        or (isinstance(x, Stateful) and not isinstance(x, type))
-        or _is_random(x)
-        or _is_random_state(x)
-    )
+    return _is_nnx(x) or _is_stateful(x) or _is_random(x) or _is_random_state(x)
 
 
-def _pure(x: Any, pure_nnx: bool = False) -> Any:
+def _pure(x: Any, pure_nnx: bool = False, keep_bytes: bool = False) -> Any:
     if _is_nnx(x):
         st = x if _is_nnx_state(x) else _nnx().state(x)
         return _to_pure_dict(st) if pure_nnx else st
@@ -156,15 +228,17 @@ def _pure(x: Any, pure_nnx: bool = False) -> Any:
         return encode_random(x.getstate())
     if _is_random_state(x):
         return encode_random(x)
-    if isinstance(x, Stateful) and not isinstance(x, type):
-        return x.get_state()
+    if _is_stateful(x):
+        return x.get_state() if keep_bytes else encode_bytes(x.get_state())
     return x
 
 
-def to_tree(state: Any) -> Any:
+def to_tree(state: Any, *, keep_bytes: bool = False) -> Any:
     """The pytree that is saved for ``state``: nnx objects as their ``nnx.State``, stateful iterators
-    as their ``get_state()``; everything else as it is. Reads, never mutates."""
-    return jax.tree_util.tree_map(_pure, state, is_leaf=_is_object_leaf)
+    as their ``get_state()`` (``bytes`` in it as uint8 arrays, unless ``keep_bytes``: an Orbax run
+    stores a grain iterator's bytes as grain's own file); everything else as it is. Reads, never
+    mutates."""
+    return jax.tree_util.tree_map(lambda x: _pure(x, keep_bytes=keep_bytes), state, is_leaf=_is_object_leaf)
 
 
 def target_tree(state: Any, info: "fc.CheckpointInfo | None") -> Any:
@@ -177,6 +251,9 @@ def target_tree(state: Any, info: "fc.CheckpointInfo | None") -> Any:
     for path, x in flat:
         if _is_random(x) or _is_random_state(x):
             out.append(_random_target(None if info is None else _saved_node(info.tree, path)))
+            continue
+        if _is_stateful(x):
+            out.append(_stateful_target(x, None if info is None else _saved_node(info.tree, path)))
             continue
         pure = info is not None and _is_nnx(x) and _saved_pure(x, _saved_node(info.tree, path))
         out.append(_pure(x, pure_nnx=pure))
@@ -201,13 +278,69 @@ def _saved_pure(obj: Any, saved: Any) -> bool:
     return not _leaf_paths(st) <= have and _leaf_paths(_to_pure_dict(st)) <= have
 
 
-def _put_back(live: Any, restored: Any) -> Any:
-    if _is_nnx(live) and _is_nnx_state(restored):
-        restored = _to_pure_dict(restored)
+def _variable_kinds() -> tuple[type, ...]:
+    """The classes of an nnx State's leaves: ``nnx.Variable`` and, in flax versions that have it,
+    ``nnx.VariableState`` (the copies that their ``nnx.state`` gives)."""
+    nnx = _nnx()
+    return tuple(t for t in (nnx.Variable, getattr(nnx, "VariableState", None)) if isinstance(t, type))
+
+
+def _flat_variables(tree: Any, kinds: tuple[type, ...]) -> list[tuple[tuple[str, ...], Any]]:
+    """``(key path as strings, leaf)`` of an nnx State or pure dict, a Variable counting as one leaf."""
+    flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: isinstance(x, kinds))[0]
+    return [(tuple(str(getattr(k, "key", getattr(k, "idx", k))) for k in path), x) for path, x in flat]
+
+
+def _path_str(path: tuple[Any, ...]) -> str:
+    """A jax key path as the checkpoint's key paths read: ``0/lora/lora_a``."""
+    return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+
+
+def _variable_value(x: Any, kinds: tuple[type, ...]) -> Any:
+    if not isinstance(x, kinds):
+        return x
+    return x.get_value() if hasattr(type(x), "get_value") else x.value
+
+
+def _restore_state(live: Any, restored: Any, where: str) -> None:
+    """Puts ``restored`` (an nnx State or its pure dict) into the State ``live``: into its
+    ``nnx.Variable`` objects themselves, which ``nnx.state(model, ...)`` shares with the model, so the
+    model holds the values; other leaves (copies) are replaced in ``live``, with a warning that no model
+    sees them."""
+    nnx = _nnx()
+    kinds = _variable_kinds()
+    values = dict((path, _variable_value(x, kinds)) for path, x in _flat_variables(restored, kinds))
+    copies: dict[str, Any] = {}
+    for path, x in _flat_variables(live, kinds):
+        if path not in values:
+            continue
+        if not isinstance(x, nnx.Variable):
+            node = copies
+            for k in path[:-1]:
+                node = node.setdefault(k, {})
+            node[path[-1]] = values[path]
+        elif hasattr(type(x), "set_value"):
+            x.set_value(values[path])
+        else:
+            x.value = values[path]
+    if not copies:
+        return
+    _replace_by_pure_dict(live, copies)
+    log.warning(
+        "the nnx.State at '%s' holds copies of its variables (nnx.VariableState or arrays, not a "
+        "model's own nnx.Variable objects): the restored values are in that State, and no model holds "
+        "them. Put them into the model with nnx.update(model, state), or give the model itself",
+        where or "/",
+    )
+
+
+def _put_back(live: Any, restored: Any, where: str = "") -> Any:
     if _is_nnx_state(live):
-        _replace_by_pure_dict(live, restored)
+        _restore_state(live, restored, where)
         return live
     if _is_nnx(live):
+        if _is_nnx_state(restored):
+            restored = _to_pure_dict(restored)
         nnx = _nnx()
         current = nnx.state(live)
         _replace_by_pure_dict(current, restored)
@@ -218,8 +351,8 @@ def _put_back(live: Any, restored: Any) -> Any:
         return live
     if _is_random_state(live):
         return decode_random(restored)
-    if isinstance(live, Stateful) and not isinstance(live, type):
-        live.set_state(restored)
+    if _is_stateful(live):
+        live.set_state(decode_bytes(live.get_state(), restored))
         return live
     return restored
 
@@ -227,10 +360,15 @@ def _put_back(live: Any, restored: Any) -> Any:
 def from_tree(state: Any, restored: Any) -> Any:
     """``state`` with the values of ``restored`` (a tree shaped like ``to_tree(state)``): nnx objects,
     stateful iterators and ``random.Random`` objects are updated in place and returned; a
-    ``random.getstate()`` tuple is replaced by the restored one; pytree leaves are replaced."""
-    leaves, treedef = jax.tree_util.tree_flatten(state, is_leaf=_is_object_leaf)
+    ``random.getstate()`` tuple is replaced by the restored one; pytree leaves are replaced.
+
+    An ``nnx.State`` is restored into its ``nnx.Variable`` objects, so the model that
+    ``nnx.state(model, ...)`` took them from holds the values; a State of copies (``nnx.VariableState``
+    or arrays) is restored as a State, with a warning that no model holds the values."""
+    flat, treedef = jax.tree_util.tree_flatten_with_path(state, is_leaf=_is_object_leaf)
     parts = treedef.flatten_up_to(restored)
-    return jax.tree_util.tree_unflatten(treedef, [_put_back(a, b) for a, b in zip(leaves, parts)])
+    out = [_put_back(x, part, _path_str(path)) for (path, x), part in zip(flat, parts)]
+    return jax.tree_util.tree_unflatten(treedef, out)
 
 
 def _saved_node(tree: Any, path: tuple[Any, ...]) -> Any:

@@ -108,10 +108,10 @@ def main(argv: Sequence[str] | None = None) -> float:
     model, optimizer = create(args.seed)
     batches = Batches(train, seed=args.seed)
     ckpt = CheckpointCallback(args.directory, every_steps=args.every)  # ckpt
-    (model, optimizer, batches), start = ckpt.restore_or((model, optimizer, batches))  # ckpt
+    _, start = ckpt.restore_or({"model": model, "optimizer": optimizer, "data": batches})  # ckpt
     for step in range(start, args.steps):
         loss = train_step(model, optimizer, *next(batches))
-        ckpt(step + 1, (model, optimizer, batches), {"loss": loss})  # ckpt
+        ckpt(step + 1, {"model": model, "optimizer": optimizer, "data": batches}, {"loss": loss})  # ckpt
         if (step + 1) % args.log_every == 0:
             print(f"step {step + 1} loss {float(loss):.4f}", flush=True)
     ckpt.close()  # ckpt

@@ -18,6 +18,9 @@ if TYPE_CHECKING:
     from flax_ckpt._src.api import metadata as metadata
     from flax_ckpt._src.api import restore as restore
     from flax_ckpt._src.api import save as save
+    from flax_ckpt._src.compile_cache import CompilationCache as CompilationCache
+    from flax_ckpt._src.compile_cache import CompilationCacheInfo as CompilationCacheInfo
+    from flax_ckpt._src.compile_cache import use_compilation_cache as use_compilation_cache
     from flax_ckpt._src.engine.fit import RestoreReport as RestoreReport
     from flax_ckpt._src.engine.leaves import CheckpointInfo as CheckpointInfo
     from flax_ckpt._src.engine.leaves import LeafInfo as LeafInfo
@@ -59,6 +62,7 @@ __version__ = "0.1.0"
 # Each module of the public API and the names it gives: imported by __getattr__ on first use.
 _SOURCES: dict[str, tuple[str, ...]] = {
     "flax_ckpt._src.api": ("metadata", "restore", "save"),
+    "flax_ckpt._src.compile_cache": ("CompilationCache", "CompilationCacheInfo", "use_compilation_cache"),
     "flax_ckpt._src.engine.fit": ("RestoreReport",),
     "flax_ckpt._src.engine.leaves": ("CheckpointInfo", "LeafInfo"),
     "flax_ckpt._src.errors": (

@@ -136,6 +136,24 @@ def crash_state(step: int) -> dict:
     }
 
 
+_FROZEN: list[np.ndarray] = []
+
+
+def shared_state(step: int) -> dict:
+    """The sharing crash trials' state (a fine-tune's shape, 6.3 MB): a 4 MB leaf frozen for the whole
+    run, 2 MB that change every third step, and small leaves that change at every step; so later steps
+    share the bytes of earlier ones, some of them removed by retention (docs/design.md)."""
+    if not _FROZEN:
+        _FROZEN.append(np.random.default_rng(12345).standard_normal((1024, 1024)).astype(np.float32))
+    rng = np.random.default_rng(step)
+    return {
+        "frozen": _FROZEN[0],
+        "slow": np.random.default_rng(10_000 + step // 3).standard_normal((512, 1024)).astype(np.float32),
+        "w": rng.standard_normal((256, 256)).astype(np.float32),
+        "b": {"step": step},
+    }
+
+
 # ----------------------------------------------------------------------------------------- manifests
 
 

@@ -29,13 +29,24 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 import numpy as np
-from basics import bit_exact, crash_state, step_state
-from reliability_worker import CRASH_KEEP, Zygote, big_state, crash_tiers, small_state, spawn, stop
+from basics import bit_exact, step_state
+from reliability_worker import (
+    CRASH_KEEP,
+    STATES,
+    Zygote,
+    big_state,
+    crash_tiers,
+    small_state,
+    spawn,
+    stop,
+)
 
 import flax_ckpt as fc
 from flax_ckpt._src.checks import MANIFEST
 from flax_ckpt._src.commit import atomic as commit_mod
 from flax_ckpt._src.manager import LOCK_FILE
+from flax_ckpt._src.native import sharing
+from flax_ckpt._src.storage import open_storage
 from flax_ckpt._src.tiers.holdings import RUN_FILE
 
 KINDS = ("exact", "lost", "corrupt", "error")
@@ -120,6 +131,8 @@ class CrashRun:
     tiers: bool = False  # savers also write a memory tier (reliability_worker.crash_tiers)
     reported: set[int] = field(default_factory=set)  # steps a saver reported durable
     verified: set[int] = field(default_factory=set)  # steps already restored bit-exact (not re-read)
+    state: str = "crash"  # what the savers save (reliability_worker.STATES): "shared" shares bytes
+    pace: float = 0.0  # seconds per commit, as the savers of this run measured it (0: not yet measured)
 
     def manager(self) -> fc.CheckpointManager:
         """The manager a resumed job would open."""
@@ -128,16 +141,45 @@ class CrashRun:
 
 
 def crash_trial(
-    z: Zygote, run: CrashRun, rng: random.Random, serializer: str, max_delay: float = 1.2
+    z: Zygote, run: CrashRun, rng: random.Random, serializer: str, max_commits: int = 3
 ) -> Outcome:
-    """Forks a saver (async manager, retention), SIGKILLs it after a random delay, judges the folder."""
-    pid, seen = z.fork("crash", run.directory, serializer, "crash", "tiers" if run.tiers else "none")
-    time.sleep(rng.uniform(0.0, max_delay))
+    """Forks a saver (async manager, retention) and SIGKILLs it at a random moment, then judges the folder.
+
+    The moment is counted in the saver's progress, not in seconds, so that a busy machine moves it
+    with the saver: after 0 to ``max_commits`` commits (0: while its manager opens, scans and cleans
+    up, or saves its first step), plus a random fraction of one commit's time as measured in this run."""
+    pid, seen = z.fork("crash", run.directory, serializer, run.state, "tiers" if run.tiers else "none")
+    commits, t0 = rng.randint(0, max_commits), time.monotonic()
+    for _ in range(commits):
+        if not _next_commit(z, pid, seen):
+            rc = z.kill(pid, seen)
+            return Outcome("error", f"the saver stopped committing (exit {rc}); output: {seen[-3:]}")
+    if commits:
+        run.pace = (time.monotonic() - t0) / commits
+    time.sleep(rng.uniform(0.0, run.pace))
     rc = z.kill(pid, seen)
     if rc != -signal.SIGKILL:
         return Outcome("error", f"the saver exited with {rc} before it was killed; output: {seen[-3:]}")
     run.reported.update(int(s.split()[1]) for s in seen if s.startswith("committed "))
     return judge_crash(run)
+
+
+def _next_commit(z: Zygote, pid: int, seen: list[str], hang_s: float = 300) -> bool:
+    """Waits for the saver's next "committed" line: False if it exited first, or wrote none for ``hang_s``
+    (a hang, not slowness: a commit takes well under a second on an idle machine)."""
+    deadline = time.monotonic() + hang_s
+    while time.monotonic() < deadline:
+        try:
+            z.lines.until(lambda s: s.startswith("committed "), 1.0, seen)
+            return True
+        except TimeoutError:
+            try:  # the zygote reaps its children only when asked: an exited one is a zombie until then
+                with open(f"/proc/{pid}/stat") as f:
+                    if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                        return False
+            except FileNotFoundError:
+                return False
+    return False
 
 
 def judge_crash(run: CrashRun) -> Outcome:
@@ -146,9 +188,22 @@ def judge_crash(run: CrashRun) -> Outcome:
     d = run.directory
     entries = os.listdir(d) if os.path.isdir(d) else []  # killed before its manager made the folder
     steps = sorted(int(e) for e in entries if e.isdigit())
+    made = STATES[run.state]
+    held = [e for e in entries if sharing.is_held(e)]
+    if held:  # removed steps' folders kept for bytes later steps share: never read, at most one stale
+        refs = sharing.referenced(open_storage(d))
+        stale = [e for e in held if refs is not None and tuple(e.split(".held-")) not in refs]
+        if len(stale) > 1:
+            return Outcome("error", f"retired folders {stale} are referred to by no step")
     for e in entries:
         if e.isdigit() or e in (LOCK_FILE, RUN_FILE):  # RUN_FILE: the run's id, tied to its memory tiers
             continue
+        if e in held:
+            try:
+                fc.restore(os.path.join(d, e))
+                return Outcome("corrupt", f"the retired folder {e} was restored as a checkpoint")
+            except fc.CheckpointNotCommittedError:
+                continue
         if not commit_mod.is_temporary(e):
             return Outcome("error", f"unexpected entry {e!r} in {d}")
         try:
@@ -172,7 +227,7 @@ def judge_crash(run: CrashRun) -> Outcome:
     for s in steps:
         if s in run.verified and s != steps[-1]:
             continue
-        out = restore_exact(lambda: fc.restore(os.path.join(d, str(s))), crash_state(s), f"step {s}")
+        out = restore_exact(lambda: fc.restore(os.path.join(d, str(s))), made(s), f"step {s}")
         if not out.ok:
             return out if out.kind != "lost" else Outcome("corrupt", f"visible step folder {s}: {out.detail}")
         run.verified.add(s)
@@ -185,7 +240,7 @@ def judge_crash(run: CrashRun) -> Outcome:
         if not run.tiers and latest != (steps[-1] if steps else None):
             return Outcome("error", f"a new manager sees latest {latest}, the folder {steps[-1:]}")
         if latest is not None:
-            return restore_exact(mgr.restore, crash_state(latest), f"manager restore of step {latest}")
+            return restore_exact(mgr.restore, made(latest), f"manager restore of step {latest}")
     return EXACT
 
 
@@ -439,15 +494,20 @@ def _disk_full(d: str, filler: str, mount: str, serializer: str, rng: random.Ran
 # ------------------------------------------------------------------------------- concurrent reading
 
 
-def reader_trial(z: Zygote, directory: str, seconds: float, tally: Tally) -> None:
+def reader_trial(
+    z: Zygote, directory: str, seconds: float, tally: Tally, *, restores: int = 0, hang_s: float = 300
+) -> None:
     """A forked writer commits small steps as fast as it can with max_to_keep=2 (so retention deletes
-    one step per commit) while this process lists the folder and restores every step it sees. Each
-    restore is a trial: bit-exact, or refused with CheckpointNotFoundError/CheckpointNotCommittedError
-    because the step was deleted meanwhile (a note, not a failure). A second manager is refused."""
-    pid, seen = z.fork("crash", directory, "raw", "small")
+    one step per commit) while this process lists the folder and restores every step it sees, for
+    ``seconds`` and then until ``restores`` restores have succeeded (progress, not time: a busy machine
+    takes longer; ``hang_s`` in all is a hang). Each restore is a trial: bit-exact, or refused with
+    CheckpointNotFoundError/CheckpointNotCommittedError because the step was deleted meanwhile (a note,
+    not a failure). A second manager is refused."""
+    pid, seen = z.fork("crash", directory, "raw", "small", timeout=hang_s)
     try:
-        z.lines.until(lambda s: s.startswith("committed "), 60, seen)  # its manager holds the lock now
-        deadline = time.monotonic() + seconds
+        z.lines.until(lambda s: s.startswith("committed "), hang_s, seen)  # its manager holds the lock now
+        start = time.monotonic()
+        deadline = start + seconds
         try:
             fc.CheckpointManager(directory).close()
             tally.add(Outcome("error", "a second manager opened a directory that a live writer holds"))
@@ -456,7 +516,9 @@ def reader_trial(z: Zygote, directory: str, seconds: float, tally: Tally) -> Non
                 EXACT if f"pid {pid}" in str(e) else Outcome("error", f"lock error names no pid: {e}"),
                 "second manager refused",
             )
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline or (
+            tally.notes["restored while committing"] < restores and time.monotonic() < start + hang_s
+        ):
             for e in os.listdir(directory):
                 if e.isdigit():
                     _read_while_churning(os.path.join(directory, e), int(e), tally)
@@ -538,16 +600,19 @@ def _tree_stat(folder: str) -> dict[str, tuple[int, int]]:
     return out
 
 
+SIGTERM_HANG_S = 240  # detects a hang, judges no speed: a busy machine may take tens of seconds per save
+
+
 def sigterm_trial(
     directory: str, scenario: str, rng: random.Random, *, twice: bool = False, serializer: str = "raw"
 ) -> Outcome:
     """A fresh process with a SIGTERM handler (wait for the save in flight, close, exit 0) is sent
     SIGTERM (``twice``: two, a few ms apart) while a save is in flight, or while it restores. It must
-    exit 0 within a minute; every step it had in flight is committed and bit-exact; no temporary folder
-    is left; a restore changes nothing on disk. One exception to exit 0: a second SIGTERM that arrives
-    after the handler finished, while the interpreter is exiting (Python has restored the default
-    action by then), kills the process with -15; everything was durable already (the exact Outcome's
-    detail says so)."""
+    exit 0 (waiting up to SIGTERM_HANG_S: a hang, not slowness); every step it had in flight is
+    committed and bit-exact; no temporary folder is left; a restore changes nothing on disk. One
+    exception to exit 0: a second SIGTERM that arrives after the handler finished, while the
+    interpreter is exiting (Python has restored the default action by then), kills the process with
+    -15; everything was durable already (the exact Outcome's detail says so)."""
     proc, lines = spawn("sigterm", directory, scenario, serializer)
     seen: list[str] = []
     try:
@@ -563,9 +628,11 @@ def sigterm_trial(
             time.sleep(rng.uniform(0.0, 0.02))
             proc.send_signal(signal.SIGTERM)
         try:
-            rc = proc.wait(timeout=60)
+            rc = proc.wait(timeout=SIGTERM_HANG_S)
         except subprocess.TimeoutExpired:
-            return Outcome("error", f"{scenario}: the process hung after SIGTERM; output {seen[-3:]}")
+            return Outcome(
+                "error", f"{scenario}: no exit {SIGTERM_HANG_S} s after SIGTERM (a hang); output {seen[-3:]}"
+            )
         while (line := lines.next(10)) is not None:
             seen.append(line)
     finally:

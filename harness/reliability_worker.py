@@ -33,7 +33,7 @@ HARNESS = os.path.dirname(os.path.abspath(__file__))
 if HARNESS not in sys.path:
     sys.path.insert(0, HARNESS)  # harness/: basics, when run as a script
 
-from basics import crash_state, die_with_parent, step_state, worker_env  # noqa: E402
+from basics import crash_state, die_with_parent, shared_state, step_state, worker_env  # noqa: E402
 
 CRASH_KEEP = {"max_to_keep": 3, "keep_period": 5}  # retention of the crash children
 
@@ -48,7 +48,12 @@ def big_state(step: int) -> dict:
     return step_state(step, (2048, 4096), 20_000)
 
 
-STATES: dict[str, Callable[[int], dict]] = {"crash": crash_state, "small": small_state, "big": big_state}
+STATES: dict[str, Callable[[int], dict]] = {
+    "crash": crash_state,
+    "shared": shared_state,
+    "small": small_state,
+    "big": big_state,
+}
 
 
 def say(line: str) -> None:
@@ -76,7 +81,7 @@ def crash_loop(directory: str, serializer: str, state: str = "crash", tiers: str
 
     say("started")  # before the manager opens: a kill may also land in its scan and cleanup
     make = STATES[state]
-    keep = dict(CRASH_KEEP if state == "crash" else {"max_to_keep": 2})
+    keep = dict(CRASH_KEEP if state in ("crash", "shared") else {"max_to_keep": 2})
     if tiers == "tiers":
         keep["tiers"] = crash_tiers(directory)
     with fc.CheckpointManager(directory, serializer=serializer, **keep) as mgr:

@@ -6,4 +6,13 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --disable-pip-version-check -c constraints.txt -e ".[examples]"
-exec .venv/bin/python examples/train_linen.py --directory "${1:-demo_ckpts}"
+DIR=${1:-demo_ckpts}
+.venv/bin/python examples/train_linen.py --directory "$DIR"
+cat <<EOF
+
+The checkpoints are in $DIR/. Next:
+  .venv/bin/flax-ckpt ls $DIR           # the steps saved, their size and loss
+  .venv/bin/flax-ckpt verify $DIR       # re-reads every byte against its checksum
+  bash scripts/demo.sh                  # again: resumes from the newest step, nothing left to train
+  .venv/bin/python examples/preemption_demo.py   # a run stopped by SIGTERM, then resumed
+EOF

@@ -21,7 +21,8 @@ modules build (``step_state``, ``crash_state``), manifest reading and crafting, 
 (``free_port``, ``die_with_parent``, ``worker_env``), the S3 and GCS servers, the fault trials and their saver
 processes. This module puts harness/ on sys.path and gives those names too, so that a test imports
 all it needs from here. Here only: the worker side of a multi-process job (``start_worker``,
-``report``) and its launcher (``Job``), and the crash hooks.
+``report``) and its launcher (``Job``), the crash hooks, and time limits judged on a busy machine
+(``stretch``, ``Within``: a limit as on an idle machine times the slowdown measured now).
 """
 
 from __future__ import annotations
@@ -251,3 +252,50 @@ class AfterWrite(RawSerializer):
 
 def kill_self(*_: Any) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+# ------------------------------------------------------------------------------ time on a busy machine
+
+
+def stretch() -> float:
+    """How many times the machine's load stretches wall time now: the wall time of a fixed piece of
+    CPU work (about 30 ms of one idle core) over the CPU time this thread spent on it. 1 on an idle
+    machine; about N / cores with N runnable processes."""
+    wall, cpu, x = time.perf_counter(), time.thread_time(), 0
+    for i in range(400_000):
+        x += i * i
+    return max(1.0, (time.perf_counter() - wall) / max(time.thread_time() - cpu, 1e-3))
+
+
+class Within:
+    """A limit on wall time, stated as on an idle machine and judged as a ratio: ``seconds`` times the
+    load's stretch measured just before and just after the timed span (the larger), so that a busy
+    machine raises the limit with the slowdown it causes, while an operation that retries, waits or
+    runs far longer than it should still fails.
+
+    ``with Within(5, "a permanent error"):`` times its block. After it, ``check(elapsed, seconds, what)``
+    judges a span timed elsewhere (a child process's own figure for one of its operations) with the
+    same stretch.
+    """
+
+    def __init__(self, seconds: float, what: str):
+        self.seconds, self.what, self.factor = seconds, what, 1.0
+
+    def __enter__(self) -> "Within":
+        self.factor, self.t0 = stretch(), time.perf_counter()
+        return self
+
+    def __exit__(self, exc_type, *_: Any) -> None:
+        elapsed = time.perf_counter() - self.t0
+        self.factor = max(self.factor, stretch())
+        if exc_type is None:
+            self.check(elapsed)
+
+    def check(self, elapsed: float, seconds: float | None = None, what: str | None = None) -> None:
+        """Asserts that ``elapsed`` is under ``seconds`` (default: the block's limit) times the stretch."""
+        seconds, what = seconds or self.seconds, what or self.what
+        limit = seconds * self.factor
+        assert elapsed < limit, (
+            f"{what} took {elapsed:.2f} s: more than {seconds} s on an idle machine times "
+            f"{self.factor:.1f}, the stretch of wall time that this machine's load causes now"
+        )

@@ -164,7 +164,7 @@ def test_diff_says_keys_differ_with_their_implementation_never_a_number(tmp_path
     line = next(ln for ln in out.stdout.splitlines() if ln.startswith("differs: rng"))
     assert line == "differs: rng  key<threefry2x32>[] vs key<threefry2x32>[]  key data differ"
     assert "max |a-b|" not in out.stdout and "key<>" not in out.stdout
-    assert "1 leaves identical, 1 differ" in out.stdout
+    assert "1 leaf identical, 1 differ" in out.stdout
 
 
 # --------------------------------------------------- item 15: --help without jax or tensorstore

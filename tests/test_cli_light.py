@@ -13,6 +13,7 @@ import sys
 import time
 
 import numpy as np
+import pytest
 
 import flax_ckpt as fc
 from flax_ckpt._src.tools.cli import main as cli
@@ -62,19 +63,41 @@ IMPORTED = (
 )
 
 
-def _cli_cpu(*args: str) -> tuple[subprocess.CompletedProcess, float, list[str]]:
-    """Runs the command in a fresh interpreter: its result, the CPU seconds it took (user + system:
-    what the machine's load does not inflate) and which of HEAVY it imported."""
+def _cpu(*argv: str) -> tuple[subprocess.CompletedProcess, float]:
+    """Runs ``python *argv`` in a fresh interpreter: its result and the CPU seconds it took (user +
+    system: what the machine's load inflates least)."""
     import resource
 
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    r = subprocess.run([sys.executable, "-c", IMPORTED, *args], capture_output=True, text=True, timeout=120)
+    r = subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=300)
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    cpu = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
+    return r, after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
+
+
+def _cli_cpu(*args: str) -> tuple[subprocess.CompletedProcess, float, list[str]]:
+    """Runs the command in a fresh interpreter: its result, the CPU seconds it took and which of HEAVY
+    it imported."""
+    r, cpu = _cpu("-c", IMPORTED, *args)
     return r, cpu, json.loads(r.stderr.strip().splitlines()[-1].replace("'", '"'))
 
 
-def test_ls_verify_and_info_of_a_local_native_run_import_no_jax_and_answer_in_half_a_second(tmp_path):
+CPU_RATIO = 5  # a command's CPU time, in fresh interpreters that import numpy (about 3 here, 13 for jax)
+
+
+def _numpy_start() -> float:
+    """The unit a command's CPU time is judged in, measured now on this machine: the CPU seconds of a
+    fresh interpreter that imports numpy (as every command does), the least of three. Skips the test
+    when three identical starts differ by more than twice: CPU times here are too noisy to judge."""
+    runs = [_cpu("-c", "import numpy")[1] for _ in range(3)]
+    if max(runs) > 2 * min(runs):
+        pytest.skip(f"three starts of `python -c 'import numpy'` took {runs} s of CPU: too noisy to judge")
+    return min(runs)
+
+
+def test_ls_verify_and_info_of_a_local_native_run_import_no_jax_and_cost_a_few_numpy_imports(tmp_path):
+    """Each command costs at most CPU_RATIO times the CPU of an interpreter that imports numpy (the least
+    of two runs each, calibrated in this run: a busy machine slows both alike); importing jax alone costs
+    about 13 times as much."""
     run = tmp_path / "run"
     for s in (1, 2, 3):
         fc.save(
@@ -83,16 +106,20 @@ def test_ls_verify_and_info_of_a_local_native_run_import_no_jax_and_answer_in_ha
             step=s,
             metrics={"loss": 1.0 / s},
         )
+    unit = _numpy_start()
     for args in (
         ["ls", str(run)],
         ["verify", str(run)],
         ["info", str(run / "3")],
         ["prune", str(run), "--keep", "3"],
     ):
-        r, cpu, heavy = _cli_cpu(*args)
-        assert r.returncode == 0, (args, r.stdout, r.stderr)
-        assert heavy == [], (args, heavy)
-        assert cpu < 0.5, (args, cpu)
+        cpus = []
+        for _ in range(2):
+            r, cpu, heavy = _cli_cpu(*args)
+            assert r.returncode == 0, (args, r.stdout, r.stderr)
+            assert heavy == [], (args, heavy)
+            cpus.append(cpu)
+        assert min(cpus) < CPU_RATIO * unit, (args, cpus, f"an interpreter importing numpy: {unit:.3f} s")
     r, _, _ = _cli_cpu("ls", str(run))
     assert [ln.split()[0] for ln in r.stdout.splitlines()[1:]] == ["1", "2", "3"]
 

@@ -76,7 +76,7 @@ def test_verify_ls_and_info_beside_a_live_run_never_report_damage(tmp_path, fmt)
             assert writer.poll() is None and time.monotonic() < deadline, "the writer did not start"
             time.sleep(0.05)
         wrong, gone, rounds, start = [], 0, 0, time.monotonic()
-        while (gone < 3 or rounds < 50) and time.monotonic() - start < 40:
+        while (gone < 3 or rounds < 50) and time.monotonic() - start < 240:  # progress, or a stuck writer
             found, g = _false_reports(d)
             wrong, gone, rounds = wrong + found, gone + g, rounds + 1
         cmd = subprocess.run(
@@ -90,7 +90,7 @@ def test_verify_ls_and_info_beside_a_live_run_never_report_damage(tmp_path, fmt)
         writer.wait(timeout=120)
     assert writer.returncode == 0
     assert not wrong, (len(wrong), rounds, wrong[:3])
-    assert gone >= 1, f"no step was deleted under verify in {rounds} rounds: the test saw no race"
+    assert gone >= 1, f"no step was deleted under verify in {rounds} rounds (240 s): the test saw no race"
     assert cmd.returncode == 0 and json.loads(cmd.stdout)["ok"], (cmd.stdout, cmd.stderr)
     assert fi.check(d).problems == []  # still good once the writer stopped
 

@@ -18,25 +18,38 @@ from helpers import WORKERS, assert_bit_exact, crash_state, worker_env
 KILLS = int(os.environ.get("FLAX_CKPT_CRASH_KILLS", "6"))
 
 
-def run_and_kill(directory: str, mode: str, delay: float, start: int = 1) -> int:
-    """Starts the worker, kills it with SIGKILL ``delay`` s after it is ready; returns the newest step
-    it had reported committed (0 if none)."""
+_PACE: dict[str, float] = {}  # seconds per commit of each mode's worker, as measured in this run
+
+
+def run_and_kill(directory: str, mode: str, rng: random.Random, start: int = 1) -> int:
+    """Starts the worker and SIGKILLs it at a random moment counted in its progress, not in seconds (a
+    busy machine moves it with the worker): after 0 to 2 commits (0: during its first save), plus a
+    random fraction of one commit's time as measured in this run. Returns the newest step it had
+    reported committed (0 if none)."""
     proc = subprocess.Popen(
         [sys.executable, str(WORKERS / "crash_worker.py"), directory, mode, str(start)],
         stdout=subprocess.PIPE,
         text=True,
         env=worker_env(),
     )
+    lines: list[str] = []
     try:
         assert proc.stdout.readline().strip() == "ready"
-        time.sleep(delay)
+        commits, t0 = rng.randint(0, 2), time.monotonic()
+        while sum(ln.startswith("committed") for ln in lines) < commits:
+            line = proc.stdout.readline()  # a hang here is the test's timeout
+            assert line, f"the worker exited before its commit {len(lines) + 1}: {lines[-3:]}"
+            lines.append(line)
+        if commits:
+            _PACE[mode] = (time.monotonic() - t0) / commits
+        time.sleep(rng.uniform(0.0, _PACE.get(mode, 0.0)))
         os.kill(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate(timeout=30)
+        out, _ = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    steps = [int(line.split()[1]) for line in out.splitlines() if line.startswith("committed")]
+    steps = [int(line.split()[1]) for line in [*lines, *out.splitlines()] if line.startswith("committed")]
     return max(steps, default=0)
 
 
@@ -50,7 +63,7 @@ def test_sigkill_during_plain_saves_never_leaves_a_readable_partial(tmp_path):
     directory = str(tmp_path)
     start, saves = 1, 0
     for _ in range(KILLS):
-        reported = run_and_kill(directory, "save", rng.uniform(0.05, 0.6), start)
+        reported = run_and_kill(directory, "save", rng, start)
         steps = committed_steps(directory)
         assert reported <= (steps[-1] if steps else 0)  # what the worker saw committed is there
         for s in steps:  # every visible step restores bit-exact: the old ones and the new one
@@ -71,7 +84,7 @@ def test_sigkill_during_async_manager_saves_restores_newest_committed(tmp_path):
     directory = str(tmp_path)
     newest_reported = 0
     for _ in range(KILLS):
-        newest_reported = max(newest_reported, run_and_kill(directory, "manager", rng.uniform(0.2, 1.5)))
+        newest_reported = max(newest_reported, run_and_kill(directory, "manager", rng))
         with fc.CheckpointManager(directory, max_to_keep=3, keep_period=5) as mgr:
             steps = mgr.all_steps()
             assert not [e for e in os.listdir(directory) if ".tmp-" in e or ".deleting-" in e]

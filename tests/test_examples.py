@@ -391,4 +391,6 @@ def test_readme_snippet_resumes_a_loop_of_epochs_mid_epoch_bit_exact(tmp_path):
     ref, got = checkpoints(tmp_path / "reference"), checkpoints(tmp_path / "run")
     assert sorted(got) == [at, total] and sorted(ref) == [total], (context, sorted(got))
     assert got[total] == ref[total], f"{context}: the final checkpoint differs from the uninterrupted run's"
-    assert "[1]['epoch']" in got[total] and got[total]["[1]['epoch']"] == ("int", 2), list(got[total])
+    assert "['data']['epoch']" in got[total] and got[total]["['data']['epoch']"] == ("int", 2), list(
+        got[total]
+    )

@@ -35,7 +35,7 @@ from flax_ckpt._src.checks import MANIFEST  # noqa: E402
 from flax_ckpt._src.storage import KvStorage, ObjectStoreOptions, open_storage  # noqa: E402
 from flax_ckpt.callbacks import CheckpointCallback  # noqa: E402
 from gcs_fixtures import ENDPOINT_VAR, GcsPlace, point_env_at_gcs  # noqa: E402
-from helpers import HOST, assert_bit_exact, free_port, leaf_bytes, worker_env  # noqa: E402
+from helpers import HOST, Within, assert_bit_exact, free_port, leaf_bytes, worker_env  # noqa: E402
 from object_stores import SERIALIZERS, manifest_keys, small_tree  # noqa: E402
 
 FAST_S = 10
@@ -120,7 +120,7 @@ except Exception as e:
 """
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 def test_a_server_that_stalls_is_retried_then_fails_clearly(gcs_faulty: GcsPlace, tmp_path):
     """Answers that stall past curl's low-speed limit (TENSORSTORE_CURL_LOW_SPEED_*, read once per process,
     hence a child) time out, are retried, and end in a StorageError naming the URL and the endpoint."""
@@ -131,20 +131,21 @@ def test_a_server_that_stalls_is_retried_then_fails_clearly(gcs_faulty: GcsPlace
         TENSORSTORE_CURL_LOW_SPEED_LIMIT_BYTES="1",
         FLAX_CKPT_STORAGE_MAX_ATTEMPTS="2",
     )
-    done = subprocess.run(
-        [sys.executable, "-c", _STALL_CHILD, f"{gcs_faulty.url}/ck"],
-        env=env,
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=100,
-    )
+    with Within(100, "the stalled child") as limit:
+        done = subprocess.run(
+            [sys.executable, "-c", _STALL_CHILD, f"{gcs_faulty.url}/ck"],
+            env=env,
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
     gcs_faulty.front.faults = Faults()
     r = json.loads(done.stdout.strip().splitlines()[-1])
     assert r["error"] == "StorageError", (r, done.stderr[-2000:])
     assert "outlasted every retry" in r["message"] and gcs_faulty.url in r["message"], r
     assert f"endpoint {gcs_faulty.endpoint}" in r["message"], r
-    assert r["seconds"] < 30, r
+    limit.check(r["seconds"], 30, "the save against a stalling server")
     assert manifest_keys(gcs_faulty) == []
 
 
@@ -154,17 +155,16 @@ def test_a_server_that_stalls_is_retried_then_fails_clearly(gcs_faulty: GcsPlace
 def test_missing_bucket_is_a_clear_error_and_loses_nothing(gcs: GcsPlace):
     with fc.CheckpointManager(f"{gcs.url}/run", async_save=False) as mgr:
         mgr.save(1, small_tree(1))
-    t0 = time.perf_counter()
-    with pytest.raises(fc.StorageError, match="bucket does not exist") as err:
-        fc.save("gs://no-such-bucket-x1/run/ck", small_tree())
-    assert "gs://no-such-bucket-x1/run" in str(err.value)
-    with fc.CheckpointManager("gs://no-such-bucket-x1/run", async_save=False) as mgr:
-        with pytest.raises(fc.CheckpointError, match="bucket does not exist"):
-            mgr.save(1, small_tree())
-    # GCS answers a read in a missing bucket as a missing object: restore says "not found"
-    with pytest.raises(fc.CheckpointNotFoundError, match="gs://no-such-bucket-x1/run/ck"):
-        fc.restore("gs://no-such-bucket-x1/run/ck")
-    assert time.perf_counter() - t0 < 5  # not retried
+    with Within(5, "two saves and a restore in a missing bucket (not retried)"):
+        with pytest.raises(fc.StorageError, match="bucket does not exist") as err:
+            fc.save("gs://no-such-bucket-x1/run/ck", small_tree())
+        assert "gs://no-such-bucket-x1/run" in str(err.value)
+        with fc.CheckpointManager("gs://no-such-bucket-x1/run", async_save=False) as mgr:
+            with pytest.raises(fc.CheckpointError, match="bucket does not exist"):
+                mgr.save(1, small_tree())
+        # GCS answers a read in a missing bucket as a missing object: restore says "not found"
+        with pytest.raises(fc.CheckpointNotFoundError, match="gs://no-such-bucket-x1/run/ck"):
+            fc.restore("gs://no-such-bucket-x1/run/ck")
     with fc.CheckpointManager(f"{gcs.url}/run") as mgr:
         assert mgr.all_steps() == [1]
         assert_bit_exact(mgr.restore(1, small_tree(1)), small_tree(1))
@@ -181,11 +181,12 @@ def test_unreachable_endpoint_fails_fast_naming_it(monkeypatch, source):
         options = ObjectStoreOptions(endpoint=endpoint, max_attempts=10)
     else:
         monkeypatch.setenv(ENDPOINT_VAR, endpoint)
-    t0 = time.perf_counter()
-    with pytest.raises(fc.StorageError, match="cannot reach the GCS endpoint") as err:
-        with fc.CheckpointManager("gs://some-bucket/run", storage_options=options, async_save=False) as mgr:
-            mgr.save(1, small_tree())
-    assert time.perf_counter() - t0 < FAST_S
+    with Within(FAST_S, "a save to an unreachable endpoint"):
+        with pytest.raises(fc.StorageError, match="cannot reach the GCS endpoint") as err:
+            with fc.CheckpointManager(
+                "gs://some-bucket/run", storage_options=options, async_save=False
+            ) as mgr:
+                mgr.save(1, small_tree())
     msg = str(err.value)
     assert (
         endpoint in msg and "gs://some-bucket/run" in msg and "Start the server, or fix the endpoint" in msg
@@ -344,16 +345,15 @@ def test_server_killed_mid_save_commits_nothing_and_a_restart_recovers(tmp_path,
 
             watcher = threading.Thread(target=kill_once_step_2_is_under_way, daemon=True)
             watcher.start()
-            t0 = time.perf_counter()
-            with pytest.raises(fc.SaveFailedError) as err:
-                mgr.save(2, big_state(2))
-                mgr.wait_until_finished()
+            with Within(30, "a save whose server was killed under it, to fail"):
+                with pytest.raises(fc.SaveFailedError) as err:
+                    mgr.save(2, big_state(2))
+                    mgr.wait_until_finished()
             stop.set()
-            watcher.join(5)
+            watcher.join(60)
             assert server.proc is None, "the server was not killed during the save"
             cause = err.value.__cause__
             assert isinstance(cause, fc.StorageError) and url in str(cause), repr(cause)
-            assert time.perf_counter() - t0 < 30
         server.start()  # the same port and data folder
         assert not [
             k for k in server.keys_under(bucket, "run/2/") if k.endswith(MANIFEST)

@@ -10,6 +10,8 @@ run as programs in tests/test_examples.py, the serializer's in tests/test_serial
 
 from __future__ import annotations
 
+import contextlib
+import io
 import pathlib
 import re
 import traceback
@@ -59,6 +61,23 @@ def python_blocks(page: pathlib.Path) -> list[tuple[int, str, str | None]]:
     return out
 
 
+OUTPUT = re.compile(r"<!-- test: output -->\s*$")
+
+
+def expected_outputs(page: pathlib.Path) -> dict[int, str]:
+    """``{line of a python block: the text it must print}``, for each ```text block that a
+    ``<!-- test: output -->`` comment marks as the output of the python block before it."""
+    text, out, last = page.read_text(), {}, None
+    for m in FENCE.finditer(text):
+        line = text.count("\n", 0, m.start()) + 2
+        if m.group(1) == "python":
+            last = line
+        elif m.group(1) == "text" and OUTPUT.search(text[: m.start()]):
+            assert last is not None, f"{page.name}:{line}: an output with no python block before it"
+            out[last] = m.group(2)
+    return out
+
+
 def _close_open(ns: dict) -> None:
     """Closes the managers and callbacks a page's examples left open (their locks, their handlers)."""
     import flax_ckpt as fc
@@ -72,15 +91,22 @@ def _close_open(ns: dict) -> None:
 def run_page(page: pathlib.Path) -> None:
     """Runs the page's setup and its ```python blocks that are not skipped, in one namespace."""
     ns: dict = {"__name__": f"guide_{page.stem}"}
+    outputs = expected_outputs(page)
     try:
         exec(compile(SETUP.get(page.name, ""), f"<setup of {page.name}>", "exec"), ns)
         for line, code, reason in python_blocks(page):
             if reason is None:
+                printed = io.StringIO()
                 try:
-                    exec(compile(code, f"{page.name}:{line}", "exec"), ns)
+                    with contextlib.redirect_stdout(printed):
+                        exec(compile(code, f"{page.name}:{line}", "exec"), ns)
+                    if line in outputs:
+                        assert printed.getvalue() == outputs[line], (
+                            f"{page.name}:{line} prints\n{printed.getvalue()}but the page shows\n{outputs[line]}"
+                        )
                 except ModuleNotFoundError as e:
-                    if e.name and e.name.split(".")[0] == "orbax":
-                        pytest.skip(f"{page.name}:{line} needs orbax-checkpoint (the test extra)")
+                    if e.name and e.name.split(".")[0] in ("orbax", "grain"):
+                        pytest.skip(f"{page.name}:{line} needs {e.name.split('.')[0]} (the test extra)")
                     raise
     finally:
         _close_open(ns)
@@ -120,6 +146,15 @@ def test_a_failing_example_fails_the_test(tmp_path):
     page.write_text("```python\nx = 1\n```\n\n<!-- test: skip -->\n```python\nx = 2\n```\n")
     with pytest.raises(AssertionError, match="must read <!-- test: skip"):
         python_blocks(page)
+
+
+def test_a_shown_output_is_what_the_example_prints(tmp_path):
+    page = tmp_path / "out.md"
+    page.write_text("```python\nprint(1 + 1)\n```\n\nIt prints:\n\n<!-- test: output -->\n```text\n2\n```\n")
+    run_page(page)
+    page.write_text(page.read_text().replace("```text\n2", "```text\n3"))
+    with pytest.raises(AssertionError, match="out.md:2 prints"):
+        run_page(page)
 
 
 def test_every_command_line_shown_uses_options_the_command_has():

@@ -32,6 +32,7 @@ RANKS = {
     "flax_ckpt._src.foreign": 5,  # other libraries' files, read only: legacy Flax msgpack, safetensors
     "flax_ckpt._src.layouts": 6,
     "flax_ckpt._src.api": 6,
+    "flax_ckpt._src.compile_cache": 6,  # a run's JAX compilation cache (over storage)
     "flax_ckpt._src.retention": 6,
     "flax_ckpt._src.manager": 7,
     "flax_ckpt._src.tools": 8,
@@ -118,14 +119,18 @@ def test_layers_and_no_import_circle():
             visit(m, [])
 
 
-def test_jax_private_api_is_touched_in_one_function():
+def test_jax_private_api_is_touched_in_one_function_a_module():
+    # commit/distributed.py: the coordination service's client; compile_cache.py: installing a cache
     hits = [
         (p.relative_to(ROOT), i)
         for p in (ROOT / "flax_ckpt").rglob("*.py")
         for i, line in enumerate(p.read_text().splitlines(), 1)
-        if "jax._src" in line and not line.lstrip().startswith(("#", '"', "this"))
+        if "jax._src" in line and not line.lstrip().startswith(("#", '"', "this", "JAX", "has"))
     ]
-    assert [str(p) for p, _ in hits] == [str(pathlib.Path("flax_ckpt/_src/commit/distributed.py"))], hits
+    assert sorted(str(p) for p, _ in hits) == [
+        str(pathlib.Path("flax_ckpt/_src/commit/distributed.py")),
+        str(pathlib.Path("flax_ckpt/_src/compile_cache.py")),
+    ], hits
 
 
 def test_save_path_from_manager_to_file_write_is_six_calls(tmp_path, monkeypatch):

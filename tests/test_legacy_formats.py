@@ -29,7 +29,7 @@ from flax_ckpt._src import layouts
 from flax_ckpt._src import tools as fi
 from flax_ckpt._src.engine.reader import Source
 from flax_ckpt._src.storage import open_storage
-from helpers import assert_bit_exact, leaf_bytes
+from helpers import Within, assert_bit_exact, leaf_bytes
 from trees import every_dtype, train_state_tree
 
 flax = pytest.importorskip("flax")
@@ -203,16 +203,15 @@ def test_the_command_lists_shows_verifies_and_converts_them(run, tmp_path):
 
 
 def _refused(path, match: str, error: type = fc.CorruptCheckpointError, *, seconds: float = 3.0) -> None:
-    """fc.restore of ``path`` raises ``error`` matching ``match`` within ``seconds``, allocating little."""
+    """fc.restore of ``path`` raises ``error`` matching ``match`` within ``seconds`` (as on an idle
+    machine: helpers.Within), allocating little."""
     tracemalloc.start()
-    t0 = time.perf_counter()
     try:
-        with pytest.raises(error, match=match):
+        with Within(seconds, f"the refusal of {os.path.basename(path)}"), pytest.raises(error, match=match):
             fc.restore(path)
-        elapsed, (_, peak) = time.perf_counter() - t0, tracemalloc.get_traced_memory()
+        _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    assert elapsed < seconds, elapsed
     assert peak < max(64 << 20, 4 * os.path.getsize(path)), peak
 
 

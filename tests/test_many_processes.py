@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 import flax_ckpt as fc
-from helpers import WORKERS, Job
+from helpers import WORKERS, Job, Within, stretch
 
 WORKER = WORKERS / "many_worker.py"
 TIMEOUT_S = 240  # one job; 16 processes on 2 cores start in ~10 s, so this is a hang, never slowness
@@ -256,7 +256,7 @@ def threads_as_processes(monkeypatch):
         mine[prefix] = mine.get(prefix, -1) + 1
         return f"{prefix}/{mine[prefix]}"
 
-    def go(n: int, fn, timeout: float = 20) -> tuple[list[Any], FakeCoordinator]:
+    def go(n: int, fn, timeout: float = 120) -> tuple[list[Any], FakeCoordinator]:  # a hang limit
         monkeypatch.setattr(distributed, "process_count", lambda: n)
         monkeypatch.setattr(distributed, "process_index", lambda: coord.me.index)
         monkeypatch.setattr(distributed, "_client", lambda: coord)
@@ -275,7 +275,7 @@ def threads_as_processes(monkeypatch):
         for t in ts:
             t.start()
         for t in ts:
-            t.join(120)
+            t.join(timeout + 120)
         return out, coord
 
     try:
@@ -317,7 +317,7 @@ def test_a_process_missing_from_a_round_is_named_to_every_process(threads_as_pro
             return None  # never joins the round
         return distributed.vote("t", "restore", 3, None)
 
-    out, _ = threads_as_processes(n, job, timeout=1)
+    out, _ = threads_as_processes(n, job, timeout=stretch())  # 1 s as on an idle machine (helpers.stretch)
     errors = [r for i, r in enumerate(out) if i != gone]
     assert all(isinstance(e, fc.DistributedError) for e in errors), errors
     assert len({str(e) for e in errors}) == 1 and "process(es) [5] of 8 did not answer" in str(errors[0])
@@ -392,7 +392,6 @@ def test_merge_of_chunk_records_is_linear_and_keeps_what_it_kept(monkeypatch, ce
         Written({**{leaf: [rec(((4 * j, 4 * j + 4), (0, 8)))] for leaf in range(4)}, 4: [rec(((0, 3),))]}, {})
         for j in range(n)
     ]
-    t0 = time.perf_counter()
-    merged = dedupe(parts)
-    assert time.perf_counter() - t0 < 10  # ~0.3 s here; the pairwise merge took minutes
+    with Within(10, "the merge of 8,192 processes' writes"):  # ~0.3 s idle; the pairwise merge took minutes
+        merged = dedupe(parts)
     assert all(len(w.chunks) == 4 + (j == 0) for j, w in enumerate(merged))

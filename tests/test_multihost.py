@@ -72,6 +72,22 @@ def test_damage_on_one_process_makes_all_fall_back_together(tmp_path, serializer
 
 
 @pytest.mark.timeout(300)
+def test_steps_share_each_process_s_unchanged_shards_and_restore_anywhere(tmp_path):
+    """Two processes save a state with a frozen sharded leaf: each refers to its own shard's bytes in
+    step 1 (retired by max_to_keep=2, not deleted); every process restores step 3 exactly, and so does
+    this one process alone, target-less (another topology)."""
+    results = run(tmp_path, "share", "share", 2)
+    assert [(r["steps"], r["exact"]) for r in results] == [([2, 3], True)] * 2
+    body = json.loads((tmp_path / "run" / "3" / "manifest.json").read_text())["body"]
+    (f,) = [leaf for leaf in body["leaves"] if leaf["path"] == [["key", "f"]]]
+    assert sorted(c["file"] for c in f["chunks"]) == ["../1/data/p0.0.bin", "../1/data/p1.0.bin"]
+    assert [n for n in os.listdir(tmp_path / "run") if n.startswith("1.held-")]
+    got = fc.restore(tmp_path / "run" / "3")
+    frozen = np.random.default_rng(99).standard_normal((16, 4096)).astype(np.float32)
+    np.testing.assert_array_equal(got["f"], frozen)
+
+
+@pytest.mark.timeout(300)
 def test_strict_raises_the_same_error_on_every_process(tmp_path):
     run(tmp_path, "save", "save", 2, serializer="raw")
     victim = damage_one_process(tmp_path / "run", "raw", 1)
@@ -290,3 +306,17 @@ def test_init_from_is_restored_on_every_process_or_refused_on_every_one(tmp_path
         return
     assert lines[1].startswith("error CastOverflowError") and "'w'" in lines[1], outs
     assert lines[0].startswith("error CheckpointError") and "failed on process 1" in lines[0], outs
+
+
+def test_every_process_reads_the_compilation_cache_and_process_0_alone_writes_it(tmp_path, monkeypatch):
+    monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
+    monkeypatch.setenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")  # the test's small program too
+    first = run(tmp_path, "first", "compile-cache", 2)
+    assert first[0]["writes"] > 0 and first[1]["writes"] == 0
+    assert first[0]["hits"] == first[1]["hits"] == 0
+    again = run(tmp_path, "again", "compile-cache", 2)  # a restarted job
+    assert again[0]["hits"] > 0 and again[0]["misses"] == 0
+    assert again[1]["hits"] + again[1]["misses"] > 0  # process 1 looks its program up too
+    assert again[0]["writes"] == again[1]["writes"] == 0
+    # (on a CPU JAX keys a program by its process's device: process 1's is not the one process 0 stored)
+    assert again[0]["total"] == again[1]["total"] == first[0]["total"]

@@ -1,5 +1,9 @@
 """notebooks/finetune.ipynb runs top to bottom in a fresh kernel, in a temporary folder, so it cannot rot;
 it writes its checkpoints under a temporary folder of its own and shows only the library's log lines.
+It is stored with its outputs (the site shows them, the timeline chart among them), and they are
+current: running it again prints the same text, up to what changes from run to run (the temporary
+folder, times, addresses). After a change that moves them:
+``.venv/bin/jupyter execute --inplace notebooks/finetune.ipynb``.
 
 The notebook asserts its own claims (frozen layer unchanged, the best checkpoint restores to its stored
 metric); this test only runs it and reports the failing cell.
@@ -7,6 +11,7 @@ metric); this test only runs it and reports the failing cell.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import nbformat
@@ -15,6 +20,29 @@ from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
 
 NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "finetune.ipynb"
+CHANGING = [
+    (re.compile(r"\S*finetune_notebook_\w+"), "<work>"),  # the temporary folder
+    (re.compile(r"\b\d+(?:\.\d+)? ?(?:ms|s)\b"), "<time>"),
+    (re.compile(r"0x[0-9a-f]+"), "<address>"),
+]
+
+
+def text_outputs(nb) -> list[str]:
+    """Per code cell, what it printed (stdout, then stderr) and the text of what it displayed."""
+    out = []
+    for cell in (c for c in nb.cells if c.cell_type == "code"):
+        streams = {"stdout": "", "stderr": ""}
+        shown = []
+        for o in cell.get("outputs", []):
+            if o.output_type == "stream":
+                streams[o.name] += o.text
+            elif "data" in o:
+                shown.append(o.data.get("text/plain", ""))
+        text = streams["stdout"] + "\n--- stderr\n" + streams["stderr"] + "\n--- shown\n" + "\n".join(shown)
+        for pattern, by in CHANGING:
+            text = pattern.sub(by, text)
+        out.append(text)
+    return out
 
 
 def test_finetune_notebook_runs_top_to_bottom(tmp_path, monkeypatch):
@@ -24,6 +52,10 @@ def test_finetune_notebook_runs_top_to_bottom(tmp_path, monkeypatch):
     (tmp_path / "tmp").mkdir()
     monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))  # the kernel's tempfile folder
     nb = nbformat.read(NOTEBOOK, as_version=4)
+    stored = text_outputs(nb)
+    assert any("image/png" in o.get("data", {}) for c in nb.cells for o in c.get("outputs", [])), (
+        f"{NOTEBOOK.name} is stored without its outputs: run it and store them (see above)"
+    )
     client = NotebookClient(
         nb, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(tmp_path / "cwd")}}
     )
@@ -39,3 +71,6 @@ def test_finetune_notebook_runs_top_to_bottom(tmp_path, monkeypatch):
     )
     assert "best checkpoint (step" in outputs and "Dense_0 unchanged: True" in outputs
     assert "INFO flax_ckpt" in outputs and "INFO jax" not in outputs  # only the library's lines (item 12)
+    fresh = text_outputs(nb)
+    for i, (old, new) in enumerate(zip(stored, fresh)):
+        assert old == new, f"{NOTEBOOK.name}: code cell {i + 1} now prints\n{new}\nbut stores\n{old}"

@@ -28,7 +28,7 @@ from flax_ckpt._src.commit import atomic as commit_mod
 from flax_ckpt._src.native.layout import open_native
 from flax_ckpt._src.storage import kv as kv_mod
 from flax_ckpt._src.storage import open_storage
-from helpers import assert_bit_exact
+from helpers import Within, assert_bit_exact
 from object_stores import SERIALIZERS, STORES, Store, manifest_keys, small_tree
 from trees import mixed_tree
 
@@ -183,11 +183,10 @@ def test_transient_faults_are_retried_and_commit_correct_checkpoints(faulty_stor
 def test_faults_beyond_the_retries_fail_clearly_naming_the_endpoint_and_commit_nothing(faulty_store: Store):
     faulty_store.proxy.faults = faulty_store.failing_data_uploads()
     path = f"{faulty_store.url}/ck"
-    t0 = time.perf_counter()
-    with pytest.raises(fc.StorageError, match="outlasted every retry") as err:
-        fc.save(path, small_tree())
+    with Within(20, "a save whose uploads all fail, through every retry"):
+        with pytest.raises(fc.StorageError, match="outlasted every retry") as err:
+            fc.save(path, small_tree())
     assert faulty_store.url in str(err.value) and f"endpoint {faulty_store.endpoint}" in str(err.value)
-    assert time.perf_counter() - t0 < 20
     assert faulty_store.proxy.counts["injected"] >= 6  # every try of the first upload (6 attempts)
     assert manifest_keys(faulty_store) == []
     faulty_store.proxy.faults = Faults()

@@ -112,7 +112,7 @@ def test_writes_start_before_the_last_transfer_lands(tmp_path, streaming, monkey
 
     def host(part):
         if part is last:
-            landed.append(written.wait(timeout=30))  # the transfer of w5 lands only once a file is written
+            landed.append(written.wait(timeout=120))  # the transfer of w5 lands only once a file is written
         return real_host(part)
 
     def write(self, name, buffers):

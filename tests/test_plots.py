@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import pathlib
+import re
 
 import pytest
 
@@ -45,17 +46,27 @@ def _reports(bench_out: pathlib.Path) -> None:
             }
         )
     )
-    row = {
-        "floor": {"wall": 0.07, "cpu": 0.07},
-        "memory": {"wall": 0.1, "cpu": 0.12},
-        "orbax": {"wall": 2.0, "cpu": 1.7},
+
+    def rounds(*overheads):  # one loop's per-round times, as bench_every_step.py reports them
+        return [
+            {e: {"wall": 0.1 * (1 + o), "cpu": 0.1 * (1 + o), "saves": 4} for e in ("1", "10")}
+            for o in overheads
+        ]
+
+    rows = {
+        "none": rounds(0, 0, 0),
+        "floor": rounds(0.06, 0.07, 0.08),
+        "memory": rounds(-0.52, 0.02, 0.1),  # on both sides of zero: noise, not a negative cost
+        "orbax": rounds(1.9, 2.0, 2.2),
     }
     (bench_out / "every_step-20260102-030405.json").write_text(
         json.dumps(
             {
                 "machine": MACHINE,
                 "args": {"models": "mlp", "every": "1,10", "steps": 40, "rounds": 3},
-                "summary": {"mlp": {"1": row, "10": row}},
+                "rows": {"mlp": rows},
+                "everies": [1, 10],
+                "summary": {},
             }
         )
     )
@@ -69,6 +80,7 @@ def _reports(bench_out: pathlib.Path) -> None:
                 "manager_save_blocked": 9.0,
                 "tier_save_blocked": 7.0,
             },
+            "rounds_us": {"save": [55.0, 60.0, 70.0], "restore": [110.0, 120.0, 125.0]},
             **(
                 {"orbax": {"save": {"us_per_leaf": 1300.0}, "restore": {"us_per_leaf": 900.0}}}
                 if n == 1000
@@ -85,11 +97,12 @@ def _reports(bench_out: pathlib.Path) -> None:
 def test_charts_and_tables_from_reports(tmp_path):
     plots, bench_out, out = _plots(), tmp_path / "bench_out", tmp_path / "static"
     _reports(bench_out)
-    written = plots.main(["--bench-out", str(bench_out), "--out", str(out)])
+    written = plots.main(["--results", str(bench_out), "--out", str(out)])
     names = sorted(p.name for p in written)
     assert names == [
         "accelerator_table.md",
         "every_step.png",
+        "figures.json",
         "per_leaf.png",
         "perf_table.md",
         "save_restore.png",
@@ -101,7 +114,7 @@ def test_charts_and_tables_from_reports(tmp_path):
         assert label in table, (label, table)
     assert "To be measured" in (out / "accelerator_table.md").read_text()
     first = (out / "save_restore.png").read_bytes()
-    plots.main(["--bench-out", str(bench_out), "--out", str(out)])
+    plots.main(["--results", str(bench_out), "--out", str(out)])
     assert (out / "save_restore.png").read_bytes() == first, "a redrawn chart differs: a timestamp in it?"
 
 
@@ -120,10 +133,10 @@ def test_accelerator_report_fills_the_table_and_its_chart(tmp_path):
             }
         )
     )
-    written = plots.main(["--bench-out", str(bench_out), "--out", str(out)])
-    assert sorted(p.name for p in written) == ["accelerator.png", "accelerator_table.md"]
+    written = plots.main(["--results", str(bench_out), "--out", str(out)])
+    assert sorted(p.name for p in written) == ["accelerator.png", "accelerator_table.md", "figures.json"]
     table = (out / "accelerator_table.md").read_text()
-    assert "| flax_ckpt async save | 0.012 | 2 |" in table and "TPU v5 lite" in table, table
+    assert "| flax_ckpt async save | 0.012 | 2 |" in table and "one TPU v5e chip" in table, table
     assert (out / "accelerator.png").read_bytes().startswith(PNG)
 
 
@@ -145,11 +158,41 @@ def test_bench_accelerators_own_report_gives_medians_in_ms(tmp_path):
             }
         )
     )
-    written = plots.main(["--bench-out", str(bench_out), "--out", str(out)])
-    assert sorted(p.name for p in written) == ["accelerator.png", "accelerator_table.md"]
+    written = plots.main(["--results", str(bench_out), "--out", str(out)])
+    assert sorted(p.name for p in written) == ["accelerator.png", "accelerator_table.md", "figures.json"]
     table = (out / "accelerator_table.md").read_text()
-    assert "| fc-async | 2 | - | 2e+03 |" in table and "| fc-save | - | 1.5e+03 | - |" in table, table
-    assert "TPU v5 lite" in table, table
+    assert "| flax_ckpt async save | 2 ms | - | 2 s |" in table, table
+    assert "| flax_ckpt save | - | 1.5 s | - |" in table, table
+    assert "one TPU v5e chip" in table and "1 x tpu" not in table and "fc-async" not in table, table
+
+
+def test_charts_draw_every_round_and_no_negative_overhead(tmp_path):
+    """The frequency chart labels an overhead whose rounds straddle zero as noise, never as a negative
+    cost; every chart says what its bars are (medians of how many rounds), the run and the machine; the
+    accelerator chart speaks users' words, not the benchmark's contender names."""
+    plots, bench_out, out = _plots(), tmp_path / "bench_out", tmp_path / "static"
+    _reports(bench_out)
+    (bench_out / "accelerator-20260102-030405.json").write_text(
+        json.dumps(
+            {
+                "machine": dict(MACHINE, devices="1 x tpu TPU v5 lite"),
+                "args": {"parts": "table", "rounds": 3},
+                "table": {"device-copy": [0.005, 0.004, 0.006], "fc-async": [0.002, 0.003, 0.001]},
+            }
+        )
+    )
+    plots.main(["--results", str(bench_out), "--out", str(out), "--svg"])
+    svg = {p.stem: p.read_text() for p in out.glob("*.svg")}
+    assert sorted(svg) == ["accelerator", "every_step", "per_leaf", "save_restore"], sorted(svg)
+    every = svg["every_step"]
+    assert "noise" in every and "+200%" in every and "+7%" in every, "medians and the noise label"
+    assert not re.search(r">\s*-\d+%", every), "a negative overhead drawn as a result"
+    for name, text in svg.items():
+        assert re.search(r"medians of \d+ (short )?(interleaved )?rounds", text), name
+        assert "dots: each round" in text and ("2 shared CPUs" in text or "TPU v5e" in text), name
+    assert "flax_ckpt async save" in svg["accelerator"] and "one TPU v5e chip" in svg["accelerator"]
+    assert "fc-async" not in svg["accelerator"] and "1 x tpu" not in svg["accelerator"]
+    assert "blocked_ms" not in svg["accelerator"]
 
 
 def test_the_committed_charts_are_the_ones_the_pages_show():

@@ -82,7 +82,7 @@ def test_reader_follows_a_live_writer_that_is_killed(ckpt_dir, fmt):
     restore fails (a step deleted while read is followed by the newest one)."""
     writer = _writer(ckpt_dir, fmt)
     reader = fc.CheckpointManager(ckpt_dir, read_only=True)
-    restored, kills, deadline = [], 0, time.monotonic() + 60
+    restored, kills, deadline = [], 0, time.monotonic() + 300  # a hang: 3 rounds take seconds when idle
     try:
         while reader.latest_step() is None and time.monotonic() < deadline:
             time.sleep(0.01)  # the writer's first step
@@ -104,7 +104,7 @@ def test_reader_follows_a_live_writer_that_is_killed(ckpt_dir, fmt):
         writer.wait(timeout=30)
         writer.stdout.close()
         reader.close()
-    assert kills == 3, f"only {kills} kills in 60 s ({len(restored)} restores)"
+    assert kills == 3, f"only {kills} kills in 300 s ({len(restored)} restores)"
     assert len(set(restored)) > 10 and restored == sorted(restored), restored
     assert reader.latest_step() is not None
 

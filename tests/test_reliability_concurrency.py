@@ -13,11 +13,11 @@ from reliability_trials import Tally, reader_trial, thread_saves_trial
 from reliability_worker import Zygote
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(400)
 def test_reader_during_commits_and_retention_sees_only_whole_steps(tmp_path):
     tally = Tally("reader")
     with Zygote() as z:
-        reader_trial(z, str(tmp_path / "ckpts"), 6.0, tally)
+        reader_trial(z, str(tmp_path / "ckpts"), 6.0, tally, restores=10)  # 6 s, then 10 restores
     assert tally.counts["exact"] == tally.trials, "\n".join(tally.failures)
     assert tally.notes["second manager refused"] == 1
     assert tally.notes["restored while committing"] >= 10, tally.notes

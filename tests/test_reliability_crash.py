@@ -48,6 +48,20 @@ def test_sigkill_of_saves_through_a_memory_tier_loses_nothing(zygote, tmp_path):
     assert run.reported, "the savers committed nothing before the kills"
 
 
+@pytest.mark.timeout(300)
+def test_sigkill_of_saves_that_share_bytes_never_frees_what_a_kept_step_needs(zygote, tmp_path):
+    """Savers of a state whose parts change at different rates (later steps share the bytes of earlier
+    ones, retired by retention): after every kill each step restores bit-exact, retired folders are
+    never read and at most one is referred to by no step (a kill between a removal and its sweep)."""
+    rng, run = random.Random(11), CrashRun(str(tmp_path / "ckpts"), state="shared")
+    for i in range(max(3, DEFAULT_KILLS // 2)):
+        outcome = crash_trial(zygote, run, rng, "raw")
+        assert outcome.ok, f"kill {i + 1}: {outcome.kind}: {outcome.detail}"
+    assert len(run.reported) >= 3, "the savers committed too little for the kills to test anything"
+    manifests = [p for p in (tmp_path / "ckpts").glob("*/manifest.json")]
+    assert any('"shared"' in p.read_text() for p in manifests), "no step shared bytes: nothing was tested"
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 @pytest.mark.skipif(

@@ -24,7 +24,7 @@ import pytest
 import flax_ckpt as fc
 from flax_ckpt._src.storage import ObjectStoreOptions, open_storage
 from flax_ckpt._src.storage import endpoints as endpoints_mod
-from helpers import HOST, free_port, worker_env
+from helpers import HOST, Within, free_port, worker_env
 
 ABSL_LINE = re.compile(
     r"^[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ ", re.M
@@ -65,29 +65,28 @@ def child_env(tmp_path, endpoint: str) -> dict[str, str]:
     return dict(env, HOME=str(home), AWS_ENDPOINT_URL=endpoint, AWS_EC2_METADATA_DISABLED="true")
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("kind", ["refused", "unresolvable"])
 def test_unreachable_endpoint_fails_fast_and_quietly_in_a_real_process(tmp_path, kind):
     endpoint = f"http://{HOST}:{free_port()}" if kind == "refused" else "http://nosuchhost.invalid:9000"
     env = child_env(tmp_path, endpoint)
-    t0 = time.perf_counter()
-    try:
-        done = subprocess.run(
-            [sys.executable, "-c", _CHILD, "s3://bucket/prefix"],
-            env=env,
-            cwd=tmp_path,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-    except subprocess.TimeoutExpired as e:
-        stderr = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else e.stderr
-        pytest.fail(f"no error within {e.timeout:.0f} s (the retries ran)\nstderr: {stderr}")
+    with Within(45, "three operations and the interpreter's start") as limit:
+        try:
+            done = subprocess.run(
+                [sys.executable, "-c", _CHILD, "s3://bucket/prefix"],
+                env=env,
+                cwd=tmp_path,
+                capture_output=True,
+                text=True,
+                timeout=240,
+            )
+        except subprocess.TimeoutExpired as e:
+            stderr = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else e.stderr
+            pytest.fail(f"no error within {e.timeout:.0f} s (the retries ran)\nstderr: {stderr}")
     assert done.returncode == 0, done.stderr
-    assert time.perf_counter() - t0 < 45  # three operations and the interpreter's start, on a busy machine
     for r in json.loads(done.stdout.strip().splitlines()[-1]):
         assert r["error"] == "StorageError" and r["checkpoint_error"], r
-        assert r["seconds"] < FAST_S, r
+        limit.check(r["seconds"], FAST_S, f"the child's {r['op']}")
         assert endpoint in r["message"] and "s3://bucket/prefix" in r["message"], r
         assert "Start the server, or fix the endpoint" in r["message"], r
         assert "environment variable AWS_ENDPOINT_URL" in r["message"], r
@@ -105,20 +104,18 @@ def test_refused_endpoint_from_options_names_its_source(monkeypatch):
             endpoint=endpoint, access_key_id="x", secret_access_key="y", max_attempts=10
         ),
     )
-    t0 = time.perf_counter()
-    with pytest.raises(fc.StorageError, match="refused the connection") as err:
-        storage.list()
-    assert time.perf_counter() - t0 < FAST_S
+    with Within(FAST_S, "a list from a refused endpoint"):
+        with pytest.raises(fc.StorageError, match="refused the connection") as err:
+            storage.list()
     assert endpoint in str(err.value) and "ObjectStoreOptions.endpoint" in str(err.value)
     assert str(err.value).startswith("s3://bucket/p: ")  # not wrapped again as "list of ... failed"
 
 
 def test_a_name_no_resolver_accepts_fails_fast():
     endpoint = f"http://{'a' * 64}.example:9000"  # a label over 63 characters: not a valid host name
-    t0 = time.perf_counter()
-    with pytest.raises(fc.StorageError, match="does not resolve"):
-        endpoints_mod.check_endpoint(endpoint, "s3://bucket/p")
-    assert time.perf_counter() - t0 < FAST_S
+    with Within(FAST_S, "the check of a name no resolver accepts"):
+        with pytest.raises(fc.StorageError, match="does not resolve"):
+            endpoints_mod.check_endpoint(endpoint, "s3://bucket/p")
 
 
 class Listener:

@@ -182,7 +182,7 @@ def test_a_due_migration_is_put_off_while_the_previous_one_runs(tmp_path, monkey
     )
     try:
         assert mgr.save(1, _state(1))
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 120  # progress: two memory saves (a hang if the writer waits)
         for step in (2, 3):  # each due; the migration of step 1 still runs: neither waits for it
             while not mgr.save(step, _state(step)):
                 assert time.monotonic() < deadline, (

@@ -125,7 +125,9 @@ def restore(
     Args:
       path: the checkpoint's folder (as for ``fc.save``), native or Orbax.
       target: a pytree of arrays or ``jax.ShapeDtypeStruct`` giving structure, dtypes and placement;
-        None restores nested dicts/lists of numpy arrays.
+        None restores nested dicts/lists of numpy arrays, Python scalars and strings, except typed
+        PRNG keys (``jax.random.key``), which come back as typed key arrays (``jax.Array``: numpy
+        refuses them; ``jax.random.key_data(key)`` gives their uint32 words).
       shardings: one sharding, or a tree of them, overriding the target's placement.
       partial: the older name of ``unexpected="ignore"``.
       rename: ordered (regex, replacement) pairs or a dict of them, matched against each checkpoint

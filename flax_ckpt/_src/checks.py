@@ -25,17 +25,19 @@ from flax_ckpt._src.errors import CheckpointError, InvalidManifestError
 MANIFEST = (
     "manifest.json"  # the native layout's commit record (native/manifest.py): no stored location names it
 )
-MAX_MANIFEST_BYTES = 256 << 20  # the largest sealed document read (a manifest, a process's part of one)
+MAX_MANIFEST_BYTES = 256 << 20  # the largest sealed document or Orbax JSON file read, and so written (a
+#                                  manifest, a process's part of one, a memory-tier index, Orbax _METADATA);
+#                                  read as checks.MAX_MANIFEST_BYTES wherever used, so one value binds both
 MAX_NDIM = 64  # numpy's own limit
 MAX_ARRAY_BYTES = 1 << 50  # more than any array a checkpoint holds
 
 
-def seal(body: dict[str, Any], *, name: str, version: int) -> bytes:
+def seal(body: dict[str, Any], *, name: str, version: int, what: str = "manifest") -> bytes:
     """A JSON document whose body is covered by a crc32c: ``{"format", "version", "crc32c", "body"}``,
     the body written canonically (sorted keys, no spaces) last, so that a reader finds and checks its
     bytes without parsing twice. One codec for every checksummed JSON file flax_ckpt writes (the
     manifest, the memory tiers' indexes)."""
-    return seal_text(canonical(body), name=name, version=version)
+    return seal_text(canonical(body), name=name, version=version, what=what)
 
 
 def canonical(value: Any) -> str:
@@ -43,11 +45,24 @@ def canonical(value: Any) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"))
 
 
-def seal_text(canon: str, *, name: str, version: int) -> bytes:
+def seal_text(canon: str, *, name: str, version: int, what: str = "manifest") -> bytes:
     """``seal`` of a body given as its canonical text (``canonical(body)``), for a writer that builds
     that text from parts it keeps (the memory tiers' index of a full copy, tiers/encode.py)."""
     head = {"format": name, "version": version, "crc32c": crc32c.crc32c(canon.encode())}
-    return (json.dumps(head)[:-1] + _BODY + canon + "}\n").encode()
+    return check_written((json.dumps(head)[:-1] + _BODY + canon + "}\n").encode(), what)
+
+
+def check_written(raw: bytes, what: str) -> bytes:
+    """``raw``, a document about to be written, unless restore would refuse to read it back (more
+    than MAX_MANIFEST_BYTES): then a CheckpointError, before anything is committed."""
+    if len(raw) > MAX_MANIFEST_BYTES:
+        raise CheckpointError(
+            f"cannot save: its {what} would hold {len(raw)} bytes, more than the {MAX_MANIFEST_BYTES} "
+            "that restore reads, so the checkpoint could never be restored; nothing was committed. "
+            "Save fewer leaves (e.g. stack per-layer arrays into one), shorter key paths, or fewer "
+            "chunks per leaf"
+        )
+    return raw
 
 
 _BODY = ', "body": '
@@ -61,11 +76,12 @@ def unseal(
     where: str,
     what: str = "manifest",
     error: type[CheckpointError] = InvalidManifestError,
-    max_bytes: int = 256 << 20,
+    max_bytes: int | None = None,
 ) -> dict[str, Any]:
     """The verified body of a sealed document; ``error`` (naming ``where``) when it is not valid JSON,
     not of format ``name``/``version``, or its body's checksum does not match."""
     raw = bytes(raw)
+    max_bytes = MAX_MANIFEST_BYTES if max_bytes is None else max_bytes
     if len(raw) > max_bytes:
         raise error(f"{where}: {what} of {len(raw)} bytes exceeds {max_bytes}")
     doc, crc = _fast_parse(raw)

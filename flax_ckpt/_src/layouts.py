@@ -16,6 +16,7 @@ native steps through the native layout.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from dataclasses import dataclass
 from typing import Any, Protocol, overload
@@ -172,6 +173,19 @@ class StepFolder:
     step: int
     name: str
     layout: Layout
+    clash: tuple[
+        str, ...
+    ] = ()  # every folder whose name stands for this step (``10``, ``00010``), if several
+
+    def ambiguity(self, where: str) -> str | None:
+        """Why this step is no step of the run (None when it is one): several folders name its number."""
+        if not self.clash:
+            return None
+        return (
+            f"ambiguous step {self.step}: the folders {' and '.join(self.clash)} of {where} all stand for it "
+            "and which one holds the step is unknown, so none is restored, kept, pruned or verified as "
+            "it. Keep one: move the others out of the run directory (or delete them)"
+        )
 
 
 def step_folders(
@@ -197,7 +211,20 @@ def step_folders(
     if files:
         names = {f.name for f in found}
         found += [StepFolder(s, n, fmt) for s, n, fmt in foreign.step_files(root) if n not in names]
-    return sorted(found, key=lambda f: f.step), temporary
+    clashes = _clashes(entries)
+    found = [dataclasses.replace(f, clash=clashes[f.name]) if f.name in clashes else f for f in found]
+    return sorted(found, key=lambda f: (f.step, f.name)), temporary
+
+
+def _clashes(entries: list[str]) -> dict[str, tuple[str, ...]]:
+    """{name: every name of its step} of the step folder names of ``entries`` that stand for one step
+    number with one prefix (``10`` and ``00010``; Orbax's ``ckpt_10`` and ``ckpt_010``), by name alone."""
+    groups: dict[tuple[str | None, int], list[str]] = {}
+    for entry in entries:
+        m = orbax_locate.step_parts(entry)
+        if m is not None and not commit_mod.is_temporary(entry):
+            groups.setdefault(m, []).append(entry)
+    return {n: tuple(sorted(names)) for names in groups.values() if len(names) > 1 for n in names}
 
 
 def run_format(

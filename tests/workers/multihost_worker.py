@@ -8,6 +8,7 @@ jax.distributed job on 127.0.0.1 (gloo collectives); it writes what it saw to
   part      step 2's save with process 1's part record damaged before process 0 reads it
   lagging   process 1's listing of the directory hides step 2 (an object store's lagging view)
   auto      save_interval_steps="auto" with a different step time per process
+  compile-cache  a sharded program compiled with the run's compilation cache (fc.use_compilation_cache)
   kill-save / kill-restore / hang-save / hang-restore: process 0 (the coordinator) is SIGKILLed, or its
             program hangs (the coordination service in it still runs), in its save of step 2 or in
             its restore's vote
@@ -89,6 +90,23 @@ def mode_save(cfg: dict, n: int) -> dict:
             mgr.save(step, place(host_state(step, n), sh))
         mgr.wait_until_finished()
         return {"steps": mgr.all_steps()}
+
+
+def mode_share(cfg: dict, n: int) -> dict:
+    """Steps 1-3 of a state whose sharded leaf "f" never changes (max_to_keep=2: step 1 retired, its
+    bytes kept for steps 2 and 3); then a restore of step 3 on every process."""
+    sh = dict(shardings(n), f=shardings(n)["w"])
+    frozen = np.random.default_rng(99).standard_normal((ROWS * n, 4096)).astype(np.float32)
+    with manager(cfg, max_to_keep=2) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, place(dict(host_state(step, n), f=frozen), sh))
+        mgr.wait_until_finished()
+        tgt = dict(target(n), f=jax.ShapeDtypeStruct(frozen.shape, frozen.dtype, sharding=sh["f"]))
+        got = mgr.restore(target=tgt)
+    ok = all(
+        np.asarray(s.data).tobytes() == frozen[s.index].tobytes() for s in got.pop("f").addressable_shards
+    )
+    return {"steps": mgr.all_steps(), "exact": ok and exact(got, 3, n)}
 
 
 def mode_restore(cfg: dict, n: int) -> dict:
@@ -206,9 +224,22 @@ def mode_coordinator(cfg: dict, n: int) -> dict:
     return out
 
 
+def mode_compile_cache(cfg: dict, n: int) -> dict:
+    """A sharded program (a sum across the processes) compiled with the run's compilation cache on."""
+    cache = fc.use_compilation_cache(os.path.join(cfg["dir"], "compile_cache"))
+    assert cache is not None
+    sh = shardings(n)
+    x = place(host_state(1, n), sh)
+    total = jax.jit(lambda t: (t["w"] * 2.0).sum() + t["b"].sum())(x)
+    info = cache.info()
+    return {"total": float(total), "hits": info.hits, "misses": info.misses, "writes": info.writes}
+
+
 MODES = {
+    "compile-cache": mode_compile_cache,
     "save": mode_save,
     "restore": mode_restore,
+    "share": mode_share,
     "part": mode_part,
     "lagging": mode_lagging,
     "auto": mode_auto,

@@ -18,6 +18,7 @@ import errno
 import logging
 import os
 import re
+import stat
 import uuid
 from typing import Callable, Sequence
 
@@ -142,13 +143,33 @@ def remove(parent: Storage, name: str, record: str, *, salvage: Callable[[str], 
         gone = f"{name}{DELETING_MARK}{uuid.uuid4().hex}"
         parent.rename(name, gone)
         parent.sync(tree=False)
+        assert parent.local_path is not None, "a storage that renames is a local folder"
+        path = os.path.join(parent.local_path, gone)
+        if not _real_folder(path, f"{parent.url.rstrip('/')}/{name}"):
+            os.unlink(path)  # a link (or a file) in the run's place: removed as such, never followed
+            return
         if salvage is not None:
-            assert parent.local_path is not None, "a storage that renames is a local folder"
-            salvage(os.path.join(parent.local_path, gone))
-        parent.delete(gone)
+            salvage(path)
+        parent.delete(gone)  # storage.delete: a link inside is unlinked, never followed (shutil.rmtree)
     else:
         parent.sub(name).delete(record)
         parent.delete(name)
+
+
+def _real_folder(path: str, shown: str) -> bool:
+    """Whether ``path`` (a step just un-committed) is a folder of its own, not a symbolic link to one
+    elsewhere: a link is removed as a link, its target left as it is (with a warning naming both)."""
+    st = os.lstat(path)
+    if stat.S_ISDIR(st.st_mode):
+        return True
+    target = os.readlink(path) if stat.S_ISLNK(st.st_mode) else None
+    log.warning(
+        "%s was %s; removed it as such, without reading, moving or deleting anything it points to%s",
+        shown,
+        f"a symbolic link to {target}" if target is not None else "not a folder",
+        f" ({target} is left as it was: delete it yourself if it is no longer needed)" if target else "",
+    )
+    return False
 
 
 def commit_file(folder: Storage, name: str, write: Callable[[str], None], *, replace: bool) -> None:

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import crc32c
 
-from flax_ckpt._src.checks import MAX_MANIFEST_BYTES
+from flax_ckpt._src import checks
 from flax_ckpt._src.errors import DistributedError
 from flax_ckpt._src.lazy import lazy
 from flax_ckpt._src.serializers import Written, intersect
@@ -353,7 +353,7 @@ class SaveRound:
         return msgs
 
     def _read_part(self, stage: Storage, j: int, msg: dict[str, Any], digest: str) -> Written:
-        raw = stage.read(msg["part"], MAX_MANIFEST_BYTES)
+        raw = stage.read(msg["part"], checks.MAX_MANIFEST_BYTES)
         if len(raw) != msg["nbytes"] or crc32c.crc32c(raw) != msg["crc32c"]:
             raise DistributedError(
                 f"save of {self.where}: process {j}'s chunk records "

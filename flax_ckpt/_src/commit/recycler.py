@@ -10,8 +10,9 @@ allocation, freeing or discards; benchmarks/README.md, "Figures from the module 
 manager saving often with
 ``max_to_keep`` removes one step at each save; its data files become the next save's.
 
-Safety: the files are moved (renamed, never copied) from the un-committed folder of the removed step
-into one private folder of the run's directory, named as an interrupted deletion
+Safety: the files are moved (renamed, never copied) from the un-committed folder of the removed step,
+reached without following a symbolic link (a step folder or ``data/`` that is a link to a folder
+elsewhere is never taken from: commit/atomic.py removes it as a link), into one private folder of the run's directory, named as an interrupted deletion
 (``<step>.deleting-<uuid hex>``), which the next manager to open the directory removes if a crash left
 it; ``close`` removes it otherwise. A recycled file is taken only as the very file put there (device
 and inode), a regular file of this user with one link, opened without following a symlink or blocking
@@ -53,7 +54,16 @@ class Recycler:
     def retire(self, gone: str) -> None:
         """Keeps the data files of ``gone`` (a removed step's un-committed folder, about to be deleted),
         in place of those kept before."""
-        data = os.path.join(gone, "data")
+        data = _open_folder(gone)  # never through a link: a linked step or data/ keeps its files
+        if data is None:
+            return
+        try:
+            self._take_from(data, os.path.basename(gone))
+        finally:
+            os.close(data)
+
+    def _take_from(self, data: int, retired: str) -> None:
+        """Moves the usable data files of the folder ``data`` (a descriptor) into the private folder."""
         try:
             names = sorted(n for n in os.listdir(data) if n.endswith(".bin"))
         except OSError:
@@ -61,16 +71,15 @@ class Recycler:
         with self._mutex:
             self._clear()
             for name in names:
-                path = os.path.join(data, name)
                 try:
-                    st = os.lstat(path)
+                    st = os.stat(name, dir_fd=data, follow_symlinks=False)
                     if not _usable(st):
                         continue
                     if self._fd is None:
-                        self._make(os.path.basename(gone))
+                        self._make(retired)
                     key = f"{self._count}.bin"
                     self._count += 1
-                    os.rename(path, key, dst_dir_fd=self._fd)
+                    os.rename(name, key, src_dir_fd=data, dst_dir_fd=self._fd)
                     self._files[key] = (st.st_dev, st.st_ino, st.st_size)
                 except OSError:
                     self._forget()
@@ -141,6 +150,23 @@ class Recycler:
         except OSError:
             pass
         self._folder = None
+
+
+def _open_folder(gone: str) -> int | None:
+    """A descriptor of ``gone/data``, each opened without following a symbolic link (a step folder or
+    data folder that is a link reaches files outside the run: those are never moved); None if either
+    is not a folder of its own."""
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        step = os.open(gone, flags)
+    except OSError:
+        return None
+    try:
+        return os.open("data", flags, dir_fd=step)
+    except OSError:
+        return None
+    finally:
+        os.close(step)
 
 
 def _remove(name: str, dir_fd: int | None) -> None:

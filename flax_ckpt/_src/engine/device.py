@@ -74,8 +74,12 @@ def _budget_env() -> int | None:
         return None
     try:
         n = int(float(v))
-    except ValueError:
-        raise ValueError(f"FLAX_CKPT_DEVICE_BUDGET={v!r}: give a number of bytes") from None
+    except (ValueError, OverflowError):  # "abc", "nan"; "inf" (no int holds it)
+        raise ValueError(
+            f"FLAX_CKPT_DEVICE_BUDGET={v!r}: give a finite number of bytes each device may give one "
+            "save's copies (e.g. 2e9), 0 to copy to host at once, or unset it to use what the devices "
+            "report (FLAX_CKPT_DEVICE_SNAPSHOT=always copies every leaf that fits)"
+        ) from None
     return max(0, n)
 
 
@@ -126,6 +130,7 @@ class Choice:
     device_bytes: int
     host_bytes: int
     ready: bool = False  # every array was found computed already
+    cpu: bool = False  # every array lies on CPU devices ("auto" copies them to host once, never on them)
 
 
 def _jax_parts(x: jax.Array, whole: bool) -> list[tuple[Any, Any]]:
@@ -144,7 +149,7 @@ def choose(arrays: Sequence[tuple[int, jax.Array, bool, bool]]) -> tuple[set[int
     if m == "never" or not arrays:
         return set(), Choice("host", 0, total, ready=not arrays)
     if m == "auto" and all(cpu for *_, cpu in arrays):  # a CPU state: copied to host once, never on the
-        return set(), Choice("host", 0, total, ready=all(is_ready(x) for _, x, _, _ in arrays))  # device
+        return set(), Choice("host", 0, total, all(is_ready(x) for _, x, _, _ in arrays), cpu=True)  # device
     room: dict[int, int | None] = {}
     chosen: set[int] = set()
     dev_bytes = 0
@@ -220,11 +225,18 @@ def to_host(
         items = [(p, p.nbytes) for p in pending]
         return [np.asarray(p.dev) for p in paced(items, _start_transfer, WINDOW, hurry)], ready
     except Exception as e:
-        raise CheckpointError(
-            f"the computation that produced the saved state failed on the device ({type(e).__name__}: "
-            f"{str(e).splitlines()[0] if str(e) else ''}); nothing of this step was written. Earlier steps "
-            "are intact; the cause is attached"
-        ) from e
+        raise failed(e) from e
+
+
+def failed(e: BaseException) -> CheckpointError:
+    """The error of a save whose state's computation failed on the device (``e``: an XLA error of the
+    training step, raised where the state is waited for or copied), to be raised from ``e``."""
+    return CheckpointError(
+        f"the computation that produced the saved state failed on the device ({type(e).__name__}: "
+        f"{str(e).splitlines()[0] if str(e) else ''}); nothing of this step was written. Earlier steps "
+        "are intact; the cause is attached. Fix the training step (a smaller batch for an out-of-memory "
+        "error) and save the state it returns"
+    )
 
 
 def _start_transfer(p: Pending) -> None:
@@ -275,19 +287,22 @@ def tell(choice: Choice) -> None:
         return
     _told.add(choice.mode)
     mb = lambda n: f"{n / 2**20:.1f} MiB"  # noqa: E731
-    what = {
-        "device": "on the devices' streams (save returns before the step and the transfer end)",
-        "split": "partly on the devices, within their free memory; the rest copied to host before save "
-        "returns",
-        "host": "to host before save returns (FLAX_CKPT_DEVICE_SNAPSHOT, a CPU state, or no free "
-        "device memory)",
-    }[choice.mode]
-    log.info(
-        "snapshots are taken %s: %s on device, %s to host",
-        what,
-        mb(choice.device_bytes),
-        mb(choice.host_bytes),
-    )
+    if choice.mode == "device":
+        text = f"saves copy the state ({mb(choice.device_bytes)}) on its devices and return at once"
+    elif choice.mode == "split":
+        text = (
+            f"the devices have room for part of the state: saves copy {mb(choice.device_bytes)} on them "
+            f"and {mb(choice.host_bytes)} to host memory before returning"
+        )
+    elif choice.device_bytes + choice.host_bytes == 0 or choice.ready or choice.cpu:
+        log.debug("saves copy the state (%s) to host memory before returning", mb(choice.host_bytes))
+        return  # a CPU state: the one host copy is all a save can do, nothing to tell
+    else:
+        text = (
+            f"saves copy the state ({mb(choice.host_bytes)}) to host memory before returning: no device "
+            "memory to spare, or FLAX_CKPT_DEVICE_SNAPSHOT=never"
+        )
+    log.info("%s (the Accelerators guide says why)", text)
 
 
 __all__ = [

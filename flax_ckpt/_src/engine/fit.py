@@ -127,6 +127,7 @@ class RestoreReport:
     ``restored``: target leaves read from the checkpoint; ``kept``: target leaves the checkpoint lacks,
     which kept the target's values (torch's ``missing_keys``); ``ignored``: checkpoint leaves not
     restored, because the target lacks them or a rename dropped them (``unexpected_keys``);
+    ``dropped``: those of ``ignored`` that a rename rule dropped (replacement None);
     ``renamed``: (checkpoint key path, target key path) pairs; ``cast``: target leaves converted
     from the saved dtype."""
 
@@ -135,22 +136,26 @@ class RestoreReport:
     ignored: tuple[str, ...] = ()
     renamed: tuple[tuple[str, str], ...] = ()
     cast: tuple[str, ...] = ()
+    dropped: tuple[str, ...] = ()
 
     def summary(self) -> str:
-        """One line: 'restored 192 leaves (12 renamed, 192 cast); kept 4 the checkpoint lacks; ignored 3'."""
+        """One line: 'restored 192 leaves (12 renamed, 192 cast); kept 4 the checkpoint lacks: ...;
+        ignored 2 a rename dropped: ...; ignored 3 the target lacks: ...'."""
         extra = [f"{len(v)} {k}" for k, v in (("renamed", self.renamed), ("cast", self.cast)) if v]
+        dropped = set(self.dropped)
+        lacks = [n for n in self.ignored if n not in dropped]
+        parts = [
+            (self.kept, "kept {} the checkpoint lacks"),
+            (self.dropped, "ignored {} a rename dropped"),
+            (lacks, "ignored {} the target lacks"),
+        ]
         return (
             f"restored {len(self.restored)} leaves"
             + (f" ({', '.join(extra)})" if extra else "")
-            + (
-                f"; kept {len(self.kept)} the checkpoint lacks: {format_list(list(self.kept), 5)}"
-                if self.kept
-                else ""
-            )
-            + (
-                f"; ignored {len(self.ignored)} the target lacks: {format_list(list(self.ignored), 5)}"
-                if self.ignored
-                else ""
+            + "".join(
+                f"; {what.format(len(names))}: {format_list(list(names), 5)}"
+                for names, what in parts
+                if names
             )
         )
 

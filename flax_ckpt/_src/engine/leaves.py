@@ -176,6 +176,7 @@ def fit_target(
             (ren.origin[n], n) for n, leaf in zip(names, chosen) if leaf is not None and n in ren.origin
         ),
         cast=tuple(n for n, leaf in zip(names, chosen) if leaf is not None and leaf.name in casts),
+        dropped=_in_order(saved, set(ren.dropped)),
     )
     return Fitted(chosen, casts, report)
 

@@ -93,6 +93,7 @@ def _restore_untargeted(source: Source, fit: Fit, shardings: Any) -> tuple[Any, 
     return tree, RestoreReport(
         restored=tuple(ren.by_name),
         ignored=tuple(ren.dropped),
+        dropped=tuple(ren.dropped),
         renamed=tuple((o, n) for n, o in ren.origin.items()),
     )
 

@@ -409,7 +409,19 @@ def learned(flat: tree_mod.Flat, only: Sequence[int]) -> list[_Learned]:
 
 
 @gc_paused()
-def snapshot(
+def snapshot(tree: Any, **options: Any) -> Snapshot:
+    """``_snapshot(tree, **options)`` (its docstring says what it does), where a leaf whose
+    computation failed on the device (an XLA runtime error of the training step, met when the state is
+    waited for or copied to host) is a CheckpointError saying so, its cause attached."""
+    try:
+        return _snapshot(tree, **options)
+    except getattr(jax.errors, "JaxRuntimeError", RuntimeError) as e:
+        if isinstance(e, CheckpointError):
+            raise
+        raise device.failed(e) from e
+
+
+def _snapshot(
     tree: Any,
     *,
     copy: bool = True,

@@ -3,7 +3,7 @@
 Scope: ``CheckpointFile`` (a regular file opened without blocking: a FIFO, device or socket is refused
 before anything is read; a file found by listing a run directory is never a symlink; a file that
 changes while it is read is an error, never a mix of two versions: its identity is checked before and
-after every read, and a file modified lately is read twice), the step a file name gives
+after every read, and every read is read twice and compared, whatever its timestamps say), the step a file name gives
 (``step_of``: ``checkpoint_<step>``, ``<prefix>_<step>`` or ``<step>``), and ``FileSource``, the part
 of a restore Source every foreign file shares (no checksums: every leaf is unverified). Decoding a
 format is its own module's (flax_msgpack.py, safetensors_file.py).
@@ -30,13 +30,21 @@ from flax_ckpt._src.storage.local import open_regular
 _STEP_NAME = re.compile(r"(?:.+_)?([0-9]+)")  # ASCII digits only, as orbax/locate.py's step folder names
 
 
-SETTLE_S = 10  # a file modified this recently is read twice (CheckpointFile)
-QUIET_S = 0.5  # ... and must then have been left alone this long since its last change (CheckpointFile)
+SETTLE_S = 10  # a file modified this recently (or stamped in the future) must have been left alone ...
+QUIET_S = 0.5  # ... this long since its last change (CheckpointFile)
 _AGAIN = 4 << 20  # bytes compared at a time
 
 
 def _identity(st: os.stat_result) -> tuple[int, ...]:
     return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
+
+
+def _same_bytes(a: memoryview, b: memoryview) -> bool:
+    """Whether ``a`` and ``b`` (of one length) hold the same bytes: compared 8 at a time, then the rest."""
+    whole = len(a) // 8 * 8
+    return np.array_equal(np.frombuffer(a[:whole], np.uint64), np.frombuffer(b[:whole], np.uint64)) and bytes(
+        a[whole:]
+    ) == bytes(b[whole:])
 
 
 def step_of(name: str) -> int | None:
@@ -50,9 +58,11 @@ class CheckpointFile:
     """A regular file, opened once to learn its identity (device, inode, size, mtime); every later read
     reopens it, refuses a file that is no longer the same one (replaced or rewritten meanwhile), and
     checks the same after reading, so that a write while it reads is an error, never a mix of two
-    versions. A write that had begun before the file was opened changes nothing it could see: a file
-    modified within the last SETTLE_S seconds is read twice and the two compared (these formats carry
-    no checksum), and is accepted only once it has been left alone for QUIET_S seconds. ``follow``:
+    versions. Every read is also read a second time and the two compared, byte for byte (these formats
+    carry no checksum): a write that had begun before the file was opened changes no identity it could
+    see, and a file server's timestamps may be cached, coarse or set by a clock ahead of this one, so
+    nothing here depends on them. A file whose last change is under SETTLE_S seconds old by this
+    host's clock, or in its future, is accepted only once that change is QUIET_S seconds old. ``follow``:
     follow a symlink at ``path`` (a file the user names, e.g. a Hugging Face
     cache link); False for a file found by listing a run directory, where a link could lead out of it."""
 
@@ -65,7 +75,7 @@ class CheckpointFile:
             os.close(fd)
         self.size, self.mtime = st.st_size, st.st_mtime
         self._identity = _identity(st)
-        self._recent = abs(time.time_ns() - max(st.st_mtime_ns, st.st_ctime_ns)) < SETTLE_S * 10**9
+        self._recent = time.time_ns() - max(st.st_mtime_ns, st.st_ctime_ns) < SETTLE_S * 10**9
 
     def _open(self) -> int:
         try:
@@ -104,8 +114,7 @@ class CheckpointFile:
         fd = self.open_same()
         try:
             self._pread(fd, offset, out)
-            if self._recent:
-                self._read_again(fd, offset, out)
+            self._read_again(fd, offset, out)  # by content: no clock, no cached attribute trusted
             self._same(fd)
             if self._recent:
                 self._quiet(fd)
@@ -134,15 +143,13 @@ class CheckpointFile:
             done += n
 
     def _read_again(self, fd: int, offset: int, out: memoryview) -> None:
-        """Reads the bytes of ``out`` again, a part at a time, and compares: a file modified recently
-        may be in the middle of a write that began before it was opened."""
+        """Reads the bytes of ``out`` again, a part at a time, and compares: the file may be in the
+        middle of a write that began before it was opened, unseen by its size and timestamps."""
         scratch = memoryview(bytearray(min(len(out), _AGAIN)))
         for at in range(0, len(out), _AGAIN):
             n = min(_AGAIN, len(out) - at)
             self._pread(fd, offset + at, scratch[:n])
-            if not np.array_equal(
-                np.frombuffer(scratch[:n], np.uint8), np.frombuffer(out[at : at + n], np.uint8)
-            ):
+            if not _same_bytes(scratch[:n], out[at : at + n]):
                 raise CorruptCheckpointError(
                     f"{self.path} changed while it was being read (bytes {offset + at} to "
                     f"{offset + at + n} differ when read again: it is being written); "

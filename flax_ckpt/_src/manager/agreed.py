@@ -21,6 +21,7 @@ from flax_ckpt._src.engine.reader import Source
 from flax_ckpt._src.errors import CheckpointError, CheckpointNotFoundError, error_class
 from flax_ckpt._src.manager.stats import RestoreStats
 from flax_ckpt._src.manager.steps import StepIndex
+from flax_ckpt._src.window import Window
 
 log = logging.getLogger("flax_ckpt")
 TargetOf = Callable[[Source], Any]  # the restore target for an opened step (restore's target_for)
@@ -49,7 +50,7 @@ class AgreedRestore:
     def __init__(self, steps: StepIndex, prefix: str, *, strict: bool):
         self._steps, self._prefix, self.strict = steps, prefix, strict
         self.directory = steps.directory
-        self.stats: list[RestoreStats] = []
+        self.stats: Window[RestoreStats] = Window()  # the newest restores, with totals
 
     def restore(
         self, step: int | None, target_of: TargetOf, shardings: Any, fit: Fit, item: str | None
@@ -68,8 +69,10 @@ class AgreedRestore:
 
         if step is not None:
             if step not in steps:
+                why = self._steps.ambiguity(step)
                 raise CheckpointNotFoundError(
                     f"no committed step {step} in {self.directory} (steps: {steps})"
+                    + (f": {why}" if why else "")
                 )
             return self._first_agreed([step], read, fallback=False)
         damaged = self._steps.newest_damaged()
@@ -91,10 +94,9 @@ class AgreedRestore:
         )
         self.stats.append(stats)
         log.info(
-            "restored step %d from %s (%s tier): %.1f MB in %.2f s",
+            "restored step %d from %s: %.1f MB in %.2f s",
             step,
             self.directory,
-            stats.tier,
             stats.nbytes / 1e6,
             stats.seconds,
         )

@@ -26,10 +26,13 @@ from flax_ckpt._src.errors import CheckpointError, CheckpointLockedError, Checkp
 from flax_ckpt._src.manager.agreed import DAMAGE, AgreedRestore, TargetOf
 from flax_ckpt._src.manager.stats import RestoreStats, SaveStats, publish
 from flax_ckpt._src.manager.steps import StepIndex
+from flax_ckpt._src.manager.vanishing import being_deleted
+from flax_ckpt._src.native import sharing
 from flax_ckpt._src.retention import Retention
 from flax_ckpt._src.storage import ObjectStoreOptions, Storage, open_storage
 from flax_ckpt._src.storage.lock import DirectoryLock
 from flax_ckpt._src.tiers.admission import Admission
+from flax_ckpt._src.window import Window
 
 log = logging.getLogger("flax_ckpt")
 
@@ -75,6 +78,8 @@ class Directory:
         if warning is not None:
             log.warning("%s", warning)
         self.layout: layouts.Layout = layouts.layout(self.format, serializer)
+        if not read_only and not tiered:  # native steps on a local folder share unchanged chunks
+            sharing.enable(self.layout, self.storage)
         self.recycler = None if read_only else self.layout.recycler(self.storage)
         self.index = StepIndex(self.storage, self.layout, self.prefix, serializer, self.recycler)
         self._restore = AgreedRestore(self.index, self.prefix, strict=strict)
@@ -82,8 +87,8 @@ class Directory:
         self.admission = Admission(
             on_busy, self._vote if distributed.process_count() > 1 else None, self._warn
         )
-        self.stats: list[SaveStats] = []
-        self.restore_stats: list[RestoreStats] = self._restore.stats
+        self.stats: Window[SaveStats] = Window()  # the newest saves, with totals
+        self.restore_stats: Window[RestoreStats] = self._restore.stats
         self._arena: Snapshot | None = None  # the last durable snapshot, refilled by the next one
         self._refill = False  # the snapshot in flight is a copy: its buffers serve the next one
         self._created = time.perf_counter()
@@ -226,6 +231,7 @@ class Directory:
         out = self._restore.restore(step, target_of, shardings, fit, item)
         if len(self.restore_stats) > restores:  # resumed the run: its steps up to this one are this run's
             self.index.resumed(self.restore_stats[-1].step)
+            sharing.resumed(self.layout, self.restore_stats[-1].step)
         return out
 
     def read(self, step: int, target_of: TargetOf, shardings: Any, fit: Fit) -> Any:
@@ -271,6 +277,8 @@ class Directory:
         that does not fit) and asked for (``step``) or strict; a CheckpointNotFoundError for a named
         step that was deleted meanwhile; else logged, and the next newest step is tried."""
         self.reload()
+        if s in self.index.steps() and type(e).__name__ in DAMAGE and self._going(s):
+            self.reload()  # its files go first (Orbax's deletion): once gone, it is not in the steps
         if s in self.index.steps():
             if step is not None or self.strict or type(e).__name__ not in DAMAGE:
                 raise e
@@ -294,6 +302,10 @@ class Directory:
                 s,
                 self.url,
             )
+
+    def _going(self, step: int) -> bool:
+        """Whether committed ``step``, which failed to read, is being deleted (manager/vanishing.py)."""
+        return being_deleted(self.storage, self.index.folder_name(step))
 
     # ---------------------------------------------------------------------------------- close
 

@@ -14,6 +14,8 @@ import atexit
 import contextlib
 import functools
 import logging
+import os
+import sys
 import threading
 import time
 import weakref
@@ -38,6 +40,7 @@ from flax_ckpt._src.storage import ObjectStoreOptions, Storage
 from flax_ckpt._src.tiers import Tiers
 from flax_ckpt._src.tiers.tierset import TierSet
 from flax_ckpt._src.tree import is_ready
+from flax_ckpt._src.window import Window
 
 if TYPE_CHECKING:  # the real modules for the type checker; at run time the lazy proxies
     import jax
@@ -155,6 +158,8 @@ class CheckpointManager:
         self._inflight: Any = None  # the on_host event of the snapshot given to the writer last (not the
         #   snapshot: its buffers are freed on the writer's thread when its job ends, never on the caller's)
         self._closed = False
+        self._pid = os.getpid()  # the process that opened it: the only one that saves, closes, deletes
+        self._busy = threading.RLock()  # one save (or close) at a time, whichever thread calls it
         try:
             self._directory = Directory(
                 directory,
@@ -183,8 +188,8 @@ class CheckpointManager:
             self._directory.format,
             self._directory.layout,
         )
-        self.stats: list[SaveStats] = self._directory.stats
-        self.restore_stats: list[RestoreStats] = self._directory.restore_stats
+        self.stats: Window[SaveStats] = self._directory.stats  # the newest 1000 saves, with totals
+        self.restore_stats: Window[RestoreStats] = self._directory.restore_stats
         _OPEN.add(self)
 
     # the options as given (each part holds its own)
@@ -213,6 +218,7 @@ class CheckpointManager:
         reloads by itself in ``all_steps``, ``latest_step``, ``restore`` and ``item_metadata``; a
         writing manager's own saves are in its view already (this waits for the one in flight). With
         several processes, a collective: every process adopts process 0's view."""
+        self._check_process("reload")
         if not self.read_only:
             self._writer.wait()
         self._directory.reload()
@@ -289,8 +295,9 @@ class CheckpointManager:
 
     @property
     def tier_stats(self) -> list[Any]:
-        """Per-save records of the memory tiers (bytes written, reused, seconds per phase); [] without tiers."""
-        return list(self._store.tier_stats)
+        """Per-save records of the memory tiers (bytes written, reused, seconds per phase), the newest
+        1000, with ``added`` and ``totals`` over all (a Window, as ``stats``); [] without tiers."""
+        return Window.copy(self._store.tier_stats) if isinstance(self._store.tier_stats, Window) else []
 
     def should_save(self, step: int) -> bool:
         """Whether ``save(step, ...)`` would save: the schedule has it and it is not saved already.
@@ -357,8 +364,7 @@ class CheckpointManager:
           ...     mgr.save(4, {"w": np.zeros(2)}), mgr.save(5, {"w": np.ones(2)})
           (False, True)
         """
-        if self._closed:
-            raise CheckpointError(f"CheckpointManager({self.directory}) is closed")
+        self._check_process("save")
         if self.read_only:
             raise CheckpointError(
                 f"CheckpointManager({self.directory}, read_only=True) does not save "
@@ -367,6 +373,13 @@ class CheckpointManager:
             )
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
+        _refuse_traced(state, step, self.directory)
+        with self._busy:  # threads saving through one manager: one save at a time, each step whole
+            if self._closed:
+                raise CheckpointError(f"CheckpointManager({self.directory}) is closed")
+            return self._save(step, state, metrics, force)
+
+    def _save(self, step: int, state: Any, metrics: dict[str, Any] | None, force: bool) -> bool:
         t0 = time.perf_counter()
         self._schedule.call_started(t0)
         try:
@@ -430,7 +443,10 @@ class CheckpointManager:
         on_host = self._inflight
         self._writer.settle(0.0)  # ends its grace: it starts now
         if device.copied_to_host(computing):  # the snapshot waits for the state anyway (a CPU state):
-            jax.block_until_ready(computing)  # wait for it once, not polling; on_busy decides after
+            try:  # wait for it once, not polling; on_busy decides after
+                jax.block_until_ready(computing)
+            except getattr(jax.errors, "JaxRuntimeError", RuntimeError) as e:  # the step failed
+                raise device.failed(e) from e
             return time.perf_counter() - t1
         while on_host is not None and not on_host.wait(_POLL_LONG) and self._writer.busy:
             pass  # its device copies are not done: the device is behind this state too
@@ -455,6 +471,7 @@ class CheckpointManager:
           ...     fc.metadata("run/1").step
           1
         """
+        self._check_process("wait_until_finished")
         self._writer.wait()
         self._store.flush()  # with tiers: the peer copy of the last save, and the migration in flight
 
@@ -486,7 +503,7 @@ class CheckpointManager:
         Args:
           step: the step to restore; None: the newest good one.
           target: a pytree of arrays or ``jax.ShapeDtypeStruct`` (as for ``fc.restore``); None gives
-            nested dicts/lists of numpy arrays.
+            nested dicts/lists of numpy arrays (typed PRNG keys as typed key arrays, as fc.restore).
           shardings: one sharding, or a tree of them, overriding the target's placement.
           partial: the older name of ``unexpected="ignore"``.
           item: one named item of an Orbax step (saved with ``args.Composite``).
@@ -518,6 +535,7 @@ class CheckpointManager:
         fit = Fit.of(
             partial=partial, rename=rename, missing=missing, unexpected=unexpected, cast=cast, report=report
         )
+        self._check_process("restore")
         self._writer.wait()
         return self._store.restore(step, targets(target, target_for), shardings, fit, item)
 
@@ -567,7 +585,9 @@ class CheckpointManager:
           ...     again.all_steps()
           [1]
         """
-        self._close()
+        self._check_process("close")
+        with self._busy:  # a save on another thread ends first: it commits, then the manager closes
+            self._close()
 
     def _close(self, *, at_exit: bool = False) -> None:
         if self._closed:
@@ -582,6 +602,19 @@ class CheckpointManager:
             raise
         self._store.close(at_exit=at_exit)  # the tiers close their directory: it releases the lock
 
+    def _check_process(self, call: str) -> None:
+        """Refuses ``call`` in a process forked from the one that opened this manager (a data loader's
+        worker, a multiprocessing Pool): the lock, the writer thread and the memory tiers are that
+        process's, and a copy of them in a child would save, close or delete behind its back."""
+        if self._pid != os.getpid():
+            raise CheckpointError(
+                f"CheckpointManager({self.directory}).{call}() in process {os.getpid()}, a child forked "
+                f"from process {self._pid}, which opened it: only that process saves, restores or closes "
+                "it (its lock, writer thread and memory tiers are that process's; the child leaves them "
+                "alone at exit). Fix: call it in the parent, or open a manager of the child's own "
+                "(read_only=True to read the run while the parent writes it)"
+            )
+
     def __enter__(self) -> "CheckpointManager":
         return self
 
@@ -592,8 +625,8 @@ class CheckpointManager:
         """The end of a manager nobody closed, with no collective (another process may never join one):
         waits for the save and the migration in flight, then releases the lock. Raises their failure.
         The memory tiers stay, restorable by the next run as after a crash."""
-        if getattr(self, "_closed", True):  # also a manager whose __init__ failed
-            return
+        if getattr(self, "_closed", True) or self._pid != os.getpid():  # also one whose __init__ failed
+            return  # a forked child's copy: its lock, writer and tiers are the parent's, left alone
         self._closed = True
         _OPEN.discard(self)
         try:
@@ -605,8 +638,11 @@ class CheckpointManager:
         """At interpreter exit: close() (the store knows what it can still do: memory tiers across
         processes let go instead, closing them being a collective). A failure is logged as a warning,
         never raised."""
+        if self._pid != os.getpid():  # a forked child exits: the parent's run is none of its business
+            return
         try:
-            self._close(at_exit=True)
+            with self._busy:
+                self._close(at_exit=True)
         except Exception as e:
             log.warning(
                 "CheckpointManager(%s) was not closed; closing it at interpreter exit failed: %s: %s",
@@ -630,6 +666,22 @@ class CheckpointManager:
                 self.directory,
                 type(e).__name__,
                 e,
+            )
+
+
+def _refuse_traced(state: Any, step: int, directory: str) -> None:
+    """A CheckpointError when ``state`` holds a tracer: ``save`` called inside ``jax.jit`` (or
+    ``grad``, ``vmap``, a ``lax.scan`` body), where the values do not exist yet."""
+    core = sys.modules.get("jax.core")  # jax not imported yet: no tracer anywhere
+    if core is None or not any(isinstance(x, core.Tracer) for x in jax.tree_util.tree_leaves(state)):
+        return
+    for path, x in jax.tree_util.tree_leaves_with_path(state):
+        if isinstance(x, core.Tracer):
+            raise CheckpointError(
+                f"save of step {step} in {directory}: leaf {jax.tree_util.keystr(path) or '<root>'} is a "
+                f"tracer ({type(x).__name__}): save was called inside a traced function (jax.jit, grad, "
+                "vmap, scan), where the values are not computed yet. Fix: call save outside it, on the "
+                "state the jitted step returns (or use jax.debug.callback / io_callback)"
             )
 
 

@@ -58,13 +58,12 @@ def publish(stats: SaveStats, directory: str, metric_writer: Any = None) -> None
     """Logs one save's costs (INFO: a line; DEBUG: every field) and writes them to ``metric_writer``
     (anything with ``write_scalars(step, dict)``, e.g. a clu MetricWriter) as ``checkpoint/<field>``."""
     log.info(
-        "saved step %d to %s: %.1f MB, blocked %.1f ms, durable after %.2f s (%.2f GB/s)",
+        "saved step %d to %s (%.1f MB): training waited %.1f ms, on disk %.2f s later",
         stats.step,
         directory,
         stats.nbytes / 1e6,
         stats.blocked_s * 1e3,
         stats.durable_s,
-        stats.throughput_gbps,
     )
     log.debug("save statistics: %s", asdict(stats))
     if metric_writer is not None:

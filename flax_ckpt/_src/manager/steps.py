@@ -20,6 +20,8 @@ from flax_ckpt._src.commit import distributed
 from flax_ckpt._src.commit.recycler import Recycler
 from flax_ckpt._src.engine.reader import Source
 from flax_ckpt._src.errors import CheckpointError, CheckpointNotFoundError, StorageError, error_class
+from flax_ckpt._src.manager.vanishing import being_deleted
+from flax_ckpt._src.native import sharing
 from flax_ckpt._src.retention import Retention
 from flax_ckpt._src.storage import Storage
 
@@ -80,6 +82,15 @@ class StepIndex:
         step = max(self._damaged, default=None)
         return None if step is None else (step, self._damaged[step][0])
 
+    def ambiguity(self, step: int) -> str | None:
+        """Why ``step`` is none of the run's steps when several folders name it (layouts.StepFolder), else None."""
+        damaged = self._damaged.get(step)
+        return None if damaged is None or not damaged[1].clash else str(damaged[0])
+
+    def folder_name(self, step: int) -> str:
+        """The name of step ``step``'s folder in the directory."""
+        return (self._folders.get(step) or layouts.StepFolder(step, str(step), self.layout)).name
+
     def open(self, step: int, item: str | None = None) -> Source:
         """Step ``step``'s folder, in its own format, as a restore Source (``item``: one named item)."""
         folder = self._folders.get(step) or layouts.StepFolder(step, str(step), self.layout)
@@ -121,6 +132,10 @@ class StepIndex:
             metrics, found, damaged, leftovers, vanished = {}, {}, {}, list(temporary), False
             for f in sorted(folders, key=lambda f: f.step, reverse=True):  # the newest first: the last to go
                 key = (f.name, f.layout.name)
+                ambiguous = f.ambiguity(self.directory)
+                if ambiguous is not None:  # never read as the step (layouts.StepFolder.clash)
+                    damaged[f.step] = (CheckpointError(ambiguous), f)
+                    continue
                 if key not in read:
                     try:
                         read[key] = f.layout.metrics(self.storage.sub(f.name))
@@ -139,8 +154,8 @@ class StepIndex:
     def _unreadable(self, f: layouts.StepFolder, e: Exception, damaged: dict, leftovers: list[str]) -> bool:
         """Sorts a step folder that failed to open with ``e``: True when it is gone (deleted while the
         scan read it); else it is a leftover (an object-store step whose commit never came) or damaged."""
-        if f.name not in self.storage.list():
-            return True
+        if f.name not in self.storage.list() or being_deleted(self.storage, f.name):
+            return True  # gone, or going: deleted by the run this manager follows (Orbax's files first)
         if not self.storage.supports_rename and not self.storage.sub(f.name).exists(f.layout.record):
             leftovers.append(f.name)  # an uncommitted object-store step: its commit object never came
         else:
@@ -187,14 +202,16 @@ class StepIndex:
         damaged = self._damaged.pop(step, None)
         if damaged is not None and distributed.process_index() == 0:
             if self.storage.supports_rename:
-                aside = f"{damaged[1].name}.damaged-{uuid.uuid4().hex[:8]}"
-                self.storage.rename(damaged[1].name, aside)
-                log.warning(
-                    "step %d in %s was damaged; moved to %s before saving it again",
-                    step,
-                    self.directory,
-                    aside,
-                )
+                for name in damaged[1].clash or (damaged[1].name,):  # an ambiguous step: all its folders
+                    aside = f"{name}.damaged-{uuid.uuid4().hex[:8]}"
+                    self.storage.rename(name, aside)
+                    log.warning(
+                        "step %d in %s was damaged; %s moved to %s before saving it again",
+                        step,
+                        self.directory,
+                        name,
+                        aside,
+                    )
             else:
                 commit_mod.remove(self.storage, damaged[1].name, damaged[1].layout.record)
                 log.warning("step %d in %s was damaged; removed before saving it again", step, self.directory)
@@ -222,22 +239,35 @@ class StepIndex:
         with self._mutex:
             formats = {s: f.layout.name for s, f in self._folders.items()}
         doomed = retention.doomed(self.all_metrics(), formats)  # each format's steps apart
+        lead = distributed.process_index() == 0
+        with self._mutex:
+            gone = [self._folders[s].name for s in doomed if s in self._folders]
+        # what the kept steps refer to (native/sharing.py): those steps are retired, not removed
+        refs = (
+            sharing.referenced(self.storage, gone)
+            if lead and doomed and self.storage.supports_rename
+            else None
+        )
+        others = [s for s in doomed if s not in self._written]
         for step in doomed:
             with self._mutex:
                 folder = self._folders.pop(step, None)
                 self._metrics.pop(step, None)
-            if folder is not None and distributed.process_index() == 0:
+                self._written.discard(step)  # what a long run keeps stays as many as its steps
+            if folder is not None and lead:
                 recycler = (
                     self.recycler if folder.layout.recycles else None
                 )  # its data files: the next save's
-                commit_mod.remove(
-                    self.storage,
-                    folder.name,
-                    folder.layout.record,
-                    salvage=recycler.retire if recycler is not None else None,
-                )
+                salvage = recycler.retire if recycler is not None else None
+                if folder.layout.name == "native" and self.storage.supports_rename:
+                    sharing.remove_step(
+                        self.storage, folder.name, folder.layout.record, refs=refs, salvage=salvage
+                    )
+                else:
+                    commit_mod.remove(self.storage, folder.name, folder.layout.record, salvage=salvage)
             log.info("retention removed step %d from %s", step, self.directory)
-        others = [s for s in doomed if s not in self._written]
+        if lead and self.storage.supports_rename:
+            sharing.sweep(self.storage)  # retired folders that no kept step refers to any more
         if others and not self._retention_warned and distributed.process_index() == 0:
             self._retention_warned = True
             log.warning(

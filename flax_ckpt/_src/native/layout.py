@@ -16,7 +16,8 @@ from typing import Any, Callable, Sequence, cast
 
 import numpy as np
 
-from flax_ckpt._src.checks import MANIFEST, MAX_MANIFEST_BYTES
+from flax_ckpt._src import checks
+from flax_ckpt._src.checks import MANIFEST
 from flax_ckpt._src.commit import atomic as commit_mod
 from flax_ckpt._src.commit import distributed
 from flax_ckpt._src.commit.recycler import Recycler
@@ -34,6 +35,7 @@ from flax_ckpt._src.errors import (
     StorageError,
     TargetMismatchError,
 )
+from flax_ckpt._src.native import sharing
 from flax_ckpt._src.native.manifest import SaveManifests, decode
 from flax_ckpt._src.records import LeafRecord, PersistTimes
 from flax_ckpt._src.serializers import Box, Serializer, Written, get_serializer, raw, serializer_for
@@ -56,9 +58,12 @@ def manifest_bytes(
     metadata: Any,
     process_count: int = 1,
     manifests: SaveManifests | None = None,
+    shares: "tuple[str, sharing.Base | None] | None" = None,
 ) -> bytes:
     """The manifest of a save (validated as restore will validate it). ``manifests``: the writer's
-    (made faster for a structure it saved before)."""
+    (made faster for a structure it saved before). ``shares``: (this save's id, the step it compared
+    with) for a step of a run that shares bytes (native/sharing.py): the manifest records its id and the
+    files of other steps its chunks name."""
     if len(written) == 1:  # one process: its records as they are
         chunks = written[0].chunks
     else:
@@ -76,6 +81,11 @@ def manifest_bytes(
         "serializer": serializer.name,
         "files": files,
     }
+    if shares is not None:
+        head["id"] = shares[0]
+        shared = sharing.shared_head(chunks, shares[1])
+        if shared is not None:
+            head["shared"] = shared
     return (manifests or SaveManifests()).encode(
         head,
         [lf.record for lf in snap.leaves],
@@ -95,6 +105,10 @@ class NativeLayout:
         this layout must hold that step (open_native's ``step``)."""
         self.serializer, self.step = get_serializer(serializer), step
         self._manifests = SaveManifests()
+        self.share = False  # steps share unchanged chunks with the run's previous step (a manager sets it)
+        self._base: sharing.Base | None = None  # the step this layout committed last
+        self.resumed_from: str | None = None  # the step a manager restored: the next save's base
+        self.shared_bytes = 0  # bytes the last save referred to instead of writing them
 
     def snapshot(self, tree: Any, *, copy: bool, reuse: Snapshot | None = None) -> Snapshot:
         """``copy``: every array shard copied into an arena (engine/arena.py), ``reuse``'s when it holds
@@ -130,17 +144,19 @@ class NativeLayout:
         serializer = self.serializer
         if distributed.process_count() > 1:
             return _persist_shared(
-                snap, parent, name, serializer, step=step, metrics=metrics, metadata=metadata
+                snap, parent, name, serializer, step=step, metrics=metrics, metadata=metadata, layout=self
             )
         times = PersistTimes()
         staging = commit_mod.staging_name(parent, name, record=MANIFEST)
         stage = parent.sub(staging)
         try:
             t0 = time.perf_counter()
+            sharer, shares = self._sharer(parent, name, staging)
+            writer = serializer if sharer is None else cast(Serializer, sharing.Sharing(serializer, sharer))
             written = (
-                write_streamed(serializer, stage, snap, snap.items(), tag="p0")
+                write_streamed(writer, stage, snap, snap.items(), tag="p0")
                 if isinstance(snap, Streamed)
-                else serializer.write(stage, snap.items(), tag="p0")
+                else writer.write(stage, snap.items(), tag="p0")
             )
             t1 = time.perf_counter()
             data = manifest_bytes(
@@ -151,14 +167,62 @@ class NativeLayout:
                 metrics=metrics,
                 metadata=metadata,
                 manifests=self._manifests,
+                shares=shares,
             )
             commit_mod.commit(parent, staging, name, MANIFEST, data)
+            self._committed(snap, name, written, shares, sharer)
             times.write, times.commit = t1 - t0, time.perf_counter() - t1
             times.fsync, times.serialize, times.written = written.fsync_s, written.serialize_s, written.nbytes
         except BaseException:
             commit_mod.abort(parent, staging, MANIFEST)
             raise
         return times
+
+    def _sharer(
+        self, parent: Storage, name: str, staging: str
+    ) -> "tuple[sharing.Sharer | None, tuple[str, sharing.Base | None] | None]":
+        """(the raw serializer's share hook, (this save's id, its base)) of a save of step folder ``name``
+        when this layout shares (a manager's native steps on a local folder, the raw serializer), else
+        (None, None). Without a base step (the run's first save, or an unreadable newest step) the
+        hook is None but the save still records its id, so that the next one may refer to it."""
+        ident = sharing.staging_id(staging)
+        if not self.share or ident is None or not isinstance(self.serializer, raw.RawSerializer):
+            return None, None
+        # with several processes each reads the base's merged manifest (its records name every
+        # process's files); alone, the records this layout kept from its last commit
+        known = self._base if distributed.process_count() == 1 else None
+        base = sharing.newest_base(parent, name, known, self.resumed_from)
+        self.resumed_from = None
+        # a subclass's own write takes no share hook: it writes all (its steps may still be referred to)
+        hook = type(self.serializer).write is raw.RawSerializer.write
+        return (None if base is None or not hook else sharing.Sharer(base, parent, raw.BLOCK)), (ident, base)
+
+    def _committed(
+        self,
+        snap: Snapshot,
+        name: str,
+        written: Written,
+        shares: "tuple[str, sharing.Base | None] | None",
+        sharer: "sharing.Sharer | None",
+    ) -> None:
+        """Keeps the step just committed as the next save's base (its records as written, no re-read)."""
+        self.shared_bytes = 0 if sharer is None else sharer.shared
+        if shares is None:
+            return
+        base = shares[1]
+        sizes = {(name, f): n for f, n in written.files.items()}
+        ids: dict[str, str] = {}
+        if base is not None:
+            sizes.update(base.sizes)
+            ids.update(base.ids)
+        self._base = sharing.Base(
+            name,
+            shares[0],
+            [lf.record.name if lf.record.is_array else None for lf in snap.leaves],
+            written.chunks,
+            sizes,
+            ids,
+        )
 
     def open(self, folder: Storage, item: str | None = None) -> "NativeSource":
         if item is not None:
@@ -197,12 +261,15 @@ def _persist_shared(
     step: int | None,
     metrics: dict | None,
     metadata: Any,
+    layout: NativeLayout | None = None,
 ) -> PersistTimes:
     """persist() across processes: process 0 names the staging folder, each process writes its own
     shards there (files tagged p<i>) and publishes its chunk records, process 0 merges them into the
     manifest and commits; the others return once the commit is announced (distributed.SaveRound).
     Leaves a process holds no shard of are skipped; host values (numpy leaves) are written by process
-    0 alone."""
+    0 alone. ``layout``: the run's, when its steps share bytes: each process compares only its own
+    shards with the base step (the newest committed one, the same for all), and process 0 lists the
+    files of other steps that the merged records name."""
     times, rnd = PersistTimes(), distributed.SaveRound.begin(parent, name)
     staging = rnd.agree_staging(lambda: commit_mod.staging_name(parent, name, record=MANIFEST))
     stage, digest = parent.sub(staging), distributed.tree_digest([lf.record for lf in snap.leaves])
@@ -213,10 +280,12 @@ def _persist_shared(
     ]
     try:
         t0 = time.perf_counter()
+        sharer, shares = (None, None) if layout is None else layout._sharer(parent, name, staging)
+        writer = serializer if sharer is None else cast(Serializer, sharing.Sharing(serializer, sharer))
         written = (
-            write_streamed(serializer, stage, snap, items, tag=f"p{rnd.index}")
+            write_streamed(writer, stage, snap, items, tag=f"p{rnd.index}")
             if isinstance(snap, Streamed)
-            else serializer.write(stage, items, tag=f"p{rnd.index}")
+            else writer.write(stage, items, tag=f"p{rnd.index}")
         )
         t1 = time.perf_counter()
         if rnd.index:
@@ -232,6 +301,7 @@ def _persist_shared(
                 metrics=metrics,
                 metadata=metadata,
                 process_count=rnd.count,
+                shares=shares,
             )
             decode(data, f"{stage.url}/{MANIFEST}")  # the merged chunks must tile every array exactly
             commit_mod.commit(parent, staging, name, MANIFEST, data)
@@ -260,18 +330,26 @@ class NativeSource:
         self.storage, self.body, self.leaves, self.serializer = storage, body, leaves, serializer
         self.url, self.where = storage.url, f"{storage.url}/{MANIFEST}"
         self.remote = not storage.supports_rename
+        shared = body.get("shared") or {}
+        # what the serializer reads through: the folder, or with bytes of other steps (sharing.py) a view
+        # that finds those too
+        self.files: Storage = (
+            cast(Storage, sharing.RunFiles(storage, {s: h["id"] for s, h in shared.items()}))
+            if shared
+            else storage
+        )
 
     @property
     def budget(self) -> int | None:
         """A restore allocates at most twice the bytes the folder stores (plus _BUDGET_SLACK, so that a
         merely truncated file reaches the serializer, whose error names it). Asking walks the folder
         once, refusing links out of it and special files before anything is read."""
-        stored = self.storage.stored_bytes()
+        stored = self.files.stored_bytes()
         return None if stored is None else 2 * stored + _BUDGET_SLACK
 
     def read(self, leaf: LeafRecord, box: Box, out: np.ndarray) -> None:
         try:
-            self.serializer.read(self.storage, stored(leaf), box, out, f"{self.where} leaf {leaf.name!r}")
+            self.serializer.read(self.files, stored(leaf), box, out, f"{self.where} leaf {leaf.name!r}")
         except CorruptCheckpointError as e:
             if not self.storage.exists(MANIFEST):
                 raise CheckpointNotFoundError(
@@ -284,7 +362,7 @@ class NativeSource:
         try:
             # array records, as stored() says
             self.serializer.read_many(
-                self.storage, cast("Sequence[tuple[StoredArray, Box, np.ndarray]]", requests), self.where
+                self.files, cast("Sequence[tuple[StoredArray, Box, np.ndarray]]", requests), self.where
             )
         except CorruptCheckpointError as e:
             if not self.storage.exists(MANIFEST):
@@ -295,7 +373,7 @@ class NativeSource:
             raise
 
     def view(self, leaf: LeafRecord, box: Box) -> np.ndarray | None:
-        return self.serializer.view(self.storage, stored(leaf), box, f"{self.where} leaf {leaf.name!r}")
+        return self.serializer.view(self.files, stored(leaf), box, f"{self.where} leaf {leaf.name!r}")
 
     def select(self, target: Any) -> tuple["NativeSource", Any]:
         return self, target
@@ -314,9 +392,9 @@ class NativeSource:
 
     def _check_sizes(self) -> list[Damage]:
         found = []
-        for fname, size in sorted(self.body["files"].items()):
+        for fname, size in sorted(all_files(self.body).items()):
             try:
-                self.storage.check_size(fname, size)
+                self.files.check_size(fname, size)
             except (CorruptCheckpointError, StorageError, OSError) as e:
                 found.append(Damage(None, fname, str(e)))
         return found
@@ -333,7 +411,7 @@ class NativeSource:
             out = np.empty(extents, leaf.dtype)
             try:
                 self.serializer.read(
-                    self.storage,
+                    self.files,
                     stored(leaf.with_chunks([chunk])),
                     box,
                     out,
@@ -385,6 +463,18 @@ class NativeSource:
         )
 
 
+def all_files(body: dict[str, Any]) -> dict[str, int]:
+    """The files a manifest's chunks may name, with their sizes: its own, and those of the steps it shares
+    bytes with as ``../<step>/<file>`` (native/sharing.py)."""
+    shared = body.get("shared")
+    if not shared:
+        return body["files"]
+    out = dict(body["files"])
+    for step, held in shared.items():
+        out.update({f"../{step}/{f}": n for f, n in held["files"].items()})
+    return out
+
+
 def open_native(
     storage: Storage, *, step: int | None = None, serializer: Serializer | None = None
 ) -> NativeSource:
@@ -413,9 +503,14 @@ def _open_native(storage: Storage, given: Serializer | None = None) -> NativeSou
         raise CheckpointNotCommittedError(
             f"{storage.url} is the folder of a save in flight or one that crashed; it is never read"
         )
+    if sharing.is_held(storage.url.rstrip("/").rsplit("/", 1)[-1]):
+        raise CheckpointNotCommittedError(
+            f"{storage.url} is a removed step's folder, kept for the bytes later steps of its run share "
+            "(docs/design.md); it is never read as a checkpoint"
+        )
     where = f"{storage.url}/{MANIFEST}"
     try:
-        raw = storage.read(MANIFEST, MAX_MANIFEST_BYTES)
+        raw = storage.read(MANIFEST, checks.MAX_MANIFEST_BYTES)
     except (FileNotFoundError, NotADirectoryError):
         kind = storage.kind()
         if kind == "missing":
@@ -443,9 +538,10 @@ def _open_native(storage: Storage, given: Serializer | None = None) -> NativeSou
     except ValueError as e:
         raise InvalidManifestError(f"{where}: field body.serializer: {e}") from None
     leaves = [LeafRecord.from_json(r) for r in body["leaves"]]
+    files = all_files(body)
     for i, leaf in enumerate(leaves):
         if leaf.is_array:
-            serializer.validate(stored(leaf), body["files"], f"{where}: leaves[{i}] ({leaf.name})")
+            serializer.validate(stored(leaf), files, f"{where}: leaves[{i}] ({leaf.name})")
         if leaf.kind == "prng_key":
             shape = key_data_shape(leaf.key_impl)
             if shape is None:

@@ -16,7 +16,6 @@ from typing import Any, Literal, NoReturn, Sequence, TypeVar, overload
 
 from flax_ckpt._src.checks import (  # noqa: F401 (re-exported)
     MAX_LIST_GAPS,
-    MAX_MANIFEST_BYTES,
     MAX_PATH_DEPTH,
     canonical,
     check_path,
@@ -131,7 +130,7 @@ def _leaf_text(record: LeafRecord, chunks: list[dict[str, Any]] | None, text: st
 
 def decode(raw: bytes, where: str) -> dict[str, Any]:
     """Parses and verifies a manifest file; returns its validated body."""
-    body = unseal(raw, name=FORMAT_NAME, version=FORMAT_VERSION, where=where, max_bytes=MAX_MANIFEST_BYTES)
+    body = unseal(raw, name=FORMAT_NAME, version=FORMAT_VERSION, where=where)  # at most MAX_MANIFEST_BYTES
     validate_body(body, where)
     return body
 
@@ -275,6 +274,24 @@ def validate_head(body: dict, c: _Check) -> None:
     for name, size in files.items():
         check_relpath(name, f"files[{name!r}]", c.where)
         c.nonneg_int(size, f"files[{name!r}]", MAX_ARRAY_BYTES)
+    ident = c.typed(body, "id", str, "body", optional=True)
+    if ident is not None and not _is_id(ident):
+        c.fail("body.id", f"expected 32 hex digits, found {ident!r}")
+    shared = c.typed(body, "shared", dict, "body", optional=True)
+    for step, held in (shared or {}).items():
+        f = f"shared[{step!r}]"
+        if not (step.isascii() and step.isdigit()):
+            c.fail(f, "not a step folder of the run (digits)")
+        if not _is_id(c.typed(held, "id", str, f)):
+            c.fail(f + ".id", f"expected 32 hex digits, found {held['id']!r}")
+        for name, size in c.typed(held, "files", dict, f).items():
+            check_relpath(name, f"{f}.files[{name!r}]", c.where)
+            c.nonneg_int(size, f"{f}.files[{name!r}]", MAX_ARRAY_BYTES)
+
+
+def _is_id(value: str) -> bool:
+    """A save's id (native/sharing.py): 32 lowercase hex digits."""
+    return len(value) == 32 and all(ch in "0123456789abcdef" for ch in value)
 
 
 def json_depth(obj: Any) -> int:

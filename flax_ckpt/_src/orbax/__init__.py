@@ -6,7 +6,10 @@ write.py's. Versions: the layout was read in orbax-checkpoint 0.12.8's source, a
 tested against 0.12.8 (tests/test_orbax_compat.py); older releases whose items have a ``_METADATA``
 with ``tree_metadata``/``key_metadata`` use the same layout but are not tested. Not covered: Orbax's
 emergency / multi-tier checkpoint layouts and ``_ROOT_METADATA`` (ignored), legacy msgpack
-checkpoints, handlers other than PyTree/Standard/JSON (UnsupportedOrbaxCheckpointError).
+checkpoints, handlers other than PyTree/Standard/JSON and grain's (UnsupportedOrbaxCheckpointError).
+grain's ``PyGrainCheckpointHandler`` items (a data iterator's state, one ``process_<i>-of-<n>.json`` per
+process) are JSON items: read as this process's file (the file's text for a bytes or str target, a
+DataLoaderIterator's state) and written as grain writes them.
 
 What a restore gives (one stable shape per kind of folder):
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import crc32c
 
+from flax_ckpt._src import checks
 from flax_ckpt._src.checks import MANIFEST
 from flax_ckpt._src.commit import atomic as commit_mod
 from flax_ckpt._src.errors import (
@@ -45,9 +46,12 @@ STANDARD_HANDLER = "orbax.checkpoint._src.handlers.standard_checkpoint_handler.S
 JSON_HANDLER = "orbax.checkpoint._src.handlers.json_checkpoint_handler.JsonCheckpointHandler"
 _PYTREE_CLASSES = frozenset({"PyTreeCheckpointHandler", "StandardCheckpointHandler", "PyTreeHandler"})
 _JSON_CLASSES = frozenset({"JsonCheckpointHandler", "JsonHandler"})
+# grain's handler for its data iterators (grain.python.PyGrainCheckpointSave/Restore): one JSON text file
+# per process, process_<index>-of-<count>.json, the iterator's get_state() (json.dumps(..., indent=4) for a
+# DatasetIterator's dict, the text of a DataLoaderIterator's bytes). Read and written as a JSON item.
+_GRAIN_CLASSES = frozenset({"CheckpointHandler", "PyGrainCheckpointHandler"})
 DEFAULT_ITEM, METRICS_ITEM = "default", "metrics"  # a manager's unnamed item; its step metrics
 _STEP_NAME = re.compile(r"(?:(.+)_)?([0-9]+)")  # ASCII digits only: "²", "٣" or "𝟑" are no steps
-MAX_JSON = 256 << 20
 CRC_SUFFIX = (
     ".crc32c"  # beside a JSON data file flax_ckpt wrote (a JSON item's, _strings.json): its crc32c, in
 )
@@ -62,11 +66,13 @@ def read_json(storage: Storage, name: str, *, checked: bool = False) -> Any:
     """The parsed JSON file ``name`` in ``storage``; None when it does not exist. ``checked``: a data
     file whose ``<name>.crc32c`` (written by flax_ckpt) is checked when there is one."""
     try:
-        raw = storage.read(name, MAX_JSON)
+        raw = storage.read(name, checks.MAX_MANIFEST_BYTES)  # what orbax/write.py writes at most
     except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
         return None
-    if len(raw) > MAX_JSON:
-        raise InvalidManifestError(f"{storage.url}/{name}: larger than {MAX_JSON} bytes; not Orbax metadata")
+    if len(raw) > checks.MAX_MANIFEST_BYTES:
+        raise InvalidManifestError(
+            f"{storage.url}/{name}: larger than {checks.MAX_MANIFEST_BYTES} bytes; not Orbax metadata"
+        )
     if checked:
         _check_crc(storage, name, raw)
     try:
@@ -209,8 +215,28 @@ def stored_size(files: list[str]) -> int:
 
 
 def handler_kind(handler: Any) -> str:
+    """ "pytree", "json" (Orbax's JSON handlers and grain's, whose items are JSON files) or "unknown"."""
+    if is_grain(handler):
+        return "json"
     cls = handler.rsplit(".", 1)[-1] if isinstance(handler, str) and handler.startswith("orbax.") else None
     return "pytree" if cls in _PYTREE_CLASSES else "json" if cls in _JSON_CLASSES else "unknown"
+
+
+def is_grain(handler: Any) -> bool:
+    """Whether ``handler`` (as ``_CHECKPOINT_METADATA``'s item_handlers records it) is grain's
+    ``PyGrainCheckpointHandler``, whose item is one JSON file per process (``process_file``)."""
+    return (
+        isinstance(handler, str)
+        and handler.startswith("grain.")
+        and handler.rsplit(".", 1)[-1] in _GRAIN_CLASSES
+    )
+
+
+def process_file() -> str:
+    """The file of this process in a grain item: ``process_<index>-of-<count>.json`` (grain's names)."""
+    import jax
+
+    return f"process_{jax.process_index()}-of-{jax.process_count()}.json"
 
 
 @dataclass(frozen=True)
@@ -295,6 +321,12 @@ def step_number(name: str) -> int | None:
     """The step of an Orbax step folder name (``<step>`` or ``<prefix>_<step>``, ASCII digits), or None."""
     m = _STEP_NAME.fullmatch(name)
     return int(m.group(2)) if m else None
+
+
+def step_parts(name: str) -> tuple[str | None, int] | None:
+    """(prefix or None, step) of a step folder name (``<step>`` or ``<prefix>_<step>``), or None."""
+    m = _STEP_NAME.fullmatch(name)
+    return (m.group(1), int(m.group(2))) if m else None
 
 
 def _as_item_of_step(storage: Storage, meta: dict[str, Any]) -> Located:
@@ -482,30 +514,59 @@ def committed_step(folder: Storage) -> bool:
     )
 
 
+def _json_names(item: str) -> tuple[str, ...]:
+    """The files a JSON item's value may live in, in the order they are looked for: named like the item
+    (a manager's ``metrics/metrics``), JsonCheckpointHandler's ``metadata``, the v1 JsonHandler's
+    ``data.json``, and this process's file of a grain item."""
+    return (item, *JSON_FILES, process_file())
+
+
 def read_json_item(storage: Storage, item: str) -> Any:
-    """A JSON item's value: the file named like the item (a manager's ``metrics/metrics``), else
-    JsonCheckpointHandler's ``metadata`` or the v1 JsonHandler's ``data.json``."""
-    for name in (item, *JSON_FILES):
+    """A JSON item's value, from the first of its files (``_json_names``) that exists; None if none does."""
+    for name in _json_names(item):
         found = read_json(storage, name, checked=True)
         if found is not None:
             return found
     return None
 
 
-def json_value(storage: Storage, item: str) -> Any:
-    """A JSON item's value, as read_json_item finds it; CorruptCheckpointError when its file is missing."""
-    for name in (item, *JSON_FILES):
+def json_file(storage: Storage, item: str) -> str:
+    """The file of JSON item ``item`` in its folder ``storage`` (as ``_json_names`` looks for it);
+    CorruptCheckpointError when there is none (naming the grain files of other process counts there)."""
+    names = _json_names(item)
+    for name in names:
         if storage.exists(name):
-            return read_json(storage, name, checked=True)
+            return name
+    others = sorted(n for n in storage.list() if re.fullmatch(r"process_[0-9]+-of-[0-9]+\.json", n))
+    if others:
+        raise CorruptCheckpointError(
+            f"{storage.url}: the grain item {item!r} holds {format_list(others)}, written by a job of another "
+            f"process count, and no {names[-1]} for this process; restore it with as many processes as "
+            "wrote it (grain's own handler needs the same)"
+        )
     raise CorruptCheckpointError(
         f"{storage.url}: the JSON item {item!r} has no file "
-        f"({format_list([item, *JSON_FILES])}); the Orbax checkpoint is incomplete"
+        f"({format_list(list(names))}); the Orbax checkpoint is incomplete"
     )
+
+
+def json_value(storage: Storage, item: str) -> Any:
+    """A JSON item's value, parsed from its file (``json_file``)."""
+    return read_json(storage, json_file(storage, item), checked=True)
+
+
+def json_text(storage: Storage, item: str) -> bytes:
+    """A JSON item's file as it is stored (checked against its ``.crc32c`` when flax_ckpt wrote it): a
+    grain DataLoaderIterator's state, which its ``set_state`` takes as bytes."""
+    name = json_file(storage, item)
+    raw = storage.read(name, checks.MAX_MANIFEST_BYTES)
+    _check_crc(storage, name, raw)
+    return raw
 
 
 def json_checksummed(storage: Storage, item: str) -> bool:
     """Whether a JSON item's file (as json_value finds it) carries flax_ckpt's checksum."""
-    name = next((n for n in (item, *JSON_FILES) if storage.exists(n)), None)
+    name = next((n for n in _json_names(item) if storage.exists(n)), None)
     return name is not None and checksummed(storage, name)
 
 

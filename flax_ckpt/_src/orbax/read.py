@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import base64
 import copy
+import dataclasses
 import json
 import threading
 from collections.abc import Mapping
@@ -44,8 +45,10 @@ from flax_ckpt._src.orbax.locate import (
     TREE_METADATA,
     Located,
     checksummed,
+    is_grain,
     item_roots,
     json_checksummed,
+    json_text,
     json_value,
     read_json,
     step_metrics,
@@ -447,7 +450,9 @@ class OrbaxSource:
                 + (f"Items flax_ckpt does not read: {', '.join(map(repr, refused))}." if refused else "")
             )
         view = copy.copy(self)
-        view.leaves = [leaf for leaf in self.leaves if leaf.path[0][1] in target]
+        view.leaves = [
+            _as_text(leaf, target, self.located) for leaf in self.leaves if leaf.path[0][1] in target
+        ]
         json_items = {n for n in names if n in self.located.json_items}
         return view, {k: None if k in json_items else v for k, v in target.items()}
 
@@ -580,6 +585,20 @@ class OrbaxSource:
     @property
     def metrics(self) -> dict[str, Any] | None:
         return step_metrics(self.located)
+
+
+def _as_text(leaf: LeafRecord, target: Mapping[str, Any], located: Located) -> LeafRecord:
+    """A grain item's leaf as its file's text where the target's item is bytes or a str (a grain
+    ``DataLoaderIterator``'s ``get_state()``, bytes; or a wrapper's str of it), else as parsed JSON."""
+    name = leaf.path[0][1]
+    handlers = located.meta.get("item_handlers")
+    wanted = target.get(name)
+    if leaf.kind != "json" or not isinstance(wanted, (bytes, str)) or not isinstance(handlers, dict):
+        return leaf
+    if not is_grain(handlers.get(name)):
+        return leaf
+    raw = json_text(located.json_items[name], name)
+    return dataclasses.replace(leaf, value=raw if isinstance(wanted, bytes) else raw.decode())
 
 
 def _budget(

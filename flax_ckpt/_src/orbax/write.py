@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import crc32c
 import numpy as np
 
+from flax_ckpt._src import checks
 from flax_ckpt._src.commit import atomic as commit_mod
 from flax_ckpt._src.commit import distributed
 from flax_ckpt._src.engine.snapshot import HostLeaf, Snapshot, jsonable, metrics_json
@@ -57,6 +58,8 @@ from flax_ckpt._src.orbax.locate import (
     TMP_SUFFIX,
     TREE_METADATA,
     handler_kind,
+    is_grain,
+    process_file,
 )
 from flax_ckpt._src.orbax.read import OCDBT_FILE_SIZE, array_kvstore, context_for
 from flax_ckpt._src.storage import Storage
@@ -368,6 +371,13 @@ def _one_chunk(lf: HostLeaf) -> np.ndarray | None:
 
 
 @functools.lru_cache(maxsize=None)
+def _key_folder(name: str) -> str:
+    """Where the keys of the array of parameter ``name`` start in the item's OCDBT database: under
+    ``<name>/``, or at its root for the parameter "" (a top-level "" key: the path tensorstore reads, as
+    Orbax writes it)."""
+    return f"{name}/" if name else ""
+
+
 def _chunk_key(rank: int) -> str:
     """The key of an array's one chunk (zarr3's default chunk key encoding)."""
     return "/".join(["c"] + ["0"] * rank)
@@ -446,9 +456,9 @@ def _write_small(
         kv = ts.KvStore.open(array_kvstore(storage, "", True, write=True), context=context).result()
         view, writes = kv.with_transaction(txn), []
         for (lf, data), shard in zip(arrays, _shards([data for _, data in arrays], compressor)):
-            name, shape = param(lf), data.shape
-            writes.append(view.write(f"{name}/zarr.json", _zarr_json(shape, data.dtype, compression)))
-            writes.append(view.write(f"{name}/{_chunk_key(len(shape))}", shard))
+            folder, shape = _key_folder(param(lf)), data.shape
+            writes.append(view.write(f"{folder}zarr.json", _zarr_json(shape, data.dtype, compression)))
+            writes.append(view.write(f"{folder}{_chunk_key(len(shape))}", shard))
         commit = txn.commit_async()
     except Exception as e:
         txn.abort()
@@ -466,13 +476,15 @@ def _write_small(
 
 
 def _json_bytes(obj: Any) -> bytes:
-    return json.dumps(obj).encode()
+    """A JSON file of the step, refused (CheckpointError, before the commit) if restore would not read it."""
+    return checks.check_written(json.dumps(obj).encode(), "Orbax metadata (a JSON file of the step)")
 
 
 def _write_checked(storage: Storage, name: str, data: bytes) -> None:
     """A JSON data file (Orbax gives it no checksum) with its crc32c beside it, ``<name>.crc32c``,
-    which flax_ckpt checks on read and verify reports as verified; Orbax reads only ``name``."""
-    storage.write(name, [data])
+    which flax_ckpt checks on read and verify reports as verified; Orbax reads only ``name``. Refused
+    (before the commit) when restore would not read it back (checks.check_written)."""
+    storage.write(name, [checks.check_written(data, f"JSON item file {name}")])
     storage.write(name + CRC_SUFFIX, [str(crc32c.crc32c(data)).encode()])
 
 
@@ -487,7 +499,9 @@ def _tree_metadata(snap: Snapshot, use_ocdbt: bool, use_zarr3: bool) -> bytes:
             "custom_metadata": None,
         }
     )
-    return b'{"tree_metadata": {' + entries.encode() + b"}, " + rest[1:]
+    return checks.check_written(
+        b'{"tree_metadata": {' + entries.encode() + b"}, " + rest[1:], "Orbax _METADATA"
+    )
 
 
 @functools.lru_cache(maxsize=1 << 16)  # a run saves the same key paths at every step
@@ -535,7 +549,10 @@ def _array_metadatas(arrays: list[HostLeaf], names: list[str]) -> bytes | None:
         if ws is not None and value_type(lf) == "jax.Array":
             chunk = _chunk_tuple(tuple(lf.record.array_shape), lf.record.array_dtype, ws)
             entries.append(_array_entry(name, ws, chunk, lf.record.key_impl))
-    return b'{"array_metadatas": [' + ", ".join(entries).encode() + b"]}" if entries else None
+    if not entries:
+        return None
+    raw = b'{"array_metadatas": [' + ", ".join(entries).encode() + b"]}"
+    return checks.check_written(raw, "Orbax array_metadatas")
 
 
 @functools.lru_cache(maxsize=1 << 16)  # a run saves the same arrays at every step
@@ -752,6 +769,9 @@ def check_items(tree: Any, handlers: dict[str, str], where: str) -> dict[str, An
         )
     json_items = {}
     for n in json_names:
+        if is_grain(handlers[n]):
+            json_items[n] = _grain_item(tree[n], n, where)
+            continue
         try:
             json_items[n] = jsonable(tree[n], f"the JSON item {n!r}")
         except CheckpointError as e:
@@ -761,6 +781,37 @@ def check_items(tree: Any, handlers: dict[str, str], where: str) -> dict[str, An
                 "Convert it (e.g. int(x), x.tolist()), or keep arrays in a pytree item."
             ) from None
     return json_items
+
+
+def _grain_item(value: Any, name: str, where: str) -> bytes:
+    """``grain_text`` of a grain item's value, or an UnsupportedLeafError saying what the item holds."""
+    try:
+        return grain_text(value, name)
+    except CheckpointError as e:
+        raise UnsupportedLeafError(
+            f"{where}: {e}. The run's steps hold {name!r} as grain's data item (PyGrainCheckpointSave), so its "
+            "value is the iterator's get_state(): save {..., " + repr(name) + ": iterator.get_state()}, or "
+            "give the iterator itself to CheckpointCallback, which does that; nothing was written."
+        ) from None
+
+
+def grain_text(value: Any, name: str) -> bytes:
+    """The file grain's handler writes for a data iterator's state ``value`` (``get_state()``): a
+    DataLoaderIterator's bytes (or a str of them) as they are, a DatasetIterator's dict as
+    ``json.dumps(value, indent=4)``; CheckpointError for bytes that are not UTF-8 text or a value that is
+    not JSON."""
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        try:
+            bytes(value).decode()
+        except UnicodeDecodeError as e:
+            raise CheckpointError(
+                f"the grain item {name!r} is {len(bytes(value))} bytes that are not UTF-8 text ({e}); grain's "
+                "handler stores a DataLoaderIterator's state as text"
+            ) from None
+        return bytes(value)
+    if isinstance(value, str):
+        return value.encode()
+    return json.dumps(jsonable(value, f"the grain item {name!r}"), indent=4).encode()
 
 
 def item_snapshot(snap: Snapshot, name: str) -> Snapshot:
@@ -834,6 +885,10 @@ def save_step(
                 functools.partial(write_item, item, tree, use_ocdbt=use_ocdbt, use_zarr3=use_zarr3),
             )
         for n, value in json_items.items():
+            if is_grain(handlers[n]):  # grain's layout: this process's file, its state's text
+                _write_checked(folder.sub(n), process_file(), value)
+                folder.sub(n).write(COMMIT_SUCCESS, [_success(folder.sub(n))])
+                continue
             _write_json_item(folder.sub(n), _json_file(handlers[n]), value)
         if metrics is not None:
             _write_json_item(folder.sub(METRICS_ITEM), METRICS_ITEM, metrics)

@@ -13,7 +13,7 @@ import math
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, wait
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import crc32c
 import numpy as np
@@ -29,6 +29,8 @@ BLOCK = 8 << 20
 SUBCHUNK = 64 << 20
 MAX_FILES = 8
 READ_THREADS = 8
+SHARE_THREADS = 4  # pieces compared with an earlier step's at once (native/sharing.py)
+SHARE_MIN = 64 << 10  # smaller pieces are always written: their bytes cost less than the comparison
 PARALLEL_READ_MIN = 16 << 20  # a leaf's chunks are read in parallel when it needs at least this many bytes
 
 _pool: ThreadPoolExecutor | None = None
@@ -105,19 +107,69 @@ def _pieces(shard: Shard) -> list[tuple[Box, np.ndarray, tuple[int, ...] | None]
     return out
 
 
+Share = Callable[[int, str, Box, memoryview, Callable[[], tuple[int, ...]]], "dict[str, Any] | None"]
+_Piece = tuple[int, Box, np.ndarray, "tuple[int, ...] | None"]
+
+
+def _unshared(
+    pieces: list[_Piece], names: dict[int, str], share: Share, chunks: dict[int, list[dict[str, Any]]]
+) -> list[_Piece]:
+    """The pieces to write: each one ``share`` gives a record for (a reference to equal bytes stored
+    before) goes into ``chunks`` instead; the others keep the checksums computed for asking. Pieces are
+    asked in parallel (what ``share`` does, hashing and reading, releases the GIL)."""
+
+    def ask(piece: _Piece) -> tuple[dict[str, Any] | None, tuple[int, ...] | None]:
+        leaf, box, data, crcs = piece
+        mv = memoryview(as_buffer(data.reshape(-1).view(np.uint8))) if data.size else memoryview(b"")
+        made: list[tuple[int, ...]] = []
+
+        def sums() -> tuple[int, ...]:
+            if crcs is not None:
+                return crcs
+            if not made:
+                made.append(_crcs(mv))
+            return made[0]
+
+        return share(leaf, names[leaf], box, mv, sums), crcs if crcs is not None else (
+            made[0] if made else None
+        )
+
+    asked = [p for p in pieces if p[2].nbytes >= SHARE_MIN]
+    if len(asked) > 1:
+        with ThreadPoolExecutor(min(SHARE_THREADS, len(asked)), thread_name_prefix="flax_ckpt-share") as pool:
+            answers = dict(zip(map(id, asked), pool.map(ask, asked)))
+    else:
+        answers = {id(p): ask(p) for p in asked}
+    out = []
+    for p in pieces:
+        record, crcs = answers.get(id(p), (None, p[3]))
+        if record is None:
+            out.append((p[0], p[1], p[2], crcs))
+        else:
+            chunks[p[0]].append(dict(record, index=_index(p[1])))
+    return out
+
+
 class RawSerializer:
     name = "raw"
 
     def __init__(self, max_files: int = MAX_FILES):
         self.max_files = max_files
 
-    def write(self, storage: Storage, items: Sequence[ArrayItem], *, tag: str) -> Written:
+    def write(
+        self, storage: Storage, items: Sequence[ArrayItem], *, tag: str, share: Share | None = None
+    ) -> Written:
+        """See Serializer.write. ``share`` (the native layout's steps that share bytes,
+        native/sharing.py): asked for each piece; a record it gives is stored instead of the piece."""
         pieces = [
             (item.leaf, box, data, crcs)
             for item in items
             for shard in item.shards
             for box, data, crcs in _pieces(shard)
         ]
+        chunks: dict[int, list[dict[str, Any]]] = {item.leaf: [] for item in items}
+        if share is not None:
+            pieces = _unshared(pieces, {item.leaf: item.name for item in items}, share, chunks)
         total = sum(p[2].nbytes for p in pieces)
         nfiles = max(1, min(self.max_files, len(pieces), math.ceil(total / SUBCHUNK)))
         # files of about equal bytes, each a run of the pieces in the order given: that of a snapshot's
@@ -130,7 +182,6 @@ class RawSerializer:
             acc += p[2].nbytes
         bins = [b for b in bins if b] or [[]]
         names = [f"data/{tag}.{i}.bin" for i in range(len(bins))]
-        chunks: dict[int, list[dict[str, Any]]] = {item.leaf: [] for item in items}
 
         def write_file(i: int) -> tuple[float, float]:
             """Writes file i; returns (seconds of checksums, seconds of fsync)."""

@@ -126,13 +126,20 @@ def _request_resources(prefix: str, o: ObjectStoreOptions) -> dict[str, Any]:
 _key_files: dict[tuple[str, str, str], str] = {}
 
 
+def _remove_own(folder: str, pid: int) -> None:
+    """Removes ``folder`` at exit of the process that made it (a forked child, a data loader's worker,
+    leaves the parent's credentials in place)."""
+    if os.getpid() == pid:
+        shutil.rmtree(folder, True)
+
+
 def _profile_for_keys(key_id: str, secret: str, token: str | None) -> dict[str, Any]:
     """tensorstore has no inline-key credentials, so explicit keys go to a private (0600) AWS
     credentials file for this process, removed at exit, and are read through a profile."""
     ident = (key_id, secret, token or "")
     if ident not in _key_files:
         folder = tempfile.mkdtemp(prefix="flax_ckpt-aws-")
-        atexit.register(shutil.rmtree, folder, True)
+        atexit.register(_remove_own, folder, os.getpid())
         lines = ["[flax_ckpt]", f"aws_access_key_id = {key_id}", f"aws_secret_access_key = {secret}"]
         lines += [f"aws_session_token = {token}"] if token else []
         for name, text in (("credentials", "\n".join(lines)), ("config", "[profile flax_ckpt]")):

@@ -39,6 +39,7 @@ class DirectoryLock:
 
     def __init__(self, directory: str, *, tidy: bool = False):
         self.path, self.created, self.fd = os.path.join(directory, LOCK_FILE), False, -1
+        self.pid = os.getpid()
         while True:
             created = False
             try:
@@ -69,7 +70,7 @@ class DirectoryLock:
             if self._still_at_path(fd):
                 break
             os.close(fd)  # a tidy holder removed the file we locked: lock the one there now
-        self.fd, self.created = fd, created and tidy
+        self.fd, self.created, self.pid = fd, created and tidy, os.getpid()
         os.ftruncate(self.fd, 0)
         os.pwrite(self.fd, f"pid {os.getpid()} on {os.uname().nodename}\n".encode(), 0)
 
@@ -126,9 +127,16 @@ class DirectoryLock:
             return False
         return (here.st_dev, here.st_ino) == (mine.st_dev, mine.st_ino)
 
-    def release(self, _unlink=os.unlink, _flock=fcntl.flock, _close=os.close, _un=fcntl.LOCK_UN) -> None:
+    def release(
+        self, _unlink=os.unlink, _flock=fcntl.flock, _close=os.close, _un=fcntl.LOCK_UN, _pid=os.getpid
+    ) -> None:
         """Unlocks (removing a ``tidy`` lock's own file first). The calls are bound at import: a manager
-        nobody closed may release in interpreter teardown, when this module's globals are None."""
+        nobody closed may release in interpreter teardown, when this module's globals are None. In a
+        child forked from the holder, only the child's copy of the descriptor is closed: the flock
+        belongs to the open file both share, and unlocking it would free the parent's live directory."""
+        if self.fd >= 0 and _pid() != self.pid:
+            _close(self.fd)
+            self.fd = -1
         if self.fd >= 0:
             if self.created:
                 try:

@@ -6,8 +6,10 @@ they hold (which step, of which run's session, committed in its tier or not), th
 earlier run left that no one can use, the spare data files kept for the next copy, and the removal of
 it all at close. Not here: the copy format (store.py), the agreement (tierset.py, sync.py).
 
-Whose copies they are: the folder's name is a digest of the directory's URL, which a new run at the
-same URL (after ``rm -rf`` of the old one, or another job on one ``memory://`` URL) shares. So each
+Whose copies they are: the folder's name is a digest of the directory's URL and, for a local
+directory, the device it lies on (``folder_key``: one path on two volumes names two folders), which a
+new run at the same URL on the same volume shares (after ``rm -rf`` of the old one, or another job on
+one ``memory://`` URL). So each
 process folder is held by one live manager (an flock on ``<p<i>>/.flax_ckpt.lock``, released by the
 OS when its holder dies; a second manager is refused with CheckpointLockedError), and belongs to one
 run directory: the run's id is stored in the directory (``.flax_ckpt.run``, made with the first
@@ -17,6 +19,7 @@ Copies in a folder of another run id are that run's: ignored, never restored or 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -36,6 +39,23 @@ log = logging.getLogger("flax_ckpt")
 RUN_FILE = ".flax_ckpt.run"  # in the run directory: {"run": its id}, made by the first tiered manager
 OWNER_FILE = "run.json"  # in each process folder: {"run": the id of the run whose copies it holds}
 _MAX_ID = 4096
+
+
+def folder_key(storage: Storage) -> str:
+    """The name of the folder under ``Tiers.local_dir`` that holds the memory copies of the run in
+    ``storage``: a digest (16 hex) of the directory's URL and, for a local directory, of the device
+    (file system) it lies on. Two jobs whose directories have one path on different volumes (two
+    containers sharing one host tmpfs, each with its own volume mounted at that path) get folders of
+    their own: neither takes the other's copies for another run's and deletes them. A new run at a
+    deleted run's path on the same volume gets the deleted run's folder, whose copies it removes
+    (their run id is not its own); the directory's inode is left out for that reason."""
+    text = storage.url
+    if storage.local_path is not None:
+        try:
+            text += f"\0{os.stat(storage.local_path).st_dev}"  # the directory's, where a link leads
+        except OSError:
+            pass  # not made yet: its path alone, as for an object store
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:16]
 
 
 def run_id(storage: Storage) -> str:

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import crc32c
 import numpy as np
 
+from flax_ckpt._src import checks
 from flax_ckpt._src import tree as tree_mod
 from flax_ckpt._src.checks import seal, seal_text, unseal
 from flax_ckpt._src.commit import atomic as commit_mod
@@ -58,7 +59,6 @@ else:
 CHUNK = 1 << 20
 INDEX, DATA, COMMIT = "index.json", "data.bin", "commit.json"
 _FORMAT, _VERSION = "flax_ckpt-tier", 1
-_MAX_INDEX = 256 << 20
 
 
 # ------------------------------------------------------------------------------------------- bytes
@@ -434,7 +434,9 @@ class Encoded:
             where[at] = crcs[j] if where is not self.text else str(crcs[j])
         self.pending = []
         if self.text is not None:
-            self.index = seal_text("".join(self.text), name=_FORMAT, version=_VERSION)
+            self.index = seal_text(
+                "".join(self.text), name=_FORMAT, version=_VERSION, what="memory-tier index"
+            )
         else:
             assert self.body is not None, "an index is sealed from its text or its body"
             self.index = encode_index(self.body)
@@ -459,7 +461,7 @@ def shard_key(rec: dict[str, Any], box: Any) -> str:
 
 
 def encode_index(body: dict[str, Any]) -> bytes:
-    return seal(body, name=_FORMAT, version=_VERSION)
+    return seal(body, name=_FORMAT, version=_VERSION, what="memory-tier index")
 
 
 def decode_index(raw: bytes | memoryview, where: str) -> dict[str, Any]:
@@ -470,7 +472,6 @@ def decode_index(raw: bytes | memoryview, where: str) -> dict[str, Any]:
         where=f"{where}/{INDEX}",
         what="memory-tier index",
         error=CorruptCheckpointError,
-        max_bytes=_MAX_INDEX,
     )
 
 
@@ -509,7 +510,7 @@ def open_copy(folder: str, *, with_base: bool = True) -> Copy:
     tier_files.check_folder(folder, "memory copy")
     fd, _ = tier_files.open_own(os.path.join(folder, INDEX), "copy index")
     with os.fdopen(fd, "rb") as f:
-        body = decode_index(f.read(_MAX_INDEX), folder)
+        body = decode_index(f.read(checks.MAX_MANIFEST_BYTES + 1), folder)
     base = None
     if body["base"] is not None and with_base:
         base = open_copy(os.path.join(os.path.dirname(folder), str(body["base"])), with_base=False)

@@ -38,6 +38,7 @@ from flax_ckpt._src.tiers.policy import CopyPolicy
 from flax_ckpt._src.tiers.recover import Recovery
 from flax_ckpt._src.tiers.ring import PeerRing
 from flax_ckpt._src.tiers.sync import Group
+from flax_ckpt._src.window import Window
 
 log = logging.getLogger("flax_ckpt")
 
@@ -72,9 +73,10 @@ class TierSet:
     def __init__(self, cfg: Tiers, persistent: Persistent):
         self.cfg, self.persistent, self.directory = cfg, persistent, persistent.url
         steps = set(persistent.steps())
-        digest = hashlib.sha256(self.directory.encode()).hexdigest()[:16]
+        digest = hashlib.sha256(self.directory.encode()).hexdigest()[:16]  # the processes' rounds
         self.group = Group(digest)
-        self.holdings = Holdings(cfg.local_dir, digest, self.group.index, self.group.count)
+        folder = holdings_mod.folder_key(persistent.storage)  # this volume's directory: its own folder
+        self.holdings = Holdings(cfg.local_dir, folder, self.group.index, self.group.count)
         self.root, self.local_dir = self.holdings.root, self.holdings.local_dir
         try:
             self.holdings.make()  # and locked: one live manager per process folder
@@ -100,7 +102,7 @@ class TierSet:
             (lambda mine: caller.allgather("admit", mine)) if self.group.count > 1 else None,
             _warn_skipped,
         )
-        self.stats: list[TierStats] = []
+        self.stats: Window[TierStats] = Window()  # the newest copies, with totals
         self.last_plan: Plan | None = None
         try:
             self._start(steps, refused, run)

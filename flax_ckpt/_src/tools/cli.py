@@ -167,6 +167,14 @@ def _positive(text: str) -> int:
     return n
 
 
+def count(n: int, noun: str) -> str:
+    """``n`` and ``noun``, plural unless ``n`` is 1: "1 leaf", "3 leaves", "1 step", "0 steps"."""
+    return f"{n} {noun if n == 1 else PLURALS.get(noun, noun + 's')}"
+
+
+PLURALS = {"leaf": "leaves"}
+
+
 def human_bytes(n: int | None) -> str:
     if n is None:
         return "-"
@@ -207,7 +215,8 @@ def sharding_text(s: dict[str, Any] | None) -> str:
             "None" if p is None else p if isinstance(p, str) else "(" + ",".join(p) + ")" for p in s["spec"]
         )
         return f"NamedSharding(mesh=({mesh}),spec=({spec}))"
-    return f"{s.get('type')}({s.get('num_devices', '?')} devices)"
+    n = s.get("num_devices")
+    return f"{s.get('type')}({count(n, 'device') if isinstance(n, int) else '? devices'})"
 
 
 def _strict(obj: Any) -> Any:
@@ -236,12 +245,18 @@ def _ls_note(e: Any) -> str:
     """Metrics of a committed step; otherwise its folder name and, for an invalid one, why."""
     if e.committed:
         return _metrics_text(e.metrics)
+    if e.state == "held":
+        return f"{e.name}: bytes later steps share"
     note = e.name if e.name != str(e.step) else "-"
-    return note + (f" ({e.problem.splitlines()[0][:80]})" if e.problem and e.state == "invalid" else "")
+    return note + (
+        f" ({e.problem.splitlines()[0][:80]})" if e.problem and e.state in ("invalid", "ambiguous") else ""
+    )
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
+    from flax_ckpt._src import compile_cache
     from flax_ckpt._src import tools as fi
+    from flax_ckpt._src.storage import open_storage
 
     entries = fi.list_steps(args.directory)
     if args.local_dir:
@@ -257,7 +272,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
             e.state,
             e.tier,
             e.format or "-",
-            human_bytes(e.nbytes),
+            human_bytes(e.nbytes) + (f" +{human_bytes(e.shared)} shared" if e.shared else ""),
             _time_text(e.created),
             _ls_note(e),
         ]
@@ -274,6 +289,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
                 "tier": e.tier,
                 "format": e.format,
                 "nbytes": e.nbytes,
+                "shared_nbytes": e.shared,
                 "metrics": e.metrics,
                 "created": e.created,
                 "problem": e.problem,
@@ -290,8 +306,22 @@ def cmd_ls(args: argparse.Namespace) -> int:
         if steps
         else f"no steps in {args.directory}"
     )
-    _emit(args, doc, text + _leftovers_line(leftovers))
+    cache = compile_cache.summary(open_storage(args.directory))
+    if cache is not None:
+        doc["compile_cache"] = {"programs": cache[0], "nbytes": cache[1], "for": cache[2]}
+    _emit(args, doc, text + _leftovers_line(leftovers) + _cache_line(cache))
     return EXIT_OK
+
+
+def _cache_line(cache: tuple[int, int, list[str]] | None) -> str:
+    """The line of a run's compilation cache (compile_cache/), or nothing."""
+    if cache is None:
+        return ""
+    n, nbytes, kinds = cache
+    made = f" ({', '.join(kinds)})" if kinds else ""
+    return (
+        f"\ncompile_cache/: {n} compiled {'program' if n == 1 else 'programs'}, {human_bytes(nbytes)}{made}"
+    )
 
 
 _LEFTOVERS = {
@@ -358,7 +388,10 @@ def cmd_info(args: argparse.Namespace) -> int:
         f"{info.process_count}  created {_time_text(info.created)}\nmetrics: {_metrics_text(info.metrics)}"
         + ("" if info.metadata is None else f"\nmetadata: {json.dumps(info.metadata, default=str)}")
     )
-    total = f"total: {len(leaves)} leaves ({arrays} arrays), {info.nbytes} bytes ({human_bytes(info.nbytes)})"
+    total = (
+        f"total: {count(len(leaves), 'leaf')} ({count(arrays, 'array')}), "
+        f"{count(info.nbytes, 'byte')} ({human_bytes(info.nbytes)})"
+    )
     _emit(
         args,
         doc,
@@ -411,16 +444,16 @@ def cmd_verify(args: argparse.Namespace) -> int:
     run = (
         ""
         if r.steps is None
-        else f" ({len(r.steps)} steps" + "".join(f"; {what}" for what in _run_notes(r)) + ")"
+        else f" ({count(len(r.steps), 'step')}" + "".join(f"; {what}" for what in _run_notes(r)) + ")"
     )
     if r.steps == [] and not problems:
         text = f"no steps in {args.path}: nothing to verify" + ("" if run == " (0 steps)" else run)
     elif problems:
         bad_steps = sorted({p.step for p in problems if p.step is not None})
         head = (
-            f"DAMAGED {args.path}: {len(problems)} problems"
-            + (f" in {len(damaged)} leaves" if damaged else "")
-            + (f" of steps {', '.join(map(str, bad_steps))}" if bad_steps else "")
+            f"DAMAGED {args.path}: {count(len(problems), 'problem')}"
+            + (f" in {count(len(damaged), 'leaf')}" if damaged else "")
+            + (f" of step{'s' * (len(bad_steps) > 1)} {', '.join(map(str, bad_steps))}" if bad_steps else "")
             + run
         )
         text = "\n".join(
@@ -433,7 +466,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         )
     elif r.unverified:
         text = (
-            f"UNVERIFIED {args.path}: every leaf reads back, but {len(r.unverified)} of {r.leaves} leaves carry "
+            f"UNVERIFIED {args.path}: every leaf reads back, but {len(r.unverified)} of {count(r.leaves, 'leaf')} carry "
             f"no checksum (their format stores none: Orbax's layout, legacy Flax msgpack and safetensors "
             f"files), so damage to their bytes cannot be detected"
             + run
@@ -483,7 +516,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
     lines = [f"only in A: {k}" for k in r.only_in_a] + [f"only in B: {k}" for k in r.only_in_b]
     lines += [f"differs: {d.key}  {d.a} vs {d.b}" + _diff_detail(d) for d in r.differing]
     lines.append(
-        f"{r.same} leaves identical"
+        f"{count(r.same, 'leaf')} identical"
         + (
             ""
             if r.identical
@@ -524,8 +557,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
     left = [f"{len(r.outside)} outside --subtree {r.subtree!r}"] if r.outside else []
     left += [f"{len(r.skipped)} that are not plain arrays ({', '.join(r.skipped)})"] if r.skipped else []
     text = (
-        f"wrote {r.dst} ({r.to}): {r.leaves} leaves, {human_bytes(r.nbytes)}"
-        + (f"; left out {len(r.skipped) + len(r.outside)} leaves: {'; '.join(left)}" if left else "")
+        f"wrote {r.dst} ({r.to}): {count(r.leaves, 'leaf')}, {human_bytes(r.nbytes)}"
+        + (f"; left out {count(len(r.skipped) + len(r.outside), 'leaf')}: {'; '.join(left)}" if left else "")
         + "".join(f"\nleft out {why}" for why in r.fields_left_out.values())
     )
     _emit(args, doc, text)

@@ -113,11 +113,13 @@ def _value(leaf: Any) -> Any:
 
 def is_empty_run(folder: Storage, temporary: list[str]) -> bool:
     """Whether ``folder``, which holds no checkpoint and no step, is a run directory without steps
-    yet: a folder that is empty, or holds only saves in flight, interrupted deletions and a
-    manager's lock file (whatever the run's format)."""
+    yet: a folder that is empty, or holds only saves in flight, interrupted deletions, a manager's
+    lock file and files of the run's own (a config file written before the first step), whatever the
+    run's format. A folder with a sub-folder (a checkpoint's ``data/``: a save that never committed)
+    is not."""
     if folder.kind() != "folder":
         return False
-    return all(n in temporary or n == LOCK_FILE for n in folder.list())
+    return all(n in temporary or n == LOCK_FILE or folder.sub(n).kind() == "file" for n in folder.list())
 
 
 class Leaves:

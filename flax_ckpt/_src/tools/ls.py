@@ -7,7 +7,6 @@ metrics. Which folders are steps is layouts.step_folders', the same discovery th
 
 from __future__ import annotations
 
-import hashlib
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -20,9 +19,11 @@ from flax_ckpt._src.errors import (
     CorruptCheckpointError,
     InvalidManifestError,
 )
+from flax_ckpt._src.native import sharing
 from flax_ckpt._src.orbax.locate import step_number
 from flax_ckpt._src.storage import LocalStorage, Storage, open_storage
 from flax_ckpt._src.tiers import store as tier_store
+from flax_ckpt._src.tiers.holdings import folder_key
 from flax_ckpt._src.tools.common import identity
 
 
@@ -30,8 +31,13 @@ from flax_ckpt._src.tools.common import identity
 class StepEntry:
     """One entry of a checkpoint directory. ``state``: "committed" (a valid manifest, or an Orbax
     step), "in-flight" (a save in flight or one that crashed), "deleting" (an interrupted deletion),
-    "invalid" (a manifest or Orbax metadata that fails validation) or "uncommitted" (no manifest).
-    ``format``: "native", "orbax", "flax_msgpack" (a legacy Flax file), "memory (...)" or None when unknown."""
+    "invalid" (a manifest or Orbax metadata that fails validation), "uncommitted" (no manifest) or
+    "ambiguous" (one of several folders whose names stand for the same step, ``10`` and ``00010``: never
+    read as the step; ``problem`` names them).
+    ``format``: "native", "orbax", "flax_msgpack" (a legacy Flax file), "memory (...)" or None when unknown.
+    A step of a run whose steps share bytes (docs/design.md): ``nbytes`` counts its own files,
+    ``shared`` the bytes of other steps' files it refers to; state "held": a removed step's folder,
+    kept for the bytes later steps refer to (deleted with the last of them)."""
 
     name: str
     step: int | None
@@ -42,6 +48,7 @@ class StepEntry:
     metrics: dict[str, Any] | None = None
     created: float | None = None
     problem: str | None = None
+    shared: int = 0
 
     @property
     def committed(self) -> bool:
@@ -80,6 +87,11 @@ def list_steps(directory: Any, *, tier: str = "persistent") -> list[StepEntry]:
         raise CheckpointNotFoundError(f"{root.url} is not a folder of checkpoints")
     folders, temporary = layouts.step_folders(root, files=True)
     entries = [e for e in (_entry(root, f, tier) for f in folders) if e is not None]
+    entries += [
+        StepEntry(name, int(name.split(".", 1)[0]), "held", tier, "native", _disk_size(root.sub(name)))
+        for name in root.list()
+        if sharing.is_held(name)
+    ]
     for name in temporary:
         step = step_number(commit_mod.base_name(name))  # "<step>" or Orbax's "<prefix>_<step>"
         state = "deleting" if commit_mod.DELETING_MARK in name else "in-flight"
@@ -94,6 +106,9 @@ def _entry(root: Storage, f: layouts.StepFolder, tier: str, tries: int = 3) -> S
     before = identity(folder, f.layout.record)
     if before is None:
         return None
+    ambiguous = f.ambiguity(root.url)
+    if ambiguous is not None:  # several folders name this step: none of them is it
+        return StepEntry(f.name, f.step, "ambiguous", tier, None, _disk_size(folder), problem=ambiguous)
     try:
         source = f.layout.open(folder)
         info = source.info()
@@ -102,7 +117,11 @@ def _entry(root: Storage, f: layouts.StepFolder, tier: str, tries: int = 3) -> S
             return _entry(root, f, tier, tries - 1) if tries > 1 else None
         return _failed(folder, f, tier, e)
     size = _disk_size(folder) if folder.local_path is not None else info.nbytes
-    return StepEntry(f.name, f.step, "committed", tier, f.layout.name, size, info.metrics, info.created)
+    held = (getattr(source, "body", None) or {}).get("shared") or {}
+    shared = sum(n for h in held.values() for n in h["files"].values())
+    return StepEntry(
+        f.name, f.step, "committed", tier, f.layout.name, size, info.metrics, info.created, shared=shared
+    )
 
 
 def _failed(folder: Storage, f: layouts.StepFolder, tier: str, e: Exception) -> StepEntry:
@@ -116,9 +135,8 @@ def _failed(folder: Storage, f: layouts.StepFolder, tier: str, e: Exception) -> 
 
 def memory_tier_root(directory: Any, local_dir: str) -> str:
     """Where a tiered CheckpointManager of ``directory`` keeps its memory tiers under ``Tiers.local_dir``
-    (the scheme of tierset.TierSet: ``<local_dir>/<sha256 of the directory's URL, 16 hex>/``)."""
-    url = open_storage(directory).url
-    return os.path.join(os.path.abspath(local_dir), hashlib.sha256(url.encode()).hexdigest()[:16])
+    (the scheme of tierset.TierSet: ``<local_dir>/<tiers.holdings.folder_key of the directory>/``)."""
+    return os.path.join(os.path.abspath(local_dir), folder_key(open_storage(directory)))
 
 
 def list_memory_tiers(directory: Any, local_dir: str) -> list[StepEntry]:

@@ -17,6 +17,7 @@ from typing import Any, Callable, Literal
 from flax_ckpt._src import layouts
 from flax_ckpt._src.commit import atomic as commit_mod
 from flax_ckpt._src.errors import CheckpointError, CheckpointNotFoundError, StorageError
+from flax_ckpt._src.native import sharing
 from flax_ckpt._src.retention import steps_to_delete
 from flax_ckpt._src.storage import Storage, open_storage
 from flax_ckpt._src.storage.lock import DirectoryLock
@@ -110,7 +111,7 @@ def _check_options(
 
 def _left_alone(root: Storage, entries: list[StepEntry], formats: tuple[str, ...]) -> list[str]:
     """Checkpoints of other formats in the directory: steps of other formats and .safetensors files."""
-    names = [e.name for e in entries if e.committed and e.format not in formats]
+    names = [e.name for e in entries if (e.committed and e.format not in formats) or e.state == "ambiguous"]
     try:
         names += [n for n in root.list() if n.endswith(".safetensors")]
     except (CheckpointError, OSError):
@@ -133,7 +134,9 @@ def _lock(root: Storage) -> Any:
 def _delete(root: Storage, doomed: list[StepEntry]) -> None:
     """Deletes ``doomed``, after checking that every one of them is still there as listed."""
     found = {f.name: f for f in layouts.step_folders(root, files=True)[0]}
-    plans = [(e, _plan(root, e, found.get(e.name))) for e in doomed]  # every check before the first deletion
+    # what the kept steps refer to (native/sharing.py): a step they refer to is retired, not removed
+    refs = sharing.referenced(root, [e.name for e in doomed]) if doomed and root.supports_rename else None
+    plans = [(e, _plan(root, e, found.get(e.name), refs)) for e in doomed]  # every check before the first
     done: list[str] = []
     for e, remove in plans:
         try:
@@ -145,9 +148,13 @@ def _delete(root: Storage, doomed: list[StepEntry]) -> None:
                 "with an atomic rename); run prune again once fixed"
             ) from err
         done.append(e.name)
+    if root.supports_rename:
+        sharing.sweep(root)  # retired folders no kept step refers to any more
 
 
-def _plan(root: Storage, e: StepEntry, f: layouts.StepFolder | None) -> Callable[[], None]:
+def _plan(
+    root: Storage, e: StepEntry, f: layouts.StepFolder | None, refs: set[tuple[str, str]] | None
+) -> Callable[[], object]:
     """How to delete step ``e`` (``f``: its step folder, listed again now), checked now: a
     CheckpointNotFoundError if it is no longer as it was listed."""
     where = f"{root.url.rstrip('/')}/{e.name}"
@@ -171,4 +178,6 @@ def _plan(root: Storage, e: StepEntry, f: layouts.StepFolder | None) -> Callable
         f.layout.metrics(root.sub(e.name))  # committed, and opens
     except (CheckpointError, OSError, ValueError):
         raise changed from None
+    if f.layout.name == "native" and root.supports_rename:
+        return lambda: sharing.remove_step(root, e.name, f.layout.record, refs=refs)
     return lambda: commit_mod.remove(root, e.name, f.layout.record)

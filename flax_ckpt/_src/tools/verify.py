@@ -106,6 +106,10 @@ def _check_one(folder: Storage, progress: bool, fmt: layouts.Layout | None = Non
 def _check_run(root: Storage, steps: list[layouts.StepFolder], progress: bool) -> Report:
     problems, unverified, verified, skipped, leaves, linked, gone = [], [], [], [], 0, [], []
     for f in steps:
+        ambiguous = f.ambiguity(root.url)
+        if ambiguous is not None:  # several folders name this step: none is verified as it
+            problems.append(Problem(None, f.name, ambiguous, f.step))
+            continue
         try:
             r = _check_step(root, f, progress)
         except CheckpointNotCommittedError:

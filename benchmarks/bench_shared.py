@@ -1,0 +1,126 @@
+"""A fine-tune's saves: a frozen base and a small part that changes, against a state that changes whole.
+
+    python benchmarks/bench_shared.py                      # 32 MiB frozen + 0.75 MiB changing, 5 rounds
+    python benchmarks/bench_shared.py --frozen-mb 256 --rounds 3
+    python benchmarks/ab.py --baseline /tmp/flax_ckpt-base --rounds 3 --keys 'full' -- bench_shared.py
+
+Two states of the same size, each saved by its own ``CheckpointManager`` (async_save=True,
+max_to_keep=2, the default serializer), after two untimed warm-up saves:
+- "lora": ``--frozen-mb`` MiB of frozen matrices (4 MiB each) plus ``--changing-mb`` MiB that change at
+  every save (LoRA factors and their adam moments);
+- "full": the same shapes, every byte changed at every save (two states saved alternately).
+"durable" is from the save call until ``wait_until_finished`` returns (retention included). Each round
+saves each state once, the order alternating; figures are medians over rounds, and "lora_over_full" the
+median of per-round ratios. "bytes": what 10 saves of the lora state leave on disk with
+``max_to_keep=None`` and with 2, against one full state plus what changed (issue 54's bound: 1.3x).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+import warnings
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common as C  # noqa: E402
+
+C.jax_cpu_env()
+warnings.filterwarnings("ignore")
+
+import flax_ckpt as fc  # noqa: E402
+
+
+def states(frozen_mb: int, changing_mb: float) -> tuple[dict, list[dict], list[dict]]:
+    """(frozen part, changing parts for every save, fully changed states (two, saved alternately))."""
+    rng = np.random.default_rng(0)
+    n = max(1, frozen_mb // 4)
+    frozen = {f"w{i}": rng.standard_normal((1024, 1024), dtype=np.float32) for i in range(n)}
+    per = int(changing_mb * C.MB / 4 / 6)
+    changing = [{k: rng.standard_normal(per, dtype=np.float32) for k in "abcdef"} for _ in range(4)]
+    full = [
+        {
+            "frozen": {k: rng.standard_normal(v.shape, dtype=np.float32) for k, v in frozen.items()},
+            "lora": changing[i],
+        }
+        for i in range(2)
+    ]
+    return frozen, changing, full
+
+
+def saves(directory, make, count: int, **kw) -> list[float]:
+    """Seconds until durable of ``count`` saves (after two untimed ones) of ``make(step)``."""
+    out = []
+    with fc.CheckpointManager(directory, max_to_keep=kw.pop("max_to_keep", 2), **kw) as mgr:
+        for step in range(count + 2):
+            state = make(step)
+            t0 = time.perf_counter()
+            mgr.save(step, state)
+            mgr.wait_until_finished()
+            if step >= 2:
+                out.append(time.perf_counter() - t0)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--frozen-mb", type=int, default=32)
+    ap.add_argument("--changing-mb", type=float, default=0.75)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--saves", type=int, default=4, help="timed saves per state per round")
+    args = ap.parse_args()
+    frozen, changing, full = states(args.frozen_mb, args.changing_mb)
+
+    def lora(step: int) -> dict:
+        return {"frozen": frozen, "lora": changing[step % len(changing)]}
+
+    def whole(step: int) -> dict:
+        return full[step % 2]
+
+    times: dict[str, list[float]] = {"lora": [], "full": []}
+    ratios = []
+    for r in range(args.rounds):
+        got = {}
+        for name in C.rotated(["lora", "full"], r):
+            d = C.fresh_dir(C.SCRATCH / f"{name}-{r}")
+            got[name] = statistics.median(saves(d, lora if name == "lora" else whole, args.saves))
+            C.remove_scratch(d)
+            times[name].append(got[name])
+        ratios.append(got["lora"] / got["full"])
+    nbytes = {}
+    for keep in (None, 2):
+        d = C.fresh_dir(C.SCRATCH / f"bytes-{keep}")
+        with fc.CheckpointManager(d, max_to_keep=keep, async_save=False) as mgr:
+            for step in range(10):
+                mgr.save(step, lora(step))
+        nbytes[f"keep_{keep}"] = C.disk_usage(d)
+        C.remove_scratch(d)
+    one = C.tree_bytes(dict(C.flat_items(lora(0))))
+    changed = C.tree_bytes(dict(C.flat_items(changing[0])))
+    bound = {"keep_None": one + 9 * changed, "keep_2": one + 2 * changed}
+    body = {
+        "args": vars(args),
+        "durable_s": {"lora": statistics.median(times["lora"]), "full": statistics.median(times["full"])},
+        "lora_over_full": statistics.median(ratios),
+        "bytes": nbytes,
+        "bytes_over_bound": {k: nbytes[k] / bound[k] for k in nbytes},
+        "state_bytes": one,
+        "changed_bytes": changed,
+    }
+    md = (
+        f"durable: lora {C.fmt(body['durable_s']['lora'] * 1e3, ' ms')}, full "
+        f"{C.fmt(body['durable_s']['full'] * 1e3, ' ms')}, lora/full {body['lora_over_full']:.3f}\n"
+        f"bytes of 10 saves: {nbytes['keep_None'] / C.MB:.1f} MiB (keep all), {nbytes['keep_2'] / C.MB:.1f} MiB "
+        f"(max_to_keep=2); over one state + what changed: {body['bytes_over_bound']['keep_None']:.3f}, "
+        f"{body['bytes_over_bound']['keep_2']:.3f}\n"
+    )
+    js, _ = C.write_report("bench_shared", body, md)
+    print(md + f"report: {js}")
+
+
+if __name__ == "__main__":
+    main()

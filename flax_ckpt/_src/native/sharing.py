@@ -1,0 +1,482 @@
+"""Steps of one run that share unchanged chunks: the references, the exact comparison, the deletion.
+
+Scope: what docs/design.md ("Steps that share bytes") describes. ``Base``, the previous step of a run
+as the next save compares with; ``Sharer``, the raw serializer's hook that turns a piece equal, byte for
+byte, to the base's chunk of the same leaf and box into a reference to those bytes; ``shared_head``,
+the manifest field listing the steps referred to; ``RunFiles``, the Storage a step's reads go through
+(a name ``../<step>/<file>`` is a file of a sibling step, retired or not); and the deletion by
+reference: ``referenced`` (what the committed manifests of a run name), ``remove_step`` (retire a step
+a kept step refers to, remove it otherwise) and ``sweep`` (delete retired folders nothing names).
+Not here: writing pieces (serializers/raw.py), the manifest schema's checks (native/manifest.py),
+which steps retention removes (retention.py).
+
+A retired step's folder is ``<step>.held-<id>`` (``id``: its manifest's, the nonce of its staging
+folder): never a step, never a leftover. Local folders only (a retirement is one rename).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+import threading
+import uuid
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from flax_ckpt._src.checks import MANIFEST, MAX_MANIFEST_BYTES, unseal
+from flax_ckpt._src.commit import atomic as commit_mod
+from flax_ckpt._src.errors import CheckpointError, CorruptCheckpointError
+from flax_ckpt._src.records import leaf_name
+from flax_ckpt._src.serializers.base import Box
+from flax_ckpt._src.storage import Storage
+
+log = logging.getLogger("flax_ckpt")
+
+HELD_MARK = ".held-"
+MIN_SHARED = 64 << 10  # pieces smaller than this are always written (raw.SHARE_MIN: not even asked)
+_HELD = re.compile(r"([0-9]+)\.held-([0-9a-f]{32})")
+_ID = re.compile(r"[0-9a-f]{32}")
+
+
+def held_name(step: str, ident: str) -> str:
+    """The folder of retired step ``step`` (its folder name) whose manifest's id is ``ident``."""
+    return f"{step}{HELD_MARK}{ident}"
+
+
+def is_held(entry: str) -> bool:
+    """Whether a run directory's ``entry`` is a retired step's folder."""
+    return _HELD.fullmatch(entry) is not None
+
+
+def is_id(value: Any) -> bool:
+    return isinstance(value, str) and _ID.fullmatch(value) is not None
+
+
+def staging_id(staging: str) -> str | None:
+    """The id of a save from its staging folder's name (``<step>.tmp-<hex>``), or None."""
+    head, mark, nonce = staging.rpartition(commit_mod.TMP_MARK)
+    return nonce if mark and head and is_id(nonce) else None
+
+
+def split_ref(name: str) -> tuple[str, str] | None:
+    """(step folder, file) of a chunk record's ``../<step>/<file>``; None for a file of the step itself."""
+    if not name.startswith("../"):
+        return None
+    step, _, rest = name[3:].partition("/")
+    return step, rest
+
+
+# ------------------------------------------------------------------------------------------ saving
+
+
+def enable(layout: Any, run: Storage) -> None:
+    """Makes a manager's native ``layout`` share unchanged chunks between the steps of ``run`` (local
+    folders, the raw serializer); any other layout or storage is left as it is."""
+    from flax_ckpt._src.serializers import raw
+
+    if (
+        getattr(layout, "name", None) == "native"
+        and run.supports_rename
+        and isinstance(getattr(layout, "serializer", None), raw.RawSerializer)
+    ):
+        layout.share = True
+
+
+def resumed(layout: Any, step: int) -> None:
+    """A manager restored ``step`` (read whole, every block checked): the next save of its sharing
+    ``layout`` compares with that step, not with the newest (which may be newer and damaged)."""
+    if getattr(layout, "share", False):
+        layout.resumed_from = str(step)
+
+
+class Base:
+    """The step a save compares with: its folder ``name`` and ``id``, per leaf number its key path and
+    chunk records, the sizes of the files they name (``(step folder, file)``) and the ids of the steps
+    holding them."""
+
+    def __init__(
+        self,
+        name: str,
+        ident: str,
+        names: Sequence[str | None],
+        chunks: dict[int, list[dict[str, Any]]],
+        sizes: dict[tuple[str, str], int],
+        ids: dict[str, str],
+    ):
+        self.name, self.id, self.names, self.chunks = name, ident, list(names), chunks
+        self.sizes, self.ids = sizes, dict(ids, **{name: ident})
+
+    @classmethod
+    def from_body(cls, name: str, body: dict[str, Any]) -> "Base | None":
+        """From a committed manifest's body (validated); None for a step without an id (never shared)."""
+        if not is_id(body.get("id")):
+            return None
+        names, chunks = [], {}
+        for i, leaf in enumerate(body["leaves"]):
+            names.append(leaf_name(leaf) if "chunks" in leaf else None)
+            if "chunks" in leaf:
+                chunks[i] = leaf["chunks"]
+        sizes = {(name, f): n for f, n in body["files"].items()}
+        ids = {}
+        for step, held in (body.get("shared") or {}).items():
+            ids[step] = held["id"]
+            sizes.update({(step, f): n for f, n in held["files"].items()})
+        return cls(name, body["id"], names, chunks, sizes, ids)
+
+    def candidate(self, leaf: int, name: str, box: Box) -> dict[str, Any] | None:
+        """The base's chunk record of leaf ``leaf`` (key path ``name``) covering exactly ``box``."""
+        if leaf >= len(self.names) or self.names[leaf] != name:
+            return None
+        for ch in self.chunks.get(leaf, ()):
+            if len(ch["index"]) == len(box) and all(
+                b[0] == s and b[1] == e for b, (s, e) in zip(ch["index"], box)
+            ):
+                return ch
+        return None
+
+    def located(self, record: dict[str, Any]) -> tuple[str, str]:
+        """(step folder, file) holding a base record's bytes."""
+        ref = split_ref(record["file"])
+        return ref if ref is not None else (self.name, record["file"])
+
+
+class Sharer:
+    """The raw serializer's ``share`` hook for one save against ``base``, reading its bytes from the run
+    directory ``run``. Thread-safe (pieces are asked in parallel: hashlib releases the GIL)."""
+
+    def __init__(self, base: Base, run: Storage, block: int):
+        self.base, self.files, self.block = base, RunFiles(run, base.ids, run=run), block
+        self.shared = 0  # bytes referred to instead of written
+        self._mutex = threading.Lock()
+
+    def __call__(
+        self, leaf: int, name: str, box: Box, data: memoryview, crcs: Callable[[], tuple[int, ...]]
+    ) -> dict[str, Any] | None:
+        """A reference record for the piece ``data`` of leaf ``leaf`` in ``box`` when the base's chunk
+        there holds the same bytes, else None: its crc32c blocks must equal ``crcs()``, then its SHA-256
+        (``HASH`` in the record) that of ``data``; a record without one (the chunk was written, not
+        shared, by the base) is read back and compared byte for byte. A shared record carries the
+        SHA-256, so the next save compares hashes only."""
+        n = len(data)
+        old = None if n < MIN_SHARED else self.base.candidate(leaf, name, box)
+        if old is None or old["nbytes"] != n or old["block"] != self.block:
+            return None
+        if list(crcs()) != list(old["crc32c"]):
+            return None
+        digest = hashlib.sha256(data).hexdigest()
+        step, file = self.base.located(old)
+        if old.get(HASH) != digest if HASH in old else not self._equal(step, file, old, data):
+            return None
+        with self._mutex:
+            self.shared += n
+        return dict(old, file=f"../{step}/{file}", **{HASH: digest})
+
+    def _equal(self, step: str, file: str, old: dict[str, Any], data: memoryview) -> bool:
+        """Whether the stored bytes of ``old`` are ``data``, read a block at a time and compared as
+        words, stopping at the first difference. (Equal bytes whose crc32c ``__call__`` found equal to
+        the record's need no checksum of their own: a damaged or missing earlier chunk differs from
+        ``data``, or fails to read, and is never referred to.)"""
+        step_bytes = min(old["block"], _COMPARE)
+        buf = bytearray(min(step_bytes, len(data)))
+        try:
+            for lo in range(0, len(data), step_bytes):
+                hi = min(lo + step_bytes, len(data))
+                view = memoryview(buf)[: hi - lo]
+                self.files.read_into(f"../{step}/{file}", old["offset"] + lo, view)
+                if not _same(view, data[lo:hi]):
+                    return False
+        except (OSError, CheckpointError):
+            return False
+        return True
+
+
+HASH = "sha256"  # a shared chunk record's field: the SHA-256 of its bytes, hex
+_COMPARE = 4 << 20  # bytes read and compared at a time
+
+
+def _same(a: memoryview, b: memoryview) -> bool:
+    """Whether two byte buffers of one length are equal (as 8-byte words where they divide)."""
+    n = len(a) - len(a) % 8
+    x, y = np.frombuffer(a, np.uint8), np.frombuffer(b, np.uint8)
+    return bool(np.array_equal(x[:n].view(np.uint64), y[:n].view(np.uint64))) and bool(
+        np.array_equal(x[n:], y[n:])
+    )
+
+
+class Sharing:
+    """The raw serializer asking ``sharer`` for each piece: a Serializer for write_streamed's batches
+    (every one of a save's ``write`` calls shares)."""
+
+    def __init__(self, serializer: Any, sharer: Sharer):
+        self.serializer, self.sharer, self.name = serializer, sharer, serializer.name
+
+    def write(self, storage: Storage, items: Sequence[Any], *, tag: str) -> Any:
+        return self.serializer.write(storage, items, tag=tag, share=self.sharer)
+
+
+def shared_head(chunks: dict[int, list[dict[str, Any]]], base: Base | None) -> dict[str, Any] | None:
+    """The manifest's ``shared`` field: {step folder: {"id", "files": {file: size}}} of every file of
+    another step that ``chunks`` name; None when they name none."""
+    out: dict[str, Any] = {}
+    for recs in chunks.values():
+        for ch in recs:
+            ref = split_ref(ch.get("file", ""))
+            if ref is None:
+                continue
+            if base is None or ref[0] not in base.ids or ref not in base.sizes:
+                raise CheckpointError(f"a chunk refers to {ch['file']}, which the base step does not hold")
+            held = out.setdefault(ref[0], {"id": base.ids[ref[0]], "files": {}})
+            held["files"][ref[1]] = base.sizes[ref]
+    return out or None
+
+
+def newest_base(run: Storage, exclude: str, known: Base | None, first: str | None = None) -> Base | None:
+    """The base of a save into ``run``: step folder ``first`` (the step the manager restored) when it is
+    still committed, else the committed native step with the highest number (but ``exclude``, the step
+    being saved); ``known`` when it is that step (the last one this layout committed). None when there
+    is none, or its manifest cannot be read (the save then writes all)."""
+    steps = sorted(
+        (n for n in map(commit_mod.step_number, run.list()) if n is not None and str(n) != exclude),
+        reverse=True,
+    )
+    if first is not None and first != exclude and int(first) in steps:
+        steps.insert(0, int(first))
+    for step in steps[:3]:
+        name = str(step)
+        if known is not None and known.name == name and run.sub(name).exists(MANIFEST):
+            return known
+        try:
+            from flax_ckpt._src.native.manifest import decode
+
+            body = decode(run.sub(name).read(MANIFEST, MAX_MANIFEST_BYTES), f"{run.url}/{name}/{MANIFEST}")
+        except (OSError, CheckpointError):
+            continue
+        return Base.from_body(name, body)
+    return None
+
+
+# ------------------------------------------------------------------------------------------ reading
+
+
+class RunFiles:
+    """The Storage a shared step's reads go through: its own files from ``storage``, a name
+    ``../<step>/<file>`` from that step of the run (its retired folder ``<step>.held-<id>`` first, then
+    ``<step>``; looked up again once when a file vanished: a retirement between the two). ``ids``:
+    {step folder: the id of the save holding the bytes} (the manifest's ``shared``)."""
+
+    def __init__(self, storage: Storage, ids: dict[str, str], *, run: Storage | None = None):
+        self._s, self._ids = storage, ids
+        self._run = run
+        self._at: dict[str, Storage] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._s, name)
+
+    @property
+    def run(self) -> Storage:
+        if self._run is None:
+            self._run = self._s.parent()[0]
+        return self._run
+
+    def holder(self, step: str, *, again: bool = False) -> Storage:
+        """The folder holding the bytes of step folder ``step``."""
+        if step in self._at and not again:
+            return self._at[step]
+        ident = self._ids.get(step)
+        if ident is None:
+            raise CorruptCheckpointError(f"{self._s.url}: a chunk refers to step {step}, not in its manifest")
+        held = self.run.sub(held_name(step, ident))
+        self._at[step] = found = held if held.kind() == "folder" else self.run.sub(step)
+        return found
+
+    def _call(self, name: str, op: Callable[[Storage, str], Any]) -> Any:
+        ref = split_ref(name)
+        if ref is None:
+            return op(self._s, name)
+        try:
+            return op(self.holder(ref[0]), ref[1])
+        except (FileNotFoundError, CorruptCheckpointError):
+            return op(self.holder(ref[0], again=True), ref[1])
+
+    def read_into(self, name: str, offset: int, out: memoryview) -> None:
+        try:
+            self._call(name, lambda s, n: s.read_into(n, offset, out))
+        except FileNotFoundError:
+            raise CorruptCheckpointError(self._missing(name)) from None
+
+    def read_ranges(self, name: str, parts: Sequence[tuple[int, Sequence[memoryview]]]) -> None:
+        self._call(name, lambda s, n: s.read_ranges(n, parts))
+
+    def check_size(self, name: str, expected: int) -> None:
+        try:
+            self._call(name, lambda s, n: s.check_size(n, expected))
+        except CorruptCheckpointError as e:
+            raise CorruptCheckpointError(f"{e}" + self._hint(name)) from None
+
+    def _missing(self, name: str) -> str:
+        return f"{self._s.url}: data file {name} is missing" + self._hint(name)
+
+    def _hint(self, name: str) -> str:
+        ref = split_ref(name)
+        if ref is None:
+            return ""
+        return (
+            f" (this step shares the bytes of step {ref[0]} of its run, {self.run.url}: a step that shares "
+            "is readable only in its run's directory; `flax-ckpt convert` makes a self-contained copy)"
+        )
+
+    def stored_bytes(self) -> int | None:
+        """The bytes of the step's folder and of every folder it refers to."""
+        own = self._s.stored_bytes()
+        if own is None:
+            return None
+        total = own
+        for step in self._ids:
+            n = self.holder(step).stored_bytes()
+            if n is None:
+                return None
+            total += n
+        return total
+
+
+# ------------------------------------------------------------------------------------------ deleting
+
+
+_Head = tuple["str | None", "dict[str, str] | None"]
+_HEADS: dict[tuple[str, int, int, int], _Head] = {}  # (manifest path, inode, mtime, size) -> head
+_HEADS_MAX = 4096
+
+
+def _head(run: Storage, name: str) -> _Head:
+    """(its id, {step folder: id} it refers to) of step folder ``name``'s committed manifest: (None, {})
+    for a folder without one (an Orbax step, a native one never committed); (None, None) when the
+    manifest cannot be read (what it refers to is then unknown). A committed manifest never changes:
+    on a local folder its reading is kept, by the file's identity (inode, mtime, size)."""
+    key = None
+    if run.local_path is not None:
+        path = os.path.join(run.local_path, name, MANIFEST)
+        try:
+            st = os.stat(path, follow_symlinks=False)
+        except (FileNotFoundError, NotADirectoryError):
+            return None, {}
+        except OSError:
+            return None, None
+        key = (path, st.st_ino, st.st_mtime_ns, st.st_size)
+        if key in _HEADS:
+            return _HEADS[key]
+    try:
+        raw = run.sub(name).read(MANIFEST, MAX_MANIFEST_BYTES)
+    except (FileNotFoundError, NotADirectoryError):
+        return None, {}
+    except OSError:
+        return None, None
+    try:
+        body = unseal(
+            raw, name="flax_ckpt", version=1, where=f"{run.url}/{name}", max_bytes=MAX_MANIFEST_BYTES
+        )
+    except (CheckpointError, ValueError):
+        return None, None
+    ident = body.get("id") if is_id(body.get("id")) else None
+    shared = body.get("shared") or {}
+    out: dict[str, str] | None = {}
+    if not isinstance(shared, dict):
+        out = None
+    else:
+        for step, held in shared.items():
+            if not isinstance(held, dict) or not is_id(held.get("id")):
+                out = None
+                break
+            out[step] = held["id"]
+    if key is not None:
+        if len(_HEADS) >= _HEADS_MAX:
+            _HEADS.clear()
+        _HEADS[key] = (ident, out)
+    return ident, out
+
+
+def referenced(run: Storage, gone: Sequence[str] = ()) -> set[tuple[str, str]] | None:
+    """The (step folder, id) pairs that the committed native steps of ``run`` (but those in ``gone``)
+    refer to; None when some step folder's manifest cannot be read: then nothing may be freed."""
+    out: set[tuple[str, str]] = set()
+    for entry in run.list():
+        if commit_mod.step_number(entry) is None or entry in gone:
+            continue
+        shared = _head(run, entry)[1]
+        if shared is None:
+            return None
+        out.update(shared.items())
+    return out
+
+
+def own_id(run: Storage, name: str) -> str | None:
+    """The id in the manifest of step folder ``name`` (None: none, or unreadable)."""
+    return _head(run, name)[0]
+
+
+def remove_step(
+    run: Storage,
+    name: str,
+    record: str,
+    *,
+    refs: set[tuple[str, str]] | None,
+    salvage: Callable[[str], None] | None = None,
+) -> bool:
+    """Deletes the committed native step folder ``name`` of ``run``, or, when a kept step refers to its
+    bytes (or ``refs``, the pairs ``referenced`` gave for the kept steps, is None: unknown), retires it:
+    one rename to ``<name>.held-<id>``. Returns whether it was retired."""
+    ident = own_id(run, name) if run.supports_rename else None
+    if ident is not None and (refs is None or (name, ident) in refs):
+        run.rename(name, held_name(name, ident))
+        run.sync(tree=False)
+        return True
+    commit_mod.remove(run, name, record, salvage=salvage)
+    return False
+
+
+def sweep(run: Storage, refs: set[tuple[str, str]] | None = None) -> list[str]:
+    """Deletes every retired folder of ``run`` that no committed step refers to (``refs``: as
+    ``referenced`` gives them, read here when None); returns their names. Nothing is deleted when a
+    committed step's manifest cannot be read."""
+    held = [e for e in run.list() if is_held(e)]
+    if not held:
+        return []
+    if refs is None:
+        refs = referenced(run)
+        if refs is None:
+            log.warning(
+                "%s: a step's manifest cannot be read, so the retired folders %s are kept (what it refers "
+                "to is unknown); `flax-ckpt prune` deletes them once that step is repaired or removed",
+                run.url,
+                ", ".join(held),
+            )
+            return []
+    gone = []
+    for entry in held:
+        m = _HELD.fullmatch(entry)
+        assert m is not None, "is_held matched it"
+        if (m.group(1), m.group(2)) in refs:
+            continue
+        doomed = f"{m.group(1)}{commit_mod.DELETING_MARK}{uuid.uuid4().hex}"  # a leftover if interrupted
+        run.rename(entry, doomed)
+        run.delete(doomed)
+        gone.append(entry)
+    return gone
+
+
+__all__ = [
+    "Base",
+    "HELD_MARK",
+    "RunFiles",
+    "Sharer",
+    "held_name",
+    "is_held",
+    "newest_base",
+    "referenced",
+    "remove_step",
+    "shared_head",
+    "staging_id",
+    "sweep",
+]
