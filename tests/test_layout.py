@@ -22,6 +22,7 @@ RANKS = {
     "flax_ckpt._src.records": 1,
     "flax_ckpt._src.checks": 1,
     "flax_ckpt._src.tree": 1,
+    "flax_ckpt._src.window": 1,  # a bounded list of the newest records, with totals
     "flax_ckpt._src.storage": 1,
     "flax_ckpt._src.serializers": 2,
     "flax_ckpt._src.commit": 3,  # the commit and the multi-process agreement (commit/distributed.py)

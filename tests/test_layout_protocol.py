@@ -272,8 +272,8 @@ def test_a_manager_takes_its_spare_files_from_its_layout(tmp_path, monkeypatch):
     tree = {"w": np.arange(1 << 18, dtype=np.float32)}
     with fc.CheckpointManager(tmp_path / "raw", max_to_keep=1) as mgr:
         assert isinstance(mgr.storage.recycler, Recycler)
-        for step in (1, 2):
-            mgr.save(step, tree)
+        for step in (1, 2):  # every byte changed: step 2 shares nothing of step 1's (native/sharing.py)
+            mgr.save(step, {"w": tree["w"] + step})
             mgr.wait_until_finished()
         assert mgr.storage.recycler._files  # step 1's data file, kept for the next save
     with fc.CheckpointManager(tmp_path / "raw", read_only=True) as reader:
@@ -287,7 +287,7 @@ def test_a_manager_takes_its_spare_files_from_its_layout(tmp_path, monkeypatch):
     monkeypatch.setattr(NativeLayout, "recycler", lambda self, storage: None)
     with fc.CheckpointManager(tmp_path / "declined", max_to_keep=1) as mgr:
         for step in (1, 2):
-            mgr.save(step, tree)
+            mgr.save(step, {"w": tree["w"] + step})
             mgr.wait_until_finished()
         assert mgr.storage.recycler is None and mgr.all_steps() == [2]
         assert sorted(os.listdir(tmp_path / "declined")) == [".flax_ckpt.lock", "2"]  # no folder of spares

@@ -214,7 +214,10 @@ class CompilationCache:
                     if n != ns and not n.startswith("."):
                         self.root.sub(n).delete()  # another version's programs: never loaded by this one
                 self._other = 0
-            log.info("compilation cache: %s holds %d programs", folder.url, len(self._names))
+            n = len(self._names)
+            log.log(
+                logging.INFO if n else logging.DEBUG, "compilation cache: %s holds %d programs", folder.url, n
+            )
         except Exception as e:
             self.broken = True
             self._say("open", f"compilation cache at {self.root.url} is not used ({e})")

@@ -67,6 +67,12 @@ class Layout(Protocol):
         """A removed step's data files are worth handing to the next save (a run's ``recycler``)."""
         ...
 
+    @property
+    def shares(self) -> bool:
+        """A step may refer to an earlier step's bytes (native/sharing.py): removing a step that a kept
+        step refers to retires it instead (``sharing.remove_step``)."""
+        ...
+
     def snapshot(self, tree: Any, *, copy: bool, reuse: Snapshot | None = None) -> Snapshot:
         """The blocking half of a save (caller's thread); refuses what the format cannot store."""
         ...

@@ -63,6 +63,7 @@ class _FileLayout(abc.ABC):
         return self.open(folder).metrics
 
     recycles = False  # never written
+    shares = False
 
     def recycler(self, storage: Storage) -> None:
         """None: these files are never written."""

@@ -259,7 +259,7 @@ class StepIndex:
                     self.recycler if folder.layout.recycles else None
                 )  # its data files: the next save's
                 salvage = recycler.retire if recycler is not None else None
-                if folder.layout.name == "native" and self.storage.supports_rename:
+                if folder.layout.shares and self.storage.supports_rename:
                     sharing.remove_step(
                         self.storage, folder.name, folder.layout.record, refs=refs, salvage=salvage
                     )

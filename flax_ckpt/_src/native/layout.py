@@ -236,6 +236,7 @@ class NativeLayout:
         return open_native(folder, step=self.step, serializer=self.serializer).metrics
 
     recycles = True  # a removed step's data files: whole files the raw serializer may write again
+    shares = True  # unchanged chunks refer to an earlier step's files (native/sharing.py)
 
     def recycler(self, storage: Storage) -> Recycler | None:
         """The raw serializer writes whole files, so on a local file system a removed step's data files

@@ -95,6 +95,7 @@ class OrbaxLayout:
         return locate.step_metrics(locate.locate(folder))
 
     recycles = False  # tensorstore writes its own files
+    shares = False  # Orbax must read every step by itself
 
     def recycler(self, storage: Storage) -> None:
         """None: tensorstore creates its files itself."""

@@ -178,6 +178,6 @@ def _plan(
         f.layout.metrics(root.sub(e.name))  # committed, and opens
     except (CheckpointError, OSError, ValueError):
         raise changed from None
-    if f.layout.name == "native" and root.supports_rename:
+    if f.layout.shares and root.supports_rename:
         return lambda: sharing.remove_step(root, e.name, f.layout.record, refs=refs)
     return lambda: commit_mod.remove(root, e.name, f.layout.record)
