@@ -22,6 +22,8 @@ TESTS=(
   tests/test_many_processes.py::test_merge_of_chunk_records_is_linear_and_keeps_what_it_kept
   "tests/test_s3_unreachable.py::test_unreachable_endpoint_fails_fast_and_quietly_in_a_real_process[refused]"
   tests/test_reliability_concurrency.py::test_reader_during_commits_and_retention_sees_only_whole_steps
+  tests/test_tiers.py::test_small_changes_are_stored_as_compressed_xor_deltas
+  tests/test_tier_every_step.py::test_encoder_stores_unchanged_as_references_small_changes_as_deltas_and_adam_updates_raw
 )
 burners=()
 stop_burners() { for pid in "${burners[@]}"; do kill "$pid" 2>/dev/null || true; done; }

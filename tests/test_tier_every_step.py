@@ -63,6 +63,9 @@ def _tiers(tmp_path, **kw) -> fc.Tiers:
 
 def test_encoder_stores_unchanged_as_references_small_changes_as_deltas_and_adam_updates_raw(tmp_path):
     with fc.CheckpointManager(tmp_path / "ckpt", tiers=_tiers(tmp_path, max_to_keep=5)) as mgr:
+        # what is worth a delta, judged apart from the time budget (its own test below): on a busy
+        # machine zlib's seconds would spend the budget's credit and store the little chunks raw
+        mgr.memory_tiers.policy.budget = tier_encode.DeltaBudget(share=1.0, credit_s=1e9)
         mgr.save(1, _state(1))
         mgr.wait_until_finished()
         mgr.save(2, _state(2))
