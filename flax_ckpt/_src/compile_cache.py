@@ -96,7 +96,6 @@ class CompilationCache:
         )
         self._names: dict[str, str] = {}  # key -> entry name
         self._sizes: dict[str, int] = {}  # entry name -> bytes
-        self._other = 0  # bytes of other versions' folders, until removed
         self._used: set[str] = set()  # keys this process read or wrote
         self._said: set[str] = set()  # the log lines said (one each)
         self.hits = 0
@@ -207,13 +206,11 @@ class CompilationCache:
                 if m is not None:
                     self._names[m["key"]] = name
                     self._sizes[name] = int(m["n"])
-            self._other = sum(1 for n in self.root.list() if n != ns)
             self._folder = folder
-            if self._other and _writer():
-                for n in self.root.list():
-                    if n != ns and not n.startswith("."):
-                        self.root.sub(n).delete()  # another version's programs: never loaded by this one
-                self._other = 0
+            stale = [n for n in self.root.list() if n != ns and not n.startswith(".")]
+            if stale and _writer():
+                for n in stale:
+                    self.root.sub(n).delete()  # another version's programs: never loaded by this one
             n = len(self._names)
             log.log(
                 logging.INFO if n else logging.DEBUG, "compilation cache: %s holds %d programs", folder.url, n
