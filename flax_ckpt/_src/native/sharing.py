@@ -174,6 +174,17 @@ class Sharer:
             self.shared += n
         return dict(old, file=f"../{step}/{file}", **{HASH: digest})
 
+    def maybe(self, leaf: int, name: str, box: Box, nbytes: int, crcs: tuple[int, ...] | None) -> bool:
+        """False when the piece of ``nbytes`` bytes of leaf ``leaf`` in ``box`` cannot be shared: the
+        base has no chunk of that size there, or ``crcs`` (its crc32c blocks, when known) differ from
+        that chunk's. Asked before ``__call__``, on the writer's thread: cheap, and never True alone."""
+        if nbytes < MIN_SHARED:
+            return False
+        old = self.base.candidate(leaf, name, box)
+        if old is None or old["nbytes"] != nbytes or old["block"] != self.block:
+            return False
+        return crcs is None or list(crcs) == list(old["crc32c"])
+
     def _equal(self, step: str, file: str, old: dict[str, Any], data: memoryview) -> bool:
         """Whether the stored bytes of ``old`` are ``data``, read a block at a time and compared as
         words, stopping at the first difference. (Equal bytes whose crc32c ``__call__`` found equal to
