@@ -408,6 +408,22 @@ def _head(run: Storage, name: str) -> _Head:
     return ident, out
 
 
+def remember(run: Storage, name: str, ident: str, shared: dict[str, str]) -> None:
+    """Keeps what ``_head`` would read of step folder ``name``'s manifest, just committed by this
+    process with id ``ident`` and referring to ``shared`` ({step folder: id}): retention and the sweep
+    after the save then need not read it again. Local folders only (as ``_head``'s keeping)."""
+    if run.local_path is None:
+        return
+    path = os.path.join(run.local_path, name, MANIFEST)
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except OSError:
+        return
+    if len(_HEADS) >= _HEADS_MAX:
+        _HEADS.clear()
+    _HEADS[(path, st.st_ino, st.st_mtime_ns, st.st_size)] = (ident, dict(shared))
+
+
 def referenced(run: Storage, gone: Sequence[str] = ()) -> set[tuple[str, str]] | None:
     """The (step folder, id) pairs that the committed native steps of ``run`` (but those in ``gone``)
     refer to; None when some step folder's manifest cannot be read: then nothing may be freed."""
