@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 import flax_ckpt as fc
+from flax_ckpt._src.engine import snapshot as snapshot_mod
 from flax_ckpt._src.native import sharing
 from test_shared_steps import _forge
 
@@ -74,9 +75,12 @@ def _same(a: dict, b: dict) -> None:
         np.testing.assert_array_equal(np.asarray(a[k]).view(np.uint8), np.asarray(b[k]).view(np.uint8), k)
 
 
+@pytest.mark.parametrize("compare", ["memcmp", "numpy"])
 def test_an_unchanged_state_is_shared_without_hashing_or_reading_and_every_change_is_written(
-    tmp_path, looked
+    tmp_path, looked, monkeypatch, compare
 ):
+    if compare == "numpy":  # where the C library's memcmp cannot be called
+        monkeypatch.setattr(snapshot_mod, "_memcmp", None)
     tree = _state()
     with fc.CheckpointManager(tmp_path) as mgr:
         saved = [_save(mgr, 0, tree), _save(mgr, 1, tree)]  # the first fills no arena, the second one

