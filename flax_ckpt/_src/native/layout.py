@@ -170,7 +170,7 @@ class NativeLayout:
                 shares=shares,
             )
             commit_mod.commit(parent, staging, name, MANIFEST, data)
-            self._committed(snap, name, written, shares, sharer)
+            self._committed(snap, parent, name, written, shares, sharer)
             times.write, times.commit = t1 - t0, time.perf_counter() - t1
             times.fsync, times.serialize, times.written = written.fsync_s, written.serialize_s, written.nbytes
         except BaseException:
@@ -208,6 +208,7 @@ class NativeLayout:
     def _committed(
         self,
         snap: Snapshot,
+        parent: Storage,
         name: str,
         written: Written,
         shares: "tuple[str, sharing.Base | None] | None",
@@ -221,6 +222,8 @@ class NativeLayout:
         if arena is not None and arena.fills == snap.fill and snap.checksum == raw.BLOCK:
             arena.saved_as = (name, shares[0])  # what the arena holds is this step's bytes
         base = shares[1]
+        shared = sharing.shared_head(written.chunks, base) or {}
+        sharing.remember(parent, name, shares[0], {step: held["id"] for step, held in shared.items()})
         sizes = {(name, f): n for f, n in written.files.items()}
         ids: dict[str, str] = {}
         if base is not None:

@@ -191,6 +191,17 @@ class Sharer:
             for k in self.kept.get(leaf, ())
         )
 
+    def maybe(self, leaf: int, name: str, box: Box, nbytes: int, crcs: tuple[int, ...] | None) -> bool:
+        """False when the piece of ``nbytes`` bytes of leaf ``leaf`` in ``box`` cannot be shared: the
+        base has no chunk of that size there, or ``crcs`` (its crc32c blocks, when known) differ from
+        that chunk's. Asked before ``__call__``, on the writer's thread: cheap, and never True alone."""
+        if nbytes < MIN_SHARED:
+            return False
+        old = self.base.candidate(leaf, name, box)
+        if old is None or old["nbytes"] != nbytes or old["block"] != self.block:
+            return False
+        return crcs is None or list(crcs) == list(old["crc32c"])
+
     def _equal(self, step: str, file: str, old: dict[str, Any], data: memoryview) -> bool:
         """Whether the stored bytes of ``old`` are ``data``, read a block at a time and compared as
         words, stopping at the first difference. (Equal bytes whose crc32c ``__call__`` found equal to
@@ -412,6 +423,22 @@ def _head(run: Storage, name: str) -> _Head:
             _HEADS.clear()
         _HEADS[key] = (ident, out)
     return ident, out
+
+
+def remember(run: Storage, name: str, ident: str, shared: dict[str, str]) -> None:
+    """Keeps what ``_head`` would read of step folder ``name``'s manifest, just committed by this
+    process with id ``ident`` and referring to ``shared`` ({step folder: id}): retention and the sweep
+    after the save then need not read it again. Local folders only (as ``_head``'s keeping)."""
+    if run.local_path is None:
+        return
+    path = os.path.join(run.local_path, name, MANIFEST)
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except OSError:
+        return
+    if len(_HEADS) >= _HEADS_MAX:
+        _HEADS.clear()
+    _HEADS[(path, st.st_ino, st.st_mtime_ns, st.st_size)] = (ident, dict(shared))
 
 
 def referenced(run: Storage, gone: Sequence[str] = ()) -> set[tuple[str, str]] | None:
