@@ -80,6 +80,7 @@ class LeafRecord:
     # made on first use and kept (slots, not a __dict__: a record per leaf, 10^6 of them in a large tree)
     _name: str | None = field(default=None, init=False, repr=False)
     _text: str | None = field(default=None, init=False, repr=False)
+    _json: dict[str, Any] | None = field(default=None, init=False, repr=False)
 
     @property
     def name(self) -> str:
@@ -159,16 +160,21 @@ class LeafRecord:
     # The manifest's JSON form (see validate_leaf for its schema).
 
     def json(self) -> dict[str, Any]:
-        """``to_json()``, made anew at each call: not kept with the record (a dict per leaf is ~7
-        times the leaf's text; the text is what a save of the structure again reuses, ``json_text``)."""
-        return self.to_json()
+        """``to_json()``, made once per record and shared: read-only (a snapshot of a structure saved
+        before reuses its records, engine/snapshot.py, so a memory-tier copy at every step does not
+        build them again). Only the memory tiers' differential copies ask for it: a manifest is made
+        from ``json_text`` (a dict per leaf, kept, is ~7 times the leaf's text)."""
+        j = self._json
+        if j is None:
+            j = self.to_json()
+            object.__setattr__(self, "_json", j)
+        return j
 
     def json_text(self) -> str:
-        """``to_json()`` in its canonical text (checks.canonical), made once per record and kept (a
-        snapshot of a structure saved before reuses its records, engine/snapshot.py)."""
+        """``to_json()`` in its canonical text (checks.canonical), made once per record and kept."""
         t = self._text
         if t is None:
-            t = canonical(self.to_json())
+            t = canonical(self._json if self._json is not None else self.to_json())
             object.__setattr__(self, "_text", t)
         return t
 

@@ -136,7 +136,7 @@ def _joined(
 
 
 def _leaf(record: LeafRecord, chunks: list[dict[str, Any]] | None) -> dict[str, Any]:
-    return record.json() if chunks is None else dict(record.json(), chunks=chunks)
+    return record.to_json() if chunks is None else dict(record.to_json(), chunks=chunks)
 
 
 _NO_CHUNKS = (
