@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
@@ -53,7 +53,7 @@ def dtype_name(dt: np.dtype) -> str:
     return np.dtype(dt).name
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, slots=True)
 class LeafRecord:
     """One leaf as a checkpoint holds it, whatever the layout (native manifest, Orbax ``_METADATA``,
     memory-tier index): the typed form the engine checks targets against and reads from.
@@ -77,11 +77,15 @@ class LeafRecord:
     chunks: tuple[dict[str, Any], ...] = ()
     value: Any = None
     python: bool = False
+    # made on first use and kept (slots, not a __dict__: a record per leaf, 10^6 of them in a large tree)
+    _name: str | None = field(default=None, init=False, repr=False)
+    _text: str | None = field(default=None, init=False, repr=False)
+    _json: dict[str, Any] | None = field(default=None, init=False, repr=False)
 
     @property
     def name(self) -> str:
         """The key path as a string ('params/dense/kernel'): what leaves are matched and named by."""
-        n = self.__dict__.get("_name")
+        n = self._name
         if n is None:
             n = keystr(self.path)
             object.__setattr__(self, "_name", n)
@@ -158,19 +162,20 @@ class LeafRecord:
     def json(self) -> dict[str, Any]:
         """``to_json()``, made once per record and shared: read-only (a snapshot of a structure saved
         before reuses its records, engine/snapshot.py, so a memory-tier copy at every step does not
-        build them again)."""
-        j = self.__dict__.get("_json")
+        build them again). Only the memory tiers' differential copies ask for it: a manifest is made
+        from ``json_text`` (a dict per leaf, kept, is ~7 times the leaf's text)."""
+        j = self._json
         if j is None:
             j = self.to_json()
             object.__setattr__(self, "_json", j)
         return j
 
     def json_text(self) -> str:
-        """``json()`` in its canonical text (checks.canonical), made once per record."""
-        t = self.__dict__.get("_json_text")
+        """``to_json()`` in its canonical text (checks.canonical), made once per record and kept."""
+        t = self._text
         if t is None:
-            t = canonical(self.json())
-            object.__setattr__(self, "_json_text", t)
+            t = canonical(self._json if self._json is not None else self.to_json())
+            object.__setattr__(self, "_text", t)
         return t
 
     def to_json(self) -> dict[str, Any]:
@@ -201,9 +206,10 @@ class LeafRecord:
         return rec
 
     @staticmethod
-    def from_json(rec: dict[str, Any]) -> "LeafRecord":
-        """The record of a validated manifest leaf (validate_leaf)."""
-        path = tuple((k, v) for k, v in rec["path"])
+    def from_json(rec: dict[str, Any], path: "tuple[tuple[str, Any], ...] | None" = None) -> "LeafRecord":
+        """The record of a validated manifest leaf (validate_leaf); ``path``: its key path, when the
+        caller made it already."""
+        path = tuple((k, v) for k, v in rec["path"]) if path is None else path
         kind = rec["kind"]
         if kind == "empty":
             return LeafRecord(path, kind, value=rec["empty"])

@@ -76,7 +76,9 @@ class Flat:
 
 _recent: list[Flat] = []  # the structures last flattened, newest first
 _recent_lock = threading.Lock()
-_RECENT = 4
+_RECENT = 4  # structures kept at most
+_RECENT_LEAVES = 1 << 18  # leaves kept at most in all (each keeps ~1 KiB: its path, name, record and
+#   record's text); the newest structure is kept whatever its size (a loop saves it again)
 
 
 def flat(tree: Any) -> Flat:
@@ -94,6 +96,7 @@ def flat(tree: Any) -> Flat:
                 same = False
             if same:
                 _recent.insert(0, _recent.pop(k))
+                _trim()
                 return Flat(known.treedef, known.paths, known.names, known.memo, leaves)
     pairs, treedef = flatten(tree)  # checks every key
     paths = [p for p, _ in pairs]
@@ -108,8 +111,19 @@ def flat(tree: Any) -> Flat:
     if keep:
         with _recent_lock:
             _recent.insert(0, known)
-            del _recent[_RECENT:]
+            _trim()
     return Flat(treedef, paths, known.names, known.memo, [x for _, x in pairs])
+
+
+def _trim() -> None:
+    """Drops the oldest of ``_recent`` (its lock held) beyond _RECENT structures or _RECENT_LEAVES
+    leaves, the newest always kept."""
+    total = 0
+    for k, known in enumerate(_recent):
+        total += len(known.paths)
+        if k and (k >= _RECENT or total > _RECENT_LEAVES):
+            del _recent[k:]
+            return
 
 
 def empty_kind(x: Any) -> str | None:

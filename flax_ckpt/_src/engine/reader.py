@@ -127,6 +127,8 @@ def aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     """An uninitialized C-ordered array whose data starts on a 64-byte boundary: jax.device_put onto a
     CPU device then uses the buffer as is instead of copying it (XLA copies unaligned host buffers)."""
     n = math.prod(shape) * dtype.itemsize
+    if n < _ALIGN:  # one object, not a view of a larger buffer: a tree of 10^6 small leaves holds them all
+        return np.empty(shape, dtype)
     raw = np.empty(n + _ALIGN, np.uint8)
     off = -raw.ctypes.data % _ALIGN
     return raw[off : off + n].view(dtype).reshape(shape)

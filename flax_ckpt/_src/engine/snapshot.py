@@ -14,6 +14,7 @@ shards' boxes) is learned at the first and checked, not rebuilt, at the next (``
 from __future__ import annotations
 
 import ctypes
+import functools
 import json
 import os
 import threading
@@ -44,7 +45,7 @@ else:
 _BIG = 1 << 20  # leaves of more bytes are copied on a small pool
 
 
-@dataclass
+@dataclass(slots=True)  # one per leaf of a snapshot: no __dict__ each
 class HostLeaf:
     """One leaf of a snapshot: its record (without chunks), this process's host shards, the
     jax.Array's sharding (of its key data, for PRNG keys), and for non-array leaves the object."""
@@ -347,7 +348,7 @@ def _on_cpu(x: jax.Array) -> bool:
     return all(d.platform == "cpu" for d in x.sharding.device_set)
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, slots=True)
 class _Learned:
     """What a snapshot keeps of one leaf for the next save of the same structure (``tree.Flat.memo``),
     valid while the leaf at that place has the same ``sig`` (type, shape, dtype, sharding): its kind,
@@ -386,8 +387,7 @@ def _learn(path: tree_mod.KeyPath, x: Any, kind: str, sig: tuple[Any, ...]) -> _
         data_shape = key_data_shape(key_impl)
         assert data_shape is not None, f"jax knows the PRNG implementation {key_impl} of its own key"
         key_shape = tuple(x.shape[x.ndim - len(data_shape) :])
-    shape = tuple(int(d) for d in x.shape)
-    box = tuple((0, d) for d in shape)
+    shape, box = _whole(tuple(int(d) for d in x.shape))
     whole, cpu, desc = True, False, None
     if isinstance(x, jax.Array):
         shards = x.addressable_shards
@@ -399,7 +399,20 @@ def _learn(path: tree_mod.KeyPath, x: Any, kind: str, sig: tuple[Any, ...]) -> _
         )
         cpu, desc = _on_cpu(x), describe_sharding(x.sharding)
     rec = LeafRecord(path, kind, np.dtype(x.dtype), shape, key_impl, key_shape, desc)
-    return _Learned(sig, kind, rec, box, whole, cpu)
+    return _Learned(_shared(sig), kind, rec, box, whole, cpu)
+
+
+@functools.lru_cache(maxsize=4096)
+def _whole(shape: tuple[int, ...]) -> tuple[tuple[int, ...], Box]:
+    """(shape, the box of all of it), one pair of objects for every leaf of that shape: a tree of many
+    leaves has few shapes, and each leaf's memo keeps them (engine/snapshot.py ``learned``)."""
+    return shape, tuple((0, d) for d in shape)
+
+
+@functools.lru_cache(maxsize=4096)
+def _shared(sig: tuple[Any, ...]) -> tuple[Any, ...]:
+    """``sig`` itself, the first time an equal one was seen: one object for the leaves that share it."""
+    return sig
 
 
 def _array_leaf(

@@ -36,7 +36,7 @@ from flax_ckpt._src.errors import (
     TargetMismatchError,
 )
 from flax_ckpt._src.native import sharing
-from flax_ckpt._src.native.manifest import SaveManifests, decode
+from flax_ckpt._src.native.manifest import SaveManifests, decode, decode_records
 from flax_ckpt._src.records import LeafRecord, PersistTimes
 from flax_ckpt._src.serializers import Box, Serializer, Written, get_serializer, raw, serializer_for
 from flax_ckpt._src.serializers.base import StoredArray, stored
@@ -547,12 +547,12 @@ def _open_native(storage: Storage, given: Serializer | None = None) -> NativeSou
             f"{storage.url} holds no committed checkpoint (no {MANIFEST}: a save in flight or one that "
             "crashed); it is never read"
         ) from None
-    body = decode(raw, where)
+    body, leaves = decode_records(raw, where)  # the body without its leaves: their records
+    del raw
     try:
         serializer = serializer_for(body["serializer"], given)
     except ValueError as e:
         raise InvalidManifestError(f"{where}: field body.serializer: {e}") from None
-    leaves = [LeafRecord.from_json(r) for r in body["leaves"]]
     files = all_files(body)
     for i, leaf in enumerate(leaves):
         if leaf.is_array:

@@ -11,11 +11,13 @@ Nothing here touches array bytes; storage access goes through a Storage.
 
 from __future__ import annotations
 
+import json
 import threading
-from typing import Any, Literal, NoReturn, Sequence, TypeVar, overload
+from typing import Any, Literal, NoReturn, Sequence, TypeVar, cast, overload
 
 from flax_ckpt._src.checks import (  # noqa: F401 (re-exported)
     MAX_LIST_GAPS,
+    MAX_MANIFEST_BYTES,
     MAX_PATH_DEPTH,
     canonical,
     check_path,
@@ -23,12 +25,14 @@ from flax_ckpt._src.checks import (  # noqa: F401 (re-exported)
     check_tree,
     numpy_bytes,
     seal,
+    seal_parts,
     seal_text,
+    sealed_body,
     tiling_problem,
     unseal,
 )
 from flax_ckpt._src.errors import CheckpointError, InvalidManifestError
-from flax_ckpt._src.records import LeafRecord, dtype_from_name, leaf_name
+from flax_ckpt._src.records import ARRAY_KINDS, LeafRecord, dtype_from_name, leaf_name
 
 FORMAT_NAME = "flax_ckpt"
 FORMAT_VERSION = 1
@@ -93,7 +97,7 @@ class SaveManifests:
             for i in todo:
                 validate_leaf(_leaf(records[i], chunks[i]), i, c)
             if was is None or not same or any(records[i].path != was[3][i] for i in todo):
-                check_tree([r.json()["path"] for r in records], c)
+                check_tree([r.path for r in records], c)  # as the lists of their JSON: the same checks
         except InvalidManifestError as e:
             raise CheckpointError(
                 f"cannot save: restore would refuse this checkpoint ({e}); nothing was committed"
@@ -102,16 +106,37 @@ class SaveManifests:
             self._was = (texts, counts, boxes, [r.path for r in records])
         low = canonical({k: v for k, v in head.items() if k < "leaves"})[1:-1]
         high = canonical({k: v for k, v in head.items() if k > "leaves"})[1:-1]
-        leaves = '"leaves":[' + ",".join(map(_leaf_text, records, chunks, texts)) + "]"
-        return seal_text(
-            "{" + ",".join(t for t in (low, leaves, high) if t) + "}",
-            name=FORMAT_NAME,
-            version=FORMAT_VERSION,
-        )
+        parts = ["{" + low + ("," if low else "") + '"leaves":[']
+        parts += _joined(records, chunks, texts)
+        parts.append("]" + ("," if high else "") + high + "}")
+        return seal_parts(parts, name=FORMAT_NAME, version=FORMAT_VERSION)
+
+
+_PART = 1 << 20  # characters of the manifest's text joined at a time (see _joined)
+
+
+def _joined(
+    records: Sequence[LeafRecord], chunks: Sequence[list[dict[str, Any]] | None], texts: Sequence[str]
+) -> list[str]:
+    """The leaves' texts, comma-separated, as a few parts of about _PART characters each: a leaf's text
+    with its chunks lives only until its part is joined (a list of them all would be the manifest's
+    size again, and their join once more)."""
+    out: list[str] = []
+    run: list[str] = []
+    size = 0
+    for i, (r, ch, t) in enumerate(zip(records, chunks, texts)):
+        piece = _leaf_text(r, ch, t)
+        run.append(piece if not i else "," + piece)
+        size += len(piece)
+        if size >= _PART:
+            out.append("".join(run))
+            run, size = [], 0
+    out.append("".join(run))
+    return out
 
 
 def _leaf(record: LeafRecord, chunks: list[dict[str, Any]] | None) -> dict[str, Any]:
-    return record.json() if chunks is None else dict(record.json(), chunks=chunks)
+    return record.to_json() if chunks is None else dict(record.to_json(), chunks=chunks)
 
 
 _NO_CHUNKS = (
@@ -133,6 +158,130 @@ def decode(raw: bytes, where: str) -> dict[str, Any]:
     body = unseal(raw, name=FORMAT_NAME, version=FORMAT_VERSION, where=where)  # at most MAX_MANIFEST_BYTES
     validate_body(body, where)
     return body
+
+
+def decode_records(raw: bytes, where: str) -> tuple[dict[str, Any], list[LeafRecord]]:
+    """``decode``'s checks, in its order, with its errors; returns the body without "leaves" and a
+    record per leaf. A manifest as ``seal`` writes it (its body's crc32c checked first, over all of
+    it) is parsed leaf by leaf, each leaf validated and turned into its record before the next is
+    parsed, so its dicts never all exist at once (they are ~7 times the text; a record ~4), and equal
+    keys, key-path entries and shapes are shared between records. Anything else (a body written with
+    spaces, duplicate keys, bad JSON, a wrong checksum) goes through ``decode``, which reports it."""
+    if len(raw) <= MAX_MANIFEST_BYTES:
+        found = sealed_body(raw)
+        if found is not None and found[0].get("format") == FORMAT_NAME:
+            version = found[0].get("version")
+            if type(version) is int and version == FORMAT_VERSION:
+                try:  # json.loads' decoding of bytes that start with '{"'
+                    return _streamed(str(found[1], "utf-8", "surrogatepass"), where)
+                except (_NotCanonical, UnicodeDecodeError):
+                    pass
+    body = decode(raw, where)
+    leaves = body.pop("leaves")
+    return body, [LeafRecord.from_json(r) for r in leaves]
+
+
+class _NotCanonical(Exception):
+    """The body is not as ``seal`` writes it (or not JSON): ``decode`` parses it whole instead."""
+
+
+_SCAN = cast(Any, json.JSONDecoder()).scan_once  # json.loads' own scanner (its defaults), one value at
+#   a time (an attribute its type stub does not declare)
+
+
+def _scan(s: str, at: int) -> tuple[Any, int]:
+    try:
+        return _SCAN(s, at)
+    except (StopIteration, ValueError, RecursionError):
+        raise _NotCanonical from None
+
+
+def _streamed(s: str, where: str) -> tuple[dict[str, Any], list[LeafRecord]]:
+    """``decode_records`` of a body's text: its fields apart from "leaves" parsed as they are, the
+    leaves one by one. The first invalid leaf is raised after the fields were checked (``decode``
+    checks them first); the key paths are checked as one tree as ``decode`` does."""
+    if not s.startswith('{"'):
+        raise _NotCanonical
+    body: dict[str, Any] = {}
+    records: list[LeafRecord] | None = None
+    failed: InvalidManifestError | None = None
+    at = 1
+    try:
+        while True:
+            key, at = _scan(s, at)
+            if s[at] != ":" or key in body or (key == "leaves" and records is not None):
+                raise _NotCanonical  # spaces, or a key twice (json.loads keeps the last)
+            at += 1
+            if key == "leaves" and s[at] == "[":
+                records, failed, at = _leaves(s, at + 1, where)
+            else:
+                body[key], at = _scan(s, at)
+            if s[at] == "," and s[at + 1] == '"':
+                at += 1
+                continue
+            if s[at] == "}" and at == len(s) - 1:
+                break
+            raise _NotCanonical
+    except IndexError:
+        raise _NotCanonical from None
+    c = _Check(where)
+    validate_head(body, c)
+    if records is None:  # "leaves" missing, or not a list (a list is parsed above): refused as decode does
+        c.typed(body, "leaves", list, "body")
+        raise _NotCanonical
+    if failed is not None:
+        raise failed
+    check_tree([r.path for r in records], c)
+    return body, records
+
+
+def _leaves(s: str, at: int, where: str) -> tuple[list[LeafRecord], InvalidManifestError | None, int]:
+    """The records of the leaves array starting at ``at`` (past its "["), the first leaf's validation
+    error (the leaves after it parsed but not kept), and where the array ends (past its "]")."""
+    records: list[LeafRecord] = []
+    if s[at] == "]":
+        return records, None, at + 1
+    c, memo, failed, i = _Check(where), {}, None, 0
+    while True:
+        leaf, at = _scan(s, at)
+        if failed is None:
+            try:
+                validate_leaf(leaf, i, c)
+                records.append(_record(leaf, memo))
+            except InvalidManifestError as e:
+                failed, records = e, []
+        i += 1
+        if s[at] == "]":
+            return records, failed, at + 1
+        if s[at] != ",":
+            raise _NotCanonical
+        at += 1
+
+
+def _record(leaf: dict[str, Any], memo: dict[Any, Any]) -> LeafRecord:
+    """``LeafRecord.from_json(leaf)`` of a validated leaf, its key-path entries, shape, kind and its
+    chunk records' keys and strings taken from ``memo`` where an earlier leaf had equal ones (one
+    object each instead of one per leaf: the chunk records stay dicts, as serializers read them)."""
+    m = memo.setdefault
+    path = tuple(m(e, e) for e in ((k, v) for k, v in leaf["path"]))
+    kind = leaf["kind"] = m(leaf["kind"], leaf["kind"])
+    if kind not in ARRAY_KINDS:
+        return LeafRecord.from_json(leaf, path)
+    shape = tuple(leaf["shape"])
+    chunks = tuple(
+        {m(k, k): (m(v, v) if type(v) is str else v) for k, v in ch.items()} for ch in leaf["chunks"]
+    )
+    key_shape = tuple(leaf["key_shape"]) if kind == "prng_key" else None
+    return LeafRecord(
+        path,
+        kind,
+        dtype_from_name(leaf["dtype"]),
+        m(shape, shape),
+        leaf.get("key_impl"),
+        key_shape,
+        leaf.get("sharding"),
+        chunks,
+    )
 
 
 _T = TypeVar("_T")

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 Box = tuple[tuple[int, int], ...]  # per dimension [start, stop) in global coordinates; () for a 0-d array
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Shard:
     """One host copy of a part of an array: ``data`` is C-contiguous with the extents of ``box``.
     ``crc32c``: None, or ``(block, crcs)``: the crc32c (uint32) of every ``block`` bytes of ``data`` from
@@ -41,7 +41,7 @@ class Shard:
     crc32c: "tuple[int, np.ndarray] | None" = None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ArrayItem:
     """One array to write: ``leaf`` (its number in the checkpoint, the key of ``Written.chunks``),
     ``name`` (its key path, for messages), dtype, global shape, and the shards this process writes

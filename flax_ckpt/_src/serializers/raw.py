@@ -32,6 +32,11 @@ READ_THREADS = 8
 SHARE_THREADS = 4  # pieces compared with an earlier step's at once (native/sharing.py)
 SHARE_MIN = 64 << 10  # smaller pieces are always written: their bytes cost less than the comparison
 PARALLEL_READ_MIN = 16 << 20  # a leaf's chunks are read in parallel when it needs at least this many bytes
+_SMALL_PIECE, _SMALL_RUN = (
+    4096,
+    1 << 20,
+)  # pieces under _SMALL_PIECE bytes are copied into runs of ~_SMALL_RUN
+_RUN_BATCH = 4096  # whole chunks read_many reads with one ranged read (their buffers' views held at once)
 
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
@@ -193,6 +198,7 @@ class RawSerializer:
         def write_file(i: int) -> tuple[float, float]:
             """Writes file i; returns (seconds of checksums, seconds of fsync)."""
             offset, bufs, t0 = 0, [], time.perf_counter()
+            small = bytearray()  # consecutive small pieces, copied together: one buffer, not a view each
             for leaf, box, data, crcs in bins[i]:
                 mv = memoryview(as_buffer(data.reshape(-1).view(np.uint8))) if data.size else memoryview(b"")
                 chunks[leaf].append(
@@ -205,8 +211,19 @@ class RawSerializer:
                         "crc32c": crcs or _crcs(mv),
                     }
                 )
-                bufs.append(mv)
+                if len(mv) < _SMALL_PIECE:
+                    small += mv
+                    if len(small) >= _SMALL_RUN:
+                        bufs.append(small)
+                        small = bytearray()
+                else:
+                    if small:
+                        bufs.append(small)
+                        small = bytearray()
+                    bufs.append(mv)
                 offset += len(mv)
+            if small:
+                bufs.append(small)
             serialize_s = time.perf_counter() - t0
             return serialize_s, storage.write(names[i], bufs)
 
@@ -295,33 +312,43 @@ class RawSerializer:
             runs.setdefault(chunk["file"], []).append(
                 (chunk["offset"], chunk["nbytes"], leaf, box, out, chunk)
             )
-        for name, items in runs.items():
-            items.sort(key=lambda it: it[0])
-            ranges: list[tuple[int, list[memoryview]]] = []
-            end = None
-            for offset, nbytes, _, _, out, _ in items:
-                view = (
-                    memoryview(as_buffer(out.reshape(-1).view(np.uint8)))
-                    if out.size
-                    else memoryview(bytearray(0))
-                )
-                if offset != end:
-                    ranges.append((offset, []))
-                ranges[-1][1].append(view)
-                end = offset + nbytes
-            try:
-                storage.read_ranges(name, ranges)
-            except (OSError, CorruptCheckpointError):
-                rest += [(leaf, box, out) for _, _, leaf, box, out, _ in items]
-                continue
-            for _, _, leaf, box, out, chunk in items:
-                if not _blocks_ok(
-                    chunk,
-                    memoryview(as_buffer(out.reshape(-1).view(np.uint8))) if out.size else memoryview(b""),
-                ):
-                    rest.append((leaf, box, out))
+        for name, every in runs.items():
+            every.sort(key=lambda it: it[0])
+            for at in range(0, len(every), _RUN_BATCH):
+                rest += self._read_run(storage, name, every[at : at + _RUN_BATCH])
         for leaf, box, out in rest:
             self.read(storage, leaf, box, out, f"{where} leaf {leaf.name!r}")
+
+    def _read_run(
+        self, storage: Storage, name: str, items: list[tuple[int, int, StoredArray, Box, np.ndarray, dict]]
+    ) -> list[tuple[StoredArray, Box, np.ndarray]]:
+        """Reads whole chunks of file ``name`` (sorted by offset) into their outputs with one ranged read,
+        then checks their blocks; returns the requests to read again one by one (a failed read, a
+        damaged chunk: ``read`` names it)."""
+        rest: list[tuple[StoredArray, Box, np.ndarray]] = []
+        ranges: list[tuple[int, list[memoryview]]] = []
+        end = None
+        for offset, nbytes, _, _, out, _ in items:
+            view = (
+                memoryview(as_buffer(out.reshape(-1).view(np.uint8)))
+                if out.size
+                else memoryview(bytearray(0))
+            )
+            if offset != end:
+                ranges.append((offset, []))
+            ranges[-1][1].append(view)
+            end = offset + nbytes
+        try:
+            storage.read_ranges(name, ranges)
+        except (OSError, CorruptCheckpointError):
+            return [(leaf, box, out) for _, _, leaf, box, out, _ in items]
+        for _, _, leaf, box, out, chunk in items:
+            if not _blocks_ok(
+                chunk,
+                memoryview(as_buffer(out.reshape(-1).view(np.uint8))) if out.size else memoryview(b""),
+            ):
+                rest.append((leaf, box, out))
+        return rest
 
     def _read_chunk(
         self, storage: Storage, chunk: dict, cbox: Box, ov: Box, box: Box, out: np.ndarray, where: str
