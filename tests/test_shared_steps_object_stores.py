@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import numpy as np
 import pytest
@@ -250,3 +251,58 @@ def test_tools_on_a_step_whose_bytes_are_held(store: Store, tmp_path, capsys):
     for k in store.keys():  # the run deleted: the copy stands alone
         store.delete(k)
     assert_bit_exact(fc.restore(tmp_path / "copy"), state(3, base))
+
+
+SAVER = """
+import sys
+sys.path.insert(0, {tests!r})
+import flax_ckpt as fc
+from test_shared_steps_object_stores import frozen, state
+
+base = frozen(0)
+with fc.CheckpointManager(sys.argv[1], max_to_keep=2) as mgr:  # async saves, retention
+    first = (mgr.latest_step() if mgr.latest_step() is not None else -1) + 1
+    for s in range(first, first + 20):
+        mgr.save(s, state(s, base))
+        mgr.wait_until_finished()
+        print("committed", s, flush=True)
+"""
+
+
+def test_sigkill_at_random_moments_of_saves_that_share_loses_nothing(s3, tmp_path):
+    """A crash trial on s3:// (gs:// runs the same code): savers killed after 1-3 commits plus a random part of one (the moment in
+    the saver's progress, so a busy machine moves it too); after each kill every step restores
+    bit-exactly and the newest step reported durable is there; a resumed manager's next save leaves
+    nothing that no committed step names."""
+    store, base, rng = STORES["s3"](s3), frozen(0), np.random.default_rng(7)
+    script = tmp_path / "saver.py"
+    script.write_text(textwrap.dedent(SAVER.format(tests=str(__import__("helpers").TESTS))))
+    reported: set[int] = set()
+    for _ in range(2):
+        child = subprocess.Popen(
+            [sys.executable, str(script), store.url], env=worker_env(1), stdout=subprocess.PIPE, text=True
+        )
+        assert child.stdout is not None
+        commits, t0 = int(rng.integers(1, 4)), time.monotonic()
+        for _ in range(commits):
+            line = child.stdout.readline()
+            assert line.startswith("committed "), line
+            reported.add(int(line.split()[1]))
+        time.sleep(float(rng.uniform(0, (time.monotonic() - t0) / commits)))
+        child.send_signal(signal.SIGKILL)
+        reported.update(
+            int(x.split()[1]) for x in child.stdout.read().splitlines() if x.startswith("committed ")
+        )
+        assert child.wait() == -signal.SIGKILL
+        with fc.CheckpointManager(store.url, read_only=True) as mgr:
+            kept = mgr.all_steps()
+            assert max(reported) in kept, (reported, kept)
+            for s in kept:
+                assert_bit_exact(mgr.restore(s, state(s, base)), state(s, base))
+    with fc.CheckpointManager(store.url, max_to_keep=2, async_save=False) as mgr:
+        nxt = mgr.latest_step() + 1
+        mgr.save(nxt, state(nxt, base))
+    assert accounted(store) == (set(), set())
+    assert_bit_exact(fc.restore(f"{store.url}/{nxt}"), state(nxt, base))
+    body = json.loads(store.server.get(store.bucket, f"{store.prefix}/{nxt}/manifest.json"))["body"]
+    assert body.get("shared"), "the steps shared no bytes: nothing was tested"
