@@ -4,8 +4,10 @@ An object store has no rename, so a removed step that a kept step refers to is r
 on a local folder: its hold ``<step>.held-<id>`` is written, then its manifest deleted; its data objects
 stay where they are until no committed manifest names the step and id (native/sharing.py; docs/design.md,
 "Steps that share bytes"). Each test runs on s3:// (moto) and gs:// (fake-gcs-server), reached as a user
-would. Pinned here: the bytes stored, retention and a step number saved again never losing a kept step's
-bytes, a real SIGKILL between the steps of a retirement and of a release, and the tools on such a step.
+would, but the random-kill crash trial (s3:// only: the same code, and its savers take seconds). Pinned
+here: the bytes stored, retention, a failed and a repeated save of a held step number never losing a
+kept step's bytes, a real SIGKILL between the requests of a retirement and of a release and at random
+moments, and the tools on such a step.
 """
 
 from __future__ import annotations
