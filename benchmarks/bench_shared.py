@@ -103,10 +103,13 @@ def main() -> None:
     changed = C.tree_bytes(dict(C.flat_items(changing[0])))
     bound = {"keep_None": one + 9 * changed, "keep_2": one + 2 * changed}
     body = {
+        "machine": C.machine_info(C.SCRATCH),
         "args": vars(args),
         "durable_s": {"lora": statistics.median(times["lora"]), "full": statistics.median(times["full"])},
         "lora_over_full": statistics.median(ratios),
+        "rounds_s": times,  # per state, each round's median
         "bytes": nbytes,
+        "bytes_unshared": {"keep_None": 10 * one, "keep_2": 2 * one},  # every save writing the whole state
         "bytes_over_bound": {k: nbytes[k] / bound[k] for k in nbytes},
         "state_bytes": one,
         "changed_bytes": changed,

@@ -15,6 +15,7 @@ is drawn. What it writes under ``--out``:
 | every_step.png | every_step-*.json (bench_every_step.py) | step-time overhead against the interval |
 | per_leaf.png | bench_scale-*.json (bench_scale.py) | microseconds per leaf against the leaf count |
 | accelerator.png | bench_accelerator.py's table report | the time a save blocks training, per contender |
+| shared.png | bench_shared-*.json (bench_shared.py) | a fine-tune's saves: bytes on disk and time, sharing against writing all |
 | perf_table.md | save_restore-*.json | the Performance page's table |
 | accelerator_table.md | bench_accelerator.py's table report, else a note: to be measured | the Accelerators page's table |
 | figures.json | every report | every figure of every run, with its machine, date and command |
@@ -99,8 +100,8 @@ SMALL = 11
 
 def kinds(body: dict[str, Any], name: str) -> list[str]:
     """What a report holds: "save_restore", "every_step", "bench_scale", "accelerator" (a table of
-    what saves cost on a device), "accelerator_loop" (a training loop with saves on a device) and
-    "resume" (a restart's phases, bench_resume.py)."""
+    what saves cost on a device), "accelerator_loop" (a training loop with saves on a device),
+    "resume" (a restart's phases, bench_resume.py) and "shared" (a fine-tune's saves, bench_shared.py)."""
     found = [k for k in ("save_restore", "every_step", "bench_scale") if name.startswith(k)]
     if "resume" in name and isinstance(body.get("medians"), dict) and isinstance(body.get("runs"), dict):
         found.append("resume")
@@ -108,6 +109,8 @@ def kinds(body: dict[str, Any], name: str) -> list[str]:
         found.append("accelerator")
     if isinstance(body.get("loop"), dict) and body["loop"]:
         found.append("accelerator_loop")
+    if "lora_over_full" in body and isinstance(body.get("machine"), dict) and "bytes_unshared" in body:
+        found.append("shared")
     return found
 
 
@@ -162,6 +165,8 @@ def command(body: dict[str, Any]) -> str:
     if run.startswith("bench_scale"):
         leaves = " ".join(map(str, args.get("leaves", [])))
         return f"bench_scale.py --leaves {leaves} --rounds {args.get('rounds')}"
+    if "lora_over_full" in body:
+        return f"bench_shared.py --frozen-mb {args.get('frozen_mb')} --rounds {args.get('rounds')}"
     if "parts" in args:
         steps = f" --steps {args['steps']}" if args.get("steps") and "loop" in args["parts"] else ""
         rounds = args.get("rounds") if args["parts"] == "table" else args.get("loop_rounds")
@@ -685,6 +690,62 @@ def resume_chart(body: dict[str, Any], out: pathlib.Path, svg: bool) -> list[pat
     return _save(fig, out, "resume", svg)
 
 
+# ---------------------------------------------------------------------------------- shared steps
+
+SHARED_LABELS = {"lora": "frozen base + what trains", "full": "every byte changed"}
+
+
+def _shared_figures(body: dict[str, Any]) -> dict[str, float]:
+    out = {f"fine-tune, {SHARED_LABELS[k]}: durable (s)": v for k, v in body["durable_s"].items()}
+    out["fine-tune: durable, frozen base / every byte changed (x)"] = body["lora_over_full"]
+    for keep, words in (("keep_None", "all kept"), ("keep_2", "max_to_keep=2")):
+        out[f"fine-tune, 10 saves, {words}: on disk / one state + what changed (x)"] = body[
+            "bytes_over_bound"
+        ][keep]
+        out[f"fine-tune, 10 saves, {words}: writing all / sharing (x)"] = (
+            body["bytes_unshared"][keep] / body["bytes"][keep]
+        )
+    return out
+
+
+def shared_chart(body: dict[str, Any], out: pathlib.Path, svg: bool) -> list[pathlib.Path]:
+    """A fine-tune's saves: the bytes 10 saves leave on disk, sharing against every save writing the
+    whole state, and the time until a save is durable, the frozen base's against a state changed whole."""
+    plt = _pyplot()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.6))
+    mib = 1 << 20
+    keeps = [("keep_None", "all 10 kept"), ("keep_2", "max_to_keep=2")]
+    ys = range(len(keeps))
+    whole = [body["bytes_unshared"][k] / mib for k, _ in keeps]
+    shared = [body["bytes"][k] / mib for k, _ in keeps]
+    left.barh([y + 0.2 for y in ys], whole, height=0.4, color="#bdbdbd", label="every save writes all")
+    left.barh([y - 0.2 for y in ys], shared, height=0.4, color=COLORS["persistent"], label="flax_ckpt")
+    for y, (w, s_) in enumerate(zip(whole, shared)):
+        left.text(w, y + 0.2, f" {w:.0f}", va="center", fontsize=SMALL)
+        left.text(s_, y - 0.2, f" {s_:.0f}", va="center", fontsize=SMALL)
+    left.set_yticks(list(ys), [w for _, w in keeps])
+    left.set_xlabel("MiB on disk after 10 saves")
+    left.legend(loc="upper right", frameon=False)
+    names = ["full", "lora"]
+    ms = [body["durable_s"][n] * 1e3 for n in names]
+    right.barh(range(2), ms, color=["#bdbdbd", COLORS["persistent"]], height=0.5)
+    for y, n in enumerate(names):
+        values = [v * 1e3 for v in body.get("rounds_s", {}).get(n, [])]
+        right.plot(values, [y] * len(values), linestyle="", marker="o", markersize=4, color="black")
+        right.text(ms[y], y + 0.3, f" {ms[y]:.0f} ms", va="center", fontsize=SMALL)
+    right.set_yticks(range(2), [SHARED_LABELS[n] for n in names])
+    right.set_xlabel("ms from save() until durable")
+    frozen = body["args"]["frozen_mb"]
+    fig.suptitle(
+        f"A fine-tune's saves: {frozen} MiB frozen + {body['changed_bytes'] / mib:.2f} MiB that trains "
+        f"(durable in {body['lora_over_full']:.2f}x the time)",
+        fontsize=FONT + 1,
+    )
+    fig.tight_layout()
+    _source(fig, body, -0.02, "; bars: medians of rounds, dots: each round")
+    return _save(fig, out, "shared", svg)
+
+
 FIGURES = {
     "save_restore": _save_restore_figures,
     "every_step": _every_step_figures,
@@ -692,6 +753,7 @@ FIGURES = {
     "accelerator": _accelerator_figures,
     "accelerator_loop": _loop_figures,
     "resume": _resume_figures,
+    "shared": _shared_figures,
 }
 CHARTS = [
     ("save_restore", "save_restore.png", save_restore_chart),
@@ -699,6 +761,7 @@ CHARTS = [
     ("bench_scale", "per_leaf.png", per_leaf_chart),
     ("accelerator", "accelerator.png", accelerator_chart),
     ("resume", "resume.png", resume_chart),
+    ("shared", "shared.png", shared_chart),
 ]
 
 

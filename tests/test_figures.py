@@ -110,6 +110,19 @@ def test_every_figure_on_the_page_is_its_runs(page):
     assert problems == [], "\n".join(problems)
 
 
+def test_the_fine_tuning_guide_shows_the_saving_from_one_run():
+    """Issue 54: the fine-tuning guide's "What a save costs" shows the bytes and the time of a fine-tune's
+    saves as a chart, and every figure it states is that run's (the rest of the page quotes no run)."""
+    text = (ROOT / "docs" / "finetuning.md").read_text()
+    start = text.index("## What a save costs")
+    section = text[start : text.index("\n## ", start)]
+    summary = _figures()
+    assert "_static/shared.png" in section and "shared.png" in summary["charts"]
+    assert MARK.search(section) and FIGURE.search(CODE.sub("", section))
+    problems = check_page(section, summary["runs"], summary["charts"])
+    assert problems == [], "\n".join(problems)
+
+
 def test_a_figure_the_run_does_not_hold_is_caught():
     """The check itself: the same measurement stated as two values, only one of them the run's."""
     runs = {"r": {"figures": {"Orbax async save: blocked (s)": 0.3239, "Orbax / flax_ckpt: save (x)": 2.156}}}

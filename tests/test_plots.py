@@ -197,7 +197,35 @@ def test_charts_draw_every_round_and_no_negative_overhead(tmp_path):
 
 def test_the_committed_charts_are_the_ones_the_pages_show():
     static = ROOT / "docs" / "_static"
-    for name in ("save_restore.png", "every_step.png", "per_leaf.png", "accelerator.png"):
+    for name in ("save_restore.png", "every_step.png", "per_leaf.png", "accelerator.png", "shared.png"):
         assert (static / name).read_bytes().startswith(PNG), name
         assert (static / name).stat().st_size < 200_000, f"{name}: keep committed charts small"
     assert "_static/save_restore.png" in (ROOT / "README.md").read_text()
+    assert "_static/shared.png" in (ROOT / "docs" / "finetuning.md").read_text()
+
+
+def test_a_fine_tune_report_gives_its_chart_and_figures(tmp_path):
+    """bench_shared.py's report (issue 54): the fine-tuning guide's chart, and its figures by name."""
+    plots, bench_out, out = _plots(), tmp_path / "bench_out", tmp_path / "static"
+    bench_out.mkdir()
+    body = {
+        "machine": MACHINE,
+        "args": {"frozen_mb": 32, "changing_mb": 0.75, "rounds": 3, "saves": 4},
+        "durable_s": {"lora": 0.03, "full": 0.1},
+        "lora_over_full": 0.3,
+        "rounds_s": {"lora": [0.03, 0.031, 0.029], "full": [0.1, 0.11, 0.09]},
+        "bytes": {"keep_None": 41_000_000, "keep_2": 36_000_000},
+        "bytes_unshared": {"keep_None": 343_000_000, "keep_2": 68_600_000},
+        "bytes_over_bound": {"keep_None": 1.001, "keep_2": 1.0},
+        "state_bytes": 34_300_000,
+        "changed_bytes": 786432,
+    }
+    (bench_out / "bench_shared-20260102-030405.json").write_text(json.dumps(body))
+    plots.main(["--results", str(bench_out), "--out", str(out)])
+    assert (out / "shared.png").read_bytes().startswith(PNG)
+    summary = json.loads((out / "figures.json").read_text())
+    assert summary["charts"]["shared.png"] == "bench_shared-20260102-030405"
+    run = summary["runs"]["bench_shared-20260102-030405"]
+    assert run["command"] == "bench_shared.py --frozen-mb 32 --rounds 3"
+    assert run["figures"]["fine-tune: durable, frozen base / every byte changed (x)"] == 0.3
+    assert run["figures"]["fine-tune, 10 saves, all kept: writing all / sharing (x)"] == round(343 / 41, 6)

@@ -24,6 +24,15 @@ snapshot only once the previous save is durable). It never grows: a save that as
 holds gets no buffer for the rest (the snapshot copies those as without it) and ``wanted`` says what
 the next arena needs: ``Arena.after`` makes that one, its pages faulted, once the save is durable, on
 the writer's thread, and ``Arena.fit`` hands it to the next snapshot.
+
+What an arena holds after a save is that save's bytes, and the next save of the same structure is
+given the same buffers: its snapshot compares each large shard with the buffer's bytes before copying
+it (engine/snapshot.py), and where they are equal it neither copies nor checksums them. ``ledger`` says
+what the last fill put where (the shard and the crc32c of its blocks: set by a snapshot once every copy
+into the arena is made, emptied when the next one starts), ``saved_as`` which committed step wrote
+those bytes (set by the native layout once the step is committed, cleared when a snapshot starts): a
+shard found equal is then known, byte for byte, to be that step's chunk (native/sharing.py shares it
+without reading or hashing it).
 """
 
 from __future__ import annotations
@@ -55,6 +64,11 @@ class Arena:
         self._bytes = np.frombuffer(self._map, np.uint8) if self._map is not None else np.empty(0, np.uint8)
         self.used = 0  # bytes handed out since the last reset (with alignment gaps)
         self.wanted = 0  # bytes asked for since the last reset, given or not
+        self.ledger: dict[int, tuple[tuple, np.ndarray]] = {}  # offset -> (what the last complete fill
+        #   copied there: leaf name, box, dtype, shape; the crc32c of its blocks): see the module
+        self.saved_as: tuple[str, str] | None = None  # (step folder, manifest id) of the committed save
+        #   whose bytes the last fill holds; None when unknown
+        self.fills = 0  # snapshots that began filling it (engine/snapshot.py)
 
     @classmethod
     def fit(cls, previous: "Arena | None") -> "Arena":
@@ -88,6 +102,10 @@ class Arena:
             return None
         self.used = start + n
         return np.ndarray(shape, dtype, buffer=self._map, offset=start)
+
+    def offset(self, a: np.ndarray) -> int:
+        """Where buffer ``a`` (one this arena handed out) starts in its memory."""
+        return a.__array_interface__["data"][0] - self._bytes.__array_interface__["data"][0]
 
     def holds(self, a: np.ndarray) -> bool:
         """Whether ``a`` lies in this arena's memory."""

@@ -21,6 +21,8 @@ import time
 import weakref
 from typing import TYPE_CHECKING, Any, Callable, Literal
 
+import numpy as np
+
 from flax_ckpt._src import layouts
 from flax_ckpt._src.engine import device
 from flax_ckpt._src.engine.fit import Fit, RenameArg
@@ -689,6 +691,8 @@ def _data(x: Any) -> jax.Array | None:
     """The jax.Array holding leaf ``x``'s bytes (a PRNG key's data), or None (not a jax.Array, deleted)."""
     if not isinstance(x, jax.Array) or x.is_deleted():
         return None
+    if isinstance(x.dtype, np.dtype):  # numpy's dtypes (bfloat16's too): not a key; asked first, it is cheap
+        return x
     return jax.random.key_data(x) if jax.numpy.issubdtype(x.dtype, jax.dtypes.prng_key) else x
 
 

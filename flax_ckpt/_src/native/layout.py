@@ -151,7 +151,7 @@ class NativeLayout:
         stage = parent.sub(staging)
         try:
             t0 = time.perf_counter()
-            sharer, shares = self._sharer(parent, name, staging)
+            sharer, shares = self._sharer(parent, name, staging, snap)
             writer = serializer if sharer is None else cast(Serializer, sharing.Sharing(serializer, sharer))
             tag = sharing.file_tag("p0", parent, shares)
             written = (
@@ -171,7 +171,7 @@ class NativeLayout:
                 shares=shares,
             )
             commit_mod.commit(parent, staging, name, MANIFEST, data)
-            self._committed(snap, name, written, shares, sharer)
+            self._committed(snap, parent, name, written, shares, sharer)
             times.write, times.commit = t1 - t0, time.perf_counter() - t1
             times.fsync, times.serialize, times.written = written.fsync_s, written.serialize_s, written.nbytes
         except BaseException:
@@ -180,12 +180,14 @@ class NativeLayout:
         return times
 
     def _sharer(
-        self, parent: Storage, name: str, staging: str
+        self, parent: Storage, name: str, staging: str, snap: Snapshot | None = None
     ) -> "tuple[sharing.Sharer | None, tuple[str, sharing.Base | None] | None]":
         """(the raw serializer's share hook, (this save's id, its base)) of a save of step folder ``name``
         when this layout shares (a manager's native steps, the raw serializer: sharing.enable), else
         (None, None). Without a base step (the run's first save, or an unreadable newest step) the
-        hook is None but the save still records its id, so that the next one may refer to it."""
+        hook is None but the save still records its id, so that the next one may refer to it. ``snap``:
+        the save's snapshot, whose shards found equal to its arena's bytes are the base's chunks when
+        the base is the step that wrote those bytes (``Snapshot.since``)."""
         ident = sharing.save_id(staging, parent)
         if not self.share or ident is None or not isinstance(self.serializer, raw.RawSerializer):
             return None, None
@@ -196,11 +198,18 @@ class NativeLayout:
         self.resumed_from = None
         # a subclass's own write takes no share hook: it writes all (its steps may still be referred to)
         hook = type(self.serializer).write is raw.RawSerializer.write
-        return (None if base is None or not hook else sharing.Sharer(base, parent, raw.BLOCK)), (ident, base)
+        kept = (
+            snap.unchanged
+            if snap is not None and base is not None and snap.since == (base.name, base.id)
+            else None
+        )
+        sharer = None if base is None or not hook else sharing.Sharer(base, parent, raw.BLOCK, kept)
+        return sharer, (ident, base)
 
     def _committed(
         self,
         snap: Snapshot,
+        parent: Storage,
         name: str,
         written: Written,
         shares: "tuple[str, sharing.Base | None] | None",
@@ -210,7 +219,12 @@ class NativeLayout:
         self.shared_bytes = 0 if sharer is None else sharer.shared
         if shares is None:
             return
+        arena = snap.arena
+        if arena is not None and arena.fills == snap.fill and snap.checksum == raw.BLOCK:
+            arena.saved_as = (name, shares[0])  # what the arena holds is this step's bytes
         base = shares[1]
+        shared = sharing.shared_head(written.chunks, base) or {}
+        sharing.remember(parent, name, shares[0], {step: held["id"] for step, held in shared.items()})
         sizes = {(name, f): n for f, n in written.files.items()}
         ids: dict[str, str] = {}
         if base is not None:

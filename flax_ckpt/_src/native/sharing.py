@@ -168,10 +168,14 @@ class Base:
 
 class Sharer:
     """The raw serializer's ``share`` hook for one save against ``base``, reading its bytes from the run
-    directory ``run``. Thread-safe (pieces are asked in parallel: hashlib releases the GIL)."""
+    directory ``run``. Thread-safe (pieces are asked in parallel: hashlib releases the GIL). ``kept``:
+    per leaf number, the boxes of shards whose bytes the snapshot found equal, byte for byte, to the
+    base's own copy in memory (the arena the base step was written from: engine/arena.py); a piece
+    inside one of them is the base's chunk without being hashed or read."""
 
-    def __init__(self, base: Base, run: Storage, block: int):
+    def __init__(self, base: Base, run: Storage, block: int, kept: dict[int, list[Box]] | None = None):
         self.base, self.files, self.block = base, RunFiles(run, base.ids, run=run), block
+        self.kept = kept or {}
         self.shared = 0  # bytes referred to instead of written
         self._mutex = threading.Lock()
 
@@ -179,23 +183,47 @@ class Sharer:
         self, leaf: int, name: str, box: Box, data: memoryview, crcs: Callable[[], tuple[int, ...]]
     ) -> dict[str, Any] | None:
         """A reference record for the piece ``data`` of leaf ``leaf`` in ``box`` when the base's chunk
-        there holds the same bytes, else None: its crc32c blocks must equal ``crcs()``, then its SHA-256
-        (``HASH`` in the record) that of ``data``; a record without one (the chunk was written, not
-        shared, by the base) is read back and compared byte for byte. A shared record carries the
-        SHA-256, so the next save compares hashes only."""
+        there holds the same bytes, else None: its crc32c blocks must equal ``crcs()``; then the piece
+        lies in a shard ``kept`` names (compared in memory with the very bytes the base wrote), or its
+        SHA-256 equals the record's (``HASH``), or (a record without one: the chunk was written, not
+        shared, by the base) the chunk read back equals it byte for byte. A record shared after a hash
+        or a read carries the SHA-256, so that a later save without the bytes in memory compares
+        hashes only; one shared from memory keeps the base record's (if any)."""
         n = len(data)
         old = None if n < MIN_SHARED else self.base.candidate(leaf, name, box)
         if old is None or old["nbytes"] != n or old["block"] != self.block:
             return None
         if list(crcs()) != list(old["crc32c"]):
             return None
-        digest = hashlib.sha256(data).hexdigest()
         step, file = self.base.located(old)
-        if old.get(HASH) != digest if HASH in old else not self._equal(step, file, old, data):
-            return None
+        if self._kept(leaf, box):
+            record = dict(old, file=f"../{step}/{file}")
+        else:
+            digest = hashlib.sha256(data).hexdigest()
+            if old.get(HASH) != digest if HASH in old else not self._equal(step, file, old, data):
+                return None
+            record = dict(old, file=f"../{step}/{file}", **{HASH: digest})
         with self._mutex:
             self.shared += n
-        return dict(old, file=f"../{step}/{file}", **{HASH: digest})
+        return record
+
+    def _kept(self, leaf: int, box: Box) -> bool:
+        """Whether ``box`` of leaf ``leaf`` lies inside a shard ``kept`` names."""
+        return any(
+            len(k) == len(box) and all(s <= lo and hi <= e for (lo, hi), (s, e) in zip(box, k))
+            for k in self.kept.get(leaf, ())
+        )
+
+    def maybe(self, leaf: int, name: str, box: Box, nbytes: int, crcs: tuple[int, ...] | None) -> bool:
+        """False when the piece of ``nbytes`` bytes of leaf ``leaf`` in ``box`` cannot be shared: the
+        base has no chunk of that size there, or ``crcs`` (its crc32c blocks, when known) differ from
+        that chunk's. Asked before ``__call__``, on the writer's thread: cheap, and never True alone."""
+        if nbytes < MIN_SHARED:
+            return False
+        old = self.base.candidate(leaf, name, box)
+        if old is None or old["nbytes"] != nbytes or old["block"] != self.block:
+            return False
+        return crcs is None or list(crcs) == list(old["crc32c"])
 
     def _equal(self, step: str, file: str, old: dict[str, Any], data: memoryview) -> bool:
         """Whether the stored bytes of ``old`` are ``data``, read a block at a time and compared as
@@ -422,6 +450,22 @@ def _head(run: Storage, name: str) -> _Head:
             _HEADS.clear()
         _HEADS[key] = (ident, out)
     return ident, out
+
+
+def remember(run: Storage, name: str, ident: str, shared: dict[str, str]) -> None:
+    """Keeps what ``_head`` would read of step folder ``name``'s manifest, just committed by this
+    process with id ``ident`` and referring to ``shared`` ({step folder: id}): retention and the sweep
+    after the save then need not read it again. Local folders only (as ``_head``'s keeping)."""
+    if run.local_path is None:
+        return
+    path = os.path.join(run.local_path, name, MANIFEST)
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except OSError:
+        return
+    if len(_HEADS) >= _HEADS_MAX:
+        _HEADS.clear()
+    _HEADS[(path, st.st_ino, st.st_mtime_ns, st.st_size)] = (ident, dict(shared))
 
 
 def referenced(run: Storage, gone: Sequence[str] = ()) -> set[tuple[str, str]] | None:

@@ -134,7 +134,14 @@ def _unshared(
             made[0] if made else None
         )
 
-    asked = [p for p in pieces if p[2].nbytes >= SHARE_MIN]
+    # a piece whose checksums are known and differ from the earlier chunk's is answered here (a lookup
+    # and a compare), without a thread: a state that changed whole starts none
+    maybe = getattr(share, "maybe", None)
+    asked = [
+        p
+        for p in pieces
+        if p[2].nbytes >= SHARE_MIN and (maybe is None or maybe(p[0], names[p[0]], p[1], p[2].nbytes, p[3]))
+    ]
     if len(asked) > 1:
         with ThreadPoolExecutor(min(SHARE_THREADS, len(asked)), thread_name_prefix="flax_ckpt-share") as pool:
             answers = dict(zip(map(id, asked), pool.map(ask, asked)))
