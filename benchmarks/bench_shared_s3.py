@@ -6,12 +6,12 @@
 One process, one moto S3 server (harness/s3_server.py). The state is bench_shared.py's: ``--frozen-mb``
 MiB of frozen matrices plus ``--changing-mb`` MiB that change at every save. Per round, for sharing off
 (the manager's layout told not to share: every save writes all, as on main) and on (the default), each
-in rotated order, and for ``max_to_keep`` None and 2: a fresh prefix, 10 synchronous saves by a
-``CheckpointManager`` (retention included in each save's time). Reported: the bytes the server holds
-after the 10 saves (exact), and the median over rounds of the median time of saves 2..10 (the first,
-which writes all either way, apart), with the on/off ratio as the median of per-round ratios; and the
-same for a state of the same size that changes whole at every save ("full", ``max_to_keep=2``), whose
-saves must cost what they cost without sharing.
+in rotated order, and for ``max_to_keep`` None and 2: a fresh prefix, 10 saves by a
+``CheckpointManager`` (asynchronous, as by default; each timed until durable, retention included).
+Reported: the bytes the server holds after the 10 saves (exact), and the median over rounds of the
+median time of saves 2..10 (the first, which writes all either way, apart), with the on/off ratio as
+the median of per-round ratios; and the same for a state of the same size that changes whole at every
+save ("full", ``max_to_keep=2``), whose saves must cost what they cost without sharing.
 """
 
 from __future__ import annotations
@@ -43,11 +43,12 @@ def run(server: MotoS3, bucket: str, make, keep: int | None, share: bool) -> tup
     """(bytes stored, seconds of each save) of 10 saves of ``make(step)`` to a fresh prefix."""
     prefix = f"shared-{uuid.uuid4().hex[:8]}"
     times = []
-    with fc.CheckpointManager(f"s3://{bucket}/{prefix}", max_to_keep=keep, async_save=False) as mgr:
+    with fc.CheckpointManager(f"s3://{bucket}/{prefix}", max_to_keep=keep) as mgr:
         mgr._directory.layout.share = share  # type: ignore[attr-defined]  (the benchmark's switch)
         for step in range(10):
             t0 = time.perf_counter()
             mgr.save(step, make(step))
+            mgr.wait_until_finished()
             times.append(time.perf_counter() - t0)
     pages = server.client("s3").get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix + "/")
     return sum(o["Size"] for page in pages for o in page.get("Contents", [])), times

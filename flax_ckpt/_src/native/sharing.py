@@ -288,7 +288,17 @@ def newest_base(run: Storage, exclude: str, known: Base | None, first: str | Non
     """The base of a save into ``run``: step folder ``first`` (the step the manager restored) when it is
     still committed, else the committed native step with the highest number (but ``exclude``, the step
     being saved); ``known`` when it is that step (the last one this layout committed). None when there
-    is none, or its manifest cannot be read (the save then writes all)."""
+    is none, or its manifest cannot be read (the save then writes all). On an object store, where a
+    listing is a request that lists every object of the run, ``known`` is taken while it is committed
+    and no restored step comes first (any committed step of the run is a sound base)."""
+    if (
+        not run.supports_rename
+        and known is not None
+        and first is None
+        and known.name != exclude
+        and run.sub(known.name).exists(MANIFEST)
+    ):
+        return known
     steps = sorted(
         (n for n in map(commit_mod.step_number, run.list()) if n is not None and str(n) != exclude),
         reverse=True,
