@@ -78,7 +78,7 @@ class Directory:
         if warning is not None:
             log.warning("%s", warning)
         self.layout: layouts.Layout = layouts.layout(self.format, serializer)
-        if not read_only and not tiered:  # native steps on a local folder share unchanged chunks
+        if not read_only and not tiered:  # native steps share unchanged chunks (sharing.enable)
             sharing.enable(self.layout, self.storage)
         self.recycler = None if read_only else self.layout.recycler(self.storage)
         self.index = StepIndex(self.storage, self.layout, self.prefix, serializer, self.recycler)

@@ -112,9 +112,11 @@ class StepIndex:
             self._metrics, self._folders, self._damaged = metrics, found, damaged
         self.layout.follow(self.storage, layouts.newest_own(self.layout, list(found.values())))
         if tidy and lead:
-            for entry in self._leftovers:
-                log.warning("removing %s/%s, left by an interrupted save or deletion", self.directory, entry)
-                self.storage.delete(entry)
+            for entry in self._leftovers:  # on an object store sparing what a hold keeps (native/sharing.py)
+                if sharing.clear(self.storage, entry):
+                    log.warning(
+                        "removed %s/%s, left by an interrupted save or deletion", self.directory, entry
+                    )
             self._leftovers = []
         if distributed.process_count() > 1:
             self.agree()
@@ -213,7 +215,7 @@ class StepIndex:
                         aside,
                     )
             else:
-                commit_mod.remove(self.storage, damaged[1].name, damaged[1].layout.record)
+                sharing.remove_folder(self.storage, damaged[1].name, damaged[1].layout.record)
                 log.warning("step %d in %s was damaged; removed before saving it again", step, self.directory)
         with self._mutex:
             return layouts.step_name(self.layout, step, sorted(self._folders.values(), key=lambda f: f.step))
@@ -243,11 +245,7 @@ class StepIndex:
         with self._mutex:
             gone = [self._folders[s].name for s in doomed if s in self._folders]
         # what the kept steps refer to (native/sharing.py): those steps are retired, not removed
-        refs = (
-            sharing.referenced(self.storage, gone)
-            if lead and doomed and self.storage.supports_rename
-            else None
-        )
+        refs = sharing.referenced(self.storage, gone) if lead and doomed else None
         others = [s for s in doomed if s not in self._written]
         for step in doomed:
             with self._mutex:
@@ -259,15 +257,15 @@ class StepIndex:
                     self.recycler if folder.layout.recycles else None
                 )  # its data files: the next save's
                 salvage = recycler.retire if recycler is not None else None
-                if folder.layout.shares and self.storage.supports_rename:
+                if folder.layout.shares:
                     sharing.remove_step(
                         self.storage, folder.name, folder.layout.record, refs=refs, salvage=salvage
                     )
                 else:
                     commit_mod.remove(self.storage, folder.name, folder.layout.record, salvage=salvage)
             log.info("retention removed step %d from %s", step, self.directory)
-        if lead and self.storage.supports_rename:
-            sharing.sweep(self.storage)  # retired folders that no kept step refers to any more
+        if lead and (self.storage.supports_rename or (self.layout.shares and doomed)):
+            sharing.sweep(self.storage)  # retired folders (holds) that no kept step refers to any more
         if others and not self._retention_warned and distributed.process_index() == 0:
             self._retention_warned = True
             log.warning(

@@ -153,10 +153,11 @@ class NativeLayout:
             t0 = time.perf_counter()
             sharer, shares = self._sharer(parent, name, staging, snap)
             writer = serializer if sharer is None else cast(Serializer, sharing.Sharing(serializer, sharer))
+            tag = sharing.file_tag("p0", parent, shares)
             written = (
-                write_streamed(writer, stage, snap, snap.items(), tag="p0")
+                write_streamed(writer, stage, snap, snap.items(), tag=tag)
                 if isinstance(snap, Streamed)
-                else writer.write(stage, snap.items(), tag="p0")
+                else writer.write(stage, snap.items(), tag=tag)
             )
             t1 = time.perf_counter()
             data = manifest_bytes(
@@ -174,7 +175,7 @@ class NativeLayout:
             times.write, times.commit = t1 - t0, time.perf_counter() - t1
             times.fsync, times.serialize, times.written = written.fsync_s, written.serialize_s, written.nbytes
         except BaseException:
-            commit_mod.abort(parent, staging, MANIFEST)
+            sharing.abort(parent, staging, MANIFEST)
             raise
         return times
 
@@ -182,12 +183,12 @@ class NativeLayout:
         self, parent: Storage, name: str, staging: str, snap: Snapshot | None = None
     ) -> "tuple[sharing.Sharer | None, tuple[str, sharing.Base | None] | None]":
         """(the raw serializer's share hook, (this save's id, its base)) of a save of step folder ``name``
-        when this layout shares (a manager's native steps on a local folder, the raw serializer), else
+        when this layout shares (a manager's native steps, the raw serializer: sharing.enable), else
         (None, None). Without a base step (the run's first save, or an unreadable newest step) the
         hook is None but the save still records its id, so that the next one may refer to it. ``snap``:
         the save's snapshot, whose shards found equal to its arena's bytes are the base's chunks when
         the base is the step that wrote those bytes (``Snapshot.since``)."""
-        ident = sharing.staging_id(staging)
+        ident = sharing.save_id(staging, parent)
         if not self.share or ident is None or not isinstance(self.serializer, raw.RawSerializer):
             return None, None
         # with several processes each reads the base's merged manifest (its records name every
@@ -326,7 +327,7 @@ def _persist_shared(
     except BaseException as e:
         rnd.fail(e)
         if rnd.index == 0:
-            commit_mod.abort(parent, staging, MANIFEST)
+            sharing.abort(parent, staging, MANIFEST)
         raise
     return times
 

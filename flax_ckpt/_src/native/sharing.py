@@ -11,7 +11,12 @@ Not here: writing pieces (serializers/raw.py), the manifest schema's checks (nat
 which steps retention removes (retention.py).
 
 A retired step's folder is ``<step>.held-<id>`` (``id``: its manifest's, the nonce of its staging
-folder): never a step, never a leftover. Local folders only (a retirement is one rename).
+folder): never a step, never a leftover. On a local folder a retirement is one rename. An object store
+has no rename: there a retired step's data objects stay where they are, under ``<step>/``, its manifest
+is deleted, and an object ``<step>.held-<id>`` (the hold, written first) lists them; a save there (by
+one process) names its data files after an id of its own (``data/p0-<id>.<n>.bin``), so that a later
+save of the same step number never writes over them, and every deletion under ``<step>/`` spares what
+a hold lists.
 """
 
 from __future__ import annotations
@@ -22,13 +27,13 @@ import os
 import re
 import threading
 import uuid
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
-from flax_ckpt._src.checks import MANIFEST, MAX_MANIFEST_BYTES, unseal
+from flax_ckpt._src.checks import MANIFEST, MAX_MANIFEST_BYTES, seal, unseal
 from flax_ckpt._src.commit import atomic as commit_mod
-from flax_ckpt._src.errors import CheckpointError, CorruptCheckpointError
+from flax_ckpt._src.errors import CheckpointError, CorruptCheckpointError, StorageError
 from flax_ckpt._src.records import leaf_name
 from flax_ckpt._src.serializers.base import Box
 from flax_ckpt._src.storage import Storage
@@ -61,6 +66,22 @@ def staging_id(staging: str) -> str | None:
     return nonce if mark and head and is_id(nonce) else None
 
 
+def save_id(staging: str, run: Storage) -> str | None:
+    """The id of a save into ``staging`` below the run directory ``run``: on a local folder its staging
+    folder's nonce (``staging_id``); on an object store, where a step is written in place, a fresh one."""
+    return staging_id(staging) if run.supports_rename else uuid.uuid4().hex
+
+
+def file_tag(tag: str, run: Storage, shares: "tuple[str, Base | None] | None") -> str:
+    """The tag of a save's data files (the raw serializer's ``data/<tag>.<n>.bin``): on an object store
+    they carry the save's id (``shares``: (id, base) of a sharing save), or a fresh one, ``<tag>-<id>``,
+    so that they never take the names of a retired save of the same step number whose objects a hold
+    keeps (a local retired folder is renamed out of the way)."""
+    if run.supports_rename:
+        return tag
+    return f"{tag}-{shares[0] if shares is not None else uuid.uuid4().hex}"
+
+
 def split_ref(name: str) -> tuple[str, str] | None:
     """(step folder, file) of a chunk record's ``../<step>/<file>``; None for a file of the step itself."""
     if not name.startswith("../"):
@@ -73,13 +94,15 @@ def split_ref(name: str) -> tuple[str, str] | None:
 
 
 def enable(layout: Any, run: Storage) -> None:
-    """Makes a manager's native ``layout`` share unchanged chunks between the steps of ``run`` (local
-    folders, the raw serializer); any other layout or storage is left as it is."""
+    """Makes a manager's native ``layout`` share unchanged chunks between the steps of ``run`` (a local
+    folder, or an object store written by one process; the raw serializer); any other layout or storage
+    is left as it is."""
+    from flax_ckpt._src.commit import distributed
     from flax_ckpt._src.serializers import raw
 
     if (
         getattr(layout, "name", None) == "native"
-        and run.supports_rename
+        and (run.supports_rename or distributed.process_count() == 1)
         and isinstance(getattr(layout, "serializer", None), raw.RawSerializer)
     ):
         layout.share = True
@@ -265,7 +288,17 @@ def newest_base(run: Storage, exclude: str, known: Base | None, first: str | Non
     """The base of a save into ``run``: step folder ``first`` (the step the manager restored) when it is
     still committed, else the committed native step with the highest number (but ``exclude``, the step
     being saved); ``known`` when it is that step (the last one this layout committed). None when there
-    is none, or its manifest cannot be read (the save then writes all)."""
+    is none, or its manifest cannot be read (the save then writes all). On an object store, where a
+    listing is a request that lists every object of the run, ``known`` is taken while it is committed
+    and no restored step comes first (any committed step of the run is a sound base)."""
+    if (
+        not run.supports_rename
+        and known is not None
+        and first is None
+        and known.name != exclude
+        and run.sub(known.name).exists(MANIFEST)
+    ):
+        return known
     steps = sorted(
         (n for n in map(commit_mod.step_number, run.list()) if n is not None and str(n) != exclude),
         reverse=True,
@@ -291,8 +324,9 @@ def newest_base(run: Storage, exclude: str, known: Base | None, first: str | Non
 
 class RunFiles:
     """The Storage a shared step's reads go through: its own files from ``storage``, a name
-    ``../<step>/<file>`` from that step of the run (its retired folder ``<step>.held-<id>`` first, then
-    ``<step>``; looked up again once when a file vanished: a retirement between the two). ``ids``:
+    ``../<step>/<file>`` from that step of the run (on a local folder its retired folder
+    ``<step>.held-<id>`` first, then ``<step>``; looked up again once when a file vanished: a retirement
+    between the two; on an object store ``<step>/``, where a retired step's objects stay). ``ids``:
     {step folder: the id of the save holding the bytes} (the manifest's ``shared``)."""
 
     def __init__(self, storage: Storage, ids: dict[str, str], *, run: Storage | None = None):
@@ -316,6 +350,9 @@ class RunFiles:
         ident = self._ids.get(step)
         if ident is None:
             raise CorruptCheckpointError(f"{self._s.url}: a chunk refers to step {step}, not in its manifest")
+        if not self.run.supports_rename:
+            self._at[step] = found = self.run.sub(step)
+            return found
         held = self.run.sub(held_name(step, ident))
         self._at[step] = found = held if held.kind() == "folder" else self.run.sub(step)
         return found
@@ -399,7 +436,7 @@ def _head(run: Storage, name: str) -> _Head:
         raw = run.sub(name).read(MANIFEST, MAX_MANIFEST_BYTES)
     except (FileNotFoundError, NotADirectoryError):
         return None, {}
-    except OSError:
+    except (OSError, StorageError):  # what it refers to is unknown
         return None, None
     try:
         body = unseal(
@@ -470,8 +507,25 @@ def remove_step(
 ) -> bool:
     """Deletes the committed native step folder ``name`` of ``run``, or, when a kept step refers to its
     bytes (or ``refs``, the pairs ``referenced`` gave for the kept steps, is None: unknown), retires it:
-    one rename to ``<name>.held-<id>``. Returns whether it was retired."""
-    ident = own_id(run, name) if run.supports_rename else None
+    on a local folder one rename to ``<name>.held-<id>``; on an object store its hold written, then its
+    manifest deleted (``_retire``). Returns whether it was retired."""
+    if not run.supports_rename:
+        body = _body(run, name)
+        ident = body.get("id") if body and is_id(body.get("id")) else None
+        if body and ident is not None and (refs is None or (name, ident) in refs):
+            _retire(run, name, record, ident, body["files"])
+            return True
+        if body == {} and (refs is None or any(step == name for step, _ in refs)):
+            log.warning(  # what its objects are is unknown: a kept step may name them
+                "%s/%s: its manifest cannot be read just now, so it is kept (a kept step may refer to its "
+                "bytes); `flax-ckpt prune` removes it once it reads again",
+                run.url,
+                name,
+            )
+            return False
+        remove_folder(run, name, record)
+        return False
+    ident = own_id(run, name)
     if ident is not None and (refs is None or (name, ident) in refs):
         run.rename(name, held_name(name, ident))
         run.sync(tree=False)
@@ -481,10 +535,11 @@ def remove_step(
 
 
 def sweep(run: Storage, refs: set[tuple[str, str]] | None = None) -> list[str]:
-    """Deletes every retired folder of ``run`` that no committed step refers to (``refs``: as
-    ``referenced`` gives them, read here when None); returns their names. Nothing is deleted when a
-    committed step's manifest cannot be read."""
-    held = [e for e in run.list() if is_held(e)]
+    """Deletes every retired folder (object store: every hold and the objects it lists) of ``run`` that
+    no committed step refers to (``refs``: as ``referenced`` gives them, read here when None); returns
+    their names. Nothing is deleted when a committed step's manifest cannot be read."""
+    entries = run.list()
+    held = [e for e in entries if is_held(e)]
     if not held:
         return []
     if refs is None:
@@ -503,6 +558,10 @@ def sweep(run: Storage, refs: set[tuple[str, str]] | None = None) -> list[str]:
         assert m is not None, "is_held matched it"
         if (m.group(1), m.group(2)) in refs:
             continue
+        if not run.supports_rename:
+            if _free(run, m.group(1), m.group(2), entries):
+                gone.append(entry)
+            continue
         doomed = f"{m.group(1)}{commit_mod.DELETING_MARK}{uuid.uuid4().hex}"  # a leftover if interrupted
         run.rename(entry, doomed)
         run.delete(doomed)
@@ -510,8 +569,178 @@ def sweep(run: Storage, refs: set[tuple[str, str]] | None = None) -> list[str]:
     return gone
 
 
+# ------------------------------------------------------------------------- object stores: holds
+#
+# No rename: a retired step's data objects stay under ``<step>/``. Its hold ``<step>.held-<id>``, an
+# object beside the step folders, lists them (a sealed document, checksummed). The order of the writes
+# and deletes leaves, after a kill between any two, either the step (committed, whole) or its objects
+# with a hold listing them, never a manifest naming a deleted object:
+#   retire: 1. write the hold, 2. delete the manifest (a kill between: the step is still committed; the
+#           next retention retires it again, or a sweep finds the step committed and deletes the hold);
+#   free (sweep, nothing refers to the hold's step and id): 1. delete the listed objects, 2. delete the
+#           hold (a kill between: the hold stays, the next sweep deletes the rest and then it);
+#   any other deletion under ``<step>/`` (a failed save's objects, a step removed, a crashed save's
+#           leftovers) spares the objects a hold of ``<step>`` lists.
+
+_HOLD = "flax_ckpt-held"  # the hold's sealed document's format name
+
+
+@runtime_checkable
+class _Listing(Protocol):
+    """A storage that lists every object below it (an object store's KvStorage)."""
+
+    def list_all(self) -> list[str]: ...
+
+
+def _body(run: Storage, name: str) -> dict[str, Any] | None:
+    """The body of step folder ``name``'s committed manifest; None when it has none, {} when it cannot
+    be decoded. A failing store raises (StorageError): what it holds is then unknown."""
+    try:
+        raw = run.sub(name).read(MANIFEST, MAX_MANIFEST_BYTES)
+    except FileNotFoundError:
+        return None
+    try:
+        body = unseal(
+            raw, name="flax_ckpt", version=1, where=f"{run.url}/{name}", max_bytes=MAX_MANIFEST_BYTES
+        )
+    except (CheckpointError, ValueError):
+        return {}
+    return body if isinstance(body.get("files"), dict) else {}
+
+
+def _retire(run: Storage, name: str, record: str, ident: str, files: dict[str, int]) -> None:
+    """Retires the committed step ``name`` (id ``ident``, data objects ``files``) on an object store:
+    its hold first, then its manifest deleted."""
+    hold = seal({"step": name, "id": ident, "files": files}, name=_HOLD, version=1, what="hold")
+    run.write(held_name(name, ident), [hold])
+    run.sub(name).delete(record)
+
+
+def _hold_files(run: Storage, entry: str) -> set[str] | None:
+    """The objects (below its step folder) the hold ``entry`` lists; None when it cannot be read."""
+    try:
+        raw = run.read(entry, MAX_MANIFEST_BYTES)
+        body = unseal(raw, name=_HOLD, version=1, where=f"{run.url}/{entry}", what="hold")
+    except FileNotFoundError:
+        return set()
+    except (OSError, CheckpointError, ValueError):
+        return None
+    files = body.get("files")
+    return set(files) if isinstance(files, dict) else None
+
+
+def held_objects(run: Storage, name: str, entries: Sequence[str] | None = None) -> set[str] | None:
+    """The objects under step folder ``name`` of an object-store run that its holds keep (empty on a
+    local folder, where a retired step has a folder of its own); None when a hold cannot be read (then
+    nothing under ``name`` may be deleted). ``entries``: the run's listing, when just made."""
+    if run.supports_rename:
+        return set()
+    out: set[str] = set()
+    for entry in run.list() if entries is None else entries:
+        m = _HELD.fullmatch(entry)
+        if m is None or m.group(1) != name:
+            continue
+        files = _hold_files(run, entry)
+        if files is None:
+            return None
+        out |= files
+    return out
+
+
+def only_held(run: Storage, name: str, entries: Sequence[str] | None = None) -> bool:
+    """Whether folder ``name`` of an object-store run holds nothing but what its holds keep (a retired
+    step's objects: no step, no leftover)."""
+    if run.supports_rename:
+        return False
+    keep = held_objects(run, name, entries)
+    folder = run.sub(name)
+    return bool(keep) and isinstance(folder, _Listing) and set(folder.list_all()) <= keep
+
+
+def clear(run: Storage, name: str) -> int:
+    """Deletes what is under folder ``name`` of ``run`` but the objects a hold keeps (object stores;
+    on a local folder the folder, whole); returns how many objects (or folders) it deleted."""
+    keep = held_objects(run, name)
+    if keep is None:
+        log.warning(
+            "%s/%s: a hold of this step cannot be read, so nothing under it is deleted (what the hold keeps "
+            "is unknown)",
+            run.url,
+            name,
+        )
+        return 0
+    if not keep:
+        run.delete(name)
+        return 1
+    folder = run.sub(name)
+    doomed = [k for k in folder.list_all() if k not in keep] if isinstance(folder, _Listing) else []
+    for key in doomed:
+        folder.delete(key)
+    return len(doomed)
+
+
+def remove_folder(run: Storage, name: str, record: str) -> None:
+    """Deletes the step folder ``name`` (committed or not), its commit ``record`` first, sparing what a
+    hold keeps (``clear``)."""
+    if run.supports_rename:
+        commit_mod.remove(run, name, record)
+        return
+    run.sub(name).delete(record)
+    clear(run, name)
+
+
+def abort(parent: Storage, staging: str, record: str) -> None:
+    """``atomic.abort`` (commit/atomic.py) for a native save: removes what an uncommitted save wrote,
+    on an object store sparing what a hold of the same step number keeps."""
+    if parent.supports_rename:
+        commit_mod.abort(parent, staging, record)
+        return
+    try:
+        if not parent.sub(staging).exists(record):
+            clear(parent, staging)
+    except (StorageError, OSError) as e:  # the store is failing: what is left is uncommitted, never read
+        log.warning(
+            "could not remove the uncommitted %s/%s (a manager removes it when it next starts): %s",
+            parent.url,
+            staging,
+            e,
+        )
+
+
+def _free(run: Storage, step: str, ident: str, entries: Sequence[str]) -> bool:
+    """Deletes the hold ``<step>.held-<ident>`` that nothing refers to and the objects it lists, those
+    first; returns whether it is gone. A hold whose step is still committed with that id (a retirement
+    interrupted before the manifest's deletion) is deleted alone: the step stays, whole."""
+    entry = held_name(step, ident)
+    body = _body(run, step)
+    if body == {}:
+        log.warning("%s/%s: its manifest cannot be read, so the hold %s stays", run.url, step, entry)
+        return False
+    if body is not None and body.get("id") == ident:
+        run.delete(entry)
+        return True
+    files = _hold_files(run, entry)
+    others = held_objects(run, step, [e for e in entries if e != entry])
+    if files is None or others is None:
+        log.warning("%s/%s: a hold cannot be read, so it and what it keeps stay", run.url, entry)
+        return False
+    mine = set(body["files"]) if body else set()  # a later save of the step number: its own objects
+    folder = run.sub(step)
+    for f in sorted(files - others - mine):
+        folder.delete(f)
+    run.delete(entry)
+    return True
+
+
 __all__ = [
     "Base",
+    "abort",
+    "clear",
+    "file_tag",
+    "held_objects",
+    "only_held",
+    "remove_folder",
+    "save_id",
     "HELD_MARK",
     "RunFiles",
     "Sharer",

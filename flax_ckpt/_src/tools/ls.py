@@ -87,10 +87,15 @@ def list_steps(directory: Any, *, tier: str = "persistent") -> list[StepEntry]:
         raise CheckpointNotFoundError(f"{root.url} is not a folder of checkpoints")
     folders, temporary = layouts.step_folders(root, files=True)
     entries = [e for e in (_entry(root, f, tier) for f in folders) if e is not None]
+    listing = root.list()
+    held = [name for name in listing if sharing.is_held(name)]
+    if held and not root.supports_rename:  # an object store: a retired step's objects, listed as its hold
+        entries = [
+            e for e in entries if e.state != "uncommitted" or not sharing.only_held(root, e.name, listing)
+        ]
     entries += [
         StepEntry(name, int(name.split(".", 1)[0]), "held", tier, "native", _disk_size(root.sub(name)))
-        for name in root.list()
-        if sharing.is_held(name)
+        for name in held
     ]
     for name in temporary:
         step = step_number(commit_mod.base_name(name))  # "<step>" or Orbax's "<prefix>_<step>"

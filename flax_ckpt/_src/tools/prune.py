@@ -135,7 +135,7 @@ def _delete(root: Storage, doomed: list[StepEntry]) -> None:
     """Deletes ``doomed``, after checking that every one of them is still there as listed."""
     found = {f.name: f for f in layouts.step_folders(root, files=True)[0]}
     # what the kept steps refer to (native/sharing.py): a step they refer to is retired, not removed
-    refs = sharing.referenced(root, [e.name for e in doomed]) if doomed and root.supports_rename else None
+    refs = sharing.referenced(root, [e.name for e in doomed]) if doomed else None
     plans = [(e, _plan(root, e, found.get(e.name), refs)) for e in doomed]  # every check before the first
     done: list[str] = []
     for e, remove in plans:
@@ -148,8 +148,7 @@ def _delete(root: Storage, doomed: list[StepEntry]) -> None:
                 "with an atomic rename); run prune again once fixed"
             ) from err
         done.append(e.name)
-    if root.supports_rename:
-        sharing.sweep(root)  # retired folders no kept step refers to any more
+    sharing.sweep(root)  # retired folders (object stores: holds) no kept step refers to any more
 
 
 def _plan(
@@ -178,6 +177,6 @@ def _plan(
         f.layout.metrics(root.sub(e.name))  # committed, and opens
     except (CheckpointError, OSError, ValueError):
         raise changed from None
-    if f.layout.shares and root.supports_rename:
+    if f.layout.shares:
         return lambda: sharing.remove_step(root, e.name, f.layout.record, refs=refs)
     return lambda: commit_mod.remove(root, e.name, f.layout.record)

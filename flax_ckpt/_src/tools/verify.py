@@ -24,6 +24,7 @@ from flax_ckpt._src.errors import (
     CorruptCheckpointError,
     InvalidManifestError,
 )
+from flax_ckpt._src.native import sharing
 from flax_ckpt._src.storage import Storage
 from flax_ckpt._src.tools.common import bar, folder_of, identity, is_empty_run
 
@@ -113,7 +114,8 @@ def _check_run(root: Storage, steps: list[layouts.StepFolder], progress: bool) -
         try:
             r = _check_step(root, f, progress)
         except CheckpointNotCommittedError:
-            skipped.append(f.name)
+            if not sharing.only_held(root, f.name):  # a retired step's objects (object stores) are no step
+                skipped.append(f.name)
             continue
         if r is None:
             gone.append(f.step)

@@ -1,0 +1,101 @@
+"""A fine-tune's saves to an S3-protocol server on 127.0.0.1, steps sharing unchanged chunks or not.
+
+    python benchmarks/bench_shared_s3.py                   # 32 MiB frozen + 0.75 MiB changing, 3 rounds
+    python benchmarks/bench_shared_s3.py --frozen-mb 128 --rounds 2
+
+One process, one moto S3 server (harness/s3_server.py). The state is bench_shared.py's: ``--frozen-mb``
+MiB of frozen matrices plus ``--changing-mb`` MiB that change at every save. Per round, for sharing off
+(the manager's layout told not to share: every save writes all, as on main) and on (the default), each
+in rotated order, and for ``max_to_keep`` None and 2: a fresh prefix, 10 saves by a
+``CheckpointManager`` (asynchronous, as by default; each timed until durable, retention included).
+Reported: the bytes the server holds after the 10 saves (exact), and the median over rounds of the
+median time of saves 2..10 (the first, which writes all either way, apart), with the on/off ratio as
+the median of per-round ratios; and the same for a state of the same size that changes whole at every
+save ("full", ``max_to_keep=2``), whose saves must cost what they cost without sharing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+import uuid
+import warnings
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "harness"))
+import _common as C  # noqa: E402
+from bench_s3 import point_env_at  # noqa: E402
+from bench_shared import states  # noqa: E402
+
+C.jax_cpu_env()
+warnings.filterwarnings("ignore")
+
+from s3_server import MotoS3  # noqa: E402
+
+import flax_ckpt as fc  # noqa: E402
+
+
+def run(server: MotoS3, bucket: str, make, keep: int | None, share: bool) -> tuple[int, list[float]]:
+    """(bytes stored, seconds of each save) of 10 saves of ``make(step)`` to a fresh prefix."""
+    prefix = f"shared-{uuid.uuid4().hex[:8]}"
+    times = []
+    with fc.CheckpointManager(f"s3://{bucket}/{prefix}", max_to_keep=keep) as mgr:
+        mgr._directory.layout.share = share  # type: ignore[attr-defined]  (the benchmark's switch)
+        for step in range(10):
+            t0 = time.perf_counter()
+            mgr.save(step, make(step))
+            mgr.wait_until_finished()
+            times.append(time.perf_counter() - t0)
+    pages = server.client("s3").get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix + "/")
+    return sum(o["Size"] for page in pages for o in page.get("Contents", [])), times
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--frozen-mb", type=int, default=32)
+    ap.add_argument("--changing-mb", type=float, default=0.75)
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    frozen, changing, full = states(args.frozen_mb, args.changing_mb)
+
+    def lora(step: int) -> dict:
+        return {"frozen": frozen, "lora": changing[step % len(changing)]}
+
+    def whole(step: int) -> dict:
+        return full[step % 2]
+
+    body: dict = {"args": vars(args), "bytes": {}, "later_save_s": {}, "on_over_off": {}}
+    with MotoS3() as server:
+        point_env_at(server, 64)
+        bucket = server.create_bucket()
+        for name, make, keep in (("keep_None", lora, None), ("keep_2", lora, 2), ("full", whole, 2)):
+            per: dict[str, list[float]] = {"off": [], "on": []}
+            ratios = []
+            for r in range(args.rounds):
+                got = {}
+                for mode in C.rotated(["off", "on"], r):
+                    nbytes, times = run(server, bucket, make, keep, mode == "on")
+                    body["bytes"][f"{mode}_{name}"] = nbytes
+                    got[mode] = statistics.median(times[1:])
+                    per[mode].append(got[mode])
+                ratios.append(got["on"] / got["off"])
+            for mode in per:
+                body["later_save_s"][f"{mode}_{name}"] = statistics.median(per[mode])
+            body["on_over_off"][name] = statistics.median(ratios)
+    b, t = body["bytes"], body["later_save_s"]
+    md = "".join(
+        f"{name}: {b[f'off_{name}'] / C.MB:.1f} MiB -> {b[f'on_{name}'] / C.MB:.1f} MiB stored; a later "
+        f"save {t[f'off_{name}'] * 1e3:.0f} ms -> {t[f'on_{name}'] * 1e3:.0f} ms (on/off "
+        f"{body['on_over_off'][name]:.2f})\n"
+        for name in ("keep_None", "keep_2", "full")
+    )
+    js, _ = C.write_report("bench_shared_s3", body, md)
+    print(md + f"report: {js}")
+
+
+if __name__ == "__main__":
+    main()
