@@ -20,10 +20,16 @@ import numpy as np
 import pytest
 
 import flax_ckpt as fc
-from flax_ckpt._src.native.layout import open_native
+from flax_ckpt._src.native.manifest import decode
 from flax_ckpt._src.records import dtype_from_name, leaf_name
 from flax_ckpt._src.storage import LocalStorage
 from helpers import WORKERS, Job
+
+
+def manifest_body(folder: Path) -> dict:
+    """A native step's validated manifest body, with its leaves."""
+    return decode((folder / "manifest.json").read_bytes(), str(folder))
+
 
 WORKER = WORKERS / "mp_worker.py"
 JOB_TIMEOUT_S = 100
@@ -69,7 +75,7 @@ def restored(saved) -> dict[str, list[dict]]:
 @pytest.mark.timeout(150)
 def test_two_processes_write_their_own_shards_once(saved):
     d, _ = saved
-    body = open_native(LocalStorage(d / "ts")).body
+    body = manifest_body(d / "ts")
     assert body["process_count"] == 2 and body["step"] == 1
     tags = {name.split("/")[1].split(".")[0] for name in body["files"]}
     assert tags == {"p0", "p1"}  # each process wrote its own files
@@ -93,11 +99,11 @@ def test_two_processes_stream_their_own_shards_once(saved):
     """fc.save of arrays off the host (engine/transfer.py, forced on these CPU devices): each process
     streams its own shards in batches; restored bit-exact in the worker."""
     d, _ = saved
-    body = open_native(LocalStorage(d / "ts_stream")).body
+    body = manifest_body(d / "ts_stream")
     assert body["process_count"] == 2
     assert {name.split("/")[1].split(".")[0] for name in body["files"]} == {"p0", "p1"}
     assert all(re.fullmatch(r"data/p[01]\.(h|\d+)\.\d+\.bin", name) for name in body["files"]), body["files"]
-    plain = open_native(LocalStorage(d / "ts")).body
+    plain = manifest_body(d / "ts")
     assert sum(body["files"].values()) == sum(plain["files"].values())  # replicated shards written once
     kernel = next(r for r in body["leaves"] if leaf_name(r) == "params/dense/kernel")
     assert sorted(c["file"].split(".")[0] for c in kernel["chunks"]) == ["data/p0"] * 2 + ["data/p1"] * 2
