@@ -23,6 +23,7 @@ import statistics
 import sys
 import time
 import warnings
+from typing import Callable
 
 import numpy as np
 
@@ -52,6 +53,19 @@ def states(frozen_mb: int, changing_mb: float) -> tuple[dict, list[dict], list[d
     return frozen, changing, full
 
 
+def makers(frozen_mb: int, changing_mb: float) -> tuple[Callable[[int], dict], Callable[[int], dict]]:
+    """(the fine-tune's state at a step, the fully changed state at a step), from ``states``."""
+    frozen, changing, full = states(frozen_mb, changing_mb)
+
+    def lora(step: int) -> dict:
+        return {"frozen": frozen, "lora": changing[step % len(changing)]}
+
+    def whole(step: int) -> dict:
+        return full[step % 2]
+
+    return lora, whole
+
+
 def saves(directory, make, count: int, **kw) -> list[float]:
     """Seconds until durable of ``count`` saves (after two untimed ones) of ``make(step)``."""
     out = []
@@ -73,14 +87,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--saves", type=int, default=4, help="timed saves per state per round")
     args = ap.parse_args()
-    frozen, changing, full = states(args.frozen_mb, args.changing_mb)
-
-    def lora(step: int) -> dict:
-        return {"frozen": frozen, "lora": changing[step % len(changing)]}
-
-    def whole(step: int) -> dict:
-        return full[step % 2]
-
+    lora, whole = makers(args.frozen_mb, args.changing_mb)
     times: dict[str, list[float]] = {"lora": [], "full": []}
     ratios = []
     for r in range(args.rounds):
@@ -100,7 +107,7 @@ def main() -> None:
         nbytes[f"keep_{keep}"] = C.disk_usage(d)
         C.remove_scratch(d)
     one = C.tree_bytes(dict(C.flat_items(lora(0))))
-    changed = C.tree_bytes(dict(C.flat_items(changing[0])))
+    changed = C.tree_bytes(dict(C.flat_items(lora(0)["lora"])))
     bound = {"keep_None": one + 9 * changed, "keep_2": one + 2 * changed}
     body = {
         "machine": C.machine_info(C.SCRATCH),

@@ -29,7 +29,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "harness"))
 import _common as C  # noqa: E402
 from bench_s3 import point_env_at  # noqa: E402
-from bench_shared import states  # noqa: E402
+from bench_shared import makers  # noqa: E402
 
 C.jax_cpu_env()
 warnings.filterwarnings("ignore")
@@ -60,14 +60,7 @@ def main() -> None:
     ap.add_argument("--changing-mb", type=float, default=0.75)
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
-    frozen, changing, full = states(args.frozen_mb, args.changing_mb)
-
-    def lora(step: int) -> dict:
-        return {"frozen": frozen, "lora": changing[step % len(changing)]}
-
-    def whole(step: int) -> dict:
-        return full[step % 2]
-
+    lora, whole = makers(args.frozen_mb, args.changing_mb)
     body: dict = {"args": vars(args), "bytes": {}, "later_save_s": {}, "on_over_off": {}}
     with MotoS3() as server:
         point_env_at(server, 64)
