@@ -269,16 +269,22 @@ class SaveRound:
     def agree_staging(self, make: Callable[[], str]) -> str:
         """Process 0 calls ``make`` and publishes the staging folder's name; the others receive it. A
         failure of ``make`` on process 0 is raised there and reported to the others."""
+        return self.agree(lambda: {"staging": make()})["staging"]
+
+    def agree(self, make: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        """The start of the save: process 0 calls ``make`` and publishes what it returns (a JSON
+        object: the staging folder's name, the save's id); the others receive the same. A failure of
+        ``make`` on process 0 is raised there and reported to the others. Called once per round."""
         key = f"{self.prefix}/staging"
         if self.index == 0:
             _cleanup_acked(self.count)
             try:
-                staging = make()
+                value = make()
             except Exception as e:
                 _set(key, {"error": f"{type(e).__name__}: {e}"}, self.where)
                 raise
-            _set(key, {"staging": staging}, self.where)
-            return staging
+            _set(key, {"value": value}, self.where)
+            return value
         try:
             msg = _get(key, _timeout_s, self.where)
         except TimeoutError:
@@ -289,7 +295,7 @@ class SaveRound:
             ) from None
         if "error" in msg:
             raise DistributedError(f"save of {self.where}: process 0 could not start it: {msg['error']}")
-        return msg["staging"]
+        return msg["value"]
 
     def publish(self, stage: Storage, written: Written, digest: str) -> None:
         """A peer: stores its chunk records durably in the staging folder and announces them."""

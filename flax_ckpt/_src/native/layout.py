@@ -180,15 +180,21 @@ class NativeLayout:
         return times
 
     def _sharer(
-        self, parent: Storage, name: str, staging: str, snap: Snapshot | None = None
+        self,
+        parent: Storage,
+        name: str,
+        staging: str,
+        snap: Snapshot | None = None,
+        ident: str | None = None,
     ) -> "tuple[sharing.Sharer | None, tuple[str, sharing.Base | None] | None]":
         """(the raw serializer's share hook, (this save's id, its base)) of a save of step folder ``name``
         when this layout shares (a manager's native steps, the raw serializer: sharing.enable), else
         (None, None). Without a base step (the run's first save, or an unreadable newest step) the
         hook is None but the save still records its id, so that the next one may refer to it. ``snap``:
         the save's snapshot, whose shards found equal to its arena's bytes are the base's chunks when
-        the base is the step that wrote those bytes (``Snapshot.since``)."""
-        ident = sharing.save_id(staging, parent)
+        the base is the step that wrote those bytes (``Snapshot.since``). ``ident``: the save's id when
+        its processes agreed on one (_persist_shared), else this save's own (``sharing.save_id``)."""
+        ident = sharing.save_id(staging, parent) if ident is None else ident
         if not self.share or ident is None or not isinstance(self.serializer, raw.RawSerializer):
             return None, None
         # with several processes each reads the base's merged manifest (its records name every
@@ -287,7 +293,14 @@ def _persist_shared(
     shards with the base step (the newest committed one, the same for all), and process 0 lists the
     files of other steps that the merged records name."""
     times, rnd = PersistTimes(), distributed.SaveRound.begin(parent, name)
-    staging = rnd.agree_staging(lambda: commit_mod.staging_name(parent, name, record=MANIFEST))
+
+    def start() -> dict[str, Any]:
+        staging = commit_mod.staging_name(parent, name, record=MANIFEST)
+        # one id for every process: the manifest's, and in its data files' names on an object store
+        return {"staging": staging, "id": sharing.save_id(staging, parent)}
+
+    agreed = rnd.agree(start)
+    staging = agreed["staging"]
     stage, digest = parent.sub(staging), distributed.tree_digest([lf.record for lf in snap.leaves])
     items = [
         it
@@ -296,12 +309,15 @@ def _persist_shared(
     ]
     try:
         t0 = time.perf_counter()
-        sharer, shares = (None, None) if layout is None else layout._sharer(parent, name, staging)
+        sharer, shares = (
+            (None, None) if layout is None else layout._sharer(parent, name, staging, ident=agreed["id"])
+        )
         writer = serializer if sharer is None else cast(Serializer, sharing.Sharing(serializer, sharer))
+        tag = f"p{rnd.index}" if shares is None else sharing.file_tag(f"p{rnd.index}", parent, shares)
         written = (
-            write_streamed(writer, stage, snap, items, tag=f"p{rnd.index}")
+            write_streamed(writer, stage, snap, items, tag=tag)
             if isinstance(snap, Streamed)
-            else writer.write(stage, items, tag=f"p{rnd.index}")
+            else writer.write(stage, items, tag=tag)
         )
         t1 = time.perf_counter()
         if rnd.index:

@@ -13,10 +13,10 @@ which steps retention removes (retention.py).
 A retired step's folder is ``<step>.held-<id>`` (``id``: its manifest's, the nonce of its staging
 folder): never a step, never a leftover. On a local folder a retirement is one rename. An object store
 has no rename: there a retired step's data objects stay where they are, under ``<step>/``, its manifest
-is deleted, and an object ``<step>.held-<id>`` (the hold, written first) lists them; a save there (by
-one process) names its data files after an id of its own (``data/p0-<id>.<n>.bin``), so that a later
-save of the same step number never writes over them, and every deletion under ``<step>/`` spares what
-a hold lists.
+is deleted, and an object ``<step>.held-<id>`` (the hold, written first) lists them; a save there
+names its data files after an id of its own (``data/p<i>-<id>.<n>.bin``, one id for all the processes
+of a save: process 0's), so that a later save of the same step number never writes over them, and every
+deletion under ``<step>/`` spares what a hold lists (the merged manifest's files, every process's).
 """
 
 from __future__ import annotations
@@ -76,7 +76,8 @@ def file_tag(tag: str, run: Storage, shares: "tuple[str, Base | None] | None") -
     """The tag of a save's data files (the raw serializer's ``data/<tag>.<n>.bin``): on an object store
     they carry the save's id (``shares``: (id, base) of a sharing save), or a fresh one, ``<tag>-<id>``,
     so that they never take the names of a retired save of the same step number whose objects a hold
-    keeps (a local retired folder is renamed out of the way)."""
+    keeps (a local retired folder is renamed out of the way). A save by several processes agrees on one
+    id (process 0's, distributed.SaveRound.agree): each process's files are ``p<i>-<id>``."""
     if run.supports_rename:
         return tag
     return f"{tag}-{shares[0] if shares is not None else uuid.uuid4().hex}"
@@ -95,15 +96,12 @@ def split_ref(name: str) -> tuple[str, str] | None:
 
 def enable(layout: Any, run: Storage) -> None:
     """Makes a manager's native ``layout`` share unchanged chunks between the steps of ``run`` (a local
-    folder, or an object store written by one process; the raw serializer); any other layout or storage
+    folder or an object store, saved by one process or several; the raw serializer); any other layout
     is left as it is."""
-    from flax_ckpt._src.commit import distributed
     from flax_ckpt._src.serializers import raw
 
-    if (
-        getattr(layout, "name", None) == "native"
-        and (run.supports_rename or distributed.process_count() == 1)
-        and isinstance(getattr(layout, "serializer", None), raw.RawSerializer)
+    if getattr(layout, "name", None) == "native" and isinstance(
+        getattr(layout, "serializer", None), raw.RawSerializer
     ):
         layout.share = True
 
