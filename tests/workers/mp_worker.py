@@ -285,7 +285,38 @@ def mode_s3(cfg: dict) -> dict:
         steps = mgr.all_steps()
         assert_bit_exact(mgr.restore(target=abstract(host, sh)), host_state(3), sh, types=False)
     assert_bit_exact(fc.restore(d + "/ts", abstract(host, sh)), host, sh, types=False)
-    return {"steps": steps}
+    # steps that share: 4 saves, max_to_keep=2, a frozen part sharded across both processes (128 KiB a
+    # shard) and replicated (process 0 writes it), 16 KiB that change; every process restores each kept step
+    ssh = shared_shardings()
+    with fc.CheckpointManager(d + "/share", max_to_keep=2) as mgr:
+        for step in (1, 2, 3, 4):
+            mgr.save(step, place(shared_state(step), ssh))
+        mgr.wait_until_finished()
+        shared_steps = mgr.all_steps()
+        for step in shared_steps:
+            want = shared_state(step)
+            assert_bit_exact(mgr.restore(step, abstract(want, ssh)), want, ssh, types=False)
+    return {"steps": steps, "shared_steps": shared_steps}
+
+
+def shared_state(step: int) -> dict:
+    """640 KiB that never change and 16 KiB that change at every ``step`` (mode_s3's shared run)."""
+    rng = np.random.default_rng(7)
+    frozen = {"w": rng.standard_normal((1024, 128), dtype=np.float32)}
+    frozen["r"] = rng.standard_normal((256, 128), dtype=np.float32)
+    return {
+        "frozen": frozen,
+        "lora": np.random.default_rng(100 + step).standard_normal((4, 1024), dtype=np.float32),
+    }
+
+
+def shared_shardings() -> dict:
+    """shared_state's: its 512 KiB matrix sharded over the 4 devices of the 2 processes, the rest replicated."""
+    mesh = Mesh(np.array(jax.devices()), ("x",))
+    return {
+        "frozen": {"w": NamedSharding(mesh, P("x")), "r": NamedSharding(mesh, P())},
+        "lora": NamedSharding(mesh, P()),
+    }
 
 
 def mode_spares(cfg: dict) -> dict:
