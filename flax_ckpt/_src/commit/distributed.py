@@ -266,11 +266,6 @@ class SaveRound:
             _next_round(f"{_ROOT}/save/{_digest(where)}"), where, process_index(), process_count()
         )
 
-    def agree_staging(self, make: Callable[[], str]) -> str:
-        """Process 0 calls ``make`` and publishes the staging folder's name; the others receive it. A
-        failure of ``make`` on process 0 is raised there and reported to the others."""
-        return self.agree(lambda: {"staging": make()})["staging"]
-
     def agree(self, make: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         """The start of the save: process 0 calls ``make`` and publishes what it returns (a JSON
         object: the staging folder's name, the save's id); the others receive the same. A failure of
