@@ -186,6 +186,7 @@ class NativeLayout:
         staging: str,
         snap: Snapshot | None = None,
         ident: str | None = None,
+        base: "sharing.Base | None | bool" = False,
     ) -> "tuple[sharing.Sharer | None, tuple[str, sharing.Base | None] | None]":
         """(the raw serializer's share hook, (this save's id, its base)) of a save of step folder ``name``
         when this layout shares (a manager's native steps, the raw serializer: sharing.enable), else
@@ -193,14 +194,17 @@ class NativeLayout:
         hook is None but the save still records its id, so that the next one may refer to it. ``snap``:
         the save's snapshot, whose shards found equal to its arena's bytes are the base's chunks when
         the base is the step that wrote those bytes (``Snapshot.since``). ``ident``: the save's id when
-        its processes agreed on one (_persist_shared), else this save's own (``sharing.save_id``)."""
+        its processes agreed on one (_persist_shared), else this save's own (``sharing.save_id``).
+        ``base``: the base step its processes agreed on (None: none), else (False) the newest one."""
         ident = sharing.save_id(staging, parent) if ident is None else ident
         if not self.share or ident is None or not isinstance(self.serializer, raw.RawSerializer):
             return None, None
         # with several processes each reads the base's merged manifest (its records name every
         # process's files); alone, the records this layout kept from its last commit
-        known = self._base if distributed.process_count() == 1 else None
-        base = sharing.newest_base(parent, name, known, self.resumed_from)
+        if base is False:
+            known = self._base if distributed.process_count() == 1 else None
+            base = sharing.newest_base(parent, name, known, self.resumed_from)
+        assert base is not True, "a Base, None or False"
         self.resumed_from = None
         # a subclass's own write takes no share hook: it writes all (its steps may still be referred to)
         hook = type(self.serializer).write is raw.RawSerializer.write
@@ -290,14 +294,25 @@ def _persist_shared(
     manifest and commits; the others return once the commit is announced (distributed.SaveRound).
     Leaves a process holds no shard of are skipped; host values (numpy leaves) are written by process
     0 alone. ``layout``: the run's, when its steps share bytes: each process compares only its own
-    shards with the base step (the newest committed one, the same for all), and process 0 lists the
+    shards with the base step (the one process 0 chose and published with the staging folder's name:
+    a process that cannot read it writes all its shards), and process 0 lists the
     files of other steps that the merged records name."""
     times, rnd = PersistTimes(), distributed.SaveRound.begin(parent, name)
 
+    chosen: list[sharing.Base | None] = [None]  # process 0's base step, as it read it
+
     def start() -> dict[str, Any]:
         staging = commit_mod.staging_name(parent, name, record=MANIFEST)
-        # one id for every process: the manifest's, and in its data files' names on an object store
-        return {"staging": staging, "id": sharing.save_id(staging, parent)}
+        # one id for every process: the manifest's, and in its data files' names on an object store;
+        # one base step for every process: the one process 0 chose (each reads it; none if it cannot)
+        if layout is not None and layout.share:
+            chosen[0] = sharing.newest_base(parent, name, None, layout.resumed_from)
+        base = chosen[0]
+        return {
+            "staging": staging,
+            "id": sharing.save_id(staging, parent),
+            "base": None if base is None else [base.name, base.id],
+        }
 
     agreed = rnd.agree(start)
     staging = agreed["staging"]
@@ -310,7 +325,15 @@ def _persist_shared(
     try:
         t0 = time.perf_counter()
         sharer, shares = (
-            (None, None) if layout is None else layout._sharer(parent, name, staging, ident=agreed["id"])
+            (None, None)
+            if layout is None
+            else layout._sharer(
+                parent,
+                name,
+                staging,
+                ident=agreed["id"],
+                base=chosen[0] if rnd.index == 0 else sharing.base_named(parent, agreed["base"]),
+            )
         )
         writer = serializer if sharer is None else cast(Serializer, sharing.Sharing(serializer, sharer))
         tag = f"p{rnd.index}" if shares is None else sharing.file_tag(f"p{rnd.index}", parent, shares)

@@ -282,6 +282,25 @@ def shared_head(chunks: dict[int, list[dict[str, Any]]], base: Base | None) -> d
     return out or None
 
 
+def base_named(run: Storage, agreed: Any) -> Base | None:
+    """The base of a save of several processes: ``agreed`` is [step folder, id] as process 0 chose it
+    (None: no base); None when this process cannot read that step or finds another id there (it then
+    writes all its shards: what process 0's manifest names stays what process 0 read)."""
+    if not (isinstance(agreed, list) and len(agreed) == 2 and is_id(agreed[1])):
+        return None
+    name = str(agreed[0])
+    if commit_mod.step_number(name) is None:
+        return None
+    try:
+        from flax_ckpt._src.native.manifest import decode
+
+        body = decode(run.sub(name).read(MANIFEST, MAX_MANIFEST_BYTES), f"{run.url}/{name}/{MANIFEST}")
+    except (OSError, CheckpointError):
+        return None
+    base = Base.from_body(name, body)
+    return base if base is not None and base.id == agreed[1] else None
+
+
 def newest_base(run: Storage, exclude: str, known: Base | None, first: str | None = None) -> Base | None:
     """The base of a save into ``run``: step folder ``first`` (the step the manager restored) when it is
     still committed, else the committed native step with the highest number (but ``exclude``, the step
