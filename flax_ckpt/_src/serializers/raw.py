@@ -79,6 +79,12 @@ def _blocks_ok(chunk: dict, buf: memoryview) -> bool:
     return all(crc32c.crc32c(buf[k * block : (k + 1) * block]) == crcs[k] for k in range(len(crcs)))
 
 
+def _bytes(a: np.ndarray) -> memoryview:
+    """The bytes of C-contiguous array ``a``, as a memoryview over its memory (writable when ``a`` is;
+    an empty one for an empty array, whose buffer may not be exported)."""
+    return memoryview(as_buffer(a.reshape(-1).view(np.uint8))) if a.size else memoryview(bytearray(0))
+
+
 def _split(box: Box, data: np.ndarray) -> list[tuple[Box, np.ndarray]]:
     """Splits a shard along axis 0 into pieces of about SUBCHUNK bytes."""
     if data.ndim == 0 or data.nbytes <= SUBCHUNK or data.shape[0] < 2:
@@ -125,7 +131,7 @@ def _unshared(
 
     def ask(piece: _Piece) -> tuple[dict[str, Any] | None, tuple[int, ...] | None]:
         leaf, box, data, crcs = piece
-        mv = memoryview(as_buffer(data.reshape(-1).view(np.uint8))) if data.size else memoryview(b"")
+        mv = _bytes(data)
         made: list[tuple[int, ...]] = []
 
         def sums() -> tuple[int, ...]:
@@ -200,7 +206,7 @@ class RawSerializer:
             offset, bufs, t0 = 0, [], time.perf_counter()
             small = bytearray()  # consecutive small pieces, copied together: one buffer, not a view each
             for leaf, box, data, crcs in bins[i]:
-                mv = memoryview(as_buffer(data.reshape(-1).view(np.uint8))) if data.size else memoryview(b"")
+                mv = _bytes(data)
                 chunks[leaf].append(
                     {
                         "index": _index(box),
@@ -329,11 +335,7 @@ class RawSerializer:
         ranges: list[tuple[int, list[memoryview]]] = []
         end = None
         for offset, nbytes, _, _, out, _ in items:
-            view = (
-                memoryview(as_buffer(out.reshape(-1).view(np.uint8)))
-                if out.size
-                else memoryview(bytearray(0))
-            )
+            view = _bytes(out)
             if offset != end:
                 ranges.append((offset, []))
             ranges[-1][1].append(view)
@@ -345,7 +347,7 @@ class RawSerializer:
         for _, _, leaf, box, out, chunk in items:
             if not _blocks_ok(
                 chunk,
-                memoryview(as_buffer(out.reshape(-1).view(np.uint8))) if out.size else memoryview(b""),
+                _bytes(out),
             ):
                 rest.append((leaf, box, out))
         return rest
@@ -357,11 +359,7 @@ class RawSerializer:
         dst = out[local(ov, box)]
         shape = tuple(e - s for s, e in cbox)
         if ov == cbox and dst.flags.c_contiguous:
-            buf = (
-                memoryview(as_buffer(dst.reshape(-1).view(np.uint8)))
-                if dst.size
-                else memoryview(bytearray(0))
-            )
+            buf = _bytes(dst)
             self._read_blocks(storage, chunk, 0, len(buf), buf, where)
             return
         # rows [r0, r1) of the chunk along axis 0 hold the overlap; read and verify just those
