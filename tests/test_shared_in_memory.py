@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import flax_ckpt as fc
-from flax_ckpt._src.engine import snapshot as snapshot_mod
+from flax_ckpt._src.engine import equal as equal_mod
 from flax_ckpt._src.native import sharing
 from test_shared_steps import _forge
 
@@ -80,7 +80,7 @@ def test_an_unchanged_state_is_shared_without_hashing_or_reading_and_every_chang
     tmp_path, looked, monkeypatch, compare
 ):
     if compare == "numpy":  # where the C library's memcmp cannot be called
-        monkeypatch.setattr(snapshot_mod, "_memcmp", None)
+        monkeypatch.setattr(equal_mod, "_memcmp", None)
     tree = _state()
     with fc.CheckpointManager(tmp_path) as mgr:
         saved = [_save(mgr, 0, tree), _save(mgr, 1, tree)]  # the first fills no arena, the second one

@@ -13,7 +13,6 @@ shards' boxes) is learned at the first and checked, not rebuilt, at the next (``
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import json
 import os
@@ -29,6 +28,7 @@ import numpy as np
 from flax_ckpt._src import tree as tree_mod
 from flax_ckpt._src.engine import device
 from flax_ckpt._src.engine.arena import Arena
+from flax_ckpt._src.engine.equal import same_bytes
 from flax_ckpt._src.engine.leaves import key_data_shape
 from flax_ckpt._src.engine.pause import gc_paused
 from flax_ckpt._src.errors import CheckpointError, format_list
@@ -264,7 +264,7 @@ def copy_all(
     def run(part: list[tuple[int, int, np.ndarray, np.ndarray, bool]]) -> None:
         for c, k, d, a, one in part:
             if crcs is not None and held is not None and (h := held[c]) is not None and one:
-                if _equal(d, a):  # the destination holds these bytes already
+                if same_bytes(d, a):  # the destination holds these bytes already
                     crcs[c][k] = h[k]
                     continue
                 if same is not None:
@@ -306,42 +306,6 @@ def copy_all(
     for f in futures:
         f.result()
     return crcs
-
-
-_PROBE = 4 << 10  # bytes compared first (changed bytes usually differ at once)
-
-
-def _libc_memcmp() -> Callable[[int, int, int], int] | None:
-    """The C library's memcmp (a call through ctypes releases the GIL), or None where there is none."""
-    try:
-        f = ctypes.CDLL(None).memcmp  # the C library, loaded in every POSIX process
-    except (OSError, TypeError, AttributeError):
-        return None
-    f.argtypes, f.restype = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t], ctypes.c_int
-    return f
-
-
-_memcmp = _libc_memcmp()
-
-
-def _equal(d: np.ndarray, a: np.ndarray) -> bool:
-    """Whether two C-contiguous arrays of one size hold the same bytes (not values: NaNs, signed zeros
-    compared as bits): the C library's memcmp (about 1.5 times numpy's speed), else numpy in pieces
-    that stay in cache, the first small, as 8-byte words where they divide."""
-    assert d.nbytes == a.nbytes and d.flags.c_contiguous and a.flags.c_contiguous, "compared as bytes"
-    if _memcmp is not None:  # both arrays stay alive (and contiguous) for the call
-        return _memcmp(d.__array_interface__["data"][0], a.__array_interface__["data"][0], d.nbytes) == 0
-    d8, a8 = d.reshape(-1).view(np.uint8), a.reshape(-1).view(np.uint8)
-    lo, size, n = 0, _PROBE, d8.nbytes
-    while lo < n:
-        hi = min(n, lo + size)
-        w = lo + (hi - lo) // 8 * 8
-        if not np.array_equal(d8[lo:w].view(np.uint64), a8[lo:w].view(np.uint64)) or not np.array_equal(
-            d8[w:hi], a8[w:hi]
-        ):
-            return False
-        lo, size = hi, _CACHED
-    return True
 
 
 def _on_cpu(x: jax.Array) -> bool:

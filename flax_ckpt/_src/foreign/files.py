@@ -20,6 +20,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from flax_ckpt._src.engine.equal import same_bytes
 from flax_ckpt._src.engine.leaves import CheckpointInfo, checkpoint_info
 from flax_ckpt._src.engine.reader import Damage, read_back
 from flax_ckpt._src.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
@@ -37,14 +38,6 @@ _AGAIN = 4 << 20  # bytes compared at a time
 
 def _identity(st: os.stat_result) -> tuple[int, ...]:
     return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
-
-
-def _same_bytes(a: memoryview, b: memoryview) -> bool:
-    """Whether ``a`` and ``b`` (of one length) hold the same bytes: compared 8 at a time, then the rest."""
-    whole = len(a) // 8 * 8
-    return np.array_equal(np.frombuffer(a[:whole], np.uint64), np.frombuffer(b[:whole], np.uint64)) and bytes(
-        a[whole:]
-    ) == bytes(b[whole:])
 
 
 def step_of(name: str) -> int | None:
@@ -149,7 +142,7 @@ class CheckpointFile:
         for at in range(0, len(out), _AGAIN):
             n = min(_AGAIN, len(out) - at)
             self._pread(fd, offset + at, scratch[:n])
-            if not _same_bytes(scratch[:n], out[at : at + n]):
+            if not same_bytes(scratch[:n], out[at : at + n]):
                 raise CorruptCheckpointError(
                     f"{self.path} changed while it was being read (bytes {offset + at} to "
                     f"{offset + at + n} differ when read again: it is being written); "

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any, Callable, Sequence, cast
+from typing import Any, Callable, Literal, Sequence, cast
 
 import numpy as np
 
@@ -186,7 +186,7 @@ class NativeLayout:
         staging: str,
         snap: Snapshot | None = None,
         ident: str | None = None,
-        base: "sharing.Base | None | bool" = False,
+        base: "sharing.Base | None | Literal[False]" = False,
     ) -> "tuple[sharing.Sharer | None, tuple[str, sharing.Base | None] | None]":
         """(the raw serializer's share hook, (this save's id, its base)) of a save of step folder ``name``
         when this layout shares (a manager's native steps, the raw serializer: sharing.enable), else
@@ -199,12 +199,10 @@ class NativeLayout:
         ident = sharing.save_id(staging, parent) if ident is None else ident
         if not self.share or ident is None or not isinstance(self.serializer, raw.RawSerializer):
             return None, None
-        # with several processes each reads the base's merged manifest (its records name every
-        # process's files); alone, the records this layout kept from its last commit
         if base is False:
-            known = self._base if distributed.process_count() == 1 else None
-            base = sharing.newest_base(parent, name, known, self.resumed_from)
-        assert base is not True, "a Base, None or False"
+            # one process (several agree on one, _persist_shared): the newest step, or the one it
+            # restored; its records as this layout kept them when this layout committed it
+            base = sharing.newest_base(parent, name, self._base, self.resumed_from)
         self.resumed_from = None
         # a subclass's own write takes no share hook: it writes all (its steps may still be referred to)
         hook = type(self.serializer).write is raw.RawSerializer.write

@@ -33,6 +33,7 @@ import numpy as np
 
 from flax_ckpt._src.checks import MANIFEST, MAX_MANIFEST_BYTES, seal, unseal
 from flax_ckpt._src.commit import atomic as commit_mod
+from flax_ckpt._src.engine.equal import same_bytes
 from flax_ckpt._src.errors import CheckpointError, CorruptCheckpointError, StorageError
 from flax_ckpt._src.records import leaf_name
 from flax_ckpt._src.serializers.base import Box
@@ -188,10 +189,8 @@ class Sharer:
         or a read carries the SHA-256, so that a later save without the bytes in memory compares
         hashes only; one shared from memory keeps the base record's (if any)."""
         n = len(data)
-        old = None if n < MIN_SHARED else self.base.candidate(leaf, name, box)
-        if old is None or old["nbytes"] != n or old["block"] != self.block:
-            return None
-        if list(crcs()) != list(old["crc32c"]):
+        old = self._chunk(leaf, name, box, n)
+        if old is None or list(crcs()) != list(old["crc32c"]):
             return None
         step, file = self.base.located(old)
         if self._kept(leaf, box):
@@ -216,12 +215,17 @@ class Sharer:
         """False when the piece of ``nbytes`` bytes of leaf ``leaf`` in ``box`` cannot be shared: the
         base has no chunk of that size there, or ``crcs`` (its crc32c blocks, when known) differ from
         that chunk's. Asked before ``__call__``, on the writer's thread: cheap, and never True alone."""
-        if nbytes < MIN_SHARED:
-            return False
-        old = self.base.candidate(leaf, name, box)
+        old = self._chunk(leaf, name, box, nbytes)
+        return old is not None and (crcs is None or list(crcs) == list(old["crc32c"]))
+
+    def _chunk(self, leaf: int, name: str, box: Box, nbytes: int) -> dict[str, Any] | None:
+        """The base's chunk record a piece of ``nbytes`` bytes of leaf ``leaf`` in ``box`` may share: of
+        that key path and box, as many bytes and blocks of this save's size; None when there is none
+        (or the piece is too small to be worth comparing)."""
+        old = None if nbytes < MIN_SHARED else self.base.candidate(leaf, name, box)
         if old is None or old["nbytes"] != nbytes or old["block"] != self.block:
-            return False
-        return crcs is None or list(crcs) == list(old["crc32c"])
+            return None
+        return old
 
     def _equal(self, step: str, file: str, old: dict[str, Any], data: memoryview) -> bool:
         """Whether the stored bytes of ``old`` are ``data``, read a block at a time and compared as
@@ -235,7 +239,7 @@ class Sharer:
                 hi = min(lo + step_bytes, len(data))
                 view = memoryview(buf)[: hi - lo]
                 self.files.read_into(f"../{step}/{file}", old["offset"] + lo, view)
-                if not _same(view, data[lo:hi]):
+                if not same_bytes(view, data[lo:hi]):
                     return False
         except (OSError, CheckpointError):
             return False
@@ -244,15 +248,6 @@ class Sharer:
 
 HASH = "sha256"  # a shared chunk record's field: the SHA-256 of its bytes, hex
 _COMPARE = 4 << 20  # bytes read and compared at a time
-
-
-def _same(a: memoryview, b: memoryview) -> bool:
-    """Whether two byte buffers of one length are equal (as 8-byte words where they divide)."""
-    n = len(a) - len(a) % 8
-    x, y = np.frombuffer(a, np.uint8), np.frombuffer(b, np.uint8)
-    return bool(np.array_equal(x[:n].view(np.uint64), y[:n].view(np.uint64))) and bool(
-        np.array_equal(x[n:], y[n:])
-    )
 
 
 class Sharing:
@@ -437,18 +432,14 @@ def _head(run: Storage, name: str) -> _Head:
     for a folder without one (an Orbax step, a native one never committed); (None, None) when the
     manifest cannot be read (what it refers to is then unknown). A committed manifest never changes:
     on a local folder its reading is kept, by the file's identity (inode, mtime, size)."""
-    key = None
-    if run.local_path is not None:
-        path = os.path.join(run.local_path, name, MANIFEST)
-        try:
-            st = os.stat(path, follow_symlinks=False)
-        except (FileNotFoundError, NotADirectoryError):
-            return None, {}
-        except OSError:
-            return None, None
-        key = (path, st.st_ino, st.st_mtime_ns, st.st_size)
-        if key in _HEADS:
-            return _HEADS[key]
+    try:
+        key = _head_key(run, name)
+    except (FileNotFoundError, NotADirectoryError):
+        return None, {}
+    except OSError:
+        return None, None
+    if key in _HEADS:
+        return _HEADS[key]
     try:
         raw = run.sub(name).read(MANIFEST, MAX_MANIFEST_BYTES)
     except (FileNotFoundError, NotADirectoryError):
@@ -472,27 +463,36 @@ def _head(run: Storage, name: str) -> _Head:
                 out = None
                 break
             out[step] = held["id"]
-    if key is not None:
-        if len(_HEADS) >= _HEADS_MAX:
-            _HEADS.clear()
-        _HEADS[key] = (ident, out)
+    _keep(key, (ident, out))
     return ident, out
+
+
+def _head_key(run: Storage, name: str) -> tuple[str, int, int, int] | None:
+    """What ``_HEADS`` keeps step folder ``name``'s reading by: its manifest's path and identity (inode,
+    mtime, size), stat'ed now (OSError when it cannot be); None off a local folder (nothing kept)."""
+    if run.local_path is None:
+        return None
+    path = os.path.join(run.local_path, name, MANIFEST)
+    st = os.stat(path, follow_symlinks=False)
+    return path, st.st_ino, st.st_mtime_ns, st.st_size
+
+
+def _keep(key: tuple[str, int, int, int] | None, head: _Head) -> None:
+    if key is None:
+        return
+    if len(_HEADS) >= _HEADS_MAX:
+        _HEADS.clear()
+    _HEADS[key] = head
 
 
 def remember(run: Storage, name: str, ident: str, shared: dict[str, str]) -> None:
     """Keeps what ``_head`` would read of step folder ``name``'s manifest, just committed by this
     process with id ``ident`` and referring to ``shared`` ({step folder: id}): retention and the sweep
     after the save then need not read it again. Local folders only (as ``_head``'s keeping)."""
-    if run.local_path is None:
-        return
-    path = os.path.join(run.local_path, name, MANIFEST)
     try:
-        st = os.stat(path, follow_symlinks=False)
+        _keep(_head_key(run, name), (ident, dict(shared)))
     except OSError:
-        return
-    if len(_HEADS) >= _HEADS_MAX:
-        _HEADS.clear()
-    _HEADS[(path, st.st_ino, st.st_mtime_ns, st.st_size)] = (ident, dict(shared))
+        pass
 
 
 def referenced(run: Storage, gone: Sequence[str] = ()) -> set[tuple[str, str]] | None:

@@ -26,6 +26,7 @@ import crc32c
 import numpy as np
 
 from flax_ckpt._src.checks import canonical
+from flax_ckpt._src.engine.equal import same_bytes
 from flax_ckpt._src.storage.base import as_buffer
 from flax_ckpt._src.tiers import files as tier_files
 from flax_ckpt._src.tiers.store import (
@@ -155,7 +156,6 @@ _SAMPLES, _PROBE_BYTES = 32, _PROBES * _PROBE  # changed_share's sample: delta_r
 _SEGMENT = 8  # chunks per encoding task: shards are encoded in segments on tier_files.pool()
 _ALIGN = 64  # each shard's stored bytes start on this boundary: a view of them is then used by
 #              jax.device_put on a CPU device without a copy (restore from memory)
-_PREFIX = 4096  # changed chunks are told apart from unchanged ones by this many bytes first
 
 
 def encode(
@@ -383,16 +383,6 @@ class _Done:
         return self.value
 
 
-def _same(a: memoryview, b: memoryview) -> bool:
-    """Byte equality, a short prefix first (a trained chunk differs there already)."""
-    x, y = _u8(a), _u8(b)
-    if not np.array_equal(x[:_PREFIX], y[:_PREFIX]):
-        return False
-    if len(x) % 8 == 0:
-        x, y = x.view(np.uint64), y.view(np.uint64)
-    return bool(np.array_equal(x, y))
-
-
 def _encode_segment(
     mv: memoryview,
     lo: int,
@@ -415,7 +405,7 @@ def _encode_segment(
             assert base is not None, "a leaf's base entry comes with its base copy"
             be = b["chunks"][k // CHUNK]
             old = base.data.view(be[2], be[2] + len(raw))
-            if _same(raw, old):
+            if same_bytes(raw, old):
                 out.append((["b", be[1], be[2]], None))
                 continue
             if budget is not None and budget.worth(delta_ratio(raw, old)):
