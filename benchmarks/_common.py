@@ -8,6 +8,7 @@ every script deletes when it ends (one subfolder per process); reports go to ben
 from __future__ import annotations
 
 import datetime
+import gc
 import json
 import os
 import platform
@@ -287,3 +288,27 @@ def adam_training(model: Any, xs: Any, ys: Any, lr: float) -> tuple[Callable[[],
 
     step = jax.jit(_step, donate_argnums=0)
     return init, lambda s: step(s, xs, ys)
+
+
+def status_kb(field: str) -> int:
+    """A field of /proc/self/status in KiB (VmRSS, VmHWM, ...), 0 where there is none."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def peak_above(fn: Callable[[], Any]) -> tuple[float, int, Any]:
+    """(seconds, peak RSS above the RSS before the call in bytes, result)."""
+    gc.collect()
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current RSS
+    except OSError:
+        pass
+    before = status_kb("VmRSS")
+    t0 = time.perf_counter()
+    out = fn()
+    seconds = time.perf_counter() - t0
+    return seconds, max(0, status_kb("VmHWM") - before) * 1024, out

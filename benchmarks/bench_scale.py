@@ -32,7 +32,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -49,32 +49,6 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 import flax_ckpt as fc  # noqa: E402
 
 GB = 1 << 30
-
-
-# ------------------------------------------------------------------------------------------ memory
-
-
-def _status_kb(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    return 0
-
-
-def peak_above(fn: Callable[[], Any]) -> tuple[float, int, Any]:
-    """(seconds, peak RSS above the RSS before the call in bytes, result)."""
-    gc.collect()
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # resets VmHWM to the current RSS
-    except OSError:
-        pass
-    before = _status_kb("VmRSS")
-    t0 = time.perf_counter()
-    out = fn()
-    seconds = time.perf_counter() - t0
-    return seconds, max(0, _status_kb("VmHWM") - before) * 1024, out
 
 
 # ------------------------------------------------------------------------------------------ part 1
@@ -278,10 +252,10 @@ def size_part(sizes: list[float], rounds: int, scratch: Path, with_orbax: bool) 
                         ckptr.wait_until_finished()
 
                     restore = lambda: jax.block_until_ready(ckptr.restore(path, target))  # noqa: E731
-                t, peak, _ = peak_above(save)
+                t, peak, _ = C.peak_above(save)
                 res.add(name, "save", t)
                 rss.setdefault(name, {}).setdefault("save", []).append(peak)
-                t, peak, got = peak_above(restore)
+                t, peak, got = C.peak_above(restore)
                 res.add(name, "restore", t)
                 rss[name].setdefault("restore", []).append(peak)
                 del got

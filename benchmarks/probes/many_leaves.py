@@ -14,24 +14,18 @@ size. ``--trace``: tracemalloc's largest allocation sites at the peak, instead (
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
-import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import _common as C  # noqa: E402
 
 MiB = 1 << 20
-
-
-def _kb(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    return 0
 
 
 def state(n: int):
@@ -67,18 +61,11 @@ def measure(kind: str, n: int, folder: str, trace: bool) -> dict:
         else:
             fc.restore(path)
 
-    gc.collect()
     if trace:
         import tracemalloc
 
         tracemalloc.start(8)
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    before = _kb("VmRSS")
-    t0 = time.perf_counter()
-    call()
-    seconds = time.perf_counter() - t0
-    peak = max(0, _kb("VmHWM") - before) * 1024
+    seconds, peak, _ = C.peak_above(call)
     out = {"kind": kind, "leaves": n, "seconds": seconds, "peak": peak}
     if trace:
         import tracemalloc
