@@ -5,6 +5,8 @@
     git worktree add /tmp/flax_ckpt-base <commit>      # then, against that commit's package:
     python benchmarks/bench_every_step.py --models mlp --every 1 --steps 60 --rounds 3 \
         --contenders none,memory,memory@base --baseline /tmp/flax_ckpt-base
+    python benchmarks/bench_every_step.py --models mlp --every 1 --steps 20 --pairs 8 --rounds 4 \
+        --ahead --contenders floor,memory,persistent          # each against its own runs without saves
 
 Two plain Flax Linen loops trained with optax adam, jitted with the state donated, on the CPU device:
 ``mlp`` (an MLP 4x1024 on 256 inputs, batch 512: 39 MiB of state with adam's moments) and
@@ -35,6 +37,12 @@ Interleaved rounds: each round runs every contender once per model, the order ro
 Reported per (model, frequency, contender): the median over rounds of the wall-time ratio to ``none``
 of the same round, minus one (the overhead), and the same for process CPU time (every thread of the
 process: the checkpointer's background work included; steadier than wall time on a loaded machine).
+
+``--pairs N``: each contender's process runs the loop N times without saves and N times with, in turns
+(ABBA), ``--steps`` steps each, and its overhead is the ratio to its own runs without saves. On a
+shared 2-core machine the loop alone moves by 10-30% from one process to the next (its XLA threads'
+CPU time moves with the neighbours), which ``none`` in another process cannot cancel; runs of 20 steps
+in turns in one process can. ``none`` is then not needed.
 """
 
 from __future__ import annotations
@@ -206,10 +214,19 @@ def saver(name: str, state: Any, d: Path) -> Saver | None:
 
 
 def child(
-    contender: str, model: str, everies: list[int], steps: int, scratch: Path, ahead: bool = False
+    contender: str,
+    model: str,
+    everies: list[int],
+    steps: int,
+    scratch: Path,
+    ahead: bool = False,
+    pairs: int = 0,
 ) -> dict[str, Any]:
     """One process: the loop once per frequency; {every: {wall, cpu, saves, skipped}} or {"error"}.
-    ``ahead``: no sync per step (the loop runs ahead of the device), one at the end."""
+    ``ahead``: no sync per step (the loop runs ahead of the device), one at the end. ``pairs``: instead
+    of one run of ``steps`` steps, ``pairs`` pairs of runs, one without saves and one with, in turns
+    (each row then also has ``alone``, the runs without saves, and ``pairs``, every pair's
+    [wall alone, CPU alone, wall saving, CPU saving])."""
     import jax
     import numpy as np
 
@@ -234,20 +251,45 @@ def child(
                 s.save(0, state)
                 s.finish()
                 getattr(s, "mark", lambda: None)()
-            t0, c0, made = time.perf_counter(), time.process_time(), 0
-            for i in range(1, steps + 1):
-                state = step(state) if ahead else jax.block_until_ready(step(state))
-                if s is not None and i % every == 0:
-                    made += bool(s.save(i, state))
-            jax.block_until_ready(state)
-            if s is not None:
-                s.finish()
-            wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+            at = [0]  # the last step number given (saves' steps grow across the blocks)
+
+            def block(saving: bool) -> tuple[float, float, int]:
+                """``steps`` steps (saving every ``every`` if ``saving``), the checkpointer's work
+                finished inside: (wall, process CPU, saves made)."""
+                nonlocal state
+                t0, c0, made = time.perf_counter(), time.process_time(), 0
+                for _ in range(steps):
+                    at[0] += 1
+                    state = step(state) if ahead else jax.block_until_ready(step(state))
+                    if saving and s is not None and at[0] % every == 0:
+                        made += bool(s.save(at[0], state))
+                jax.block_until_ready(state)
+                if saving and s is not None:
+                    s.finish()
+                return time.perf_counter() - t0, time.process_time() - c0, made
+
+            if not pairs:
+                wall, cpu, made = block(True)
+                row: dict[str, Any] = {"wall": wall / steps, "cpu": cpu / steps}
+            else:  # alone and saving in turns, ABBA (a drift of the machine falls on both alike)
+                got: list[list[float]] = []
+                made = 0
+                for k in range(pairs):
+                    order = (False, True) if k % 2 == 0 else (True, False)
+                    r = {o: block(o) for o in order}
+                    made += r[True][2]
+                    got.append([r[False][0], r[False][1], r[True][0], r[True][1]])
+                n = steps * pairs
+                row = {
+                    "wall": sum(g[2] for g in got) / n,
+                    "cpu": sum(g[3] for g in got) / n,
+                    "alone": {"wall": sum(g[0] for g in got) / n, "cpu": sum(g[1] for g in got) / n},
+                    "pairs": got,
+                    "asked": n // every,
+                }
             if s is not None:
                 getattr(s, "count", lambda: None)()
-            out[str(every)] = {
-                "wall": wall / steps,
-                "cpu": cpu / steps,
+            out[str(every)] = row | {
                 "saves": s.saves if s is not None and s.saves is not None else made,
                 "skipped": s.skipped if s is not None else None,
             }
@@ -269,18 +311,22 @@ def run(args) -> dict[str, Any]:
     for r in range(args.rounds):
         for model in args.models.split(","):
             for c in C.rotated(args.contenders.split(","), r):
-                cmd = [
-                    sys.executable,
-                    __file__,
-                    "--child",
-                    c,
-                    "--models",
-                    model,
-                    "--every",
-                    args.every,
-                    "--steps",
-                    str(args.steps),
-                ] + (["--ahead"] if args.ahead else [])
+                cmd = (
+                    [
+                        sys.executable,
+                        __file__,
+                        "--child",
+                        c,
+                        "--models",
+                        model,
+                        "--every",
+                        args.every,
+                        "--steps",
+                        str(args.steps),
+                    ]
+                    + (["--ahead"] if args.ahead else [])
+                    + (["--pairs", str(args.pairs)] if args.pairs else [])
+                )
                 env = dict(os.environ)
                 if c.endswith("@base"):
                     if not args.baseline:
@@ -313,11 +359,15 @@ def summarize(out: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     lines, summary = [], {}
     for model, by in rows.items():
         mb = next((r["state_mb"] for runs in by.values() for r in runs if r.get("state_mb")), 0)
+        paired = any(
+            "alone" in v for runs in by.values() for r in runs for v in r.values() if isinstance(v, dict)
+        )
         lines += [
-            f"\n**{model}** ({mb:.1f} MiB of state incl. adam), overhead against `none` "
-            "(median of per-round ratios − 1): wall / process CPU; saves made of those asked for\n",
+            f"\n**{model}** ({mb:.1f} MiB of state incl. adam), overhead against "
+            + ("the same process's runs without saves (--pairs)" if paired else "`none`")
+            + " (median of per-round ratios − 1): wall / process CPU; saves made of those asked for\n",
             "| every | " + " | ".join(c for c in by if c != "none") + " |",
-            "|---|" + "---|" * (len(by) - 1),
+            "|---|" + "---|" * sum(c != "none" for c in by),
         ]
         base = by.get("none", [])
         for e in everies:
@@ -326,14 +376,19 @@ def summarize(out: dict[str, Any]) -> tuple[str, dict[str, Any]]:
                 if c == "none":
                     continue
                 err = next((r["error"] for r in runs if "error" in r), None)
-                pairs = [(b[str(e)], r[str(e)]) for b, r in zip(base, runs) if str(e) in b and str(e) in r]
+                if any("alone" in r.get(str(e), {}) for r in runs):  # --pairs: its own runs without saves
+                    pairs = [(r[str(e)]["alone"], r[str(e)]) for r in runs if str(e) in r]
+                else:
+                    pairs = [
+                        (b[str(e)], r[str(e)]) for b, r in zip(base, runs) if str(e) in b and str(e) in r
+                    ]
                 if not pairs:
                     cells.append(f"n/a ({err[:60]})" if err else "n/a")
                     continue
                 w = statistics.median(y["wall"] / x["wall"] for x, y in pairs) - 1
                 cpu = statistics.median(y["cpu"] / x["cpu"] for x, y in pairs) - 1
                 saves = statistics.median(y["saves"] for _, y in pairs)
-                asked = out.get("steps", 0) // e
+                asked = pairs[0][1].get("asked", out.get("steps", 0) // e)
                 summary.setdefault(model, {}).setdefault(str(e), {})[c] = {
                     "wall": w,
                     "cpu": cpu,
@@ -343,10 +398,17 @@ def summarize(out: dict[str, Any]) -> tuple[str, dict[str, Any]]:
                 if c != "floor":  # saves made of those asked for (a manager may skip or refuse some)
                     cell += f" ({saves:g}/{asked})"
                 cells.append(cell)
-            none_ms = statistics.median(b[str(e)]["wall"] for b in base if str(e) in b) * 1e3 if base else 0
+            alone = [r[str(e)]["alone"] for runs in by.values() for r in runs if "alone" in r.get(str(e), {})]
+            alone += [b[str(e)] for b in base if str(e) in b]
+            none_ms = statistics.median(a["wall"] for a in alone) * 1e3 if alone else 0
             lines.append(f"| {e} ({none_ms:.0f} ms/step) | " + " | ".join(cells) + " |")
         lines += _over_floor(by, everies, summary.setdefault(model, {}))
     return "\n".join(lines), summary
+
+
+def _wall(row: dict[str, Any]) -> float:
+    """A row's wall time per step; with --pairs, as a ratio to its own runs without saves."""
+    return row["wall"] / row["alone"]["wall"] if "alone" in row else row["wall"]
 
 
 def _over_floor(by: dict[str, list], everies: list[int], summary: dict[str, Any]) -> list[str]:
@@ -368,7 +430,7 @@ def _over_floor(by: dict[str, list], everies: list[int], summary: dict[str, Any]
             if not pairs:
                 cells.append("n/a")
                 continue
-            w = statistics.median(y["wall"] / x["wall"] for x, y in pairs) - 1
+            w = statistics.median(_wall(y) / _wall(x) for x, y in pairs) - 1
             summary.setdefault(str(e), {}).setdefault(c, {})["over_floor"] = w
             cells.append(f"{w:+.0%}")
         lines.append(f"| {e} | " + " | ".join(cells) + " |")
@@ -392,6 +454,14 @@ def main() -> None:
     ap.add_argument(
         "--ahead", action="store_true", help="no sync per step: the loop runs ahead of the device"
     )
+    ap.add_argument(
+        "--pairs",
+        type=int,
+        default=0,
+        help="each contender's process runs the loop without and with saves in turns, this many pairs "
+        "of --steps steps each, and is compared with its own runs without saves (not with `none`): a "
+        "machine whose speed drifts from one process to the next moves both alike",
+    )
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     C.jax_cpu_env()
@@ -399,7 +469,7 @@ def main() -> None:
         scratch = C.SCRATCH
         try:
             everies = [int(e) for e in args.every.split(",")]
-            res = child(args.child, args.models, everies, args.steps, scratch, args.ahead)
+            res = child(args.child, args.models, everies, args.steps, scratch, args.ahead, args.pairs)
         finally:
             C.remove_scratch(scratch)
         print(json.dumps(res), flush=True)

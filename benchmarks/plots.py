@@ -400,8 +400,9 @@ def perf_table(body: dict[str, Any]) -> str:
 
 def overheads(body: dict[str, Any]) -> dict[str, dict[str, dict[str, dict[str, list[float]]]]]:
     """``{model: {every: {contender: {"wall": [...], "cpu": [...]}}}}``: each round's overhead against
-    the loop without checkpoints of the same round (ratio − 1), from the report's rounds; a report
-    without them gives its medians as single values."""
+    the loop without checkpoints of the same round (ratio − 1), or, in a report of ``--pairs``, against
+    the same process's runs without saves; from the report's rounds; a report without them gives its
+    medians as single values."""
     rows, out = body.get("rows"), {}
     if not rows:
         return {
@@ -414,7 +415,10 @@ def overheads(body: dict[str, Any]) -> dict[str, dict[str, dict[str, dict[str, l
         base = by.get("none", [])
         for every in map(str, body.get("everies", [])):
             for name, runs in by.items():
-                pairs = [(b[every], r[every]) for b, r in zip(base, runs) if every in b and every in r]
+                if any("alone" in r.get(every, {}) for r in runs):  # --pairs
+                    pairs = [(r[every]["alone"], r[every]) for r in runs if every in r]
+                else:
+                    pairs = [(b[every], r[every]) for b, r in zip(base, runs) if every in b and every in r]
                 if name == "none" or not pairs:
                     continue
                 out.setdefault(model, {}).setdefault(every, {})[name] = {

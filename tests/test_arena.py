@@ -130,6 +130,48 @@ def test_raw_serializer_stores_the_copy_checksums_and_writes_files_in_the_arenas
                 assert list(c["crc32c"]) == _blocks(np.frombuffer(f.read(c["nbytes"]), np.uint8), raw.BLOCK)
 
 
+def test_a_file_of_the_arena_is_handed_to_the_storage_as_one_view_of_it(tmp_path, monkeypatch):
+    """Small leaves between large ones (a step counter, biases, kernels: what a training state holds) lie
+    back to back in the arena, as in the file: each file goes to the storage as one view of the arena's
+    memory (written straight from it, O_DIRECT where the file system allows), not as the small pieces
+    copied apart and the large ones after them, which made the storage copy every byte once more into
+    its staging buffer. Small pieces that lie apart in memory (no arena) are still copied together."""
+    rng = np.random.default_rng(5)
+    tree = {
+        f"layer{k}": {
+            "count": np.int32(k),
+            "bias": rng.standard_normal(10).astype(np.float32),
+            "kernel": rng.standard_normal((256, 1024)).astype(np.float32),
+        }
+        for k in range(3)
+    }
+    arena = Arena.fit(Arena(4 << 20))
+    snap = snapshot(tree, copy=True, into=arena, checksum=raw.BLOCK)
+    handed = []
+    real = LocalStorage.write
+    monkeypatch.setattr(
+        LocalStorage, "write", lambda self, name, bufs: handed.append(bufs) or real(self, name, bufs)
+    )
+    written = raw.RawSerializer().write(LocalStorage(str(tmp_path)), snap.items(), tag="p0")
+    lo = arena._bytes.ctypes.data
+    hi = lo + arena._bytes.nbytes
+    assert handed and all(len(bufs) == 1 for bufs in handed), [len(b) for b in handed]
+    for bufs in handed:
+        at = np.frombuffer(bufs[0], np.uint8).ctypes.data
+        assert lo <= at and at + len(bufs[0]) <= hi, "a view of the arena"
+    mem = np.frombuffer(arena._map, np.uint8)
+    start = 0
+    for name in sorted(written.files, key=lambda n: int(n.split(".")[1])):
+        data = (tmp_path / name).read_bytes()
+        assert data == mem[start : start + len(data)].tobytes(), name
+        start += len(data)
+
+    handed.clear()  # the same tree without an arena: its small leaves lie apart and are copied together
+    plain = snapshot(tree, copy=True)
+    raw.RawSerializer().write(LocalStorage(str(tmp_path / "plain")), plain.items(), tag="p0")
+    assert sum(len(b) for b in handed) <= 2 * len(tree) + 1, [len(b) for b in handed]
+
+
 def test_saves_at_every_step_restore_exactly_whatever_the_caller_does_next(tmp_path):
     """Async saves at every step: numpy leaves overwritten in place and jax arrays donated right after
     ``save`` returns, the tree growing and shrinking; every step restores bit-exact, and the arena is

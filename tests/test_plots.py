@@ -229,3 +229,18 @@ def test_a_fine_tune_report_gives_its_chart_and_figures(tmp_path):
     assert run["command"] == "bench_shared.py --frozen-mb 32 --rounds 3"
     assert run["figures"]["fine-tune: durable, frozen base / every byte changed (x)"] == 0.3
     assert run["figures"]["fine-tune, 10 saves, all kept: writing all / sharing (x)"] == round(343 / 41, 6)
+
+
+def test_a_paired_report_is_compared_with_its_own_runs_without_saves():
+    """A report of ``bench_every_step.py --pairs`` has no ``none``: each contender's rounds carry their
+    own runs without saves (``alone``), and the overheads are taken against those."""
+    plots = _plots()
+
+    def row(alone, saving):
+        return {
+            "1": {"wall": saving, "cpu": 2 * saving, "alone": {"wall": alone, "cpu": 2 * alone}, "saves": 8}
+        }
+
+    body = {"everies": [1], "rows": {"mlp": {"memory": [row(0.10, 0.11), row(0.20, 0.24)]}}}
+    got = plots.overheads(body)["mlp"]["1"]["memory"]
+    assert got["wall"] == pytest.approx([0.10, 0.20]) and got["cpu"] == pytest.approx([0.10, 0.20]), got

@@ -9,6 +9,7 @@ fields: {"file", "offset", "nbytes", "block", "crc32c": [per block]}.
 
 from __future__ import annotations
 
+import ctypes
 import math
 import threading
 import time
@@ -83,6 +84,54 @@ def _bytes(a: np.ndarray) -> memoryview:
     """The bytes of C-contiguous array ``a``, as a memoryview over its memory (writable when ``a`` is;
     an empty one for an empty array, whose buffer may not be exported)."""
     return memoryview(as_buffer(a.reshape(-1).view(np.uint8))) if a.size else memoryview(bytearray(0))
+
+
+def _file_buffers(arrays: Sequence[np.ndarray]) -> list[memoryview | bytearray]:
+    """The buffers that hold ``arrays``' bytes back to back, for one write: arrays that lie back to back
+    in memory (a snapshot's arena holds a file's image, engine/arena.py) as one view of them all, which
+    the storage writes straight from memory (O_DIRECT where it can); runs under _SMALL_PIECE bytes copied
+    together into buffers of about _SMALL_RUN (a million small leaves: a buffer, not a view each)."""
+    out: list[memoryview | bytearray] = []
+    small = bytearray()
+    run: list[np.ndarray] = []  # C-contiguous arrays back to back in memory, from ``start`` to ``end``
+    start = end = -1
+
+    def flush() -> None:
+        nonlocal small
+        if not run:
+            return
+        n = sum(a.nbytes for a in run)
+        if n < _SMALL_PIECE:
+            for a in run:
+                small += _bytes(a)
+            if len(small) >= _SMALL_RUN:
+                out.append(small)
+                small = bytearray()
+        else:
+            if small:
+                out.append(small)
+                small = bytearray()
+            # the arrays of the run stay alive in ``arrays`` (the caller's) while the view is written
+            out.append(
+                _bytes(run[0])
+                if len(run) == 1
+                else memoryview((ctypes.c_char * n).from_address(start)).cast("B")
+            )
+        run.clear()
+
+    for a in arrays:
+        if not a.size:
+            continue
+        at = a.__array_interface__["data"][0] if a.flags.c_contiguous else -1  # (_bytes copies it:
+        if at < 0 or at != end:  #                                                  a run of its own)
+            flush()
+            start = at
+        run.append(a)
+        end = at + a.nbytes if at >= 0 else -1
+    flush()
+    if small:
+        out.append(small)
+    return out
 
 
 def _split(box: Box, data: np.ndarray) -> list[tuple[Box, np.ndarray]]:
@@ -203,8 +252,7 @@ class RawSerializer:
 
         def write_file(i: int) -> tuple[float, float]:
             """Writes file i; returns (seconds of checksums, seconds of fsync)."""
-            offset, bufs, t0 = 0, [], time.perf_counter()
-            small = bytearray()  # consecutive small pieces, copied together: one buffer, not a view each
+            offset, t0 = 0, time.perf_counter()
             for leaf, box, data, crcs in bins[i]:
                 mv = _bytes(data)
                 chunks[leaf].append(
@@ -217,19 +265,8 @@ class RawSerializer:
                         "crc32c": crcs or _crcs(mv),
                     }
                 )
-                if len(mv) < _SMALL_PIECE:
-                    small += mv
-                    if len(small) >= _SMALL_RUN:
-                        bufs.append(small)
-                        small = bytearray()
-                else:
-                    if small:
-                        bufs.append(small)
-                        small = bytearray()
-                    bufs.append(mv)
                 offset += len(mv)
-            if small:
-                bufs.append(small)
+            bufs = _file_buffers([data for _, _, data, _ in bins[i]])
             serialize_s = time.perf_counter() - t0
             return serialize_s, storage.write(names[i], bufs)
 
