@@ -365,7 +365,17 @@ def main() -> None:
     )
     if code == 0 and cfg["num_processes"] > 1 and cfg["mode"] != "kill":  # kill: a peer is gone
         jax.distributed.shutdown()  # a barrier: process 0, which hosts the coordinator, leaves last
-    os._exit(code)
+    if cfg["mode"] == "kill" and cfg["process_id"] == 0:  # no barrier with a peer gone: process 0 stays
+        _await_reports(cfg, [j for j in range(2, cfg["num_processes"])])  # until the other survivors
+    os._exit(code)  #                   have reported (losing the coordinator first aborts them)
+
+
+def _await_reports(cfg: dict, others: list[int]) -> None:
+    """Waits until processes ``others`` have written their reports (the worker's alarm ends a wait for
+    one that never does)."""
+    paths = [os.path.join(cfg["out"], f"{cfg['tag']}.p{j}.json") for j in others]
+    while not all(os.path.exists(p) for p in paths):
+        time.sleep(0.05)
 
 
 if __name__ == "__main__":
