@@ -202,6 +202,14 @@ class Results:
         return statistics.median(y / x for x, y in zip(ta, tb))
 
 
+def against(runs: list[dict[str, Any]], none: list[dict[str, Any]], every: str) -> list[tuple[dict, dict]]:
+    """bench_every_step.py's rounds of one contender at one interval, each with the run it is compared
+    with: its own runs without saves (``--pairs``: the row's ``alone``), else ``none`` of the same round."""
+    if any("alone" in r.get(every, {}) for r in runs):
+        return [(r[every]["alone"], r[every]) for r in runs if every in r]
+    return [(b[every], r[every]) for b, r in zip(none, runs) if every in b and every in r]
+
+
 def rotated(names: list[str], r: int) -> list[str]:
     k = r % len(names)
     return names[k:] + names[:k]

@@ -251,18 +251,18 @@ def child(
                 s.save(0, state)
                 s.finish()
                 getattr(s, "mark", lambda: None)()
-            at = [0]  # the last step number given (saves' steps grow across the blocks)
+            at = 0  # the last step number given (saves' steps grow across the blocks)
 
             def block(saving: bool) -> tuple[float, float, int]:
                 """``steps`` steps (saving every ``every`` if ``saving``), the checkpointer's work
                 finished inside: (wall, process CPU, saves made)."""
-                nonlocal state
+                nonlocal state, at
                 t0, c0, made = time.perf_counter(), time.process_time(), 0
                 for _ in range(steps):
-                    at[0] += 1
+                    at += 1
                     state = step(state) if ahead else jax.block_until_ready(step(state))
-                    if saving and s is not None and at[0] % every == 0:
-                        made += bool(s.save(at[0], state))
+                    if saving and s is not None and at % every == 0:
+                        made += bool(s.save(at, state))
                 jax.block_until_ready(state)
                 if saving and s is not None:
                     s.finish()
@@ -376,12 +376,7 @@ def summarize(out: dict[str, Any]) -> tuple[str, dict[str, Any]]:
                 if c == "none":
                     continue
                 err = next((r["error"] for r in runs if "error" in r), None)
-                if any("alone" in r.get(str(e), {}) for r in runs):  # --pairs: its own runs without saves
-                    pairs = [(r[str(e)]["alone"], r[str(e)]) for r in runs if str(e) in r]
-                else:
-                    pairs = [
-                        (b[str(e)], r[str(e)]) for b, r in zip(base, runs) if str(e) in b and str(e) in r
-                    ]
+                pairs = C.against(runs, base, str(e))
                 if not pairs:
                     cells.append(f"n/a ({err[:60]})" if err else "n/a")
                     continue

@@ -34,7 +34,11 @@ import argparse
 import json
 import pathlib
 import statistics
+import sys
 from typing import Any
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import _common as C  # noqa: E402
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
@@ -415,10 +419,7 @@ def overheads(body: dict[str, Any]) -> dict[str, dict[str, dict[str, dict[str, l
         base = by.get("none", [])
         for every in map(str, body.get("everies", [])):
             for name, runs in by.items():
-                if any("alone" in r.get(every, {}) for r in runs):  # --pairs
-                    pairs = [(r[every]["alone"], r[every]) for r in runs if every in r]
-                else:
-                    pairs = [(b[every], r[every]) for b, r in zip(base, runs) if every in b and every in r]
+                pairs = C.against(runs, base, every)
                 if name == "none" or not pairs:
                     continue
                 out.setdefault(model, {}).setdefault(every, {})[name] = {

@@ -9,12 +9,11 @@ fields: {"file", "offset", "nbytes", "block", "crc32c": [per block]}.
 
 from __future__ import annotations
 
-import ctypes
 import math
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, wait
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, cast
 
 import crc32c
 import numpy as np
@@ -24,7 +23,7 @@ from flax_ckpt._src.errors import CorruptCheckpointError, InvalidManifestError
 from flax_ckpt._src.serializers import for_each_overlap, local
 from flax_ckpt._src.serializers.base import ArrayItem, Box, Shard, StoredArray, Written
 from flax_ckpt._src.storage import Storage
-from flax_ckpt._src.storage.base import as_buffer
+from flax_ckpt._src.storage.base import as_buffer, span
 
 BLOCK = 8 << 20
 SUBCHUNK = 64 << 20
@@ -88,20 +87,20 @@ def _bytes(a: np.ndarray) -> memoryview:
 
 def _file_buffers(arrays: Sequence[np.ndarray]) -> list[memoryview | bytearray]:
     """The buffers that hold ``arrays``' bytes back to back, for one write: arrays that lie back to back
-    in memory (a snapshot's arena holds a file's image, engine/arena.py) as one view of them all, which
-    the storage writes straight from memory (O_DIRECT where it can); runs under _SMALL_PIECE bytes copied
-    together into buffers of about _SMALL_RUN (a million small leaves: a buffer, not a view each)."""
+    in memory (views of one buffer: a snapshot's arena, which holds a file's image, engine/arena.py; a
+    shard split in pieces) as one view of them all, which the storage writes straight from memory
+    (O_DIRECT where it can); runs under _SMALL_PIECE bytes copied together into buffers of about
+    _SMALL_RUN (a million small leaves: a buffer, not a view each). Only views of one buffer are asked
+    for their address. The views hold no reference: ``arrays`` (the caller's) keeps their memory alive
+    while they are written."""
     out: list[memoryview | bytearray] = []
     small = bytearray()
-    run: list[np.ndarray] = []  # C-contiguous arrays back to back in memory, from ``start`` to ``end``
-    start = end = -1
+    run: list[np.ndarray] = []  # arrays back to back in memory, ``size`` bytes in all, ending at
+    size, end = 0, None  #        address ``end`` (None: not asked yet)
 
     def flush() -> None:
         nonlocal small
-        if not run:
-            return
-        n = sum(a.nbytes for a in run)
-        if n < _SMALL_PIECE:
+        if size < _SMALL_PIECE:
             for a in run:
                 small += _bytes(a)
             if len(small) >= _SMALL_RUN:
@@ -111,27 +110,38 @@ def _file_buffers(arrays: Sequence[np.ndarray]) -> list[memoryview | bytearray]:
             if small:
                 out.append(small)
                 small = bytearray()
-            # the arrays of the run stay alive in ``arrays`` (the caller's) while the view is written
-            out.append(
-                _bytes(run[0])
-                if len(run) == 1
-                else memoryview((ctypes.c_char * n).from_address(start)).cast("B")
-            )
+            out.append(_bytes(run[0]) if len(run) == 1 else span(cast(int, end) - size, size))
         run.clear()
 
     for a in arrays:
         if not a.size:
             continue
-        at = a.__array_interface__["data"][0] if a.flags.c_contiguous else -1  # (_bytes copies it:
-        if at < 0 or at != end:  #                                                  a run of its own)
+        if run:
+            last = run[-1]
+            if (
+                a.base is not None
+                and a.base is last.base
+                and a.flags.c_contiguous
+                and last.flags.c_contiguous
+            ):
+                if end is None:
+                    end = _address(last) + last.nbytes
+                if _address(a) == end:
+                    run.append(a)
+                    size, end = size + a.nbytes, end + a.nbytes
+                    continue
             flush()
-            start = at
         run.append(a)
-        end = at + a.nbytes if at >= 0 else -1
-    flush()
+        size, end = a.nbytes, None
+    if run:
+        flush()
     if small:
         out.append(small)
     return out
+
+
+def _address(a: np.ndarray) -> int:
+    return a.__array_interface__["data"][0]
 
 
 def _split(box: Box, data: np.ndarray) -> list[tuple[Box, np.ndarray]]:

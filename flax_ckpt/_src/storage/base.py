@@ -13,6 +13,7 @@ never through shared state.
 
 from __future__ import annotations
 
+import ctypes
 from typing import TYPE_CHECKING, Any, Literal, Protocol, Sequence, runtime_checkable
 
 if TYPE_CHECKING:
@@ -33,6 +34,13 @@ else:
 
     def as_buffer(a):  # at run time the array itself, and no more (it is called per leaf)
         return a
+
+
+def span(address: int, nbytes: int) -> memoryview:
+    """The ``nbytes`` bytes of memory from ``address`` as one byte view: buffers that lie back to back
+    in memory, written with one call. It holds no reference: the caller keeps their owners alive while
+    the view is used."""
+    return memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B")
 
 
 @runtime_checkable

@@ -17,7 +17,6 @@ cache. Either way the bytes on disk are the same and fsynced before ``write`` re
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import fcntl
 import functools
@@ -34,7 +33,7 @@ from typing import Any, Literal, Sequence
 import numpy as np
 
 from flax_ckpt._src.errors import CorruptCheckpointError, StorageError
-from flax_ckpt._src.storage.base import Buffer
+from flax_ckpt._src.storage.base import Buffer, span
 
 _IO_STEP = 1 << 30  # bytes per preadv call
 WRITE_STEP = 256 << 10  # bytes per writev call (see write_all; benchmarks/README.md)
@@ -494,9 +493,7 @@ def _runs(views: list[memoryview]) -> list[tuple[int, memoryview]]:
     return [
         (
             a,
-            vs[0]
-            if len(vs) == 1
-            else memoryview((ctypes.c_char * sum(map(len, vs))).from_address(a)).cast("B"),
+            vs[0] if len(vs) == 1 else span(a, sum(map(len, vs))),
         )
         for a, vs in runs
     ]
