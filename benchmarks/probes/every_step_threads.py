@@ -1,8 +1,8 @@
 """Whose CPU an every-step save costs: the library's threads, or XLA's, in one process, in turns.
 
-    PYTHONPATH=<a checkout> python benchmarks/probes/every_step_threads.py [blocks] [--steps N]
+    PYTHONPATH=<a checkout> python benchmarks/probes/every_step_threads.py [blocks] [--steps N] [--model M]
 
-The MLP of bench_every_step.py (39 MiB of state with adam), a loop that runs ahead of the device (no
+A model of bench_every_step.py (``mlp``, the default: 39 MiB of state with adam; ``transformer``), a loop that runs ahead of the device (no
 sync per step). One process runs blocks of ``--steps`` steps (default 20) in turns, ABBA-like, in
 these modes:
 
@@ -70,8 +70,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("blocks", type=int, nargs="?", default=48)
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--model", default="mlp", choices=("mlp", "transformer"))
     args = ap.parse_args()
-    init, step = make_model("mlp")
+    init, step = make_model(args.model)
     shm, root = tempfile.mkdtemp(dir="/dev/shm"), tempfile.mkdtemp(dir="/dev/shm")
     state = jax.block_until_ready(step(init()))
     bufs = [np.empty(x.shape, x.dtype) for x in jax.tree_util.tree_leaves(state)]

@@ -69,6 +69,12 @@ class Arena:
         self.saved_as: tuple[str, str] | None = None  # (step folder, manifest id) of the committed save
         #   whose bytes the last fill holds; None when unknown
         self.fills = 0  # snapshots that began filling it (engine/snapshot.py)
+        self._base = self._bytes.__array_interface__["data"][0]
+        self._given: dict[int, int] = {}  # id of each buffer handed out since the last reset -> its
+        #   offset, so that ``offset`` need not ask numpy (about 1.4 us an array); ``_kept`` holds those
+        #   buffers alive, so that no other object has one of those ids (ints only: nothing for the
+        #   garbage collector to follow)
+        self._kept: list[np.ndarray] = []
 
     @classmethod
     def fit(cls, previous: "Arena | None") -> "Arena":
@@ -76,6 +82,7 @@ class Arena:
         arena of that size (an empty one the first time: that save copies as without an arena)."""
         if previous is not None and previous.wanted <= previous.capacity:
             previous.used = previous.wanted = 0
+            previous._given, previous._kept = {}, []
             return previous
         return cls(previous.wanted if previous is not None else 0)
 
@@ -101,11 +108,15 @@ class Arena:
         if start + n > self.capacity:
             return None
         self.used = start + n
-        return np.ndarray(shape, dtype, buffer=self._map, offset=start)
+        buf = np.ndarray(shape, dtype, buffer=self._map, offset=start)
+        self._given[id(buf)] = start
+        self._kept.append(buf)
+        return buf
 
     def offset(self, a: np.ndarray) -> int:
         """Where buffer ``a`` (one this arena handed out) starts in its memory."""
-        return a.__array_interface__["data"][0] - self._bytes.__array_interface__["data"][0]
+        at = self._given.get(id(a))
+        return at if at is not None else a.__array_interface__["data"][0] - self._base
 
     def holds(self, a: np.ndarray) -> bool:
         """Whether ``a`` lies in this arena's memory."""
