@@ -85,8 +85,9 @@ def _bytes(a: np.ndarray) -> memoryview:
     return memoryview(as_buffer(a.reshape(-1).view(np.uint8))) if a.size else memoryview(bytearray(0))
 
 
-def _file_buffers(arrays: Sequence[np.ndarray]) -> list[memoryview | bytearray]:
-    """The buffers that hold ``arrays``' bytes back to back, for one write: arrays that lie back to back
+def _file_buffers(arrays: Sequence[np.ndarray], views: Sequence[memoryview]) -> list[memoryview | bytearray]:
+    """The buffers that hold ``arrays``' bytes (``views``: each one's ``_bytes``, which the caller made
+    for its checksums) back to back, for one write: arrays that lie back to back
     in memory (views of one buffer: a snapshot's arena, which holds a file's image, engine/arena.py; a
     shard split in pieces) as one view of them all, which the storage writes straight from memory
     (O_DIRECT where it can); runs under _SMALL_PIECE bytes copied together into buffers of about
@@ -95,14 +96,14 @@ def _file_buffers(arrays: Sequence[np.ndarray]) -> list[memoryview | bytearray]:
     while they are written."""
     out: list[memoryview | bytearray] = []
     small = bytearray()
-    run: list[np.ndarray] = []  # arrays back to back in memory, ``size`` bytes in all, ending at
-    size, end = 0, None  #        address ``end`` (None: not asked yet)
+    run: list[int] = []  # indices of arrays back to back in memory, ``size`` bytes in all, ending at
+    size, end = 0, None  # address ``end`` (None: not asked yet)
 
     def flush() -> None:
         nonlocal small
         if size < _SMALL_PIECE:
-            for a in run:
-                small += _bytes(a)
+            for k in run:
+                small += views[k]
             if len(small) >= _SMALL_RUN:
                 out.append(small)
                 small = bytearray()
@@ -110,14 +111,14 @@ def _file_buffers(arrays: Sequence[np.ndarray]) -> list[memoryview | bytearray]:
             if small:
                 out.append(small)
                 small = bytearray()
-            out.append(_bytes(run[0]) if len(run) == 1 else span(cast(int, end) - size, size))
+            out.append(views[run[0]] if len(run) == 1 else span(cast(int, end) - size, size))
         run.clear()
 
-    for a in arrays:
+    for i, a in enumerate(arrays):
         if not a.size:
             continue
         if run:
-            last = run[-1]
+            last = arrays[run[-1]]
             if (
                 a.base is not None
                 and a.base is last.base
@@ -127,11 +128,11 @@ def _file_buffers(arrays: Sequence[np.ndarray]) -> list[memoryview | bytearray]:
                 if end is None:
                     end = _address(last) + last.nbytes
                 if _address(a) == end:
-                    run.append(a)
+                    run.append(i)
                     size, end = size + a.nbytes, end + a.nbytes
                     continue
             flush()
-        run.append(a)
+        run.append(i)
         size, end = a.nbytes, None
     if run:
         flush()
@@ -262,9 +263,10 @@ class RawSerializer:
 
         def write_file(i: int) -> tuple[float, float]:
             """Writes file i; returns (seconds of checksums, seconds of fsync)."""
-            offset, t0 = 0, time.perf_counter()
+            offset, t0, views = 0, time.perf_counter(), []
             for leaf, box, data, crcs in bins[i]:
                 mv = _bytes(data)
+                views.append(mv)
                 chunks[leaf].append(
                     {
                         "index": _index(box),
@@ -276,7 +278,7 @@ class RawSerializer:
                     }
                 )
                 offset += len(mv)
-            bufs = _file_buffers([data for _, _, data, _ in bins[i]])
+            bufs = _file_buffers([data for _, _, data, _ in bins[i]], views)
             serialize_s = time.perf_counter() - t0
             return serialize_s, storage.write(names[i], bufs)
 
