@@ -220,6 +220,7 @@ def _copied_into(into: Into, x: Any, copies: list[tuple[np.ndarray, np.ndarray]]
 
 
 _copier: ThreadPoolExecutor | None = None
+_CPUS = os.cpu_count() or 1  # asked once: os.cpu_count() reads /sys at each call
 _CACHED = 512 << 10  # bytes copied, then checksummed, at a time (within a core's L2 cache)
 
 
@@ -287,7 +288,7 @@ def copy_all(
                     crcs[c][k + j // step] = crc32c.crc32c(as_buffer(flat[j : j + step]))
 
     total = sum(u[2].nbytes for u in units)
-    n = max(1, min(4, os.cpu_count() or 1, len(units), total // (8 << 20)))
+    n = max(1, min(4, _CPUS, len(units), total // (8 << 20)))
     parts: list[list[tuple[int, int, np.ndarray, np.ndarray, bool]]] = [[] for _ in range(n)]
     acc = 0
     for u in units:  # contiguous runs: thread k takes the units that start in its share of the bytes

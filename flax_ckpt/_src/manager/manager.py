@@ -375,13 +375,16 @@ class CheckpointManager:
             )
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
-        _refuse_traced(state, step, self.directory)
+        leaves = jax.tree_util.tree_leaves(state)
+        _refuse_traced(state, leaves, step, self.directory)
         with self._busy:  # threads saving through one manager: one save at a time, each step whole
             if self._closed:
                 raise CheckpointError(f"CheckpointManager({self.directory}) is closed")
-            return self._save(step, state, metrics, force)
+            return self._save(step, state, leaves, metrics, force)
 
-    def _save(self, step: int, state: Any, metrics: dict[str, Any] | None, force: bool) -> bool:
+    def _save(
+        self, step: int, state: Any, leaves: list[Any], metrics: dict[str, Any] | None, force: bool
+    ) -> bool:
         t0 = time.perf_counter()
         self._schedule.call_started(t0)
         try:
@@ -405,7 +408,7 @@ class CheckpointManager:
                     log.info("step %d already saved in %s; skipped", step, self.directory)
                     return False
             metrics = metrics_json(metrics)
-            waited = self._wait_for_device(state)
+            waited = self._wait_for_device(leaves)
             if not self._store.admit(step, self._writer.busy, force):
                 return False  # on_busy="skip": the previous save is being written; training does not wait
             self._writer.wait()  # back-pressure: one save in flight
@@ -428,17 +431,16 @@ class CheckpointManager:
         finally:
             self._schedule.call_ended()
 
-    def _wait_for_device(self, state: Any) -> float:
-        """When the writer is busy and ``state`` is still being computed (the loop dispatches steps ahead
-        of the device), waits until the writer is free or the state is computed, whichever comes first:
-        the device is the bottleneck meanwhile, so the loop loses nothing it would not lose at its next
-        sync. Returns the seconds waited (reported as ``waited_for_device_s``, not ``blocked_s``); a
-        writer still busy once the state is computed is the writer's own work (``on_busy`` decides)."""
+    def _wait_for_device(self, leaves: list[Any]) -> float:
+        """When the writer is busy and the state (its ``leaves``) is still being computed (the loop
+        dispatches steps ahead of the device), waits until the writer is free or the state is computed,
+        whichever comes first: the device is the bottleneck meanwhile, so the loop loses nothing it would
+        not lose at its next sync. Returns the seconds waited (reported as ``waited_for_device_s``, not
+        ``blocked_s``); a writer still busy once the state is computed is the writer's own work
+        (``on_busy`` decides)."""
         if not self._writer.busy:
             return 0.0
-        computing = [
-            x for x in map(_data, jax.tree_util.tree_leaves(state)) if x is not None and not is_ready(x)
-        ]
+        computing = [x for x in map(_data, leaves) if x is not None and not is_ready(x)]
         if not computing:
             return 0.0
         t1 = time.perf_counter()
@@ -671,11 +673,11 @@ class CheckpointManager:
             )
 
 
-def _refuse_traced(state: Any, step: int, directory: str) -> None:
-    """A CheckpointError when ``state`` holds a tracer: ``save`` called inside ``jax.jit`` (or
-    ``grad``, ``vmap``, a ``lax.scan`` body), where the values do not exist yet."""
+def _refuse_traced(state: Any, leaves: list[Any], step: int, directory: str) -> None:
+    """A CheckpointError when ``state`` (whose ``leaves`` are given) holds a tracer: ``save`` called
+    inside ``jax.jit`` (or ``grad``, ``vmap``, a ``lax.scan`` body), where the values do not exist yet."""
     core = sys.modules.get("jax.core")  # jax not imported yet: no tracer anywhere
-    if core is None or not any(isinstance(x, core.Tracer) for x in jax.tree_util.tree_leaves(state)):
+    if core is None or not any(isinstance(x, core.Tracer) for x in leaves):
         return
     for path, x in jax.tree_util.tree_leaves_with_path(state):
         if isinstance(x, core.Tracer):

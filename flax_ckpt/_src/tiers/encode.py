@@ -282,16 +282,21 @@ def _body_ends(ts: TierSnapshot, ident: dict[str, Any], data: int) -> tuple[str,
     """A full copy's index text before its "shards" list (up to its "[") and after it (from its "]"):
     the body's other keys, sorted as canonical text has them."""
     fields: dict[str, str | None] = {
-        k: canonical(v) for k, v in dict(ident, base=None, chunk=CHUNK, data=data).items()
+        k: str(v) if type(v) is int else canonical(v)  # an int's JSON is its str (bool is not an int here)
+        for k, v in dict(ident, base=None, chunk=CHUNK, data=data).items()
     }
     fields["leaves"] = "[" + ",".join(lf.record.json_text() for lf in ts.snap.leaves) + "]"
     fields["shards"] = None
     keys = sorted(fields)
     at = keys.index("shards")
-    head = (
-        "{" + ",".join(f"{canonical(k)}:{fields[k]}" for k in keys[:at]) + ("," if at else "") + '"shards":['
-    )
-    return head, "]" + "".join(f",{canonical(k)}:{fields[k]}" for k in keys[at + 1 :]) + "}"
+    head = "{" + ",".join(f"{_key(k)}:{fields[k]}" for k in keys[:at]) + ("," if at else "") + '"shards":['
+    return head, "]" + "".join(f",{_key(k)}:{fields[k]}" for k in keys[at + 1 :]) + "}"
+
+
+@functools.lru_cache(maxsize=64)
+def _key(k: str) -> str:
+    """A body key's canonical text (the same few keys at every save)."""
+    return canonical(k)
 
 
 class FullLayout:

@@ -48,6 +48,7 @@ from flax_ckpt._src.storage.local import write_all
 _lock = threading.RLock()  # orders map_read against SpareFolder.retire (check for maps, then move)
 _readers: dict[tuple[int, int], list[weakref.ref]] = {}
 _pool: ThreadPoolExecutor | None = None
+_CPUS = os.cpu_count() or 1  # asked once: os.cpu_count() reads /sys at each call
 
 
 def pool() -> ThreadPoolExecutor:
@@ -56,7 +57,7 @@ def pool() -> ThreadPoolExecutor:
     global _pool
     with _lock:
         if _pool is None:
-            _pool = ThreadPoolExecutor(min(4, os.cpu_count() or 1), thread_name_prefix="flax_ckpt-tier")
+            _pool = ThreadPoolExecutor(min(4, _CPUS), thread_name_prefix="flax_ckpt-tier")
         return _pool
 
 
@@ -520,7 +521,7 @@ def _parts(pieces: Sequence[np.ndarray], work: Callable[[int, int], None]) -> No
     of them (none may still write into a map when it is closed) before raising the first failure."""
     sizes = [len(p) for p in pieces]
     total = sum(sizes)
-    n = max(1, min(len(pieces), 2 * (os.cpu_count() or 1), total // (4 << 20)))
+    n = max(1, min(len(pieces), 2 * _CPUS, total // (4 << 20)))
     if n == 1:
         return work(0, len(pieces))
     bounds, acc, k = [0], 0, 1
