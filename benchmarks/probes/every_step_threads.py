@@ -2,9 +2,9 @@
 
     PYTHONPATH=<a checkout> python benchmarks/probes/every_step_threads.py [blocks] [--steps N] [--model M]
 
-A model of bench_every_step.py (``mlp``, the default: 39 MiB of state with adam; ``transformer``), a loop that runs ahead of the device (no
-sync per step). One process runs blocks of ``--steps`` steps (default 20) in turns, ABBA-like, in
-these modes:
+A model of bench_every_step.py (``mlp``, the default: 39 MiB of state with adam; ``transformer``), a
+loop that runs ahead of the device (no sync per step). One process runs blocks of ``--steps`` steps
+(default 20) in turns, ABBA-like, in these modes:
 
 - ``alone``: the loop without checkpoints;
 - ``sync``: ``jax.block_until_ready`` on the state after each step (what any wait for the step costs

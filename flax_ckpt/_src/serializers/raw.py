@@ -87,10 +87,10 @@ def _bytes(a: np.ndarray) -> memoryview:
 
 def _file_buffers(arrays: Sequence[np.ndarray], views: Sequence[memoryview]) -> list[memoryview | bytearray]:
     """The buffers that hold ``arrays``' bytes (``views``: each one's ``_bytes``, which the caller made
-    for its checksums) back to back, for one write: arrays that lie back to back
-    in memory (views of one buffer: a snapshot's arena, which holds a file's image, engine/arena.py; a
-    shard split in pieces) as one view of them all, which the storage writes straight from memory
-    (O_DIRECT where it can); runs under _SMALL_PIECE bytes copied together into buffers of about
+    for its checksums) back to back, for one write: arrays that lie back to back in memory (views of
+    one buffer: a snapshot's arena, which holds a file's image, engine/arena.py; a shard split in
+    pieces) as one view of them all, which the storage writes straight from memory (O_DIRECT where it
+    can); runs under _SMALL_PIECE bytes copied together into buffers of about
     _SMALL_RUN (a million small leaves: a buffer, not a view each). Only views of one buffer are asked
     for their address. The views hold no reference: ``arrays`` (the caller's) keeps their memory alive
     while they are written."""

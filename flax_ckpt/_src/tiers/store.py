@@ -352,8 +352,7 @@ def take_snapshot(
         ts.origin.update({(i, b): s for b, _, s in views})
     copies: list[tuple[np.ndarray, np.ndarray]] = []  # the other processes' boxes, into ``take``'s buffers
     for i in fresh:
-        if not plans[i].whole:  # a whole array's one shard is all there is of it
-            ts.extra += _replicas(i, flat.leaves[i], plans[i], take, copies)
+        ts.extra += _replicas(i, flat.leaves[i], plans[i], take, copies)
     ts.lent, ts.crcs = into, part.crcs
     if (
         copies
