@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import jax
 import jax.numpy as jnp
@@ -24,10 +25,46 @@ from helpers import TESTS, worker_env
 ROOT = os.path.dirname(TESTS)
 
 
+def end_group(proc: subprocess.Popen) -> None:
+    """Ends the process group of ``proc`` (a session leader) once ``proc`` has ended or is killed here:
+    SIGTERM first, which ends grain's worker processes but not multiprocessing's resource tracker (it
+    ignores SIGTERM), so that the tracker, once the workers are gone, unlinks the semaphores and shared
+    memory they left in /dev/shm (a SIGKILL of the whole group left 50 files there at each run of this
+    module); then SIGKILL for whatever is still there once the group stops shrinking."""
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait()
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        alive, quiet = group_size(proc.pid), 0
+        while alive and quiet < 50:  # waits while the group shrinks; 50 polls (>= 5 s) without change end it
+            time.sleep(0.1)
+            now = group_size(proc.pid)
+            quiet = 0 if now < alive else quiet + 1
+            alive = now
+
+
+def group_size(pgid: int) -> int:
+    """How many live processes are in process group ``pgid`` (from /proc)."""
+    n = 0
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            n += fields[2] == str(pgid) and fields[0] != "Z"
+    return n
+
+
 def run_child(script, *args, expect=0):
     """Runs ``script`` (a path) with ``args`` in a session of its own; its stdout lines, after checking
-    its exit status. Whatever it started (grain's worker processes, which outlive a SIGKILL) is killed
-    once it has ended; its output goes to files, which such processes cannot hold open."""
+    its exit status. Whatever it started (grain's worker processes, which outlive a SIGKILL) is ended
+    once it has ended (``end_group``); its output goes to files, which such processes cannot hold open."""
     out, err = script.with_suffix(".out"), script.with_suffix(".err")
     with open(out, "w") as stdout, open(err, "w") as stderr:
         proc = subprocess.Popen(
@@ -41,11 +78,7 @@ def run_child(script, *args, expect=0):
     try:
         proc.wait(timeout=300)
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait()
+        end_group(proc)
     assert proc.returncode == expect, out.read_text() + err.read_text()
     return out.read_text().splitlines()
 

@@ -55,10 +55,10 @@ def _safetensors(path, header: dict, data: bytes = b"") -> str:
 # ----------------------------------------------------------- item 5: a file rewritten while it is read
 
 N_FLOATS = 26 << 20  # 104 MiB of float32
-RESTORES = (
-    80  # enough: the code before the fix mixed about every other (safetensors) or fifth (msgpack) restore,
-)
-# and ran fewer than this in the 20 s that bound the loop; a quiet machine reaches it in about 10 s
+RESTORES = 24  # the code before the fix mixed about every other (safetensors) or fifth (msgpack) restore:
+# 24 restores miss a fifth's rate once in 200 runs. Each takes about 0.5 s (a file changed that recently
+# is read again once its last change is foreign/files.py's QUIET_S old, then found changed): 12-13 s
+# on a quiet machine; the loop ends after 20 s on a busy one, with fewer
 
 
 def _versions(kind: str, path) -> tuple[bytes, bytes]:
