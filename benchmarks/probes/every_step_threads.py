@@ -11,7 +11,9 @@ loop that runs ahead of the device (no sync per step). One process runs blocks o
   XLA's threads, with nothing copied);
 - ``floor``: ``np.copyto`` of every leaf into buffers allocated once, after each step, on the loop's
   thread (one host copy, no checksum);
-- ``memory``: ``CheckpointManager(tiers=Tiers(local_dir=<tmpfs>, peer=False))`` saving every step.
+- ``memory``: ``CheckpointManager(tiers=Tiers(local_dir=<tmpfs>, peer=False))`` saving every step;
+- ``persistent``: ``CheckpointManager(<a folder in the temporary folder>, max_to_keep=2)`` saving every
+  step (bench_every_step.py's ``persistent``: this machine's disk).
 
 Per block and thread, the CPU time from ``/proc/self/task/<tid>/schedstat`` (nanoseconds, not clock
 ticks), summed by thread name: the loop's thread, the library's (``flax_ckpt-*``) and XLA's
@@ -43,7 +45,7 @@ import numpy as np  # noqa: E402
 import flax_ckpt as fc  # noqa: E402
 from bench_every_step import make_model  # noqa: E402
 
-MODES = ("alone", "memory", "floor", "sync")
+MODES = ("alone", "memory", "persistent", "floor", "sync")
 
 
 def threads_ms() -> dict[tuple[str, str], float]:
@@ -74,6 +76,7 @@ def main() -> None:
     args = ap.parse_args()
     init, step = make_model(args.model)
     shm, root = tempfile.mkdtemp(dir="/dev/shm"), tempfile.mkdtemp(dir="/dev/shm")
+    disk = tempfile.mkdtemp()
     state = jax.block_until_ready(step(init()))
     bufs = [np.empty(x.shape, x.dtype) for x in jax.tree_util.tree_leaves(state)]
     res: dict[str, dict[str, list[float]]] = {}
@@ -81,11 +84,15 @@ def main() -> None:
     order = list(MODES) + list(MODES)[::-1]
     try:
         tiers = fc.Tiers(local_dir=shm, peer=False, persist_interval_steps=None)
-        with fc.CheckpointManager(os.path.join(root, "run"), tiers=tiers) as mgr:
+        with (
+            fc.CheckpointManager(os.path.join(root, "run"), tiers=tiers) as mgr,
+            fc.CheckpointManager(os.path.join(disk, "run"), max_to_keep=2) as pmgr,
+        ):
             for i in range(3):
                 state = jax.block_until_ready(step(state))
-                mgr.save(i, state, force=True)
-                mgr.wait_until_finished()
+                for m in (mgr, pmgr):
+                    m.save(i, state, force=True)
+                    m.wait_until_finished()
             for b in range(args.blocks):
                 mode = order[b % len(order)]
                 t0, c0, w0 = threads_ms(), time.process_time(), time.perf_counter()
@@ -93,6 +100,8 @@ def main() -> None:
                     state = step(state)
                     if mode == "memory":
                         mgr.save(i, state)
+                    elif mode == "persistent":
+                        pmgr.save(i, state)
                     elif mode == "floor":
                         for buf, x in zip(bufs, jax.tree_util.tree_leaves(state)):
                             np.copyto(buf, np.asarray(x))
@@ -100,6 +109,7 @@ def main() -> None:
                         jax.block_until_ready(state)
                 jax.block_until_ready(state)
                 mgr.wait_until_finished()
+                pmgr.wait_until_finished()
                 s += n
                 t1, c1, w1 = threads_ms(), time.process_time(), time.perf_counter()
                 row = {"loop": 0.0, "library": 0.0, "xla": 0.0}
@@ -111,6 +121,7 @@ def main() -> None:
     finally:
         shutil.rmtree(shm, ignore_errors=True)
         shutil.rmtree(root, ignore_errors=True)
+        shutil.rmtree(disk, ignore_errors=True)
     alone = statistics.median(res["alone"]["process"])
     print(f"ms per step, medians of {args.blocks // len(MODES)} blocks of {n} steps per mode:")
     print(f"{'mode':8s} {'loop':>7s} {'library':>8s} {'xla':>7s} {'process':>8s} {'wall':>7s}  over alone")
