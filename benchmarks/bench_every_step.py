@@ -42,7 +42,10 @@ process: the checkpointer's background work included; steadier than wall time on
 (ABBA), ``--steps`` steps each, and its overhead is the ratio to its own runs without saves. On a
 shared 2-core machine the loop alone moves by 10-30% from one process to the next (its XLA threads'
 CPU time moves with the neighbours), which ``none`` in another process cannot cancel; runs of 20 steps
-in turns in one process can. ``none`` is then not needed.
+in turns in one process can. ``none`` is then not needed. The report then also splits the CPU above
+the runs without saves: the Python threads' (the loop's and the checkpointer's, by process CPU minus
+the threads Python did not start, from /proc/self/task/*/schedstat) per save made, which is what a save
+itself costs, and the change of XLA's threads' per step, which moves with the machine's load.
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -213,6 +217,23 @@ def saver(name: str, state: Any, d: Path) -> Saver | None:
 # ------------------------------------------------------------------------------------------ a child
 
 
+def native_cpu() -> dict[str, float]:
+    """CPU seconds of each thread of this process that Python did not start (XLA's, by tid), from
+    /proc/self/task/<tid>/schedstat (nanoseconds). With ``--pairs`` the rest of the process's CPU is its
+    Python threads': the loop's and the checkpointer's."""
+    python = {str(t.native_id) for t in threading.enumerate()}
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        if tid in python:
+            continue
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                out[tid] = int(f.read().split()[0]) / 1e9
+        except (OSError, ValueError, IndexError):  # ended meanwhile; or no schedstat in this kernel
+            continue
+    return out
+
+
 def child(
     contender: str,
     model: str,
@@ -253,10 +274,12 @@ def child(
                 getattr(s, "mark", lambda: None)()
             at = 0  # the last step number given (saves' steps grow across the blocks)
 
-            def block(saving: bool) -> tuple[float, float, int]:
+            def block(saving: bool) -> tuple[float, float, int, float]:
                 """``steps`` steps (saving every ``every`` if ``saving``), the checkpointer's work
-                finished inside: (wall, process CPU, saves made)."""
+                finished inside: (wall, process CPU, saves made, CPU of the threads Python did not
+                start: XLA's)."""
                 nonlocal state, at
+                n0 = native_cpu()
                 t0, c0, made = time.perf_counter(), time.process_time(), 0
                 for _ in range(steps):
                     at += 1
@@ -266,26 +289,37 @@ def child(
                 jax.block_until_ready(state)
                 if saving and s is not None:
                     s.finish()
-                return time.perf_counter() - t0, time.process_time() - c0, made
+                wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+                n1 = native_cpu()
+                return wall, cpu, made, sum(v - n0[t] for t, v in n1.items() if t in n0)
 
             if not pairs:
-                wall, cpu, made = block(True)
+                wall, cpu, made, _ = block(True)
                 row: dict[str, Any] = {"wall": wall / steps, "cpu": cpu / steps}
             else:  # alone and saving in turns, ABBA (a drift of the machine falls on both alike)
                 got: list[list[float]] = []
+                xla: list[list[float]] = []
                 made = 0
                 for k in range(pairs):
                     order = (False, True) if k % 2 == 0 else (True, False)
                     r = {o: block(o) for o in order}
                     made += r[True][2]
                     got.append([r[False][0], r[False][1], r[True][0], r[True][1]])
+                    xla.append([r[False][3], r[True][3]])
                 n = steps * pairs
+                python = sum(g[3] - x[1] - (g[1] - x[0]) for g, x in zip(got, xla))
                 row = {
                     "wall": sum(g[2] for g in got) / n,
                     "cpu": sum(g[3] for g in got) / n,
                     "alone": {"wall": sum(g[0] for g in got) / n, "cpu": sum(g[1] for g in got) / n},
                     "pairs": got,
                     "asked": n // every,
+                    # XLA's threads' CPU per pair [alone, saving]; the Python threads' CPU (the loop's
+                    # and the checkpointer's) above the runs without saves, per save made; XLA's
+                    # threads' change per step
+                    "xla_pairs": xla,
+                    "python_per_save": python / made if made else None,
+                    "xla_change": sum(x[1] - x[0] for x in xla) / n,
                 }
             if s is not None:
                 getattr(s, "count", lambda: None)()
@@ -398,6 +432,7 @@ def summarize(out: dict[str, Any]) -> tuple[str, dict[str, Any]]:
             none_ms = statistics.median(a["wall"] for a in alone) * 1e3 if alone else 0
             lines.append(f"| {e} ({none_ms:.0f} ms/step) | " + " | ".join(cells) + " |")
         lines += _over_floor(by, everies, summary.setdefault(model, {}))
+        lines += _split(by, everies, summary.setdefault(model, {}))
     return "\n".join(lines), summary
 
 
@@ -428,6 +463,40 @@ def _over_floor(by: dict[str, list], everies: list[int], summary: dict[str, Any]
             w = statistics.median(_wall(y) / _wall(x) for x, y in pairs) - 1
             summary.setdefault(str(e), {}).setdefault(c, {})["over_floor"] = w
             cells.append(f"{w:+.0%}")
+        lines.append(f"| {e} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _split(by: dict[str, list], everies: list[int], summary: dict[str, Any]) -> list[str]:
+    """With --pairs: where the process CPU above the runs without saves went, the median over the
+    contender's processes. The Python threads' (the loop's, the checkpointer's: what a save itself
+    costs) per save made, and the change of XLA's threads' (the step's own compute) per step, which moves
+    with the machine's load and with what a save does to the cores' caches."""
+    rows = {
+        c: runs
+        for c, runs in by.items()
+        if any("xla_change" in r.get(str(e), {}) for r in runs for e in everies)
+    }
+    if not rows:
+        return []
+    lines = [
+        "\nWhere the CPU above the runs without saves went (--pairs; median over processes): the Python "
+        "threads' (the loop's and the checkpointer's) in ms per save made / XLA's threads' change in ms "
+        "per step:\n",
+        "| every | " + " | ".join(rows) + " |",
+        "|---|" + "---|" * len(rows),
+    ]
+    for e in everies:
+        cells = []
+        for c, runs in rows.items():
+            got = [r[str(e)] for r in runs if r.get(str(e), {}).get("python_per_save") is not None]
+            if not got:
+                cells.append("n/a")
+                continue
+            py = statistics.median(g["python_per_save"] for g in got) * 1e3
+            xla = statistics.median(g["xla_change"] for g in got) * 1e3
+            summary.setdefault(str(e), {}).setdefault(c, {}).update(python_ms_per_save=py, xla_ms_change=xla)
+            cells.append(f"{py:.1f} / {xla:+.1f}")
         lines.append(f"| {e} | " + " | ".join(cells) + " |")
     return lines
 
