@@ -277,3 +277,38 @@ def test_nothing_is_freed_while_a_step_s_manifest_cannot_be_read(tmp_path, capsy
     assert rc == 0, out
     assert {n.split(".")[0] for n in os.listdir(tmp_path) if is_held(n)} == {"0"}
     assert_tree_equal(fc.restore(tmp_path / "2"), state(2, base))
+
+
+def test_a_leaf_that_changes_at_every_save_is_not_compared_and_shared_again_once_it_stops(
+    tmp_path, monkeypatch
+):
+    """A snapshot compares each large chunk with the bytes the last save left in its arena, to share it
+    from memory when equal; a chunk that changed at each of the last two saves is copied without that
+    comparison (a state that changes everywhere pays for no comparison that fails). Once it stops
+    changing, the first save still shares it (by its crc32c and SHA-256 against the base's chunk) and
+    the next compares it in memory again. Frozen leaves are compared at every save throughout."""
+    from flax_ckpt._src.engine import snapshot as snapshot_mod
+
+    compared: list[int] = []
+    real = snapshot_mod.same_bytes
+    monkeypatch.setattr(snapshot_mod, "same_bytes", lambda d, a: compared.append(d.nbytes) or real(d, a))
+    base = frozen_base()  # eight 4 MiB leaves
+    rng = np.random.default_rng(7)
+    moving = [rng.standard_normal(512 * 1024, dtype=np.float32) for _ in range(6)]  # 2 MiB each
+    states = [{"frozen": base, "moving": moving[min(s, 5)]} for s in range(9)]  # constant from step 5
+    counts: list[tuple[int, int]] = []  # per save: (compares of the moving leaf, of frozen leaves)
+    with fc.CheckpointManager(tmp_path) as mgr:
+        for s, st in enumerate(states):
+            compared.clear()
+            mgr.save(s, st)
+            mgr.wait_until_finished()
+            counts.append((compared.count(2 * MiB), compared.count(4 * MiB)))
+        for s, st in enumerate(states):
+            assert_tree_equal(mgr.restore(s), st)
+    warm = next(s for s, (_, f) in enumerate(counts) if f)  # the first save with an arena to compare with
+    assert all(f == 8 for _, f in counts[warm:]), counts
+    assert sum(m for m, _ in counts[:6]) <= 2, counts  # two failed comparisons in a row, then none
+    assert counts[6][0] == 0 and counts[7][0] == 1, counts  # skipped once more, then compared again
+    for s in (6, 7, 8):  # unchanged: shared (not written), whether compared in memory or not
+        assert du(tmp_path / str(s)) < 1 * MiB, (s, du(tmp_path / str(s)))
+    assert du(tmp_path / "5") > 2 * MiB  # the last change was written

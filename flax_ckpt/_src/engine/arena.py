@@ -27,7 +27,8 @@ the writer's thread, and ``Arena.fit`` hands it to the next snapshot.
 
 What an arena holds after a save is that save's bytes, and the next save of the same structure is
 given the same buffers: its snapshot compares each large shard with the buffer's bytes before copying
-it (engine/snapshot.py), and where they are equal it neither copies nor checksums them. ``ledger`` says
+it (engine/snapshot.py; not the blocks whose bytes changed at each of the last saves), and where they
+are equal it neither copies nor checksums them. ``ledger`` says
 what the last fill put where (the shard and the crc32c of its blocks: set by a snapshot once every copy
 into the arena is made, emptied when the next one starts), ``saved_as`` which committed step wrote
 those bytes (set by the native layout once the step is committed, cleared when a snapshot starts): a
@@ -64,8 +65,9 @@ class Arena:
         self._bytes = np.frombuffer(self._map, np.uint8) if self._map is not None else np.empty(0, np.uint8)
         self.used = 0  # bytes handed out since the last reset (with alignment gaps)
         self.wanted = 0  # bytes asked for since the last reset, given or not
-        self.ledger: dict[int, tuple[tuple, np.ndarray]] = {}  # offset -> (what the last complete fill
-        #   copied there: leaf name, box, dtype, shape; the crc32c of its blocks): see the module
+        self.ledger: dict[int, tuple[tuple, np.ndarray, tuple[int, ...]]] = {}  # offset -> (what the last
+        #   complete fill copied there: leaf name, box, dtype, shape; the crc32c of its blocks; per
+        #   block, how many saves in a row its bytes changed): see the module
         self.saved_as: tuple[str, str] | None = None  # (step folder, manifest id) of the committed save
         #   whose bytes the last fill holds; None when unknown
         self.fills = 0  # snapshots that began filling it (engine/snapshot.py)

@@ -229,6 +229,7 @@ def copy_all(
     chunk: int | None = None,
     held: Sequence[np.ndarray | None] | None = None,
     same: np.ndarray | None = None,
+    tries: Sequence[Sequence[bool] | None] | None = None,
 ) -> list[np.ndarray] | None:
     """Makes ``copies`` (destination, source) on up to 4 threads, in runs of about equal bytes: while a
     save holds the training loop, its cores are free, and one thread alone does not reach the memory's
@@ -238,8 +239,10 @@ def copy_all(
 
     ``held`` (with ``chunk``): per copy, None or the crc32c of every ``chunk`` bytes its destination
     holds now (a contiguous copy): each such chunk is compared with the source first, byte for byte,
-    and where equal it is neither copied nor checksummed (its crc32c is ``held``'s). ``same``: a bool
-    per copy, set False here for a copy with a chunk that differed (left as given for the others)."""
+    and where equal it is neither copied nor checksummed (its crc32c is ``held``'s). ``tries``: per
+    copy with ``held``, None (compare every chunk) or a bool per chunk, False for a chunk copied without
+    comparing. ``same``: a bool per copy, set False here for a copy with a chunk that differed or was
+    not compared (left as given for the others)."""
     global _copier
     step = chunk or (4 << 20)
     # (copy, first chunk, destination, source, whether the unit is one chunk of bytes of a contiguous copy)
@@ -265,7 +268,8 @@ def copy_all(
     def run(part: list[tuple[int, int, np.ndarray, np.ndarray, bool]]) -> None:
         for c, k, d, a, one in part:
             if crcs is not None and held is not None and (h := held[c]) is not None and one:
-                if same_bytes(d, a):  # the destination holds these bytes already
+                t = None if tries is None else tries[c]
+                if (t is None or t[k]) and same_bytes(d, a):  # the destination holds these bytes already
                     crcs[c][k] = h[k]
                     continue
                 if same is not None:
@@ -574,21 +578,37 @@ def _snapshot(
 
 
 _SAME_MIN = 64 << 10  # smaller shards are copied without comparing (a step's smaller pieces are written)
+_MISSES = 2  # a chunk whose bytes changed at this many saves in a row is copied without comparing
 
 
 def _refill(
     arena: Arena, copies: list[tuple[np.ndarray, np.ndarray]], leaves: list[HostLeaf], block: int
 ) -> tuple[list[np.ndarray], dict[int, list[Box]], tuple[str, str] | None]:
     """``copy_all(copies, block)`` into ``arena``, where each large shard the arena's last fill put in
-    the same place is compared with those bytes first (neither copied nor checksummed where equal).
+    the same place is compared with those bytes first (neither copied nor checksummed where equal),
+    but for its chunks whose bytes changed at each of the last _MISSES saves (a state that changes
+    everywhere at every step pays for no comparison that fails; a chunk copied so is known unchanged by
+    its crc32c and compared again at the next save).
     Returns the crc32c per copy, per leaf the boxes of its shards found equal, and the step the
     arena's bytes were committed as (``Arena.saved_as``, None when unknown). The arena's ledger then
     says what this fill holds."""
-    keys, held, since = _held(arena, copies, leaves, block)
+    keys, held, misses, since = _held(arena, copies, leaves, block)
     same = np.array([h is not None for h in held], bool)
-    crcs = copy_all(copies, block, held, same)
+    tries = [None if m is None else [r < _MISSES for r in m] for m in misses]
+    crcs = copy_all(copies, block, held, same, tries)
     assert crcs is not None, "copy_all checksums what it is asked to"
-    arena.ledger = {arena.offset(copies[c][0]): (key, crcs[c]) for c, (_, key) in keys.items()}
+    ledger = {}
+    for c, (_, key) in keys.items():
+        h, m, now = held[c], misses[c], crcs[c].tolist()
+        # a chunk's run of changed saves, by its crc32c: one copied without comparing but unchanged
+        # (a leaf that stopped changing) is compared again at the next save
+        run = (
+            (0,) * len(now)
+            if h is None or m is None
+            else tuple(0 if x == y else min(r + 1, 255) for x, y, r in zip(now, h.tolist(), m))
+        )
+        ledger[arena.offset(copies[c][0])] = (key, crcs[c], run)
+    arena.ledger = ledger
     unchanged: dict[int, list[Box]] = {}
     for c, (j, key) in keys.items():
         if same[c]:
@@ -598,12 +618,18 @@ def _refill(
 
 def _held(
     arena: Arena, copies: list[tuple[np.ndarray, np.ndarray]], leaves: list[HostLeaf], block: int
-) -> tuple[dict[int, tuple[int, tuple]], list[np.ndarray | None], tuple[str, str] | None]:
+) -> tuple[
+    dict[int, tuple[int, tuple]],
+    list[np.ndarray | None],
+    list[tuple[int, ...] | None],
+    tuple[str, str] | None,
+]:
     """A snapshot's fill of ``arena`` begins: per large contiguous copy (by its index in ``copies``)
     its leaf and what it copies (leaf name, box, dtype, shape: the arena's ledger key); per copy, the
     crc32c of the ``block``-byte blocks its destination holds where the arena's last complete fill
-    copied the same there, else None; and the step those bytes were committed as. The arena forgets
-    both now (its bytes are about to change: a fill that fails leaves it knowing nothing)."""
+    copied the same there, else None, and then per block how many saves in a row its bytes changed;
+    and the step those bytes were committed as. The arena forgets both now (its bytes are about to
+    change: a fill that fails leaves it knowing nothing)."""
     prior, since = arena.ledger, arena.saved_as
     arena.ledger, arena.saved_as, arena.fills = {}, None, arena.fills + 1
     big = {id(d): c for c, (d, a) in enumerate(copies) if d.nbytes >= _SAME_MIN and a.flags.c_contiguous}
@@ -615,12 +641,13 @@ def _held(
                 if c is not None:
                     keys[c] = (j, (lf.record.name, sh.box, sh.data.dtype, sh.data.shape))
     held: list[np.ndarray | None] = [None] * len(copies)
+    misses: list[tuple[int, ...] | None] = [None] * len(copies)
     for c, (_, key) in keys.items():
         d = copies[c][0]
         old = prior.get(arena.offset(d))
         if old is not None and old[0] == key and len(old[1]) == -(-d.nbytes // block):
-            held[c] = old[1]
-    return keys, held, since
+            held[c], misses[c] = old[1], old[2]
+    return keys, held, misses, since
 
 
 def _refuse_deleted(flat: tree_mod.Flat, only: Sequence[int]) -> None:
