@@ -217,21 +217,25 @@ def saver(name: str, state: Any, d: Path) -> Saver | None:
 # ------------------------------------------------------------------------------------------ a child
 
 
-def native_cpu() -> dict[str, float]:
-    """CPU seconds of each thread of this process that Python did not start (XLA's, by tid), from
-    /proc/self/task/<tid>/schedstat (nanoseconds). With ``--pairs`` the rest of the process's CPU is its
-    Python threads': the loop's and the checkpointer's."""
-    python = {str(t.native_id) for t in threading.enumerate()}
+def threads_ms() -> dict[tuple[str, str], float]:
+    """CPU ms of every thread of this process by (tid, name), from /proc/self/task/<tid>/schedstat
+    (nanoseconds, not clock ticks); a thread Python did not start (XLA's) is named "xla"."""
+    names = {t.native_id: t.name for t in threading.enumerate()}
     out = {}
     for tid in os.listdir("/proc/self/task"):
-        if tid in python:
-            continue
         try:
             with open(f"/proc/self/task/{tid}/schedstat") as f:
-                out[tid] = int(f.read().split()[0]) / 1e9
+                ns = int(f.read().split()[0])
         except (OSError, ValueError, IndexError):  # ended meanwhile; or no schedstat in this kernel
             continue
+        out[(tid, names.get(int(tid), "xla"))] = ns / 1e6
     return out
+
+
+def native_cpu() -> dict[str, float]:
+    """CPU seconds of each thread of this process that Python did not start (XLA's), by tid. With
+    ``--pairs`` the rest of the process's CPU is its Python threads': the loop's and the checkpointer's."""
+    return {tid: ms / 1e3 for (tid, name), ms in threads_ms().items() if name == "xla"}
 
 
 def child(

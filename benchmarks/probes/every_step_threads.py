@@ -31,7 +31,6 @@ import shutil
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -43,23 +42,9 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import flax_ckpt as fc  # noqa: E402
-from bench_every_step import make_model  # noqa: E402
+from bench_every_step import make_model, threads_ms  # noqa: E402
 
 MODES = ("alone", "memory", "persistent", "floor", "sync")
-
-
-def threads_ms() -> dict[tuple[str, str], float]:
-    """CPU ms of every thread of this process, by (tid, name)."""
-    names = {t.native_id: t.name for t in threading.enumerate()}
-    out = {}
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{tid}/schedstat") as f:
-                ns = int(f.read().split()[0])
-        except OSError:  # the thread ended meanwhile
-            continue
-        out[(tid, names.get(int(tid), "xla"))] = ns / 1e6
-    return out
 
 
 def group(name: str) -> str:
