@@ -233,9 +233,10 @@ def copy_all(
 ) -> list[np.ndarray] | None:
     """Makes ``copies`` (destination, source) on up to 4 threads, in runs of about equal bytes: while a
     save holds the training loop, its cores are free, and one thread alone does not reach the memory's
-    bandwidth. With ``chunk``: also the crc32c of every ``chunk`` bytes of each destination (from its
-    start), computed right after copying them, while they are still in cache (about a third of the
-    time of a separate pass over the destination); returned per copy, in order.
+    bandwidth. With ``chunk``: also the crc32c of every ``chunk`` bytes of each copy (from its start),
+    returned per copy, in order. Each piece of a source is checksummed just before it is copied, so
+    the copy reads it from the cache that the checksum's read filled (one read from memory per byte;
+    the bytes are equal once copied, and a source is a step's output that nothing writes meanwhile).
 
     ``held`` (with ``chunk``): per copy, None or the crc32c of every ``chunk`` bytes its destination
     holds now (a contiguous copy): each such chunk is compared with the source first, byte for byte,
@@ -274,15 +275,15 @@ def copy_all(
                     continue
                 if same is not None:
                     same[c] = False
-            if crcs is not None and one:
-                if d.nbytes <= _CACHED:
+            if crcs is not None and one:  # the source checksummed, then copied from the cache that
+                if d.nbytes <= _CACHED:  # read left it in (one read of it from memory, not two)
+                    crcs[c][k] = crc32c.crc32c(as_buffer(a))
                     np.copyto(d, a)
-                    crcs[c][k] = crc32c.crc32c(as_buffer(d))
                     continue
                 d, a, crc = d.reshape(-1).view(np.uint8), a.reshape(-1).view(np.uint8), 0
-                for j in range(0, d.nbytes, _CACHED):  # copied and checksummed in pieces that stay in
-                    np.copyto(d[j : j + _CACHED], a[j : j + _CACHED])  # the core's cache
-                    crc = crc32c.crc32c(as_buffer(d[j : j + _CACHED]), crc)
+                for j in range(0, d.nbytes, _CACHED):  # in pieces that stay in the core's cache
+                    crc = crc32c.crc32c(as_buffer(a[j : j + _CACHED]), crc)
+                    np.copyto(d[j : j + _CACHED], a[j : j + _CACHED])
                 crcs[c][k] = crc
                 continue
             np.copyto(d, a)
