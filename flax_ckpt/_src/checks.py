@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import math
 import posixpath
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import crc32c
 import numpy as np
@@ -200,8 +200,15 @@ def tiling_problem(boxes: Sequence[Sequence[Sequence[int]]], bounds: Sequence[Se
         return None  # one chunk holding the whole array: most leaves
     bounds = [(int(a), int(b)) for a, b in bounds]
     total = math.prod(b - a for a, b in bounds)
-    items = [(j, b) for j, b in enumerate(boxes) if all(s < e for s, e in b)]
-    volume = sum(math.prod(e - s for s, e in b) for _, b in items)
+    grid = _grid(boxes, bounds, total) if len(boxes) > _PAIRWISE_MAX else None
+    if grid is not None:  # many boxes: the empty ones dropped and the volumes added up in numpy
+        keep = np.all(grid[:, :, 0] < grid[:, :, 1], axis=1)
+        items: Sequence[tuple[int, Any]] = _Kept(np.flatnonzero(keep), boxes)
+        grid = grid[keep]
+        volume = int(np.prod(grid[:, :, 1] - grid[:, :, 0], axis=1).sum())
+    else:
+        items = [(j, b) for j, b in enumerate(boxes) if all(s < e for s, e in b)]
+        volume = sum(math.prod(e - s for s, e in b) for _, b in items)
     if volume == total and len(items) <= 1:
         return None
     if not items:
@@ -213,8 +220,12 @@ def tiling_problem(boxes: Sequence[Sequence[Sequence[int]]], bounds: Sequence[Se
                 if all(max(p[0], q[0]) < min(p[1], q[1]) for p, q in zip(a, b)):
                     at = [max(p[0], q[0]) for p, q in zip(a, b)]
                     return f"chunks {j} and {i} both cover element {at}"
-        return None if volume == total else _corner_problem(items, bounds) or _gap(volume, total, None)
-    a = np.asarray([b for _, b in items], dtype=np.int64).reshape(len(items), len(bounds), 2)
+        return None if volume == total else _corner_problem(list(items), bounds) or _gap(volume, total, None)
+    a = (
+        grid
+        if grid is not None
+        else np.asarray([b for _, b in items], dtype=np.int64).reshape(len(items), len(bounds), 2)
+    )
     lo, hi = np.asarray([x for x, _ in bounds], np.int64), np.asarray([y for _, y in bounds], np.int64)
     cut = ~np.all((a[:, :, 0] == lo) & (a[:, :, 1] == hi), axis=0)  # dimensions some box does not span whole
     if not cut.any():
@@ -234,8 +245,46 @@ def tiling_problem(boxes: Sequence[Sequence[Sequence[int]]], bounds: Sequence[Se
         if same.any():
             x, y = sorted((int(order[np.argmax(same)]), int(order[np.argmax(same) + 1])))
             return f"chunks {items[x][0]} and {items[y][0]} both cover element {a[x, :, 0].tolist()}"
-        return None if volume == total else _corner_problem(items, bounds) or _gap(volume, total, None)
-    return _corner_problem(items, bounds) or (None if volume == total else _gap(volume, total, None))
+        return None if volume == total else _corner_problem(list(items), bounds) or _gap(volume, total, None)
+    return _corner_problem(list(items), bounds) or (None if volume == total else _gap(volume, total, None))
+
+
+class _Kept(Sequence[tuple[int, Any]]):
+    """(index, box) of the boxes at the indices ``at`` (an array), each made when asked for: a million
+    boxes checked on a grid never need them all."""
+
+    def __init__(self, at: np.ndarray, boxes: Sequence[Any]):
+        self.at, self.boxes = at, boxes
+
+    def __len__(self) -> int:
+        return len(self.at)
+
+    def __getitem__(self, k: Any) -> Any:
+        j = int(self.at[k])
+        return j, self.boxes[j]
+
+    def __iter__(self) -> Iterator[tuple[int, Any]]:
+        boxes = self.boxes
+        return ((j, boxes[j]) for j in self.at.tolist())
+
+
+def _grid(boxes: Sequence[Sequence[Sequence[int]]], bounds: list[tuple[int, int]], total: int) -> Any:
+    """``boxes`` as an int64 array of shape (boxes, dimensions, 2), or None where numpy would not hold
+    them exactly (not integers, not all of ``len(bounds)`` dimensions) or where a box leaves ``bounds``
+    or their volumes could add up past int64 (``tiling_problem`` then checks them one by one)."""
+    if not total or len(boxes) * total >= 1 << 62:
+        return None
+    try:
+        a = np.asarray(boxes)
+    except (ValueError, TypeError, OverflowError):
+        return None
+    if a.dtype.kind not in "iu" or a.shape != (len(boxes), len(bounds), 2):
+        return None
+    a = a.astype(np.int64, copy=False)
+    lo, hi = np.asarray([x for x, _ in bounds], np.int64), np.asarray([y for _, y in bounds], np.int64)
+    if not (np.all(a[:, :, 0] >= lo) and np.all(a[:, :, 1] <= hi)):
+        return None
+    return a
 
 
 def _corner_problem(items: list[tuple[int, Any]], bounds: list[tuple[int, int]]) -> str | None:
