@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import math
 import posixpath
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import crc32c
 import numpy as np
@@ -220,12 +220,12 @@ def tiling_problem(boxes: Sequence[Sequence[Sequence[int]]], bounds: Sequence[Se
                 if all(max(p[0], q[0]) < min(p[1], q[1]) for p, q in zip(a, b)):
                     at = [max(p[0], q[0]) for p, q in zip(a, b)]
                     return f"chunks {j} and {i} both cover element {at}"
-        return None if volume == total else _corner_problem(list(items), bounds) or _gap(volume, total, None)
-    a = (
-        grid
-        if grid is not None
-        else np.asarray([b for _, b in items], dtype=np.int64).reshape(len(items), len(bounds), 2)
-    )
+        return (
+            None
+            if volume == total
+            else _corner_problem(_array(items, bounds), bounds) or _gap(volume, total, None)
+        )
+    a = grid if grid is not None else _array(items, bounds)
     lo, hi = np.asarray([x for x, _ in bounds], np.int64), np.asarray([y for _, y in bounds], np.int64)
     cut = ~np.all((a[:, :, 0] == lo) & (a[:, :, 1] == hi), axis=0)  # dimensions some box does not span whole
     if not cut.any():
@@ -245,8 +245,8 @@ def tiling_problem(boxes: Sequence[Sequence[Sequence[int]]], bounds: Sequence[Se
         if same.any():
             x, y = sorted((int(order[np.argmax(same)]), int(order[np.argmax(same) + 1])))
             return f"chunks {items[x][0]} and {items[y][0]} both cover element {a[x, :, 0].tolist()}"
-        return None if volume == total else _corner_problem(list(items), bounds) or _gap(volume, total, None)
-    return _corner_problem(list(items), bounds) or (None if volume == total else _gap(volume, total, None))
+        return None if volume == total else _corner_problem(a, bounds) or _gap(volume, total, None)
+    return _corner_problem(a, bounds) or (None if volume == total else _gap(volume, total, None))
 
 
 class _Kept(Sequence[tuple[int, Any]]):
@@ -263,9 +263,10 @@ class _Kept(Sequence[tuple[int, Any]]):
         j = int(self.at[k])
         return j, self.boxes[j]
 
-    def __iter__(self) -> Iterator[tuple[int, Any]]:
-        boxes = self.boxes
-        return ((j, boxes[j]) for j in self.at.tolist())
+
+def _array(items: Sequence[tuple[int, Any]], bounds: list[tuple[int, int]]) -> np.ndarray:
+    """The boxes of ``items`` as an int64 array of shape (boxes, dimensions, 2)."""
+    return np.asarray([b for _, b in items], dtype=np.int64).reshape(len(items), len(bounds), 2)
 
 
 def _grid(boxes: Sequence[Sequence[Sequence[int]]], bounds: list[tuple[int, int]], total: int) -> Any:
@@ -287,19 +288,18 @@ def _grid(boxes: Sequence[Sequence[Sequence[int]]], bounds: list[tuple[int, int]
     return a
 
 
-def _corner_problem(items: list[tuple[int, Any]], bounds: list[tuple[int, int]]) -> str | None:
+def _corner_problem(a: np.ndarray, bounds: list[tuple[int, int]]) -> str | None:
     """The general exact check. A box's indicator is a signed sum of the 2^d orthants at its corners
     (x >= corner in every dimension); the boxes tile ``bounds`` exactly iff their corner sums minus
     those of ``bounds`` cancel at every point. Where they do not, the lexicographically first corner
     left over is an element whose coverage is 1 plus its sum (no other orthant reaches it). Dimensions
     no box cuts are left out. Returns None (exact), a description, or a refusal for layouts that would
-    need more than _CORNERS_MAX corners."""
-    a = np.asarray([b for _, b in items], dtype=np.int64).reshape(len(items), len(bounds), 2)
+    need more than _CORNERS_MAX corners. ``a``: the boxes (none empty), as ``_array`` gives them."""
     lo, hi = np.asarray([x for x, _ in bounds], np.int64), np.asarray([y for _, y in bounds], np.int64)
     dims = np.flatnonzero(~np.all((a[:, :, 0] == lo) & (a[:, :, 1] == hi), axis=0))
-    if (len(items) + 1) << len(dims) > _CORNERS_MAX:
+    if (len(a) + 1) << len(dims) > _CORNERS_MAX:
         return (
-            f"{len(items)} chunks cut {len(dims)} dimensions in a layout that is not a grid; too irregular "
+            f"{len(a)} chunks cut {len(dims)} dimensions in a layout that is not a grid; too irregular "
             "to check, refused"
         )
     masks = (np.arange(1 << len(dims))[:, None] >> np.arange(len(dims))[None, :]) & 1  # (2^d, d)
@@ -308,7 +308,7 @@ def _corner_problem(items: list[tuple[int, Any]], bounds: list[tuple[int, int]])
     corners = np.where(masks[None], e[:, None, :], s[:, None, :]).reshape(-1, len(dims))
     whole = np.where(masks, hi[dims][None], lo[dims][None])
     points = np.concatenate([corners, whole])
-    weights = np.concatenate([np.tile(signs, len(items)), -signs])
+    weights = np.concatenate([np.tile(signs, len(a)), -signs])
     order = np.lexsort(points.T[::-1])
     points, weights = points[order], weights[order]
     starts = np.flatnonzero(np.r_[True, np.any(points[1:] != points[:-1], axis=1)])
