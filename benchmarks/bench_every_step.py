@@ -46,6 +46,12 @@ in turns in one process can. ``none`` is then not needed. The report then also s
 the runs without saves: the Python threads' (the loop's and the checkpointer's, by process CPU minus
 the threads Python did not start, from /proc/self/task/*/schedstat) per save made, which is what a save
 itself costs, and the change of XLA's threads' per step, which moves with the machine's load.
+
+``--pool REPORT [REPORT ...]`` runs nothing: it pools the ``--pairs`` rows of reports already written
+(every pair and every process of a contender, across reports) and prints one table per model and
+frequency. A ``<contender>@base`` is pooled per baseline folder, which its label names.
+
+    python benchmarks/bench_every_step.py --pool benchmarks/results/checks/cpu-every-step-pairs-*.json
 """
 
 from __future__ import annotations
@@ -505,6 +511,59 @@ def _split(by: dict[str, list], everies: list[int], summary: dict[str, Any]) -> 
     return lines
 
 
+def pool(reports: list[dict[str, Any]]) -> str:
+    """The ``--pairs`` rows of several reports pooled, as markdown: per model and frequency, a row per
+    contender (``<contender>@base`` per baseline folder) with its processes and pairs, the median of the
+    pairs' CPU ratios and the ratio of their sums (minus one), the median over processes of the Python
+    threads' ms per save made, the median and mean of XLA's threads' change in ms per step, and the saves
+    made of those asked for. Raises SystemExit when no report has a paired row."""
+    got: dict[tuple[str, str], dict[str, dict[str, Any]]] = {}
+    for r in reports:
+        for model, by in r.get("rows", {}).items():
+            for c, procs in by.items():
+                label = f"{c} ({r.get('args', {}).get('baseline')})" if "@" in c else c
+                for proc in procs:
+                    for e, row in proc.items():
+                        if not isinstance(row, dict) or not row.get("pairs"):
+                            continue
+                        d = got.setdefault((model, e), {}).setdefault(
+                            label, {"pairs": [], "py": [], "xla": [], "saves": 0, "asked": 0, "procs": 0}
+                        )
+                        d["pairs"] += row["pairs"]
+                        d["procs"] += 1
+                        d["saves"] += row.get("saves") or 0
+                        d["asked"] += row.get("asked") or 0
+                        if row.get("python_per_save") is not None:
+                            d["py"].append(row["python_per_save"] * 1e3)
+                        if row.get("xla_change") is not None:
+                            d["xla"].append(row["xla_change"] * 1e3)
+    if not got:
+        raise SystemExit("--pool: none of these reports has a --pairs row (run with --pairs N)")
+    lines = []
+    for (model, e), by in got.items():
+        lines += [
+            f"\n**{model}**, every {e} (CPU over the same process's runs without saves, pooled over "
+            f"{len(reports)} report(s))\n",
+            "| contender | processes | pairs | median of pairs | ratio of sums | Python ms per save "
+            "(median) | XLA's change, ms per step, median (mean) | saves |",
+            "|---|---:|---:|---:|---:|---:|---|---:|",
+        ]
+        for label, d in by.items():
+            ratios = [c1 / c0 for _, c0, _, c1 in d["pairs"]]
+            sums = sum(p[3] for p in d["pairs"]) / sum(p[1] for p in d["pairs"])
+            py = f"{statistics.median(d['py']):.1f}" if d["py"] else "n/a"
+            xla = (
+                f"{statistics.median(d['xla']):+.1f} ({statistics.mean(d['xla']):+.1f})"
+                if d["xla"]
+                else "n/a"
+            )
+            lines.append(
+                f"| {label} | {d['procs']} | {len(ratios)} | {statistics.median(ratios) - 1:+.1%} | "
+                f"{sums - 1:+.1%} | {py} | {xla} | {d['saves']}/{d['asked']} |"
+            )
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default=",".join(MODELS))
@@ -530,8 +589,17 @@ def main() -> None:
         "of --steps steps each, and is compared with its own runs without saves (not with `none`): a "
         "machine whose speed drifts from one process to the next moves both alike",
     )
+    ap.add_argument(
+        "--pool",
+        nargs="+",
+        metavar="REPORT",
+        help="run nothing: pool the --pairs rows of these reports (JSON) and print the table",
+    )
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.pool:
+        print(pool([json.loads(Path(p).read_text()) for p in args.pool]))
+        return
     C.jax_cpu_env()
     if args.child:
         scratch = C.SCRATCH
