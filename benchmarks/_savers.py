@@ -33,8 +33,8 @@ class Saver:
 class FcManager(Saver):
     """``fc.CheckpointManager(d, max_to_keep=...)``; with ``tiers``, a local-memory tier (no peer) in a
     fresh /dev/shm folder, persisted every ``persist_interval_steps`` (None: never); ``on_busy`` as the
-    manager's (None: its default). ``mark`` and ``count`` give the tier's saves and busy-skips since
-    ``mark``."""
+    manager's (None: its default); ``package``: the module to take it from. ``mark`` and ``count`` give
+    the tier's saves and busy-skips since ``mark``."""
 
     def __init__(
         self,
@@ -44,8 +44,11 @@ class FcManager(Saver):
         tiers: bool = False,
         persist_interval_steps: int | None = None,
         on_busy: str | None = None,
+        package: str = "flax_ckpt",
     ):
-        import flax_ckpt as fc
+        import importlib
+
+        fc = importlib.import_module(package)  # another name: a baseline beside it (bench_every_step.py)
 
         self.shm = Path(tempfile.mkdtemp(prefix="flax_ckpt_bench-", dir="/dev/shm")) if tiers else None
         kw = {}

@@ -47,6 +47,17 @@ the runs without saves: the Python threads' (the loop's and the checkpointer's, 
 the threads Python did not start, from /proc/self/task/*/schedstat) per save made, which is what a save
 itself costs, and the change of XLA's threads' per step, which moves with the machine's load.
 
+``--side`` (with ``--pairs N --baseline DIR``; contenders memory and persistent): each process holds the
+contender twice, this code's and the baseline's (DIR/flax_ckpt copied and imported as
+``flax_ckpt_base``), and runs N rounds of four runs in turns (without saves, saving with one, without,
+saving with the other), so that the two codes meet the same process and the same minute of the machine.
+The table adds, per contender, this code's CPU minus the baseline's in the same round, in points of the
+CPU without saves (mean, standard error): the comparison with an earlier commit that separate processes
+blur.
+
+    python benchmarks/bench_every_step.py --models mlp --every 1 --steps 20 --pairs 40 --rounds 4 \
+        --ahead --contenders persistent --side --baseline /tmp/flax_ckpt-base
+
 ``--pool REPORT [REPORT ...]`` runs nothing: it pools the ``--pairs`` rows of reports already written
 (every pair and every process of a contender, across reports) and prints one table per model and
 frequency. A ``<contender>@base`` is pooled per baseline folder, which its label names.
@@ -59,6 +70,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -208,13 +220,13 @@ class OrbaxEmergency(Saver):
         shutil.rmtree(self.shm, ignore_errors=True)
 
 
-def saver(name: str, state: Any, d: Path) -> Saver | None:
+def saver(name: str, state: Any, d: Path, package: str = "flax_ckpt") -> Saver | None:
     return {
         "none": lambda: None,
         "floor": lambda: Floor(state, d),
         "write-floor": lambda: WriteFloor(state, d),
-        "memory": lambda: FcManager(d, max_to_keep=2, tiers=True, persist_interval_steps=50),
-        "persistent": lambda: FcManager(d, max_to_keep=2),
+        "memory": lambda: FcManager(d, max_to_keep=2, tiers=True, persist_interval_steps=50, package=package),
+        "persistent": lambda: FcManager(d, max_to_keep=2, package=package),
         "orbax": lambda: OrbaxManager(d, max_to_keep=2),
         "orbax-emergency": lambda: OrbaxEmergency(state, d),
     }[name.split("@")[0]]()
@@ -242,6 +254,26 @@ def native_cpu() -> dict[str, float]:
     """CPU seconds of each thread of this process that Python did not start (XLA's), by tid. With
     ``--pairs`` the rest of the process's CPU is its Python threads': the loop's and the checkpointer's."""
     return {tid: ms / 1e3 for (tid, name), ms in threads_ms().items() if name == "xla"}
+
+
+def paired_row(
+    got: list[list[float]], xla: list[list[float]], made: int, n: int, every: int
+) -> dict[str, Any]:
+    """A ``--pairs`` row from its pairs (``got``: [wall alone, CPU alone, wall saving, CPU saving];
+    ``xla``: XLA's threads' CPU [alone, saving]), ``made`` saves over ``n`` steps saving: per step the
+    means, the saves asked for, the Python threads' CPU (the loop's and the checkpointer's) above the
+    runs without saves per save made, and XLA's threads' change per step."""
+    python = sum(g[3] - x[1] - (g[1] - x[0]) for g, x in zip(got, xla))
+    return {
+        "wall": sum(g[2] for g in got) / n,
+        "cpu": sum(g[3] for g in got) / n,
+        "alone": {"wall": sum(g[0] for g in got) / n, "cpu": sum(g[1] for g in got) / n},
+        "pairs": got,
+        "asked": n // every,
+        "xla_pairs": xla,
+        "python_per_save": python / made if made else None,
+        "xla_change": sum(x[1] - x[0] for x in xla) / n,
+    }
 
 
 def child(
@@ -316,21 +348,7 @@ def child(
                     made += r[True][2]
                     got.append([r[False][0], r[False][1], r[True][0], r[True][1]])
                     xla.append([r[False][3], r[True][3]])
-                n = steps * pairs
-                python = sum(g[3] - x[1] - (g[1] - x[0]) for g, x in zip(got, xla))
-                row = {
-                    "wall": sum(g[2] for g in got) / n,
-                    "cpu": sum(g[3] for g in got) / n,
-                    "alone": {"wall": sum(g[0] for g in got) / n, "cpu": sum(g[1] for g in got) / n},
-                    "pairs": got,
-                    "asked": n // every,
-                    # XLA's threads' CPU per pair [alone, saving]; the Python threads' CPU (the loop's
-                    # and the checkpointer's) above the runs without saves, per save made; XLA's
-                    # threads' change per step
-                    "xla_pairs": xla,
-                    "python_per_save": python / made if made else None,
-                    "xla_change": sum(x[1] - x[0] for x in xla) / n,
-                }
+                row = paired_row(got, xla, made, steps * pairs, every)
             if s is not None:
                 getattr(s, "count", lambda: None)()
             out[str(every)] = row | {
@@ -346,12 +364,150 @@ def child(
     return out
 
 
+BASE = "flax_ckpt_base"  # the name --side imports the baseline's package under
+
+
+def renamed_copy(baseline: str, dest: Path) -> Path:
+    """A copy of ``baseline``/flax_ckpt as package ``BASE`` under ``dest`` (returned): every name
+    ``flax_ckpt`` in its Python files becomes ``flax_ckpt_base`` (its imports are absolute), so that
+    one process imports both packages. Its format names change with it: it reads only what it wrote."""
+    src = Path(baseline) / "flax_ckpt"
+    if not (src / "__init__.py").is_file():
+        raise SystemExit(f"--side: {src} holds no flax_ckpt package (pass --baseline DIR, DIR/flax_ckpt)")
+    out = dest / BASE
+    shutil.rmtree(out, ignore_errors=True)
+    for f in src.rglob("*"):
+        if "__pycache__" in f.parts or not f.is_file():
+            continue
+        to = out / f.relative_to(src)
+        to.parent.mkdir(parents=True, exist_ok=True)
+        if f.suffix == ".py":
+            to.write_text(re.sub(r"\bflax_ckpt\b", BASE, f.read_text()))
+        else:
+            shutil.copyfile(f, to)
+    return dest
+
+
+def side_child(
+    contender: str, model: str, everies: list[int], steps: int, scratch: Path, ahead: bool, pairs: int
+) -> dict[str, Any]:
+    """``--side``: one process, two savers of ``contender``: this flax_ckpt's and the baseline's
+    (package ``BASE``), and ``pairs`` rounds of four runs of ``steps`` steps in turns, rotated a place
+    a round: without saves, saving with the one, without, saving with the other. Each saving run is
+    compared with the mean of its round's two runs without saves, so that the two codes meet the same
+    state of the machine and of this process (XLA's threads move by several ms a step from one process
+    to the next). Returns {"side": {contender: row, contender@base: row}} with rows as ``child``'s
+    (``pairs``: [wall alone, CPU alone, wall saving, CPU saving] a round), and in the first row
+    ``side_diff``: per round, (CPU saving with this code − with the baseline's) / CPU alone."""
+    import importlib
+
+    import jax
+    import numpy as np
+
+    init, step = make_model(model)
+    names = {"new": contender, "base": f"{contender}@base"}
+    out: dict[str, dict[str, Any]] = {n: {"state_mb": None} for n in names.values()}
+    for k, pkg in (("new", "flax_ckpt"), ("base", BASE)):
+        out[names[k]]["package"] = os.path.dirname(importlib.import_module(pkg).__file__ or "")
+    for every in everies:
+        d = C.fresh_dir(scratch / f"side-{contender}-{model}-{every}")
+        state = jax.block_until_ready(step(init()))
+        mb = sum(np.asarray(x).nbytes for x in jax.tree_util.tree_leaves(state)) / C.MB
+        savers = {
+            "new": saver(contender, state, d / "new"),
+            "base": saver(contender, state, d / "base", package=BASE),
+        }
+        try:
+            for s in savers.values():
+                for _ in range(3):
+                    state = jax.block_until_ready(step(state))
+                if s is not None:
+                    s.save(0, state)
+                    s.finish()
+                    getattr(s, "mark", lambda: None)()
+            at = {"new": 0, "base": 0}
+
+            def block(mode: str) -> tuple[float, float, int, float]:
+                nonlocal state
+                s = savers.get(mode)
+                n0 = native_cpu()
+                t0, c0, made = time.perf_counter(), time.process_time(), 0
+                for _ in range(steps):
+                    state = step(state) if ahead else jax.block_until_ready(step(state))
+                    if s is not None:
+                        at[mode] += 1
+                        if at[mode] % every == 0:
+                            made += bool(s.save(at[mode], state))
+                jax.block_until_ready(state)
+                if s is not None:
+                    s.finish()
+                wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+                n1 = native_cpu()
+                return wall, cpu, made, sum(v - n0[t] for t, v in n1.items() if t in n0)
+
+            got: dict[str, list[list[float]]] = {"new": [], "base": []}
+            xla: dict[str, list[list[float]]] = {"new": [], "base": []}
+            made = {"new": 0, "base": 0}
+            for k in range(pairs):
+                order = ["none", "new", "none", "base"]
+                order = order[k % 4 :] + order[: k % 4]
+                r = [(m, block(m)) for m in order]
+                alone = [b for m, b in r if m == "none"]
+                w0, c0, x0 = (statistics.mean(b[i] for b in alone) for i in (0, 1, 3))
+                for m, b in r:
+                    if m != "none":
+                        got[m].append([w0, c0, b[0], b[1]])
+                        xla[m].append([x0, b[3]])
+                        made[m] += b[2]
+            for m, s in savers.items():
+                if s is not None:
+                    getattr(s, "count", lambda: None)()
+                out[names[m]]["state_mb"] = mb
+                out[names[m]][str(every)] = paired_row(got[m], xla[m], made[m], steps * pairs, every) | {
+                    "saves": s.saves if s is not None and s.saves is not None else made[m],
+                    "skipped": s.skipped if s is not None else None,
+                }
+            out[contender][str(every)]["side_diff"] = [
+                (a[3] - b[3]) / a[1] for a, b in zip(got["new"], got["base"])
+            ]
+        except Exception as e:
+            return {"error": f"{type(e).__name__}: {e}"[:300]}
+        finally:
+            for s in savers.values():
+                if s is not None:
+                    s.close()
+            shutil.rmtree(d, ignore_errors=True)
+    return {"side": out}
+
+
 # ----------------------------------------------------------------------------------------- the parent
 
 
 def run(args) -> dict[str, Any]:
     everies = [int(e) for e in args.every.split(",")]
     rows: dict[str, Any] = {}
+    side = None
+    if args.side:
+        bad = [c for c in args.contenders.split(",") if c not in ("memory", "persistent")]
+        if bad or not args.pairs or not args.baseline:
+            raise SystemExit(
+                "--side runs memory and persistent (not "
+                + ",".join(bad)
+                + ") with --pairs N and --baseline DIR"
+                if bad
+                else "--side needs --pairs N and --baseline DIR"
+            )
+        C.SCRATCH.parent.mkdir(parents=True, exist_ok=True)
+        side = renamed_copy(args.baseline, Path(tempfile.mkdtemp(prefix="side-", dir=C.SCRATCH.parent)))
+    try:
+        _rounds(args, everies, rows, side)
+    finally:
+        if side is not None:
+            shutil.rmtree(side, ignore_errors=True)
+    return {"rows": rows, "everies": everies}
+
+
+def _rounds(args, everies: list[int], rows: dict[str, Any], side: Path | None) -> None:
     for r in range(args.rounds):
         for model in args.models.split(","):
             for c in C.rotated(args.contenders.split(","), r):
@@ -370,8 +526,11 @@ def run(args) -> dict[str, Any]:
                     ]
                     + (["--ahead"] if args.ahead else [])
                     + (["--pairs", str(args.pairs)] if args.pairs else [])
+                    + (["--side"] if side is not None else [])
                 )
                 env = dict(os.environ)
+                if side is not None:
+                    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(side), env.get("PYTHONPATH")]))
                 if c.endswith("@base"):
                     if not args.baseline:
                         raise SystemExit(
@@ -381,21 +540,21 @@ def run(args) -> dict[str, Any]:
                 p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
                 line = next((x for x in reversed(p.stdout.splitlines()) if x.startswith("{")), None)
                 res = json.loads(line) if line else {"error": (p.stderr or "no output").strip()[-300:]}
-                rows.setdefault(model, {}).setdefault(c, []).append(res)
-                brief = res.get("error") or "  ".join(
-                    f"every {e}: {res[str(e)]['wall'] * 1e3:.1f} ms/step, CPU {res[str(e)]['cpu'] * 1e3:.1f} ms, "
-                    f"{res[str(e)]['saves']} saves"
-                    for e in everies
-                    if str(e) in res
-                )
-                if (
-                    c.endswith("@base")
-                    and "package" in res
-                    and not res["package"].startswith(os.path.abspath(args.baseline))
-                ):
-                    raise SystemExit(f"{c} imported {res['package']}, not the package under {args.baseline}")
-                print(f"round {r} {model:11s} {c:16s} {brief}", flush=True)
-    return {"rows": rows, "everies": everies}
+                for name, got in (res.get("side") or {c: res}).items():
+                    rows.setdefault(model, {}).setdefault(name, []).append(got)
+                    brief = got.get("error") or "  ".join(
+                        f"every {e}: {got[str(e)]['wall'] * 1e3:.1f} ms/step, CPU {got[str(e)]['cpu'] * 1e3:.1f} "
+                        f"ms, {got[str(e)]['saves']} saves"
+                        for e in everies
+                        if str(e) in got
+                    )
+                    if (
+                        name.endswith("@base")
+                        and "package" in got
+                        and not got["package"].startswith(os.path.abspath(str(side or args.baseline)))
+                    ):
+                        raise SystemExit(f"{name} imported {got['package']}, not the baseline's package")
+                    print(f"round {r} {model:11s} {name:16s} {brief}", flush=True)
 
 
 def summarize(out: dict[str, Any]) -> tuple[str, dict[str, Any]]:
@@ -443,7 +602,32 @@ def summarize(out: dict[str, Any]) -> tuple[str, dict[str, Any]]:
             lines.append(f"| {e} ({none_ms:.0f} ms/step) | " + " | ".join(cells) + " |")
         lines += _over_floor(by, everies, summary.setdefault(model, {}))
         lines += _split(by, everies, summary.setdefault(model, {}))
+        lines += _side(by, everies, summary.setdefault(model, {}))
     return "\n".join(lines), summary
+
+
+def _side(by: dict[str, list], everies: list[int], summary: dict[str, Any]) -> list[str]:
+    """With --side: per contender, this code's CPU saving minus the baseline's in the same round of the
+    same process, over the CPU of that round's runs without saves: the mean over every round of every
+    process, its standard error, and the rounds in which this code cost less."""
+    lines = []
+    for c, runs in by.items():
+        for e in everies:
+            d = [x for r in runs for x in r.get(str(e), {}).get("side_diff", [])]
+            if len(d) < 2:
+                continue
+            mean, se = statistics.mean(d), statistics.stdev(d) / len(d) ** 0.5
+            summary.setdefault(str(e), {}).setdefault(c, {}).update(side_diff=mean, side_se=se)
+            if not lines:
+                lines.append(
+                    "\n--side: this code's CPU minus the baseline's, in the same round of the same process, "
+                    "in points of the CPU without saves (mean ± standard error; rounds where this code cost less):\n"
+                )
+            lines.append(
+                f"- {c}, every {e}: {mean:+.1%} ± {se:.1%} over {len(d)} rounds in {len(runs)} processes; "
+                f"less in {sum(x < 0 for x in d)}"
+            )
+    return lines
 
 
 def _wall(row: dict[str, Any]) -> float:
@@ -527,8 +711,18 @@ def pool(reports: list[dict[str, Any]]) -> str:
                         if not isinstance(row, dict) or not row.get("pairs"):
                             continue
                         d = got.setdefault((model, e), {}).setdefault(
-                            label, {"pairs": [], "py": [], "xla": [], "saves": 0, "asked": 0, "procs": 0}
+                            label,
+                            {
+                                "pairs": [],
+                                "py": [],
+                                "xla": [],
+                                "side": [],
+                                "saves": 0,
+                                "asked": 0,
+                                "procs": 0,
+                            },
                         )
+                        d["side"] += row.get("side_diff", [])
                         d["pairs"] += row["pairs"]
                         d["procs"] += 1
                         d["saves"] += row.get("saves") or 0
@@ -561,6 +755,13 @@ def pool(reports: list[dict[str, Any]]) -> str:
                 f"| {label} | {d['procs']} | {len(ratios)} | {statistics.median(ratios) - 1:+.1%} | "
                 f"{sums - 1:+.1%} | {py} | {xla} | {d['saves']}/{d['asked']} |"
             )
+        for label, d in by.items():
+            if len(d["side"]) > 1:
+                mean, se = statistics.mean(d["side"]), statistics.stdev(d["side"]) / len(d["side"]) ** 0.5
+                lines.append(
+                    f"\n--side, {label} minus its baseline in the same rounds: {mean:+.1%} ± {se:.1%} of the "
+                    f"CPU without saves over {len(d['side'])} rounds; less in {sum(x < 0 for x in d['side'])}"
+                )
     return "\n".join(lines)
 
 
@@ -595,6 +796,13 @@ def main() -> None:
         metavar="REPORT",
         help="run nothing: pool the --pairs rows of these reports (JSON) and print the table",
     )
+    ap.add_argument(
+        "--side",
+        action="store_true",
+        help="with --pairs and --baseline: each process runs a contender (memory, persistent) of this "
+        "code and of the baseline's side by side, in turns with runs without saves; the table adds the "
+        "difference of the two in the same process",
+    )
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.pool:
@@ -605,7 +813,12 @@ def main() -> None:
         scratch = C.SCRATCH
         try:
             everies = [int(e) for e in args.every.split(",")]
-            res = child(args.child, args.models, everies, args.steps, scratch, args.ahead, args.pairs)
+            if args.side:
+                res = side_child(
+                    args.child, args.models, everies, args.steps, scratch, args.ahead, args.pairs
+                )
+            else:
+                res = child(args.child, args.models, everies, args.steps, scratch, args.ahead, args.pairs)
         finally:
             C.remove_scratch(scratch)
         print(json.dumps(res), flush=True)
