@@ -256,6 +256,53 @@ def native_cpu() -> dict[str, float]:
     return {tid: ms / 1e3 for (tid, name), ms in threads_ms().items() if name == "xla"}
 
 
+def warm_up(step: Callable[[Any], Any], state: Any, s: Saver | None) -> Any:
+    """Three steps (compiled), then step 0 saved with ``s`` and finished (first-save costs apart; Orbax's
+    managers save only steps above the newest they hold); returns the state."""
+    import jax
+
+    for _ in range(3):
+        state = jax.block_until_ready(step(state))
+    if s is not None:
+        s.save(0, state)
+        s.finish()
+        getattr(s, "mark", lambda: None)()
+    return state
+
+
+def timed(
+    step: Callable[[Any], Any], state: Any, steps: int, ahead: bool, s: Saver | None, every: int, at: int
+) -> tuple[Any, int, tuple[float, float, int, float]]:
+    """``steps`` steps from ``state``, numbered on from ``at``, each ``every``-th saved with ``s`` (None:
+    no saves), the checkpointer's work finished inside. Returns the state, the last step number, and
+    (wall, process CPU, saves made, CPU of the threads Python did not start: XLA's)."""
+    import jax
+
+    n0 = native_cpu()
+    t0, c0, made = time.perf_counter(), time.process_time(), 0
+    for _ in range(steps):
+        at += 1
+        state = step(state) if ahead else jax.block_until_ready(step(state))
+        if s is not None and at % every == 0:
+            made += bool(s.save(at, state))
+    jax.block_until_ready(state)
+    if s is not None:
+        s.finish()
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    n1 = native_cpu()
+    return state, at, (wall, cpu, made, sum(v - n0[t] for t, v in n1.items() if t in n0))
+
+
+def counted(s: Saver | None, made: int) -> dict[str, Any]:
+    """A row's saves made (the saver's own count where it keeps one, else ``made``) and busy-skips."""
+    if s is not None:
+        getattr(s, "count", lambda: None)()
+    return {
+        "saves": s.saves if s is not None and s.saves is not None else made,
+        "skipped": s.skipped if s is not None else None,
+    }
+
+
 def paired_row(
     got: list[list[float]], xla: list[list[float]], made: int, n: int, every: int
 ) -> dict[str, Any]:
@@ -308,32 +355,13 @@ def child(
         except Exception as e:  # e.g. an orbax without a single-process emergency manager
             return {"error": f"{type(e).__name__}: {e}"[:300]}
         try:
-            for k in range(3):  # warm-up: compiled, one save made (first-save costs apart)
-                state = jax.block_until_ready(step(state))
-            if s is not None:  # step 0: Orbax's managers save only steps above the newest they hold
-                s.save(0, state)
-                s.finish()
-                getattr(s, "mark", lambda: None)()
+            state = warm_up(step, state, s)
             at = 0  # the last step number given (saves' steps grow across the blocks)
 
             def block(saving: bool) -> tuple[float, float, int, float]:
-                """``steps`` steps (saving every ``every`` if ``saving``), the checkpointer's work
-                finished inside: (wall, process CPU, saves made, CPU of the threads Python did not
-                start: XLA's)."""
                 nonlocal state, at
-                n0 = native_cpu()
-                t0, c0, made = time.perf_counter(), time.process_time(), 0
-                for _ in range(steps):
-                    at += 1
-                    state = step(state) if ahead else jax.block_until_ready(step(state))
-                    if saving and s is not None and at % every == 0:
-                        made += bool(s.save(at, state))
-                jax.block_until_ready(state)
-                if saving and s is not None:
-                    s.finish()
-                wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-                n1 = native_cpu()
-                return wall, cpu, made, sum(v - n0[t] for t, v in n1.items() if t in n0)
+                state, at, got = timed(step, state, steps, ahead, s if saving else None, every, at)
+                return got
 
             if not pairs:
                 wall, cpu, made, _ = block(True)
@@ -349,12 +377,7 @@ def child(
                     got.append([r[False][0], r[False][1], r[True][0], r[True][1]])
                     xla.append([r[False][3], r[True][3]])
                 row = paired_row(got, xla, made, steps * pairs, every)
-            if s is not None:
-                getattr(s, "count", lambda: None)()
-            out[str(every)] = row | {
-                "saves": s.saves if s is not None and s.saves is not None else made,
-                "skipped": s.skipped if s is not None else None,
-            }
+            out[str(every)] = row | counted(s, made)
         except Exception as e:
             return {"error": f"{type(e).__name__}: {e}"[:300]}
         finally:
@@ -419,31 +442,13 @@ def side_child(
         }
         try:
             for s in savers.values():
-                for _ in range(3):
-                    state = jax.block_until_ready(step(state))
-                if s is not None:
-                    s.save(0, state)
-                    s.finish()
-                    getattr(s, "mark", lambda: None)()
-            at = {"new": 0, "base": 0}
+                state = warm_up(step, state, s)
+            at = {"none": 0, "new": 0, "base": 0}  # each saver's last step number (saves' steps grow)
 
             def block(mode: str) -> tuple[float, float, int, float]:
                 nonlocal state
-                s = savers.get(mode)
-                n0 = native_cpu()
-                t0, c0, made = time.perf_counter(), time.process_time(), 0
-                for _ in range(steps):
-                    state = step(state) if ahead else jax.block_until_ready(step(state))
-                    if s is not None:
-                        at[mode] += 1
-                        if at[mode] % every == 0:
-                            made += bool(s.save(at[mode], state))
-                jax.block_until_ready(state)
-                if s is not None:
-                    s.finish()
-                wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-                n1 = native_cpu()
-                return wall, cpu, made, sum(v - n0[t] for t, v in n1.items() if t in n0)
+                state, at[mode], got = timed(step, state, steps, ahead, savers.get(mode), every, at[mode])
+                return got
 
             got: dict[str, list[list[float]]] = {"new": [], "base": []}
             xla: dict[str, list[list[float]]] = {"new": [], "base": []}
@@ -460,13 +465,10 @@ def side_child(
                         xla[m].append([x0, b[3]])
                         made[m] += b[2]
             for m, s in savers.items():
-                if s is not None:
-                    getattr(s, "count", lambda: None)()
                 out[names[m]]["state_mb"] = mb
-                out[names[m]][str(every)] = paired_row(got[m], xla[m], made[m], steps * pairs, every) | {
-                    "saves": s.saves if s is not None and s.saves is not None else made[m],
-                    "skipped": s.skipped if s is not None else None,
-                }
+                out[names[m]][str(every)] = paired_row(
+                    got[m], xla[m], made[m], steps * pairs, every
+                ) | counted(s, made[m])
             out[contender][str(every)]["side_diff"] = [
                 (a[3] - b[3]) / a[1] for a, b in zip(got["new"], got["base"])
             ]
@@ -489,14 +491,12 @@ def run(args) -> dict[str, Any]:
     side = None
     if args.side:
         bad = [c for c in args.contenders.split(",") if c not in ("memory", "persistent")]
-        if bad or not args.pairs or not args.baseline:
+        if bad:
             raise SystemExit(
-                "--side runs memory and persistent (not "
-                + ",".join(bad)
-                + ") with --pairs N and --baseline DIR"
-                if bad
-                else "--side needs --pairs N and --baseline DIR"
+                f"--side runs memory and persistent (not {','.join(bad)}) with --pairs N and --baseline DIR"
             )
+        if not args.pairs or not args.baseline:
+            raise SystemExit("--side needs --pairs N and --baseline DIR")
         C.SCRATCH.parent.mkdir(parents=True, exist_ok=True)
         side = renamed_copy(args.baseline, Path(tempfile.mkdtemp(prefix="side-", dir=C.SCRATCH.parent)))
     try:
@@ -606,6 +606,12 @@ def summarize(out: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     return "\n".join(lines), summary
 
 
+def side_stats(diffs: list[float]) -> tuple[float, float, int]:
+    """--side's per-round differences (this code's CPU minus the baseline's, over the CPU without saves):
+    their mean, its standard error, and the rounds in which this code cost less."""
+    return statistics.mean(diffs), statistics.stdev(diffs) / len(diffs) ** 0.5, sum(x < 0 for x in diffs)
+
+
 def _side(by: dict[str, list], everies: list[int], summary: dict[str, Any]) -> list[str]:
     """With --side: per contender, this code's CPU saving minus the baseline's in the same round of the
     same process, over the CPU of that round's runs without saves: the mean over every round of every
@@ -616,7 +622,7 @@ def _side(by: dict[str, list], everies: list[int], summary: dict[str, Any]) -> l
             d = [x for r in runs for x in r.get(str(e), {}).get("side_diff", [])]
             if len(d) < 2:
                 continue
-            mean, se = statistics.mean(d), statistics.stdev(d) / len(d) ** 0.5
+            mean, se, less = side_stats(d)
             summary.setdefault(str(e), {}).setdefault(c, {}).update(side_diff=mean, side_se=se)
             if not lines:
                 lines.append(
@@ -625,7 +631,7 @@ def _side(by: dict[str, list], everies: list[int], summary: dict[str, Any]) -> l
                 )
             lines.append(
                 f"- {c}, every {e}: {mean:+.1%} ± {se:.1%} over {len(d)} rounds in {len(runs)} processes; "
-                f"less in {sum(x < 0 for x in d)}"
+                f"less in {less}"
             )
     return lines
 
@@ -700,7 +706,8 @@ def pool(reports: list[dict[str, Any]]) -> str:
     contender (``<contender>@base`` per baseline folder) with its processes and pairs, the median of the
     pairs' CPU ratios and the ratio of their sums (minus one), the median over processes of the Python
     threads' ms per save made, the median and mean of XLA's threads' change in ms per step, and the saves
-    made of those asked for. Raises SystemExit when no report has a paired row."""
+    made of those asked for; and per contender run with ``--side``, its difference from its baseline
+    (``side_stats`` of every round). Raises SystemExit when no report has a paired row."""
     got: dict[tuple[str, str], dict[str, dict[str, Any]]] = {}
     for r in reports:
         for model, by in r.get("rows", {}).items():
@@ -757,10 +764,10 @@ def pool(reports: list[dict[str, Any]]) -> str:
             )
         for label, d in by.items():
             if len(d["side"]) > 1:
-                mean, se = statistics.mean(d["side"]), statistics.stdev(d["side"]) / len(d["side"]) ** 0.5
+                mean, se, less = side_stats(d["side"])
                 lines.append(
                     f"\n--side, {label} minus its baseline in the same rounds: {mean:+.1%} ± {se:.1%} of the "
-                    f"CPU without saves over {len(d['side'])} rounds; less in {sum(x < 0 for x in d['side'])}"
+                    f"CPU without saves over {len(d['side'])} rounds; less in {less}"
                 )
     return "\n".join(lines)
 
