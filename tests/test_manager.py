@@ -149,6 +149,21 @@ def test_stats_are_recorded_and_logged(ckpt_dir, caplog):
     assert any("saved step 1" in r.getMessage() for r in caplog.records)
 
 
+def test_debug_logging_gives_every_field_of_a_save_and_info_only_its_line(ckpt_dir, caplog):
+    """At DEBUG the logger gets every field of each save's statistics; at INFO only the one line per
+    save (the fields are not gathered then)."""
+    caplog.set_level(logging.INFO, logger="flax_ckpt")
+    with fc.CheckpointManager(ckpt_dir) as mgr:
+        mgr.save(1, state(1))
+        mgr.wait_until_finished()
+        assert not [r for r in caplog.records if "save statistics" in r.getMessage()]
+        caplog.set_level(logging.DEBUG, logger="flax_ckpt")
+        mgr.save(2, state(2))
+        mgr.wait_until_finished()
+    (line,) = [r.getMessage() for r in caplog.records if "save statistics" in r.getMessage()]
+    assert "'step': 2" in line and "'nbytes': 16384" in line and "'blocked_s'" in line, line
+
+
 # ------------------------------------------------------------------------------------------ failures
 
 

@@ -562,6 +562,33 @@ class _SlowDisk:
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="reads fsynced paths in /proc/self/fd (Linux)")
+@pytest.mark.parametrize("missing", [None, 0, 2])
+def test_fsync_all_runs_the_fsyncs_at_once_and_ends_them_all_before_a_failure(tmp_path, monkeypatch, missing):
+    """fsync_all (the folders of a step at its commit) fsyncs its paths at once, the first on the calling
+    thread: on a disk where an fsync takes 0.2 s, three take one round. A path that cannot be fsynced
+    (``missing``: the first, or one on the pool) raises its error, but only once every other fsync
+    ended."""
+    from flax_ckpt._src.storage.local import fsync_all
+
+    paths = []
+    for i in range(3):
+        (tmp_path / f"d{i}").mkdir()
+        paths.append(str(tmp_path / f"d{i}"))
+    if missing is not None:
+        paths[missing] = str(tmp_path / "gone")
+    disk = _SlowDisk(monkeypatch, delay=0.2)
+    if missing is None:
+        fsync_all(paths)
+    else:
+        with pytest.raises(FileNotFoundError):
+            fsync_all(paths)
+    monkeypatch.undo()
+    done = sorted(p for p, _, _ in disk.fsyncs)
+    assert done == sorted(p for p in paths if not p.endswith("gone")), done
+    assert disk.rounds() == 1, f"fsyncs one after another: {disk.fsyncs}"
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="reads fsynced paths in /proc/self/fd (Linux)")
 @pytest.mark.parametrize("fmt,step", [("orbax", None), ("orbax", 3), ("native", None)])
 def test_a_save_makes_every_file_and_folder_durable_in_four_rounds_of_fsyncs(
     tmp_path, monkeypatch, fmt, step

@@ -268,14 +268,22 @@ def paced(
 
 
 def _on_cpu(x: jax.Array) -> bool:
-    return _cpu_sharding(x.sharding)
+    """Whether every device of ``x`` is a CPU. Asked per leaf at every save: a jitted step's outputs
+    keep their sharding objects from one step to the next, so the answer is kept by the sharding's
+    identity (the sharding kept with it, so that its id is not reused); its device set would be a new
+    Python set at each ask, and a cache by equality hashes the sharding in Python."""
+    s = x.sharding
+    hit = _CPU.get(id(s))
+    if hit is not None and hit[0] is s:
+        return hit[1]
+    cpu = all(d.platform == "cpu" for d in s.device_set)
+    if len(_CPU) >= 4096:  # a program that makes new shardings without end: start again
+        _CPU.clear()
+    _CPU[id(s)] = (s, cpu)
+    return cpu
 
 
-@functools.lru_cache(maxsize=256)
-def _cpu_sharding(s: jax.sharding.Sharding) -> bool:
-    """Whether every device of ``s`` is a CPU (asked per leaf at every save: the arrays of a state share
-    a few shardings, whose device set is a new Python set at each ask)."""
-    return all(d.platform == "cpu" for d in s.device_set)
+_CPU: dict[int, tuple[Any, bool]] = {}  # id(sharding) -> (sharding, whether all its devices are CPUs)
 
 
 _told: set[str] = set()

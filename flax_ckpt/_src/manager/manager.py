@@ -445,7 +445,7 @@ class CheckpointManager:
             return 0.0
         t1 = time.perf_counter()
         on_host = self._inflight
-        self._writer.settle(0.0)  # ends its grace: it starts now
+        self._writer.hurry()  # the writer starts now (its grace ends)
         if device.copied_to_host(computing):  # the snapshot waits for the state anyway (a CPU state):
             try:  # wait for it once, not polling; on_busy decides after
                 jax.block_until_ready(computing)

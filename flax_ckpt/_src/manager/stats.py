@@ -65,7 +65,8 @@ def publish(stats: SaveStats, directory: str, metric_writer: Any = None) -> None
         stats.blocked_s * 1e3,
         stats.durable_s,
     )
-    log.debug("save statistics: %s", asdict(stats))
+    if log.isEnabledFor(logging.DEBUG):  # asdict walks every field: not at each save for nothing
+        log.debug("save statistics: %s", asdict(stats))
     if metric_writer is not None:
         metric_writer.write_scalars(
             stats.step,

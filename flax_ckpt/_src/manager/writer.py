@@ -79,10 +79,14 @@ class AsyncWriter:
         pending = self._pending
         if pending is None:
             return True
-        if self._hurry is not None:
-            self._hurry.set()
+        self.hurry()
         futures.wait([pending], timeout)
         return pending.done()
+
+    def hurry(self) -> None:
+        """Ends the grace of the job in flight: it starts now. Returns at once."""
+        if self._hurry is not None:
+            self._hurry.set()
 
     @property
     def busy(self) -> bool:
