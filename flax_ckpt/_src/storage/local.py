@@ -75,20 +75,14 @@ def fsync_all(paths: Sequence[str]) -> None:
     commit where it batches them, instead of one each). Returns once every one ended, raising the first
     failure."""
     calls = [functools.partial(fsync_dir if os.path.isdir(p) else fsync_file, p) for p in paths]
-    if len(calls) < 2:
-        for call in calls:
-            call()
+    if not calls:
         return
     pending = [_sync_pool().submit(call) for call in calls[1:]]  # the first on this thread, meanwhile
-    first: BaseException | None = None
     try:
         calls[0]()
-    except BaseException as e:
-        first = e
-    for f in pending:  # every fsync ended before a failure is raised
-        f.exception()
-    if first is not None:
-        raise first
+    finally:
+        for f in pending:  # every fsync ended before a failure is raised
+            f.exception()
     for f in pending:
         f.result()
 
