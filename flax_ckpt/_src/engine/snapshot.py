@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import threading
 import time
@@ -42,6 +43,8 @@ if TYPE_CHECKING:  # the real modules for the type checker; at run time the lazy
 else:
     jax = lazy("jax", globals())  # imported on first use (lazy.py)
 
+_ON_HOST = threading.Event()  # the ``on_host`` of every snapshot with nothing on a device: set for good
+_ON_HOST.set()
 _BIG = 1 << 20  # leaves of more bytes are copied on a small pool
 
 
@@ -79,8 +82,8 @@ class Snapshot:
     choice: device.Choice | None = None  # what was copied on the devices, what to host
     waited_s: float = 0.0  # of the caller's time, spent waiting for the device (not a checkpoint's cost)
     ready_at: float | None = None  # when ``complete`` found the device copies done (perf_counter)
-    on_host: threading.Event = field(default_factory=threading.Event, repr=False)  # set once nothing of it
-    #   waits for a device (``complete`` has run, or there was nothing to bring to host)
+    on_host: threading.Event = field(default=_ON_HOST, repr=False)  # set once nothing of it waits for a
+    #   device (``complete`` has run, or there was nothing to bring to host: then one shared, set event)
     hurry: threading.Event = field(default_factory=threading.Event, repr=False)  # set once something waits
     #   for this save: ``complete`` then starts every transfer left at once (engine/device.py WINDOW)
     unchanged: dict[int, list[Box]] = field(default_factory=dict)  # per leaf (index in ``leaves``) the
@@ -91,8 +94,8 @@ class Snapshot:
     #   no other snapshot has filled the arena since
 
     def __post_init__(self) -> None:
-        if not self.pending:
-            self.on_host.set()
+        if self.pending:
+            self.on_host = threading.Event()
 
     def complete(self) -> None:
         """Brings the shards copied on their devices to host (the writer's thread, before anything reads
@@ -332,6 +335,7 @@ class _Learned:
     box: Box = ()
     whole: bool = False
     cpu: bool = False
+    nbytes: int = 0  # an array's bytes (a PRNG key's data), all shards
 
     @property
     def array(self) -> LeafRecord:
@@ -370,7 +374,7 @@ def _learn(path: tree_mod.KeyPath, x: Any, kind: str, sig: tuple[Any, ...]) -> _
         )
         cpu, desc = _on_cpu(x), describe_sharding(x.sharding)
     rec = LeafRecord(path, kind, np.dtype(x.dtype), shape, key_impl, key_shape, desc)
-    return _Learned(_shared(sig), kind, rec, box, whole, cpu)
+    return _Learned(_shared(sig), kind, rec, box, whole, cpu, math.prod(shape) * np.dtype(x.dtype).itemsize)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -506,7 +510,8 @@ def _snapshot(
         if k.kind in ("jax", "prng_key")
         for x in (flat.leaves[only[j]],)
     ]
-    on_dev, choice = device.choose(arrays) if copy else (set(), device.Choice("host", 0, 0))
+    total = sum(seen[j].nbytes for j, *_ in arrays)
+    on_dev, choice = device.choose(arrays, total) if copy else (set(), device.Choice("host", 0, 0))
     waited = _wait_for_host_part(arrays, on_dev, choice)
     for j, (i, k) in enumerate(zip(only, seen)):  # start every device-to-host transfer before waiting
         if k.kind == "jax" and not k.cpu and j not in on_dev:  # on any

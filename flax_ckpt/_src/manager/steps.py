@@ -245,8 +245,11 @@ class StepIndex:
         with self._mutex:
             gone = [self._folders[s].name for s in doomed if s in self._folders]
         # what the kept steps refer to (native/sharing.py): those steps are retired, not removed
-        refs = sharing.referenced(self.storage, gone) if lead and doomed else None
+        sweeps = lead and (self.storage.supports_rename or (self.layout.shares and doomed))
+        entries = self.storage.list() if lead and (doomed or sweeps) else None
+        refs = sharing.referenced(self.storage, gone, entries) if lead and doomed else None
         others = [s for s in doomed if s not in self._written]
+        retired = False
         for step in doomed:
             with self._mutex:
                 folder = self._folders.pop(step, None)
@@ -258,14 +261,17 @@ class StepIndex:
                 )  # its data files: the next save's
                 salvage = recycler.retire if recycler is not None else None
                 if folder.layout.shares:
-                    sharing.remove_step(
+                    retired |= sharing.remove_step(
                         self.storage, folder.name, folder.layout.record, refs=refs, salvage=salvage
                     )
                 else:
                     commit_mod.remove(self.storage, folder.name, folder.layout.record, salvage=salvage)
             log.info("retention removed step %d from %s", step, self.directory)
-        if lead and (self.storage.supports_rename or (self.layout.shares and doomed)):
-            sharing.sweep(self.storage)  # retired folders (holds) that no kept step refers to any more
+        if sweeps:  # retired folders (holds) that no kept step refers to any more. On a local folder
+            # each doomed step is gone or retired now, so the kept steps' references and (unless one was
+            # retired just now) the listing above still hold; an object store's sweep reads both again
+            local = self.storage.supports_rename
+            sharing.sweep(self.storage, refs if local else None, entries if local and not retired else None)
         if others and not self._retention_warned and distributed.process_index() == 0:
             self._retention_warned = True
             log.warning(

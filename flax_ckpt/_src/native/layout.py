@@ -225,19 +225,23 @@ class NativeLayout:
     ) -> None:
         """Keeps the step just committed as the next save's base (its records as written, no re-read)."""
         self.shared_bytes = 0 if sharer is None else sharer.shared
-        if shares is None:
+        if shares is None:  # a manifest without an id, referring to nothing: retention need not read it
+            sharing.remember(parent, name, None, {})
             return
         arena = snap.arena
         if arena is not None and arena.fills == snap.fill and snap.checksum == raw.BLOCK:
             arena.saved_as = (name, shares[0])  # what the arena holds is this step's bytes
         base = shares[1]
-        shared = sharing.shared_head(written.chunks, base) or {}
+        # a save that shared nothing names no other step's file
+        shared = (sharing.shared_head(written.chunks, base) if self.shared_bytes else None) or {}
         sharing.remember(parent, name, shares[0], {step: held["id"] for step, held in shared.items()})
+        # as Base.from_body reads them from the manifest: its own files and those its chunks name (not
+        # every earlier step's: a long run's base would grow by a step's files at each save)
         sizes = {(name, f): n for f, n in written.files.items()}
         ids: dict[str, str] = {}
-        if base is not None:
-            sizes.update(base.sizes)
-            ids.update(base.ids)
+        for step, held in shared.items():
+            ids[step] = held["id"]
+            sizes.update({(step, f): n for f, n in held["files"].items()})
         self._base = sharing.Base(
             name,
             shares[0],
@@ -356,8 +360,12 @@ def _persist_shared(
                 process_count=rnd.count,
                 shares=shares,
             )
-            decode(data, f"{stage.url}/{MANIFEST}")  # the merged chunks must tile every array exactly
-            commit_mod.commit(parent, staging, name, MANIFEST, data)
+            body = decode(data, f"{stage.url}/{MANIFEST}")  # the merged chunks must tile every array
+            commit_mod.commit(parent, staging, name, MANIFEST, data)  # exactly
+            # what retention reads of a kept step, from the body just decoded (not read back at each save)
+            ident = body.get("id") if sharing.is_id(body.get("id")) else None
+            held = body.get("shared") or {}
+            sharing.remember(parent, name, ident, {step: h["id"] for step, h in held.items()})
             rnd.announce()
         times.write, times.commit = t1 - t0, time.perf_counter() - t1
         times.fsync, times.serialize, times.written = written.fsync_s, written.serialize_s, written.nbytes

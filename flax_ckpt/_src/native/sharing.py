@@ -300,17 +300,19 @@ def newest_base(run: Storage, exclude: str, known: Base | None, first: str | Non
     """The base of a save into ``run``: step folder ``first`` (the step the manager restored) when it is
     still committed, else the committed native step with the highest number (but ``exclude``, the step
     being saved); ``known`` when it is that step (the last one this layout committed). None when there
-    is none, or its manifest cannot be read (the save then writes all). On an object store, where a
-    listing is a request that lists every object of the run, ``known`` is taken while it is committed
-    and no restored step comes first (any committed step of the run is a sound base)."""
-    if (
-        not run.supports_rename
-        and known is not None
-        and first is None
-        and known.name != exclude
-        and run.sub(known.name).exists(MANIFEST)
-    ):
-        return known
+    is none, or its manifest cannot be read (the save then writes all). ``known`` is taken, without
+    listing the run, while it is committed (on a local folder: with its id) and no restored step comes
+    first: any committed step of the run is a sound base, and on an object store a listing is a
+    request that lists every object of the run."""
+    if known is not None and first is None and known.name != exclude:
+        # a local step's manifest is stat'ed, its reading kept by its identity (``_head``): the very one
+        same = (
+            own_id(run, known.name) == known.id
+            if run.supports_rename
+            else run.sub(known.name).exists(MANIFEST)
+        )
+        if same:
+            return known
     steps = sorted(
         (n for n in map(commit_mod.step_number, run.list()) if n is not None and str(n) != exclude),
         reverse=True,
@@ -485,7 +487,7 @@ def _keep(key: tuple[str, int, int, int] | None, head: _Head) -> None:
     _HEADS[key] = head
 
 
-def remember(run: Storage, name: str, ident: str, shared: dict[str, str]) -> None:
+def remember(run: Storage, name: str, ident: str | None, shared: dict[str, str]) -> None:
     """Keeps what ``_head`` would read of step folder ``name``'s manifest, just committed by this
     process with id ``ident`` and referring to ``shared`` ({step folder: id}): retention and the sweep
     after the save then need not read it again. Local folders only (as ``_head``'s keeping)."""
@@ -495,11 +497,14 @@ def remember(run: Storage, name: str, ident: str, shared: dict[str, str]) -> Non
         pass
 
 
-def referenced(run: Storage, gone: Sequence[str] = ()) -> set[tuple[str, str]] | None:
+def referenced(
+    run: Storage, gone: Sequence[str] = (), entries: Sequence[str] | None = None
+) -> set[tuple[str, str]] | None:
     """The (step folder, id) pairs that the committed native steps of ``run`` (but those in ``gone``)
-    refer to; None when some step folder's manifest cannot be read: then nothing may be freed."""
+    refer to; None when some step folder's manifest cannot be read: then nothing may be freed.
+    ``entries``: ``run.list()``, when the caller has just listed it."""
     out: set[tuple[str, str]] = set()
-    for entry in run.list():
+    for entry in run.list() if entries is None else entries:
         if commit_mod.step_number(entry) is None or entry in gone:
             continue
         shared = _head(run, entry)[1]
@@ -551,11 +556,14 @@ def remove_step(
     return False
 
 
-def sweep(run: Storage, refs: set[tuple[str, str]] | None = None) -> list[str]:
+def sweep(
+    run: Storage, refs: set[tuple[str, str]] | None = None, entries: Sequence[str] | None = None
+) -> list[str]:
     """Deletes every retired folder (object store: every hold and the objects it lists) of ``run`` that
     no committed step refers to (``refs``: as ``referenced`` gives them, read here when None); returns
-    their names. Nothing is deleted when a committed step's manifest cannot be read."""
-    entries = run.list()
+    their names. Nothing is deleted when a committed step's manifest cannot be read. ``entries``:
+    ``run.list()``, when the caller knows it (no folder retired since it listed)."""
+    entries = run.list() if entries is None else entries
     held = [e for e in entries if is_held(e)]
     if not held:
         return []
