@@ -12,13 +12,14 @@ API, except for the manifest codec, imported once below.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
 import signal
 import socket
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import jax
 import numpy as np
@@ -212,6 +213,16 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind((HOST, 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def refused_port() -> Iterator[int]:
+    """A TCP port on 127.0.0.1, held bound and not listening for the block: a connection to it is
+    refused, and no other process can take it meanwhile (a ``free_port()`` is free only when asked: a
+    server that another test starts may be given it before it is used)."""
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        yield s.getsockname()[1]
 
 
 def die_with_parent(sig: int = signal.SIGKILL) -> None:

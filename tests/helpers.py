@@ -60,6 +60,7 @@ from basics import (  # noqa: E402  (harness/basics.py: shared with the benchmar
     leaf_chunks,
     leaf_of,
     manifest_body,
+    refused_port,
     step_state,
     worker_env,
     write_manifest_body,

@@ -15,6 +15,7 @@ stays on loopback.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -35,7 +36,15 @@ from flax_ckpt._src.checks import MANIFEST  # noqa: E402
 from flax_ckpt._src.storage import KvStorage, ObjectStoreOptions, open_storage  # noqa: E402
 from flax_ckpt.callbacks import CheckpointCallback  # noqa: E402
 from gcs_fixtures import ENDPOINT_VAR, GcsPlace, point_env_at_gcs  # noqa: E402
-from helpers import HOST, Within, assert_bit_exact, free_port, leaf_bytes, worker_env  # noqa: E402
+from helpers import (  # noqa: E402
+    HOST,
+    Within,
+    assert_bit_exact,
+    free_port,
+    leaf_bytes,
+    refused_port,
+    worker_env,
+)
 from object_stores import SERIALIZERS, manifest_keys, small_tree  # noqa: E402
 
 FAST_S = 10
@@ -172,8 +181,11 @@ def test_missing_bucket_is_a_clear_error_and_loses_nothing(gcs: GcsPlace):
 
 @pytest.mark.parametrize("source", ["options", "env", "unresolvable"])
 def test_unreachable_endpoint_fails_fast_naming_it(monkeypatch, source):
+    refused = contextlib.ExitStack()
     endpoint = (
-        "http://nosuchhost.invalid:4443" if source == "unresolvable" else f"http://{HOST}:{free_port()}"
+        "http://nosuchhost.invalid:4443"
+        if source == "unresolvable"
+        else f"http://{HOST}:{refused.enter_context(refused_port())}"
     )
     options = None
     if source == "options":
@@ -181,7 +193,7 @@ def test_unreachable_endpoint_fails_fast_naming_it(monkeypatch, source):
         options = ObjectStoreOptions(endpoint=endpoint, max_attempts=10)
     else:
         monkeypatch.setenv(ENDPOINT_VAR, endpoint)
-    with Within(FAST_S, "a save to an unreachable endpoint"):
+    with refused, Within(FAST_S, "a save to an unreachable endpoint"):
         with pytest.raises(fc.StorageError, match="cannot reach the GCS endpoint") as err:
             with fc.CheckpointManager(
                 "gs://some-bucket/run", storage_options=options, async_save=False

@@ -10,6 +10,7 @@ fails after the retries with a message that does not suggest more retries. Traff
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import socket
@@ -24,7 +25,7 @@ import pytest
 import flax_ckpt as fc
 from flax_ckpt._src.storage import ObjectStoreOptions, open_storage
 from flax_ckpt._src.storage import endpoints as endpoints_mod
-from helpers import HOST, Within, free_port, worker_env
+from helpers import HOST, Within, free_port, refused_port, worker_env
 
 ABSL_LINE = re.compile(
     r"^[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ ", re.M
@@ -68,9 +69,14 @@ def child_env(tmp_path, endpoint: str) -> dict[str, str]:
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("kind", ["refused", "unresolvable"])
 def test_unreachable_endpoint_fails_fast_and_quietly_in_a_real_process(tmp_path, kind):
-    endpoint = f"http://{HOST}:{free_port()}" if kind == "refused" else "http://nosuchhost.invalid:9000"
+    refused = contextlib.ExitStack()
+    endpoint = (
+        f"http://{HOST}:{refused.enter_context(refused_port())}"
+        if kind == "refused"
+        else "http://nosuchhost.invalid:9000"
+    )
     env = child_env(tmp_path, endpoint)
-    with Within(45, "three operations and the interpreter's start") as limit:
+    with refused, Within(45, "three operations and the interpreter's start") as limit:
         try:
             done = subprocess.run(
                 [sys.executable, "-c", _CHILD, "s3://bucket/prefix"],
@@ -97,16 +103,17 @@ def test_unreachable_endpoint_fails_fast_and_quietly_in_a_real_process(tmp_path,
 def test_refused_endpoint_from_options_names_its_source(monkeypatch):
     for var in ("FLAX_CKPT_S3_ENDPOINT", "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"):
         monkeypatch.delenv(var, raising=False)
-    endpoint = f"http://{HOST}:{free_port()}"
-    storage = open_storage(
-        "s3://bucket/p",
-        options=ObjectStoreOptions(
-            endpoint=endpoint, access_key_id="x", secret_access_key="y", max_attempts=10
-        ),
-    )
-    with Within(FAST_S, "a list from a refused endpoint"):
-        with pytest.raises(fc.StorageError, match="refused the connection") as err:
-            storage.list()
+    with refused_port() as port:
+        endpoint = f"http://{HOST}:{port}"
+        storage = open_storage(
+            "s3://bucket/p",
+            options=ObjectStoreOptions(
+                endpoint=endpoint, access_key_id="x", secret_access_key="y", max_attempts=10
+            ),
+        )
+        with Within(FAST_S, "a list from a refused endpoint"):
+            with pytest.raises(fc.StorageError, match="refused the connection") as err:
+                storage.list()
     assert endpoint in str(err.value) and "ObjectStoreOptions.endpoint" in str(err.value)
     assert str(err.value).startswith("s3://bucket/p: ")  # not wrapped again as "list of ... failed"
 
