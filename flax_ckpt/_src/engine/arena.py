@@ -77,10 +77,6 @@ class Arena:
         #   buffers alive, so that no other object has one of those ids (ints only: nothing for the
         #   garbage collector to follow)
         self._kept: list[np.ndarray] = []
-        self._views: dict[tuple[int, tuple[int, ...], np.dtype], np.ndarray] = {}  # the last fill's
-        #   buffers by (offset, shape, dtype): a fill of the same structure gets the same objects (making
-        #   a numpy array over the map costs about 1.5 us a leaf); ``_filled``: this fill's
-        self._filled: dict[tuple[int, tuple[int, ...], np.dtype], np.ndarray] = {}
 
     @classmethod
     def fit(cls, previous: "Arena | None") -> "Arena":
@@ -88,7 +84,6 @@ class Arena:
         arena of that size (an empty one the first time: that save copies as without an arena)."""
         if previous is not None and previous.wanted <= previous.capacity:
             previous.used = previous.wanted = 0
-            previous._views, previous._filled = previous._filled, {}
             previous._given, previous._kept = {}, []
             return previous
         return cls(previous.wanted if previous is not None else 0)
@@ -115,12 +110,7 @@ class Arena:
         if start + n > self.capacity:
             return None
         self.used = start + n
-        key = (start, shape, dtype)
-        buf = self._views.get(key) if n else None  # (an empty one is never handed out twice)
-        if buf is None:
-            buf = np.ndarray(shape, dtype, buffer=self._map, offset=start)
-        if n:
-            self._filled[key] = buf
+        buf = np.ndarray(shape, dtype, buffer=self._map, offset=start)
         self._given[id(buf)] = start
         self._kept.append(buf)
         return buf

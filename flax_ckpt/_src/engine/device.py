@@ -140,15 +140,12 @@ def _jax_parts(x: jax.Array, whole: bool) -> list[tuple[Any, Any]]:
     return [(s.data, s.device) for s in x.addressable_shards if s.replica_id == 0]
 
 
-def choose(
-    arrays: Sequence[tuple[int, jax.Array, bool, bool]], total: int | None = None
-) -> tuple[set[int], Choice]:
+def choose(arrays: Sequence[tuple[int, jax.Array, bool, bool]]) -> tuple[set[int], Choice]:
     """Which of ``arrays`` (index, array, whole, on CPU) are copied on their devices: per the mode
     (CPU arrays only with "always") and each device's headroom, in order, a leaf taken when all its
-    shards fit. ``total``: their bytes, when the caller knows them."""
+    shards fit."""
     m = mode()
-    if total is None:
-        total = sum(math.prod(x.shape) * x.dtype.itemsize for _, x, _, _ in arrays)  # jax's nbytes: slower
+    total = sum(math.prod(x.shape) * x.dtype.itemsize for _, x, _, _ in arrays)  # jax's nbytes: slower
     if m == "never" or not arrays:
         return set(), Choice("host", 0, total, ready=not arrays)
     if m == "auto" and all(cpu for *_, cpu in arrays):  # a CPU state: copied to host once, never on the

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 import os
 import threading
 import time
@@ -335,7 +334,6 @@ class _Learned:
     box: Box = ()
     whole: bool = False
     cpu: bool = False
-    nbytes: int = 0  # an array's bytes (a PRNG key's data), all shards
 
     @property
     def array(self) -> LeafRecord:
@@ -374,7 +372,7 @@ def _learn(path: tree_mod.KeyPath, x: Any, kind: str, sig: tuple[Any, ...]) -> _
         )
         cpu, desc = _on_cpu(x), describe_sharding(x.sharding)
     rec = LeafRecord(path, kind, np.dtype(x.dtype), shape, key_impl, key_shape, desc)
-    return _Learned(_shared(sig), kind, rec, box, whole, cpu, math.prod(shape) * np.dtype(x.dtype).itemsize)
+    return _Learned(_shared(sig), kind, rec, box, whole, cpu)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -510,8 +508,7 @@ def _snapshot(
         if k.kind in ("jax", "prng_key")
         for x in (flat.leaves[only[j]],)
     ]
-    total = sum(seen[j].nbytes for j, *_ in arrays)
-    on_dev, choice = device.choose(arrays, total) if copy else (set(), device.Choice("host", 0, 0))
+    on_dev, choice = device.choose(arrays) if copy else (set(), device.Choice("host", 0, 0))
     waited = _wait_for_host_part(arrays, on_dev, choice)
     for j, (i, k) in enumerate(zip(only, seen)):  # start every device-to-host transfer before waiting
         if k.kind == "jax" and not k.cpu and j not in on_dev:  # on any

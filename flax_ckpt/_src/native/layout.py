@@ -235,20 +235,12 @@ class NativeLayout:
         # a save that shared nothing names no other step's file
         shared = (sharing.shared_head(written.chunks, base) if self.shared_bytes else None) or {}
         sharing.remember(parent, name, shares[0], {step: held["id"] for step, held in shared.items()})
-        # as Base.from_body reads them from the manifest: its own files and those its chunks name (not
-        # every earlier step's: a long run's base would grow by a step's files at each save)
-        sizes = {(name, f): n for f, n in written.files.items()}
-        ids: dict[str, str] = {}
-        for step, held in shared.items():
-            ids[step] = held["id"]
-            sizes.update({(step, f): n for f, n in held["files"].items()})
-        self._base = sharing.Base(
+        self._base = sharing.Base(  # as Base.from_body reads it from the manifest
             name,
             shares[0],
             [lf.record.name if lf.record.is_array else None for lf in snap.leaves],
             written.chunks,
-            sizes,
-            ids,
+            *sharing.held_files(name, written.files, shared),
         )
 
     def open(self, folder: Storage, item: str | None = None) -> "NativeSource":
@@ -363,9 +355,7 @@ def _persist_shared(
             body = decode(data, f"{stage.url}/{MANIFEST}")  # the merged chunks must tile every array
             commit_mod.commit(parent, staging, name, MANIFEST, data)  # exactly
             # what retention reads of a kept step, from the body just decoded (not read back at each save)
-            ident = body.get("id") if sharing.is_id(body.get("id")) else None
-            held = body.get("shared") or {}
-            sharing.remember(parent, name, ident, {step: h["id"] for step, h in held.items()})
+            sharing.remember(parent, name, *sharing.head_of(body))
             rnd.announce()
         times.write, times.commit = t1 - t0, time.perf_counter() - t1
         times.fsync, times.serialize, times.written = written.fsync_s, written.serialize_s, written.nbytes

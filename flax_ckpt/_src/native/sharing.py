@@ -141,12 +141,7 @@ class Base:
             names.append(leaf_name(leaf) if "chunks" in leaf else None)
             if "chunks" in leaf:
                 chunks[i] = leaf["chunks"]
-        sizes = {(name, f): n for f, n in body["files"].items()}
-        ids = {}
-        for step, held in (body.get("shared") or {}).items():
-            ids[step] = held["id"]
-            sizes.update({(step, f): n for f, n in held["files"].items()})
-        return cls(name, body["id"], names, chunks, sizes, ids)
+        return cls(name, body["id"], names, chunks, *held_files(name, body["files"], body.get("shared")))
 
     def candidate(self, leaf: int, name: str, box: Box) -> dict[str, Any] | None:
         """The base's chunk record of leaf ``leaf`` (key path ``name``) covering exactly ``box``."""
@@ -163,6 +158,20 @@ class Base:
         """(step folder, file) holding a base record's bytes."""
         ref = split_ref(record["file"])
         return ref if ref is not None else (self.name, record["file"])
+
+
+def held_files(
+    name: str, files: dict[str, int], shared: dict[str, Any] | None
+) -> tuple[dict[tuple[str, str], int], dict[str, str]]:
+    """A base's ``sizes`` and ``ids``: of step folder ``name`` with data ``files`` ({file: size}) whose
+    chunks refer to ``shared`` (a manifest's field, ``shared_head``): its own files and those its chunks
+    name, not those of every earlier step."""
+    sizes = {(name, f): n for f, n in files.items()}
+    ids: dict[str, str] = {}
+    for step, held in (shared or {}).items():
+        ids[step] = held["id"]
+        sizes.update({(step, f): n for f, n in held["files"].items()})
+    return sizes, ids
 
 
 class Sharer:
@@ -454,18 +463,23 @@ def _head(run: Storage, name: str) -> _Head:
         )
     except (CheckpointError, ValueError):
         return None, None
+    head = head_of(body)
+    _keep(key, head)
+    return head
+
+
+def head_of(body: dict[str, Any]) -> _Head:
+    """(its id, {step folder: id} it refers to) of a manifest's ``body``; the second None when its
+    ``shared`` field is malformed (what it refers to is then unknown)."""
     ident = body.get("id") if is_id(body.get("id")) else None
     shared = body.get("shared") or {}
-    out: dict[str, str] | None = {}
     if not isinstance(shared, dict):
-        out = None
-    else:
-        for step, held in shared.items():
-            if not isinstance(held, dict) or not is_id(held.get("id")):
-                out = None
-                break
-            out[step] = held["id"]
-    _keep(key, (ident, out))
+        return ident, None
+    out: dict[str, str] = {}
+    for step, held in shared.items():
+        if not isinstance(held, dict) or not is_id(held.get("id")):
+            return ident, None
+        out[step] = held["id"]
     return ident, out
 
 
@@ -487,12 +501,13 @@ def _keep(key: tuple[str, int, int, int] | None, head: _Head) -> None:
     _HEADS[key] = head
 
 
-def remember(run: Storage, name: str, ident: str | None, shared: dict[str, str]) -> None:
+def remember(run: Storage, name: str, ident: str | None, shared: dict[str, str] | None) -> None:
     """Keeps what ``_head`` would read of step folder ``name``'s manifest, just committed by this
-    process with id ``ident`` and referring to ``shared`` ({step folder: id}): retention and the sweep
-    after the save then need not read it again. Local folders only (as ``_head``'s keeping)."""
+    process with id ``ident`` and referring to ``shared`` ({step folder: id}; as ``head_of`` gives
+    them): retention and the sweep after the save then need not read it again. Local folders only (as
+    ``_head``'s keeping)."""
     try:
-        _keep(_head_key(run, name), (ident, dict(shared)))
+        _keep(_head_key(run, name), (ident, None if shared is None else dict(shared)))
     except OSError:
         pass
 
