@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import threading
 import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
@@ -551,6 +552,10 @@ class _SlowDisk:
 
         monkeypatch.setattr(os, "fsync", fsync)
         monkeypatch.setattr(os, "rename", rename)
+        # another disk: no fsync timed on it yet (storage/local.py fsync_all decides by the last one)
+        from flax_ckpt._src.storage import local
+
+        monkeypatch.setattr(local, "_FSYNC_S", {})
 
     def rounds(self) -> int:
         """The most fsyncs that ran one after another (none overlapping the next): the fsyncs' depth."""
@@ -586,6 +591,44 @@ def test_fsync_all_runs_the_fsyncs_at_once_and_ends_them_all_before_a_failure(tm
     done = sorted(p for p, _, _ in disk.fsyncs)
     assert done == sorted(p for p in paths if not p.endswith("gone")), done
     assert disk.rounds() == 1, f"fsyncs one after another: {disk.fsyncs}"
+
+
+@pytest.mark.parametrize("slow_from", [None, 1])
+def test_fsync_all_on_a_fast_disk_runs_one_after_another_on_the_calling_thread(
+    tmp_path, monkeypatch, slow_from
+):
+    """Where the device's last fsync was fast (a local disk: well under a millisecond), fsync_all runs the
+    fsyncs one after another on the calling thread: handing one to another thread costs more than it
+    (issue 53). Once one takes long (``slow_from``: the second of five), the rest run at once, the first
+    of them on the calling thread."""
+    from flax_ckpt._src.storage import local
+
+    paths = []
+    for i in range(5):
+        (tmp_path / f"d{i}").mkdir()
+        paths.append(str(tmp_path / f"d{i}"))
+    monkeypatch.setattr(local, "_FSYNC_S", {os.stat(tmp_path).st_dev: 0.0})
+    calls: list[tuple[int, int, float, float]] = []
+
+    def fsync(fd):
+        k, t0 = len(calls), time.perf_counter()
+        if slow_from is not None and k >= slow_from:
+            time.sleep(0.2)
+        calls.append((k, threading.get_ident(), t0, time.perf_counter()))
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    local.fsync_all(paths)
+    monkeypatch.undo()
+    assert len(calls) == 5
+    me = threading.get_ident()
+    if slow_from is None:
+        assert all(ident == me for _, ident, _, _ in calls), calls
+        return
+    by_order = sorted(calls, key=lambda c: c[2])
+    assert [ident for _, ident, _, _ in by_order[:2]] == [me, me], by_order  # one after another, then
+    rest = by_order[2:]  # the slow one's successors at once, the first on this thread
+    assert sum(ident == me for _, ident, _, _ in rest) == 1, rest
+    assert max(start for _, _, start, _ in rest) < min(end for _, _, _, end in rest), f"not at once: {rest}"
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="reads fsynced paths in /proc/self/fd (Linux)")

@@ -394,3 +394,33 @@ def _deep(depth: int, out=1):
     for _ in range(depth):
         out = [out]
     return out
+
+
+def test_canonical_json_is_json_dumps_byte_for_byte_and_fails_as_it_does():
+    """checks.canonical (every sealed document: the manifest, the memory tiers' indexes) writes what
+    ``json.dumps(value, sort_keys=True, separators=(",", ":"))`` writes, with the encoder made once; a
+    value json.dumps refuses is refused with json.dumps' own error."""
+    import json
+
+    from flax_ckpt._src.checks import canonical
+
+    values = [
+        {"b": [1, 2.5, 'é\n"\\'], "a": None, "c": {"z": True, "y": False, "x": []}},
+        [float("nan"), float("inf"), -0.0, 1e300, 2**70, -(2**63)],
+        {"3.5": 1, "s": "\u2603\U0001f600"},
+        {3: "int keys", 1: "sorted as numbers"},
+        "just a string",
+        7,
+        [],
+    ]
+    for v in values:
+        assert canonical(v) == json.dumps(v, sort_keys=True, separators=(",", ":")), v
+    circular: list = []
+    circular.append(circular)
+    with pytest.raises(ValueError, match="Circular reference"):
+        canonical(circular)
+    with pytest.raises(TypeError, match="not JSON serializable"):
+        canonical({"a": object()})
+    with pytest.raises(TypeError):
+        canonical({1: 2, "a": 3})  # keys that do not sort
+    assert canonical({"after": "failures"}) == '{"after":"failures"}'  # the encoder is still good

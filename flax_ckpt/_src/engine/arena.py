@@ -66,8 +66,8 @@ class Arena:
         self.used = 0  # bytes handed out since the last reset (with alignment gaps)
         self.wanted = 0  # bytes asked for since the last reset, given or not
         self.ledger: dict[int, tuple[tuple, np.ndarray, tuple[int, ...]]] = {}  # offset -> (what the last
-        #   complete fill copied there: leaf name, box, dtype, shape; the crc32c of its blocks; per
-        #   block, how many saves in a row its bytes changed): see the module
+        #   complete fill copied there: the leaf's record, the shard's box; the crc32c of its blocks;
+        #   per block, how many saves in a row its bytes changed): see the module
         self.saved_as: tuple[str, str] | None = None  # (step folder, manifest id) of the committed save
         #   whose bytes the last fill holds; None when unknown
         self.fills = 0  # snapshots that began filling it (engine/snapshot.py)

@@ -133,6 +133,9 @@ class Choice:
     cpu: bool = False  # every array lies on CPU devices ("auto" copies them to host once, never on them)
 
 
+_CPU_CHOICE = Choice("host", 0, 0, cpu=True)  # ``choose``'s answer for a CPU state (frozen: one for all)
+
+
 def _jax_parts(x: jax.Array, whole: bool) -> list[tuple[Any, Any]]:
     """(shard data, device) of the shards of ``x`` this process writes."""
     if whole:
@@ -145,11 +148,12 @@ def choose(arrays: Sequence[tuple[int, jax.Array, bool, bool]]) -> tuple[set[int
     (CPU arrays only with "always") and each device's headroom, in order, a leaf taken when all its
     shards fit."""
     m = mode()
+    if m == "auto" and arrays and (cpu_process() or all(cpu for *_, cpu in arrays)):  # a CPU state: copied
+        return set(), _CPU_CHOICE  # to host once, never on the device (its bytes: the snapshot's, which
+        # counts them anyway)
     total = sum(math.prod(x.shape) * x.dtype.itemsize for _, x, _, _ in arrays)  # jax's nbytes: slower
     if m == "never" or not arrays:
         return set(), Choice("host", 0, total, ready=not arrays)
-    if m == "auto" and all(cpu for *_, cpu in arrays):  # a CPU state: copied to host once, never on the
-        return set(), Choice("host", 0, total, all(is_ready(x) for _, x, _, _ in arrays), cpu=True)  # device
     room: dict[int, int | None] = {}
     chosen: set[int] = set()
     dev_bytes = 0
@@ -173,11 +177,27 @@ def choose(arrays: Sequence[tuple[int, jax.Array, bool, bool]]) -> tuple[set[int
     return chosen, Choice(kind, dev_bytes, host)
 
 
+def host_only() -> bool:
+    """Whether every snapshot copies the state to host, waiting for it to be computed: the mode is
+    "never", or "auto" in a process whose devices are all CPUs (``cpu_process``)."""
+    m = mode()
+    return m == "never" or (m == "auto" and cpu_process())
+
+
 def copied_to_host(arrays: Sequence[jax.Array]) -> bool:
     """Whether a snapshot copies ``arrays`` to host, waiting for them to be computed, whatever the
     devices' memory: the mode is "never", or "auto" and they all lie on CPU devices."""
     m = mode()
-    return m == "never" or (m == "auto" and all(_on_cpu(x) for x in arrays))
+    return m == "never" or (m == "auto" and (cpu_process() or all(_on_cpu(x) for x in arrays)))
+
+
+@functools.cache
+def cpu_process() -> bool:
+    """Whether this process's devices are all CPUs (jax found no accelerator, or was told to use CPUs
+    only): then every array lies on a CPU, without asking each. Asked once: a process's backends are
+    made once."""
+    wanted = {p.strip() for p in (getattr(jax.config, "jax_platforms", None) or "").split(",") if p.strip()}
+    return wanted <= {"cpu"} and jax.default_backend() == "cpu"
 
 
 _HOW: str | None = None  # how the copy is made: a jitted jnp.copy ("jit": accelerators, where it was measured
@@ -318,6 +338,8 @@ __all__ = [
     "Pending",
     "choose",
     "copied_to_host",
+    "cpu_process",
+    "host_only",
     "dispatch",
     "headroom",
     "mode",

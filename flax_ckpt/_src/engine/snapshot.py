@@ -83,8 +83,8 @@ class Snapshot:
     ready_at: float | None = None  # when ``complete`` found the device copies done (perf_counter)
     on_host: threading.Event = field(default=_ON_HOST, repr=False)  # set once nothing of it waits for a
     #   device (``complete`` has run, or there was nothing to bring to host: then one shared, set event)
-    hurry: threading.Event = field(default_factory=threading.Event, repr=False)  # set once something waits
-    #   for this save: ``complete`` then starts every transfer left at once (engine/device.py WINDOW)
+    hurry: threading.Event | None = field(default=None, repr=False)  # with device copies, set once something
+    #   waits for this save: ``complete`` then starts every transfer left at once (engine/device.py WINDOW)
     unchanged: dict[int, list[Box]] = field(default_factory=dict)  # per leaf (index in ``leaves``) the
     #   boxes of its shards whose bytes the arena already held (compared, neither copied nor checksummed)
     since: tuple[str, str] | None = None  # (step folder, id) of the committed save that wrote those bytes
@@ -94,7 +94,7 @@ class Snapshot:
 
     def __post_init__(self) -> None:
         if self.pending:
-            self.on_host = threading.Event()
+            self.on_host, self.hurry = threading.Event(), threading.Event()
 
     def complete(self) -> None:
         """Brings the shards copied on their devices to host (the writer's thread, before anything reads
@@ -103,6 +103,7 @@ class Snapshot:
         raised here (engine/device.py ``to_host``); nothing has been written then."""
         if not self.pending:
             return
+        assert self.hurry is not None, "a snapshot with device copies has its hurry event (__post_init__)"
         try:
             hosts, self.ready_at = device.to_host(self.pending, self.hurry)
         finally:
@@ -554,7 +555,8 @@ def _snapshot(
                 leaves[j] = _array_leaf(x, k, copy, old_buffers, None, copies)
             continue
         leaves[j] = leaf(j)
-    device.dispatch(pending)
+    if pending:
+        device.dispatch(pending)
     arena = into if isinstance(into, Arena) and checksum else None
     if arena is not None and checksum:
         crcs, unchanged, since = _refill(arena, copies, leaves, checksum)
@@ -563,6 +565,8 @@ def _snapshot(
     nbytes = sum(s.data.nbytes for hl in leaves for s in hl.shards if s.data is not None) + sum(
         p.nbytes for p in pending
     )
+    if choice.cpu:  # ``choose`` left its bytes to count here
+        choice = device.Choice("host", 0, nbytes, cpu=True)
     device.tell(choice)
     return Snapshot(
         leaves,
@@ -602,19 +606,20 @@ def _refill(
     crcs = copy_all(copies, block, held, same, tries)
     assert crcs is not None, "copy_all checksums what it is asked to"
     ledger = {}
-    for c, (_, key) in keys.items():
-        h, m, now = held[c], misses[c], crcs[c].tolist()
+    for c, (_, key, at) in keys.items():
+        h, m, now = held[c], misses[c], crcs[c]
         # a chunk's run of changed saves, by its crc32c: one copied without comparing but unchanged
         # (a leaf that stopped changing) is compared again at the next save
-        run = (
-            (0,) * len(now)
-            if h is None or m is None
-            else tuple(0 if x == y else min(r + 1, 255) for x, y, r in zip(now, h.tolist(), m))
-        )
-        ledger[arena.offset(copies[c][0])] = (key, crcs[c], run)
+        if h is None or m is None:
+            run: tuple[int, ...] = (0,) * len(now)
+        elif len(m) == 1:  # one block (most shards): no lists to make
+            run = (0,) if now[0] == h[0] else (min(m[0] + 1, 255),)
+        else:
+            run = tuple(0 if x == y else min(r + 1, 255) for x, y, r in zip(now.tolist(), h.tolist(), m))
+        ledger[at] = (key, now, run)
     arena.ledger = ledger
     unchanged: dict[int, list[Box]] = {}
-    for c, (j, key) in keys.items():
+    for c, (j, key, _) in keys.items():
         if same[c]:
             unchanged.setdefault(j, []).append(key[1])
     return crcs, unchanged, since
@@ -623,33 +628,38 @@ def _refill(
 def _held(
     arena: Arena, copies: list[tuple[np.ndarray, np.ndarray]], leaves: list[HostLeaf], block: int
 ) -> tuple[
-    dict[int, tuple[int, tuple]],
+    dict[int, tuple[int, tuple, int]],
     list[np.ndarray | None],
     list[tuple[int, ...] | None],
     tuple[str, str] | None,
 ]:
     """A snapshot's fill of ``arena`` begins: per large contiguous copy (by its index in ``copies``)
-    its leaf and what it copies (leaf name, box, dtype, shape: the arena's ledger key); per copy, the
-    crc32c of the ``block``-byte blocks its destination holds where the arena's last complete fill
+    its leaf, what it copies (the arena's ledger key: the leaf's record, which a snapshot learns once
+    per structure and compares by identity, and the shard's box) and where in the arena; per copy,
+    the crc32c of the ``block``-byte blocks its destination holds where the arena's last complete fill
     copied the same there, else None, and then per block how many saves in a row its bytes changed;
     and the step those bytes were committed as. The arena forgets both now (its bytes are about to
     change: a fill that fails leaves it knowing nothing)."""
     prior, since = arena.ledger, arena.saved_as
     arena.ledger, arena.saved_as, arena.fills = {}, None, arena.fills + 1
     big = {id(d): c for c, (d, a) in enumerate(copies) if d.nbytes >= _SAME_MIN and a.flags.c_contiguous}
-    keys: dict[int, tuple[int, tuple]] = {}
+    keys: dict[int, tuple[int, tuple, int]] = {}
     if big:
         for j, lf in enumerate(leaves):
             for sh in lf.shards:
                 c = big.get(id(sh.data))
                 if c is not None:
-                    keys[c] = (j, (lf.record.name, sh.box, sh.data.dtype, sh.data.shape))
+                    keys[c] = (j, (lf.record, sh.box), arena.offset(sh.data))
     held: list[np.ndarray | None] = [None] * len(copies)
     misses: list[tuple[int, ...] | None] = [None] * len(copies)
-    for c, (_, key) in keys.items():
-        d = copies[c][0]
-        old = prior.get(arena.offset(d))
-        if old is not None and old[0] == key and len(old[1]) == -(-d.nbytes // block):
+    for c, (_, key, at) in keys.items():
+        old = prior.get(at)  # the same record's box: the same dtype and shape
+        if (
+            old is not None
+            and old[0][0] is key[0]
+            and old[0][1] == key[1]
+            and len(old[1]) == -(-copies[c][0].nbytes // block)
+        ):
             held[c], misses[c] = old[1], old[2]
     return keys, held, misses, since
 
@@ -671,12 +681,15 @@ def _wait_for_host_part(
     arrays: list[tuple[int, Any, bool, bool]], on_dev: set[int], choice: device.Choice
 ) -> float:
     """Seconds spent waiting for the arrays that are copied to host now to be computed (the device's
-    time, not a checkpoint's: the statistics report it apart from ``blocked_s``)."""
+    time, not a checkpoint's: the statistics report it apart from ``blocked_s``). The last one computed
+    is taken for the state computed (a step's outputs are computed together; any other leaf still
+    computing is waited for by its copy, np.asarray, and counted as the save's)."""
     if choice.ready:  # ``choose`` found them all computed
         return 0.0
-    rest = [x for j, x, _, _ in arrays if j not in on_dev]
-    if not rest or all(tree_mod.is_ready(x) for x in rest):
+    rest = [x for j, x, _, _ in arrays if j not in on_dev] if on_dev else [x for _, x, _, _ in arrays[-1:]]
+    if not rest or tree_mod.is_ready(rest[-1]):
         return 0.0
+    rest = [x for j, x, _, _ in arrays if j not in on_dev]
     t0 = time.perf_counter()
     jax.block_until_ready(rest)
     return time.perf_counter() - t0

@@ -440,14 +440,19 @@ class CheckpointManager:
         (``on_busy`` decides)."""
         if not self._writer.busy:
             return 0.0
+        last = next((x for x in reversed(leaves) if isinstance(x, jax.Array)), None)
+        if last is None:  # nothing is computed (and jax's backends are not asked about: none may be up)
+            return 0.0
+        if device.host_only():  # a CPU state: the snapshot waits for it anyway; waited for once here, while
+            return self._wait_for_host(last)  # the writer works (not polling)
         computing = [x for x in map(_data, leaves) if x is not None and not is_ready(x)]
         if not computing:
             return 0.0
         t1 = time.perf_counter()
         on_host = self._inflight
         self._writer.hurry()  # the writer starts now (its grace ends)
-        if device.copied_to_host(computing):  # the snapshot waits for the state anyway (a CPU state):
-            try:  # wait for it once, not polling; on_busy decides after
+        if device.copied_to_host(computing):  # the snapshot waits for the state anyway (arrays that all
+            try:  # lie on CPUs beside an accelerator): wait for it once, not polling; on_busy decides after
                 jax.block_until_ready(computing)
             except getattr(jax.errors, "JaxRuntimeError", RuntimeError) as e:  # the step failed
                 raise device.failed(e) from e
@@ -459,6 +464,21 @@ class CheckpointManager:
                 computing.pop()
             if not computing:
                 break
+        return time.perf_counter() - t1
+
+    def _wait_for_host(self, last: jax.Array) -> float:
+        """``_wait_for_device`` of a state the snapshot copies to host (device.host_only): when its last
+        array (``last``) is still being computed, waits for it (a step's outputs are computed together;
+        the snapshot waits for any other leaf still computing), without asking each leaf first."""
+        data = _data(last)  # None: deleted (the snapshot names it)
+        if data is None or is_ready(data):
+            return 0.0
+        t1 = time.perf_counter()
+        self._writer.hurry()  # the writer starts now (its grace ends)
+        try:
+            data.block_until_ready()
+        except getattr(jax.errors, "JaxRuntimeError", RuntimeError) as e:  # the step failed
+            raise device.failed(e) from e
         return time.perf_counter() - t1
 
     def wait_until_finished(self) -> None:
@@ -677,7 +697,7 @@ def _refuse_traced(state: Any, leaves: list[Any], step: int, directory: str) -> 
     """A CheckpointError when ``state`` (whose ``leaves`` are given) holds a tracer: ``save`` called
     inside ``jax.jit`` (or ``grad``, ``vmap``, a ``lax.scan`` body), where the values do not exist yet."""
     core = sys.modules.get("jax.core")  # jax not imported yet: no tracer anywhere
-    if core is None or not any(isinstance(x, core.Tracer) for x in leaves):
+    if core is None or not any(issubclass(t, core.Tracer) for t in set(map(type, leaves))):  # a few types
         return
     for path, x in jax.tree_util.tree_leaves_with_path(state):
         if isinstance(x, core.Tracer):

@@ -33,8 +33,9 @@ class Taken(Protocol):
         ...
 
     @property
-    def hurry(self) -> threading.Event:
-        """Set once something waits for this save: its transfers from the devices stop pacing."""
+    def hurry(self) -> threading.Event | None:
+        """Set once something waits for this save: its transfers from the devices stop pacing (None:
+        nothing is on a device)."""
         ...
 
 

@@ -34,6 +34,7 @@ class AsyncWriter:
         self._worker = worker
         self._pending: Future | None = None
         self._hurry: threading.Event | None = None  # set: the job in flight starts now, grace or not
+        self._own_hurry = threading.Event()  # ``_hurry`` of the jobs submitted without one
         self._label = ""
         self._lock = threading.Lock()
         self._closed = False
@@ -53,7 +54,10 @@ class AsyncWriter:
             if self._closed:
                 raise RuntimeError("the writer is closed")
             self.wait()
-            self._hurry = hurry or threading.Event()
+            if hurry is None:  # the writer's own, for a job no one else hurries: set by nothing now (the
+                hurry = self._own_hurry  # last job and its grace are over)
+                hurry.clear()
+            self._hurry = hurry
             if grace > 0:  # the pool's one thread takes its tasks in order: the grace, then the job
                 self._pool.submit(self._hurry.wait, grace)
             self._pending, self._label = self._pool.submit(job), label

@@ -145,12 +145,11 @@ class Base:
 
     def candidate(self, leaf: int, name: str, box: Box) -> dict[str, Any] | None:
         """The base's chunk record of leaf ``leaf`` (key path ``name``) covering exactly ``box``."""
-        if leaf >= len(self.names) or self.names[leaf] != name:
+        if leaf >= len(self.names) or self.names[leaf] != name or leaf not in self.chunks:
             return None
-        for ch in self.chunks.get(leaf, ()):
-            if len(ch["index"]) == len(box) and all(
-                b[0] == s and b[1] == e for b, (s, e) in zip(ch["index"], box)
-            ):
+        index = [list(b) for b in box]  # as a record's "index" is written
+        for ch in self.chunks[leaf]:
+            if ch["index"] == index:
                 return ch
         return None
 

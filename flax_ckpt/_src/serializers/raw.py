@@ -9,6 +9,7 @@ fields: {"file", "offset", "nbytes", "block", "crc32c": [per block]}.
 
 from __future__ import annotations
 
+import ctypes
 import math
 import threading
 import time
@@ -126,8 +127,8 @@ def _file_buffers(arrays: Sequence[np.ndarray], views: Sequence[memoryview]) -> 
                 and last.flags.c_contiguous
             ):
                 if end is None:
-                    end = _address(last) + last.nbytes
-                if _address(a) == end:
+                    end = _address(last, views[run[-1]]) + last.nbytes
+                if _address(a, views[i]) == end:
                     run.append(i)
                     size, end = size + a.nbytes, end + a.nbytes
                     continue
@@ -141,8 +142,12 @@ def _file_buffers(arrays: Sequence[np.ndarray], views: Sequence[memoryview]) -> 
     return out
 
 
-def _address(a: np.ndarray) -> int:
-    return a.__array_interface__["data"][0]
+def _address(a: np.ndarray, view: memoryview) -> int:
+    """Where ``a``'s bytes (``view``: its ``_bytes``) start in memory: through ctypes for a writable
+    view (an arena's buffer: a quarter of numpy's 1.1 us)."""
+    if view.readonly:
+        return a.__array_interface__["data"][0]
+    return ctypes.addressof(ctypes.c_char.from_buffer(view))
 
 
 def _split(box: Box, data: np.ndarray) -> list[tuple[Box, np.ndarray]]:
@@ -168,6 +173,8 @@ def _pieces(shard: Shard) -> list[tuple[Box, np.ndarray, tuple[int, ...] | None]
         and len(shard.crc32c[1]) == -(-data.nbytes // BLOCK)
         else None
     )
+    if known is not None and (data.ndim == 0 or data.nbytes <= SUBCHUNK or data.shape[0] < 2):  # one piece
+        return [(shard.box, data, tuple(known.tolist()) if data.nbytes else None)]  # (most shards: _split's)
     out, offset = [], 0
     for box, part in _split(shard.box, data):
         n, crcs = part.nbytes, None

@@ -207,7 +207,7 @@ class TierSnapshot:
         return (self.part if self.part is not None else self.snap).on_host
 
     @property
-    def hurry(self) -> threading.Event:
+    def hurry(self) -> threading.Event | None:
         return (self.part if self.part is not None else self.snap).hurry
 
     @property
