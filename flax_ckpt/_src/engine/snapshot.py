@@ -686,10 +686,9 @@ def _wait_for_host_part(
     computing is waited for by its copy, np.asarray, and counted as the save's)."""
     if choice.ready:  # ``choose`` found them all computed
         return 0.0
-    rest = [x for j, x, _, _ in arrays if j not in on_dev] if on_dev else [x for _, x, _, _ in arrays[-1:]]
+    rest = [x for j, x, _, _ in arrays if j not in on_dev]
     if not rest or tree_mod.is_ready(rest[-1]):
         return 0.0
-    rest = [x for j, x, _, _ in arrays if j not in on_dev]
     t0 = time.perf_counter()
     jax.block_until_ready(rest)
     return time.perf_counter() - t0

@@ -443,16 +443,18 @@ class CheckpointManager:
         last = next((x for x in reversed(leaves) if isinstance(x, jax.Array)), None)
         if last is None:  # nothing is computed (and jax's backends are not asked about: none may be up)
             return 0.0
-        if device.host_only():  # a CPU state: the snapshot waits for it anyway; waited for once here, while
-            return self._wait_for_host(last)  # the writer works (not polling)
-        computing = [x for x in map(_data, leaves) if x is not None and not is_ready(x)]
+        if device.host_only():  # a CPU state: only its last array is asked (a step's outputs are computed
+            data = _data(last)  # together; the snapshot waits for any other leaf still computing; None:
+            computing = [] if data is None or is_ready(data) else [data]  # deleted, the snapshot names it)
+        else:
+            computing = [x for x in map(_data, leaves) if x is not None and not is_ready(x)]
         if not computing:
             return 0.0
         t1 = time.perf_counter()
         on_host = self._inflight
         self._writer.hurry()  # the writer starts now (its grace ends)
-        if device.copied_to_host(computing):  # the snapshot waits for the state anyway (arrays that all
-            try:  # lie on CPUs beside an accelerator): wait for it once, not polling; on_busy decides after
+        if device.copied_to_host(computing):  # the snapshot waits for the state anyway (a CPU state, or
+            try:  # arrays on CPUs beside an accelerator): wait once, not polling; on_busy decides after
                 jax.block_until_ready(computing)
             except getattr(jax.errors, "JaxRuntimeError", RuntimeError) as e:  # the step failed
                 raise device.failed(e) from e
@@ -464,21 +466,6 @@ class CheckpointManager:
                 computing.pop()
             if not computing:
                 break
-        return time.perf_counter() - t1
-
-    def _wait_for_host(self, last: jax.Array) -> float:
-        """``_wait_for_device`` of a state the snapshot copies to host (device.host_only): when its last
-        array (``last``) is still being computed, waits for it (a step's outputs are computed together;
-        the snapshot waits for any other leaf still computing), without asking each leaf first."""
-        data = _data(last)  # None: deleted (the snapshot names it)
-        if data is None or is_ready(data):
-            return 0.0
-        t1 = time.perf_counter()
-        self._writer.hurry()  # the writer starts now (its grace ends)
-        try:
-            data.block_until_ready()
-        except getattr(jax.errors, "JaxRuntimeError", RuntimeError) as e:  # the step failed
-            raise device.failed(e) from e
         return time.perf_counter() - t1
 
     def wait_until_finished(self) -> None:

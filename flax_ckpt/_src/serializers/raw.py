@@ -150,9 +150,14 @@ def _address(a: np.ndarray, view: memoryview) -> int:
     return ctypes.addressof(ctypes.c_char.from_buffer(view))
 
 
+def _whole(data: np.ndarray) -> bool:
+    """Whether ``_split`` keeps ``data`` as one piece (most shards)."""
+    return data.ndim == 0 or data.nbytes <= SUBCHUNK or data.shape[0] < 2
+
+
 def _split(box: Box, data: np.ndarray) -> list[tuple[Box, np.ndarray]]:
     """Splits a shard along axis 0 into pieces of about SUBCHUNK bytes."""
-    if data.ndim == 0 or data.nbytes <= SUBCHUNK or data.shape[0] < 2:
+    if _whole(data):
         return [(box, data)]
     rows = max(1, SUBCHUNK // max(1, data.nbytes // data.shape[0]))
     (s0, _), rest = box[0], box[1:]
@@ -173,8 +178,8 @@ def _pieces(shard: Shard) -> list[tuple[Box, np.ndarray, tuple[int, ...] | None]
         and len(shard.crc32c[1]) == -(-data.nbytes // BLOCK)
         else None
     )
-    if known is not None and (data.ndim == 0 or data.nbytes <= SUBCHUNK or data.shape[0] < 2):  # one piece
-        return [(shard.box, data, tuple(known.tolist()) if data.nbytes else None)]  # (most shards: _split's)
+    if known is not None and _whole(data):  # one piece: its checksums are the shard's
+        return [(shard.box, data, tuple(known.tolist()) if data.nbytes else None)]
     out, offset = [], 0
     for box, part in _split(shard.box, data):
         n, crcs = part.nbytes, None
