@@ -242,7 +242,7 @@ class CheckpointCallback:
         step = manager.restore_stats[-1].step
         if self.replicated:
             restored = replicate_like(used[0], restored)
-        return from_tree(state, restored), step, got
+        return _into(state, restored, f"step {step} of {manager.directory}"), step, got
 
     def _restore_init(
         self, state: Any, init_from: Any, options: dict[str, Any]
@@ -260,7 +260,7 @@ class CheckpointCallback:
         restored, got = restored if options["report"] else (restored, None)
         if self.replicated:
             restored = replicate_like(live, restored)
-        return from_tree(state, restored), None if info is None else info.step, got
+        return _into(state, restored, os.fspath(init_from)), None if info is None else info.step, got
 
     def _tree(self, state: Any) -> Any:
         """The pytree saved for ``state`` (its first replica with ``replicated=True``)."""
@@ -510,6 +510,15 @@ def _interactive() -> bool:
     ipython = sys.modules.get("IPython")
     get = getattr(ipython, "get_ipython", None)
     return (get is not None and get() is not None) or hasattr(sys, "ps1") or bool(sys.flags.interactive)
+
+
+def _into(state: Any, restored: Any, source: str) -> Any:
+    """``from_tree(state, restored)``; a restored value the live state cannot take (a stored random
+    state no generator resumes from) is a CorruptCheckpointError that names ``source`` too."""
+    try:
+        return from_tree(state, restored)
+    except fc.CorruptCheckpointError as e:
+        raise fc.CorruptCheckpointError(f"{source}: {e}") from None
 
 
 def _metadata_or_none(path: Any) -> fc.CheckpointInfo | None:

@@ -38,9 +38,10 @@ What does not belong here: scheduling, signals, anything about the manager.
 from __future__ import annotations
 
 import logging
+import math
 import random
 import sys
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, NoReturn, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
@@ -130,36 +131,48 @@ def encode_random(state: tuple[int, tuple[int, ...], float | None]) -> np.ndarra
     return np.concatenate([np.asarray(state[1], np.uint32), np.asarray([gauss is not None], np.uint32), bits])
 
 
-def decode_random(words: Any) -> tuple[int, tuple[int, ...], float | None]:
+def decode_random(words: Any, where: str = "") -> tuple[int, tuple[int, ...], float | None]:
     """The ``random.getstate()`` tuple that ``encode_random`` made ``words`` of (bit-exact); a tuple as
-    it is (what checkpoints of earlier versions restore) is returned as such, its numbers as Python's."""
+    it is (what checkpoints of earlier versions restore) is returned as such, its numbers as Python's.
+    ``where``: the key path of the state, named in the error for a state no generator resumes from."""
     if isinstance(words, (tuple, list)):
         state = int(words[0]), tuple(int(w) for w in words[1]), None if words[2] is None else float(words[2])
-        return _checked_random(state)
+        return _checked_random(state, where)
     a = np.asarray(words, np.uint32)
-    gauss = float(a[_MT_WORDS + 1 :].astype("<u4").view("<f8")[0]) if a[_MT_WORDS] else None
-    return _checked_random((3, tuple(a[:_MT_WORDS].tolist()), gauss))
+    flag = int(a[_MT_WORDS])
+    if flag not in (0, 1):
+        _refuse_random(f"a gauss_next flag of {flag}, not 0 (None) or 1 (a float)", where)
+    gauss = float(a[_MT_WORDS + 1 :].astype("<u4").view("<f8")[0]) if flag else None
+    return _checked_random((3, tuple(a[:_MT_WORDS].tolist()), gauss), where)
 
 
 def _checked_random(
-    state: tuple[int, tuple[int, ...], float | None],
+    state: tuple[int, tuple[int, ...], float | None], where: str = ""
 ) -> tuple[int, tuple[int, ...], float | None]:
     """``state`` when ``random.setstate`` accepts it and it generates: a CorruptCheckpointError for a
-    position outside 0..624 (setstate's bare ValueError) or a Mersenne Twister with every state bit
-    zero (accepted, after which ``random()`` returns 0.0 forever)."""
-    version, words, _ = state
+    position outside 0..624 (setstate's bare ValueError), a Mersenne Twister with every state bit
+    zero (accepted, after which ``random()`` returns 0.0 forever) or a gauss_next that is no finite
+    float (accepted, after which ``random.gauss()`` returns it: random.gauss never keeps one)."""
+    version, words, gauss = state
     if version != 3 or len(words) != _MT_WORDS or any(not 0 <= w < 1 << 32 for w in words):
         found = f"version {version}, {len(words)} words"
     elif not 0 <= words[-1] <= _MT_WORDS - 1:
         found = f"position {words[-1]}, outside 0..{_MT_WORDS - 1}"
     elif not words[0] >> 31 and not any(words[1:-1]):
         found = "every state bit zero (random() would return 0.0 forever)"
+    elif gauss is not None and not math.isfinite(gauss):
+        found = f"a gauss_next of {gauss} (random.gauss() would return it)"
     else:
         return state
+    _refuse_random(found, where)
+
+
+def _refuse_random(found: str, where: str) -> NoReturn:
+    at = f" at '{where}'" if where else ""
     raise fc.CorruptCheckpointError(
-        f"the stored state of Python's random generator is not one it can resume from: {found}. Restore "
-        "an earlier step, or restore without it (a target without the random state) and reseed it "
-        "with random.seed()"
+        f"the stored state of Python's random generator{at} is not one it can resume from: {found}. "
+        "Restore an earlier step, or restore without it (a target without the random state) and "
+        "reseed it with random.seed()"
     )
 
 
@@ -347,10 +360,10 @@ def _put_back(live: Any, restored: Any, where: str = "") -> Any:
         nnx.update(live, current)
         return live
     if _is_random(live):
-        live.setstate(decode_random(restored))
+        live.setstate(decode_random(restored, where))
         return live
     if _is_random_state(live):
-        return decode_random(restored)
+        return decode_random(restored, where)
     if _is_stateful(live):
         live.set_state(decode_bytes(live.get_state(), restored))
         return live

@@ -1,5 +1,7 @@
 """notebooks/finetune.ipynb runs top to bottom in a fresh kernel, in a temporary folder, so it cannot rot;
-it writes its checkpoints under a temporary folder of its own and shows only the library's log lines.
+it writes its checkpoints under a temporary folder of its own, removes it at the end, and shows only the
+library's log lines. The kernel imports flax_ckpt from a copy laid out as the wheel installs it (no
+``examples/`` or other repository file beside it), so the notebook runs from a plain install.
 It is stored with its outputs (the site shows them, the timeline chart among them), and they are
 current: running it again prints the same text, up to what changes from run to run (the temporary
 folder, times, addresses) and the last digits of a computed float (XLA's CPU kernels differ by CPU
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import math
 import re
+import shutil
 from pathlib import Path
 
 import nbformat
@@ -21,7 +24,9 @@ import pytest
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
 
-NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "finetune.ipynb"
+ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOK = ROOT / "notebooks" / "finetune.ipynb"
+INSTALLED = {"flax_ckpt": "flax_ckpt", "callbacks": "flax_ckpt/callbacks"}  # as the wheel holds them
 CHANGING = [
     (re.compile(r"\S*finetune_notebook_\w+"), "<work>"),  # the temporary folder
     (re.compile(r"\b\d+(?:\.\d+)? ?(?:ms|s)\b"), "<time>"),
@@ -59,17 +64,28 @@ def text_outputs(nb) -> list[str]:
     return out
 
 
+def installed_copy(site: Path) -> Path:
+    """The package as ``pip install`` puts it into ``site`` (tests/test_packaging.py checks the wheel
+    holds these folders and nothing else): no repository around it."""
+    for folder, inside in INSTALLED.items():
+        shutil.copytree(ROOT / folder, site / inside, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    return site
+
+
 def test_finetune_notebook_runs_top_to_bottom(tmp_path, monkeypatch):
     monkeypatch.delenv("XLA_FLAGS", raising=False)  # one CPU device in the kernel, as a user has
     monkeypatch.delenv("JAX_PLATFORMS", raising=False)  # as a user has: JAX looks for its backends
     (tmp_path / "cwd").mkdir()
     (tmp_path / "tmp").mkdir()
     monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))  # the kernel's tempfile folder
+    site = installed_copy(tmp_path / "site")
+    monkeypatch.setenv("PYTHONPATH", str(site))  # before the venv's editable install of the repository
     nb = nbformat.read(NOTEBOOK, as_version=4)
     stored = text_outputs(nb)
     assert any("image/png" in o.get("data", {}) for c in nb.cells for o in c.get("outputs", [])), (
         f"{NOTEBOOK.name} is stored without its outputs: run it and store them (see above)"
     )
+    nb.cells.append(nbformat.v4.new_code_cell("import flax_ckpt\nprint(flax_ckpt.__file__)"))
     client = NotebookClient(
         nb, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(tmp_path / "cwd")}}
     )
@@ -77,15 +93,18 @@ def test_finetune_notebook_runs_top_to_bottom(tmp_path, monkeypatch):
         client.execute()
     except CellExecutionError as e:
         pytest.fail(f"{NOTEBOOK.name} failed:\n{e}")
-    assert list((tmp_path / "cwd").iterdir()) == []  # nothing left beside the notebook (issue 26, item 11)
-    [work] = (tmp_path / "tmp").glob("finetune_notebook_*")
-    assert (work / "pretrained" / "300").is_dir() and (work / "finetune").is_dir()
+    where = nb.cells.pop().outputs[0].text.strip()
+    assert Path(where).is_relative_to(site), f"the kernel imported flax_ckpt from {where}, not {site}"
+    assert list((tmp_path / "cwd").iterdir()) == []  # nothing left beside the notebook
+    assert list((tmp_path / "tmp").iterdir()) == []  # its checkpoints (about 190 MB) removed
     outputs = "".join(
         o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
     )
     assert "best checkpoint (step" in outputs and "Dense_0 unchanged: True" in outputs
-    assert "INFO flax_ckpt" in outputs and "INFO jax" not in outputs  # only the library's lines (item 12)
+    assert "step 300 loss" in outputs and "removed" in outputs and "exists: False" in outputs
+    assert "INFO flax_ckpt" in outputs and "INFO jax" not in outputs  # only the library's lines
     fresh = text_outputs(nb)
+    assert len(fresh) == len(stored)
     for i, (old, new) in enumerate(zip(stored, fresh)):
         assert same_text(old, new), f"{NOTEBOOK.name}: code cell {i + 1} now prints\n{new}\nbut stores\n{old}"
 

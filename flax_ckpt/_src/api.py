@@ -18,6 +18,7 @@ from flax_ckpt._src.engine.snapshot import jsonable
 from flax_ckpt._src.errors import CheckpointExistsError, StorageError
 from flax_ckpt._src.serializers import Serializer, get_serializer
 from flax_ckpt._src.storage import split_location
+from flax_ckpt._src.tree import refuse_traced
 
 
 def save(
@@ -48,6 +49,8 @@ def save(
     Raises:
       CheckpointExistsError: ``path`` holds a committed checkpoint already.
       UnsupportedLeafError: a leaf is not an array or a Python scalar.
+      CheckpointError: a leaf is a tracer (``save`` called inside ``jax.jit``, ``grad``, ``vmap`` or
+        a ``lax.scan`` body).
       StorageError: the storage refused a write; nothing is committed.
       ValueError: an unknown ``format`` or ``serializer``, ``metadata`` that is not JSON, or a
         ``step`` that ``path``'s name does not carry with ``format="orbax"``.
@@ -58,6 +61,7 @@ def save(
       >>> fc.metadata("ckpt").metadata
       {'lr': 0.1}
     """
+    refuse_traced(tree, None, f"save to {path}")
     fmt = layouts.layout(format, serializer)
     parent, name = split_location(path)
     jsonable(metadata, "metadata")

@@ -8,13 +8,14 @@ leaves so that a restore without a target gives them back.
 
 from __future__ import annotations
 
+import sys
 import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable, Sequence, cast
 
 import numpy as np
 
-from flax_ckpt._src.errors import UnsupportedLeafError
+from flax_ckpt._src.errors import CheckpointError, UnsupportedLeafError
 from flax_ckpt._src.lazy import lazy
 from flax_ckpt._src.records import dtype_from_name, keystr
 
@@ -243,3 +244,23 @@ __all__ = [
     "keystr",
     "nest",
 ]
+
+
+def refuse_traced(tree: Any, leaves: list[Any] | None, what: str) -> None:
+    """A CheckpointError when ``tree`` (whose ``leaves`` are given, or None) holds a tracer: a save (``what``,
+    e.g. "save of step 5 in DIR") called inside ``jax.jit`` (or ``grad``, ``vmap``, a ``lax.scan``
+    body), where the values do not exist yet."""
+    core = sys.modules.get("jax.core")  # jax not imported yet: no tracer anywhere
+    if core is None:
+        return
+    leaves = jax.tree_util.tree_leaves(tree) if leaves is None else leaves
+    if not any(issubclass(t, core.Tracer) for t in set(map(type, leaves))):  # a few types
+        return
+    for path, x in jax.tree_util.tree_leaves_with_path(tree):
+        if isinstance(x, core.Tracer):
+            raise CheckpointError(
+                f"{what}: leaf {jax.tree_util.keystr(path) or '<root>'} is a tracer ({type(x).__name__}): "
+                "save was called inside a traced function (jax.jit, grad, vmap, scan), where the values "
+                "are not computed yet. Fix: call save outside it, on the state the jitted step returns "
+                "(or use jax.debug.callback / io_callback)"
+            )

@@ -15,7 +15,6 @@ import contextlib
 import functools
 import logging
 import os
-import sys
 import threading
 import time
 import weakref
@@ -41,7 +40,7 @@ from flax_ckpt._src.serializers import Serializer
 from flax_ckpt._src.storage import ObjectStoreOptions, Storage
 from flax_ckpt._src.tiers import Tiers
 from flax_ckpt._src.tiers.tierset import TierSet
-from flax_ckpt._src.tree import is_ready
+from flax_ckpt._src.tree import is_ready, refuse_traced
 from flax_ckpt._src.window import Window
 
 if TYPE_CHECKING:  # the real modules for the type checker; at run time the lazy proxies
@@ -376,7 +375,7 @@ class CheckpointManager:
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
         leaves = jax.tree_util.tree_leaves(state)
-        _refuse_traced(state, leaves, step, self.directory)
+        refuse_traced(state, leaves, f"save of step {step} in {self.directory}")
         with self._busy:  # threads saving through one manager: one save at a time, each step whole
             if self._closed:
                 raise CheckpointError(f"CheckpointManager({self.directory}) is closed")
@@ -677,22 +676,6 @@ class CheckpointManager:
                 self.directory,
                 type(e).__name__,
                 e,
-            )
-
-
-def _refuse_traced(state: Any, leaves: list[Any], step: int, directory: str) -> None:
-    """A CheckpointError when ``state`` (whose ``leaves`` are given) holds a tracer: ``save`` called
-    inside ``jax.jit`` (or ``grad``, ``vmap``, a ``lax.scan`` body), where the values do not exist yet."""
-    core = sys.modules.get("jax.core")  # jax not imported yet: no tracer anywhere
-    if core is None or not any(issubclass(t, core.Tracer) for t in set(map(type, leaves))):  # a few types
-        return
-    for path, x in jax.tree_util.tree_leaves_with_path(state):
-        if isinstance(x, core.Tracer):
-            raise CheckpointError(
-                f"save of step {step} in {directory}: leaf {jax.tree_util.keystr(path) or '<root>'} is a "
-                f"tracer ({type(x).__name__}): save was called inside a traced function (jax.jit, grad, "
-                "vmap, scan), where the values are not computed yet. Fix: call save outside it, on the "
-                "state the jitted step returns (or use jax.debug.callback / io_callback)"
             )
 
 

@@ -41,6 +41,10 @@ STRINGS = "_strings.json"
 OCDBT_MANIFEST = "manifest.ocdbt"
 TMP_SUFFIX = commit_mod.ORBAX_TMP_MARK
 JSON_FILES = ("metadata", "data.json")
+# the names Orbax writes into a step or item folder (an ocdbt item also has ocdbt.process_<i>/ folders)
+ORBAX_PARTS = frozenset(
+    {TREE_METADATA, CHECKPOINT_METADATA, COMMIT_SUCCESS, SHARDING, STRINGS, OCDBT_MANIFEST, "d"}
+)
 PYTREE_HANDLER = "orbax.checkpoint._src.handlers.pytree_checkpoint_handler.PyTreeCheckpointHandler"
 STANDARD_HANDLER = "orbax.checkpoint._src.handlers.standard_checkpoint_handler.StandardCheckpointHandler"
 JSON_HANDLER = "orbax.checkpoint._src.handlers.json_checkpoint_handler.JsonCheckpointHandler"

@@ -16,6 +16,7 @@ from flax_ckpt._src import layouts
 from flax_ckpt._src.engine.reader import Reader
 from flax_ckpt._src.errors import CheckpointError, CheckpointNotFoundError
 from flax_ckpt._src.lazy import lazy
+from flax_ckpt._src.orbax.locate import ORBAX_PARTS
 from flax_ckpt._src.storage import Storage, split_location
 from flax_ckpt._src.storage.lock import LOCK_FILE
 
@@ -114,12 +115,26 @@ def _value(leaf: Any) -> Any:
 def is_empty_run(folder: Storage, temporary: list[str]) -> bool:
     """Whether ``folder``, which holds no checkpoint and no step, is a run directory without steps
     yet: a folder that is empty, or holds only saves in flight, interrupted deletions, a manager's
-    lock file and files of the run's own (a config file written before the first step), whatever the
-    run's format. A folder with a sub-folder (a checkpoint's ``data/``: a save that never committed)
-    is not."""
+    lock file, and files and folders of the run's own (a config file written before the first step,
+    ``tensorboard/``, the run's ``compile_cache/``), whatever the run's format. A folder with a part of
+    a checkpoint (a native ``data/``, an Orbax item's files: a save that never committed) is not."""
     if folder.kind() != "folder":
         return False
-    return all(n in temporary or n == LOCK_FILE or folder.sub(n).kind() == "file" for n in folder.list())
+    return all(
+        n in temporary or n == LOCK_FILE or folder.sub(n).kind() == "file" or _own_folder(folder.sub(n), n)
+        for n in folder.list()
+    )
+
+
+_CHECKPOINT_PARTS = frozenset({"data", *ORBAX_PARTS})  # a native checkpoint's data/, Orbax's item files
+
+
+def _own_folder(sub: Storage, name: str) -> bool:
+    """Whether ``sub`` (named ``name`` in its parent) is a folder that holds no part of a checkpoint:
+    not a native checkpoint's ``data/``, and none of Orbax's files directly in it."""
+    if name in _CHECKPOINT_PARTS or sub.kind() != "folder":
+        return False
+    return not any(n in _CHECKPOINT_PARTS or n.startswith("ocdbt.process_") for n in sub.list())
 
 
 class Leaves:

@@ -1,5 +1,6 @@
-"""Red team, round three (issue 51): threads saving through one manager (item 4) and the raw errors
-of item 9, each now a CheckpointError (or ValueError) naming what happened and the fix."""
+"""Misuse that must fail cleanly: threads saving through one manager, saves inside traced functions,
+malformed stored state, tools on runs without steps, a follower beside Orbax's own writer. Each a
+CheckpointError (or ValueError) naming what happened and the fix, or the tool's plain answer."""
 
 from __future__ import annotations
 
@@ -167,25 +168,57 @@ def test_save_inside_jit_is_a_checkpoint_error_saying_so(tmp_path):
         assert mgr.all_steps() == []
 
 
-@pytest.mark.parametrize("damage", ["position", "zeros"])
+@pytest.mark.parametrize("transform", ["jit", "vmap", "grad", "scan"])
+def test_fc_save_inside_a_traced_function_is_a_checkpoint_error_saying_so(tmp_path, transform):
+    """``fc.save`` inside jit/vmap/grad/scan was a raw ConcretizationTypeError (or TracerArrayConversion
+    error); it is the CheckpointError the manager gives, naming the leaf and the fix, and writes nothing."""
+    where = tmp_path / "ck"
+
+    def f(x):
+        fc.save(where, {"params": {"w": x}})
+        return (x * 2.0).sum()
+
+    traced = {
+        "jit": lambda x: jax.jit(f)(x),
+        "vmap": lambda x: jax.vmap(f)(x[None]),
+        "grad": lambda x: jax.grad(f)(x),
+        "scan": lambda x: jax.lax.scan(lambda c, _: (c, f(c)), x, None, length=2),
+    }[transform]
+    with pytest.raises(fc.CheckpointError, match=r"save to .*ck: leaf \['params'\]\['w'\] is a tracer"):
+        traced(jnp.ones(3))
+    assert not where.exists()
+
+
+@pytest.mark.parametrize("damage", ["position", "zeros", "flag", "nan", "inf"])
 def test_a_malformed_stored_random_state_is_refused(tmp_path, damage):
     """The stored state of Python's ``random`` (628 words): a position past the 624 words was a raw
-    ValueError of random.setstate; all-zero words were accepted, and random() returned 0.0 forever."""
+    ValueError of random.setstate; all-zero words were accepted, and random() returned 0.0 forever; a
+    gauss_next flag other than 0/1, or a gauss_next that is no finite number (random.gauss() would
+    return it next), was accepted. Refused, naming the step and the item."""
     import random
 
     from flax_ckpt.callbacks import CheckpointCallback
+    from flax_ckpt.callbacks.state import encode_random
 
     words = np.zeros(628, np.uint32)
     if damage == "position":
         words[:624], words[624] = np.arange(1, 625), 700
+    elif damage != "zeros":
+        words = encode_random(random.Random(3).getstate())
+        words[625] = 2 if damage == "flag" else 1
+        words[626:] = np.array([0.5 if damage == "flag" else float(damage)], "<f8").view("<u4")
     with fc.CheckpointManager(tmp_path / "run", async_save=False) as mgr:
         mgr.save(5, {"rng": words, "w": np.ones(2, np.float32)})
     cb = CheckpointCallback(tmp_path / "run")
     live = random.Random(1)
-    with pytest.raises(fc.CorruptCheckpointError, match="random generator is not one it can resume from"):
+    before = live.getstate()
+    with pytest.raises(
+        fc.CorruptCheckpointError, match="random generator at 'rng' is not one it can resume"
+    ) as e:
         cb.restore_or({"rng": live, "w": np.zeros(2, np.float32)})
     cb.close()
-    assert live.random() != 0.0
+    assert str(e.value).startswith(f"step 5 of {tmp_path / 'run'}: "), e.value
+    assert live.getstate() == before
 
 
 def test_verify_on_a_run_with_a_config_file_and_no_step_says_no_steps(tmp_path, capsys):
@@ -293,3 +326,23 @@ def test_a_step_orbax_starts_deleting_while_the_follower_reads_it_is_reported_go
     monkeypatch.setattr(vanishing, "_entries", look, raising=False)
     with pytest.raises(fc.CheckpointNotFoundError, match="step 1 .* was deleted while it was being restored"):
         follower.restore(1)
+
+
+@pytest.mark.parametrize("inside", ["tensorboard", "compile_cache", "data", "default"])
+def test_verify_on_a_run_with_only_a_folder_of_its_own_says_no_steps(tmp_path, capsys, inside):
+    """A run that holds only a folder (``tensorboard/``, or the ``compile_cache/`` the callback creates
+    before its first save) has no steps: exit 0, as for a file. A checkpoint's part (a native
+    ``data/``, an Orbax item with its files) is a save that never committed: exit 2."""
+    from flax_ckpt._src.tools.cli import main as cli
+
+    sub = tmp_path / "run" / inside
+    sub.mkdir(parents=True)
+    part = {"data": "p0-1a2b.0.bin", "default": "_METADATA"}.get(inside, "events.out.tfevents.1")
+    (sub / part).write_bytes(b"x")
+    own = inside in ("tensorboard", "compile_cache")
+    assert cli(["verify", str(tmp_path / "run")]) == (0 if own else 2)
+    captured = capsys.readouterr()
+    if own:
+        assert f"no steps in {tmp_path / 'run'}: nothing to verify" in captured.out, captured
+    else:
+        assert "holds no committed checkpoint" in captured.err, captured
