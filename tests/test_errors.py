@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import ast
 import json
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -85,6 +87,35 @@ def test_shape_and_dtype_mismatch_show_both_for_every_leaf(tmp_path):
     assert "'step': expected Python float (target), found Python int" in msg
     assert "manifest.json" in msg
     assert "Fix: shapes differ, so this checkpoint is from another model or config" in msg
+
+
+@pytest.mark.parametrize("head_leaves", [2, 5])
+def test_a_new_head_under_the_saved_name_gets_a_rename_rule_that_works_not_missing_keep(
+    tmp_path, head_leaves
+):
+    """A fine-tune whose new head keeps the old head's name with another width, restored with
+    missing="keep": the hint suggested missing="keep", which the user had passed. It gives the
+    rename= rule that leaves out exactly the saved head (all of it past three leaves), and that rule,
+    as printed, restores the body and keeps the new head."""
+    names = ["bias", "kernel", "scale", "shift", "gate"][:head_leaves]
+    saved_head = {n: np.full((4, 10), i, np.float32) for i, n in enumerate(names)}
+    fc.save(tmp_path / "ck", {"params": {"body": np.ones(4, np.float32), "head": saved_head}})
+    target = {
+        "params": {"body": np.zeros(4, np.float32), "head": {n: np.zeros((4, 5), np.float32) for n in names}}
+    }
+    with pytest.raises(fc.LeafMismatchError) as e:
+        fc.restore(tmp_path / "ck", target, missing="keep")
+    msg = str(e.value)
+    rule = re.search(r"rename=(\{r\"[^\"]+\": None\}) beside missing=\"keep\"", msg)
+    assert rule is not None and 'or missing="keep" for new ones' not in msg, msg
+    assert rule.group(1) == (
+        '{r"params/head/bias|params/head/kernel": None}' if head_leaves == 2 else '{r"params/head/.*": None}'
+    )
+    restored = fc.restore(tmp_path / "ck", target, missing="keep", rename=ast.literal_eval(rule.group(1)))  # as printed
+    assert np.array_equal(restored["params"]["body"], np.ones(4, np.float32))
+    assert all(restored["params"]["head"][n] is target["params"]["head"][n] for n in names)
+    with pytest.raises(fc.LeafMismatchError, match=r'keep the target\'s own with rename=\{r"params/head'):
+        fc.restore(tmp_path / "ck", target)  # without missing="keep": the same rule, and missing="keep"
 
 
 def test_a_dtype_only_mismatch_suggests_restoring_the_saved_dtype_and_casting(tmp_path):

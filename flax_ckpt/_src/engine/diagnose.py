@@ -2,8 +2,9 @@
 
 Scope: pure functions from key paths and shapes to the sentences a restore's mismatch errors add after
 their list of leaves (engine/leaves.py raises the errors): a target nested under another prefix, or
-with NNX's ``/value`` after every key path (an ``nnx.State`` against a pure dict), and a state saved
-replicated by pmap (a leading device axis on every leaf) restored unreplicated, or the other way round.
+with NNX's ``/value`` after every key path (an ``nnx.State`` against a pure dict), a state saved
+replicated by pmap (a leading device axis on every leaf) restored unreplicated, or the other way round,
+and new layers under saved names (``new_layers_fix``).
 No I/O, no jax.
 """
 
@@ -139,3 +140,33 @@ def _replicated(k: int, saved_side: bool) -> str:
 
 
 __all__ = ["replicated_diagnosis", "structure_diagnosis"]
+
+
+def new_layers_fix(names: Sequence[str], keep: bool) -> str:
+    """The fix for saved leaves ``names`` whose shapes differ from the target's, as a new layer under a
+    saved name makes them (a new head of another width): leave the saved ones out with a ``rename=``
+    rule that matches exactly them (or every leaf under their common folder, past three), and keep the
+    target's own with ``missing="keep"``. ``keep``: ``missing="keep"`` was passed already, and kept
+    nothing here, since the checkpoint has these leaves."""
+    if len(names) <= 3:
+        pattern = "|".join(re.escape(n) for n in names)
+    else:
+        parts = [n.split("/") for n in names]
+        common = [p[0] for p in zip(*parts) if len(set(p)) == 1][: min(len(p) for p in parts) - 1]
+        head = "/".join(common)
+        pattern = f"{re.escape(head)}/.*" if head else "|".join(re.escape(n) for n in names)
+    rule = f'r"{pattern}"' if '"' not in pattern else repr(pattern)
+    if keep:
+        return (
+            'Fix: missing="keep" keeps only the target leaves the checkpoint lacks, and it has these, saved '
+            "with other shapes. For a new layer under a saved name (a new head), leave the saved ones out: "
+            f'rename={{{rule}: None}} beside missing="keep" keeps the target\'s own. Otherwise build the '
+            "target with the config it was saved with (fc.metadata(path).tree shows every saved shape)."
+        )
+    return (
+        "Fix: shapes differ, so this checkpoint is from another model or config: build the target with the "
+        "config it was saved with (fc.metadata(path).tree shows every saved shape and dtype), or restore "
+        "only the leaves that fit: for a new layer under a saved name (a new head), leave the saved ones "
+        f'out and keep the target\'s own with rename={{{rule}: None}}, missing="keep"; for leaves saved '
+        'but not in the target, unexpected="ignore" (partial=True).'
+    )

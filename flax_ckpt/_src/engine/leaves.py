@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
 import numpy as np
 
 from flax_ckpt._src import tree as tree_mod
-from flax_ckpt._src.engine.diagnose import replicated_diagnosis, structure_diagnosis
+from flax_ckpt._src.engine.diagnose import new_layers_fix, replicated_diagnosis, structure_diagnosis
 from flax_ckpt._src.engine.fit import Fit, RestoreReport, cast_problem, renamed
 from flax_ckpt._src.errors import (
     AbstractTargetLeafError,
@@ -166,7 +166,7 @@ def fit_target(
         shown = "; ".join(bad[:_SHOWN]) + (f"; ... ({len(bad) - _SHOWN} more)" if len(bad) > _SHOWN else "")
         raise LeafMismatchError(
             f"restore of {len(bad)} leaves does not match the target: {shown} in "
-            f"{where}. " + _mismatch_fix(flat, chosen, fit.cast)
+            f"{where}. " + _mismatch_fix(flat, chosen, fit.cast, keep=fit.missing == "keep")
         )
     report = RestoreReport(
         restored=tuple(n for n, leaf in zip(names, chosen) if leaf is not None),
@@ -290,10 +290,15 @@ def castable(t: Any, leaf: LeafRecord) -> str | None:
 
 
 def _mismatch_fix(
-    flat: Sequence[tuple[tree_mod.KeyPath, Any]], chosen: Sequence[LeafRecord | None], cast: bool = False
+    flat: Sequence[tuple[tree_mod.KeyPath, Any]],
+    chosen: Sequence[LeafRecord | None],
+    cast: bool = False,
+    *,
+    keep: bool = False,
 ) -> str:
-    """The fix a LeafMismatchError suggests, from what differs: shapes (another model or config),
-    only dtypes (a cast meant on purpose), or kinds."""
+    """The fix a LeafMismatchError suggests, from what differs: shapes (another model or config, or a
+    new layer under a saved name), only dtypes (a cast meant on purpose), or kinds. ``keep``: the
+    restore passed ``missing="keep"``."""
     pairs = [
         (t, leaf)
         for (_, t), leaf in zip(flat, chosen)
@@ -309,13 +314,9 @@ def _mismatch_fix(
         if replicated is not None:
             return replicated
     arrays = [(t, leaf) for t, leaf in pairs if leaf.is_array and hasattr(t, "shape") and hasattr(t, "dtype")]
-    if any(tuple(t.shape) != leaf.logical_shape for t, leaf in arrays):
-        return (
-            "Fix: shapes differ, so this checkpoint is from another model or config: build the target "
-            "with the config it was saved with (fc.metadata(path).tree shows every saved shape and "
-            "dtype), or restore only the leaves that fit: a target without the others, with "
-            'unexpected="ignore" (partial=True), or missing="keep" for new ones.'
-        )
+    reshaped = [leaf.name for t, leaf in arrays if tuple(t.shape) != leaf.logical_shape]
+    if reshaped:
+        return new_layers_fix(reshaped, keep)
     if arrays and len(arrays) == len(pairs) and not cast:
         return (
             "Fix: only dtypes differ: if a cast is meant, pass cast=True (each leaf is converted to the "
