@@ -139,3 +139,88 @@ def test_the_notebook_page_is_the_repository_notebook():
         "docs/notebooks/finetune.ipynb must link to notebooks/finetune.ipynb, not copy it"
     )
     assert page.resolve() == (ROOT / "notebooks" / "finetune.ipynb").resolve()
+
+
+# The project's history, which user pages never carry: rounds of review, issue numbers, the test files
+# of a round, and "as before" (before what, a user cannot know). Code (fenced or inline) is not prose.
+HISTORY = re.compile(
+    r"\brounds? (?:one|two|three|four|five|six|seven|eight|nine|ten|\d+)\b|\bred team|\bissues? #?\d+"
+    r"|\bas before\b|\btest_round_\w+|\bitem \d+ of\b",
+    re.IGNORECASE,
+)
+ROLE = re.compile(r"\{(?:doc|ref|numref|download|term)\}`")  # MyST roles: raw markup on GitHub
+INLINE_CODE = re.compile(r"(`+)[^`]*?\1")
+
+
+def _prose(text: str) -> str:
+    """``text`` without its fenced code blocks and inline code."""
+    return INLINE_CODE.sub("", FENCED.sub("", text))
+
+
+def _user_pages() -> dict[str, str]:
+    """{name: text} of every page a user reads: README.md, the guides, CHANGELOG.md (the site's
+    changelog page includes it) and the notebook's markdown cells."""
+    import nbformat
+
+    pages = {p.relative_to(ROOT).as_posix(): p.read_text() for p in [*PAGES, ROOT / "CHANGELOG.md"]}
+    nb = nbformat.read(ROOT / "notebooks" / "finetune.ipynb", as_version=4)
+    pages["notebooks/finetune.ipynb"] = "\n\n".join(c.source for c in nb.cells if c.cell_type == "markdown")
+    return pages
+
+
+def test_user_pages_carry_no_project_history_and_no_myst_roles():
+    found = [
+        f"{name}: {m.group(0)!r}"
+        for name, text in _user_pages().items()
+        for pattern in (HISTORY, ROLE)
+        for m in pattern.finditer(_prose(text) if pattern is HISTORY else text)
+    ]
+    assert found == [], "project history or MyST roles in user pages (plain words, Markdown links)"
+
+
+def test_the_history_check_sees_each_kind_of_history():
+    for words in (
+        "Round three: links",
+        "rounds one and two",
+        "(issue 51)",
+        "the red team",
+        "as before.",
+        "see test_round_three.py",
+        "{doc}`notebook <notebooks/finetune>`",
+    ):
+        assert HISTORY.search(_prose(words)) or ROLE.search(words), words
+    for words in ("medians of interleaved rounds", "each round runs every contender", "`--rounds 5`"):
+        assert not HISTORY.search(_prose(words)), words
+
+
+def _table_versions(page: str, column: int) -> dict[str, str]:
+    """{package: version} of a versions table's ``column`` (1: minimum, 2: pinned), one version for
+    each package a row names ("jax, jaxlib | 0.6.0": both)."""
+    out = {}
+    for row in re.findall(r"^\| ([^|]+?) \| ([^|]+?) \| ([^|]+?) \|$", page, re.MULTILINE):
+        names = [re.sub(r"\s*\(.*\)", "", n).strip() for n in row[0].split(",")]
+        versions = [v.strip() for v in row[column].split(",")]
+        if len(versions) == 1:
+            versions *= len(names)
+        out.update(zip(names, versions))
+    return out
+
+
+def _pins(path: pathlib.Path) -> dict[str, str]:
+    pins = re.findall(r"^([A-Za-z0-9_.-]+)==(\S+)$", path.read_text(), re.MULTILINE)
+    return {name.lower().replace("-", "_"): version for name, version in pins}
+
+
+def test_the_tested_versions_table_is_the_constraints_files():
+    text = (DOCS / "getting-started.md").read_text()
+    page = text[text.index("## Tested versions") :].split("\n## ")[0]
+    for column, constraints in ((1, "constraints-min.txt"), (2, "constraints.txt")):
+        table = _table_versions(page, column)
+        pins = _pins(ROOT / constraints)
+        assert "ml_dtypes" in table and "jaxlib" in table, table
+        for name, version in table.items():
+            if name in ("Python", "---"):  # no pin; the header's rule
+                continue
+            assert pins.get(name.lower()) == version, (
+                f"docs/getting-started.md says {name} {version}; {constraints} pins {pins.get(name.lower())}"
+            )
