@@ -111,7 +111,9 @@ def test_a_new_head_under_the_saved_name_gets_a_rename_rule_that_works_not_missi
     assert rule.group(1) == (
         '{r"params/head/bias|params/head/kernel": None}' if head_leaves == 2 else '{r"params/head/.*": None}'
     )
-    restored = fc.restore(tmp_path / "ck", target, missing="keep", rename=ast.literal_eval(rule.group(1)))  # as printed
+    restored = fc.restore(
+        tmp_path / "ck", target, missing="keep", rename=ast.literal_eval(rule.group(1))
+    )  # as printed
     assert np.array_equal(restored["params"]["body"], np.ones(4, np.float32))
     assert all(restored["params"]["head"][n] is target["params"]["head"][n] for n in names)
     with pytest.raises(fc.LeafMismatchError, match=r'keep the target\'s own with rename=\{r"params/head'):
