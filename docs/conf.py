@@ -6,6 +6,10 @@ holds a link to it), rendered by myst-nb without executing it. The charts and ta
 drawn by benchmarks/plots.py. Nothing is fetched at build time (no intersphinx).
 """
 
+import os
+import re
+from pathlib import Path
+
 import flax_ckpt
 
 project = "flax_ckpt"
@@ -50,3 +54,29 @@ html_theme_options = {
 html_static_path = ["_static"]
 html_css_files = ["custom.css"]
 html_show_sourcelink = False
+
+
+# The pages link the notebook as GitHub shows it, [text](notebooks/finetune.ipynb). MyST resolves a
+# link's file through symbolic links, and docs/notebooks/finetune.ipynb links to notebooks/, outside
+# docs/, where it finds no page; so for the site such a link becomes the {doc} role of the page it names.
+_DOCS = Path(__file__).resolve().parent
+_FILE_LINK = re.compile(r"\[([^\]\n]+)\]\(([^)\s#:]+\.(?:md|ipynb))\)")
+
+
+def _links_through_symlinks(app, docname, source):
+    page = Path(app.env.doc2path(docname))
+    if page.suffix != ".md":
+        return
+
+    def to_role(m):
+        target = page.parent / m.group(2)
+        if not target.is_symlink():
+            return m.group(0)
+        doc = Path(os.path.relpath(target.with_suffix(""), _DOCS)).as_posix()
+        return f"{{doc}}`{m.group(1)} </{doc}>`"
+
+    source[0] = _FILE_LINK.sub(to_role, source[0])
+
+
+def setup(app):
+    app.connect("source-read", _links_through_symlinks)
