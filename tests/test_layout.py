@@ -34,6 +34,7 @@ RANKS = {
     "flax_ckpt._src.layouts": 6,
     "flax_ckpt._src.api": 6,
     "flax_ckpt._src.compile_cache": 6,  # a run's JAX compilation cache (over storage)
+    "flax_ckpt._src.cache_folder": 6,  # the compilation cache's folder: its marker, names and owner
     "flax_ckpt._src.retention": 6,
     "flax_ckpt._src.manager": 7,
     "flax_ckpt._src.tools": 8,

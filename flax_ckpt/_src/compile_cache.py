@@ -2,13 +2,16 @@
 
 Scope: one JAX persistent compilation cache kept in a folder of the run (``<run>/compile_cache/``, or any
 location ``fc.use_compilation_cache`` is given: a local folder, ``s3://``, ``gs://``), written through
-the run's own storage. Each entry is checked: it is JAX's entry behind a header with its length and the
-crc32c of its bytes, so a damaged or half-written entry is ignored (one log line, and compiled again),
-never handed to XLA. Entries sit in a folder per JAX version, jaxlib version and device kind
+the run's own storage. Each entry is checked: it is JAX's entry behind a header with its key, its length
+and the crc32c of both, so a damaged or half-written entry, or one stored under another key, is ignored
+(one log line, and compiled again), never handed to XLA; a load costs one comparison of the key (at most
+200 bytes) beyond the crc32c. Entries sit in a folder per JAX version, jaxlib version and device kind
 (``<jax>-<jaxlib>-<platform>-<device kind>``), so a program never loads what another version compiled;
-the writer removes other versions' folders. The whole cache holds at most ``max_bytes``: when full,
+the writer removes other versions' entries. The whole cache holds at most ``max_bytes``: when full,
 entries this process neither read nor wrote are removed first, and a program that still does not fit is
-not written. JAX writes entries from process 0 alone; every process reads.
+not written. JAX writes entries from process 0 alone; every process reads. Which folder is the cache's,
+what in it the cache may delete, and who may write there: cache_folder.py (a folder holding anything
+the cache did not write is not used).
 
 What does not belong here: when to compile (JAX), the checkpoints themselves (manager/), the
 callback's default (callbacks/).
@@ -21,11 +24,11 @@ import os
 import re
 import struct
 import threading
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from flax_ckpt._src.errors import CheckpointError
+from flax_ckpt._src import cache_folder
+from flax_ckpt._src.errors import CorruptCheckpointError
 from flax_ckpt._src.storage import Storage, open_storage
 
 log = logging.getLogger("flax_ckpt")
@@ -34,10 +37,9 @@ FOLDER = (
     "compile_cache"  # the cache's folder in a run directory (no step folder's name: no digits at its end)
 )
 DEFAULT_MAX_BYTES = 2 << 30
-_MAGIC = b"FCJXC\x00\x00\x01"
-_HEADER = struct.Struct("<8sQI")  # magic, payload length, crc32c of the payload
+_MAGIC = b"FCJXC\x00\x00\x02"
+_HEADER = struct.Struct("<8sQIH")  # magic, payload length, crc32c of key and payload, key length; the key
 _KEY = re.compile(r"[A-Za-z0-9_.\-]{1,200}")  # JAX's keys: '<module name>-<sha256 hex>'
-_ENTRY = re.compile(r"(?P<key>[A-Za-z0-9_.\-]{1,200})\.(?P<n>[0-9]{1,15})\.xc")
 
 
 @dataclass(frozen=True)
@@ -63,10 +65,10 @@ class CompilationCacheInfo:
     writes: int
 
 
-def _crc(data: Any) -> int:
+def _crc(data: Any, start: int = 0) -> int:
     import crc32c
 
-    return crc32c.crc32c(data)
+    return crc32c.crc32c(data, start)
 
 
 def namespace() -> str:
@@ -94,6 +96,7 @@ class CompilationCache:
         self._folder: Storage | None = (
             None  # the namespace's folder, known at the first call (the backend is up)
         )
+        self._root: cache_folder.Root | None = None  # the marked root, as listed then
         self._names: dict[str, str] = {}  # key -> entry name
         self._sizes: dict[str, int] = {}  # entry name -> bytes
         self._used: set[str] = set()  # keys this process read or wrote
@@ -115,10 +118,15 @@ class CompilationCache:
                     self.misses += 1
             if folder is None or name is None:
                 return None
-            data = folder.read(name, self._sizes[name])
-            payload = _unwrap(data)
+            try:
+                payload = _unwrap(folder.read(name, self._sizes[name]), key)
+            except CorruptCheckpointError:  # larger than its name says, or not a regular file
+                payload = None
             if payload is None:
-                self._say("damaged", f"compilation cache: {folder.url}/{name} is damaged; compiling it again")
+                self._say(
+                    "damaged",
+                    f"compilation cache: {folder.url}/{name} is damaged or not this program's; compiling it again",
+                )
                 self._forget(key, name, delete=True)
                 with self._lock:
                     self.misses += 1
@@ -142,9 +150,9 @@ class CompilationCache:
         try:
             with self._lock:
                 folder = self._open()
-                if folder is None:
+                if folder is None or self._root is None or self._root.id is None:
                     return
-                size = _HEADER.size + len(value)
+                size = _HEADER.size + len(key) + len(value)
                 if not self._room(folder, size):
                     self._say(
                         "full",
@@ -152,9 +160,9 @@ class CompilationCache:
                         f"{key} is not stored",
                     )
                     return
-                name = f"{key}.{size}.xc"
+                name = self._root.entry_name(key, size)
                 old = self._names.get(key)
-                self._write(folder, name, value)
+                self._write(folder, name, key, value)
                 self._names[key], self._sizes[name] = name, size
                 self._used.add(key)
                 self.writes += 1
@@ -195,29 +203,22 @@ class CompilationCache:
         if self._folder is not None or self.broken:
             return self._folder
         try:
-            ns = namespace()
-            if self.root.local_path is not None and os.path.islink(self.root.local_path.rstrip("/")):
-                raise CheckpointError(
-                    f"{self.root.url} is a symbolic link; a run's cache is a folder of its own"
-                )
-            folder = self.root.sub(ns)
-            for name in folder.list():
-                m = _ENTRY.fullmatch(name)
-                if m is not None:
-                    self._names[m["key"]] = name
-                    self._sizes[name] = int(m["n"])
-            self._folder = folder
-            stale = [n for n in self.root.list() if n != ns and not n.startswith(".")]
-            if stale and _writer():
-                for n in stale:
-                    self.root.sub(n).delete()  # another version's programs: never loaded by this one
+            ns, writer = namespace(), _writer()
+            root = cache_folder.open_root(self.root, writer=writer)
+            folder = cache_folder.namespace_folder(root, ns, writer=writer)
+            for name, size in root.entries.get(ns, {}).items():
+                self._names[cache_folder.key_of(name)] = name
+                self._sizes[name] = size
+            self._folder, self._root = folder, root
+            if writer:
+                cache_folder.tidy(root, keep=ns)  # other versions' entries, temporaries of dead writes
             n = len(self._names)
             log.log(
                 logging.INFO if n else logging.DEBUG, "compilation cache: %s holds %d programs", folder.url, n
             )
         except Exception as e:
             self.broken = True
-            self._say("open", f"compilation cache at {self.root.url} is not used ({e})")
+            self._say("open", f"compilation cache at {self.root.url} is not used ({e}); compiling without it")
         return self._folder
 
     def _room(self, folder: Storage, size: int) -> bool:
@@ -235,14 +236,23 @@ class CompilationCache:
                 total -= self._sizes.pop(name)
         return total + size <= self.max_bytes
 
-    def _write(self, folder: Storage, name: str, value: bytes) -> None:
-        head = _HEADER.pack(_MAGIC, len(value), _crc(value))
-        if folder.supports_rename:  # readers in other processes never see a part of it
-            tmp = f".{name}.tmp-{uuid.uuid4().hex}"
+    def _write(self, folder: Storage, name: str, key: str, value: bytes) -> None:
+        k = key.encode()
+        head = _HEADER.pack(_MAGIC, len(value), _crc(value, _crc(k)), len(k)) + k
+        if not folder.supports_rename:  # an object store's object appears whole
+            folder.write(name, [head, value])
+            return
+        assert self._root is not None
+        tmp = self._root.tmp_name()  # readers in other processes never see a part of the entry
+        try:
             folder.write(tmp, [head, value])
             folder.rename(tmp, name)
-        else:  # an object store's object appears whole
-            folder.write(name, [head, value])
+        except BaseException:  # a full disk: nothing of it stays
+            try:
+                folder.delete(tmp)
+            except OSError:
+                pass
+            raise
 
     def _forget(self, key: str, name: str, *, delete: bool, keep: str | None = None) -> None:
         with self._lock:
@@ -271,20 +281,26 @@ def summary(run: Storage) -> tuple[int, int, list[str]] | None:
     count = nbytes = 0
     kinds = []
     for ns in root.list():
-        sizes = [int(m["n"]) for m in map(_ENTRY.fullmatch, root.sub(ns).list()) if m is not None]
+        names = root.sub(ns).list() if cache_folder.NAMESPACE.fullmatch(ns) else []
+        sizes = [int(m["n"]) for m in map(cache_folder.ENTRY.fullmatch, names) if m is not None]
         if sizes:
             kinds.append(ns)
             count, nbytes = count + len(sizes), nbytes + sum(sizes)
     return count, nbytes, kinds
 
 
-def _unwrap(data: bytes) -> bytes | None:
-    """The payload of a stored entry, or None when its header, length or crc32c do not hold."""
+def _unwrap(data: bytes, key: str) -> bytes | None:
+    """The payload of a stored entry, or None when its header, key, length or crc32c do not hold: an
+    entry stored under another key (moved, swapped) is never handed to XLA for this one."""
+    k = key.encode()
     if len(data) < _HEADER.size:
         return None
-    magic, n, crc = _HEADER.unpack_from(data)
-    payload = memoryview(data)[_HEADER.size :]
-    if magic != _MAGIC or n != len(payload) or _crc(payload) != crc:
+    magic, n, crc, nk = _HEADER.unpack_from(data)
+    start = _HEADER.size + nk
+    if magic != _MAGIC or nk != len(k) or n != len(data) - start or data[_HEADER.size : start] != k:
+        return None
+    payload = memoryview(data)[start:]
+    if _crc(payload, _crc(k)) != crc:
         return None
     return bytes(payload)
 
@@ -336,12 +352,14 @@ def use_compilation_cache(
     this returns None then. A cache that cannot be read or written, or an entry that is damaged, is
     ignored with one log line and the program is compiled as it would be without one.
 
-    Entries are code that JAX runs: keep the cache where only the run's owner can write, as the
-    checkpoints themselves.
+    The cache's folder holds the cache alone: flax_ckpt creates it (mode 0700 on a local disk) and marks
+    it as the cache's, and deletes nothing there but entries it wrote. A folder that holds anything else
+    (a run directory, a user's files), or one another user owns or could write (entries are code that
+    JAX runs), or a symbolic link, is not used: one log line, and programs compile as without a cache.
 
     Args:
-      location: a folder (a path, ``s3://bucket/prefix`` or ``gs://bucket/prefix``); a run directory's
-        cache is ``<run>/compile_cache``.
+      location: a folder of its own, missing or empty at first (a path, ``s3://bucket/prefix`` or
+        ``gs://bucket/prefix``); a run directory's cache is ``<run>/compile_cache``.
       max_bytes: the most the cache holds, across JAX versions and device kinds.
       options: how to reach an object store (``fc.ObjectStoreOptions`` or a dict), as the manager's.
 

@@ -8,7 +8,8 @@ by nobody else. It is opened without following a symlink and without blocking on
 on the open descriptor (fstat), so what is checked is what is used. Which folder a file lies in is the
 caller's: one it opened by descriptor (``dir_fd``), or one it checked with lstat. Users: the recycled
 files of a run directory (commit/recycler.py) and the memory tiers' files (tiers/files.py). Not here:
-what the files hold, folders' checks (tiers/files.py), the directory lock (lock.py).
+what the files hold, where folders are checked (tiers/files.py, the compilation cache), the
+directory lock (lock.py).
 """
 
 from __future__ import annotations
@@ -75,6 +76,22 @@ def file_problem(st: os.stat_result, *, private: bool = False) -> str | None:
     return None
 
 
+def folder_problem(st: os.stat_result) -> str | None:
+    """Why ``st`` (an lstat) is not a folder this user owns and nobody else can write (a symlink, a
+    file, another user's folder, one writable by group or others), or None. The memory tiers' folders
+    and the compilation cache's are checked so."""
+    me, mode = os.geteuid(), stat.S_IMODE(st.st_mode)
+    if stat.S_ISLNK(st.st_mode):
+        return "is a symbolic link, not a folder; links are never followed"
+    if not stat.S_ISDIR(st.st_mode):
+        return f"is not a folder (mode {stat.filemode(st.st_mode)})"
+    if st.st_uid != me:
+        return f"is owned by {who(st.st_uid)}, not by this user ({who(me)}); mode {mode:#o}"
+    if mode & 0o022:
+        return f"is writable by group or others (mode {mode:#o}, owner {who(st.st_uid)})"
+    return None
+
+
 def open_own(
     path: str,
     flags: int,
@@ -108,4 +125,4 @@ def open_own(
     return fd, st
 
 
-__all__ = ["NotOwnFile", "OPEN_FLAGS", "file_problem", "kind", "open_own", "who"]
+__all__ = ["NotOwnFile", "OPEN_FLAGS", "file_problem", "folder_problem", "kind", "open_own", "who"]

@@ -67,7 +67,7 @@ def pool() -> ThreadPoolExecutor:
 def _problem(path: str, st: os.stat_result, *, folder: bool, system_ok: bool = False) -> str | None:
     """Why ``st`` (an lstat of ``path``) is not this user's own folder (for a file: one this user
     created, with one name, writable by nobody else: storage/owned.py), or None."""
-    me, mode = os.geteuid(), stat.S_IMODE(st.st_mode)
+    mode = stat.S_IMODE(st.st_mode)
     if stat.S_ISLNK(st.st_mode):
         try:
             to = os.readlink(path)
@@ -76,15 +76,9 @@ def _problem(path: str, st: os.stat_result, *, folder: bool, system_ok: bool = F
         return f"is a symbolic link (to {to!r}), not a {'folder' if folder else 'file'}; links are never followed"
     if not folder:
         return owned.file_problem(st, private=True)
-    if not stat.S_ISDIR(st.st_mode):
-        return f"is not a folder (mode {stat.filemode(st.st_mode)})"
-    if system_ok and st.st_uid == 0 and mode & stat.S_ISVTX:  # /dev/shm, /tmp: nobody replaces our entries
-        return None
-    if st.st_uid != me:
-        return f"is owned by {owned.who(st.st_uid)}, not by this user ({owned.who(me)}); mode {mode:#o}"
-    if mode & 0o022:
-        return f"is writable by group or others (mode {mode:#o}, owner {owned.who(st.st_uid)})"
-    return None
+    if system_ok and stat.S_ISDIR(st.st_mode) and st.st_uid == 0 and mode & stat.S_ISVTX:
+        return None  # /dev/shm, /tmp: nobody replaces our entries
+    return owned.folder_problem(st)
 
 
 def _refuse(path: str, what: str, problem: str, *, folder: bool) -> StorageError:
