@@ -22,15 +22,17 @@ from helpers import worker_env
 
 MANY = r"""
 import json, sys
-import jax, jax.numpy as jnp
+import jax, jax.numpy as jnp, numpy as np
 import flax_ckpt as fc
 
 location, max_bytes, first = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 cache = fc.use_compilation_cache(location, max_bytes=max_bytes)
-for k in range(first, first + 6):  # six programs of their own
-    jax.block_until_ready(jax.jit(lambda x, k=k: jnp.sin(x * k) + k)(jnp.ones(8)))
+results = []
+for k in range(first, first + 6):  # six programs of their own, of one signature
+    results.append(np.asarray(jax.jit(lambda x, k=k: jnp.sin(x * k) + k)(jnp.ones(8))).tolist())
 info = cache.info()
-print(json.dumps({"entries": info.entries, "nbytes": info.nbytes, "writes": info.writes}))
+print(json.dumps({"entries": info.entries, "nbytes": info.nbytes, "writes": info.writes, "hits": info.hits,
+                  "results": results}))
 """
 
 
@@ -134,29 +136,54 @@ def test_a_cache_the_program_configured_is_left_as_it_is(tmp_path, uninterrupted
     assert any(own.iterdir())  # JAX's own cache got the programs
 
 
-def test_the_cache_holds_at_most_max_bytes(tmp_path):
-    script, location = tmp_path / "many.py", tmp_path / "cache"
+def _many(script: Path, location: Path, max_bytes: int, first: int) -> dict:
+    p = subprocess.run(
+        [sys.executable, str(script), str(location), str(max_bytes), str(first)],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def six(tmp_path_factory):
+    """The MANY program's script, and a cache of its six programs (first=0): what a copy starts from."""
+    tmp = tmp_path_factory.mktemp("six")
+    script, location = tmp / "many.py", tmp / "cache"
     script.write_text(MANY)
+    out = _many(script, location, 1 << 30, 0)
+    assert out["writes"] >= 6
+    return script, location, out
 
-    def many(max_bytes: int, first: int) -> dict:
-        p = subprocess.run(
-            [sys.executable, str(script), str(location), str(max_bytes), str(first)],
-            env=_env(),
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        assert p.returncode == 0, p.stderr[-3000:]
-        return json.loads(p.stdout.strip().splitlines()[-1])
 
-    unbounded = many(1 << 30, 0)
-    assert unbounded["writes"] >= 6
+def test_the_cache_holds_at_most_max_bytes(tmp_path, six):
+    script, location = six[0], tmp_path / "cache"
+    shutil.copytree(six[1], location)
+    unbounded = six[2]
     one = max(f.stat().st_size for f in location.glob("*/*.xc"))
     bound = unbounded["nbytes"] // 2 + one
-    newer = many(bound, 100)  # six other programs: the unused ones make room for them
+    newer = _many(script, location, bound, 100)  # six other programs: the unused ones make room for them
     on_disk = sum(f.stat().st_size for f in location.glob("*/*.xc"))
     assert on_disk == newer["nbytes"] <= bound
     assert newer["writes"] >= 3
+
+
+def test_entries_swapped_between_programs_are_compiled_again_never_run(tmp_path, six):
+    script, location = six[0], tmp_path / "cache"
+    shutil.copytree(six[1], location)
+    a, b = sorted(location.glob("*/jit__lambda-*.xc"))[:2]  # two programs of one signature
+    (ka, _, tail), (kb, _, _) = (p.name.split(".", 2) for p in (a, b))  # <key>.<bytes>.<the rest>
+    da, db = a.read_bytes(), b.read_bytes()
+    a.unlink()
+    b.unlink()  # each stored under the other's key, its length in its name: it checks out but for its key
+    a.with_name(f"{ka}.{len(db)}.{tail}").write_bytes(db)
+    b.with_name(f"{kb}.{len(da)}.{tail}").write_bytes(da)
+    again = _many(script, location, 1 << 30, 0)
+    assert again["results"] == six[2]["results"]  # each program computes its own result
+    assert again["writes"] == 2 and again["hits"] == six[2]["writes"] - 2  # the two compiled, stored again
 
 
 def test_the_manager_and_the_tools_leave_the_cache_alone(tmp_path, run):

@@ -95,8 +95,10 @@ def open_root(root: Storage, *, writer: bool) -> Root:
     entries: dict[str, dict[str, int]] = {}
     tmps: dict[str, dict[str, float]] = {}
     for ns in spaces:
-        if not NAMESPACE.fullmatch(ns) or names[ns] != "folder":
+        if not NAMESPACE.fullmatch(ns):
             _refuse(root, [ns], f"a {names[ns]} not named as the cache's folders are")
+        if names[ns] != "folder":
+            _refuse(root, [ns], f"a {names[ns]} in place of one of its folders; links are never followed")
         entries[ns], tmps[ns] = {}, {}
         sub = root.sub(ns)
         for name, kind in (_list(sub) or {}).items():
