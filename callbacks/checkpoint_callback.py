@@ -69,7 +69,8 @@ class CheckpointCallback:
         ``restore_or`` replicates the restored state onto the local devices again. The replicas are
         assumed equal (kept in sync by ``pmean``): the first is saved.
       compile_cache: keep JAX's compiled programs in ``<directory>/compile_cache`` (True), in another
-        folder (a path or URL), or not (False), so that a resumed run loads its training step instead of
+        folder of their own (a path or URL: missing or empty at first, never a folder of other files,
+        which is not used), or not (False), so that a resumed run loads its training step instead of
         compiling it again (``fc.use_compilation_cache``). A cache the program configured itself
         (``jax_compilation_cache_dir``) is used as it is.
       **manager_options: any other ``fc.CheckpointManager`` option (``keep_period``, ``best_metric``,
