@@ -120,7 +120,8 @@ def open_root(root: Storage, *, writer: bool) -> Root:
 
 
 def namespace_folder(root: Root, ns: str, *, writer: bool) -> Storage:
-    """The folder of namespace ``ns``, created (mode 0700, checked) by the writer."""
+    """The folder of namespace ``ns``; the writer creates it (mode 0700) where open_root found none
+    (one it found was checked there)."""
     folder = root.storage.sub(ns)
     if writer and folder.local_path is not None:
         _private_folder(folder.local_path)
