@@ -156,6 +156,7 @@ def _list(folder: Storage) -> dict[str, str] | None:
             top, _, rest = key.partition("/")
             names[top] = "folder" if rest else names.get(top, "file")
         return names or None
+    assert path is not None, f"{folder.url}: a local folder or an object store"
     try:
         st = os.lstat(path)
     except FileNotFoundError:
@@ -167,7 +168,6 @@ def _list(folder: Storage) -> dict[str, str] | None:
             "is used. Fix: remove it (as its owner, or root) and let flax_ckpt create it again (mode "
             "0700), or give the cache a folder only you can write"
         )
-    assert path is not None
     with os.scandir(path) as it:
         return {e.name: _kind(e) for e in it}
 
