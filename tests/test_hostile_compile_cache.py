@@ -204,3 +204,24 @@ def test_temporaries_of_a_dead_writer_are_removed_when_the_cache_opens(tmp_path,
     assert all(again.get(k) == v for k, v in KEYS.items())
     assert not dead.exists() and live.exists()
     assert _warnings(caplog) == []
+
+
+def test_on_s3_a_run_given_as_the_cache_keeps_every_object_and_a_cache_of_its_own_works(s3, caplog):
+    with fc.CheckpointManager(s3.url) as mgr:
+        mgr.save(1, {"w": np.arange(100, dtype=np.float32)})
+        mgr.save(2, {"w": np.arange(100, dtype=np.float32) + 1})
+    before = s3.keys()
+    slip = CompilationCache(open_storage(s3.url), 1 << 20)  # fc.use_compilation_cache(run)
+    slip.put("jit_h-" + "c" * 64, b"program h")
+    assert slip.get("jit_h-" + "c" * 64) is None and slip.info().writes == 0
+    assert s3.keys() == before
+    (line,) = _warnings(caplog)
+    assert "is not used" in line and "'1', '2'" in line
+    own = CompilationCache(open_storage(f"{s3.url}/compile_cache"), 1 << 20)
+    for key, value in KEYS.items():
+        own.put(key, value)
+    again = CompilationCache(open_storage(f"{s3.url}/compile_cache"), 1 << 20)
+    assert all(again.get(k) == v for k, v in KEYS.items()) and again.info().hits == 2
+    assert len(_warnings(caplog)) == 1
+    with fc.CheckpointManager(s3.url, read_only=True) as mgr:
+        assert mgr.all_steps() == [1, 2]
