@@ -48,6 +48,8 @@ import numpy as np
 
 import flax_ckpt as fc
 
+from .shared_variables import once_each
+
 log = logging.getLogger("flax_ckpt.callbacks")
 
 _PY_SCALARS = (bool, int, float, complex)
@@ -220,10 +222,9 @@ def _is_object_leaf(x: Any) -> bool:
     return _is_nnx(x) or _is_stateful(x) or _is_random(x) or _is_random_state(x)
 
 
-def _pure(x: Any, pure_nnx: bool = False, keep_bytes: bool = False) -> Any:
+def _pure(x: Any, keep_bytes: bool = False) -> Any:
     if _is_nnx(x):
-        st = x if _is_nnx_state(x) else _nnx().state(x)
-        return _to_pure_dict(st) if pure_nnx else st
+        return x if _is_nnx_state(x) else _nnx().state(x)
     if _is_random(x):
         return encode_random(x.getstate())
     if _is_random_state(x):
@@ -238,7 +239,9 @@ def to_tree(state: Any, *, keep_bytes: bool = False) -> Any:
     as their ``get_state()`` (``bytes`` in it as uint8 arrays, unless ``keep_bytes``: an Orbax run
     stores a grain iterator's bytes as grain's own file); everything else as it is. Reads, never
     mutates."""
-    return jax.tree_util.tree_map(lambda x: _pure(x, keep_bytes=keep_bytes), state, is_leaf=_is_object_leaf)
+    flat, treedef = jax.tree_util.tree_flatten(state, is_leaf=_is_object_leaf)
+    parts = once_each([_pure(x, keep_bytes=keep_bytes) for x in flat])  # a shared Variable: stored once
+    return jax.tree_util.tree_unflatten(treedef, parts)
 
 
 def target_tree(state: Any, info: "fc.CheckpointInfo | None") -> Any:
@@ -255,9 +258,35 @@ def target_tree(state: Any, info: "fc.CheckpointInfo | None") -> Any:
         if _is_stateful(x):
             out.append(_stateful_target(x, None if info is None else _saved_node(info.tree, path)))
             continue
-        pure = info is not None and _is_nnx(x) and _saved_pure(x, _saved_node(info.tree, path))
-        out.append(_pure(x, pure_nnx=pure))
-    return jax.tree_util.tree_unflatten(treedef, out)
+        out.append(_pure(x))
+    return jax.tree_util.tree_unflatten(treedef, _nnx_targets(flat, out, info))
+
+
+def _nnx_targets(
+    flat: list[tuple[Any, Any]], parts: list[Any], info: "fc.CheckpointInfo | None"
+) -> list[Any]:
+    """``parts`` (the targets of ``flat``'s leaves) with each nnx State less the Variables an earlier
+    part holds, unless the checkpoint holds them there too (stored twice by an earlier version), and
+    as its pure dict where the checkpoint holds that."""
+    saved = [None if info is None else _saved_node(info.tree, path) for path, _ in flat]
+    parts = once_each(parts, lambda i, path: _holds(saved[i], path))
+    return [
+        _to_pure_dict(part) if _is_nnx(x) and _saved_pure(part, node) else part
+        for (_, x), part, node in zip(flat, parts, saved)
+    ]
+
+
+def _holds(node: Any, path: tuple[Any, ...]) -> bool:
+    """Whether ``node`` (a sub-tree of ``fc.CheckpointInfo.tree``) has something at ``path`` (nnx path
+    parts: strings and ints)."""
+    for k in path:
+        if isinstance(node, dict) and (k in node or str(k) in node):
+            node = node[k if k in node else str(k)]
+        elif isinstance(node, list) and isinstance(k, int) and 0 <= k < len(node):
+            node = node[k]
+        else:
+            return False
+    return True
 
 
 def _leaf_paths(tree: Any) -> set[tuple[str, ...]]:
@@ -269,11 +298,10 @@ def _leaf_paths(tree: Any) -> set[tuple[str, ...]]:
     }
 
 
-def _saved_pure(obj: Any, saved: Any) -> bool:
-    """Whether ``saved`` (the checkpoint's sub-tree at an nnx object) holds its pure dict, not its State."""
+def _saved_pure(st: Any, saved: Any) -> bool:
+    """Whether ``saved`` (the checkpoint's sub-tree at an nnx State) holds its pure dict, not the State."""
     if saved is None:
         return False
-    st = obj if _is_nnx_state(obj) else _nnx().state(obj)
     have = _leaf_paths(saved)
     return not _leaf_paths(st) <= have and _leaf_paths(_to_pure_dict(st)) <= have
 
