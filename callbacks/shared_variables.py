@@ -8,9 +8,10 @@ is stored once, under the first key path that reaches it, and left out of the la
 in place writes its value into that one Variable object, which every part holds, so the parts stay
 shared, as they were when saved.
 
-Only Variables that are the same object count (flax 0.11 on: ``nnx.state`` gives a model's own
-Variables). Arrays are never merged: a plain pytree that holds one array twice stores it twice and
-restores two leaves, as any pytree. What does not belong here: anything about the checkpoint's files.
+Only Variables that are the same object count (flax 0.12's ``nnx.state`` gives a model's own
+Variables; the copies older versions give are stored as they are). Arrays are never merged: a plain
+pytree that holds one array twice stores it twice and restores two leaves, as any pytree. What does
+not belong here: anything about the checkpoint's files.
 """
 
 from __future__ import annotations
@@ -74,3 +75,16 @@ def once_each(parts: list[Any], stored: Callable[[int, PathParts], bool] | None 
         seen.update((id(v), v) for v in variables)
         out.append(part)
     return out
+
+
+def holds(node: Any, path: tuple[Any, ...]) -> bool:
+    """Whether ``node`` (a sub-tree of ``fc.CheckpointInfo.tree``) has something at ``path`` (nnx path
+    parts: strings and ints)."""
+    for k in path:
+        if isinstance(node, dict) and (k in node or str(k) in node):
+            node = node[k if k in node else str(k)]
+        elif isinstance(node, list) and isinstance(k, int) and 0 <= k < len(node):
+            node = node[k]
+        else:
+            return False
+    return True

@@ -16,7 +16,8 @@ Two kinds of leaf are mutable objects that are not stored as themselves:
   its ``nnx.Variable`` objects themselves, which are the model's own (flax 0.12's ``nnx.state`` gives
   them, not copies), so the model holds the restored values; a State whose leaves are copies (an
   ``nnx.VariableState``, plain arrays) reaches no model: it is restored as a State, and a warning
-  names the fix, ``nnx.update(model, state)``.
+  names the fix, ``nnx.update(model, state)``. A Variable that several parts reach (flax 0.12's
+  ``nnx.ModelAndOptimizer`` holds its model) is stored once and restored shared (``shared_variables``).
 * objects with ``get_state()`` / ``set_state(state)`` (the protocol of grain's data iterators): stored as
   ``get_state()``, restored with ``set_state``. A ``bytes`` value in it (grain's ``DataLoader`` iterator
   gives its position as JSON text in bytes) is stored as the uint8 array of those bytes and given back
@@ -48,7 +49,7 @@ import numpy as np
 
 import flax_ckpt as fc
 
-from .shared_variables import once_each
+from .shared_variables import holds, once_each
 
 log = logging.getLogger("flax_ckpt.callbacks")
 
@@ -237,8 +238,9 @@ def _pure(x: Any, keep_bytes: bool = False) -> Any:
 def to_tree(state: Any, *, keep_bytes: bool = False) -> Any:
     """The pytree that is saved for ``state``: nnx objects as their ``nnx.State``, stateful iterators
     as their ``get_state()`` (``bytes`` in it as uint8 arrays, unless ``keep_bytes``: an Orbax run
-    stores a grain iterator's bytes as grain's own file); everything else as it is. Reads, never
-    mutates."""
+    stores a grain iterator's bytes as grain's own file); everything else as it is. An
+    ``nnx.Variable`` that several parts reach (``nnx.ModelAndOptimizer``'s model beside the model) is
+    in the first part only (``shared_variables``). Reads, never mutates."""
     flat, treedef = jax.tree_util.tree_flatten(state, is_leaf=_is_object_leaf)
     parts = once_each([_pure(x, keep_bytes=keep_bytes) for x in flat])  # a shared Variable: stored once
     return jax.tree_util.tree_unflatten(treedef, parts)
@@ -269,24 +271,11 @@ def _nnx_targets(
     part holds, unless the checkpoint holds them there too (stored twice by an earlier version), and
     as its pure dict where the checkpoint holds that."""
     saved = [None if info is None else _saved_node(info.tree, path) for path, _ in flat]
-    parts = once_each(parts, lambda i, path: _holds(saved[i], path))
+    parts = once_each(parts, lambda i, path: holds(saved[i], path))
     return [
         _to_pure_dict(part) if _is_nnx(x) and _saved_pure(part, node) else part
         for (_, x), part, node in zip(flat, parts, saved)
     ]
-
-
-def _holds(node: Any, path: tuple[Any, ...]) -> bool:
-    """Whether ``node`` (a sub-tree of ``fc.CheckpointInfo.tree``) has something at ``path`` (nnx path
-    parts: strings and ints)."""
-    for k in path:
-        if isinstance(node, dict) and (k in node or str(k) in node):
-            node = node[k if k in node else str(k)]
-        elif isinstance(node, list) and isinstance(k, int) and 0 <= k < len(node):
-            node = node[k]
-        else:
-            return False
-    return True
 
 
 def _leaf_paths(tree: Any) -> set[tuple[str, ...]]:
