@@ -37,6 +37,7 @@ import numpy as np
 
 import flax_ckpt as fc
 
+from .announce import announce as _announce
 from .preemption import PreemptionGuard
 from .replicated import first_replica, replicate_like
 from .state import from_tree, match_saved_scalars, target_tree, to_tree
@@ -564,22 +565,6 @@ def _restore_everywhere(path: Any, target: Any, options: dict[str, Any]) -> Any:
     if error is not None:
         raise error
     return restored
-
-
-def _announce(message: str, *args: Any) -> None:
-    """An INFO line a user should see (a resume, a final save). Logged through ``flax_ckpt.callbacks`` when
-    the logging set up passes INFO lines on (Python's, or absl's handler under ``absl.app.run``); else
-    written to stderr when no logging is set up (Python's last-resort handler drops INFO lines) or when
-    absl's verbosity asks for INFO lines that the root logger drops: absl's ``logging.info`` outside
-    ``app.run`` calls ``logging.basicConfig()``, which leaves the root logger at WARNING while absl's own
-    logger is at INFO. Silent only where the user set logging above INFO."""
-    if log.hasHandlers() and log.isEnabledFor(logging.INFO):
-        log.info(message, *args)
-        return
-    absl = logging.Logger.manager.loggerDict.get("absl")  # a Logger once absl.logging is imported
-    absl_at_info = isinstance(absl, logging.Logger) and absl.isEnabledFor(logging.INFO)
-    if absl_at_info or not log.hasHandlers():
-        print(message % args, file=sys.stderr, flush=True)
 
 
 _OPEN: "weakref.WeakSet[CheckpointCallback]" = weakref.WeakSet()  # callbacks to close at exit

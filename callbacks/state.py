@@ -16,7 +16,8 @@ Two kinds of leaf are mutable objects that are not stored as themselves:
   its ``nnx.Variable`` objects themselves, which are the model's own (flax 0.12's ``nnx.state`` gives
   them, not copies), so the model holds the restored values; a State whose leaves are copies (an
   ``nnx.VariableState``, plain arrays) reaches no model: it is restored as a State, and a warning
-  names the fix, ``nnx.update(model, state)``.
+  names the fix, ``nnx.update(model, state)``. A Variable that several parts reach (flax 0.12's
+  ``nnx.ModelAndOptimizer`` holds its model) is stored once and restored shared (``shared_variables``).
 * objects with ``get_state()`` / ``set_state(state)`` (the protocol of grain's data iterators): stored as
   ``get_state()``, restored with ``set_state``. A ``bytes`` value in it (grain's ``DataLoader`` iterator
   gives its position as JSON text in bytes) is stored as the uint8 array of those bytes and given back
@@ -48,6 +49,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import flax_ckpt as fc
+
+from .shared_variables import holds, once_each
 
 log = logging.getLogger("flax_ckpt.callbacks")
 
@@ -233,10 +236,9 @@ def _is_object_leaf(x: Any) -> bool:
     return _is_nnx(x) or _is_stateful(x) or _is_random(x) or _is_random_state(x)
 
 
-def _pure(x: Any, pure_nnx: bool = False, keep_bytes: bool = False) -> Any:
+def _pure(x: Any, keep_bytes: bool = False) -> Any:
     if _is_nnx(x):
-        st = x if _is_nnx_state(x) else _nnx().state(x)
-        return _to_pure_dict(st) if pure_nnx else st
+        return x if _is_nnx_state(x) else _nnx().state(x)
     if _is_random(x):
         return encode_random(x.getstate())
     if _is_random_state(x):
@@ -249,9 +251,12 @@ def _pure(x: Any, pure_nnx: bool = False, keep_bytes: bool = False) -> Any:
 def to_tree(state: Any, *, keep_bytes: bool = False) -> Any:
     """The pytree that is saved for ``state``: nnx objects as their ``nnx.State``, stateful iterators
     as their ``get_state()`` (``bytes`` in it as uint8 arrays, unless ``keep_bytes``: an Orbax run
-    stores a grain iterator's bytes as grain's own file); everything else as it is. Reads, never
-    mutates."""
-    return jax.tree_util.tree_map(lambda x: _pure(x, keep_bytes=keep_bytes), state, is_leaf=_is_object_leaf)
+    stores a grain iterator's bytes as grain's own file); everything else as it is. An
+    ``nnx.Variable`` that several parts reach (``nnx.ModelAndOptimizer``'s model beside the model) is
+    in the first part only (``shared_variables``). Reads, never mutates."""
+    flat, treedef = jax.tree_util.tree_flatten(state, is_leaf=_is_object_leaf)
+    parts = once_each([_pure(x, keep_bytes=keep_bytes) for x in flat])  # a shared Variable: stored once
+    return jax.tree_util.tree_unflatten(treedef, parts)
 
 
 def target_tree(state: Any, info: "fc.CheckpointInfo | None") -> Any:
@@ -268,9 +273,22 @@ def target_tree(state: Any, info: "fc.CheckpointInfo | None") -> Any:
         if _is_stateful(x):
             out.append(_stateful_target(x, None if info is None else _saved_node(info.tree, path)))
             continue
-        pure = info is not None and _is_nnx(x) and _saved_pure(x, _saved_node(info.tree, path))
-        out.append(_pure(x, pure_nnx=pure))
-    return jax.tree_util.tree_unflatten(treedef, out)
+        out.append(_pure(x))
+    return jax.tree_util.tree_unflatten(treedef, _nnx_targets(flat, out, info))
+
+
+def _nnx_targets(
+    flat: list[tuple[Any, Any]], parts: list[Any], info: "fc.CheckpointInfo | None"
+) -> list[Any]:
+    """``parts`` (the targets of ``flat``'s leaves) with each nnx State less the Variables an earlier
+    part holds, unless the checkpoint holds them there too (stored twice by an earlier version), and
+    as its pure dict where the checkpoint holds that."""
+    saved = [None if info is None else _saved_node(info.tree, path) for path, _ in flat]
+    parts = once_each(parts, lambda i, path: holds(saved[i], path))
+    return [
+        _to_pure_dict(part) if _is_nnx(x) and _saved_pure(part, node) else part
+        for (_, x), part, node in zip(flat, parts, saved)
+    ]
 
 
 def _leaf_paths(tree: Any) -> set[tuple[str, ...]]:
@@ -282,11 +300,10 @@ def _leaf_paths(tree: Any) -> set[tuple[str, ...]]:
     }
 
 
-def _saved_pure(obj: Any, saved: Any) -> bool:
-    """Whether ``saved`` (the checkpoint's sub-tree at an nnx object) holds its pure dict, not its State."""
+def _saved_pure(st: Any, saved: Any) -> bool:
+    """Whether ``saved`` (the checkpoint's sub-tree at an nnx State) holds its pure dict, not the State."""
     if saved is None:
         return False
-    st = obj if _is_nnx_state(obj) else _nnx().state(obj)
     have = _leaf_paths(saved)
     return not _leaf_paths(st) <= have and _leaf_paths(_to_pure_dict(st)) <= have
 

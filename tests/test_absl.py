@@ -96,3 +96,52 @@ def test_absl_verbosity_above_info_keeps_the_line_quiet(program, tmp_path):
     program(workdir, "--steps=2", "--how=app-default")
     quiet = program(workdir, "--steps=2", "--how=app-default", "--verbosity=-1")
     assert "resumed from step" not in quiet.stderr and "trained steps" not in quiet.stderr, quiet.stderr
+
+
+GRAIN_PROGRAM = textwrap.dedent("""
+    import logging, sys
+    import grain, orbax.checkpoint  # leave the root logger at WARNING with a handler
+    from absl import logging as absl_logging  # absl's verbosity at its default, WARNING
+    import numpy as np
+    from flax_ckpt.callbacks import CheckpointCallback
+
+    def run(tag, steps):
+        with CheckpointCallback(sys.argv[1], every_steps=1) as ckpt:
+            _, start = ckpt.restore_or({"w": np.zeros(2)})
+            for step in range(start, steps):
+                ckpt(step + 1, {"w": np.full(2, step + 1.0)})
+        print(f"{tag} done", file=sys.stderr, flush=True)
+
+    assert logging.getLogger().handlers and logging.getLogger().level == logging.WARNING
+    run("fresh", 2)
+    run("resumed", 3)  # the line on stderr, though logging drops INFO lines
+    logging.getLogger().setLevel(logging.INFO)
+    run("logged", 4)  # through grain's handler, once
+    logging.getLogger("flax_ckpt").setLevel(logging.WARNING)
+    run("quiet", 5)  # the user's choice: no line
+""")
+
+
+def test_the_resume_line_shows_once_after_grain_and_orbax_set_up_logging(tmp_path):
+    """grain's and orbax's imports leave logging where an INFO line reaches no one: the fresh start and
+    the resume still show, once each, and once more through logging when the root logger takes INFO;
+    setting the flax_ckpt logger above INFO silences them."""
+    pytest.importorskip("grain")
+    pytest.importorskip("orbax.checkpoint")
+    program = tmp_path / "train.py"
+    program.write_text(GRAIN_PROGRAM)
+    workdir = tmp_path / "run"
+    r = subprocess.run(
+        [sys.executable, str(program), str(workdir)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=worker_env(devices=1),
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    fresh, resumed, logged, quiet = r.stderr.split(" done\n")[:4]
+    assert fresh.count(f"no checkpoint in {workdir}; starting from step 0") == 1, r.stderr
+    assert resumed.count(f"resumed from step 2 of {workdir}") == 1, r.stderr
+    assert logged.count("resumed from step 3 of") == 1, r.stderr
+    assert f"INFO:flax_ckpt.callbacks:resumed from step 3 of {workdir}" in logged, r.stderr
+    assert "resumed from step" not in quiet, r.stderr
