@@ -516,9 +516,10 @@ def _interactive() -> bool:
 
 def _into(state: Any, restored: Any, source: str) -> Any:
     """``from_tree(state, restored)``; a restored value the live state cannot take (a stored random
-    state no generator resumes from) is a CorruptCheckpointError that names ``source`` too."""
+    state no generator resumes from) is a CorruptCheckpointError that names ``source`` too; a data
+    position its iterator refuses, a TargetMismatchError naming the item and ``source``."""
     try:
-        return from_tree(state, restored)
+        return from_tree(state, restored, source=source)
     except fc.CorruptCheckpointError as e:
         raise fc.CorruptCheckpointError(f"{source}: {e}") from None
 

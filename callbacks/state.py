@@ -50,6 +50,7 @@ import numpy as np
 
 import flax_ckpt as fc
 
+from .data import LARGE_POSITION, compact, encode_bytes, position_size, set_position, warn_large_position
 from .shared_variables import holds, once_each
 
 log = logging.getLogger("flax_ckpt.callbacks")
@@ -188,31 +189,10 @@ def _random_target(saved: Any) -> Any:
     return 3, (0,) * _MT_WORDS, 0.0 if isinstance(gauss, fc.LeafInfo) and gauss.kind != "empty" else None
 
 
-# ------------------------------------------------------------------ bytes in an iterator's state, as uint8
-# grain's DataLoader iterator returns its state as JSON text in bytes; bytes are no array and no JSON value,
-# so they are stored as the uint8 array of their bytes (checksummed like any array) and given back as bytes.
-
-
-def encode_bytes(state: Any) -> Any:
-    """``state`` (what a ``get_state()`` returned) with each ``bytes`` value as a uint8 array of its bytes."""
-    return jax.tree_util.tree_map(lambda v: np.frombuffer(v, np.uint8) if isinstance(v, bytes) else v, state)
-
-
-def decode_bytes(like: Any, restored: Any) -> Any:
-    """``restored`` (shaped like ``encode_bytes(like)``) with the value at each place where ``like`` holds
-    ``bytes`` turned back into ``bytes``: what ``set_state`` takes."""
-
-    def back(was: Any, value: Any) -> Any:
-        if not isinstance(was, bytes) or isinstance(value, (bytes, str)):  # str: a grain item's text
-            return value
-        return np.asarray(value, np.uint8).tobytes()
-
-    return jax.tree_util.tree_map(back, like, restored)
-
-
 def _stateful_target(obj: Any, saved: Any) -> Any:
     """The restore target of ``obj.get_state()`` where the checkpoint's node is ``saved``: each ``bytes``
-    value as a uint8 array as long as the one stored (the position's text may have grown or shrunk)."""
+    value as a uint8 array as long as the one stored (the position's text may have grown or shrunk),
+    or, where the checkpoint has none, of its own bytes (what ``missing="keep"`` keeps)."""
 
     if isinstance(saved, fc.LeafInfo) and saved.kind == "json":  # an Orbax run's grain item: its file
         return obj.get_state()
@@ -221,8 +201,9 @@ def _stateful_target(obj: Any, saved: Any) -> Any:
         if not isinstance(v, bytes):
             return v
         leaf = saved if not path and isinstance(saved, fc.LeafInfo) else _saved_leaf(saved, path)
-        shape = leaf.shape if leaf is not None else None
-        return np.zeros(shape if shape is not None and len(shape) == 1 else (len(v),), np.uint8)
+        if leaf is None or leaf.shape is None or len(leaf.shape) != 1:
+            return np.frombuffer(v, np.uint8)
+        return np.zeros(leaf.shape, np.uint8)
 
     return jax.tree_util.tree_map_with_path(target, obj.get_state())
 
@@ -236,7 +217,7 @@ def _is_object_leaf(x: Any) -> bool:
     return _is_nnx(x) or _is_stateful(x) or _is_random(x) or _is_random_state(x)
 
 
-def _pure(x: Any, keep_bytes: bool = False) -> Any:
+def _pure(x: Any, keep_bytes: bool = False, large: list[Any] | None = None) -> Any:
     if _is_nnx(x):
         return x if _is_nnx_state(x) else _nnx().state(x)
     if _is_random(x):
@@ -244,7 +225,10 @@ def _pure(x: Any, keep_bytes: bool = False) -> Any:
     if _is_random_state(x):
         return encode_random(x)
     if _is_stateful(x):
-        return x.get_state() if keep_bytes else encode_bytes(x.get_state())
+        position = x.get_state() if keep_bytes else compact(x.get_state())  # Orbax: grain's own file
+        if large is not None and position_size(position) >= LARGE_POSITION:
+            large.append((x, position))
+        return position if keep_bytes else encode_bytes(position)
     return x
 
 
@@ -253,9 +237,21 @@ def to_tree(state: Any, *, keep_bytes: bool = False) -> Any:
     as their ``get_state()`` (``bytes`` in it as uint8 arrays, unless ``keep_bytes``: an Orbax run
     stores a grain iterator's bytes as grain's own file); everything else as it is. An
     ``nnx.Variable`` that several parts reach (``nnx.ModelAndOptimizer``'s model beside the model) is
-    in the first part only (``shared_variables``). Reads, never mutates."""
+    in the first part only (``shared_variables``). Reads, never mutates. A grain ``DataLoader``
+    position whose ``repr(data_source)`` is longer than 1 KiB holds that text's SHA-256 instead
+    (``from_tree`` puts the live loader's text back when they agree; an Orbax run keeps grain's file
+    as it is); a position still 64 KiB of text or more is stored with a warning, once per item,
+    naming it and the fix."""
     flat, treedef = jax.tree_util.tree_flatten(state, is_leaf=_is_object_leaf)
-    parts = once_each([_pure(x, keep_bytes=keep_bytes) for x in flat])  # a shared Variable: stored once
+    large: list[Any] = []
+    parts = once_each([_pure(x, keep_bytes=keep_bytes, large=large) for x in flat])  # a shared Variable: once
+    if large:
+        items = {
+            id(x): _path_str(path)
+            for path, x in jax.tree_util.tree_flatten_with_path(state, is_leaf=_is_object_leaf)[0]
+        }
+        for x, position in large:
+            warn_large_position(items.get(id(x), ""), x, position)
     return jax.tree_util.tree_unflatten(treedef, parts)
 
 
@@ -364,7 +360,7 @@ def _restore_state(live: Any, restored: Any, where: str) -> None:
     )
 
 
-def _put_back(live: Any, restored: Any, where: str = "") -> Any:
+def _put_back(live: Any, restored: Any, where: str = "", source: str | None = None) -> Any:
     if _is_nnx_state(live):
         _restore_state(live, restored, where)
         return live
@@ -382,22 +378,28 @@ def _put_back(live: Any, restored: Any, where: str = "") -> Any:
     if _is_random_state(live):
         return decode_random(restored, where)
     if _is_stateful(live):
-        live.set_state(decode_bytes(live.get_state(), restored))
+        set_position(live, restored, where, source)
         return live
     return restored
 
 
-def from_tree(state: Any, restored: Any) -> Any:
+def from_tree(state: Any, restored: Any, *, source: str | None = None) -> Any:
     """``state`` with the values of ``restored`` (a tree shaped like ``to_tree(state)``): nnx objects,
     stateful iterators and ``random.Random`` objects are updated in place and returned; a
     ``random.getstate()`` tuple is replaced by the restored one; pytree leaves are replaced.
 
     An ``nnx.State`` is restored into its ``nnx.Variable`` objects, so the model that
     ``nnx.state(model, ...)`` took them from holds the values; a State of copies (``nnx.VariableState``
-    or arrays) is restored as a State, with a warning that no model holds the values."""
+    or arrays) is restored as a State, with a warning that no model holds the values. A stateful
+    iterator's ``set_state`` is called only with a position other than its own, so a position that
+    ``missing="keep"`` kept leaves the iterator untouched.
+
+    Raises:
+      TargetMismatchError: a ``set_state`` refused its position (not the text or structure it takes,
+        another loader's), naming the item and ``source`` (e.g. ``"step 7 of <directory>"``)."""
     flat, treedef = jax.tree_util.tree_flatten_with_path(state, is_leaf=_is_object_leaf)
     parts = treedef.flatten_up_to(restored)
-    out = [_put_back(x, part, _path_str(path)) for (path, x), part in zip(flat, parts)]
+    out = [_put_back(x, part, _path_str(path), source) for (path, x), part in zip(flat, parts)]
     return jax.tree_util.tree_unflatten(treedef, out)
 
 

@@ -24,6 +24,7 @@ MODULES = (
     "flax_ckpt._src.tiers",
     "flax_ckpt._src.serializers.base",
     "flax_ckpt.callbacks.checkpoint_callback",
+    "flax_ckpt.callbacks.data",
 )
 
 # The public callables of the contract; methods by their class. Those that raise nothing of their own

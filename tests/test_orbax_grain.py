@@ -170,3 +170,17 @@ def test_our_grain_files_verify_and_an_iterator_given_to_the_manager_is_refused(
     (run_copy / "3" / "ds" / "process_0-of-1.json").write_text('{"next_index": 9}')
     with pytest.raises(fc.CorruptCheckpointError, match="process_0-of-1.json"):
         fc.restore(run_copy / "3", item="ds")
+
+
+@pytest.mark.parametrize("item", ["data", "ds"])
+def test_a_grain_item_that_is_a_json_list_is_named_with_its_step(run_copy, item):
+    """Valid JSON that is no iterator state (a list) in an Orbax run's grain file: a TargetMismatchError
+    naming the item and the step, not grain's TypeError or a pytree ValueError; nothing changes."""
+    from flax_ckpt.callbacks import CheckpointCallback
+
+    (run_copy / "2" / item / "process_0-of-1.json").write_text("[1, 2]")
+    before = sorted(os.listdir(run_copy))
+    with CheckpointCallback(run_copy, every_steps=1, preemption_signals=()) as ckpt:
+        with pytest.raises(fc.TargetMismatchError, match=f"position stored for '{item}' in step 2 of"):
+            ckpt.restore_or({"state": state(0), "data": loader_iter(), "ds": dataset_iter()})
+    assert sorted(os.listdir(run_copy)) == before and (run_copy / "2" / item / "process_0-of-1.json").exists()

@@ -175,13 +175,14 @@ def classify(x: Any) -> str:
 
 def classify_all(flat: Sequence[tuple[KeyPath, Any]]) -> list[str]:
     """Classifies every leaf; collects every unsupported one into a single UnsupportedLeafError."""
-    kinds, bad, iterators = [], [], False
+    kinds, bad, iterators, loaders = [], [], False, False
     for path, leaf in flat:
         try:
             kinds.append(classify(leaf))
         except TypeError as e:
             bad.append(f"{keystr(path)}: {e}")
             iterators = iterators or hasattr(leaf, "__next__")
+            loaders = loaders or (hasattr(leaf, "__iter__") and not hasattr(leaf, "__next__"))
     if bad:
         raise UnsupportedLeafError(
             "cannot save these leaves (nothing was written): "
@@ -194,6 +195,14 @@ def classify_all(flat: Sequence[tuple[KeyPath, Any]]) -> list[str]:
                 "grain's iterators, callbacks.Stateful), and CheckpointCallback saves and restores its "
                 "position; or rebuild it in code from a saved step or epoch."
                 if iterators
+                else ""
+            )
+            + (
+                " A data loader that starts a fresh epoch at each `for batch in loader` (grain's DataLoader) "
+                "has no position of its own: wrap it once, data = flax_ckpt.callbacks.EpochLoader(loader), "
+                "loop `for batch in data` and give `data` to CheckpointCallback, which saves the epoch and "
+                "the place in it (docs/resuming.md)."
+                if loaders
                 else ""
             )
         )
