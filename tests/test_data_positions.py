@@ -61,7 +61,8 @@ def test_init_from_with_missing_keep_leaves_a_grain_loader_where_it_is(tmp_path)
     expected = iter(loader())
     data = iter(loader())
     for _ in range(2):
-        next(expected), next(data)
+        next(expected)
+        next(data)
     with callback(tmp_path / "run") as ckpt:
         restored, start = ckpt.restore_or(
             {"w": np.zeros(3, np.float32), "data": data}, init_from=tmp_path / "pretrained", missing="keep"
@@ -146,7 +147,8 @@ def corpus_iter(first_token=0):
 
 def test_a_data_source_repr_is_stored_as_its_digest_and_checked_on_restore(tmp_path):
     data = corpus_iter()
-    next(data), next(data)
+    for _ in range(2):
+        next(data)
     assert len(data.get_state()) > 100_000
     with callback(tmp_path / "run") as ckpt:
         ckpt(2, {"data": data})
