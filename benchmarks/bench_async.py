@@ -3,7 +3,7 @@
     python benchmarks/bench_async.py                          # 1024 MiB state, 5 rounds + training run
     python benchmarks/bench_async.py --size-mb 64 --rounds 2 --train-steps 60
 
-Part 1, the same ~1 GB state (benchmarks/_common.make_tree) saved asynchronously by
+Part 1, the same ~1 GB state (benchmarks/runner.make_tree) saved asynchronously by
 - flax_ckpt: ``CheckpointManager(async_save=True, max_to_keep=1).save(step, state)`` then
   ``wait_until_finished()``; the state as jax CPU arrays, and "flax_ckpt-numpy", the same bytes as
   numpy arrays (either way copied into the manager's arena, engine/arena.py);
@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _common as C  # noqa: E402
+import runner as C  # noqa: E402
 
 C.jax_cpu_env()
 warnings.filterwarnings("ignore")

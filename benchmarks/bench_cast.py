@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common as C  # noqa: E402
+import runner as C  # noqa: E402
 
 C.jax_cpu_env()
 

@@ -61,7 +61,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _common as C  # noqa: E402
+import runner as C  # noqa: E402
 
 LEAVES, COLS = 8, 1024
 MEASURES = ("save", "restore_cold", "restore_warm", "restore_resharded_cold")

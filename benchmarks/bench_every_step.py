@@ -70,7 +70,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shutil
 import statistics
 import subprocess
@@ -82,7 +81,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common as C  # noqa: E402
+import runner as C  # noqa: E402
 from _savers import FcManager, OrbaxManager, Saver  # noqa: E402
 
 CONTENDERS = ["none", "floor", "write-floor", "memory", "persistent", "orbax", "orbax-emergency"]
@@ -387,28 +386,7 @@ def child(
     return out
 
 
-BASE = "flax_ckpt_base"  # the name --side imports the baseline's package under
-
-
-def renamed_copy(baseline: str, dest: Path) -> Path:
-    """A copy of ``baseline``/flax_ckpt as package ``BASE`` under ``dest`` (returned): every name
-    ``flax_ckpt`` in its Python files becomes ``flax_ckpt_base`` (its imports are absolute), so that
-    one process imports both packages. Its format names change with it: it reads only what it wrote."""
-    src = Path(baseline) / "flax_ckpt"
-    if not (src / "__init__.py").is_file():
-        raise SystemExit(f"--side: {src} holds no flax_ckpt package (pass --baseline DIR, DIR/flax_ckpt)")
-    out = dest / BASE
-    shutil.rmtree(out, ignore_errors=True)
-    for f in src.rglob("*"):
-        if "__pycache__" in f.parts or not f.is_file():
-            continue
-        to = out / f.relative_to(src)
-        to.parent.mkdir(parents=True, exist_ok=True)
-        if f.suffix == ".py":
-            to.write_text(re.sub(r"\bflax_ckpt\b", BASE, f.read_text()))
-        else:
-            shutil.copyfile(f, to)
-    return dest
+BASE = C.BASE  # the name --side imports the baseline's package under
 
 
 def side_child(
@@ -498,7 +476,7 @@ def run(args) -> dict[str, Any]:
         if not args.pairs or not args.baseline:
             raise SystemExit("--side needs --pairs N and --baseline DIR")
         C.SCRATCH.parent.mkdir(parents=True, exist_ok=True)
-        side = renamed_copy(args.baseline, Path(tempfile.mkdtemp(prefix="side-", dir=C.SCRATCH.parent)))
+        side = C.renamed_copy(args.baseline, Path(tempfile.mkdtemp(prefix="side-", dir=C.SCRATCH.parent)))
     try:
         _rounds(args, everies, rows, side)
     finally:

@@ -45,7 +45,7 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-import _common as C  # noqa: E402
+import runner as C  # noqa: E402
 from bench_accelerator import FULL, SMALL  # noqa: E402
 
 MODES = ("fresh", "fc", "fc-early", "fc-nocache", "orbax")

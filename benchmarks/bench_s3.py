@@ -43,7 +43,7 @@ from typing import Any
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "harness"))
-import _common as C  # noqa: E402
+import runner as C  # noqa: E402
 
 C.jax_cpu_env()
 warnings.filterwarnings("ignore")
@@ -207,7 +207,7 @@ def markdown(
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument(
-        "--size-mb", type=float, default=256, help="checkpoint size in MiB (benchmarks/_common.make_tree)"
+        "--size-mb", type=float, default=256, help="checkpoint size in MiB (benchmarks/runner.make_tree)"
     )
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--serializers", default="raw")

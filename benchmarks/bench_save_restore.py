@@ -3,7 +3,7 @@
     python benchmarks/bench_save_restore.py                    # 1024 MB, 5 rounds
     python benchmarks/bench_save_restore.py --size-mb 64 --rounds 2
 
-Every contender stores the same bytes (benchmarks/_common.make_tree): flax_ckpt and Orbax get jax CPU
+Every contender stores the same bytes (benchmarks/runner.make_tree): flax_ckpt and Orbax get jax CPU
 arrays, torch DCP gets torch tensors sharing the numpy buffers, the baseline writes the numpy arrays.
 
 - raw baseline, the physical limit: every array appended to one file with ``ndarray.tofile``, fsynced;
@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _common as C  # noqa: E402
+import runner as C  # noqa: E402
 
 C.jax_cpu_env()
 warnings.filterwarnings("ignore")

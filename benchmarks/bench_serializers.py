@@ -4,7 +4,7 @@
     python benchmarks/bench_serializers.py                     # mixed 256 MiB + 1000 small leaves, 3 rounds
     python benchmarks/bench_serializers.py --size-mb 64 --rounds 2
 
-Workloads: "mixed" (benchmarks/_common.make_tree: a few large float32/bfloat16 arrays and ~400 small
+Workloads: "mixed" (benchmarks/runner.make_tree: a few large float32/bfloat16 arrays and ~400 small
 ones) and "small" (1000 float32 leaves of 16 KiB: per-leaf overhead). Storages: a local folder (fsync,
 page cache dropped with posix_fadvise(DONTNEED) before the cold restore) and memory:// (tensorstore's
 in-memory kvstore, as the memory tier uses). Measures: save (to durable), restore into jax arrays on one
@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _common as C  # noqa: E402
+import runner as C  # noqa: E402
 
 C.jax_cpu_env()
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")

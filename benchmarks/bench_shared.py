@@ -28,7 +28,7 @@ from typing import Callable
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _common as C  # noqa: E402
+import runner as C  # noqa: E402
 
 C.jax_cpu_env()
 warnings.filterwarnings("ignore")

@@ -27,7 +27,7 @@ import warnings
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "harness"))
-import _common as C  # noqa: E402
+import runner as C  # noqa: E402
 from bench_s3 import point_env_at  # noqa: E402
 from bench_shared import makers  # noqa: E402
 

@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _common as C  # noqa: E402
+import runner as C  # noqa: E402
 
 C.jax_cpu_env()
 import jax  # noqa: E402
