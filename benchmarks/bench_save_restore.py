@@ -27,7 +27,6 @@ machine affects both sides). The first round checks every restore is bit-exact.
 
 from __future__ import annotations
 
-import argparse
 import gc
 import os
 import shutil
@@ -203,103 +202,67 @@ class TorchDCP(Contender):
         return {k: from_torch(t, self.flat[k].dtype) for k, t in out.items()}
 
 
-def build(names: list[str], flat: dict[str, np.ndarray]) -> dict[str, Contender]:
-    out: dict[str, Contender] = {}
-    trees = jax_trees(flat) if any(n.startswith("flax_ckpt") or n == "orbax" for n in names) else None
-    for n in names:
-        if n == "raw-file":
-            out[n] = RawFile(flat)
-        elif n == "raw-files-8t":
-            out[n] = RawFilesParallel(flat)
-        elif n.startswith("flax_ckpt-"):
-            out[n] = FlaxCkpt(trees, n.split("-", 1)[1])
-        elif n == "orbax":
-            out[n] = Orbax(*trees)
-        elif n == "torch-dcp":
-            out[n] = TorchDCP(flat)
-        else:
-            raise SystemExit(f"unknown contender {n!r}; choose from {ALL + EXTRA}")
-    return out
+class SaveRestore(C.Scenario):
+    """Each contender saves the state (until durable), restores it with a cold page cache, then with
+    a warm one (unless ``warm`` is False); round 0 checks every restore's bytes."""
 
+    name, floors = "save_restore", ["raw-file", "raw-files-8t"]
 
-def run_rounds(
-    contenders: dict[str, Contender],
-    flat: dict[str, np.ndarray],
-    rounds: int,
-    scratch: Path,
-    warm: bool,
-    log: Callable[[str], None] = print,
-) -> tuple[C.Results, dict[str, int]]:
-    res, sizes = C.Results(), {}
-    names = list(contenders)
-    for r in range(rounds):
-        for name in C.rotated(names, r):
-            c, path = contenders[name], scratch / f"{name}-{r}"
-            t_save, _ = C.timed(lambda: (c.save(path), C.fsync_tree(path)))
-            res.add(name, "save", t_save)
-            sizes[name] = C.disk_usage(path)
-            C.drop_cache(path)
-            t_cold, got = C.timed(lambda: c.restore(path))
-            res.add(name, "restore_cold", t_cold)
-            if r == 0:
-                C.same_bytes(flat, got)
-            del got
+    def __init__(self, names: list[str], flat: dict[str, np.ndarray], scratch: Path, warm: bool):
+        self.contenders, self.flat, self.scratch, self.warm = names, flat, scratch, warm
+        self.sizes: dict[str, int] = {}
+
+    def setup(self) -> None:
+        kinds = {"raw-file": RawFile, "raw-files-8t": RawFilesParallel, "torch-dcp": TorchDCP}
+        trees = (
+            jax_trees(self.flat)
+            if any(n.startswith(("flax_ckpt", "orbax")) for n in self.contenders)
+            else None
+        )
+        self.objs: dict[str, Contender] = {}
+        for n in self.contenders:
+            if n in kinds:
+                self.objs[n] = kinds[n](self.flat)
+            elif n.startswith("flax_ckpt-"):
+                self.objs[n] = FlaxCkpt(trees, n.split("-", 1)[1])
+            elif n == "orbax":
+                self.objs[n] = Orbax(*trees)
+            else:
+                raise SystemExit(f"unknown contender {n!r}; choose from {ALL + EXTRA}")
+
+    def time(self, name: str, r: int) -> dict[str, float]:
+        c, path = self.objs[name], self.scratch / f"{name}-{r}"
+        out: dict[str, float] = {}
+        out["save"], _ = C.timed(lambda: (c.save(path), C.fsync_tree(path)))
+        self.sizes[name] = C.disk_usage(path)
+        C.drop_cache(path)
+        out["restore_cold"], got = C.timed(lambda: c.restore(path))
+        if r == 0:
+            C.same_bytes(self.flat, got)
+        del got
+        gc.collect()
+        if self.warm:
+            out["restore_warm"], _ = C.timed(lambda: c.restore(path))
             gc.collect()
-            msg = f"round {r} {name:16s} save {t_save:6.2f}s  restore cold {t_cold:6.2f}s"
-            if warm:
-                t_warm, got = C.timed(lambda: c.restore(path))
-                res.add(name, "restore_warm", t_warm)
-                del got
-                gc.collect()
-                msg += f"  warm {t_warm:6.2f}s"
-            log(msg)
-            shutil.rmtree(path)
-    return res, sizes
+        shutil.rmtree(path)
+        return out
+
+    def teardown(self) -> None:
+        for c in getattr(self, "objs", {}).values():
+            getattr(c, "close", lambda: None)()
+        C.remove_scratch(self.scratch)
 
 
-MEASURES = [
-    ("save", "save"),
-    ("restore_cold", "restore (cold cache)"),
-    ("restore_warm", "restore (warm cache)"),
-]
+MEASURES = ["save", "restore_cold", "restore_warm"]
 
 
 def markdown(res: C.Results, names: list[str], sizes: dict[str, int], nbytes: int, rounds: int) -> str:
-    lines = [
-        f"State: {nbytes / C.MB:.0f} MiB, {rounds} interleaved rounds; medians in seconds "
-        "(throughput in GB/s of state bytes).",
-        "",
-        "| contender | on disk (MiB) | " + " | ".join(m for _, m in MEASURES) + " |",
-        "|---|---:|" + "---:|" * len(MEASURES),
-    ]
-    for n in names:
-        cells = []
-        for key, _ in MEASURES:
-            t = res.median(n, key)
-            cells.append("-" if t is None else f"{t:.2f} s ({nbytes / t / 1e9:.2f} GB/s)")
-        lines.append(f"| {n} | {sizes.get(n, 0) / C.MB:.0f} | " + " | ".join(cells) + " |")
-    par = "raw-files-8t" in names
-    lines += [
-        "",
-        "Ratios (median of per-round ratios). 'x faster than B' = t_B / t; 'x raw' = t / t_raw-file.",
-        "",
-        "| contender | measure | x faster than orbax | x faster than torch-dcp | x raw-file time |"
-        + (" x raw-files-8t time |" if par else ""),
-        "|---|---|---:|---:|---:|" + ("---:|" if par else ""),
-    ]
-    for n in names:
-        if not n.startswith("flax_ckpt"):
-            continue
-        for key, label in MEASURES:
-            if res.median(n, key) is None:
-                continue
-            raw = res.paired_ratio(n, "raw-file", key)
-            lines.append(
-                f"| {n} | {label} | {C.fmt(res.paired_ratio(n, 'orbax', key))} | "
-                f"{C.fmt(res.paired_ratio(n, 'torch-dcp', key))} | {C.fmt(1 / raw if raw else None)} |"
-                + (f" {C.fmt(_inv(res.paired_ratio(n, 'raw-files-8t', key)))} |" if par else "")
-            )
-    return "\n".join(lines) + "\n"
+    disk = ", ".join(f"{n} {sizes.get(n, 0) / C.MB:.0f}" for n in names)
+    return (
+        f"State: {nbytes / C.MB:.0f} MiB, {rounds} interleaved rounds; on disk (MiB): {disk}. "
+        "Ratios: medians of per-round ratios t / t_B (< 1: faster than B).\n\n"
+        + C.table(res, names, MEASURES, vs=["raw-file", "raw-files-8t", "orbax", "torch-dcp"])
+    )
 
 
 def _inv(x: float | None) -> float | None:
@@ -327,29 +290,18 @@ def targets(res: C.Results) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--size-mb", type=float, default=1024, help="state size in MiB (default 1024)")
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--contenders", default=",".join(ALL), help=f"comma-separated, from {ALL + EXTRA}")
+    ap = C.cli(__doc__.split("\n")[0], size_mb=1024.0, rounds=5, contenders=ALL, scratch="save_restore")
     ap.add_argument("--no-warm", action="store_true", help="skip the warm-cache restore")
-    ap.add_argument("--scratch", type=Path, default=C.SCRATCH / "save_restore")
     args = ap.parse_args(argv)
 
     names = [n for n in args.contenders.split(",") if n]
     flat = C.make_tree(int(args.size_mb * C.MB))
     nbytes = C.tree_bytes(flat)
     print(f"state: {len(flat)} leaves, {nbytes / C.MB:.0f} MiB; contenders {names}; scratch {args.scratch}")
-    scratch = C.fresh_dir(args.scratch)
-    info = C.machine_info(scratch)
-    contenders = build(names, flat)
-    try:
-        res, sizes = run_rounds(contenders, flat, args.rounds, scratch, not args.no_warm)
-    finally:
-        for c in contenders.values():
-            getattr(c, "close", lambda: None)()
-        C.remove_scratch(scratch)
-    info["loadavg_end"] = os.getloadavg()
-    md = markdown(res, names, sizes, nbytes, args.rounds)
+    info = C.machine_info(C.fresh_dir(args.scratch))
+    sc = SaveRestore(names, flat, args.scratch, not args.no_warm)
+    res = C.run(sc, args.rounds)
+    md = markdown(res, names, sc.sizes, nbytes, args.rounds)
     tg = targets(res) if "flax_ckpt-raw" in names else {}
     if tg:
         md += (
@@ -359,18 +311,14 @@ def main(argv: list[str] | None = None) -> None:
         )
     body = {
         "benchmark": "save_restore",
-        "args": {k: str(v) for k, v in vars(args).items()},
-        "machine": info,
         "leaves": len(flat),
         "nbytes": nbytes,
-        "disk_bytes": sizes,
+        "disk_bytes": sc.sizes,
         "seconds": res.times,
-        "medians": {n: {k: res.median(n, k) for k, _ in MEASURES} for n in names},
+        "medians": {n: {k: res.median(n, k) for k in MEASURES} for n in names},
         "targets": tg,
     }
-    js, mdp = C.write_report("save_restore", body, md)
-    print("\n" + md)
-    print(f"wrote {js} and {mdp}")
+    C.report("save_restore", args, info, body, md)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ in bench_out/ (``FLAX_CKPT_BENCH_OUT`` moves it) that plots.py reads. Old and ne
             t, _ = runner.timed(lambda: np.copyto(self.b, self.a) if name == "memcpy" else self.a.copy())
             return {"copy": t}
     res = runner.run(Copy(), rounds=5)
-    print(runner.table(res, Copy.contenders, ["copy"], floor="memcpy"))
+    print(runner.table(res, Copy.contenders, ["copy"], vs=Copy.floors))
 """
 
 from __future__ import annotations
@@ -272,20 +272,22 @@ def run(sc: Scenario, rounds: int, log: Callable[[str], None] = print, res: Resu
     return res
 
 
-def table(res: Results, names: list[str], measures: list[str], floor: str | None = None) -> str:
-    """Markdown: each contender's median per measure with its quartiles, and with ``floor`` the median
-    of per-round ratios to it (t / t_floor)."""
-    cols = [c for m in measures for c in ([m, f"{m} / {floor}"] if floor else [m])]
-    lines = ["| contender | " + " | ".join(cols) + " |", "|---|" + "---:|" * len(cols)]
+def table(res: Results, names: list[str], measures: list[str], vs: list[str] = ()) -> str:
+    """Markdown, a row per contender and measure: the median over rounds with its quartiles, and for
+    each name of ``vs`` (a floor, a peer) the median of per-round ratios t / t_vs (< 1: faster)."""
+    vs = [v for v in vs if v in res.times]
+    lines = [
+        "| contender | measure | median [quartiles] | " + " | ".join(f"/ {v}" for v in vs) + " |",
+        "|---|---|---:|" + "---:|" * len(vs),
+    ]
     for n in names:
-        cells = []
         for m in measures:
             t, q = res.median(n, m), res.spread(n, m)
-            cells.append("-" if t is None else f"{t:.4g} s" + (f" [{q[0]:.3g}, {q[1]:.3g}]" if q else ""))
-            if floor:
-                r = res.paired_ratio(floor, n, m)
-                cells.append(fmt(r))
-        lines.append(f"| {n} | " + " | ".join(cells) + " |")
+            if t is None:
+                continue
+            cell = f"{t:.4g} s" + (f" [{q[0]:.3g}, {q[1]:.3g}]" if q else "")
+            ratios = [fmt(res.paired_ratio(v, n, m)) if v != n else "1" for v in vs]
+            lines.append(f"| {n} | {m} | {cell} | " + " | ".join(ratios) + " |")
     return "\n".join(lines) + "\n"
 
 
