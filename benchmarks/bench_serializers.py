@@ -16,7 +16,6 @@ median of per-round ratios.
 
 from __future__ import annotations
 
-import argparse
 import gc
 import os
 import shutil
@@ -62,58 +61,55 @@ class Case:
         )
 
 
-def one_round(case: Case, ser: str, where: str, scratch: Path, r: int, res: C.Results, check: bool) -> str:
-    import jax
+class Serializers(C.Scenario):
+    """Contenders ``workload/storage/serializer``: each saves its workload (until durable on local
+    disk), restores it cold (local disk only), warm, and resharded 4 ways; round 0 checks the bytes."""
 
-    import flax_ckpt as fc
-    from flax_ckpt._src.storage import open_storage
+    name = "serializers"
 
-    key = f"{case.name}/{where}/{ser}"
-    local = where == "local"
-    path: Any = scratch / f"{case.name}-{ser}-{r}" if local else f"memory://bench/{case.name}-{ser}-{r}"
+    def __init__(self, cases: list[Case], wheres: list[str], scratch: Path):
+        self.cases, self.scratch = {c.name: c for c in cases}, scratch
+        self.contenders = [f"{c.name}/{w}/{s}" for c in cases for w in wheres for s in SERIALIZERS]
 
-    def save() -> None:
-        fc.save(path, case.tree, serializer=ser)
+    def time(self, name: str, r: int) -> dict[str, float]:
+        import jax
+
+        import flax_ckpt as fc
+        from flax_ckpt._src.storage import open_storage
+
+        case_name, where, ser = name.split("/")
+        case, local, out = self.cases[case_name], where == "local", {}
+        path: Any = (
+            self.scratch / f"{case_name}-{ser}-{r}" if local else f"memory://bench/{case_name}-{ser}-{r}"
+        )
+
+        def restore(target: Any) -> float:
+            t, got = C.timed(lambda: jax.block_until_ready(fc.restore(path, target)))
+            if r == 0:
+                C.same_bytes(case.flat, {k: np.asarray(v) for k, v in C.flat_items(got)})
+            return t
+
+        out["save"], _ = C.timed(
+            lambda: (fc.save(path, case.tree, serializer=ser), local and C.fsync_tree(path))
+        )
         if local:
-            C.fsync_tree(path)
+            C.drop_cache(path)
+            out["restore_cold"] = restore(case.target)
+        out["restore_warm"] = restore(case.target)
+        out["restore_4way"] = restore(case.sharded)
+        gc.collect()
+        if local:
+            shutil.rmtree(path)
+        else:
+            parent, leaf = str(path).rsplit("/", 1)
+            open_storage(parent).delete(leaf)
+        return out
 
-    t, _ = C.timed(save)
-    res.add(key, "save", t)
-    msg = f"round {r} {key:22s} save {t:6.2f}s"
-    if local:
-        C.drop_cache(path)
-        t, got = C.timed(lambda: jax.block_until_ready(fc.restore(path, case.target)))
-        res.add(key, "restore_cold", t)
-        msg += f"  cold {t:6.2f}s"
-        if check:
-            C.same_bytes(case.flat, dict(C.flat_items(got)))
-        del got
-    t, got = C.timed(lambda: jax.block_until_ready(fc.restore(path, case.target)))
-    res.add(key, "restore_warm", t)
-    if check and not local:
-        C.same_bytes(case.flat, dict(C.flat_items(got)))
-    del got
-    t, got = C.timed(lambda: jax.block_until_ready(fc.restore(path, case.sharded)))
-    res.add(key, "restore_4way", t)
-    if check:
-        C.same_bytes(case.flat, {k: np.asarray(v) for k, v in C.flat_items(got)})
-    del got
-    gc.collect()
-    msg += f"  warm {res.times[key]['restore_warm'][-1]:6.2f}s  4-way {t:6.2f}s"
-    if local:
-        shutil.rmtree(path)
-    else:
-        parent, name = str(path).rsplit("/", 1)
-        open_storage(parent).delete(name)
-    return msg
+    def teardown(self) -> None:
+        C.remove_scratch(self.scratch)
 
 
-MEASURES = [
-    ("save", "save"),
-    ("restore_cold", "restore cold"),
-    ("restore_warm", "restore warm"),
-    ("restore_4way", "restore 4-way resharded (warm)"),
-]
+MEASURES = ["save", "restore_cold", "restore_warm", "restore_4way"]
 
 
 def markdown(res: C.Results, cases: list[Case], wheres: list[str], rounds: int) -> str:
@@ -128,52 +124,33 @@ def markdown(res: C.Results, cases: list[Case], wheres: list[str], rounds: int) 
         size = f"{case.name} ({len(case.flat)} leaves, {C.tree_bytes(case.flat) / C.MB:.0f} MiB)"
         for where in wheres:
             a, b = f"{case.name}/{where}/raw", f"{case.name}/{where}/zarr3"
-            for m, label in MEASURES:
-                if res.median(a, m) is None:
-                    continue
-                lines.append(
-                    f"| {size} | {where} | {label} | {C.fmt(res.median(a, m))} | "
-                    f"{C.fmt(res.median(b, m))} | {C.fmt(res.paired_ratio(a, b, m))} |"
-                )
+            for m in MEASURES:
+                if res.median(a, m) is not None:
+                    lines.append(
+                        f"| {size} | {where} | {m} | {C.fmt(res.median(a, m))} | "
+                        f"{C.fmt(res.median(b, m))} | {C.fmt(res.paired_ratio(a, b, m))} |"
+                    )
     return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--size-mb", type=float, default=256, help="size of the mixed workload in MiB")
+    ap = C.cli(__doc__.split("\n")[0], size_mb=256.0, rounds=3, scratch="serializers")
     ap.add_argument("--small-leaves", type=int, default=1000, help="leaves of the small workload (0: skip)")
-    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--storages", default="local,memory")
-    ap.add_argument("--scratch", type=Path, default=C.SCRATCH / "serializers")
     args = ap.parse_args(argv)
 
     cases = [Case("mixed", C.make_tree(int(args.size_mb * C.MB)))]
     if args.small_leaves:
         cases.append(Case("small", C.many_small_tree(args.small_leaves, 16 << 10)))
     wheres = args.storages.split(",")
-    scratch = C.fresh_dir(args.scratch)
-    info = C.machine_info(scratch)
-    res = C.Results()
-    try:
-        for r in range(args.rounds):
-            for case in cases:
-                for where in wheres:
-                    for ser in C.rotated(SERIALIZERS, r):
-                        print(one_round(case, ser, where, scratch, r, res, r == 0), flush=True)
-    finally:
-        C.remove_scratch(scratch)
-    info["loadavg_end"] = os.getloadavg()
-    md = markdown(res, cases, wheres, args.rounds)
+    info = C.machine_info(C.fresh_dir(args.scratch))
+    res = C.run(Serializers(cases, wheres, args.scratch), args.rounds)
     body = {
         "benchmark": "serializers",
-        "args": {k: str(v) for k, v in vars(args).items()},
-        "machine": info,
         "workloads": {c.name: {"leaves": len(c.flat), "nbytes": C.tree_bytes(c.flat)} for c in cases},
         "seconds": res.times,
     }
-    js, mdp = C.write_report("serializers", body, md)
-    print("\n" + md)
-    print(f"wrote {js} and {mdp}")
+    C.report("serializers", args, info, body, markdown(res, cases, wheres, args.rounds))
 
 
 if __name__ == "__main__":
