@@ -19,7 +19,7 @@ One manager per library for all rounds, after one untimed warm-up save (so one-o
 counted); every round saves a new step, the order of libraries rotated. "blocked" is the time the save
 call holds the caller; "durable" is from the save call until the library says the step is on disk
 (for the managers this includes retention deleting the previous step; torch's folders are deleted
-untimed). Peak RSS: resident memory sampled every 2 ms (psutil) from the save call until durable, minus
+untimed). Peak RSS: resident memory sampled every 2 ms (runner.RssPeak) from the save call until durable, minus
 the resident memory just before it. Ratios are medians of per-round ratios.
 
 Part 2, a small Flax MLP trained with optax adam for ``--train-steps`` steps with a checkpoint every 10
@@ -36,7 +36,6 @@ import gc
 import os
 import shutil
 import sys
-import threading
 import time
 import warnings
 from pathlib import Path
@@ -52,30 +51,6 @@ import numpy as np  # noqa: E402
 
 ALL = ["memcpy", "flax_ckpt", "flax_ckpt-numpy", "flax_ckpt-numpy-snapshot-reuse", "orbax", "torch-dcp"]
 BLOCK_ONLY = ("memcpy", "flax_ckpt-numpy-snapshot-reuse")  # no durable time: they write nothing
-
-
-class RssPeak:
-    """Samples this process's resident memory in a thread; ``peak - base`` after ``stop``."""
-
-    def __init__(self, interval: float = 0.002):
-        import psutil
-
-        self.proc, self.interval = psutil.Process(), interval
-        self.base = self.peak = self.proc.memory_info().rss
-        self._stop = threading.Event()
-        self._t = threading.Thread(target=self._run, daemon=True)
-        self._t.start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, self.proc.memory_info().rss)
-            time.sleep(self.interval)
-
-    def stop(self) -> int:
-        self._stop.set()
-        self._t.join()
-        self.peak = max(self.peak, self.proc.memory_info().rss)
-        return self.peak - self.base
 
 
 class Async:
@@ -237,7 +212,7 @@ def rss_child(name: str, size_mb: float, scratch: Path) -> None:
     flat = C.make_tree(int(size_mb * C.MB))
     state = jax_state(flat) if name in ("flax_ckpt", "orbax") else None
     gc.collect()
-    rss = RssPeak()
+    rss = C.RssPeak()
     c = build([name], flat, C.fresh_dir(scratch), state)[name]
     for step in (0, 1):
         one(c, step)
@@ -247,28 +222,10 @@ def rss_child(name: str, size_mb: float, scratch: Path) -> None:
 
 def run_rss(names: list[str], size_mb: float, scratch: Path) -> dict[str, float]:
     """Peak resident memory above the state's, per contender, each in its own process (MiB)."""
-    import json
-    import subprocess
-
     out = {}
     for n in names:
-        p = subprocess.run(
-            [
-                sys.executable,
-                __file__,
-                "--rss-child",
-                n,
-                "--size-mb",
-                str(size_mb),
-                "--scratch",
-                str(scratch / f"rss-{n}"),
-            ],
-            capture_output=True,
-            text=True,
-        )
-        if p.returncode:
-            raise RuntimeError(f"RSS run of {n} failed:\n{p.stderr[-3000:]}")
-        r = json.loads(p.stdout.strip().splitlines()[-1])
+        argv = [__file__, "--rss-child", n, "--size-mb", str(size_mb), "--scratch", str(scratch / f"rss-{n}")]
+        r = C.child(argv)
         out[n] = r["extra"] / C.MB
         print(
             f"peak RSS {n:26s} +{out[n]:6.0f} MiB over the state's process ({r['extra'] / r['nbytes']:.2f}x state)",
@@ -277,28 +234,33 @@ def run_rss(names: list[str], size_mb: float, scratch: Path) -> dict[str, float]
     return out
 
 
-def run_saves(contenders: dict[str, Async], rounds: int) -> C.Results:
-    res = C.Results()
-    for c in contenders.values():  # warm-up: one-off set-up (threads, folders, metadata) is not timed
-        one(c, 0)
-    for r in range(rounds):
-        for name in C.rotated(list(contenders), r):
-            blocked, durable = one(contenders[name], r + 1)
-            res.add(name, "blocked", blocked)
-            res.add(name, "durable", durable)
-            print(f"round {r} {name:26s} blocked {blocked:6.3f}s  durable {durable:6.2f}s", flush=True)
-    return res
+class Saves(C.Scenario):
+    """Each contender saves a new step: "blocked" while the save call holds the caller, "durable" until
+    the library says the step is on disk; one warm-up save each (one-off set-up is not timed)."""
+
+    name, floors, warmup = "async", ["memcpy"], 1
+
+    def __init__(self, names: list[str], flat: dict[str, np.ndarray], scratch: Path):
+        self.contenders, self.flat, self.scratch = names, flat, scratch
+
+    def setup(self) -> None:
+        self.objs = build(self.contenders, self.flat, self.scratch)
+
+    def time(self, name: str, r: int) -> dict[str, float]:
+        blocked, durable = one(self.objs[name], r + 1)
+        return {"blocked": blocked} if name in BLOCK_ONLY else {"blocked": blocked, "durable": durable}
+
+    def teardown(self) -> None:
+        for c in getattr(self, "objs", {}).values():
+            c.close()
 
 
 # ----------------------------------------------------------------------------------------- training
 
 
 def make_training(width: int, depth: int, batch: int, seed: int = 0):
-    import jax
     import jax.numpy as jnp
-    import optax
     from flax import linen as nn
-    from flax.training import train_state
 
     class MLP(nn.Module):
         @nn.compact
@@ -307,27 +269,9 @@ def make_training(width: int, depth: int, batch: int, seed: int = 0):
                 x = nn.relu(nn.Dense(width)(x))
             return nn.Dense(10)(x)
 
-    model = MLP()
     rng = np.random.default_rng(seed)
     xs = jnp.asarray(rng.standard_normal((batch, 256), dtype=np.float32))
-    ys = jnp.asarray(rng.integers(0, 10, batch))
-
-    def init():
-        params = model.init(jax.random.key(seed), xs)["params"]
-        return train_state.TrainState.create(apply_fn=model.apply, params=params, tx=optax.adam(1e-3))
-
-    @jax.jit
-    def loss_fn(params, x, y):
-        logits = model.apply({"params": params}, x)
-        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
-
-    @jax.jit
-    def _step(state, x, y):
-        grads = jax.grad(loss_fn)(state.params, x, y)
-        return state.apply_gradients(grads=grads)
-
-    step = jax.jit(lambda s, x, y: _step(s, x, y), donate_argnums=0)
-    return init, lambda s: step(s, xs, ys)
+    return C.adam_training(MLP(), xs, jnp.asarray(rng.integers(0, 10, batch)), 1e-3)
 
 
 def train_run(
@@ -349,9 +293,6 @@ def train_run(
 
 def run_training(args, scratch: Path) -> tuple[C.Results, dict[str, Any]]:
     import jax
-    import orbax.checkpoint as ocp
-
-    import flax_ckpt as fc
 
     init, step = make_training(args.train_width, args.train_depth, args.train_batch)
     s0 = init()
@@ -370,33 +311,46 @@ def run_training(args, scratch: Path) -> tuple[C.Results, dict[str, Any]]:
         f"{args.train_steps} steps, checkpoint every {args.every}",
         flush=True,
     )
-    res = C.Results()
-    variants = ["no checkpoints", "flax_ckpt", "orbax"]
-    for r in range(args.train_rounds):
-        for v in C.rotated(variants, r):
-            d = C.fresh_dir(scratch / f"train-{v.replace(' ', '_')}")
-            if v == "no checkpoints":
-                wall, cpu = train_run(init, step, args.train_steps, None, args.every)
-            elif v == "flax_ckpt":
-                mgr = fc.CheckpointManager(d, max_to_keep=2, async_save=True)
-                wall, cpu = train_run(init, step, args.train_steps, lambda i, s: mgr.save(i, s), args.every)
-                mgr.close()
-            else:
-                om = ocp.CheckpointManager(d, options=ocp.CheckpointManagerOptions(max_to_keep=2))
-                wall, cpu = train_run(
-                    init,
-                    step,
-                    args.train_steps,
-                    lambda i, s: om.save(i, args=ocp.args.StandardSave(s)),
-                    args.every,
-                )
-                om.wait_until_finished()
-                om.close()
-            shutil.rmtree(d)
-            res.add(v, "s_per_step", wall)  # seconds per step: paired ratios read as slowdowns
-            res.add(v, "cpu_s_per_step", cpu)
-            print(f"round {r} {v:16s} {1 / wall:7.1f} steps/s  {cpu * 1e3:7.1f} ms CPU/step", flush=True)
-    return res, info
+    return C.run(Training(args, init, step, scratch), args.train_rounds), info
+
+
+class Training(C.Scenario):
+    """The loop without checkpoints, with flax_ckpt's async manager and with Orbax's, saving every
+    ``args.every`` steps: seconds and process CPU seconds per step."""
+
+    contenders = ["no checkpoints", "flax_ckpt", "orbax"]
+
+    def __init__(self, args: Any, init: Callable, step: Callable, scratch: Path):
+        self.args, self.init, self.step, self.scratch = args, init, step, scratch
+
+    def time(self, name: str, r: int) -> dict[str, float]:
+        import orbax.checkpoint as ocp
+
+        import flax_ckpt as fc
+
+        d, n, every = (
+            C.fresh_dir(self.scratch / f"train-{name.replace(' ', '_')}"),
+            self.args.train_steps,
+            self.args.every,
+        )
+        if name == "no checkpoints":
+            wall, cpu = train_run(self.init, self.step, n, None, every)
+        elif name == "flax_ckpt":
+            mgr = fc.CheckpointManager(d, max_to_keep=2, async_save=True)
+            wall, cpu = train_run(self.init, self.step, n, lambda i, s: mgr.save(i, s), every)
+            mgr.close()
+        else:
+            om = ocp.CheckpointManager(d, options=ocp.CheckpointManagerOptions(max_to_keep=2))
+            wall, cpu = train_run(
+                self.init, self.step, n, lambda i, s: om.save(i, args=ocp.args.StandardSave(s)), every
+            )
+            om.wait_until_finished()
+            om.close()
+        shutil.rmtree(d)
+        return {
+            "s_per_step": wall,
+            "cpu_s_per_step": cpu,
+        }  # seconds per step: paired ratios read as slowdowns
 
 
 # ------------------------------------------------------------------------------------------ report
@@ -410,46 +364,14 @@ def markdown(
     rss: dict[str, float],
     train: tuple[C.Results, dict[str, Any]] | None,
 ) -> str:
-    lines = (
-        []
-        if not nbytes
-        else [
-            f"State: {nbytes / C.MB:.0f} MiB, {rounds} interleaved rounds after one warm-up save; medians.",
-            "",
-            "| contender | blocked (s) | durable (s) | peak RSS over the state's (MiB, x state) |",
-            "|---|---:|---:|---:|",
-        ]
-    )
-    for n in names if nbytes else []:
-        mem = f"{rss[n]:.0f} ({rss[n] * C.MB / nbytes:.2f}x)" if n in rss else "-"
-        lines.append(
-            f"| {n} | {C.fmt(res.median(n, 'blocked'))} | "
-            f"{C.fmt(res.median(n, 'durable')) if n not in BLOCK_ONLY else '-'} | "
-            f"{mem} |"
-        )
-    timed_rounds = bool(res.times)
-    lines += (
-        []
-        if not (nbytes and timed_rounds)
-        else [
-            "",
-            "Ratios (median of per-round ratios): 'x memcpy' = t / t_memcpy; 'x faster than B' = t_B / t.",
-            "",
-            "| contender | measure | x memcpy floor | x faster than orbax | x faster than torch-dcp |",
-            "|---|---|---:|---:|---:|",
-        ]
-    )
-    for n in names if nbytes and timed_rounds else []:
-        if not n.startswith("flax_ckpt"):
-            continue
-        for m in ("blocked", "durable"):
-            if m == "durable" and n in BLOCK_ONLY:
-                continue
-            mc = res.paired_ratio(n, "memcpy", m) if m == "blocked" else None
-            lines.append(
-                f"| {n} | {m} | {C.fmt(1 / mc if mc else None)} | {C.fmt(res.paired_ratio(n, 'orbax', m))}"
-                f" | {C.fmt(res.paired_ratio(n, 'torch-dcp', m))} |"
-            )
+    lines = []
+    if nbytes:
+        mem = ", ".join(f"{n} {v:.0f} MiB ({v * C.MB / nbytes:.2f}x)" for n, v in rss.items())
+        lines += [f"State: {nbytes / C.MB:.0f} MiB, {rounds} interleaved rounds after one warm-up save.", ""]
+        lines += [f"Peak RSS over the state's: {mem}.", ""] if rss else []
+    if nbytes and res.times:
+        lines += ["Ratios: medians of per-round ratios t / t_B (< 1: faster).", ""]
+        lines.append(C.table(res, names, ["blocked", "durable"], vs=["memcpy", "orbax", "torch-dcp"]))
     if train:
         tr, info = train
         lines += [
@@ -458,15 +380,10 @@ def markdown(
             f"{info['state_mb']:.1f} MiB incl. adam), batch {info['batch']}, {info['steps']} steps, "
             f"async checkpoint every {info['every']} steps (max_to_keep=2).",
             "",
-            "| variant | steps/s (median) | wall overhead | CPU ms/step (median) | CPU overhead |",
-            "|---|---:|---:|---:|---:|",
+            "Per step; the ratio to the loop without checkpoints is 1 + the overhead.",
+            "",
+            C.table(tr, Training.contenders, ["s_per_step", "cpu_s_per_step"], vs=["no checkpoints"]),
         ]
-        for v in ("no checkpoints", "flax_ckpt", "orbax"):
-            wall, cpu = tr.median(v, "s_per_step"), tr.median(v, "cpu_s_per_step")
-            ow = tr.paired_ratio("no checkpoints", v, "s_per_step")
-            oc = tr.paired_ratio("no checkpoints", v, "cpu_s_per_step")
-            pct = lambda x: "-" if v == "no checkpoints" or x is None else f"{(x - 1) * 100:+.1f}%"
-            lines.append(f"| {v} | {1 / wall:.1f} | {pct(ow)} | {cpu * 1e3:.1f} | {pct(oc)} |")
     return "\n".join(lines) + "\n"
 
 
@@ -490,10 +407,7 @@ def targets(res: C.Results, train: tuple[C.Results, dict[str, Any]] | None) -> d
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--size-mb", type=float, default=1024)
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--contenders", default=",".join(ALL))
+    ap = C.cli(__doc__.split("\n")[0], size_mb=1024.0, rounds=5, contenders=ALL, scratch="async")
     ap.add_argument("--train-steps", type=int, default=100, help="0 skips the training part")
     ap.add_argument("--train-rounds", type=int, default=6)
     ap.add_argument("--train-width", type=int, default=512)
@@ -501,7 +415,6 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--train-batch", type=int, default=1024)
     ap.add_argument("--every", type=int, default=10)
     ap.add_argument("--no-rss", action="store_true", help="skip the peak-memory runs")
-    ap.add_argument("--scratch", type=Path, default=C.SCRATCH / "async")
     ap.add_argument("--rss-child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.rss_child:
@@ -520,13 +433,8 @@ def main(argv: list[str] | None = None) -> None:
             flat = C.make_tree(int(args.size_mb * C.MB))
             nbytes = C.tree_bytes(flat)
             print(f"state: {len(flat)} leaves, {nbytes / C.MB:.0f} MiB; contenders {names}", flush=True)
-            contenders = build(names, flat, scratch)
-            try:
-                res = run_saves(contenders, args.rounds)
-            finally:
-                for c in contenders.values():
-                    c.close()
-            del contenders, flat
+            res = C.run(Saves(names, flat, scratch), args.rounds)
+            del flat
             gc.collect()
         if names and args.size_mb > 0 and not args.no_rss:
             rss = run_rss([n for n in names if n != "flax_ckpt-numpy-snapshot-reuse"], args.size_mb, scratch)
@@ -535,7 +443,6 @@ def main(argv: list[str] | None = None) -> None:
             train = run_training(args, scratch)
     finally:
         C.remove_scratch(scratch)
-    info["loadavg_end"] = os.getloadavg()
     md = markdown(res, names, nbytes, args.rounds, rss, train)
     tg = targets(res, train) if "flax_ckpt" in names and "memcpy" in names and args.rounds else {}
     if tg:
@@ -546,17 +453,13 @@ def main(argv: list[str] | None = None) -> None:
         )
     body = {
         "benchmark": "async",
-        "args": {k: str(v) for k, v in vars(args).items()},
-        "machine": info,
         "nbytes": nbytes,
         "values": res.times,
         "peak_rss_over_state_mb": rss,
         "training": {"info": train[1], "s_per_step": train[0].times} if train else None,
         "targets": tg,
     }
-    js, mdp = C.write_report("async", body, md)
-    print("\n" + md)
-    print(f"wrote {js} and {mdp}")
+    C.report("async", args, info, body, md)
 
 
 if __name__ == "__main__":

@@ -530,6 +530,45 @@ def adam_training(model: Any, xs: Any, ys: Any, lr: float) -> tuple[Callable[[],
     return init, lambda s: step(s, xs, ys)
 
 
+def child(argv: list[str], timeout: float | None = None, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Runs ``python *argv`` (a benchmark's own measure in a fresh process) and returns the JSON object
+    on the last line of its output that starts with "{"; raises with its stderr if it failed."""
+    p = subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=timeout, env=env)
+    line = next((x for x in reversed(p.stdout.splitlines()) if x.startswith("{")), None)
+    if p.returncode or line is None:
+        raise RuntimeError(f"{' '.join(argv[:3])} failed:\n{p.stderr[-3000:]}")
+    return json.loads(line)
+
+
+class RssPeak:
+    """Samples this process's resident memory (/proc/self/statm) on a thread every ``interval``
+    seconds from its creation; ``stop()`` gives the peak minus the resident memory at the start."""
+
+    def __init__(self, interval: float = 0.002):
+        import threading
+
+        self.interval, self.page = interval, os.sysconf("SC_PAGE_SIZE")
+        self.base = self.peak = self.rss()
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+
+    def rss(self) -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * self.page
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self.rss())
+            self._stop.wait(self.interval)
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._t.join()
+        self.peak = max(self.peak, self.rss())
+        return self.peak - self.base
+
+
 def status_kb(field: str) -> int:
     """A field of /proc/self/status in KiB (VmRSS, VmHWM, ...), 0 where there is none."""
     with open("/proc/self/status") as f:
