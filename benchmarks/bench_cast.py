@@ -22,9 +22,7 @@ growth during the restore (sampled every millisecond), the result included. Repo
 
 from __future__ import annotations
 
-import argparse
-import os
-import statistics
+import json
 import sys
 from pathlib import Path
 from typing import Any, Callable
@@ -79,108 +77,84 @@ def check(name: str, got: dict[str, Any], tree: dict[str, np.ndarray]) -> None:
         assert a.dtype == want.dtype and a.tobytes() == want.tobytes(), (name, k)
 
 
-def peak_growth(fc_dir: Path, ob_dir: Path, tree: dict[str, np.ndarray], name: str) -> int:
-    """In this (child) process: the peak RSS growth, in bytes, of one run of contender ``name``: the
-    resident size sampled every millisecond (/proc/self/statm) during the run, minus the size before."""
-    import threading
+class Cast(C.Scenario):
+    """Each contender restores the state from the page cache; the warm-up round warms the cache and
+    checks every leaf against numpy's astype."""
 
-    page = os.sysconf("SC_PAGE_SIZE")
+    name, floors, warmup = "cast", ["fc plain"], 1
 
-    def rss() -> int:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * page
+    def __init__(self, tree: dict[str, np.ndarray], scratch: Path):
+        self.tree, self.scratch = tree, scratch
 
-    run = contenders(fc_dir, ob_dir, tree)[name]
-    before, peak, done = rss(), [0], threading.Event()
+    def setup(self) -> None:
+        import orbax.checkpoint as ocp
 
-    def sample() -> None:
-        while not done.is_set():
-            peak[0] = max(peak[0], rss())
-            done.wait(0.001)
+        fc.save(self.scratch / "fc", self.tree)
+        with ocp.StandardCheckpointer() as c:
+            c.save(self.scratch / "orbax", {k: jax.numpy.asarray(v) for k, v in self.tree.items()})
+        self.runs = contenders(self.scratch / "fc", self.scratch / "orbax", self.tree)
+        self.contenders = list(self.runs)
 
-    sampler = threading.Thread(target=sample)
-    sampler.start()
-    out = jax.block_until_ready(run())
-    done.set()
-    sampler.join()
-    del out
-    return max(peak[0], rss()) - before
+    def time(self, name: str, r: int) -> dict[str, float]:
+        t, got = C.timed(lambda: jax.block_until_ready(self.runs[name]()))
+        if r < 0:
+            check(name, got, self.tree)
+        return {"restore": t}
 
 
 def child(argv: list[str]) -> None:
+    """In this process: the peak RSS growth, in bytes, of one run of a contender (sampled every ms)."""
     fc_dir, ob_dir, size_mb, leaves, name = argv
     n = (int(size_mb) << 20) // int(leaves) // 4
     shapes = {f"w{i:02d}": np.empty(n, np.float32) for i in range(int(leaves))}  # pages never touched
-    print(peak_growth(Path(fc_dir), Path(ob_dir), shapes, name))
-
-
-def peaks(scratch: Path, args: argparse.Namespace, names: list[str]) -> dict[str, int]:
-    import subprocess
-
-    out = {}
-    for name in names:
-        cmd = [
-            sys.executable,
-            __file__,
-            "--child",
-            str(scratch / "fc"),
-            str(scratch / "orbax"),
-            str(args.size_mb),
-            str(args.leaves),
-            name,
-        ]
-        out[name] = int(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.split()[-1])
-    return out
+    run = contenders(Path(fc_dir), Path(ob_dir), shapes)[name]
+    rss = C.RssPeak(0.001)
+    out = jax.block_until_ready(run())
+    print(json.dumps({"growth": rss.stop(), "leaves": len(out)}))
 
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--child"]:
         return child(argv[1:])
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--size-mb", type=int, default=256)
+    p = C.cli(__doc__.splitlines()[0], size_mb=256, rounds=5)
     p.add_argument("--leaves", type=int, default=32)
-    p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--scratch", default="bench_out/scratch_cast")
     args = p.parse_args(argv)
-    import orbax.checkpoint as ocp
 
     scratch = C.fresh_dir(Path(args.scratch).resolve())  # Orbax wants absolute paths
     tree = state(args.size_mb << 20, args.leaves)
-    fc.save(scratch / "fc", tree)
-    with ocp.StandardCheckpointer() as c:
-        c.save(scratch / "orbax", {k: jax.numpy.asarray(v) for k, v in tree.items()})
-    runs = contenders(scratch / "fc", scratch / "orbax", tree)
-    times: dict[str, list[float]] = {n: [] for n in runs}
-    for r in range(args.rounds + 1):
-        for name in C.rotated(list(runs), r):
-            t, got = C.timed(lambda: jax.block_until_ready(runs[name]()))
-            if r == 0:
-                check(name, got, tree)  # round 0 warms the page cache and checks; it is not counted
-            else:
-                times[name].append(t)
-            del got
-    med = {n: statistics.median(v) for n, v in times.items()}
-    peak = peaks(scratch, args, list(runs))
-
-    def ratio(a: str, b: str) -> float:
-        return statistics.median(x / y for x, y in zip(times[a], times[b]))
-
+    sc = Cast(tree, scratch)
+    res = C.run(sc, args.rounds)
+    times = {n: res.times[n]["restore"] for n in sc.contenders}
+    med = {n: res.median(n, "restore") for n in sc.contenders}
+    argv0 = [
+        __file__,
+        "--child",
+        str(scratch / "fc"),
+        str(scratch / "orbax"),
+        str(args.size_mb),
+        str(args.leaves),
+    ]
+    peak = {n: C.child([*argv0, n])["growth"] for n in sc.contenders}
     ratios = {
-        "fc cast / fc plain": ratio("fc cast", "fc plain"),
-        "fc then astype / fc cast": ratio("fc then astype", "fc cast"),
-        "orbax cast / orbax plain": ratio("orbax cast", "orbax plain"),
-        "orbax cast / fc cast": ratio("orbax cast", "fc cast"),
+        f"{a} / {b}": res.paired_ratio(b, a, "restore")
+        for a, b in [
+            ("fc cast", "fc plain"),
+            ("fc then astype", "fc cast"),
+            ("orbax cast", "orbax plain"),
+            ("orbax cast", "fc cast"),
+        ]
     }
     lines = [
         f"# A casting restore, {args.size_mb} MiB float32 -> bfloat16, {args.leaves} leaves, "
         f"{args.rounds} rounds (page cache warm)",
         "",
-        "| contender | median s | peak RSS growth MiB |",
-        "|---|---:|---:|",
+        "Peak RSS growth (MiB): " + ", ".join(f"{n} {v / 2**20:.0f}" for n, v in peak.items()),
+        "",
+        C.table(res, sc.contenders, ["restore"], vs=["fc plain", "fc cast", "orbax plain"]),
     ]
-    lines += [f"| {n} | {med[n]:.3f} | {peak[n] / 2**20:.0f} |" for n in runs]
-    lines += ["", "| ratio (medians of per-round ratios) | x |", "|---|---:|"]
+    lines += ["| ratio (medians of per-round ratios) | x |", "|---|---:|"]
     lines += [f"| {n} | {v:.2f} |" for n, v in ratios.items()]
     md = "\n".join(lines) + "\n"
     print(md)
