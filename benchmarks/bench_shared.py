@@ -17,7 +17,6 @@ median of per-round ratios. "bytes": what 10 saves of the lora state leave on di
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
@@ -80,24 +79,31 @@ def saves(directory, make, count: int, **kw) -> list[float]:
     return out
 
 
+class Shared(C.Scenario):
+    """Each state saved ``count`` times by a fresh manager: the median seconds until durable."""
+
+    name, contenders, floors = "bench_shared", ["lora", "full"], ["full"]
+
+    def __init__(self, makes: dict[str, Callable[[int], dict]], count: int):
+        self.makes, self.count = makes, count
+
+    def time(self, name: str, r: int) -> dict[str, float]:
+        d = C.fresh_dir(C.SCRATCH / f"{name}-{r}")
+        try:
+            return {"durable": statistics.median(saves(d, self.makes[name], self.count))}
+        finally:
+            C.remove_scratch(d)
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = C.cli(__doc__.splitlines()[0], rounds=5)
     ap.add_argument("--frozen-mb", type=int, default=32)
     ap.add_argument("--changing-mb", type=float, default=0.75)
-    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--saves", type=int, default=4, help="timed saves per state per round")
     args = ap.parse_args()
     lora, whole = makers(args.frozen_mb, args.changing_mb)
-    times: dict[str, list[float]] = {"lora": [], "full": []}
-    ratios = []
-    for r in range(args.rounds):
-        got = {}
-        for name in C.rotated(["lora", "full"], r):
-            d = C.fresh_dir(C.SCRATCH / f"{name}-{r}")
-            got[name] = statistics.median(saves(d, lora if name == "lora" else whole, args.saves))
-            C.remove_scratch(d)
-            times[name].append(got[name])
-        ratios.append(got["lora"] / got["full"])
+    res = C.run(Shared({"lora": lora, "full": whole}, args.saves), args.rounds)
+    times = {n: res.times[n]["durable"] for n in Shared.contenders}
     nbytes = {}
     for keep in (None, 2):
         d = C.fresh_dir(C.SCRATCH / f"bytes-{keep}")
@@ -113,7 +119,7 @@ def main() -> None:
         "machine": C.machine_info(C.SCRATCH),
         "args": vars(args),
         "durable_s": {"lora": statistics.median(times["lora"]), "full": statistics.median(times["full"])},
-        "lora_over_full": statistics.median(ratios),
+        "lora_over_full": res.paired_ratio("full", "lora", "durable"),
         "rounds_s": times,  # per state, each round's median
         "bytes": nbytes,
         "bytes_unshared": {"keep_None": 10 * one, "keep_2": 2 * one},  # every save writing the whole state

@@ -16,13 +16,13 @@ save ("full", ``max_to_keep=2``), whose saves must cost what they cost without s
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
 import time
 import uuid
 import warnings
+from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -54,31 +54,47 @@ def run(server: MotoS3, bucket: str, make, keep: int | None, share: bool) -> tup
     return sum(o["Size"] for page in pages for o in page.get("Contents", [])), times
 
 
+class SharedS3(C.Scenario):
+    """Contenders ``off_<case>`` and ``on_<case>`` (sharing off or on; cases keep_None, keep_2 and
+    full): 10 saves to a fresh prefix, the median seconds of saves 2..10, the bytes stored kept."""
+
+    name = "bench_shared_s3"
+    cases = ("keep_None", "keep_2", "full")
+
+    def __init__(self, args: Any):
+        lora, whole = makers(args.frozen_mb, args.changing_mb)
+        self.make = {"keep_None": (lora, None), "keep_2": (lora, 2), "full": (whole, 2)}
+        self.contenders = [f"{mode}_{c}" for c in self.cases for mode in ("off", "on")]
+        self.bytes: dict[str, int] = {}
+
+    def setup(self) -> None:
+        self.server = MotoS3().__enter__()
+        point_env_at(self.server, 64)
+        self.bucket = self.server.create_bucket()
+
+    def time(self, name: str, r: int) -> dict[str, float]:
+        mode, case = name.split("_", 1)
+        self.bytes[name], times = run(self.server, self.bucket, *self.make[case], mode == "on")
+        return {"later_save": statistics.median(times[1:])}
+
+    def teardown(self) -> None:
+        if hasattr(self, "server"):
+            self.server.__exit__(None, None, None)
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = C.cli(__doc__.splitlines()[0], rounds=3)
     ap.add_argument("--frozen-mb", type=int, default=32)
     ap.add_argument("--changing-mb", type=float, default=0.75)
-    ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
-    lora, whole = makers(args.frozen_mb, args.changing_mb)
-    body: dict = {"args": vars(args), "bytes": {}, "later_save_s": {}, "on_over_off": {}}
-    with MotoS3() as server:
-        point_env_at(server, 64)
-        bucket = server.create_bucket()
-        for name, make, keep in (("keep_None", lora, None), ("keep_2", lora, 2), ("full", whole, 2)):
-            per: dict[str, list[float]] = {"off": [], "on": []}
-            ratios = []
-            for r in range(args.rounds):
-                got = {}
-                for mode in C.rotated(["off", "on"], r):
-                    nbytes, times = run(server, bucket, make, keep, mode == "on")
-                    body["bytes"][f"{mode}_{name}"] = nbytes
-                    got[mode] = statistics.median(times[1:])
-                    per[mode].append(got[mode])
-                ratios.append(got["on"] / got["off"])
-            for mode in per:
-                body["later_save_s"][f"{mode}_{name}"] = statistics.median(per[mode])
-            body["on_over_off"][name] = statistics.median(ratios)
+    sc = SharedS3(args)
+    res = C.run(sc, args.rounds)
+    body: dict = {
+        "args": vars(args),
+        "bytes": sc.bytes,
+        "later_save_s": {n: res.median(n, "later_save") for n in sc.contenders},
+        "on_over_off": {c: res.paired_ratio(f"off_{c}", f"on_{c}", "later_save") for c in sc.cases},
+    }
     b, t = body["bytes"], body["later_save_s"]
     md = "".join(
         f"{name}: {b[f'off_{name}'] / C.MB:.1f} MiB -> {b[f'on_{name}'] / C.MB:.1f} MiB stored; a later "
