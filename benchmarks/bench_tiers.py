@@ -113,71 +113,75 @@ class Floor:
         return t
 
 
-def bench_saves(kind: str, base: dict, rounds: int, res: C.Results, extra: dict[str, Any]) -> dict:
-    slug = kind.replace(",", "").replace(" ", "-")
-    disk, shm = C.fresh_dir(C.SCRATCH / f"{slug}-disk"), SHM / slug
-    shutil.rmtree(shm, ignore_errors=True)
-    plain = fc.CheckpointManager(disk, max_to_keep=2)
-    tiered = fc.CheckpointManager(
-        C.SCRATCH / f"{slug}-tiered",
-        max_to_keep=2,
-        tiers=fc.Tiers(local_dir=str(shm), persist_interval_steps=None, max_to_keep=2, cleanup=True),
-    )
-    for step in range(WARMUP):  # warm-up: the first saves allocate fresh memory (page cache, tmpfs)
-        for mgr in (plain, tiered):
-            mgr.save(step, step_state(kind, base, step))
-            mgr.wait_until_finished()
-    first = tiered.tier_stats[0]
-    extra[kind] = {
-        "base_save_s": first.memory_s,
-        "base_written": first.written,
-        "written": [],
-        "reused": [],
-        "warmup_memory_s": [t.memory_s for t in tiered.tier_stats],
-        "warmup_persistent_s": [t.durable_s for t in plain.stats],
-    }
-    floor = Floor(step_state(kind, base, 0)) if kind == "full change" else None
-    for r in range(WARMUP, WARMUP + rounds):
-        for name in C.rotated(["persistent", "memory"] + (["memcpy"] if floor else []), r):
-            if name == "memcpy":
-                res.add(f"{kind}/memcpy", "to tier", floor.run(step_state(kind, base, r)))
-                continue
-            mgr = plain if name == "persistent" else tiered
-            state = step_state(kind, base, r)  # fresh arrays per contender: a jax CPU array caches its
-            mgr.save(r, state)  # host copy, which would make the second save free
-            mgr.wait_until_finished()
-            if name == "persistent":
-                s = plain.stats[-1]
-                res.add(f"{kind}/persistent", "blocked", s.blocked_s)
-                res.add(f"{kind}/persistent", "to tier", s.durable_s)
-            else:
-                t = tiered.tier_stats[-1]
-                res.add(f"{kind}/memory", "blocked", t.blocked_s)
-                res.add(f"{kind}/memory", "to tier", t.memory_s)
-                extra[kind]["written"].append(t.written)
-                extra[kind]["reused"].append(t.reused)
-    return {"plain": plain, "tiered": tiered, "disk": disk, "last": WARMUP + rounds - 1}
+class Saves(C.Scenario):
+    """One state kind saved step after step by a persistent and a memory-tiered manager (and, for a
+    full change, the memcpy floor): "blocked" and "to tier" per save; WARMUP saves each first."""
+
+    def __init__(self, kind: str, base: dict, extra: dict[str, Any]):
+        self.kind, self.base, self.extra = kind, base, extra
+        self.contenders = ["persistent", "memory"] + (["memcpy"] if kind == "full change" else [])
+        self.floors = self.contenders[2:]
+
+    def setup(self) -> None:
+        kind, slug = self.kind, self.kind.replace(",", "").replace(" ", "-")
+        self.disk, shm = C.fresh_dir(C.SCRATCH / f"{slug}-disk"), SHM / slug
+        shutil.rmtree(shm, ignore_errors=True)
+        self.plain = fc.CheckpointManager(self.disk, max_to_keep=2)
+        tiers = fc.Tiers(local_dir=str(shm), persist_interval_steps=None, max_to_keep=2, cleanup=True)
+        self.tiered = fc.CheckpointManager(C.SCRATCH / f"{slug}-tiered", max_to_keep=2, tiers=tiers)
+        for step in range(WARMUP):  # the first saves allocate fresh memory (page cache, tmpfs)
+            for mgr in (self.plain, self.tiered):
+                mgr.save(step, step_state(kind, self.base, step))
+                mgr.wait_until_finished()
+        first, self.floor = self.tiered.tier_stats[0], Floor(step_state(kind, self.base, 0))
+        self.extra[kind] = {
+            "base_save_s": first.memory_s,
+            "base_written": first.written,
+            "written": [],
+            "reused": [],
+            "warmup_memory_s": [t.memory_s for t in self.tiered.tier_stats],
+            "warmup_persistent_s": [t.durable_s for t in self.plain.stats],
+        }
+
+    def time(self, name: str, r: int) -> dict[str, float]:
+        self.last = step = WARMUP + r
+        state = step_state(self.kind, self.base, step)  # fresh arrays per contender: a jax CPU array
+        if name == "memcpy":  # caches its host copy, which would make the second save free
+            return {"to tier": self.floor.run(state)}
+        mgr = self.plain if name == "persistent" else self.tiered
+        mgr.save(step, state)
+        mgr.wait_until_finished()
+        if name == "persistent":
+            return {"blocked": self.plain.stats[-1].blocked_s, "to tier": self.plain.stats[-1].durable_s}
+        t = self.tiered.tier_stats[-1]
+        self.extra[self.kind]["written"].append(t.written)
+        self.extra[self.kind]["reused"].append(t.reused)
+        return {"blocked": t.blocked_s, "to tier": t.memory_s}
+
+    def close(self) -> None:
+        self.tiered.close()
+        self.plain.close()
 
 
-def bench_restores(run: dict, rounds: int, res: C.Results) -> None:
-    step, plain, tiered = run["last"], run["plain"], run["tiered"]
-    want = {
-        k: np.asarray(v) if hasattr(v, "shape") else v
-        for k, v in step_state("fine-tuning", states_cache["base"], step).items()
-    }
-    target = abstract(want)
-    for r in range(rounds):
-        for name in C.rotated(["local memory", "disk cold", "disk warm"], r):
-            if name == "disk cold":
-                C.drop_cache(run["disk"] / str(step))
-            mgr = tiered if name == "local memory" else plain
-            t, got = C.timed(lambda: jax.block_until_ready(mgr.restore(step, target=target)))
-            if r == 0:
-                C.same_bytes(
-                    {k: v for k, v in want.items() if k != "step"},
-                    {k: v for k, v in got.items() if k != "step"},
-                )
-            res.add(name, "restore", t)
+class Restores(C.Scenario):
+    """The fine-tuning state's newest step restored from local memory, from disk cold and warm."""
+
+    contenders = ["local memory", "disk cold", "disk warm"]
+
+    def __init__(self, saves: Saves):
+        self.s = saves
+        want = step_state("fine-tuning", saves.base, saves.last)
+        self.want = {k: np.asarray(v) for k, v in want.items() if k != "step"}
+        self.target = abstract(want)
+
+    def time(self, name: str, r: int) -> dict[str, float]:
+        if name == "disk cold":
+            C.drop_cache(self.s.disk / str(self.s.last))
+        mgr = self.s.tiered if name == "local memory" else self.s.plain
+        t, got = C.timed(lambda: jax.block_until_ready(mgr.restore(self.s.last, target=self.target)))
+        if r == 0:
+            C.same_bytes(self.want, {k: v for k, v in got.items() if k != "step"})
+        return {"restore": t}
 
 
 # -------------------------------------------------------------------------------------- peer part
@@ -204,9 +208,9 @@ def worker(i: int, port: int, root: str, mb: int) -> None:
         os.path.join(root, "ckpt"),
         tiers=fc.Tiers(local_dir=local, persist_interval_steps=None, cleanup=False),
     )
-    for step in (1, 2):
+    for step in (1, 2):  # each waited for: the tier's default on_busy="skip" would skip step 2
         mgr.save(step, state(step))
-    mgr.wait_until_finished()
+        mgr.wait_until_finished()
     target = {"w": jax.ShapeDtypeStruct((2 * rows, 1024), np.float32, sharding=sh), "step": 0}
     out = {}
     t, _ = C.timed(lambda: jax.block_until_ready(mgr.restore(target=target)))
@@ -263,8 +267,6 @@ def bench_peer(mb: int, rounds: int, res: C.Results) -> dict:
 
 
 # ----------------------------------------------------------------------------------------- report
-
-states_cache: dict[str, Any] = {}
 
 
 def report(args: argparse.Namespace, res: C.Results, extra: dict[str, Any], info: dict[str, Any]) -> str:
@@ -334,24 +336,22 @@ def report(args: argparse.Namespace, res: C.Results, extra: dict[str, Any], info
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
         return worker(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], int(sys.argv[5]))
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--size-mb", type=int, default=256)
+    ap = C.cli(__doc__.split("\n")[0], size_mb=256, rounds=3)
     ap.add_argument("--trained-frac", type=float, default=1 / 16)
-    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--peer-mb", type=int, default=32, help="per process; 0 skips the 2-process part")
     args = ap.parse_args()
     info = C.machine_info(C.SCRATCH)
     res, extra = C.Results(), {}
     try:
-        base = states_cache["base"] = base_state(args.size_mb * C.MB, args.trained_frac, 0)
-        run = bench_saves("fine-tuning", base, args.rounds, res, extra)
-        for kind in KINDS[1:]:
-            other = bench_saves(kind, base, args.rounds, res, extra)
-            other["tiered"].close()
-            other["plain"].close()
-        bench_restores(run, args.rounds, res)
-        run["tiered"].close()
-        run["plain"].close()
+        base = base_state(args.size_mb * C.MB, args.trained_frac, 0)
+        for kind in KINDS:
+            saves = Saves(kind, base, extra)
+            kres = C.run(saves, args.rounds)
+            for name, measures in kres.times.items():
+                res.times[f"{kind}/{name}"] = measures
+            if kind == "fine-tuning":
+                C.run(Restores(saves), args.rounds, res=res)
+            saves.close()
         if args.peer_mb:
             extra["peer"] = bench_peer(args.peer_mb, args.rounds, res)
         md = report(args, res, extra, info)
