@@ -2,43 +2,69 @@
 
 Orbax writes the checkpoint once (StandardCheckpointer layout: OCDBT + zarr v2 by default); then each
 round restores it with ``ocp.StandardCheckpointer().restore(path, abstract_tree)`` and with
-``fc.restore(path, abstract_tree)`` into the same shardings, alternating which goes first, and checks
-once that both give the same bytes. Reports per-round seconds, medians, throughput and the ratio.
-Files are read from the page cache after the first (warm-up) round, for both readers alike. CPU
-seconds (all threads of the process) are reported beside wall time: on a shared machine they vary less.
+``fc.restore(path, abstract_tree)`` into the same shardings, alternating which goes first; the warm-up
+round checks that both give the same bytes. Reports per-round seconds, medians, throughput and the ratio.
+Files are read from the page cache after the warm-up round, for both readers alike. CPU seconds (all
+threads of the process) are reported beside wall time: on a shared machine they vary less.
 
     python benchmarks/bench_orbax_restore.py --size-mb 512 --leaves 64 --rounds 5 --devices 8
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
-import statistics
 import sys
 import tempfile
 import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import runner as C  # noqa: E402
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--size-mb", type=float, default=512, help="total checkpoint size (default 512)")
+class OrbaxRestore(C.Scenario):
+    """Each reader restores the Orbax checkpoint at ``path`` into ``abstract``: wall and CPU seconds."""
+
+    name, contenders, warmup = "orbax_restore", ["orbax", "flax_ckpt"], 1
+
+    def __init__(self, path: str, abstract: Any):
+        self.path, self.abstract, self.warm = path, abstract, {}
+
+    def time(self, name: str, r: int) -> dict[str, float]:
+        import jax
+        import numpy as np
+        import orbax.checkpoint as ocp
+
+        import flax_ckpt as fc
+
+        read = ocp.StandardCheckpointer().restore if name == "orbax" else fc.restore
+        t, c = time.perf_counter(), time.process_time()
+        out = jax.block_until_ready(read(self.path, self.abstract))
+        got = {"wall": time.perf_counter() - t, "cpu": time.process_time() - c}
+        if r < 0:
+            self.warm[name] = [np.asarray(x).view(np.uint8) for x in jax.tree_util.tree_leaves(out)]
+        return got
+
+    def bit_exact(self) -> bool:
+        import numpy as np
+
+        return all(np.array_equal(x, y) for x, y in zip(self.warm["orbax"], self.warm["flax_ckpt"]))
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = C.cli(__doc__.splitlines()[0], size_mb=512.0, rounds=5)
     p.add_argument("--leaves", type=int, default=64, help="number of arrays (half float32, half bfloat16)")
-    p.add_argument("--rounds", type=int, default=5, help="timed rounds per reader, after one warm-up")
     p.add_argument("--devices", type=int, default=8, help="CPU devices; arrays are sharded over them")
     p.add_argument("--no-ocdbt", action="store_true", help="one folder per array instead of OCDBT")
     p.add_argument("--zarr3", action="store_true", help="zarr3 instead of zarr v2")
     p.add_argument("--dir", default=None, help="where to write the checkpoint (default: a temp folder)")
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
-    return p.parse_args(argv)
-
-
-def main(argv: list[str] | None = None) -> dict:
-    args = parse_args(argv)
+    args = p.parse_args(argv)
     os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={args.devices}")
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    C.jax_cpu_env()
     import warnings
 
     import jax
@@ -48,13 +74,10 @@ def main(argv: list[str] | None = None) -> dict:
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    import flax_ckpt as fc
-
     warnings.filterwarnings("ignore", category=UserWarning)
     mesh = jax.sharding.Mesh(np.array(jax.devices()[: args.devices]), ("x",))
     sharding = NamedSharding(mesh, P("x"))
-    cols = 1024
-    per_leaf = args.size_mb * 2**20 / args.leaves
+    cols, per_leaf = 1024, args.size_mb * 2**20 / args.leaves
     tree, rng = {}, np.random.default_rng(0)
     for i in range(args.leaves):
         dtype = jnp.float32 if i % 2 == 0 else jnp.bfloat16
@@ -76,64 +99,34 @@ def main(argv: list[str] | None = None) -> dict:
     ocp.Checkpointer(handler).save(path, args=ocp.args.PyTreeSave(tree))
     save_s = time.perf_counter() - t0
     del tree
-
-    readers = {
-        "orbax": lambda: ocp.StandardCheckpointer().restore(path, abstract),
-        "flax_ckpt": lambda: fc.restore(path, abstract),
-    }
-
-    def timed(name: str):
-        t, c = time.perf_counter(), time.process_time()
-        out = jax.block_until_ready(readers[name]())
-        cpu[name].append(time.process_time() - c)
-        return time.perf_counter() - t, out
-
-    cpu: dict[str, list[float]] = {"orbax": [], "flax_ckpt": []}
-
-    _, a = timed("orbax")  # warm-up; also the equality check
-    _, b = timed("flax_ckpt")
-    same = all(
-        np.array_equal(np.asarray(x).view(np.uint8), np.asarray(y).view(np.uint8))
-        for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b))
-    )
-    del a, b
-    cpu = {"orbax": [], "flax_ckpt": []}  # drop the warm-up's
-    times: dict[str, list[float]] = {"orbax": [], "flax_ckpt": []}
-    for r in range(args.rounds):
-        for name in ("orbax", "flax_ckpt") if r % 2 == 0 else ("flax_ckpt", "orbax"):
-            seconds, out = timed(name)
-            times[name].append(seconds)
-            del out
-    med = {k: statistics.median(v) for k, v in times.items()}
-    cpu_med = {k: statistics.median(v) for k, v in cpu.items()}
+    info = C.machine_info(Path(root))
+    sc = OrbaxRestore(path, abstract)
+    res = C.run(sc, args.rounds)
+    names = sc.contenders
+    med = {k: res.median(k, "wall") for k in names}
     result = {
         "checkpoint_mb": nbytes / 2**20,
         "leaves": args.leaves,
         "devices": args.devices,
         "layout": f"{'zarr3' if args.zarr3 else 'zarr'}{'' if args.no_ocdbt else '+ocdbt'}",
         "orbax_save_s": save_s,
-        "rounds": times,
+        "rounds": {k: res.times[k]["wall"] for k in names},
         "median_s": med,
-        "median_cpu_s": cpu_med,
+        "median_cpu_s": {k: res.median(k, "cpu") for k in names},
         "mb_per_s": {k: nbytes / 2**20 / v for k, v in med.items()},
         "orbax_over_flax_ckpt": med["orbax"] / med["flax_ckpt"],
-        "bit_exact": same,
-        "orbax_version": ocp.__version__ if hasattr(ocp, "__version__") else "unknown",
+        "bit_exact": sc.bit_exact(),
+        "orbax_version": getattr(ocp, "__version__", "unknown"),
     }
-    print(
+    md = (
         f"Orbax checkpoint: {result['checkpoint_mb']:.0f} MB in {args.leaves} arrays, layout "
-        f"{result['layout']}, sharded over {args.devices} CPU devices; {args.rounds} interleaved rounds"
+        f"{result['layout']}, sharded over {args.devices} CPU devices; {args.rounds} interleaved rounds; "
+        f"orbax / flax_ckpt {result['orbax_over_flax_ckpt']:.2f}x, bit-exact: {result['bit_exact']}\n\n"
+        + C.table(res, names, ["wall", "cpu"], vs=["flax_ckpt"])
     )
-    for k in ("orbax", "flax_ckpt"):
-        rounds = " ".join(f"{s:.3f}" for s in times[k])
-        print(
-            f"  {k:<10} median {med[k]:.3f} s  ({result['mb_per_s'][k]:.0f} MB/s), CPU {cpu_med[k]:.3f} s"
-            f"   rounds: {rounds}"
-        )
-    print(f"  ratio orbax / flax_ckpt: {result['orbax_over_flax_ckpt']:.2f}x   bit-exact: {same}")
+    C.report("orbax_restore", args, info, result, md)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+        Path(args.json).write_text(json.dumps(result, indent=2))
     if not args.dir:
         shutil.rmtree(root, ignore_errors=True)
     return result
