@@ -18,8 +18,7 @@ installed), each into a jax target.
 Two measures, interleaved over rounds: (1) the time inside the check functions (a timer around
 them; not around the per-file lstat of orbax/folders.py, whose timer would cost more than it); (2) the
 wall-time cost, a restore with the checks against the same restore with each check replaced by the
-answer it gave (tiling: no problem; walks: the files they found), in alternating order (give an even
-number of rounds: each order then runs equally often). The cost is
+answer it gave (tiling: no problem; walks: the files they found), in the runner's rotated order. The cost is
 the difference of the two medians, and its share of the checked restore; on a noisy machine it
 carries the noise of both medians (it can come out negative).
 
@@ -28,9 +27,7 @@ Reports go to bench_out/bench_checks-<time>.{json,md}.
 
 from __future__ import annotations
 
-import argparse
 import functools
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -118,11 +115,50 @@ def _restore(path: Path, tree, checking: bool) -> tuple[float, float]:
     return time.perf_counter() - t0, SPENT[0]
 
 
+class Checks(C.Scenario):
+    """Contenders "<layout>: checked" (the restore with its checks, the time inside them) and
+    "<layout>: answered" (each check replaced by the answer it gave in ``setup``'s restore)."""
+
+    def __init__(self, paths: dict[str, Path], tree):
+        self.paths, self.tree = paths, tree
+        self.contenders = [f"{n}: {m}" for n in paths for m in ("checked", "answered")]
+
+    def setup(self) -> None:
+        for path in self.paths.values():
+            _restore(path, self.tree, True)  # warm up, and record what every check answers
+
+    def time(self, name: str, r: int) -> dict[str, float]:
+        layout, mode = name.rsplit(": ", 1)
+        t, spent = _restore(self.paths[layout], self.tree, mode == "checked")
+        return {"restore": t, "in_checks": spent} if mode == "checked" else {"restore": t}
+
+
+def layouts(n: int, tree, keep: set[str]) -> dict[str, Path]:
+    """The step of ``tree`` in each layout of ``keep``, written under SCRATCH."""
+    paths = {}
+    for name, kw in (
+        ("native raw", {}),
+        ("native zarr3", {"serializer": "zarr3"}),
+        ("orbax ocdbt", {"format": "orbax"}),
+    ):
+        paths[name] = C.SCRATCH / f"{n}-{name.replace(' ', '-')}"
+        fc.save(paths[name], tree, **kw)
+    try:  # one folder per array (Orbax's use_ocdbt=False): the walk visits every array's folder
+        import orbax.checkpoint as ocp
+    except ImportError:
+        print("orbax-checkpoint is not installed: no per-array Orbax case")
+    else:
+        paths["orbax per-array (Orbax wrote it)"] = C.SCRATCH / f"{n}-orbax-plain"
+        ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_ocdbt=False, use_zarr3=True)).save(
+            paths["orbax per-array (Orbax wrote it)"], args=ocp.args.PyTreeSave(tree)
+        )
+    return {name: p for name, p in paths.items() if "-".join(name.split(" (")[0].split()) in keep}
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = C.cli(__doc__.split("\n")[0], rounds=6)
     ap.add_argument("--leaves", type=int, nargs="+", default=[20000])
     ap.add_argument("--leaf-bytes", type=int, default=1024)
-    ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument(
         "--layouts",
         default="native-raw,native-zarr3,orbax-ocdbt,orbax-per-array",
@@ -135,46 +171,19 @@ def main() -> None:
     try:
         for n in args.leaves:
             tree = C.nest({k: jax.numpy.asarray(v) for k, v in C.many_small_tree(n, args.leaf_bytes).items()})
-            paths = {}
-            for name, kw in (
-                ("native raw", {}),
-                ("native zarr3", {"serializer": "zarr3"}),
-                ("orbax ocdbt", {"format": "orbax"}),
-            ):
-                paths[name] = C.SCRATCH / f"{n}-{name.replace(' ', '-')}"
-                fc.save(paths[name], tree, **kw)
-            try:  # one folder per array (Orbax's use_ocdbt=False): the walk visits every array's folder
-                import orbax.checkpoint as ocp
-            except ImportError:
-                print("orbax-checkpoint is not installed: no per-array Orbax case")
-            else:
-                paths["orbax per-array (Orbax wrote it)"] = C.SCRATCH / f"{n}-orbax-plain"
-                ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_ocdbt=False, use_zarr3=True)).save(
-                    paths["orbax per-array (Orbax wrote it)"], args=ocp.args.PyTreeSave(tree)
-                )
-            keep = set(args.layouts.split(","))
-            paths = {name: p for name, p in paths.items() if "-".join(name.split(" (")[0].split()) in keep}
-            for path in paths.values():
-                _restore(path, tree, True)  # warm up, and record what every check answers
-            on: dict[str, list[tuple[float, float]]] = {name: [] for name in paths}
-            off: dict[str, list[float]] = {name: [] for name in paths}
-            for r in range(args.rounds):
-                for name, path in paths.items():  # interleaved, the order of on and off alternating
-                    for checking in (True, False) if r % 2 == 0 else (False, True):
-                        t, spent = _restore(path, tree, checking)
-                        (on[name].append((t, spent)) if checking else off[name].append(t))
+            paths = layouts(n, tree, set(args.layouts.split(",")))
+            res = C.run(Checks(paths, tree), args.rounds)
             for name in paths:
-                checked = statistics.median(t for t, _ in on[name])
-                unchecked = statistics.median(off[name])
-                spent = statistics.median(s for _, s in on[name])
+                checked = res.median(f"{name}: checked", "restore") or 0.0
+                unchecked = res.median(f"{name}: answered", "restore")
                 rows.append(
                     {
                         "leaves": n,
                         "layout": name,
                         "restore_s": checked,
                         "unchecked_s": unchecked,
-                        "in_checks_s": spent,
-                        "cost_share": (checked - unchecked) / checked,
+                        "in_checks_s": res.median(f"{name}: checked", "in_checks"),
+                        "cost_share": (checked - (unchecked or 0.0)) / checked,
                     }
                 )
     finally:
