@@ -30,7 +30,6 @@ peer is left out with a note. 'vs orbax' is the median of per-round Orbax/flax_c
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 import shutil
@@ -50,11 +49,7 @@ warnings.filterwarnings("ignore")
 
 from s3_server import REGION, MotoS3  # noqa: E402
 
-MEASURES = [
-    ("save", "save"),
-    ("restore_cold", "restore (local: page cache dropped)"),
-    ("restore_warm", "restore again"),
-]
+MEASURES = ["save", "restore_cold", "restore_warm"]  # restore_cold: local disk with the page cache dropped
 
 
 def point_env_at(server: MotoS3, concurrency: int) -> None:
@@ -106,175 +101,98 @@ class OrbaxGs:
         return self.ckptr.restore(path)
 
 
-def one_round(
-    flat: dict,
-    tree: Any,
-    where: str,
-    ser: str,
-    loc: str,
-    r: int,
-    res: C.Results,
-    check: bool,
-    orbax: OrbaxGs | None = None,
-) -> str:
-    import flax_ckpt as fc
-    from flax_ckpt._src.storage import open_storage
+class ObjectStores(C.Scenario):
+    """Contenders ``<place>/<serializer>`` (local disk, s3, gs) and ``orbax-gs``: save, restore (local:
+    page cache dropped first), restore again; round 0 checks the bytes."""
 
-    key = f"{where}/{ser}" if orbax is None else where
-    path = f"{loc}/{ser}-{r}" if orbax is None else f"{loc}/orbax-{r}"
-    save = (
-        (lambda: fc.save(path, tree, serializer=ser)) if orbax is None else (lambda: orbax.save(path, tree))
-    )
-    restore = (lambda: fc.restore(path)) if orbax is None else (lambda: orbax.restore(path))
-    t, _ = C.timed(save)
-    res.add(key, "save", t)
-    if where == "local":
-        C.drop_cache(Path(path))
-    t_cold, got = C.timed(restore)
-    res.add(key, "restore_cold", t_cold)
-    if check:
-        C.same_bytes(flat, dict(C.flat_items(got)))
-    del got
-    t_warm, _ = C.timed(restore)
-    res.add(key, "restore_warm", t_warm)
-    if where == "local":
-        shutil.rmtree(path)
-    else:
-        parent, name = path.rsplit("/", 1)
-        open_storage(parent).delete(name)
-    return f"round {r} {key:10s} save {t:6.2f}s  restore {t_cold:6.2f}s  again {t_warm:6.2f}s"
+    name = "s3"
 
+    def __init__(self, args: Any, stores: list[str], orbax: bool, flat: dict, scratch: Path):
+        self.args, self.stores, self.orbax, self.flat, self.scratch = args, stores, orbax, flat, scratch
+        self.tree, sers = C.nest(flat), args.serializers.split(",")
+        self.contenders = [f"{w}/{s}" for s in sers for w in ["local", *stores]] + (
+            ["orbax-gs"] if orbax else []
+        )
 
-NAMES = {"s3": "S3", "gs": "GCS"}
+    def setup(self) -> None:
+        self.stack = contextlib.ExitStack()
+        self.places = {"local": str(self.scratch)}
+        if "s3" in self.stores:
+            server = self.stack.enter_context(MotoS3())
+            point_env_at(server, self.args.concurrency)
+            self.places["s3"] = f"s3://{server.create_bucket()}/bench-{uuid.uuid4().hex[:6]}"
+        if "gs" in self.stores:
+            from gcs_server import FakeGcs
 
+            gcs = self.stack.enter_context(FakeGcs(self.scratch / "gcs-server"))
+            point_env_at_gcs(gcs.endpoint)
+            os.environ["FLAX_CKPT_STORAGE_CONCURRENCY"] = str(self.args.concurrency)
+            self.places["gs"] = f"gs://{gcs.create_bucket()}/bench-{uuid.uuid4().hex[:6]}"
+        self.peer = OrbaxGs() if self.orbax else None
 
-def markdown(
-    res: C.Results,
-    sers: list[str],
-    stores: list[str],
-    nbytes: int,
-    leaves: int,
-    rounds: int,
-    concurrency: int,
-    orbax: bool,
-    note: str | None,
-) -> str:
-    mb = nbytes / 1e6
-    lines = [
-        f"{rounds} interleaved rounds, {mb:.0f} MB per checkpoint ({leaves} leaves); medians; MB/s = bytes / "
-        f"median time; 'X / local' = median of per-round time ratios (> 1: X slower). Object-store requests in "
-        f"flight: up to {concurrency}."
-        + (
-            " 'vs orbax': Orbax time / flax_ckpt time on the same GCS "
-            "server, per round (> 1: flax_ckpt faster)."
-            if orbax
-            else ""
-        ),
-        "",
-    ]
-    head = "| serializer | measure | local s | local MB/s |"
-    rule = "|---|---|---:|---:|"
-    for st in stores:
-        head += f" {NAMES[st]} s | {NAMES[st]} MB/s | {NAMES[st]} / local |"
-        rule += "---:|---:|---:|"
-        if st == "gs" and orbax:
-            head += " Orbax GCS s | Orbax GCS MB/s | vs orbax |"
-            rule += "---:|---:|---:|"
-    lines += [head, rule]
-    for ser in sers:
-        a = f"local/{ser}"
-        for m, label in MEASURES:
-            ta = res.median(a, m)
-            row = f"| {ser} | {label} | {C.fmt(ta)} | {C.fmt(mb / ta if ta else None)} |"
-            for st in stores:
-                b = f"{st}/{ser}"
-                tb = res.median(b, m)
-                row += (
-                    f" {C.fmt(tb)} | {C.fmt(mb / tb if tb else None)} | {C.fmt(res.paired_ratio(a, b, m))} |"
-                )
-                if st == "gs" and orbax:
-                    to = res.median("orbax-gs", m)
-                    row += (
-                        f" {C.fmt(to)} | {C.fmt(mb / to if to else None)} | "
-                        f"{C.fmt(res.paired_ratio(b, 'orbax-gs', m))} |"
-                    )
-            lines.append(row)
-    if note:
-        lines += ["", note]
-    return "\n".join(lines) + "\n"
+    def time(self, name: str, r: int) -> dict[str, float]:
+        import flax_ckpt as fc
+        from flax_ckpt._src.storage import open_storage
+
+        where, ser = name.split("/") if "/" in name else ("gs", "orbax")
+        path, peer, out = f"{self.places[where]}/{ser}-{r}", self.peer, {}
+        if ser == "orbax" and peer is not None:
+            save, restore = (lambda: peer.save(path, self.tree)), (lambda: peer.restore(path))
+        else:
+            save, restore = (lambda: fc.save(path, self.tree, serializer=ser)), (lambda: fc.restore(path))
+        out["save"], _ = C.timed(save)
+        if where == "local":
+            C.drop_cache(Path(path))
+        out["restore_cold"], got = C.timed(restore)
+        if r == 0:
+            C.same_bytes(self.flat, dict(C.flat_items(got)))
+        del got
+        out["restore_warm"], _ = C.timed(restore)
+        if where == "local":
+            shutil.rmtree(path)
+        else:
+            parent, leaf = path.rsplit("/", 1)
+            open_storage(parent).delete(leaf)
+        return out
+
+    def teardown(self) -> None:
+        self.stack.close()
+        shutil.rmtree(self.scratch, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument(
-        "--size-mb", type=float, default=256, help="checkpoint size in MiB (benchmarks/runner.make_tree)"
-    )
-    ap.add_argument("--rounds", type=int, default=3)
+    ap = C.cli(__doc__.split("\n")[0], size_mb=256.0, rounds=3, scratch="s3")
     ap.add_argument("--serializers", default="raw")
     ap.add_argument(
         "--concurrency", type=int, default=64, help="S3 requests in flight (ObjectStoreOptions.concurrency)"
     )
     ap.add_argument("--large-only", action="store_true", help="keep only the leaves of 1 MiB or more")
-    ap.add_argument("--scratch", type=Path, default=C.SCRATCH / "s3")
     ap.add_argument(
         "--stores", default="s3,gs", help="object stores: s3 (moto), gs (fake-gcs-server), or both"
     )
     ap.add_argument("--orbax", action="store_true", help="also Orbax on the GCS server (needs gcsfs)")
     args = ap.parse_args(argv)
     stores = [st for st in args.stores.split(",") if st]
-    if not stores or set(stores) - set(NAMES):
-        ap.error(f"--stores: choose from {sorted(NAMES)}")
+    if not stores or set(stores) - {"s3", "gs"}:
+        ap.error("--stores: choose from gs, s3")
     note = orbax_available() if args.orbax and "gs" in stores else None
     orbax = args.orbax and "gs" in stores and note is None
 
     flat = C.make_tree(int(args.size_mb * C.MB))
     if args.large_only:
         flat = {k: a for k, a in flat.items() if a.nbytes >= C.MB}
-    tree, nbytes, sers = C.nest(flat), C.tree_bytes(flat), args.serializers.split(",")
-    scratch = C.fresh_dir(args.scratch)
-    info = C.machine_info(scratch)
-    res = C.Results()
-    try:
-        with contextlib.ExitStack() as stack:
-            places = {"local": str(scratch)}
-            if "s3" in stores:
-                server = stack.enter_context(MotoS3())
-                point_env_at(server, args.concurrency)
-                places["s3"] = f"s3://{server.create_bucket()}/bench-{uuid.uuid4().hex[:6]}"
-            if "gs" in stores:
-                from gcs_server import FakeGcs
-
-                gcs = stack.enter_context(FakeGcs(scratch / "gcs-server"))
-                point_env_at_gcs(gcs.endpoint)
-                os.environ["FLAX_CKPT_STORAGE_CONCURRENCY"] = str(args.concurrency)
-                places["gs"] = f"gs://{gcs.create_bucket()}/bench-{uuid.uuid4().hex[:6]}"
-            peer = OrbaxGs() if orbax else None
-            for r in range(args.rounds):
-                for ser in C.rotated(sers, r):
-                    names = list(places) + (["orbax-gs"] if peer is not None and ser == sers[0] else [])
-                    for where in C.rotated(names, r):
-                        if where == "orbax-gs":
-                            line = one_round(flat, tree, where, ser, places["gs"], r, res, r == 0, peer)
-                            print(line, flush=True)
-                        else:
-                            print(
-                                one_round(flat, tree, where, ser, places[where], r, res, r == 0), flush=True
-                            )
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-    info["loadavg_end"] = os.getloadavg()
-    md = markdown(res, sers, stores, nbytes, len(flat), args.rounds, args.concurrency, orbax, note)
-    body = {
-        "benchmark": "s3",
-        "args": {k: str(v) for k, v in vars(args).items()},
-        "machine": info,
-        "nbytes": nbytes,
-        "leaves": len(flat),
-        "seconds": res.times,
-    }
-    js, mdp = C.write_report("s3", body, md)
-    print("\n" + md)
-    print(f"wrote {js} and {mdp}")
+    nbytes, sers = C.tree_bytes(flat), args.serializers.split(",")
+    info = C.machine_info(C.fresh_dir(args.scratch))
+    sc = ObjectStores(args, stores, orbax, flat, args.scratch)
+    res = C.run(sc, args.rounds)
+    md = (
+        f"{args.rounds} interleaved rounds, {nbytes / 1e6:.0f} MB per checkpoint ({len(flat)} leaves); "
+        f"object-store requests in flight: up to {args.concurrency}; ratios t / t_B (> 1: slower than B).\n\n"
+        + C.table(res, sc.contenders, MEASURES, vs=[f"local/{s}" for s in sers] + ["orbax-gs"])
+        + (f"\n{note}\n" if note else "")
+    )
+    body = {"benchmark": "s3", "nbytes": nbytes, "leaves": len(flat), "seconds": res.times}
+    C.report("s3", args, info, body, md)
 
 
 if __name__ == "__main__":
