@@ -23,7 +23,6 @@ Reports go to bench_out/bench_scale-<time>.{json,md}.
 
 from __future__ import annotations
 
-import argparse
 import gc
 import os
 import shutil
@@ -59,11 +58,14 @@ def leaf_state(n: int) -> tuple[dict, Any]:
     return host, jax.block_until_ready(jax.tree.map(jax.device_put, host))
 
 
-class Leaves:
-    """The per-leaf measures of one N; each method returns seconds."""
+class Leaves(C.Scenario):
+    """N leaves: contenders device_put (the floor, one per leaf), flax_ckpt (every per-leaf measure)
+    and the peers (save, restore); one warm-up round (compiles, first touch of every code path)."""
+
+    name, floors, warmup = "bench_scale", ["device_put"], 1
 
     def __init__(self, n: int, scratch: Path, peers: list[str]):
-        self.n, self.scratch, self.peers = n, scratch, peers
+        self.n, self.scratch, self.contenders = n, scratch, ["device_put", "flax_ckpt", *peers]
         self.host, self.state = leaf_state(n)
         self.flat_host = jax.tree.leaves(self.host)
         mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("x",))
@@ -77,15 +79,24 @@ class Leaves:
         jax.block_until_ready([jax.device_put(a) for a in self.flat_host])
         return time.perf_counter() - t0
 
-    def run(self, r: int, res: C.Results) -> None:
-        d = C.fresh_dir(self.scratch / f"leaves-{self.n}-{r}")
+    def time(self, name: str, r: int) -> dict[str, float]:
+        d, res = C.fresh_dir(self.scratch / f"leaves-{self.n}-{r}-{name}"), C.Results()
+        if name == "device_put":
+            res.add(name, "per_leaf", self.device_put())
+        elif name == "flax_ckpt":
+            self.flax_ckpt(d, r, res)
+        else:
+            self.run_peer(name, d / name, res)
+        shutil.rmtree(d, ignore_errors=True)
+        return {m: v[0] for m, v in res.times[name].items()}
+
+    def flax_ckpt(self, d: Path, r: int, res: C.Results) -> None:
         ck = d / "ck"
-        res.add("device_put", "per_leaf", self.device_put())
         t, _ = C.timed(lambda: fc.save(ck, self.state))
         res.add("flax_ckpt", "save", t)
         t, out = C.timed(lambda: jax.block_until_ready(fc.restore(ck, self.state)))
         res.add("flax_ckpt", "restore", t)
-        if r == 0:
+        if r < 0:
             assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(out), self.flat_host))
         del out
         t, out = C.timed(lambda: jax.block_until_ready(fc.restore(ck, self.sharded_target)))
@@ -113,9 +124,6 @@ class Leaves:
             res.add("flax_ckpt", "tier_save_blocked", time.perf_counter() - t0)
             mgr.wait_until_finished()
             res.add("flax_ckpt", "tier_save_memory", mgr.tier_stats[-1].memory_s)
-        for peer in self.peers:
-            self.run_peer(peer, d / peer, res)
-        shutil.rmtree(d, ignore_errors=True)
 
     def manager_saves(self, run: Path, fmt: str, name: str, res: C.Results) -> None:
         """An async manager save of the state in ``fmt`` (the time it blocks), then the same structure
@@ -179,11 +187,7 @@ def leaves_part(ns: list[int], rounds: int, peer_n: int, peers: list[str], scrat
     out: dict[str, Any] = {}
     for n in ns:
         bench = Leaves(n, scratch, peers if n == peer_n else [])
-        bench.run(0, C.Results())  # warm-up: compiles, first-touch of every code path
-        res = C.Results()
-        for r in range(rounds):
-            bench.run(r, res)
-            print(f"leaves {n}: round {r} done", flush=True)
+        res = C.run(bench, rounds)
         per = {m: 1e6 * res.median("flax_ckpt", m) / n for m in LEAF_MEASURES}
         dp = 1e6 * res.median("device_put", "per_leaf") / n
         row = {
@@ -217,6 +221,34 @@ def leaves_part(ns: list[int], rounds: int, peer_n: int, peers: list[str], scrat
 # ------------------------------------------------------------------------------------------ part 2
 
 
+class Size(C.Scenario):
+    """A large state saved and restored (warm page cache) by flax_ckpt and Orbax: seconds, and the peak
+    RSS above the state during each (``<measure>_peak``, bytes)."""
+
+    def __init__(self, names: list[str], state: dict, target: dict, scratch: Path):
+        self.contenders, self.state, self.target, self.scratch = names, state, target, scratch
+
+    def time(self, name: str, r: int) -> dict[str, float]:
+        path, state, target, out = C.fresh_dir(self.scratch / str(r)) / name, self.state, self.target, {}
+        if name == "flax_ckpt":
+            save = lambda: fc.save(path, state)  # noqa: E731
+            restore = lambda: jax.block_until_ready(fc.restore(path, target))  # noqa: E731
+        else:
+            import orbax.checkpoint as ocp
+
+            ckptr = ocp.StandardCheckpointer()
+            save = lambda: (ckptr.save(path, state), ckptr.wait_until_finished())  # noqa: E731
+            restore = lambda: jax.block_until_ready(ckptr.restore(path, target))  # noqa: E731
+        out["save"], out["save_peak"], _ = C.peak_above(save)
+        out["restore"], out["restore_peak"], got = C.peak_above(restore)
+        del got
+        if name == "orbax":
+            ckptr.close()
+        shutil.rmtree(path.parent, ignore_errors=True)
+        gc.collect()
+        return out
+
+
 def size_part(sizes: list[float], rounds: int, scratch: Path, with_orbax: bool) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for gb in sizes:
@@ -235,35 +267,8 @@ def size_part(sizes: list[float], rounds: int, scratch: Path, with_orbax: bool) 
         nbytes = sum(a.nbytes for a in state.values())
         target = {k: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding) for k, a in state.items()}
         names = ["flax_ckpt"] + (["orbax"] if with_orbax else [])
-        res, rss = C.Results(), {}
-        for r in range(rounds):
-            for name in C.rotated(names, r):
-                path = C.fresh_dir(scratch / f"size-{gb}-{r}") / name
-                if name == "flax_ckpt":
-                    save = lambda: fc.save(path, state)  # noqa: E731
-                    restore = lambda: jax.block_until_ready(fc.restore(path, target))  # noqa: E731
-                else:
-                    import orbax.checkpoint as ocp
-
-                    ckptr = ocp.StandardCheckpointer()
-
-                    def save():
-                        ckptr.save(path, state)
-                        ckptr.wait_until_finished()
-
-                    restore = lambda: jax.block_until_ready(ckptr.restore(path, target))  # noqa: E731
-                t, peak, _ = C.peak_above(save)
-                res.add(name, "save", t)
-                rss.setdefault(name, {}).setdefault("save", []).append(peak)
-                t, peak, got = C.peak_above(restore)
-                res.add(name, "restore", t)
-                rss[name].setdefault("restore", []).append(peak)
-                del got
-                if name == "orbax":
-                    ckptr.close()
-                shutil.rmtree(path.parent, ignore_errors=True)
-                gc.collect()
-                print(f"size {gb} GiB: round {r} {name} done", flush=True)
+        res = C.run(Size(names, state, target, scratch / f"size-{gb}"), rounds)
+        rss = {n: {m: res.times[n][f"{m}_peak"] for m in ("save", "restore")} for n in names}
         row: dict[str, Any] = {"gib": gb, "nbytes": nbytes}
         for name in names:
             row[name] = {
@@ -352,14 +357,13 @@ def markdown(leaves: dict[str, Any], sizes: dict[str, Any], rounds: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = C.cli(__doc__, rounds=3)
     ap.add_argument("--leaves", type=int, nargs="*", default=[1000, 5000, 20000, 100000])
     ap.add_argument(
         "--peer-leaves", type=int, default=20000, help="leaf count at which Orbax and torch DCP run"
     )
     ap.add_argument("--peers", nargs="*", default=["orbax", "torch-dcp"])
     ap.add_argument("--sizes-gb", type=float, nargs="*", default=[1, 4])
-    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--no-orbax-sizes", action="store_true", help="part 2 without Orbax")
     args = ap.parse_args(argv)
     peers = [p for p in args.peers if p != "torch-dcp" or _has_torch()]

@@ -266,7 +266,7 @@ def run(sc: Scenario, rounds: int, log: Callable[[str], None] = print, res: Resu
                 got = sc.time(name, r)
                 for m, s in got.items() if r >= 0 else ():
                     res.add(name, m, s)
-                log(f"round {r} {name:18s} " + "  ".join(f"{m} {s:.4g} s" for m, s in got.items()))
+                log(f"round {r} {name:18s} " + "  ".join(f"{m} {s:.4g}" for m, s in got.items()))
     finally:
         sc.teardown()
     return res
