@@ -270,16 +270,17 @@ class Clock:
 # ----------------------------------------------------------------------------------------- (a) table
 
 
-class Table:
-    """The contenders of the table, sharing one state, its host copy and the files they read back."""
+class Table(C.Scenario):
+    """The contenders of the table, sharing one state, its host copy and the files they read back;
+    each records its seconds (and extras) in the report as it goes."""
 
-    def __init__(self, state: Any, copy: Callable[[Any], Any], scratch: Path, rep: Report):
+    def __init__(self, state: Any, copy: Callable[[Any], Any], scratch: Path, rep: Report, names: list[str]):
         import jax
 
         import flax_ckpt as fc
 
         self.jax, self.fc, self.state, self.copy, self.rep = jax, fc, state, copy, rep
-        self.scratch = scratch
+        self.scratch, self.contenders = scratch, names
         self.host = [a for a in jax.device_get(leaves_of(copy(state)))]
         self.shardings = [x.sharding for x in leaves_of(state)]
         self.target = abstract(state)
@@ -293,6 +294,10 @@ class Table:
 
     def fresh(self) -> Any:
         return self.jax.block_until_ready(self.copy(self.state))
+
+    def time(self, name: str, r: int) -> dict[str, float]:
+        self.run(name, r == 0)
+        return {"ms": self.rep.body["table"][name][-1] * 1e3}
 
     def run(self, name: str, first: bool) -> None:
         """``name``: a contender; ``fc-save@threads=N`` / ``fc-save@window=B``: fc.save with N writer
@@ -450,7 +455,7 @@ class Table:
         if first:
             self._check("orbax-save-restore", out)
 
-    def close(self) -> None:
+    def teardown(self) -> None:
         for name, mgr in self.managers.items():
             try:
                 mgr.close()
@@ -464,21 +469,9 @@ class Table:
 def run_table(
     state: Any, copy: Callable, scratch: Path, rep: Report, rounds: int, clock: Clock, contenders: list[str]
 ) -> None:
-    table = Table(state, copy, scratch, rep)
-    try:
-        for r in range(rounds):
-            for name in C.rotated(contenders, r):
-                if not clock.ok():
-                    rep.body["skipped"].append(f"table round {r} {name}: past --budget-s")
-                    continue
-                try:
-                    table.run(name, r == 0)
-                    ms = rep.body["table"][name][-1] * 1e3
-                    print(f"round {r} table {name:14s} {ms:9.1f} ms", flush=True)
-                except Exception as e:
-                    rep.error(f"table round {r} {name}", e)
-    finally:
-        table.close()
+    table = Table(state, copy, scratch, rep, contenders)
+    res = C.run(table, rounds, budget=clock.ok, errors=lambda where, e: rep.error(f"table {where}", e))
+    rep.body["skipped"] += [f"table {s}" for s in res.skipped]
 
 
 # ------------------------------------------------------------------------------------------ (b) loop

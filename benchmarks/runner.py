@@ -208,6 +208,7 @@ class Results:
     """Seconds per (contender, measure), one entry per round, in round order."""
 
     times: dict[str, dict[str, list[float]]] = field(default_factory=dict)
+    skipped: list[str] = field(default_factory=list)  # what a run on a budget did not start
 
     def add(self, contender: str, measure: str, seconds: float) -> None:
         self.times.setdefault(contender, {}).setdefault(measure, []).append(seconds)
@@ -255,15 +256,35 @@ class Scenario:
         pass
 
 
-def run(sc: Scenario, rounds: int, log: Callable[[str], None] = print, res: Results | None = None) -> Results:
+def run(
+    sc: Scenario,
+    rounds: int,
+    log: Callable[[str], None] = print,
+    res: Results | None = None,
+    *,
+    budget: Callable[[], bool] | None = None,
+    errors: Callable[[str, Exception], None] | None = None,
+) -> Results:
     """``sc.warmup`` rounds, then ``rounds`` interleaved rounds of ``sc`` (each contender once a round,
-    the order rotated by one a round); every round's seconds are added to ``res`` (a new one if None)."""
+    the order rotated by one a round); every round's seconds are added to ``res`` (a new one if None).
+    On a budget (an accelerator's session): a contender is started only while ``budget()`` is True,
+    else logged as skipped; with ``errors``, a contender that raises is handed to it with where it
+    failed ("round R NAME") and the rounds go on."""
     res = Results() if res is None else res
     sc.setup()
     try:
         for r in range(-sc.warmup, rounds):
             for name in rotated(list(sc.contenders), r):
-                got = sc.time(name, r)
+                if budget is not None and not budget():
+                    res.skipped.append(f"round {r} {name}: past the budget")
+                    continue
+                try:
+                    got = sc.time(name, r)
+                except Exception as e:
+                    if errors is None:
+                        raise
+                    errors(f"round {r} {name}", e)
+                    continue
                 for m, s in got.items() if r >= 0 else ():
                     res.add(name, m, s)
                 log(f"round {r} {name:18s} " + "  ".join(f"{m} {s:.4g}" for m, s in got.items()))
