@@ -478,61 +478,57 @@ def run(args) -> dict[str, Any]:
         C.SCRATCH.parent.mkdir(parents=True, exist_ok=True)
         side = C.renamed_copy(args.baseline, Path(tempfile.mkdtemp(prefix="side-", dir=C.SCRATCH.parent)))
     try:
-        _rounds(args, everies, rows, side)
+        C.run(EveryStep(args, everies, rows, side), args.rounds, log=lambda _: None)
     finally:
         if side is not None:
             shutil.rmtree(side, ignore_errors=True)
     return {"rows": rows, "everies": everies}
 
 
-def _rounds(args, everies: list[int], rows: dict[str, Any], side: Path | None) -> None:
-    for r in range(args.rounds):
-        for model in args.models.split(","):
-            for c in C.rotated(args.contenders.split(","), r):
-                cmd = (
-                    [
-                        sys.executable,
-                        __file__,
-                        "--child",
-                        c,
-                        "--models",
-                        model,
-                        "--every",
-                        args.every,
-                        "--steps",
-                        str(args.steps),
-                    ]
-                    + (["--ahead"] if args.ahead else [])
-                    + (["--pairs", str(args.pairs)] if args.pairs else [])
-                    + (["--side"] if side is not None else [])
+class EveryStep(C.Scenario):
+    """Contenders ``model/contender``: each runs in a child process of its own (this script with
+    ``--child``), whose rows (per frequency: wall and CPU per step, saves...) go to ``rows``; seconds
+    a step with saves, per frequency, to the runner."""
+
+    def __init__(self, args: Any, everies: list[int], rows: dict[str, Any], side: Path | None):
+        self.args, self.everies, self.rows, self.side = args, everies, rows, side
+        self.contenders = [f"{m}/{c}" for m in args.models.split(",") for c in args.contenders.split(",")]
+
+    def time(self, name: str, r: int) -> dict[str, float]:
+        args, side = self.args, self.side
+        model, c = name.split("/")
+        cmd = [__file__, "--child", c, "--models", model, "--every", args.every, "--steps", str(args.steps)]
+        cmd += (["--ahead"] if args.ahead else []) + (["--pairs", str(args.pairs)] if args.pairs else [])
+        cmd += ["--side"] if side is not None else []
+        path = [str(side)] if side is not None else []
+        if c.endswith("@base"):
+            if not args.baseline:
+                raise SystemExit(
+                    f"{c}: pass --baseline DIR (a folder holding the flax_ckpt package to compare)"
                 )
-                env = dict(os.environ)
-                if side is not None:
-                    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(side), env.get("PYTHONPATH")]))
-                if c.endswith("@base"):
-                    if not args.baseline:
-                        raise SystemExit(
-                            f"{c}: pass --baseline DIR (a folder holding the flax_ckpt package to compare)"
-                        )
-                    env["PYTHONPATH"] = os.pathsep.join(filter(None, [args.baseline, env.get("PYTHONPATH")]))
-                p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
-                line = next((x for x in reversed(p.stdout.splitlines()) if x.startswith("{")), None)
-                res = json.loads(line) if line else {"error": (p.stderr or "no output").strip()[-300:]}
-                for name, got in (res.get("side") or {c: res}).items():
-                    rows.setdefault(model, {}).setdefault(name, []).append(got)
-                    brief = got.get("error") or "  ".join(
-                        f"every {e}: {got[str(e)]['wall'] * 1e3:.1f} ms/step, CPU {got[str(e)]['cpu'] * 1e3:.1f} "
-                        f"ms, {got[str(e)]['saves']} saves"
-                        for e in everies
-                        if str(e) in got
-                    )
-                    if (
-                        name.endswith("@base")
-                        and "package" in got
-                        and not got["package"].startswith(os.path.abspath(str(side or args.baseline)))
-                    ):
-                        raise SystemExit(f"{name} imported {got['package']}, not the baseline's package")
-                    print(f"round {r} {model:11s} {name:16s} {brief}", flush=True)
+            path.insert(0, args.baseline)
+        env = dict(
+            os.environ, PYTHONPATH=os.pathsep.join(filter(None, [*path, os.environ.get("PYTHONPATH")]))
+        )
+        try:
+            res = C.child(cmd, timeout=args.timeout, env=env)
+        except (RuntimeError, subprocess.TimeoutExpired) as e:
+            res = {"error": str(e).strip()[-300:]}
+        out = {}
+        for label, got in (res.get("side") or {c: res}).items():
+            self.rows.setdefault(model, {}).setdefault(label, []).append(got)
+            at = [e for e in self.everies if str(e) in got]
+            brief = got.get("error") or "  ".join(
+                f"every {e}: {got[str(e)]['wall'] * 1e3:.1f} ms/step, CPU {got[str(e)]['cpu'] * 1e3:.1f} "
+                f"ms, {got[str(e)]['saves']} saves"
+                for e in at
+            )
+            base = os.path.abspath(str(side or args.baseline))
+            if label.endswith("@base") and "package" in got and not got["package"].startswith(base):
+                raise SystemExit(f"{label} imported {got['package']}, not the baseline's package")
+            print(f"round {r} {model:11s} {label:16s} {brief}", flush=True)
+            out.update({f"{label} every {e}": got[str(e)]["wall"] for e in at})
+        return out
 
 
 def summarize(out: dict[str, Any]) -> tuple[str, dict[str, Any]]:
