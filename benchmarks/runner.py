@@ -10,7 +10,7 @@ benchmark shares, ``report`` the JSON (every round's seconds, the machine, the v
 in bench_out/ (``FLAX_CKPT_BENCH_OUT`` moves it) that plots.py reads. Old and new code: ``ab``
 (``python benchmarks/ab.py``) runs any benchmark alternately with two packages in fresh processes;
 ``renamed_copy`` puts a baseline's package beside this one in one process (bench_every_step.py
-``--side``). Also here: the test pytree, page-cache control, scratch folders (default
+``--side``); ``python benchmarks/runner.py pool REPORT...`` pools the rounds of several reports. Also here: the test pytree, page-cache control, scratch folders (default
 /tmp/flax_ckpt_bench, one subfolder per process, deleted when the benchmark ends).
 
     class Copy(runner.Scenario):                  # a scenario: what it sets up, times and compares
@@ -312,6 +312,28 @@ def table(res: Results, names: list[str], measures: list[str], vs: list[str] = (
     return "\n".join(lines) + "\n"
 
 
+SECONDS = ("seconds", "times", "values")  # where a report keeps its Results (benchmarks name it so)
+
+
+def pooled(reports: list[dict[str, Any]]) -> Results:
+    """The per-round seconds of several reports of one benchmark, each with the same contenders and
+    measures, as one Results: their rounds one report after another (a ratio's pairs stay those of
+    one round)."""
+    res, first = Results(), None
+    for doc in reports:
+        key = next((k for k in SECONDS if isinstance(doc.get(k), dict)), None)
+        if key is None:
+            raise SystemExit(f"a report without per-round seconds (none of {', '.join(SECONDS)})")
+        got = {(n, m): v for n, by in doc[key].items() for m, v in by.items() if isinstance(v, list)}
+        if first is not None and set(got) != first:
+            raise SystemExit("pool reports of the same contenders and measures (their rounds are paired)")
+        first = set(got)
+        for (name, m), values in got.items():
+            for v in values:
+                res.add(name, m, v)
+    return res
+
+
 def cli(doc: str | None, **defaults: Any) -> argparse.ArgumentParser:
     """The options benchmarks share, with their defaults: ``rounds``, ``size_mb``, ``contenders`` (a
     list: ``--contenders a,b``), ``scratch`` (a folder under SCRATCH); a benchmark adds its own."""
@@ -523,6 +545,19 @@ def ab(baseline: str, rounds: int, bench: list[str], keys: str | None = None) ->
     return "\n".join(lines)
 
 
+def main(argv: list[str] | None = None) -> None:
+    """``python benchmarks/runner.py pool REPORT [REPORT ...] [--vs NAME ...]``: reports of one
+    benchmark pooled (``pooled``) into one table, ratios to the contenders named by ``--vs``."""
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("command", choices=["pool"])
+    ap.add_argument("reports", nargs="+", type=Path)
+    ap.add_argument("--vs", nargs="*", default=[], help="contenders the others are divided by")
+    args = ap.parse_args(argv)
+    res = pooled([json.loads(p.read_text()) for p in args.reports])
+    measures = list(dict.fromkeys(m for by in res.times.values() for m in by))
+    print(f"{len(args.reports)} reports pooled\n\n" + table(res, list(res.times), measures, vs=args.vs))
+
+
 def jax_cpu_env() -> None:
     """Benchmarks run jax on the host CPU, one device, quietly."""
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -612,3 +647,7 @@ def peak_above(fn: Callable[[], Any]) -> tuple[float, int, Any]:
     out = fn()
     seconds = time.perf_counter() - t0
     return seconds, max(0, status_kb("VmHWM") - before) * 1024, out
+
+
+if __name__ == "__main__":
+    main()

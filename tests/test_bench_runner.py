@@ -84,6 +84,22 @@ def test_a_failing_contender_still_tears_down():
     assert sc.events == ["setup", "teardown"] and sc.calls[-1] == ("fast", 0)
 
 
+def test_pool_pairs_each_reports_rounds_and_refuses_reports_that_differ(tmp_path, capsys):
+    one = {"seconds": {"a": {"save": [1.0, 2.0]}, "b": {"save": [2.0, 8.0]}}}
+    two = {"values": {"a": {"save": [4.0]}, "b": {"save": [4.0]}}}  # bench_async.py's key
+    res = runner.pooled([one, two])
+    assert res.times == {"a": {"save": [1.0, 2.0, 4.0]}, "b": {"save": [2.0, 8.0, 4.0]}}
+    assert res.paired_ratio("a", "b", "save") == 2.0  # of 2, 4 and 1: each pair from one round
+    paths = []
+    for i, doc in enumerate((one, two)):
+        paths.append(tmp_path / f"r{i}.json")
+        paths[-1].write_text(json.dumps(doc))
+    runner.main(["pool", *map(str, paths), "--vs", "a"])
+    assert "| b | save | 4 s [3, 6] | 2.00 |" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="same contenders and measures"):
+        runner.pooled([one, {"seconds": {"a": {"save": [1.0]}}}])
+
+
 def _env(tmp_path: pathlib.Path) -> dict[str, str]:
     return dict(
         os.environ, FLAX_CKPT_BENCH_DIR=str(tmp_path / "scratch"), FLAX_CKPT_BENCH_OUT=str(tmp_path / "out")
