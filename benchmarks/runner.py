@@ -485,8 +485,11 @@ def baseline_tree(baseline: str, keep: list[Path]) -> Path:
     if Path(baseline).is_dir():
         return Path(baseline)
     tmp = Path(tempfile.mkdtemp(prefix="flax_ckpt-base-"))
-    subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(tmp), baseline], check=True)
     keep.append(tmp)
+    subprocess.run(
+        ["git", "-C", str(REPO), "worktree", "add", "-q", "--detach", str(tmp), baseline], check=True
+    )
+    print(f"baseline {baseline} checked out in {tmp}", file=sys.stderr, flush=True)
     return tmp
 
 
