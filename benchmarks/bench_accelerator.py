@@ -63,6 +63,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import fixtures as F  # noqa: E402
 import runner as C  # noqa: E402
 from _savers import FcManager, OrbaxManager, Saver  # noqa: E402
 
@@ -124,7 +125,7 @@ def make_model(d: int, layers: int, heads: int, vocab: int, seq: int, batch: int
     rng = np.random.default_rng(0)
     xs = jnp.asarray(rng.integers(0, vocab, (batch, seq)))
     ys = jnp.asarray(rng.integers(0, vocab, (batch, seq)))
-    init, step = C.adam_training(Net(), xs, ys, 1e-4)
+    init, step = F.adam_training(Net(), xs, ys, 1e-4)
     copy = jax.jit(lambda t: jax.tree_util.tree_map(jnp.copy, t))
     return init, step, copy
 
@@ -336,7 +337,7 @@ class Table(C.Scenario):
         d = self.scratch / "raw"
         if not d.exists():
             raw_write(self.host, d)
-        C.drop_cache(d)
+        F.drop_cache(d)
         t, _ = C.timed(lambda: raw_read(self.host, d))
         self.rep.table("raw-read", t)
 
@@ -402,7 +403,7 @@ class Table(C.Scenario):
         path = self._fc_path()
         if not path.exists():
             self.c_fc_save(False)
-        C.drop_cache(path)
+        F.drop_cache(path)
         t, out = C.timed(lambda: self.jax.block_until_ready(self.fc.restore(path, self.target)))
         self.rep.table("fc-restore", t)
         if first:
@@ -443,7 +444,7 @@ class Table(C.Scenario):
         path = self._orbax_path()
         if not path.exists():
             self.c_orbax_save(False)
-        C.drop_cache(path)
+        F.drop_cache(path)
         ckptr = ocp.Checkpointer(ocp.StandardCheckpointHandler())
         t, out = C.timed(
             lambda: self.jax.block_until_ready(

@@ -3,7 +3,7 @@
     python benchmarks/bench_async.py                          # 1024 MiB state, 5 rounds + training run
     python benchmarks/bench_async.py --size-mb 64 --rounds 2 --train-steps 60
 
-Part 1, the same ~1 GB state (benchmarks/runner.make_tree) saved asynchronously by
+Part 1, the same ~1 GB state (benchmarks/fixtures.make_tree) saved asynchronously by
 - flax_ckpt: ``CheckpointManager(async_save=True, max_to_keep=1).save(step, state)`` then
   ``wait_until_finished()``; the state as jax CPU arrays, and "flax_ckpt-numpy", the same bytes as
   numpy arrays (either way copied into the manager's arena, engine/arena.py);
@@ -42,9 +42,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import fixtures as F  # noqa: E402
 import runner as C  # noqa: E402
 
-C.jax_cpu_env()
+F.jax_cpu_env()
 warnings.filterwarnings("ignore")
 
 import numpy as np  # noqa: E402
@@ -158,7 +159,7 @@ class TorchDCP(Async):
 
     def finish(self) -> None:
         self.fut.result()
-        C.fsync_tree(self.dir / str(self.step))  # sync_files=True already; a no-op check
+        F.fsync_tree(self.dir / str(self.step))  # sync_files=True already; a no-op check
 
     def prune(self) -> None:
         for p in self.dir.iterdir():
@@ -170,7 +171,7 @@ def jax_state(flat: dict[str, np.ndarray]) -> Any:
     import jax
 
     cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
-    return jax.block_until_ready(C.nest({k: jax.device_put(a, cpu) for k, a in flat.items()}))
+    return jax.block_until_ready(F.nest({k: jax.device_put(a, cpu) for k, a in flat.items()}))
 
 
 def build(
@@ -181,8 +182,8 @@ def build(
     make: dict[str, Callable[[], Async]] = {
         "memcpy": lambda: Memcpy(flat),
         "flax_ckpt": lambda: FlaxCkpt(state, scratch / "flax_ckpt"),
-        "flax_ckpt-numpy": lambda: FlaxCkpt(C.nest(flat), scratch / "flax_ckpt-numpy", "flax_ckpt-numpy"),
-        "flax_ckpt-numpy-snapshot-reuse": lambda: SnapshotReuse(C.nest(flat)),
+        "flax_ckpt-numpy": lambda: FlaxCkpt(F.nest(flat), scratch / "flax_ckpt-numpy", "flax_ckpt-numpy"),
+        "flax_ckpt-numpy-snapshot-reuse": lambda: SnapshotReuse(F.nest(flat)),
         "orbax": lambda: Orbax(state, scratch / "orbax"),
         "torch-dcp": lambda: TorchDCP(flat, scratch / "torch"),
     }
@@ -209,15 +210,15 @@ def rss_child(name: str, size_mb: float, scratch: Path) -> None:
     set up and saves twice (so buffers it keeps between saves count); prints the peak over the base."""
     import json
 
-    flat = C.make_tree(int(size_mb * C.MB))
+    flat = F.make_tree(int(size_mb * C.MB))
     state = jax_state(flat) if name in ("flax_ckpt", "orbax") else None
     gc.collect()
-    rss = C.RssPeak()
+    rss = F.RssPeak()
     c = build([name], flat, C.fresh_dir(scratch), state)[name]
     for step in (0, 1):
         one(c, step)
     c.close()
-    print(json.dumps({"name": name, "nbytes": C.tree_bytes(flat), "extra": rss.stop(), "base": rss.base}))
+    print(json.dumps({"name": name, "nbytes": F.tree_bytes(flat), "extra": rss.stop(), "base": rss.base}))
 
 
 def run_rss(names: list[str], size_mb: float, scratch: Path) -> dict[str, float]:
@@ -271,7 +272,7 @@ def make_training(width: int, depth: int, batch: int, seed: int = 0):
 
     rng = np.random.default_rng(seed)
     xs = jnp.asarray(rng.standard_normal((batch, 256), dtype=np.float32))
-    return C.adam_training(MLP(), xs, jnp.asarray(rng.integers(0, 10, batch)), 1e-3)
+    return F.adam_training(MLP(), xs, jnp.asarray(rng.integers(0, 10, batch)), 1e-3)
 
 
 def train_run(
@@ -430,15 +431,15 @@ def main(argv: list[str] | None = None) -> None:
     try:
         res, nbytes = C.Results(), 0
         if names and args.size_mb > 0 and args.rounds > 0:
-            flat = C.make_tree(int(args.size_mb * C.MB))
-            nbytes = C.tree_bytes(flat)
+            flat = F.make_tree(int(args.size_mb * C.MB))
+            nbytes = F.tree_bytes(flat)
             print(f"state: {len(flat)} leaves, {nbytes / C.MB:.0f} MiB; contenders {names}", flush=True)
             res = C.run(Saves(names, flat, scratch), args.rounds)
             del flat
             gc.collect()
         if names and args.size_mb > 0 and not args.no_rss:
             rss = run_rss([n for n in names if n != "flax_ckpt-numpy-snapshot-reuse"], args.size_mb, scratch)
-            nbytes = nbytes or C.tree_bytes(C.make_tree(int(args.size_mb * C.MB)))
+            nbytes = nbytes or F.tree_bytes(F.make_tree(int(args.size_mb * C.MB)))
         if args.train_steps:
             train = run_training(args, scratch)
     finally:

@@ -28,9 +28,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import fixtures as F  # noqa: E402
 import runner as C  # noqa: E402
 
-C.jax_cpu_env()
+F.jax_cpu_env()
 
 import jax  # noqa: E402
 import ml_dtypes  # noqa: E402
@@ -108,7 +109,7 @@ def child(argv: list[str]) -> None:
     n = (int(size_mb) << 20) // int(leaves) // 4
     shapes = {f"w{i:02d}": np.empty(n, np.float32) for i in range(int(leaves))}  # pages never touched
     run = contenders(Path(fc_dir), Path(ob_dir), shapes)[name]
-    rss = C.RssPeak(0.001)
+    rss = F.RssPeak(0.001)
     out = jax.block_until_ready(run())
     print(json.dumps({"growth": rss.stop(), "leaves": len(out)}))
 

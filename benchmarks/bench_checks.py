@@ -33,9 +33,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import fixtures as F  # noqa: E402
 import runner as C  # noqa: E402
 
-C.jax_cpu_env()
+F.jax_cpu_env()
 
 import jax  # noqa: E402
 
@@ -170,7 +171,7 @@ def main() -> None:
     C.SCRATCH.mkdir(parents=True, exist_ok=True)
     try:
         for n in args.leaves:
-            tree = C.nest({k: jax.numpy.asarray(v) for k, v in C.many_small_tree(n, args.leaf_bytes).items()})
+            tree = F.nest({k: jax.numpy.asarray(v) for k, v in F.many_small_tree(n, args.leaf_bytes).items()})
             paths = layouts(n, tree, set(args.layouts.split(",")))
             res = C.run(Checks(paths, tree), args.rounds)
             for name in paths:

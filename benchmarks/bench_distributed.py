@@ -61,6 +61,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import fixtures as F  # noqa: E402
 import runner as C  # noqa: E402
 
 LEAVES, COLS = 8, 1024
@@ -129,7 +130,7 @@ def worker(cfg: dict[str, Any]) -> None:
         times["save"].append(t)
         for m, sharding in (("restore_cold", rows), ("restore_warm", rows), ("restore_resharded_cold", cols)):
             if m.endswith("cold") and cfg["rank"] == 0:
-                C.drop_cache(Path(path))
+                F.drop_cache(Path(path))
             t, got = timed(f"{m}{r}", lambda: jax.block_until_ready(fc.restore(path, target(sharding))))
             times[m].append(t)
             if r == 0:
@@ -409,7 +410,7 @@ def synthetic_merge(ns: list[int], leaves: int, scratch: Path) -> dict[int, dict
             ).encode()
             stage.write(f"parts/p{j}.json", [body])
             msgs[j] = {"part": f"parts/p{j}.json", "nbytes": len(body), "crc32c": crc32c.crc32c(body)}
-        C.drop_cache(Path(stage.local_path))
+        F.drop_cache(Path(stage.local_path))
         t0 = time.perf_counter()
         read = [parts[0]] + [rnd._read_part(stage, j, msgs[j], "t") for j in range(1, n)]
         t1 = time.perf_counter()

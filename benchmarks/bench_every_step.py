@@ -81,6 +81,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import ab  # noqa: E402
+import fixtures as F  # noqa: E402
 import runner as C  # noqa: E402
 from _savers import FcManager, OrbaxManager, Saver  # noqa: E402
 
@@ -131,7 +133,7 @@ def make_model(name: str) -> tuple[Callable[[], Any], Callable[[Any], Any]]:
         ys = jnp.asarray(rng.integers(0, vocab, (batch, seq)))
     else:
         raise ValueError(f"unknown model {name!r}")
-    return C.adam_training(Net(), xs, ys, 1e-3)
+    return F.adam_training(Net(), xs, ys, 1e-3)
 
 
 # ------------------------------------------------------------------------------------- contenders
@@ -161,7 +163,7 @@ class WriteFloor(Saver):
         self.d, self.thread, self.threading = d, None, threading
 
     def _write(self, step: int, arrays: list) -> None:
-        C.write_raw_file(self.d / f"{step}.bin", arrays)
+        F.write_raw_file(self.d / f"{step}.bin", arrays)
         old = self.d / f"{step - 2}.bin"
         if old.exists():
             old.unlink()
@@ -386,7 +388,7 @@ def child(
     return out
 
 
-BASE = C.BASE  # the name --side imports the baseline's package under
+BASE = ab.BASE  # the name --side imports the baseline's package under
 
 
 def side_child(
@@ -476,7 +478,7 @@ def run(args) -> dict[str, Any]:
         if not args.pairs or not args.baseline:
             raise SystemExit("--side needs --pairs N and --baseline DIR")
         C.SCRATCH.parent.mkdir(parents=True, exist_ok=True)
-        side = C.renamed_copy(args.baseline, Path(tempfile.mkdtemp(prefix="side-", dir=C.SCRATCH.parent)))
+        side = ab.renamed_copy(args.baseline, Path(tempfile.mkdtemp(prefix="side-", dir=C.SCRATCH.parent)))
     try:
         C.run(EveryStep(args, everies, rows, side), args.rounds, log=lambda _: None)
     finally:
@@ -789,7 +791,7 @@ def main() -> None:
     if args.pool:
         print(pool([json.loads(Path(p).read_text()) for p in args.pool]))
         return
-    C.jax_cpu_env()
+    F.jax_cpu_env()
     if args.child:
         scratch = C.SCRATCH
         try:

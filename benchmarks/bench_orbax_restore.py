@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import fixtures as F  # noqa: E402
 import runner as C  # noqa: E402
 
 
@@ -64,7 +65,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
     args = p.parse_args(argv)
     os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={args.devices}")
-    C.jax_cpu_env()
+    F.jax_cpu_env()
     import warnings
 
     import jax

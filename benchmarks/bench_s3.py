@@ -42,9 +42,10 @@ from typing import Any
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "harness"))
+import fixtures as F  # noqa: E402
 import runner as C  # noqa: E402
 
-C.jax_cpu_env()
+F.jax_cpu_env()
 warnings.filterwarnings("ignore")
 
 from s3_server import REGION, MotoS3  # noqa: E402
@@ -109,7 +110,7 @@ class ObjectStores(C.Scenario):
 
     def __init__(self, args: Any, stores: list[str], orbax: bool, flat: dict, scratch: Path):
         self.args, self.stores, self.orbax, self.flat, self.scratch = args, stores, orbax, flat, scratch
-        self.tree, sers = C.nest(flat), args.serializers.split(",")
+        self.tree, sers = F.nest(flat), args.serializers.split(",")
         self.contenders = [f"{w}/{s}" for s in sers for w in ["local", *stores]] + (
             ["orbax-gs"] if orbax else []
         )
@@ -142,10 +143,10 @@ class ObjectStores(C.Scenario):
             save, restore = (lambda: fc.save(path, self.tree, serializer=ser)), (lambda: fc.restore(path))
         out["save"], _ = C.timed(save)
         if where == "local":
-            C.drop_cache(Path(path))
+            F.drop_cache(Path(path))
         out["restore_cold"], got = C.timed(restore)
         if r == 0:
-            C.same_bytes(self.flat, dict(C.flat_items(got)))
+            F.same_bytes(self.flat, dict(F.flat_items(got)))
         del got
         out["restore_warm"], _ = C.timed(restore)
         if where == "local":
@@ -178,10 +179,10 @@ def main(argv: list[str] | None = None) -> None:
     note = orbax_available() if args.orbax and "gs" in stores else None
     orbax = args.orbax and "gs" in stores and note is None
 
-    flat = C.make_tree(int(args.size_mb * C.MB))
+    flat = F.make_tree(int(args.size_mb * C.MB))
     if args.large_only:
         flat = {k: a for k, a in flat.items() if a.nbytes >= C.MB}
-    nbytes, sers = C.tree_bytes(flat), args.serializers.split(",")
+    nbytes, sers = F.tree_bytes(flat), args.serializers.split(",")
     info = C.machine_info(C.fresh_dir(args.scratch))
     sc = ObjectStores(args, stores, orbax, flat, args.scratch)
     res = C.run(sc, args.rounds)

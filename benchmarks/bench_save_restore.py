@@ -3,7 +3,7 @@
     python benchmarks/bench_save_restore.py                    # 1024 MB, 5 rounds
     python benchmarks/bench_save_restore.py --size-mb 64 --rounds 2
 
-Every contender stores the same bytes (benchmarks/runner.make_tree): flax_ckpt and Orbax get jax CPU
+Every contender stores the same bytes (benchmarks/fixtures.make_tree): flax_ckpt and Orbax get jax CPU
 arrays, torch DCP gets torch tensors sharing the numpy buffers, the baseline writes the numpy arrays.
 
 - raw baseline, the physical limit: every array appended to one file with ``ndarray.tofile``, fsynced;
@@ -36,9 +36,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import fixtures as F  # noqa: E402
 import runner as C  # noqa: E402
 
-C.jax_cpu_env()
+F.jax_cpu_env()
 warnings.filterwarnings("ignore")
 
 import numpy as np  # noqa: E402
@@ -64,7 +65,7 @@ class RawFile(Contender):
 
     def save(self, path: Path) -> None:
         path.mkdir()
-        C.write_raw_file(path / "data.bin", self.flat.values())
+        F.write_raw_file(path / "data.bin", self.flat.values())
 
     def restore(self, path: Path) -> dict[str, Any]:
         with open(path / "data.bin", "rb") as f:
@@ -77,8 +78,8 @@ def jax_trees(flat: dict[str, np.ndarray]) -> tuple[Any, Any]:
 
     cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
     return (
-        C.nest({k: jax.device_put(a, cpu) for k, a in flat.items()}),
-        C.nest({k: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=cpu) for k, a in flat.items()}),
+        F.nest({k: jax.device_put(a, cpu) for k, a in flat.items()}),
+        F.nest({k: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=cpu) for k, a in flat.items()}),
     )
 
 
@@ -140,7 +141,7 @@ class FlaxCkpt(Contender):
         import jax
 
         out = jax.block_until_ready(self.fc.restore(path, self.target))
-        return dict(C.flat_items(out))
+        return dict(F.flat_items(out))
 
 
 class Orbax(Contender):
@@ -160,7 +161,7 @@ class Orbax(Contender):
         import jax
 
         out = jax.block_until_ready(self.ckptr.restore(path, self.target))
-        return dict(C.flat_items(out))
+        return dict(F.flat_items(out))
 
     def close(self) -> None:
         self.ckptr.close()
@@ -233,12 +234,12 @@ class SaveRestore(C.Scenario):
     def time(self, name: str, r: int) -> dict[str, float]:
         c, path = self.objs[name], self.scratch / f"{name}-{r}"
         out: dict[str, float] = {}
-        out["save"], _ = C.timed(lambda: (c.save(path), C.fsync_tree(path)))
-        self.sizes[name] = C.disk_usage(path)
-        C.drop_cache(path)
+        out["save"], _ = C.timed(lambda: (c.save(path), F.fsync_tree(path)))
+        self.sizes[name] = F.disk_usage(path)
+        F.drop_cache(path)
         out["restore_cold"], got = C.timed(lambda: c.restore(path))
         if r == 0:
-            C.same_bytes(self.flat, got)
+            F.same_bytes(self.flat, got)
         del got
         gc.collect()
         if self.warm:
@@ -295,8 +296,8 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
 
     names = [n for n in args.contenders.split(",") if n]
-    flat = C.make_tree(int(args.size_mb * C.MB))
-    nbytes = C.tree_bytes(flat)
+    flat = F.make_tree(int(args.size_mb * C.MB))
+    nbytes = F.tree_bytes(flat)
     print(f"state: {len(flat)} leaves, {nbytes / C.MB:.0f} MiB; contenders {names}; scratch {args.scratch}")
     info = C.machine_info(C.fresh_dir(args.scratch))
     sc = SaveRestore(names, flat, args.scratch, not args.no_warm)

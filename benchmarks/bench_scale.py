@@ -35,9 +35,10 @@ from typing import Any
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import fixtures as F  # noqa: E402
 import runner as C  # noqa: E402
 
-C.jax_cpu_env()
+F.jax_cpu_env()
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
 import jax  # noqa: E402
@@ -54,7 +55,7 @@ GB = 1 << 30
 
 
 def leaf_state(n: int) -> tuple[dict, Any]:
-    host = C.nest(C.many_small_tree(n, 1024))
+    host = F.nest(F.many_small_tree(n, 1024))
     return host, jax.block_until_ready(jax.tree.map(jax.device_put, host))
 
 
@@ -159,7 +160,7 @@ class Leaves(C.Scenario):
             import torch
             import torch.distributed.checkpoint as dcp
 
-            sd = {k: torch.from_numpy(a) for k, a in C.flat_items(self.host)}
+            sd = {k: torch.from_numpy(a) for k, a in F.flat_items(self.host)}
             t, _ = C.timed(lambda: dcp.save(sd, checkpoint_id=str(path), no_dist=True))
             res.add("torch-dcp", "save", t)
             out = {k: torch.empty_like(v) for k, v in sd.items()}
@@ -239,8 +240,8 @@ class Size(C.Scenario):
             ckptr = ocp.StandardCheckpointer()
             save = lambda: (ckptr.save(path, state), ckptr.wait_until_finished())  # noqa: E731
             restore = lambda: jax.block_until_ready(ckptr.restore(path, target))  # noqa: E731
-        out["save"], out["save_peak"], _ = C.peak_above(save)
-        out["restore"], out["restore_peak"], got = C.peak_above(restore)
+        out["save"], out["save_peak"], _ = F.peak_above(save)
+        out["restore"], out["restore_peak"], got = F.peak_above(restore)
         del got
         if name == "orbax":
             ckptr.close()
@@ -258,7 +259,7 @@ def size_part(sizes: list[float], rounds: int, scratch: Path, with_orbax: bool) 
         if free < need * total:
             print(f"size {gb} GiB: skipped, {free / GB:.1f} GiB free (this needs ~{need}x)", flush=True)
             continue
-        host = C.make_tree(total)
+        host = F.make_tree(total)
         state = jax.block_until_ready(
             {k: jax.device_put(a) for k, a in host.items()}
         )  # no transfer in flight

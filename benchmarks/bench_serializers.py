@@ -4,7 +4,7 @@
     python benchmarks/bench_serializers.py                     # mixed 256 MiB + 1000 small leaves, 3 rounds
     python benchmarks/bench_serializers.py --size-mb 64 --rounds 2
 
-Workloads: "mixed" (benchmarks/runner.make_tree: a few large float32/bfloat16 arrays and ~400 small
+Workloads: "mixed" (benchmarks/fixtures.make_tree: a few large float32/bfloat16 arrays and ~400 small
 ones) and "small" (1000 float32 leaves of 16 KiB: per-leaf overhead). Storages: a local folder (fsync,
 page cache dropped with posix_fadvise(DONTNEED) before the cold restore) and memory:// (tensorstore's
 in-memory kvstore, as the memory tier uses). Measures: save (to durable), restore into jax arrays on one
@@ -25,9 +25,10 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import fixtures as F  # noqa: E402
 import runner as C  # noqa: E402
 
-C.jax_cpu_env()
+F.jax_cpu_env()
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
 warnings.filterwarnings("ignore")
 
@@ -52,11 +53,11 @@ class Case:
             rows = a.ndim and a.shape[0] % len(mesh.devices) == 0
             return jax.sharding.NamedSharding(mesh, P("x") if rows else P())
 
-        self.tree = C.nest({k: jax.device_put(a, one) for k, a in flat.items()})
-        self.target = C.nest(
+        self.tree = F.nest({k: jax.device_put(a, one) for k, a in flat.items()})
+        self.target = F.nest(
             {k: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=one) for k, a in flat.items()}
         )
-        self.sharded = C.nest(
+        self.sharded = F.nest(
             {k: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=split(a)) for k, a in flat.items()}
         )
 
@@ -86,14 +87,14 @@ class Serializers(C.Scenario):
         def restore(target: Any) -> float:
             t, got = C.timed(lambda: jax.block_until_ready(fc.restore(path, target)))
             if r == 0:
-                C.same_bytes(case.flat, {k: np.asarray(v) for k, v in C.flat_items(got)})
+                F.same_bytes(case.flat, {k: np.asarray(v) for k, v in F.flat_items(got)})
             return t
 
         out["save"], _ = C.timed(
-            lambda: (fc.save(path, case.tree, serializer=ser), local and C.fsync_tree(path))
+            lambda: (fc.save(path, case.tree, serializer=ser), local and F.fsync_tree(path))
         )
         if local:
-            C.drop_cache(path)
+            F.drop_cache(path)
             out["restore_cold"] = restore(case.target)
         out["restore_warm"] = restore(case.target)
         out["restore_4way"] = restore(case.sharded)
@@ -121,7 +122,7 @@ def markdown(res: C.Results, cases: list[Case], wheres: list[str], rounds: int) 
         "|---|---|---|---:|---:|---:|",
     ]
     for case in cases:
-        size = f"{case.name} ({len(case.flat)} leaves, {C.tree_bytes(case.flat) / C.MB:.0f} MiB)"
+        size = f"{case.name} ({len(case.flat)} leaves, {F.tree_bytes(case.flat) / C.MB:.0f} MiB)"
         for where in wheres:
             a, b = f"{case.name}/{where}/raw", f"{case.name}/{where}/zarr3"
             for m in MEASURES:
@@ -139,15 +140,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--storages", default="local,memory")
     args = ap.parse_args(argv)
 
-    cases = [Case("mixed", C.make_tree(int(args.size_mb * C.MB)))]
+    cases = [Case("mixed", F.make_tree(int(args.size_mb * C.MB)))]
     if args.small_leaves:
-        cases.append(Case("small", C.many_small_tree(args.small_leaves, 16 << 10)))
+        cases.append(Case("small", F.many_small_tree(args.small_leaves, 16 << 10)))
     wheres = args.storages.split(",")
     info = C.machine_info(C.fresh_dir(args.scratch))
     res = C.run(Serializers(cases, wheres, args.scratch), args.rounds)
     body = {
         "benchmark": "serializers",
-        "workloads": {c.name: {"leaves": len(c.flat), "nbytes": C.tree_bytes(c.flat)} for c in cases},
+        "workloads": {c.name: {"leaves": len(c.flat), "nbytes": F.tree_bytes(c.flat)} for c in cases},
         "seconds": res.times,
     }
     C.report("serializers", args, info, body, markdown(res, cases, wheres, args.rounds))

@@ -27,9 +27,11 @@ from typing import Callable
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import ab  # noqa: E402
+import fixtures as F  # noqa: E402
 import runner as C  # noqa: E402
 
-C.jax_cpu_env()
+F.jax_cpu_env()
 warnings.filterwarnings("ignore")
 
 import flax_ckpt as fc  # noqa: E402
@@ -110,10 +112,10 @@ def main() -> None:
         with fc.CheckpointManager(d, max_to_keep=keep, async_save=False) as mgr:
             for step in range(10):
                 mgr.save(step, lora(step))
-        nbytes[f"keep_{keep}"] = C.disk_usage(d)
+        nbytes[f"keep_{keep}"] = F.disk_usage(d)
         C.remove_scratch(d)
-    one = C.tree_bytes(dict(C.flat_items(lora(0))))
-    changed = C.tree_bytes(dict(C.flat_items(lora(0)["lora"])))
+    one = F.tree_bytes(dict(F.flat_items(lora(0))))
+    changed = F.tree_bytes(dict(F.flat_items(lora(0)["lora"])))
     bound = {"keep_None": one + 9 * changed, "keep_2": one + 2 * changed}
     body = {
         "machine": C.machine_info(C.SCRATCH),

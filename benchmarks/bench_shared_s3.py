@@ -27,11 +27,12 @@ from typing import Any
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "harness"))
+import fixtures as F  # noqa: E402
 import runner as C  # noqa: E402
 from bench_s3 import point_env_at  # noqa: E402
 from bench_shared import makers  # noqa: E402
 
-C.jax_cpu_env()
+F.jax_cpu_env()
 warnings.filterwarnings("ignore")
 
 from s3_server import MotoS3  # noqa: E402

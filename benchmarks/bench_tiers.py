@@ -45,9 +45,10 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import fixtures as F  # noqa: E402
 import runner as C  # noqa: E402
 
-C.jax_cpu_env()
+F.jax_cpu_env()
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
@@ -176,11 +177,11 @@ class Restores(C.Scenario):
 
     def time(self, name: str, r: int) -> dict[str, float]:
         if name == "disk cold":
-            C.drop_cache(self.s.disk / str(self.s.last))
+            F.drop_cache(self.s.disk / str(self.s.last))
         mgr = self.s.tiered if name == "local memory" else self.s.plain
         t, got = C.timed(lambda: jax.block_until_ready(mgr.restore(self.s.last, target=self.target)))
         if r == 0:
-            C.same_bytes(self.want, {k: v for k, v in got.items() if k != "step"})
+            F.same_bytes(self.want, {k: v for k, v in got.items() if k != "step"})
         return {"restore": t}
 
 
