@@ -118,13 +118,15 @@ class Leaves(C.Scenario):
         t, _ = C.timed(open_and_restore)
         res.add("flax_ckpt", "manager_open_restore", t)
         shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else d
-        tiers = fc.Tiers(local_dir=str(shm / f"flax_ckpt_bench_{os.getpid()}"), persist_interval_steps=None)
+        local = shm / f"flax_ckpt_bench_{os.getpid()}"
+        tiers = fc.Tiers(local_dir=str(local), persist_interval_steps=None)
         with fc.CheckpointManager(d / "tiered", tiers=tiers) as mgr:
             t0 = time.perf_counter()
             mgr.save(1, self.state)
             res.add("flax_ckpt", "tier_save_blocked", time.perf_counter() - t0)
             mgr.wait_until_finished()
             res.add("flax_ckpt", "tier_save_memory", mgr.tier_stats[-1].memory_s)
+        shutil.rmtree(local, ignore_errors=True)  # the tier's folder, left empty by close()
 
     def manager_saves(self, run: Path, fmt: str, name: str, res: C.Results) -> None:
         """An async manager save of the state in ``fmt`` (the time it blocks), then the same structure
