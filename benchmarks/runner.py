@@ -37,7 +37,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 REPO = Path(__file__).resolve().parents[1]
 OUT_DIR = Path(os.environ.get("FLAX_CKPT_BENCH_OUT", REPO / "bench_out"))  # ab.py gives each run its own
@@ -155,7 +155,7 @@ def run(
     return res
 
 
-def table(res: Results, names: list[str], measures: list[str], vs: list[str] = ()) -> str:
+def table(res: Results, names: list[str], measures: list[str], vs: Sequence[str] = ()) -> str:
     """Markdown, a row per contender and measure: the median over rounds with its quartiles, and for
     each name of ``vs`` (a floor, a peer) the median of per-round ratios t / t_vs (< 1: faster)."""
     vs = [v for v in vs if v in res.times]
