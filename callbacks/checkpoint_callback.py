@@ -40,6 +40,7 @@ import flax_ckpt as fc
 from .announce import announce as _announce
 from .preemption import PreemptionGuard
 from .replicated import first_replica, replicate_like
+from .resume import check_restored, state_for
 from .state import from_tree, match_saved_scalars, target_tree, to_tree
 
 log = logging.getLogger("flax_ckpt.callbacks")
@@ -135,6 +136,7 @@ class CheckpointCallback:
         self._pending: tuple[int, Any, Metrics] | None = None  # the last call's step, state, metrics: unsaved
         self._pid = os.getpid()  # a child forked from this process (a data loader's worker) never closes it
         self.compile_cache = _use_compile_cache(directory, compile_cache, manager_options)
+        self.manager.prefetch()  # the newest step's bytes read while the program starts (restore_or)
         _close_at_exit(self)
 
     # ------------------------------------------------------------------------------------------ resume
@@ -206,8 +208,12 @@ class CheckpointCallback:
             )
         fit = dict(missing=missing, unexpected=unexpected, cast=cast, report=report)
         own = dict(fit, rename=rename if init_from is None else None)
+        resumes = bool(self.manager.all_steps()) and missing != "keep" and not self.replicated
+        state, make_state = state_for(state, resumes)  # a function: its shapes alone (resume.py)
         if self.manager.all_steps():
             restored, step, got = self._restore_run(self.manager, state, own)
+            if make_state is not None:
+                check_restored(restored, make_state)
             _announce("resumed from step %d of %s", step, self.manager.directory)
             return (restored, step, got) if report else (restored, step)
         if init_from is None:

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Callable, Literal
 import numpy as np
 
 from flax_ckpt._src import layouts
+from flax_ckpt._src.commit import distributed
 from flax_ckpt._src.engine import device
 from flax_ckpt._src.engine.fit import Fit, RenameArg
 from flax_ckpt._src.engine.leaves import CheckpointInfo
@@ -31,6 +32,7 @@ from flax_ckpt._src.errors import CheckpointError, CheckpointNotFoundError
 from flax_ckpt._src.lazy import lazy
 from flax_ckpt._src.manager.agreed import targets
 from flax_ckpt._src.manager.directory import Directory
+from flax_ckpt._src.manager.prefetch import Prefetch, available_bytes
 from flax_ckpt._src.manager.schedule import Schedule
 from flax_ckpt._src.manager.stats import RestoreStats, SaveStats
 from flax_ckpt._src.manager.store import Store
@@ -161,6 +163,7 @@ class CheckpointManager:
         self._closed = False
         self._pid = os.getpid()  # the process that opened it: the only one that saves, closes, deletes
         self._busy = threading.RLock()  # one save (or close) at a time, whichever thread calls it
+        self._prefetch: Prefetch | None = None  # the read of a step ahead of its restore (prefetch())
         try:
             self._directory = Directory(
                 directory,
@@ -549,6 +552,40 @@ class CheckpointManager:
         self._writer.wait()
         return self._store.restore(step, targets(target, target_for), shardings, fit, item)
 
+    def prefetch(self, *, limit: int | None = None) -> int | None:
+        """Starts reading the newest committed step's files into host memory (the page cache) on a
+        background thread, so that a restore soon after (once the runtime has started and the program
+        traced) reads memory instead of the disk. The restore chooses, reads and verifies its step as
+        ever: a step found damaged, a target that does not fit, or no restore at all costs this read
+        and nothing else. Each process reads the files it wrote. ``close()`` stops the read.
+
+        Args:
+          limit: the most bytes read; None: half the memory the system has available.
+
+        Returns:
+          The step being read, or None: no committed step, a directory on an object store, memory
+          tiers in front of it (their copies are in memory already), or a read-only manager.
+
+        Example:
+          >>> import numpy as np
+          >>> with fc.CheckpointManager("run") as mgr:
+          ...     _ = mgr.save(3, {"w": np.zeros(2, np.float32)})
+          >>> with fc.CheckpointManager("run") as mgr:
+          ...     mgr.prefetch(), mgr.restore()["w"]
+          (3, array([0., 0.], dtype=float32))
+        """
+        step, root = self.latest_step(), self.storage.local_path
+        if step is None or root is None or self.memory_tiers is not None or self.read_only:
+            return None
+        if self._prefetch is not None:
+            self._prefetch.cancel()
+        folder = os.path.join(root, self._directory.index.folder_name(step))
+        limit = available_bytes() // 2 if limit is None else limit
+        self._prefetch = Prefetch(
+            step, folder, limit, distributed.process_index(), distributed.process_count()
+        )
+        return step
+
     def item_metadata(self, step: int | None = None, *, item: str | None = None) -> CheckpointInfo:
         """``fc.metadata`` of a step of the run: what it holds, read without any array bytes.
 
@@ -604,6 +641,8 @@ class CheckpointManager:
             return
         self._closed = True
         _OPEN.discard(self)
+        if self._prefetch is not None:
+            self._prefetch.cancel()
         try:
             self._writer.close()
         except BaseException:  # the save in flight failed: its error is raised, the store let go
