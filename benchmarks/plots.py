@@ -641,6 +641,7 @@ RESUME_LABELS = {
     "fresh": "a fresh run (no checkpoint)",
     "fc": "flax_ckpt callback, made after the state",
     "fc-early": "flax_ckpt callback, made before the state",
+    "fc-fn": "flax_ckpt callback, restore_or(the function that builds the state)",
     "fc-nocache": "flax_ckpt callback, compile_cache=False",
     "orbax": "Orbax CheckpointManager",
 }

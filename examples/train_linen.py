@@ -107,9 +107,10 @@ def main(argv: Sequence[str] | None = None) -> float:
     logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")  # WARNING and up from everyone,
     logging.getLogger("flax_ckpt").setLevel(logging.INFO)  # and the checkpoint library's INFO lines
     train, test = load_data(args.seed)
-    state = create_state(args.seed)
     ckpt = CheckpointCallback(args.directory, every_steps=args.every)  # ckpt
-    state, start = ckpt.restore_or(state)  # ckpt
+    state, start = ckpt.restore_or(
+        lambda: create_state(args.seed)
+    )  # ckpt; plain: state, start = create_state(args.seed), 0
     for step in range(start, args.steps):
         state, metrics = train_step(state, *batch_at(train, step, seed=args.seed))
         ckpt(step + 1, state, metrics)  # ckpt

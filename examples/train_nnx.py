@@ -75,6 +75,12 @@ def create(seed: int = 0, learning_rate: float = 3e-3) -> tuple[MLP, nnx.Optimiz
     return model, nnx.Optimizer(model, optax.adam(learning_rate), wrt=nnx.Param)
 
 
+def make_state(seed: int, train: tuple[np.ndarray, np.ndarray]) -> dict[str, Any]:
+    """The model, its optimizer and the data iterator: everything a step changes."""
+    model, optimizer = create(seed)
+    return {"model": model, "optimizer": optimizer, "data": Batches(train, seed=seed)}
+
+
 @nnx.jit
 def train_step(model: MLP, optimizer: nnx.Optimizer, x: jax.Array, y: jax.Array) -> jax.Array:
     def loss_fn(model: MLP) -> jax.Array:
@@ -105,13 +111,14 @@ def main(argv: Sequence[str] | None = None) -> float:
     logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")  # WARNING and up from everyone,
     logging.getLogger("flax_ckpt").setLevel(logging.INFO)  # and the checkpoint library's INFO lines
     train, test = load_data(args.seed)
-    model, optimizer = create(args.seed)
-    batches = Batches(train, seed=args.seed)
     ckpt = CheckpointCallback(args.directory, every_steps=args.every)  # ckpt
-    _, start = ckpt.restore_or({"model": model, "optimizer": optimizer, "data": batches})  # ckpt
+    state, start = ckpt.restore_or(
+        lambda: make_state(args.seed, train)
+    )  # ckpt; plain: state, start = make_state(args.seed, train), 0
+    model, optimizer, batches = state["model"], state["optimizer"], state["data"]
     for step in range(start, args.steps):
         loss = train_step(model, optimizer, *next(batches))
-        ckpt(step + 1, {"model": model, "optimizer": optimizer, "data": batches}, {"loss": loss})  # ckpt
+        ckpt(step + 1, state, {"loss": loss})  # ckpt
         if (step + 1) % args.log_every == 0:
             print(f"step {step + 1} loss {float(loss):.4f}", flush=True)
     ckpt.close()  # ckpt

@@ -220,13 +220,17 @@ def test_examples_differ_from_a_checkpoint_free_loop_by_the_marked_lines():
     for script in ["train_linen.py", "train_nnx.py"]:
         lines = (EXAMPLES / script).read_text().splitlines()
         marked = [line.strip() for line in lines if line.endswith("  # ckpt")]
+        marked += [
+            line.split("  # ckpt; plain: ")[0].strip() for line in lines if "  # ckpt; plain: " in line
+        ]
         assert len(marked) == 5, marked
         assert marked[0] == "from flax_ckpt.callbacks import CheckpointCallback  # ckpt"
         assert marked[1].startswith("ckpt = CheckpointCallback(")
-        assert ".restore_or(" in marked[2] and marked[3].startswith("ckpt(step + 1, ")
-        assert marked[4] == "ckpt.close()  # ckpt"
+        assert marked[2].startswith("ckpt(step + 1, ") and marked[3] == "ckpt.close()  # ckpt"
+        assert ".restore_or(lambda: " in marked[4]  # the function that builds the state
         main = lines[next(i for i, line in enumerate(lines) if line.startswith("def main(")) :]
-        rest = [line for line in main if not line.endswith("  # ckpt")]
+        # a line "<code>  # ckpt; plain: <other>" is <other> in the loop without checkpoints
+        rest = [re.sub(r"\S.*  # ckpt; plain: ", "", line) for line in main if not line.endswith("  # ckpt")]
         shown = 'logging.getLogger("flax_ckpt").setLevel('  # which log lines show: the example's own choice
         assert not [
             line
