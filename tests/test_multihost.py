@@ -178,10 +178,10 @@ MULTI_CHILD = textwrap.dedent("""
 
     sh = NamedSharding(Mesh(np.array(jax.devices()), ("x",)), P("x"))
     step_fn = jax.jit(lambda w: w * 1.0001 + 0.5, out_shardings=sh)
-    state = {"w": jax.make_array_from_callback((4 * n, 3), sh,
-                                                lambda idx: np.arange(12 * n, dtype=np.float32).reshape(-1, 3)[idx])}
+    init = jax.jit(lambda: {"w": jax.numpy.arange(12 * n, dtype=np.float32).reshape(-1, 3)}, out_shardings=sh)
     ckpt = CheckpointCallback(directory, every_steps=100)
-    state, start = ckpt.restore_or(state)
+    state, start = ckpt.restore_or(init)  # resumed: traced, each process restores its shards into sh
+    assert state["w"].sharding == sh, state["w"].sharding
     print("start", start, flush=True)
     for step in range(start, 400):
         state = {"w": step_fn(state["w"])}
