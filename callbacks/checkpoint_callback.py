@@ -86,15 +86,16 @@ class CheckpointCallback:
     Example:
       >>> import numpy as np
       >>> from flax_ckpt.callbacks import CheckpointCallback
-      >>> state = {"w": np.zeros(2, np.float32)}
+      >>> def create_state():  # in a restart, only traced: the checkpoint's values replace it
+      ...     return {"w": np.zeros(2, np.float32)}
       >>> ckpt = CheckpointCallback("run", every_steps=2)
-      >>> state, start = ckpt.restore_or(state)
+      >>> state, start = ckpt.restore_or(create_state)
       >>> for step in range(start, 5):
       ...     state = {"w": state["w"] + 1}
       ...     _ = ckpt(step + 1, state, {"loss": 1 / (step + 1)})
       >>> ckpt.close()  # saves step 5, which the schedule skipped
       >>> ckpt = CheckpointCallback("run", every_steps=2)
-      >>> ckpt.restore_or({"w": np.zeros(2, np.float32)})
+      >>> ckpt.restore_or(create_state)
       ({'w': array([5., 5.], dtype=float32)}, 5)
       >>> ckpt.close()
     """
@@ -155,6 +156,8 @@ class CheckpointCallback:
     ) -> Any:
         """``(state restored from the newest good checkpoint, its step)``, or ``(state, 0)`` if there is none.
 
+        ``state`` may be the function that builds the state: a restart then builds only its shapes.
+
         nnx objects and stateful iterators in ``state`` are updated in place; an ``nnx.State`` (also a
         filtered one, ``nnx.state(model, nnx.LoRAParam)``) is restored into its ``nnx.Variable``
         objects, which are the model's own, so the model holds the values (a State of copies is
@@ -168,7 +171,12 @@ class CheckpointCallback:
         steps. Each logs a one-line ``fc.RestoreReport`` of what it changed.
 
         Args:
-          state: the freshly initialised state: it gives the structure, dtypes and placement.
+          state: the function that builds the fresh state (called with no argument), or that state: it
+            gives the structure, dtypes and placement. With a step to resume from, a function is traced,
+            never run (no compile, no computation, no device memory), and the step restored into its
+            shapes, shardings and nnx objects; Python objects it returns (data iterators,
+            ``random.Random``) are built and restored in place. ``missing="keep"``, ``replicated=True``
+            and a fresh run call it.
           init_from: where a fresh run starts from: a checkpoint (any path fc.restore takes, e.g. a
             pretrained model's) or a run directory (another run's, native or Orbax: its newest good
             step, as its manager would restore it).
@@ -189,6 +197,7 @@ class CheckpointCallback:
           TypeError: ``continue_step`` without ``init_from``.
           ValueError: ``continue_step`` with an ``init_from`` checkpoint that records no step.
           TargetMismatchError: ``state`` does not fit the checkpoint (the message lists every leaf).
+          InvalidArgumentError: traced values (``restore_or`` called inside ``jax.jit``).
           CorruptCheckpointError: every step is damaged (or, when strict, the newest).
 
         Example:
