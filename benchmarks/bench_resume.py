@@ -20,7 +20,8 @@ loaded from a compilation cache, and run). Modes:
 - ``fc-nocache``: the same as ``fc`` with ``compile_cache=False``;
 - ``fc-fn``: the README's pattern: the callback made first (its prefetch reads the newest step while
   the runtime starts), then ``restore_or(init)``, the function that builds the state: traced, never
-  run, and restored into (``init`` is 0; ``restore`` is all of ``restore_or``);
+  run, and restored into (``init`` is 0; ``restore`` is all of ``restore_or``); ``fc-fn-noprefetch``:
+  the same with the prefetch stopped at once (not in the default modes);
 - ``orbax``: Orbax's ``CheckpointManager`` restoring the same state (``StandardRestore``), no cache.
 
 Beside each mode, its ``floor``: what no checkpoint library removes, the mode's own imports and runtime
@@ -75,7 +76,9 @@ def child(mode: str, folder: Path, dims: dict[str, int]) -> dict[str, float]:
     if mode in ("orbax", "seed"):
         import orbax.checkpoint as ocp
     marks["imports"] = time.time()
-    fn_form = CheckpointCallback(folder / "fc", every_steps=1) if mode == "fc-fn" else None
+    fn_form = CheckpointCallback(folder / "fc", every_steps=1) if mode.startswith("fc-fn") else None
+    if mode == "fc-fn-noprefetch" and fn_form is not None and fn_form.manager._prefetch is not None:
+        fn_form.manager._prefetch.cancel()  # the same without the read ahead (an A/B of the prefetch)
     jax.block_until_ready(jax.numpy.zeros(1) + 1)
     marks["backend"] = time.time()
     from bench_accelerator import make_model
@@ -185,7 +188,7 @@ def summarize(body: dict[str, Any]) -> str:
     lines = [f"Restart to first step, {body['device']} ({body['state_mib']:.0f} MiB state), "]
     lines[0] += f"medians of {body.get('rounds_run', body['rounds'])} rounds, seconds:"
     lines += ["", *rows, ""]
-    for mode in ("fc", "fc-early", "fc-fn", "fc-nocache", "orbax"):
+    for mode in ("fc", "fc-early", "fc-fn", "fc-fn-noprefetch", "fc-nocache", "orbax"):
         if mode in med and "fresh" in med:
             lines.append(
                 f"- {mode}: first step {med[mode]['first_step']:.2f} s after the restore's end, "
