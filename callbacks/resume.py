@@ -23,6 +23,7 @@ import sys
 from typing import Any, Callable
 
 import jax
+from jax.core import Tracer
 
 import flax_ckpt as fc
 
@@ -60,7 +61,7 @@ def state_for(state: Any, resumes: bool) -> tuple[Any, Callable[[], Any] | None]
     if not is_builder(state):
         _refuse_traced(state, "the state given")
         return state, None
-    if isinstance(jax.numpy.asarray(0), jax.core.Tracer):
+    if isinstance(jax.numpy.asarray(0), Tracer):
         _refuse_traced({"": jax.numpy.asarray(0)}, f"restore_or({_name(state)}), traced itself,")
     if not resumes:
         built = state()
@@ -72,7 +73,7 @@ def state_for(state: Any, resumes: bool) -> tuple[Any, Callable[[], Any] | None]
 
 def _refuse_traced(tree: Any, what: str) -> None:
     flat = jax.tree_util.tree_flatten_with_path(tree)[0]
-    traced = [jax.tree_util.keystr(p) for p, x in flat if isinstance(x, jax.core.Tracer)]
+    traced = [jax.tree_util.keystr(p) for p, x in flat if isinstance(x, Tracer)]
     if traced:
         raise fc.InvalidArgumentError(
             f"restore_or: {what} holds traced values ({', '.join(traced[:10])}): it runs inside a "
