@@ -108,9 +108,8 @@ def main(argv: Sequence[str] | None = None) -> float:
     logging.getLogger("flax_ckpt").setLevel(logging.INFO)  # and the checkpoint library's INFO lines
     train, test = load_data(args.seed)
     ckpt = CheckpointCallback(args.directory, every_steps=args.every)  # ckpt
-    state, start = ckpt.restore_or(
-        lambda: create_state(args.seed)
-    )  # ckpt; plain: state, start = create_state(args.seed), 0
+    # without ckpt: state, start = create_state(args.seed), 0
+    state, start = ckpt.restore_or(lambda: create_state(args.seed))  # ckpt
     for step in range(start, args.steps):
         state, metrics = train_step(state, *batch_at(train, step, seed=args.seed))
         ckpt(step + 1, state, metrics)  # ckpt

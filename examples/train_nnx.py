@@ -112,9 +112,8 @@ def main(argv: Sequence[str] | None = None) -> float:
     logging.getLogger("flax_ckpt").setLevel(logging.INFO)  # and the checkpoint library's INFO lines
     train, test = load_data(args.seed)
     ckpt = CheckpointCallback(args.directory, every_steps=args.every)  # ckpt
-    state, start = ckpt.restore_or(
-        lambda: make_state(args.seed, train)
-    )  # ckpt; plain: state, start = make_state(args.seed, train), 0
+    # without ckpt: state, start = make_state(args.seed, train), 0
+    state, start = ckpt.restore_or(lambda: make_state(args.seed, train))  # ckpt
     model, optimizer, batches = state["model"], state["optimizer"], state["data"]
     for step in range(start, args.steps):
         loss = train_step(model, optimizer, *next(batches))

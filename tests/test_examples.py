@@ -216,21 +216,21 @@ def test_examples_learn_and_a_finished_run_resumes_without_training(reference, c
 
 def test_examples_differ_from_a_checkpoint_free_loop_by_the_marked_lines():
     """The README's claim: delete the lines marked `# ckpt` (the import, the construction, restore_or,
-    the per-step call and the final close) and what is left of ``main`` is a plain training loop."""
+    the per-step call and the final close), uncomment the line `# without ckpt:` gives in restore_or's
+    place (the state built, step 0), and what is left of ``main`` is a plain training loop."""
     for script in ["train_linen.py", "train_nnx.py"]:
         lines = (EXAMPLES / script).read_text().splitlines()
         marked = [line.strip() for line in lines if line.endswith("  # ckpt")]
-        marked += [
-            line.split("  # ckpt; plain: ")[0].strip() for line in lines if "  # ckpt; plain: " in line
-        ]
         assert len(marked) == 5, marked
         assert marked[0] == "from flax_ckpt.callbacks import CheckpointCallback  # ckpt"
         assert marked[1].startswith("ckpt = CheckpointCallback(")
-        assert marked[2].startswith("ckpt(step + 1, ") and marked[3] == "ckpt.close()  # ckpt"
-        assert ".restore_or(lambda: " in marked[4]  # the function that builds the state
+        assert ".restore_or(lambda: " in marked[2] and marked[3].startswith("ckpt(step + 1, ")
+        assert marked[4] == "ckpt.close()  # ckpt"
+        i = next(i for i, line in enumerate(lines) if ".restore_or(lambda: " in line)
+        assert lines[i - 1].strip().startswith("# without ckpt: state, start = "), lines[i - 1]
         main = lines[next(i for i, line in enumerate(lines) if line.startswith("def main(")) :]
-        # a line "<code>  # ckpt; plain: <other>" is <other> in the loop without checkpoints
-        rest = [re.sub(r"\S.*  # ckpt; plain: ", "", line) for line in main if not line.endswith("  # ckpt")]
+        # the comment "# without ckpt: <code>" above restore_or is <code> in the loop without checkpoints
+        rest = [line.replace("# without ckpt: ", "") for line in main if not line.endswith("  # ckpt")]
         shown = 'logging.getLogger("flax_ckpt").setLevel('  # which log lines show: the example's own choice
         assert not [
             line
