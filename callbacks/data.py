@@ -208,8 +208,8 @@ class EpochLoader:
 
     ``for batch in data`` goes on with the epoch in progress (after a restore, from the batch an
     uninterrupted run reads next) and ends with it; the next ``for`` starts the next epoch with a
-    fresh iterator of the loader, as ``for batch in loader`` does. ``data.epoch`` is the epoch in
-    progress (the number of epochs ended). Its ``get_state()`` is ``{"epoch": ..., "position": the
+    fresh iterator of the loader, as ``for batch in loader`` does. Its ``epoch`` property is the
+    epoch in progress (the number of epochs ended). Its ``get_state()`` is ``{"epoch": ..., "position": the
     iterator's get_state()}``; give the loader's iterators ``get_state()``/``set_state()`` (grain's
     have them).
 
