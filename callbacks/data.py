@@ -235,15 +235,15 @@ class EpochLoader:
       ...         return {"i": self.i}
       ...     def set_state(self, state):
       ...         self.i = int(state["i"])
-      >>> data = EpochLoader(Loader())
+      >>> batches = EpochLoader(Loader())
       >>> with CheckpointCallback("epochs", every_steps=4) as ckpt:
-      ...     restored, step = ckpt.restore_or({"w": np.zeros(2, np.float32), "data": data})
+      ...     restored, step = ckpt.restore_or({"w": np.zeros(2, np.float32), "data": batches})
       ...     w = restored["w"]
-      ...     for epoch in range(data.epoch, 2):
-      ...         for batch in data:
+      ...     for epoch in range(batches.epoch, 2):
+      ...         for batch in batches:
       ...             w, step = w + batch, step + 1
-      ...             _ = ckpt(step, {"w": w, "data": data})
-      >>> step, w, data.epoch
+      ...             _ = ckpt(step, {"w": w, "data": batches})
+      >>> step, w, batches.epoch
       (6, array([12., 12.], dtype=float32), 2)
     """
 
