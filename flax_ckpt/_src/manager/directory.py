@@ -141,6 +141,10 @@ class Directory:
     def steps(self) -> list[int]:
         return self.index.steps()
 
+    def local_folder(self, step: int) -> str | None:
+        root = self.storage.local_path
+        return None if root is None else os.path.join(root, self.index.folder_name(step))
+
     def reload(self) -> None:
         """Reads the committed steps again (every process adopts process 0's view)."""
         self.index.scan(tidy=False)

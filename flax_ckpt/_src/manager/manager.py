@@ -574,12 +574,12 @@ class CheckpointManager:
           ...     mgr.prefetch(), mgr.restore()["w"]
           (3, array([0., 0.], dtype=float32))
         """
-        step, root = self.latest_step(), self.storage.local_path
-        if step is None or root is None or self.memory_tiers is not None or self.read_only:
+        step = self.latest_step()
+        folder = None if step is None or self.read_only else self._store.local_folder(step)
+        if step is None or folder is None:
             return None
         if self._prefetch is not None:
             self._prefetch.cancel()
-        folder = os.path.join(root, self._directory.index.folder_name(step))
         limit = available_bytes() // 2 if limit is None else limit
         self._prefetch = Prefetch(
             step, folder, limit, distributed.process_index(), distributed.process_count()

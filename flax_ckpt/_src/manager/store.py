@@ -82,6 +82,11 @@ class Store(Protocol):
         """The committed steps, ascending."""
         ...
 
+    def local_folder(self, step: int) -> str | None:
+        """The folder on a local file system that holds committed ``step`` whole, for a read ahead of
+        its restore; None where a restore reads elsewhere (an object store, copies in memory)."""
+        ...
+
     def close(self, *, at_exit: bool = False) -> None:
         """Ends the store (the writer closed); ``at_exit``: at interpreter exit, where a collective may
         never be joined."""

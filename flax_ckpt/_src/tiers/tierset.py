@@ -190,6 +190,10 @@ class TierSet:
         """Steps committed in any tier: memory, or the persistent directory."""
         return sorted(set(self.persistent.steps()) | set(self.memory_steps()))
 
+    def local_folder(self, step: int) -> str | None:
+        """None: a restore reads the memory tiers' copies first, which a read ahead cannot warm."""
+        return None
+
     def committed(self, tier: str) -> list[int]:
         """Steps committed in ``tier`` ("local" or "peer") by this run and still kept."""
         with self._mutex:
