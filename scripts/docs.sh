@@ -10,7 +10,7 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 t0=$SECONDS
-.venv/bin/python -m pip install -q --disable-pip-version-check -c constraints.txt -e ".[docs]"
+bash scripts/install.sh .venv constraints.txt -e ".[docs]"  # skipped where .venv holds it already
 t1=$SECONDS
 .venv/bin/python -m sphinx -W --keep-going -n -E -q -b html docs docs/_build/html
 t2=$SECONDS

@@ -2,7 +2,8 @@
 # The clu adapter, for real: creates .venv-clu (on top of .venv where scripts/test.sh made one),
 # installs flax-ckpt with its test and clu extras (clu, tensorflow-cpu, tensorboard; versions pinned by
 # constraints.txt), checks that clu's periodic_actions imports there (so that nothing is skipped for
-# want of it) and runs tests/test_clu.py. Extra arguments go to pytest.
+# want of it) and runs tests/test_clu.py. Extra arguments go to pytest. FLAX_CKPT_INSTALL_ONLY=1 stops
+# after the install (skipped when .venv-clu already holds it: scripts/install.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -17,7 +18,8 @@ if [ ! -x .venv-clu/bin/python ]; then
     echo "test_clu: .venv-clu on top of .venv"
   fi
 fi
-.venv-clu/bin/python -m pip install -q --disable-pip-version-check -c constraints.txt -e ".[test,clu]"
+bash scripts/install.sh .venv-clu constraints.txt -e ".[test,clu]"
+[ "${FLAX_CKPT_INSTALL_ONLY:-0}" = 1 ] && exit 0
 .venv-clu/bin/python -c "import clu.periodic_actions, tensorflow as tf; print('test_clu: clu with tensorflow', tf.__version__)"
 status=0
 .venv-clu/bin/python -m pytest -p no:cacheprovider -q tests/test_clu.py "$@" || status=$?

@@ -5,7 +5,8 @@
 # numpy 1.26.0, tensorstore 0.1.81, ml_dtypes 0.5.0, crc32c 2.4,
 # zstandard 0.23.0) and runs the engine, error, manager,
 # callbacks and multi-host tests (in 2 pytest-xdist workers, one file to a worker). Extra arguments
-# replace the default test files and options.
+# replace the default test files and options. FLAX_CKPT_INSTALL_ONLY=1 stops after the install
+# (skipped when .venv-min already holds it: scripts/install.sh).
 # PYTHON_MIN=/path/to/python picks the interpreter.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -30,8 +31,8 @@ if [ -x .venv-min/bin/python ] && [ "$(version .venv-min/bin/python)" != "$(vers
 fi
 [ -x .venv-min/bin/python ] || "$PY" -m venv .venv-min
 echo "test_min: $(.venv-min/bin/python --version) with the minimum versions of constraints-min.txt"
-.venv-min/bin/python -m pip install -q --disable-pip-version-check -c constraints-min.txt -e . \
-  pytest pytest-timeout pytest-xdist hypothesis psutil
+bash scripts/install.sh .venv-min constraints-min.txt -e . pytest pytest-timeout pytest-xdist hypothesis psutil
+[ "${FLAX_CKPT_INSTALL_ONLY:-0}" = 1 ] && exit 0
 .venv-min/bin/python - <<'PY'
 import importlib.metadata as md
 print("test_min:", ", ".join(f"{n} {md.version(n)}" for n in

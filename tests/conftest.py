@@ -15,6 +15,7 @@ import pytest  # noqa: E402
 pytest_plugins = [
     "s3_fixtures",
     "gcs_fixtures",
+    "timing",
 ]  # the S3 and GCS fixtures (s3, s3_faulty, gcs, gcs_faulty, ...)
 
 

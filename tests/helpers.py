@@ -67,6 +67,8 @@ from basics import (  # noqa: E402  (harness/basics.py: shared with the benchmar
     write_manifest_raw,
 )
 
+import forkserver  # noqa: E402  (tests/forkserver.py: Python children forked after JAX's import)
+
 # The one serializer the crash hooks wrap.
 from flax_ckpt._src.serializers.raw import RawSerializer  # noqa: E402
 
@@ -166,7 +168,7 @@ class Job:
             cfg = dict(self.cfg, process_id=i, **(self.per_process(i) if self.per_process else {}))
             with open(self.path(i, ".log"), "w") as log:
                 self.procs.append(
-                    subprocess.Popen(
+                    forkserver.Popen(
                         [sys.executable, self.worker, json.dumps(cfg)],
                         env=self.env,
                         stdout=log,

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 import flax_ckpt as fc
+import forkserver
 from helpers import worker_env
 
 PROGRAM = textwrap.dedent("""
@@ -63,7 +64,7 @@ def program(tmp_path_factory):
     path.write_text(PROGRAM)
 
     def run(workdir, *flags: str) -> subprocess.CompletedProcess:
-        r = subprocess.run(
+        r = forkserver.run(
             [sys.executable, str(path), f"--workdir={workdir}", *flags],
             capture_output=True,
             text=True,
@@ -78,6 +79,8 @@ def program(tmp_path_factory):
 
 @pytest.mark.parametrize("how", ["app", "app-default", "no-app"])
 def test_the_resume_line_shows_once_under_absl_at_info(program, tmp_path, how):
+    """Under absl at INFO (app.run, its default flags, or no app), the resume line shows once. Slow
+    (seconds): two runs of the user's absl program, each a process."""
     workdir = tmp_path / "run"
     first = program(workdir, "--steps=3", f"--how={how}")
     assert "trained steps 0 to 3" in first.stderr, first.stderr  # the user's absl INFO lines show
@@ -91,7 +94,8 @@ def test_the_resume_line_shows_once_under_absl_at_info(program, tmp_path, how):
 
 
 def test_absl_verbosity_above_info_keeps_the_line_quiet(program, tmp_path):
-    """The user's own choice: --verbosity=-1 (WARNING) drops INFO lines, this one too."""
+    """The user's own choice: --verbosity=-1 (WARNING) drops INFO lines, this one too. Slow (seconds): two
+    runs of the user's absl program, each a process."""
     workdir = tmp_path / "run"
     program(workdir, "--steps=2", "--how=app-default")
     quiet = program(workdir, "--steps=2", "--how=app-default", "--verbosity=-1")

@@ -27,6 +27,7 @@ from flax import nnx
 from flax.training import train_state
 
 import flax_ckpt as fc
+import forkserver
 from flax_ckpt.callbacks import CheckpointCallback, PreemptionGuard, to_tree
 from helpers import Job, leaf_bytes, worker_env
 
@@ -549,7 +550,7 @@ PMAP_WORKER = textwrap.dedent("""
 
 
 def _pmap_run(directory, mode: str, devices: int, until: int) -> tuple[tuple[int, str], tuple[int, str]]:
-    r = subprocess.run(
+    r = forkserver.run(
         [sys.executable, "-c", PMAP_WORKER, str(directory), mode, str(until)],
         env=worker_env(devices),
         capture_output=True,
@@ -696,7 +697,7 @@ def test_python_random_draws_after_a_preempted_resume_equal_an_uninterrupted_run
     def run(name: str, stop_at: int) -> list[int]:
         out = tmp_path / f"{name}.jsonl"
         cmd = [sys.executable, str(script), str(tmp_path / name), str(out), str(stop_at)]
-        return [subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S, env=env).returncode]
+        return [forkserver.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S, env=env).returncode]
 
     assert run("whole", -1) == [0]
     assert run("cut", 3) == [143] and run("cut", 3) == [0]

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 import flax_ckpt as fc
+import forkserver
 from flax_ckpt._src import tools as fi
 from flax_ckpt._src.errors import CheckpointNotFoundError
 from flax_ckpt._src.tools.cli import main as cli
@@ -68,8 +69,11 @@ def _false_reports(d: str) -> tuple[list, int]:
 
 @pytest.mark.parametrize("fmt", ["native", "orbax"])
 def test_verify_ls_and_info_beside_a_live_run_never_report_damage(tmp_path, fmt):
+    """verify, ls and info beside a run that saves every step never report damage (a step deleted while
+    read is gone, not damaged). Slow (tens of seconds): a real writer process, at least 50 rounds of the
+    checks beside it, and the CLI as processes."""
     d, stop = str(tmp_path / "run"), str(tmp_path / "stop")
-    writer = subprocess.Popen([sys.executable, "-c", WRITER, d, fmt, stop])
+    writer = forkserver.Popen([sys.executable, "-c", WRITER, d, fmt, stop])
     try:
         deadline = time.monotonic() + 120
         while not (os.path.isdir(d) and any(e.committed for e in fi.list_steps(d))):

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+import forkserver
 from helpers import worker_env
 
 MANY = r"""
@@ -48,7 +49,7 @@ def _run(tmp: Path, run: "Path | str", steps: int, opts: dict | None = None, **e
     """Runs PROGRAM (one file for all: a program's source lines are part of its cache key, so a restarted
     program is the same file) on ``run`` up to ``steps``."""
     script = Path(__file__).parent / "workers" / "compile_cache_program.py"
-    p = subprocess.run(
+    p = forkserver.run(
         [sys.executable, str(script), str(run), str(steps), json.dumps(opts or {})],
         env=_env(**env),
         capture_output=True,
@@ -88,6 +89,8 @@ def uninterrupted(tmp_path_factory):
 
 
 def test_a_resumed_run_loads_its_programs_instead_of_compiling(tmp_path, run, two_steps, uninterrupted):
+    """A resumed run loads the programs its first run compiled. Slow (tens of seconds, in its fixtures):
+    real training runs, each a process that compiles."""
     first = two_steps[1]
     assert first["start"] == 0 and first["hits"] == 0 and first["writes"] > 0
     assert len(_entries(run)) == first["entries"] > 0
@@ -137,7 +140,7 @@ def test_a_cache_the_program_configured_is_left_as_it_is(tmp_path, uninterrupted
 
 
 def _many(script: Path, location: Path, max_bytes: int, first: int) -> dict:
-    p = subprocess.run(
+    p = forkserver.run(
         [sys.executable, str(script), str(location), str(max_bytes), str(first)],
         env=_env(),
         capture_output=True,
@@ -218,6 +221,7 @@ def test_use_compilation_cache_refuses_a_bad_bound():
 
 @pytest.mark.parametrize("store", ["s3", "gcs"])
 def test_a_run_on_an_object_store_keeps_its_cache_there(tmp_path, store, request, uninterrupted):
+    """Slow (tens of seconds): real training runs against the store, each a process that compiles."""
     place = request.getfixturevalue(store)  # the environment points flax_ckpt (and the children) at it
     first, _ = _run(tmp_path, place.url, 2)  # type: ignore[arg-type]
     assert first["writes"] > 0 and first["location"].startswith(place.url + "/compile_cache/")

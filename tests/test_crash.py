@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import flax_ckpt as fc
+import forkserver
 from helpers import WORKERS, assert_bit_exact, crash_state, worker_env
 
 KILLS = int(os.environ.get("FLAX_CKPT_CRASH_KILLS", "6"))
@@ -26,7 +27,7 @@ def run_and_kill(directory: str, mode: str, rng: random.Random, start: int = 1) 
     busy machine moves it with the worker): after 0 to 2 commits (0: during its first save), plus a
     random fraction of one commit's time as measured in this run. Returns the newest step it had
     reported committed (0 if none)."""
-    proc = subprocess.Popen(
+    proc = forkserver.Popen(
         [sys.executable, str(WORKERS / "crash_worker.py"), directory, mode, str(start)],
         stdout=subprocess.PIPE,
         text=True,
@@ -59,6 +60,8 @@ def committed_steps(directory: str) -> list[int]:
 
 @pytest.mark.timeout(300)
 def test_sigkill_during_plain_saves_never_leaves_a_readable_partial(tmp_path):
+    """SIGKILL at random moments of fc.save: what is committed restores bit-exact, what is not is refused.
+    Slow (tens of seconds): KILLS saver processes, each killed after a random number of commits."""
     rng = random.Random(1234)
     directory = str(tmp_path)
     start, saves = 1, 0
@@ -80,6 +83,9 @@ def test_sigkill_during_plain_saves_never_leaves_a_readable_partial(tmp_path):
 
 @pytest.mark.timeout(300)
 def test_sigkill_during_async_manager_saves_restores_newest_committed(tmp_path):
+    """SIGKILL at random moments of async manager saves: the newest committed step restores bit-exact and
+    nothing half-written is left. Slow (tens of seconds): KILLS saver processes, each killed after a
+    random number of commits."""
     rng = random.Random(99)
     directory = str(tmp_path)
     newest_reported = 0

@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import forkserver
 from helpers import worker_env
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -25,12 +26,15 @@ def _train(directory: Path) -> str:
     env.pop("JAX_PLATFORMS", None)  # as a user runs it
     cmd = [sys.executable, str(ROOT / "examples" / "train_linen.py"), "--directory", str(directory)]
     cmd += ["--steps", "40", "--every", "20", "--log-every", "20"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    proc = forkserver.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc.stdout + proc.stderr
 
 
 def test_the_demo_log_says_what_happened_in_users_words(tmp_path):
+    """The example's log says what was saved and restored in a user's words, naming no internal. Slow (tens
+    of seconds): two real runs of examples/train_linen.py in which JAX looks for its backends, as for a
+    user."""
     first = _train(tmp_path / "run")
     assert re.search(r"saved step 20 to \S+run \([\d.]+ MB\): training waited [\d.]+ ms", first), first
     second = _train(tmp_path / "run")

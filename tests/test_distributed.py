@@ -143,6 +143,7 @@ def test_async_manager_on_two_processes_agrees_in_the_background(saved):
 
 @pytest.mark.timeout(200)
 def test_restore_on_four_processes_reads_only_what_each_needs(restored):
+    """Slow (tens of seconds, mostly its module's job): four real jax.distributed processes."""
     results = restored["4x1"]
     for r in results:  # bit-exact checked in the worker; here the bytes each process read
         x4 = r["x4"]

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 import flax_ckpt as fc
+import forkserver
 from helpers import leaf_bytes, worker_env
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -47,7 +48,7 @@ def train_cmd(script: str, directory: Path) -> list[str]:
 
 def run(cmd: list[str], *, signal_at: int | None = None, sig: int = signal.SIGTERM) -> tuple[int, str]:
     """Runs ``cmd``; sends ``sig`` once it prints ``step <signal_at>``. Returns (status, output)."""
-    proc = subprocess.Popen(
+    proc = forkserver.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=worker_env(devices=1)
     )  # one CPU device, as a user has
     watchdog = threading.Timer(TIMEOUT_S, proc.kill)
@@ -119,6 +120,9 @@ def check_preempted_run(status: int, out: str, at: int, directory: Path, context
 
 
 def test_nnx_sigterm_at_a_random_step_then_restart_is_bit_identical(tmp_path, reference):
+    """examples/train_nnx.py SIGTERMed at a random step, then restarted: the run is the uninterrupted one.
+    Slow (tens of seconds): two real runs of 600 steps, each a process that compiles its programs,
+    compared with the module's reference run."""
     at = random.randint(EVERY + 1, STEPS // 3)
     context = f"train_nnx.py: SIGTERM after step {at}"
     status, out = run(train_cmd("train_nnx.py", tmp_path), signal_at=at, sig=signal.SIGTERM)
@@ -129,7 +133,8 @@ def test_nnx_sigterm_at_a_random_step_then_restart_is_bit_identical(tmp_path, re
 
 
 def test_linen_sigterm_at_a_random_step_via_the_preemption_demo_is_bit_identical(tmp_path, reference):
-    """examples/preemption_demo.py sends SIGTERM to train_linen.py at a random step and restarts it."""
+    """examples/preemption_demo.py sends SIGTERM to train_linen.py at a random step and restarts it. Slow
+    (tens of seconds): the demo's two runs of 600 steps are real processes, each compiling its programs."""
     at = 10 * random.randint(EVERY // 10 + 1, STEPS // 30)  # the demo's child reports every 10 steps
     context = f"preemption_demo.py: SIGTERM after step {at}"
     cmd = [
@@ -144,7 +149,7 @@ def test_linen_sigterm_at_a_random_step_via_the_preemption_demo_is_bit_identical
         "--at",
         str(at),
     ]
-    proc = subprocess.run(
+    proc = forkserver.run(
         cmd, capture_output=True, text=True, timeout=2 * TIMEOUT_S, env=worker_env(devices=1)
     )
     out = proc.stdout + proc.stderr
@@ -156,7 +161,9 @@ def test_linen_sigterm_at_a_random_step_via_the_preemption_demo_is_bit_identical
 
 def test_the_demo_shows_only_the_library_s_log_lines_and_removes_its_temporary_folder(tmp_path):
     """Without --directory the preemption demo works in a new temporary folder and removes it when it
-    succeeds; the example's logging shows flax_ckpt's INFO lines (the resume), not JAX's (issue 26)."""
+    succeeds; the example's logging shows flax_ckpt's INFO lines (the resume), not JAX's (issue 26).
+    Slow (tens of seconds): the demo's two runs are real processes in which JAX looks for its backends,
+    as for a user."""
     env = worker_env(devices=1)
     env.pop("JAX_PLATFORMS")  # as a user runs it: JAX looks for its backends and logs at INFO about it
     env["TMPDIR"] = str(tmp_path)
@@ -170,7 +177,7 @@ def test_the_demo_shows_only_the_library_s_log_lines_and_removes_its_temporary_f
         "--at",
         "60",
     ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=2 * TIMEOUT_S, env=env)
+    proc = forkserver.run(cmd, capture_output=True, text=True, timeout=2 * TIMEOUT_S, env=env)
     out = proc.stdout + proc.stderr
     saved = re.search(r"run 1 saved step (\d+) and exited with status 143", out)  # a loaded machine may
     assert proc.returncode == 0 and saved and 60 <= int(saved[1]) < 120, out[-3000:]  # run past 60 first
@@ -183,6 +190,9 @@ def test_the_demo_shows_only_the_library_s_log_lines_and_removes_its_temporary_f
 
 
 def test_linen_sigkill_resumes_from_last_scheduled_checkpoint_bit_identical(tmp_path, reference):
+    """examples/train_linen.py SIGKILLed at a random step resumes from its last scheduled checkpoint and
+    ends as the uninterrupted run. Slow (tens of seconds): two real runs of 600 steps, each a process
+    that compiles its programs."""
     script = "train_linen.py"
     at = random.randint(2 * EVERY + 1, STEPS // 3)
     context = f"{script}: SIGKILL after step {at}"
@@ -197,6 +207,9 @@ def test_linen_sigkill_resumes_from_last_scheduled_checkpoint_bit_identical(tmp_
 
 
 def test_examples_learn_and_a_finished_run_resumes_without_training(reference, capsys, caplog):
+    """Every example's loss falls, and a run started again after it finished restores its last step and
+    trains no more. Slow (seconds): it reads the module's reference runs (real processes) and restores
+    each."""
     for script in ["train_linen.py", "train_nnx.py"]:
         _, acc, _ = reference(script)
         assert float(acc) > 0.9, script
@@ -370,7 +383,9 @@ batches = Batches(data, batch_size=8, seed=1)
 
 def test_readme_snippet_resumes_a_loop_of_epochs_mid_epoch_bit_exact(tmp_path):
     """The README's nested epoch/step loop, as a real program: SIGTERM in a random step inside an
-    epoch, a restart; the batches seen and every checkpoint are those of an uninterrupted run."""
+    epoch, a restart; the batches seen and every checkpoint are those of an uninterrupted run. Slow
+    (tens of seconds): three real runs of the program (the interrupted one, its restart and an
+    uninterrupted one), each a process that imports JAX and compiles."""
     script = tmp_path / "epochs.py"
     script.write_text(EPOCHS_PREAMBLE + readme_snippet("steps_per_epoch") + 'print("done", flush=True)\n')
     total = 15  # steps_per_epoch * num_epochs

@@ -32,6 +32,7 @@ from gcs_server import FakeGcs, Faults  # noqa: E402
 from reliability_s3 import s3_restore_trial, s3_save_trial  # noqa: E402
 
 import flax_ckpt as fc  # noqa: E402
+import forkserver
 from flax_ckpt._src.checks import MANIFEST  # noqa: E402
 from flax_ckpt._src.storage import KvStorage, ObjectStoreOptions, open_storage  # noqa: E402
 from flax_ckpt.callbacks import CheckpointCallback  # noqa: E402
@@ -141,7 +142,7 @@ def test_a_server_that_stalls_is_retried_then_fails_clearly(gcs_faulty: GcsPlace
         FLAX_CKPT_STORAGE_MAX_ATTEMPTS="2",
     )
     with Within(100, "the stalled child") as limit:
-        done = subprocess.run(
+        done = forkserver.run(
             [sys.executable, "-c", _STALL_CHILD, f"{gcs_faulty.url}/ck"],
             env=env,
             cwd=tmp_path,
@@ -240,7 +241,7 @@ def test_refused_credentials_are_clear_permanent_errors_and_lose_nothing(gcs: Gc
         env = dict(
             worker_env(devices=1), GOOGLE_AUTH_TOKEN_FOR_TESTING=token, FLAX_CKPT_STORAGE_MAX_ATTEMPTS="10"
         )
-        procs[token] = subprocess.Popen(
+        procs[token] = forkserver.Popen(
             [sys.executable, "-c", _CREDS_CHILD, gcs.url],
             env=env,
             cwd=tmp_path,

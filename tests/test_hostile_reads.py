@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 
 import flax_ckpt as fc
+import forkserver
 from flax_ckpt._src import checks as fmt
 from flax_ckpt._src import tools
 from flax_ckpt._src.tiers import store as tier_store
@@ -39,7 +40,7 @@ def run_py(code: str, timeout: float = 90) -> subprocess.CompletedProcess:
     """``code`` in a child Python (JAX on CPU, 8 GiB of address space at most), its output captured;
     the test fails (TimeoutExpired) rather than hangs when the child blocks."""
     head = "import resource; resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30))\n"
-    return subprocess.run(
+    return forkserver.run(
         [sys.executable, "-c", head + textwrap.dedent(code)],
         capture_output=True,
         text=True,

@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 import flax_ckpt as fc
+import forkserver
 from flax_ckpt._src.tiers import store as tier_store
 from helpers import assert_bit_exact, die_with_parent
 
@@ -369,7 +370,7 @@ def test_two_jobs_on_one_memory_url_never_share_memory_copies(tmp_path, caplog):
     B's step 7. Now B is refused while A lives; A's arrays and steps stay its own. After A is gone, B
     opens: A's copies are another run's (A's memory:// store died with it), ignored and removed."""
     url, local = f"memory://{tmp_path.name}/shared", str(tmp_path / "shm")
-    a = subprocess.Popen(
+    a = forkserver.Popen(
         [sys.executable, "-c", _JOB_A, url, local],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
@@ -450,7 +451,7 @@ def test_close_on_a_full_disk_during_the_final_migration_is_a_checkpoint_error(t
     disk = request.getfixturevalue("small_disk") if full == "tmpfs" else tmp_path
     d, local = str(disk / "run"), str(tmp_path / "shm")
     filler = "rlimit" if full == "rlimit" else str(disk / "filler")
-    run = subprocess.run(
+    run = forkserver.run(
         [sys.executable, "-c", _FULL_DISK, d, local, filler],
         capture_output=True,
         text=True,

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 import flax_ckpt as fc
+import forkserver
 from flax_ckpt.callbacks import CheckpointCallback, from_tree, to_tree
 from helpers import TESTS, worker_env
 
@@ -67,7 +68,7 @@ def run_child(script, *args, expect=0):
     once it has ended (``end_group``); its output goes to files, which such processes cannot hold open."""
     out, err = script.with_suffix(".out"), script.with_suffix(".err")
     with open(out, "w") as stdout, open(err, "w") as stderr:
-        proc = subprocess.Popen(
+        proc = forkserver.Popen(
             [sys.executable, str(script), *map(str, args)],
             stdout=stdout,
             stderr=stderr,
@@ -135,7 +136,9 @@ LORA_LOOP = textwrap.dedent("""
 def test_a_lora_loop_resumes_bit_exact_after_sigterm(tmp_path):
     """The loop checkpoints only what trains, ``(nnx.state(model, nnx.LoRAParam), optimizer)``: the
     restored LoRA weights go into the model (the State's Variables are the model's own), so the run
-    goes on as one never interrupted, loss for loss, and ends with the same weights, bit for bit."""
+    goes on as one never interrupted, loss for loss, and ends with the same weights, bit for bit. Slow
+    (tens of seconds): three real runs (SIGTERMed, resumed, uninterrupted), each a process that imports
+    flax.nnx and compiles."""
     script = tmp_path / "lora.py"
     script.write_text(LORA_LOOP)
     whole = run_child(script, tmp_path / "whole", 0)
@@ -216,7 +219,8 @@ def test_a_grain_data_loader_resumes_with_the_same_batches_after_sigterm_and_sig
     """grain's DataLoader (2 worker processes) gives its position as bytes: stored as it is, given back
     to set_state, so a run stopped by SIGTERM (saved at that step), resumed, then killed by SIGKILL
     (resumed from the newest committed step), sees the batches of an uninterrupted run from each
-    step it resumes at, and ends with the same state."""
+    step it resumes at, and ends with the same state. Slow (a minute): four real runs (SIGTERMed,
+    resumed then SIGKILLed, resumed, uninterrupted), each a process with two grain worker processes."""
     pytest.importorskip("grain.python")
     script = tmp_path / "grain_loop.py"
     script.write_text(GRAIN_LOOP)

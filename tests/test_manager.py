@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import flax_ckpt as fc
+import forkserver
 from flax_ckpt._src.retention import Retention, ranked, steps_to_delete
 from helpers import assert_bit_exact, manifest_body
 
@@ -245,7 +246,7 @@ def test_lock_of_a_killed_process_is_released(ckpt_dir):
         "import flax_ckpt as fc, sys, time; m = fc.CheckpointManager(sys.argv[1]); "
         "print('locked', flush=True); time.sleep(60)"
     )
-    proc = subprocess.Popen([sys.executable, "-c", code, str(ckpt_dir)], stdout=subprocess.PIPE, text=True)
+    proc = forkserver.Popen([sys.executable, "-c", code, str(ckpt_dir)], stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline().strip() == "locked"
         with pytest.raises(fc.CheckpointLockedError, match=f"pid {proc.pid}"):

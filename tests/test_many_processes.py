@@ -78,6 +78,8 @@ def check_consistent_fallback(tmp: Path, n: int, damaged: int) -> None:
 
 @pytest.mark.timeout(300)
 def test_damaged_shard_on_one_of_eight_processes_all_restore_one_step(tmp_path):
+    """A damaged shard on one of eight processes: all of them restore the same older step. Slow (tens of
+    seconds): a job of eight real processes."""
     check_consistent_fallback(tmp_path, 8, damaged=5)
 
 

@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 
 import flax_ckpt as fc
+import forkserver
 from helpers import WORKERS, Job, free_port, worker_env
 
 WORKER = WORKERS / "multihost_worker.py"
@@ -202,7 +203,7 @@ def _run_children(
     port = str(free_port())
     logs = [tmp / f"{tag}.p{i}.log" for i in range(n)]
     procs = [
-        subprocess.Popen(
+        forkserver.Popen(
             [sys.executable, str(script), str(i), port, str(directory), str(n)],
             env=env,
             stdout=logs[i].open("w"),
@@ -229,6 +230,9 @@ def _run_children(
 
 @pytest.mark.timeout(400)
 def test_sigterm_to_one_of_four_processes_all_stop_at_one_step_and_resume_bit_identical(tmp_path):
+    """SIGTERM to one of four jax.distributed processes: all save the same step and stop; resumed, they end
+    bit-identical to an uninterrupted job. Slow (a minute): three jobs of four real processes
+    (preempted, resumed, uninterrupted), each starting JAX and gloo collectives."""
     n, directory = 4, tmp_path / "ckpts"
     first = _run_children(tmp_path, "first", n, directory, signal_to=2)
     assert [s for s, _ in first] == [143] * n, [o[-2000:] for _, o in first]
@@ -280,7 +284,7 @@ def test_init_from_is_restored_on_every_process_or_refused_on_every_one(tmp_path
     script.write_text(INIT_CHILD)
     port, env = str(free_port()), worker_env(1)
     procs = [
-        subprocess.Popen(
+        forkserver.Popen(
             [
                 sys.executable,
                 str(script),

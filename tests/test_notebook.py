@@ -73,6 +73,8 @@ def installed_copy(site: Path) -> Path:
 
 
 def test_finetune_notebook_runs_top_to_bottom(tmp_path, monkeypatch):
+    """The notebook runs in a fresh Jupyter kernel and prints what its stored outputs show. Slow (tens of
+    seconds): a kernel process that imports JAX and trains, as a user's does."""
     monkeypatch.delenv("XLA_FLAGS", raising=False)  # one CPU device in the kernel, as a user has
     monkeypatch.delenv("JAX_PLATFORMS", raising=False)  # as a user has: JAX looks for its backends
     (tmp_path / "cwd").mkdir()

@@ -22,6 +22,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import flax_ckpt as fc
+import forkserver
 from flax_ckpt._src import tools
 from flax_ckpt._src.orbax import folders
 from flax_ckpt._src.orbax import read as orbax_read
@@ -314,5 +315,5 @@ def test_restore_with_few_file_descriptors(tmp_path):
         assert all(np.array_equal(out[f"big{{i}}"], np.arange(1 << 19, dtype=np.float32) + i) for i in range(8))
         print("RESTORED")
     """)
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    r = forkserver.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert "RESTORED" in r.stdout, r.stdout + r.stderr

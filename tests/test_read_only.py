@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 import flax_ckpt as fc
+import forkserver
 from helpers import assert_bit_exact, die_with_parent, step_state, worker_env
 
 SHAPE, SEED = (64, 256), 43
@@ -54,7 +55,7 @@ WRITER = textwrap.dedent(
 
 
 def _writer(directory, fmt: str) -> subprocess.Popen:
-    proc = subprocess.Popen(
+    proc = forkserver.Popen(
         [sys.executable, "-c", WRITER, str(directory), fmt, "0"],
         env=worker_env(1),
         stdout=subprocess.PIPE,
@@ -79,7 +80,8 @@ def _snapshot(directory) -> dict[str, tuple]:
 def test_reader_follows_a_live_writer_that_is_killed(ckpt_dir, fmt):
     """Restores in a loop while a writer saves every step (max_to_keep=2) and is SIGKILLed and restarted
     three times: every restore is bit-exact for the step it reports, the steps it sees advance, and no
-    restore fails (a step deleted while read is followed by the newest one)."""
+    restore fails (a step deleted while read is followed by the newest one). Slow (tens of seconds): the
+    writer is a real process, started four times, and the reader waits for its commits."""
     writer = _writer(ckpt_dir, fmt)
     reader = fc.CheckpointManager(ckpt_dir, read_only=True)
     restored, kills, deadline = [], 0, time.monotonic() + 300  # a hang: 3 rounds take seconds when idle

@@ -28,6 +28,7 @@ import numpy as np
 import pytest
 
 import flax_ckpt as fc
+import forkserver
 from helpers import Within, manifest_body, worker_env, write_manifest_body
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # orbax: "Sharding info not provided"
@@ -36,7 +37,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # orbax: "Shardi
 def run_py(code: str, *, limit: int = 4 << 30, timeout: float = 120) -> subprocess.CompletedProcess:
     """``code`` in a child Python (JAX on CPU) under an address-space limit of ``limit`` bytes."""
     head = f"import resource; resource.setrlimit(resource.RLIMIT_AS, ({limit}, {limit}))\n"
-    return subprocess.run(
+    return forkserver.run(
         [sys.executable, "-c", head + textwrap.dedent(code)],
         capture_output=True,
         text=True,

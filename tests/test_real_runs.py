@@ -16,6 +16,7 @@ import pytest
 from flax.training import train_state
 
 import flax_ckpt as fc
+import forkserver
 from flax_ckpt.callbacks import CheckpointCallback
 from helpers import TESTS, assert_bit_exact, worker_env
 from test_cli import run, run_json
@@ -127,6 +128,8 @@ def test_readme_abstract_target_recipe_works_on_a_fresh_train_state(tmp_path):
 
 
 def test_verify_never_says_ok_for_orbax_data_without_checksums(tmp_path):
+    """verify says UNVERIFIED for Orbax data (no checksums), fails with --strict, and names a flipped byte
+    it can detect. Slow (seconds): each verify is a CLI process."""
     ocp = pytest.importorskip("orbax.checkpoint")
     ob = tmp_path / "real"
     rng = np.random.default_rng(0)
@@ -194,7 +197,7 @@ def test_resumed_line_is_visible_without_logging_set_up(tmp_path):
                 state, start = ckpt.restore_or({{"w": np.zeros(2)}})
                 ckpt(start + 1, {{"w": np.ones(2)}})
     """)
-    r = subprocess.run(
+    r = forkserver.run(
         [sys.executable, "-c", script],
         capture_output=True,
         text=True,
@@ -226,11 +229,13 @@ AT_EXIT_CHILD = textwrap.dedent("""
 
 
 def test_an_open_callback_saves_its_last_step_at_interpreter_exit(tmp_path):
+    """A callback left open saves its last step when the interpreter exits, and the next run resumes from
+    it. Slow (seconds): real interpreters, since what is tested is their exit."""
     script, directory = tmp_path / "child.py", tmp_path / "ckpts"
     script.write_text(AT_EXIT_CHILD)
 
     def child(*args: str) -> subprocess.CompletedProcess:
-        r = subprocess.run(
+        r = subprocess.run(  # a real interpreter's exit, not a forked child's
             [sys.executable, str(script), str(directory), *args],
             capture_output=True,
             text=True,

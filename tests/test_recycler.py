@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import flax_ckpt as fc
+import forkserver
 from flax_ckpt._src.commit import atomic as commit_mod
 from helpers import assert_bit_exact
 
@@ -109,7 +110,7 @@ def test_recycled_files_left_by_a_crash_are_removed_by_the_next_manager(tmp_path
             mgr.wait_until_finished()
         os._exit(0)  # no close: as a crash
     """)
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    forkserver.run([sys.executable, "-c", code], check=True, timeout=120)
     assert len(_pool(run)) == 1
     with fc.CheckpointManager(run, max_to_keep=2) as mgr:
         assert not _pool(run)

@@ -36,6 +36,8 @@ def kill_many(z: Zygote, directory: str, kills: int, seed: int, tiers: bool = Fa
 
 @pytest.mark.timeout(300)
 def test_sigkill_at_random_moments_of_async_saves_loses_nothing(zygote, tmp_path):
+    """SIGKILL at random moments of async saves loses no committed step. Slow (tens of seconds):
+    DEFAULT_KILLS saver processes (forked from a zygote), each killed after real commits."""
     run = kill_many(zygote, str(tmp_path / "ckpts"), DEFAULT_KILLS, seed=7)
     assert len(run.reported) >= DEFAULT_KILLS, (
         "the savers committed too little for the kills to test anything"
@@ -44,6 +46,8 @@ def test_sigkill_at_random_moments_of_async_saves_loses_nothing(zygote, tmp_path
 
 @pytest.mark.timeout(300)
 def test_sigkill_of_saves_through_a_memory_tier_loses_nothing(zygote, tmp_path):
+    """SIGKILL of savers through a memory tier loses no committed step. Slow (tens of seconds): several
+    saver processes, each killed after real commits."""
     run = kill_many(zygote, str(tmp_path / "ckpts"), max(2, DEFAULT_KILLS // 2), seed=8, tiers=True)
     assert run.reported, "the savers committed nothing before the kills"
 

@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 import flax_ckpt as fc
+import forkserver
 from flax_ckpt._src.storage import ObjectStoreOptions, open_storage
 from flax_ckpt._src.storage import endpoints as endpoints_mod
 from helpers import HOST, Within, free_port, refused_port, worker_env
@@ -78,7 +79,7 @@ def test_unreachable_endpoint_fails_fast_and_quietly_in_a_real_process(tmp_path,
     env = child_env(tmp_path, endpoint)
     with refused, Within(45, "three operations and the interpreter's start") as limit:
         try:
-            done = subprocess.run(
+            done = forkserver.run(
                 [sys.executable, "-c", _CHILD, "s3://bucket/prefix"],
                 env=env,
                 cwd=tmp_path,

@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 
 import flax_ckpt as fc
+import forkserver
 from flax_ckpt._src.storage import kv as kv_mod
 from flax_ckpt._src.tools.cli import main
 from helpers import assert_bit_exact, worker_env
@@ -197,7 +198,7 @@ def test_a_kill_between_the_steps_of_a_retirement_loses_nothing_and_is_cleaned_u
 ):
     script = tmp_path / "child.py"
     script.write_text(textwrap.dedent(CHILD.format(tests=str(__import__("helpers").TESTS))))
-    child = subprocess.run(
+    child = forkserver.run(
         [sys.executable, str(script), store.url, point, steps],
         env=worker_env(1),
         capture_output=True,
@@ -282,7 +283,7 @@ def test_sigkill_at_random_moments_of_saves_that_share_loses_nothing(s3, tmp_pat
     script.write_text(textwrap.dedent(SAVER.format(tests=str(__import__("helpers").TESTS))))
     reported: set[int] = set()
     for _ in range(2):
-        child = subprocess.Popen(
+        child = forkserver.Popen(
             [sys.executable, str(script), store.url], env=worker_env(1), stdout=subprocess.PIPE, text=True
         )
         assert child.stdout is not None

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -18,6 +17,7 @@ import numpy as np
 import pytest
 
 import flax_ckpt as fc
+import forkserver
 from flax_ckpt._src.storage import open_storage
 from flax_ckpt._src.tiers import holdings
 from flax_ckpt._src.tools.ls import memory_tier_root
@@ -62,7 +62,7 @@ def test_two_jobs_with_one_path_on_two_volumes_keep_their_memory_only_steps(tmp_
     vol_a.mkdir()
     vol_b.mkdir()
     _point(path, vol_a)
-    job_a = subprocess.run(
+    job_a = forkserver.run(
         [sys.executable, "-c", _CRASHING_JOB, str(path), local],
         capture_output=True,
         text=True,

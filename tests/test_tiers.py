@@ -399,6 +399,7 @@ def tier_results(tmp: Path, tag: str, mode: str, **cfg: Any) -> list[dict[str, A
 
 @pytest.mark.timeout(300)
 def test_three_failure_classes_restore_the_newest_surviving_step(tmp_path):
+    """Slow (tens of seconds): a multi-process job for each class of failure."""
     train = tier_results(tmp_path, "train", "train", steps=7, persist=3)
     assert train[0]["local"] == train[0]["peer"] == [6, 7] and train[0]["peer_dst"] == 1
     assert all(not b for _, _, _, b in train[0]["written"][1:])  # differential after the first save
@@ -443,6 +444,8 @@ def test_full_copies_holding_other_processes_boxes_are_written_where_the_snapsho
 
 @pytest.mark.timeout(300)
 def test_crash_in_a_memory_save_or_a_migration_never_mixes_steps(tmp_path):
+    """A process that dies in its memory-tier save, or in a migration, leaves no step mixed from two saves.
+    Slow (tens of seconds): multi-process jobs run, crash and restore again."""
     # process 1 dies in its local-tier save of step 5 (written, not renamed); process 0 has committed
     # nothing of step 5: the vote never completed
     job = tier_job(
