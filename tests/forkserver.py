@@ -56,11 +56,14 @@ class _Server:
     def address(cls) -> str:
         with cls.lock:
             if cls.proc is None or cls.proc.poll() is not None:
+                import atexit
+                import shutil
                 import tempfile
 
                 from basics import die_with_parent
 
                 folder = tempfile.mkdtemp(prefix="flax_ckpt_forkserver_")
+                atexit.register(shutil.rmtree, folder, True)  # the socket's folder
                 cls.path = os.path.join(folder, "socket")
                 # JAX's options as at their defaults (but CPU): a child applies its own (_take_env).
                 env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH" and not k.startswith("JAX_")}
@@ -252,6 +255,11 @@ def _serve(path: str) -> None:
         ready, _, _ = select.select([listener, wake_r, sys.stdin], [], [])
         if sys.stdin in ready and not os.read(sys.stdin.fileno(), 1):
             listener.close()
+            for remove in (os.unlink, os.rmdir):
+                try:
+                    remove(path if remove is os.unlink else os.path.dirname(path))
+                except OSError:
+                    pass
             return  # the test process has gone: PR_SET_PDEATHSIG ends the children
         if wake_r in ready:
             os.read(wake_r, 4096)
