@@ -88,6 +88,21 @@ def test_steps_share_each_process_s_unchanged_shards_and_restore_anywhere(tmp_pa
 
 
 @pytest.mark.timeout(300)
+def test_damaged_shared_bytes_of_one_process_are_never_referred_to_again(tmp_path):
+    """A bit of process 1's shard in the retired step 1 flips: every process finds steps 3 and 2
+    damaged together; the next saves write that shard again (step 4 builds on no damaged step), and
+    steps 4 and 5 restore exactly on every process."""
+    run(tmp_path, "share", "share", 2)
+    (held,) = [n for n in os.listdir(tmp_path / "run") if n.startswith("1.held-")]
+    flip(tmp_path / "run" / held / "data" / "p1.0.bin")
+    results = run(tmp_path, "again", "share_damaged", 2)
+    assert [(r["error"], r["steps"], r["exact"]) for r in results] == [
+        ("CorruptCheckpointError", [4, 5], True)
+    ] * 2
+    assert not [n for n in os.listdir(tmp_path / "run") if n.startswith("1.held-")]
+
+
+@pytest.mark.timeout(300)
 def test_strict_raises_the_same_error_on_every_process(tmp_path):
     run(tmp_path, "save", "save", 2, serializer="raw")
     victim = damage_one_process(tmp_path / "run", "raw", 1)
