@@ -141,6 +141,16 @@ def test_a_save_never_refers_to_a_folder_that_is_gone(tmp_path, which):
         assert_bit_exact(fc.restore(tmp_path / str(s)), state(s))
 
 
+def test_a_folder_deleted_while_the_run_saves_is_not_referred_to(tmp_path):
+    with fc.CheckpointManager(tmp_path, async_save=False) as mgr:
+        for s in range(1, 4):
+            mgr.save(s, state(s))
+        shutil.rmtree(tmp_path / "1")  # by hand, while the manager that wrote it runs on
+        for s in (4, 5):
+            assert mgr.save(s, state(s))
+            assert_bit_exact(mgr.restore(s), state(s))
+
+
 # ------------------------------------------------------------------- 3. a damaged step saved again
 
 

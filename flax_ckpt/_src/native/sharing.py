@@ -193,6 +193,7 @@ class Sharer:
         self.base, self.files, self.block = base, RunFiles(run, base.ids, run=run), block
         self.kept, self.suspect, self.url = kept or {}, suspect, run.url
         self.trust = trust.Trust() if vouched is None else vouched
+        self._there: dict[tuple[str, str], bool] = {}  # (step folder, file) -> found, once per save
         self.shared = 0  # bytes referred to instead of written
         self._mutex = threading.Lock()
 
@@ -217,7 +218,7 @@ class Sharer:
         if (step, ident, file) in self.suspect:  # named by a step a restore found damaged
             return None
         key = (self.url, step, ident, file, old["offset"])
-        trusted = self.trust.vouched(key)  # else read back (a new writer's first share of it)
+        trusted = self.trust.vouched(key) and self._present(step, file)  # else read back
         if trusted and self._kept(leaf, box):
             record = dict(old, file=f"../{step}/{file}")
         else:
@@ -232,6 +233,22 @@ class Sharer:
         with self._mutex:
             self.shared += n
         return record
+
+    def _present(self, step: str, file: str) -> bool:
+        """Whether the file ``file`` of step folder ``step`` is there with the size the base records
+        (asked once per file and save, on a local folder: one stat; an object store's files are not
+        asked, a request each): a vouched file deleted by hand since is read back, and so written."""
+        if not self.files.run.supports_rename:
+            return True
+        found = self._there.get((step, file))
+        if found is None:
+            try:
+                self.files.check_size(f"../{step}/{file}", self.base.sizes[(step, file)])
+                found = True
+            except (OSError, KeyError, CheckpointError):
+                found = False
+            self._there[(step, file)] = found
+        return found
 
     def _kept(self, leaf: int, box: Box) -> bool:
         """Whether ``box`` of leaf ``leaf`` lies inside a shard ``kept`` names."""
