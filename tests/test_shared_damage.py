@@ -154,31 +154,57 @@ def test_a_folder_deleted_while_the_run_saves_is_not_referred_to(tmp_path):
 # ------------------------------------------------------------------- 3. a damaged step saved again
 
 
-def test_saving_a_damaged_step_again_keeps_the_steps_that_refer_to_it(tmp_path, caplog):
+class Place:
+    """A run on a local folder or on the s3:// server: its URL, its top-level names, a file's bytes."""
+
+    def __init__(self, tmp_path, store: Store | None):
+        self.store, self.tmp = store, tmp_path
+        self.url = str(tmp_path) if store is None else store.url
+
+    def names(self) -> set[str]:
+        if self.store is None:
+            return set(os.listdir(self.tmp))
+        return {k.split("/")[0] for k in self.store.keys()}
+
+    def get(self, key: str) -> bytes:
+        if self.store is None:
+            return (self.tmp / key).read_bytes()
+        return self.store.server.get(self.store.bucket, f"{self.store.prefix}/{key}")
+
+    def put(self, key: str, data: bytes) -> None:
+        if self.store is None:
+            (self.tmp / key).write_bytes(data)
+        else:
+            self.store.server.put(self.store.bucket, f"{self.store.prefix}/{key}", data)
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_saving_a_damaged_step_again_keeps_the_steps_that_refer_to_it(tmp_path, request, where):
+    place = Place(tmp_path, None if where == "local" else STORES["s3"](request.getfixturevalue("s3")))
     other = np.random.default_rng(1).standard_normal(MiB // 4, dtype=np.float32)
 
     def st(step):
         return {"frozen": FROZEN if step == 1 else other, "head": np.full(16, step, np.float32)}
 
-    with fc.CheckpointManager(tmp_path, async_save=False) as mgr:
+    with fc.CheckpointManager(place.url, async_save=False) as mgr:
         for s in range(1, 5):
             mgr.save(s, st(s))
     for s in (3, 4):
-        assert "2" in json.load(open(tmp_path / str(s) / "manifest.json"))["body"]["shared"]
-    manifest = tmp_path / "2" / "manifest.json"
-    manifest.write_bytes(manifest.read_bytes()[:-40])  # step 2: damaged
-    with fc.CheckpointManager(tmp_path, async_save=False) as mgr:
+        assert "2" in json.loads(place.get(f"{s}/manifest.json"))["body"]["shared"]
+    place.put("2/manifest.json", place.get("2/manifest.json")[:-40])  # step 2: damaged
+    with fc.CheckpointManager(place.url, async_save=False) as mgr:
         assert mgr.all_steps() == [1, 3, 4]
         assert mgr.save(2, st(2))
         for s in (2, 3, 4):
             assert_bit_exact(mgr.restore(s), st(s))
-    assert len(held(os.listdir(tmp_path))) == 1
-    shutil.rmtree(tmp_path / "3")
+    assert len(held(place.names())) == 1
+    with fc.CheckpointManager(place.url, async_save=False) as mgr:
+        assert_bit_exact(mgr.restore(3), st(3))  # read again by a new manager
     fresh = {"frozen": np.zeros(MiB // 4, np.float32), "head": np.full(16, 5, np.float32)}
-    with fc.CheckpointManager(tmp_path, max_to_keep=1, async_save=False) as mgr:  # frees it with 4
+    with fc.CheckpointManager(place.url, max_to_keep=1, async_save=False) as mgr:  # frees it with 3, 4
         assert mgr.save(5, fresh)
         assert_bit_exact(mgr.restore(5), fresh)
-    assert held(os.listdir(tmp_path)) == []
+    assert held(place.names()) == []
 
 
 # ------------------------------------------------------------------- 6. a damaged newest step
