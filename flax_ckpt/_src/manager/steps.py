@@ -21,7 +21,7 @@ from flax_ckpt._src.commit.recycler import Recycler
 from flax_ckpt._src.engine.reader import Source
 from flax_ckpt._src.errors import CheckpointError, CheckpointNotFoundError, StorageError, error_class
 from flax_ckpt._src.manager.vanishing import being_deleted
-from flax_ckpt._src.native import sharing, trust
+from flax_ckpt._src.native import damage, sharing
 from flax_ckpt._src.retention import Retention
 from flax_ckpt._src.storage import Storage
 
@@ -209,9 +209,9 @@ class StepIndex:
             if damaged[1].clash and self.storage.supports_rename:
                 for name in damaged[1].clash:  # an ambiguous step: all its folders
                     self._moved(step, name, f"{name}.damaged-{uuid.uuid4().hex[:8]}")
-            elif damaged[1].layout.shares:  # kept steps may refer to its bytes (native/trust.py)
+            elif damaged[1].layout.shares:  # kept steps may refer to its bytes (native/damage.py)
                 name = damaged[1].name
-                self._moved(step, name, trust.set_aside(self.storage, name, damaged[1].layout.record))
+                self._moved(step, name, damage.set_aside(self.storage, name, damaged[1].layout.record))
             elif self.storage.supports_rename:
                 self._moved(step, damaged[1].name, f"{damaged[1].name}.damaged-{uuid.uuid4().hex[:8]}")
             else:
@@ -242,7 +242,7 @@ class StepIndex:
     def found_damaged(self, step: int, error: Exception) -> None:
         """A restore (agreed by every process) found committed ``step`` damaged: it is no step of the
         run any more (a save of its number writes it again, its folder set aside: ``new_folder``), and
-        the run's saves neither build on it nor share what it names (native/trust.py)."""
+        the run's saves neither build on it nor share what it names (native/damage.py)."""
         with self._mutex:
             folder = self._folders.pop(step, None)
             self._metrics.pop(step, None)
@@ -250,7 +250,7 @@ class StepIndex:
                 return
             self._damaged[step] = (error, folder)
             self._found.add(step)
-        trust.damaged(self.layout, self.storage, folder.name)
+        damage.damaged(self.layout, self.storage, folder.name)
 
     def add(self, step: int, name: str, metrics: dict[str, Any] | None) -> None:
         """Records ``step``, just committed (by this manager) as folder ``name`` in the run's layout."""

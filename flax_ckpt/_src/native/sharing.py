@@ -356,7 +356,7 @@ def newest_base(
     listing the run, while it is committed (on a local folder: with its id) and no restored step comes
     first: any committed step of the run is a sound base, and on an object store a listing is a
     request that lists every object of the run. ``avoid``: (step folder, id) of steps a restore found
-    damaged (trust.damaged), never a base."""
+    damaged (damage.damaged), never a base."""
     if known is not None and (known.name, known.id) in avoid:
         known = None
     if known is not None and first is None and known.name != exclude:
@@ -637,12 +637,12 @@ def remove_step(
     """Deletes the committed native step folder ``name`` of ``run``, or, when a kept step refers to its
     bytes (or ``refs``, the pairs ``referenced`` gave for the kept steps, is None: unknown), retires it:
     on a local folder one rename to ``<name>.held-<id>``; on an object store its hold written, then its
-    manifest deleted (``_retire``). Returns whether it was retired."""
+    manifest deleted (``retire``). Returns whether it was retired."""
     if not run.supports_rename:
-        body = _body(run, name)
+        body = committed_body(run, name)
         ident = body.get("id") if body and is_id(body.get("id")) else None
         if body and ident is not None and (refs is None or (name, ident) in refs):
-            _retire(run, name, record, ident, body["files"])
+            retire(run, name, record, ident, body["files"])
             return True
         if body == {} and (refs is None or any(step == name for step, _ in refs)):
             log.warning(  # what its objects are is unknown: a kept step may name them
@@ -724,7 +724,7 @@ class _Listing(Protocol):
     def list_all(self) -> list[str]: ...
 
 
-def _body(run: Storage, name: str) -> dict[str, Any] | None:
+def committed_body(run: Storage, name: str) -> dict[str, Any] | None:
     """The body of step folder ``name``'s committed manifest; None when it has none, {} when it cannot
     be decoded. A failing store raises (StorageError): what it holds is then unknown."""
     try:
@@ -740,7 +740,7 @@ def _body(run: Storage, name: str) -> dict[str, Any] | None:
     return body if isinstance(body.get("files"), dict) else {}
 
 
-def _retire(run: Storage, name: str, record: str, ident: str, files: dict[str, int]) -> None:
+def retire(run: Storage, name: str, record: str, ident: str, files: dict[str, int]) -> None:
     """Retires the committed step ``name`` (id ``ident``, data objects ``files``) on an object store:
     its hold first, then its manifest deleted."""
     hold = seal({"step": name, "id": ident, "files": files}, name=_HOLD, version=1, what="hold")
@@ -844,7 +844,7 @@ def _free(run: Storage, step: str, ident: str, entries: Sequence[str]) -> bool:
     first; returns whether it is gone. A hold whose step is still committed with that id (a retirement
     interrupted before the manifest's deletion) is deleted alone: the step stays, whole."""
     entry = held_name(step, ident)
-    body = _body(run, step)
+    body = committed_body(run, step)
     if body == {}:
         log.warning("%s/%s: its manifest cannot be read, so the hold %s stays", run.url, step, entry)
         return False
