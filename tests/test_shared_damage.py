@@ -254,3 +254,6 @@ def test_ls_says_which_steps_need_a_retired_folder(tmp_path, capsys):
     assert main(["ls", str(tmp_path)]) == 0
     line = next(li for li in capsys.readouterr().out.splitlines() if name in li)
     assert "needed by steps 3, 4, 5" in line
+    assert main(["ls", "--json", str(tmp_path)]) == 0
+    (entry,) = [e for e in json.loads(capsys.readouterr().out)["steps"] if e["name"] == name]
+    assert entry["state"] == "held" and entry["needed_by"] == [3, 4, 5]

@@ -392,6 +392,10 @@ def newest_base(
 # ------------------------------------------------------------------------------------------ reading
 
 
+class _FolderGone(CorruptCheckpointError):
+    """The folder holding a shared step's bytes is gone (the message names it)."""
+
+
 class RunFiles:
     """The Storage a shared step's reads go through: its own files from ``storage``, a name
     ``../<step>/<file>`` from that step of the run (on a local folder its retired folder
@@ -429,7 +433,7 @@ class RunFiles:
         elif own_id(self.run, step) == ident:  # never a later save of the same step number
             found = self.run.sub(step)
         else:
-            raise CorruptCheckpointError(self._gone(step, ident))
+            raise _FolderGone(self._gone(step, ident))
         self._at[step] = found
         return found
 
@@ -483,6 +487,8 @@ class RunFiles:
     def check_size(self, name: str, expected: int) -> None:
         try:
             self._call(name, lambda s, n: s.check_size(n, expected))
+        except _FolderGone:
+            raise
         except CorruptCheckpointError as e:
             raise CorruptCheckpointError(f"{e}" + self._hint(name)) from None
 

@@ -296,6 +296,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
                 "metrics": e.metrics,
                 "created": e.created,
                 "problem": e.problem,
+                **({"needed_by": list(e.needed_by)} if e.state == "held" else {}),
             }
             for e in steps
         ],
