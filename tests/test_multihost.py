@@ -68,7 +68,7 @@ def test_damage_on_one_process_makes_all_fall_back_together(tmp_path, serializer
     damage_one_process(tmp_path / "run", serializer, n - 1)
     results = run(tmp_path, "restore", "restore", n)
     assert [(r["step"], r["exact"]) for r in results] == [(1, True)] * n  # never a mix of steps
-    assert all(r["steps"] == [1, 2] for r in results)
+    assert all(r["steps"] == [1] for r in results)  # step 2, found damaged, leaves every process's steps
 
 
 @pytest.mark.timeout(300)
