@@ -14,7 +14,7 @@ from typing import Any
 from flax_ckpt._src.storage import Storage
 
 Key = tuple[str, str, str | None, str, int]  # (run url, step folder, id, file, offset) of a stored chunk
-_MAX = 1 << 16
+_MAX = 4096  # files (of any step) a Trust keeps; beyond, it starts afresh: a read more, never a wrong share
 
 
 class Trust:
@@ -22,23 +22,24 @@ class Trust:
     (a save of its own, by its id) and chunks it read back equal to bytes it saved. Thread-safe."""
 
     def __init__(self) -> None:
-        self._verified: set[Key] = set()
+        # (url, step folder, id, file) -> offsets of its chunks read back equal
+        self._verified: dict[tuple[str, str, str | None, str], set[int]] = {}
         self._wrote: dict[tuple[str, str, str], frozenset[str]] = {}  # (url, step folder, id) -> files
         self._mutex = threading.Lock()
 
     def vouched(self, key: Key) -> bool:
         """Whether the chunk at ``key`` may be referred to without reading it."""
-        url, step, ident, file, _ = key
-        return key in self._verified or (
-            ident is not None and file in self._wrote.get((url, step, ident), ())
-        )
+        url, step, ident, file, offset = key
+        if ident is not None and file in self._wrote.get((url, step, ident), ()):
+            return True
+        return offset in self._verified.get((url, step, ident, file), ())
 
     def vouch(self, key: Key) -> None:
         """The chunk at ``key`` was read back equal to bytes a save holds."""
         with self._mutex:
-            if len(self._verified) >= _MAX:
-                self._verified.clear()  # read again when next shared: a cost, never a wrong reference
-            self._verified.add(key)
+            if len(self._verified) >= _MAX and key[:4] not in self._verified:
+                self._verified.clear()
+            self._verified.setdefault(key[:4], set()).add(key[4])
 
     def wrote(self, run: Storage, name: str, ident: str, files: Any) -> None:
         """This writer wrote ``files`` (names) of the save ``ident`` of step folder ``name`` in ``run``."""
@@ -50,5 +51,5 @@ class Trust:
     def forget(self, run: Storage) -> None:
         """Nothing of ``run`` is vouched for any more: each chunk is read again before it is shared."""
         with self._mutex:
-            self._verified = {k for k in self._verified if k[0] != run.url}
+            self._verified = {k: v for k, v in self._verified.items() if k[0] != run.url}
             self._wrote = {k: v for k, v in self._wrote.items() if k[0] != run.url}
