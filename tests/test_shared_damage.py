@@ -215,19 +215,23 @@ def big(step: int) -> dict:
     return {"w": rng.standard_normal(MiB // 4, dtype=np.float32)}
 
 
-def test_a_damaged_newest_step_is_saved_again_by_the_manager(tmp_path, caplog):
-    saves_ = {100: big(100), 200: big(200)}
-    with fc.CheckpointManager(tmp_path, async_save=False) as mgr:
-        for s, t in saves_.items():
-            mgr.save(s, t)
-    flip_file(tmp_path / "200" / "data" / "p0.0.bin")
-    with fc.CheckpointManager(tmp_path, save_interval_steps=100) as mgr:
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_a_damaged_newest_step_is_saved_again_by_the_manager(tmp_path, request, caplog, where):
+    place = Place(tmp_path, None if where == "local" else STORES["s3"](request.getfixturevalue("s3")))
+    with fc.CheckpointManager(place.url, async_save=False) as mgr:
+        for s in (100, 200):
+            mgr.save(s, big(s))
+    (data,) = [f for f in json.loads(place.get("200/manifest.json"))["body"]["files"]]
+    place.put(f"200/{data}", flip(place.get(f"200/{data}"), MiB // 2))
+    with fc.CheckpointManager(place.url, save_interval_steps=100) as mgr:
         assert_bit_exact(mgr.restore(), big(100))
         assert "step 200" in caplog.text and "damaged" in caplog.text
         assert mgr.latest_step() == 100
-        assert mgr.save(200, saves_[200], force=True)
-    assert [n for n in os.listdir(tmp_path) if n.startswith("200.damaged-")]
-    with fc.CheckpointManager(tmp_path) as mgr:
+        assert mgr.save(200, big(200), force=True)
+    # set aside, not deleted: moved on a local folder, retired (freed by a later sweep) on s3://
+    mark = ".damaged-" if where == "local" else ".held-"
+    assert [n for n in place.names() if n.startswith("200" + mark)]
+    with fc.CheckpointManager(place.url) as mgr:
         assert mgr.all_steps() == [100, 200]
         assert_bit_exact(mgr.restore(), big(200))
 

@@ -47,13 +47,17 @@ def damaged(layout: Any, run: Storage, name: str) -> None:
 def set_aside(run: Storage, name: str, record: str) -> str | None:
     """Makes way for a new save of step folder ``name``, damaged: retired (``<name>.held-<id>``; on an
     object store its hold written, its manifest deleted) when a committed step refers to its bytes, so
-    that those steps stay readable and it is freed with the last of them; else, on an object store,
-    removed (sparing what a hold keeps). Returns where it went: the retired name, None (removed), or
-    the ``<name>.damaged-<hex>`` a local folder is to be moved to."""
+    that those steps stay readable and it is freed with the last of them. Otherwise a local folder is
+    moved aside, and on an object store a step whose id is known is retired all the same (a restore's
+    damage may have been a transient read: its objects are freed by a sweep, after the new save
+    committed, never before), one whose id is not is removed (sparing what a hold keeps). Returns where
+    it went: the retired name, None (removed), or the ``<name>.damaged-<hex>`` a local folder is to be
+    moved to."""
     refs = sharing.referenced(run, gone=[name])
     wanted = None if refs is None else {i for s, i in refs if s == name}
     ident = own_id(run, name, wanted)
-    if ident is not None and (wanted is None or ident in wanted):
+    needed = wanted is None or ident in wanted or not run.supports_rename
+    if ident is not None and needed:
         if run.supports_rename:
             run.rename(name, sharing.held_name(name, ident))
             run.sync(tree=False)
