@@ -69,7 +69,7 @@ def test_damage_on_one_process_makes_all_fall_back_together(tmp_path, serializer
     damage_one_process(tmp_path / "run", serializer, n - 1)
     results = run(tmp_path, "restore", "restore", n)
     assert [(r["step"], r["exact"]) for r in results] == [(1, True)] * n  # never a mix of steps
-    assert all(r["steps"] == [1, 2] for r in results)
+    assert all(r["steps"] == [1] for r in results)  # step 2, found damaged, leaves every process's steps
 
 
 @pytest.mark.timeout(300)
@@ -86,6 +86,21 @@ def test_steps_share_each_process_s_unchanged_shards_and_restore_anywhere(tmp_pa
     got = fc.restore(tmp_path / "run" / "3")
     frozen = np.random.default_rng(99).standard_normal((16, 4096)).astype(np.float32)
     np.testing.assert_array_equal(got["f"], frozen)
+
+
+@pytest.mark.timeout(300)
+def test_damaged_shared_bytes_of_one_process_are_never_referred_to_again(tmp_path):
+    """A bit of process 1's shard in the retired step 1 flips: every process finds steps 3 and 2
+    damaged together; the next saves write that shard again (step 4 builds on no damaged step), and
+    steps 4 and 5 restore exactly on every process."""
+    run(tmp_path, "share", "share", 2)
+    (held,) = [n for n in os.listdir(tmp_path / "run") if n.startswith("1.held-")]
+    flip(tmp_path / "run" / held / "data" / "p1.0.bin")
+    results = run(tmp_path, "again", "share_damaged", 2)
+    assert [(r["error"], r["steps"], r["exact"]) for r in results] == [
+        ("CorruptCheckpointError", [4, 5], True)
+    ] * 2
+    assert not [n for n in os.listdir(tmp_path / "run") if n.startswith("1.held-")]
 
 
 @pytest.mark.timeout(300)

@@ -109,6 +109,28 @@ def mode_share(cfg: dict, n: int) -> dict:
     return {"steps": mgr.all_steps(), "exact": ok and exact(got, 3, n)}
 
 
+def mode_share_damaged(cfg: dict, n: int) -> dict:
+    """After mode_share and a flipped bit in process 1's shard of the retired step 1: a restore (every
+    step damaged, on every process alike), then steps 4 and 5 of the same frozen leaf, restored."""
+    sh = dict(shardings(n), f=shardings(n)["w"])
+    frozen = np.random.default_rng(99).standard_normal((ROWS * n, 4096)).astype(np.float32)
+    with manager(cfg, max_to_keep=2) as mgr:
+        try:
+            mgr.restore()
+            error = ""
+        except fc.CheckpointError as e:
+            error = type(e).__name__
+        for step in (4, 5):
+            mgr.save(step, place(dict(host_state(step, n), f=frozen), sh))
+        mgr.wait_until_finished()
+        tgt = dict(target(n), f=jax.ShapeDtypeStruct(frozen.shape, frozen.dtype, sharding=sh["f"]))
+        got = mgr.restore(5, target=tgt)
+    ok = all(
+        np.asarray(s.data).tobytes() == frozen[s.index].tobytes() for s in got.pop("f").addressable_shards
+    )
+    return {"error": error, "steps": mgr.all_steps(), "exact": ok and exact(got, 5, n)}
+
+
 def mode_restore(cfg: dict, n: int) -> dict:
     with manager(cfg, strict=cfg.get("strict", False)) as mgr:
         try:
@@ -240,6 +262,7 @@ MODES = {
     "save": mode_save,
     "restore": mode_restore,
     "share": mode_share,
+    "share_damaged": mode_share_damaged,
     "part": mode_part,
     "lagging": mode_lagging,
     "auto": mode_auto,

@@ -117,6 +117,8 @@ class AgreedRestore:
                 return out
             out = None  # discard what this process read
             damage = all(kind in DAMAGE for kind, _ in failures.values())
+            if damage:  # on every process alike: the vote is agreed
+                self._steps.found_damaged(s, err or shared_error(self.directory, s, failures))
             if not damage or not fallback or i == len(candidates) - 1:
                 if distributed.process_count() == 1:
                     assert err is not None, "one process votes only its own failure: this read's error"

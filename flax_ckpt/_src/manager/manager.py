@@ -508,7 +508,9 @@ class CheckpointManager:
         """Restores ``step``, or the newest good step, checked leaf by leaf against ``target``.
 
         Without ``step``, the newest committed step is restored; if it is damaged and the manager is not
-        strict, the newest older one that is good, with a warning. With several processes (every
+        strict, the newest older one that is good, with a warning. A step found damaged leaves
+        ``all_steps()``: a later ``save`` of its number writes it again (its folder moved aside, or
+        kept while later steps share its bytes). With several processes (every
         process calls it), the step is decided once for all: all return the same step, or all fall
         back together to an older one, or all raise the same CheckpointError naming the process and
         file that failed.

@@ -21,7 +21,7 @@ from flax_ckpt._src.commit.recycler import Recycler
 from flax_ckpt._src.engine.reader import Source
 from flax_ckpt._src.errors import CheckpointError, CheckpointNotFoundError, StorageError, error_class
 from flax_ckpt._src.manager.vanishing import being_deleted
-from flax_ckpt._src.native import sharing
+from flax_ckpt._src.native import damage, sharing
 from flax_ckpt._src.retention import Retention
 from flax_ckpt._src.storage import Storage
 
@@ -55,6 +55,7 @@ class StepIndex:
         self._damaged: dict[int, tuple[Exception, layouts.StepFolder]] = {}  # step folders that fail to open
         self._leftovers: list[str] = []  # folders of crashed saves, removed once the directory is claimed
         self._written: set[int] = set()  # steps this index added: retention of any other step is announced
+        self._found: set[int] = set()  # steps of _damaged a restore found damaged (retention counts them)
         self._retention_warned = False
 
     # ------------------------------------------------------------------------------------- reading
@@ -110,6 +111,7 @@ class StepIndex:
         metrics, found, damaged, self._leftovers = self._read_directory()
         with self._mutex:
             self._metrics, self._folders, self._damaged = metrics, found, damaged
+            self._found = set()
         self.layout.follow(self.storage, layouts.newest_own(self.layout, list(found.values())))
         if tidy and lead:
             for entry in self._leftovers:  # on an object store sparing what a hold keeps (native/sharing.py)
@@ -202,23 +204,53 @@ class StepIndex:
         moved aside first (never deleted on a file system: ``<step>.damaged-<uuid>``; an object store
         has no rename, so there it is removed)."""
         damaged = self._damaged.pop(step, None)
+        self._found.discard(step)
         if damaged is not None and distributed.process_index() == 0:
-            if self.storage.supports_rename:
-                for name in damaged[1].clash or (damaged[1].name,):  # an ambiguous step: all its folders
-                    aside = f"{name}.damaged-{uuid.uuid4().hex[:8]}"
-                    self.storage.rename(name, aside)
-                    log.warning(
-                        "step %d in %s was damaged; %s moved to %s before saving it again",
-                        step,
-                        self.directory,
-                        name,
-                        aside,
-                    )
+            if damaged[1].clash and self.storage.supports_rename:
+                for name in damaged[1].clash:  # an ambiguous step: all its folders
+                    self._moved(step, name, f"{name}.damaged-{uuid.uuid4().hex[:8]}")
+            elif damaged[1].layout.shares:  # kept steps may refer to its bytes (native/damage.py)
+                name = damaged[1].name
+                self._moved(step, name, damage.set_aside(self.storage, name, damaged[1].layout.record))
+            elif self.storage.supports_rename:
+                self._moved(step, damaged[1].name, f"{damaged[1].name}.damaged-{uuid.uuid4().hex[:8]}")
             else:
                 sharing.remove_folder(self.storage, damaged[1].name, damaged[1].layout.record)
-                log.warning("step %d in %s was damaged; removed before saving it again", step, self.directory)
+                self._moved(step, damaged[1].name, None)
         with self._mutex:
             return layouts.step_name(self.layout, step, sorted(self._folders.values(), key=lambda f: f.step))
+
+    def _moved(self, step: int, name: str, to: str | None) -> None:
+        """Moves the damaged step ``step``'s folder ``name`` to ``to`` (``<name>.damaged-<hex>``:
+        renamed here; a retired folder or None, removed: done already), saying so."""
+        if to is not None and to.startswith(f"{name}.damaged-"):
+            try:
+                self.storage.rename(name, to)
+            except FileNotFoundError:
+                return  # gone (deleted by hand): nothing to move
+        where = (
+            "removed"
+            if to is None
+            else f"kept as {to} (later steps share its bytes; freed with the last of them)"
+            if sharing.is_held(to)
+            else f"moved to {to}"
+        )
+        log.warning(
+            "step %d in %s was damaged; %s %s before saving it again", step, self.directory, name, where
+        )
+
+    def found_damaged(self, step: int, error: Exception) -> None:
+        """A restore (agreed by every process) found committed ``step`` damaged: it is no step of the
+        run any more (a save of its number writes it again, its folder set aside: ``new_folder``), and
+        the run's saves neither build on it nor share what it names (native/damage.py)."""
+        with self._mutex:
+            folder = self._folders.pop(step, None)
+            self._metrics.pop(step, None)
+            if folder is None:
+                return
+            self._damaged[step] = (error, folder)
+            self._found.add(step)
+        damage.damaged(self.layout, self.storage, folder.name)
 
     def add(self, step: int, name: str, metrics: dict[str, Any] | None) -> None:
         """Records ``step``, just committed (by this manager) as folder ``name`` in the run's layout."""
@@ -239,21 +271,27 @@ class StepIndex:
         also those this manager did not write (an earlier run's, an Orbax job's); the first time some of
         those go, a warning names them and the option that keeps them."""
         with self._mutex:
-            formats = {s: f.layout.name for s, f in self._folders.items()}
-        doomed = retention.doomed(self.all_metrics(), formats)  # each format's steps apart
+            # steps a restore found damaged count too: retention deletes them as it would have them
+            found = {s: f for s, (_, f) in self._damaged.items() if s in self._found}
+            folders = {**found, **self._folders}
+            formats = {s: f.layout.name for s, f in folders.items()}
+            metrics = {**{s: None for s in found}, **self._metrics}
+        doomed = retention.doomed(metrics, formats)  # each format's steps apart
         lead = distributed.process_index() == 0
-        with self._mutex:
-            gone = [self._folders[s].name for s in doomed if s in self._folders]
+        gone = [folders[s].name for s in doomed if s in folders]
         # what the kept steps refer to (native/sharing.py): those steps are retired, not removed
         sweeps = lead and (self.storage.supports_rename or (self.layout.shares and doomed))
         entries = self.storage.list() if lead and (doomed or sweeps) else None
         refs = sharing.referenced(self.storage, gone, entries) if lead and doomed else None
-        others = [s for s in doomed if s not in self._written]
+        others = [s for s in doomed if s not in self._written and s not in found]
         retired = False
         for step in doomed:
             with self._mutex:
                 folder = self._folders.pop(step, None)
                 self._metrics.pop(step, None)
+                if step in found:
+                    folder = self._damaged.pop(step)[1]
+                    self._found.discard(step)
                 self._written.discard(step)  # what a long run keeps stays as many as its steps
             if folder is not None and lead:
                 recycler = (

@@ -35,7 +35,7 @@ from flax_ckpt._src.errors import (
     StorageError,
     TargetMismatchError,
 )
-from flax_ckpt._src.native import sharing
+from flax_ckpt._src.native import sharing, trust
 from flax_ckpt._src.native.manifest import SaveManifests, decode, decode_records
 from flax_ckpt._src.records import LeafRecord, PersistTimes
 from flax_ckpt._src.serializers import Box, Serializer, Written, get_serializer, raw, serializer_for
@@ -109,6 +109,9 @@ class NativeLayout:
         self._base: sharing.Base | None = None  # the step this layout committed last
         self.resumed_from: str | None = None  # the step a manager restored: the next save's base
         self.shared_bytes = 0  # bytes the last save referred to instead of writing them
+        self.avoid: set[tuple[str, str | None]] = set()  # (step folder, id): found damaged, never a base
+        self.suspect: set[tuple[str, str | None, str]] = set()  # (step folder, id, file) damaged steps name
+        self.trust = trust.Trust()  # the chunks this layout's saves may share without reading them
 
     def snapshot(self, tree: Any, *, copy: bool, reuse: Snapshot | None = None) -> Snapshot:
         """``copy``: every array shard copied into an arena (engine/arena.py), ``reuse``'s when it holds
@@ -202,7 +205,7 @@ class NativeLayout:
         if base is False:
             # one process (several agree on one, _persist_shared): the newest step, or the one it
             # restored; its records as this layout kept them when this layout committed it
-            base = sharing.newest_base(parent, name, self._base, self.resumed_from)
+            base = sharing.newest_base(parent, name, self._base, self.resumed_from, self.avoid)
         self.resumed_from = None
         # a subclass's own write takes no share hook: it writes all (its steps may still be referred to)
         hook = type(self.serializer).write is raw.RawSerializer.write
@@ -211,7 +214,11 @@ class NativeLayout:
             if snap is not None and base is not None and snap.since == (base.name, base.id)
             else None
         )
-        sharer = None if base is None or not hook else sharing.Sharer(base, parent, raw.BLOCK, kept)
+        sharer = (
+            None
+            if base is None or not hook
+            else sharing.Sharer(base, parent, raw.BLOCK, kept, self.suspect, self.trust)
+        )
         return sharer, (ident, base)
 
     def _committed(
@@ -228,6 +235,7 @@ class NativeLayout:
         if shares is None:  # a manifest without an id, referring to nothing: retention need not read it
             sharing.remember(parent, name, None, {})
             return
+        self.trust.wrote(parent, name, shares[0], written.files)  # its own files: shared without a read
         arena = snap.arena
         if arena is not None and arena.fills == snap.fill and snap.checksum == raw.BLOCK:
             arena.saved_as = (name, shares[0])  # what the arena holds is this step's bytes
@@ -300,7 +308,7 @@ def _persist_shared(
         # one id for every process: the manifest's, and in its data files' names on an object store;
         # one base step for every process: the one process 0 chose (each reads it; none if it cannot)
         if layout is not None and layout.share:
-            chosen[0] = sharing.newest_base(parent, name, None, layout.resumed_from)
+            chosen[0] = sharing.newest_base(parent, name, None, layout.resumed_from, layout.avoid)
         base = chosen[0]
         return {
             "staging": staging,
@@ -340,6 +348,8 @@ def _persist_shared(
         if rnd.index:
             rnd.publish(stage, written, digest)
             rnd.await_commit()
+            if shares is not None and layout is not None:  # its own files: shared without a read
+                layout.trust.wrote(parent, name, shares[0], written.files)
         else:
             parts = rnd.gather(stage, written, digest)
             data = manifest_bytes(
@@ -356,6 +366,8 @@ def _persist_shared(
             commit_mod.commit(parent, staging, name, MANIFEST, data)  # exactly
             # what retention reads of a kept step, from the body just decoded (not read back at each save)
             sharing.remember(parent, name, *sharing.head_of(body))
+            if shares is not None and layout is not None:
+                layout.trust.wrote(parent, name, shares[0], written.files)
             rnd.announce()
         times.write, times.commit = t1 - t0, time.perf_counter() - t1
         times.fsync, times.serialize, times.written = written.fsync_s, written.serialize_s, written.nbytes

@@ -35,6 +35,7 @@ from flax_ckpt._src.checks import MANIFEST, MAX_MANIFEST_BYTES, seal, unseal
 from flax_ckpt._src.commit import atomic as commit_mod
 from flax_ckpt._src.engine.equal import same_bytes
 from flax_ckpt._src.errors import CheckpointError, CorruptCheckpointError, StorageError
+from flax_ckpt._src.native import trust
 from flax_ckpt._src.records import leaf_name
 from flax_ckpt._src.serializers.base import Box
 from flax_ckpt._src.storage import Storage
@@ -180,9 +181,19 @@ class Sharer:
     base's own copy in memory (the arena the base step was written from: engine/arena.py); a piece
     inside one of them is the base's chunk without being hashed or read."""
 
-    def __init__(self, base: Base, run: Storage, block: int, kept: dict[int, list[Box]] | None = None):
+    def __init__(
+        self,
+        base: Base,
+        run: Storage,
+        block: int,
+        kept: dict[int, list[Box]] | None = None,
+        suspect: "set[tuple[str, str | None, str]] | frozenset" = frozenset(),
+        vouched: "trust.Trust | None" = None,
+    ):
         self.base, self.files, self.block = base, RunFiles(run, base.ids, run=run), block
-        self.kept = kept or {}
+        self.kept, self.suspect, self.url = kept or {}, suspect, run.url
+        self.trust = trust.Trust() if vouched is None else vouched
+        self._there: dict[tuple[str, str], bool] = {}  # (step folder, file) -> found, once per save
         self.shared = 0  # bytes referred to instead of written
         self._mutex = threading.Lock()
 
@@ -190,27 +201,54 @@ class Sharer:
         self, leaf: int, name: str, box: Box, data: memoryview, crcs: Callable[[], tuple[int, ...]]
     ) -> dict[str, Any] | None:
         """A reference record for the piece ``data`` of leaf ``leaf`` in ``box`` when the base's chunk
-        there holds the same bytes, else None: its crc32c blocks must equal ``crcs()``; then the piece
-        lies in a shard ``kept`` names (compared in memory with the very bytes the base wrote), or its
-        SHA-256 equals the record's (``HASH``), or (a record without one: the chunk was written, not
-        shared, by the base) the chunk read back equals it byte for byte. A record shared after a hash
-        or a read carries the SHA-256, so that a later save without the bytes in memory compares
-        hashes only; one shared from memory keeps the base record's (if any)."""
+        there holds the same bytes, else None: its crc32c blocks must equal ``crcs()``, and the chunk
+        must be none that a step a restore found damaged names (``suspect``). A chunk this process
+        has not vouched for (trust.py: it wrote the file, or read the chunk back) is read back and
+        compared byte for byte: a new process's first share of it, and every share after damage was
+        found. A vouched one is shared when the piece lies in a shard ``kept`` names (compared in
+        memory with the very bytes the base wrote), or its SHA-256 equals the record's (``HASH``), or
+        (a record without one) the chunk read back equals it. A record shared after a hash or a read
+        carries the SHA-256; one shared from memory keeps the base record's (if any)."""
         n = len(data)
         old = self._chunk(leaf, name, box, n)
         if old is None or list(crcs()) != list(old["crc32c"]):
             return None
         step, file = self.base.located(old)
-        if self._kept(leaf, box):
+        ident = self.base.ids.get(step)
+        if (step, ident, file) in self.suspect:  # named by a step a restore found damaged
+            return None
+        key = (self.url, step, ident, file, old["offset"])
+        trusted = self.trust.vouched(key) and self._present(step, file)  # else read back
+        if trusted and self._kept(leaf, box):
             record = dict(old, file=f"../{step}/{file}")
         else:
             digest = hashlib.sha256(data).hexdigest()
-            if old.get(HASH) != digest if HASH in old else not self._equal(step, file, old, data):
+            if trusted and HASH in old:
+                if old[HASH] != digest:
+                    return None
+            elif not self._equal(step, file, old, data):
                 return None
+            self.trust.vouch(key)
             record = dict(old, file=f"../{step}/{file}", **{HASH: digest})
         with self._mutex:
             self.shared += n
         return record
+
+    def _present(self, step: str, file: str) -> bool:
+        """Whether the file ``file`` of step folder ``step`` is there with the size the base records
+        (asked once per file and save, on a local folder: one stat; an object store's files are not
+        asked, a request each): a vouched file deleted by hand since is read back, and so written."""
+        if not self.files.run.supports_rename:
+            return True
+        found = self._there.get((step, file))
+        if found is None:
+            try:
+                self.files.check_size(f"../{step}/{file}", self.base.sizes[(step, file)])
+                found = True
+            except (OSError, KeyError, CheckpointError):
+                found = False
+            self._there[(step, file)] = found
+        return found
 
     def _kept(self, leaf: int, box: Box) -> bool:
         """Whether ``box`` of leaf ``leaf`` lies inside a shard ``kept`` names."""
@@ -304,14 +342,23 @@ def base_named(run: Storage, agreed: Any) -> Base | None:
     return base if base is not None and base.id == agreed[1] else None
 
 
-def newest_base(run: Storage, exclude: str, known: Base | None, first: str | None = None) -> Base | None:
+def newest_base(
+    run: Storage,
+    exclude: str,
+    known: Base | None,
+    first: str | None = None,
+    avoid: "set[tuple[str, str | None]] | frozenset" = frozenset(),
+) -> Base | None:
     """The base of a save into ``run``: step folder ``first`` (the step the manager restored) when it is
     still committed, else the committed native step with the highest number (but ``exclude``, the step
     being saved); ``known`` when it is that step (the last one this layout committed). None when there
     is none, or its manifest cannot be read (the save then writes all). ``known`` is taken, without
     listing the run, while it is committed (on a local folder: with its id) and no restored step comes
     first: any committed step of the run is a sound base, and on an object store a listing is a
-    request that lists every object of the run."""
+    request that lists every object of the run. ``avoid``: (step folder, id) of steps a restore found
+    damaged (damage.damaged), never a base."""
+    if known is not None and (known.name, known.id) in avoid:
+        known = None
     if known is not None and first is None and known.name != exclude:
         # a local step's manifest is stat'ed, its reading kept by its identity (``_head``): the very one
         same = (
@@ -327,7 +374,7 @@ def newest_base(run: Storage, exclude: str, known: Base | None, first: str | Non
     )
     if first is not None and first != exclude and int(first) in steps:
         steps.insert(0, int(first))
-    for step in steps[:3]:
+    for step in steps[: 3 + len(avoid)]:
         name = str(step)
         if known is not None and known.name == name and run.sub(name).exists(MANIFEST):
             return known
@@ -337,11 +384,16 @@ def newest_base(run: Storage, exclude: str, known: Base | None, first: str | Non
             body = decode(run.sub(name).read(MANIFEST, MAX_MANIFEST_BYTES), f"{run.url}/{name}/{MANIFEST}")
         except (OSError, CheckpointError):
             continue
-        return Base.from_body(name, body)
+        if (name, body.get("id")) not in avoid:
+            return Base.from_body(name, body)
     return None
 
 
 # ------------------------------------------------------------------------------------------ reading
+
+
+class _FolderGone(CorruptCheckpointError):
+    """The folder holding a shared step's bytes is gone (the message names it)."""
 
 
 class RunFiles:
@@ -372,12 +424,47 @@ class RunFiles:
         ident = self._ids.get(step)
         if ident is None:
             raise CorruptCheckpointError(f"{self._s.url}: a chunk refers to step {step}, not in its manifest")
-        if not self.run.supports_rename:
+        if not self.run.supports_rename:  # its data objects' names carry the id (file_tag)
             self._at[step] = found = self.run.sub(step)
             return found
         held = self.run.sub(held_name(step, ident))
-        self._at[step] = found = held if held.kind() == "folder" else self.run.sub(step)
+        if held.kind() == "folder":
+            found = held
+        elif own_id(self.run, step) == ident:  # never a later save of the same step number
+            found = self.run.sub(step)
+        else:
+            raise _FolderGone(self._gone(step, ident))
+        self._at[step] = found
         return found
+
+    def _gone(self, step: str, ident: str) -> str:
+        """Why the bytes of step folder ``step`` (save ``ident``) cannot be read: its folder is gone."""
+        where = f"{self.run.url}/{held_name(step, ident)}"
+        if not self._in_run():
+            return (
+                f"{self._s.url}: this step shares the bytes of step {step} of its run, whose folder "
+                f"({where}, or {step}/ with id {ident}) is not beside it: a step that shares is readable "
+                "only in its run's directory; `flax-ckpt convert` of the step in its run makes a "
+                "self-contained copy"
+            )
+        return (
+            f"{self._s.url}: this step shares the bytes of step {step} (saved with id {ident}), and the "
+            f"folder holding them is missing: {where} (a removed step kept for the bytes later steps "
+            f"share), or {self.run.url}/{step} with that id. It was deleted or replaced by hand: put it "
+            "back, or restore a step that does not name it (a manager falls back by itself)"
+        )
+
+    def _in_run(self) -> bool:
+        """Whether the step read lies in a run directory (a step folder beside other steps), not copied
+        out of it."""
+        try:
+            name = self._s.parent()[1]
+            entries = self.run.list()
+        except (OSError, CheckpointError):
+            return True
+        if commit_mod.step_number(name) is None:
+            return False
+        return any(e != name and (is_held(e) or commit_mod.step_number(e) is not None) for e in entries)
 
     def _call(self, name: str, op: Callable[[Storage, str], Any]) -> Any:
         ref = split_ref(name)
@@ -400,6 +487,8 @@ class RunFiles:
     def check_size(self, name: str, expected: int) -> None:
         try:
             self._call(name, lambda s, n: s.check_size(n, expected))
+        except _FolderGone:
+            raise
         except CorruptCheckpointError as e:
             raise CorruptCheckpointError(f"{e}" + self._hint(name)) from None
 
@@ -410,6 +499,11 @@ class RunFiles:
         ref = split_ref(name)
         if ref is None:
             return ""
+        if self._in_run():
+            return (
+                f" (this step shares the bytes of step {ref[0]} of its run, {self.run.url}: that file of "
+                "the step's folder is missing or damaged)"
+            )
         return (
             f" (this step shares the bytes of step {ref[0]} of its run, {self.run.url}: a step that shares "
             "is readable only in its run's directory; `flax-ckpt convert` makes a self-contained copy)"
@@ -528,6 +622,11 @@ def referenced(
     return out
 
 
+def refers_to(run: Storage, name: str) -> dict[str, str] | None:
+    """{step folder: id} whose bytes committed step folder ``name`` refers to (None: unknown)."""
+    return _head(run, name)[1]
+
+
 def own_id(run: Storage, name: str) -> str | None:
     """The id in the manifest of step folder ``name`` (None: none, or unreadable)."""
     return _head(run, name)[0]
@@ -544,12 +643,12 @@ def remove_step(
     """Deletes the committed native step folder ``name`` of ``run``, or, when a kept step refers to its
     bytes (or ``refs``, the pairs ``referenced`` gave for the kept steps, is None: unknown), retires it:
     on a local folder one rename to ``<name>.held-<id>``; on an object store its hold written, then its
-    manifest deleted (``_retire``). Returns whether it was retired."""
+    manifest deleted (``retire``). Returns whether it was retired."""
     if not run.supports_rename:
-        body = _body(run, name)
+        body = committed_body(run, name)
         ident = body.get("id") if body and is_id(body.get("id")) else None
         if body and ident is not None and (refs is None or (name, ident) in refs):
-            _retire(run, name, record, ident, body["files"])
+            retire(run, name, record, ident, body["files"])
             return True
         if body == {} and (refs is None or any(step == name for step, _ in refs)):
             log.warning(  # what its objects are is unknown: a kept step may name them
@@ -631,7 +730,7 @@ class _Listing(Protocol):
     def list_all(self) -> list[str]: ...
 
 
-def _body(run: Storage, name: str) -> dict[str, Any] | None:
+def committed_body(run: Storage, name: str) -> dict[str, Any] | None:
     """The body of step folder ``name``'s committed manifest; None when it has none, {} when it cannot
     be decoded. A failing store raises (StorageError): what it holds is then unknown."""
     try:
@@ -647,7 +746,7 @@ def _body(run: Storage, name: str) -> dict[str, Any] | None:
     return body if isinstance(body.get("files"), dict) else {}
 
 
-def _retire(run: Storage, name: str, record: str, ident: str, files: dict[str, int]) -> None:
+def retire(run: Storage, name: str, record: str, ident: str, files: dict[str, int]) -> None:
     """Retires the committed step ``name`` (id ``ident``, data objects ``files``) on an object store:
     its hold first, then its manifest deleted."""
     hold = seal({"step": name, "id": ident, "files": files}, name=_HOLD, version=1, what="hold")
@@ -751,7 +850,7 @@ def _free(run: Storage, step: str, ident: str, entries: Sequence[str]) -> bool:
     first; returns whether it is gone. A hold whose step is still committed with that id (a retirement
     interrupted before the manifest's deletion) is deleted alone: the step stays, whole."""
     entry = held_name(step, ident)
-    body = _body(run, step)
+    body = committed_body(run, step)
     if body == {}:
         log.warning("%s/%s: its manifest cannot be read, so the hold %s stays", run.url, step, entry)
         return False

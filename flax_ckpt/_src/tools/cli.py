@@ -246,7 +246,10 @@ def _ls_note(e: Any) -> str:
     if e.committed:
         return _metrics_text(e.metrics)
     if e.state == "held":
-        return f"{e.name}: bytes later steps share"
+        if not e.needed_by:
+            return f"{e.name}: a removed step's bytes no step needs now (the next save or prune deletes it)"
+        steps = ", ".join(map(str, e.needed_by))
+        return f"{e.name}: needed by step{'s' if len(e.needed_by) > 1 else ''} {steps} (bytes they share; keep it)"
     note = e.name if e.name != str(e.step) else "-"
     return note + (
         f" ({e.problem.splitlines()[0][:80]})" if e.problem and e.state in ("invalid", "ambiguous") else ""
@@ -293,6 +296,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
                 "metrics": e.metrics,
                 "created": e.created,
                 "problem": e.problem,
+                **({"needed_by": list(e.needed_by)} if e.state == "held" else {}),
             }
             for e in steps
         ],

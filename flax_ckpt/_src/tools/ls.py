@@ -37,7 +37,7 @@ class StepEntry:
     ``format``: "native", "orbax", "flax_msgpack" (a legacy Flax file), "memory (...)" or None when unknown.
     A step of a run whose steps share bytes (docs/design.md): ``nbytes`` counts its own files,
     ``shared`` the bytes of other steps' files it refers to; state "held": a removed step's folder,
-    kept for the bytes later steps refer to (deleted with the last of them)."""
+    kept for the bytes later steps refer to (``needed_by``; deleted with the last of them)."""
 
     name: str
     step: int | None
@@ -49,6 +49,7 @@ class StepEntry:
     created: float | None = None
     problem: str | None = None
     shared: int = 0
+    needed_by: tuple[int, ...] = ()  # of a "held" folder: the committed steps that refer to its bytes
 
     @property
     def committed(self) -> bool:
@@ -93,8 +94,17 @@ def list_steps(directory: Any, *, tier: str = "persistent") -> list[StepEntry]:
         entries = [
             e for e in entries if e.state != "uncommitted" or not sharing.only_held(root, e.name, listing)
         ]
+    needs = _needs(root, entries) if held else {}
     entries += [
-        StepEntry(name, int(name.split(".", 1)[0]), "held", tier, "native", _disk_size(root.sub(name)))
+        StepEntry(
+            name,
+            int(name.split(".", 1)[0]),
+            "held",
+            tier,
+            "native",
+            _disk_size(root.sub(name)),
+            needed_by=tuple(sorted(needs.get(name, ()))),
+        )
         for name in held
     ]
     for name in temporary:
@@ -102,6 +112,16 @@ def list_steps(directory: Any, *, tier: str = "persistent") -> list[StepEntry]:
         state = "deleting" if commit_mod.DELETING_MARK in name else "in-flight"
         entries.append(StepEntry(name, step, state, tier, None, _disk_size(root.sub(name))))
     return sorted(entries, key=lambda e: (e.step if e.step is not None else -1, e.name))
+
+
+def _needs(root: Storage, entries: list[StepEntry]) -> dict[str, list[int]]:
+    """{retired folder (``<step>.held-<id>``): the committed native steps that refer to its bytes}."""
+    out: dict[str, list[int]] = {}
+    for e in entries:
+        if e.committed and e.format == "native" and e.step is not None:
+            for step, ident in (sharing.refers_to(root, e.name) or {}).items():
+                out.setdefault(sharing.held_name(step, ident), []).append(e.step)
+    return out
 
 
 def _entry(root: Storage, f: layouts.StepFolder, tier: str, tries: int = 3) -> StepEntry | None:
