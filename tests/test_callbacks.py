@@ -264,9 +264,13 @@ def test_restore_or_opens_the_step_it_restores_once(ckpt_dir, signals_restored, 
     opened = []
     real = native._open_native
     with CheckpointCallback(ckpt_dir, every_steps=1) as ckpt:  # (its scan opened the step for its metrics)
-        monkeypatch.setattr(
-            native, "_open_native", lambda storage, *a: opened.append(storage.url) or real(storage, *a)
-        )
+
+        def counted(storage: Any, *a: Any) -> Any:  # the opens of restore_or's own thread (the prefetch
+            if threading.current_thread() is threading.main_thread():  # opens it on its own)
+                opened.append(storage.url)
+            return real(storage, *a)
+
+        monkeypatch.setattr(native, "_open_native", counted)
         got, start = ckpt.restore_or(small_state(3))
     assert start == 1 and leaf_bytes(got) == leaf_bytes(small_state())
     assert len(opened) == 1, opened  # its records serve both the target and the read

@@ -8,10 +8,12 @@ Real arrays, real files, real JAX (8 CPU devices, conftest); nothing of the code
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import logging
 import os
 import random
+import weakref
 from typing import Any
 
 import jax
@@ -25,6 +27,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import flax_ckpt as fc
+from flax_ckpt._src.manager.prefetch import Prefetch
 from flax_ckpt.callbacks import CheckpointCallback
 
 
@@ -244,6 +247,7 @@ def test_traced_values_are_refused_before_anything_is_read(ckpt_dir):
 
 
 def test_prefetch_reads_the_newest_step_and_nothing_outside_it(ckpt_dir, tmp_path):
+    # several processes warm the page cache (each its own files): the read of one of two processes here
     outside = tmp_path / "secret"
     outside.write_bytes(b"x" * 1000)
     with fc.CheckpointManager(ckpt_dir) as mgr:
@@ -253,13 +257,99 @@ def test_prefetch_reads_the_newest_step_and_nothing_outside_it(ckpt_dir, tmp_pat
     stored = sum(p.stat().st_size for p in step.rglob("*") if p.is_file())
     os.symlink(outside, step / "data" / "link.bin")
     os.mkfifo(step / "data" / "fifo.bin")  # a read of it would block forever
+    read = Prefetch(2, str(step), 1 << 30, process=0, processes=2)
+    assert read.done.wait(60) and read.nbytes == stored  # every file of the step, no link, no FIFO
+    read = Prefetch(2, str(step), 100, process=0, processes=2)
+    assert read.done.wait(60) and read.nbytes == 100
+
+
+def _rchar() -> int:
+    """Bytes this process has read through read system calls (any file, page cache or not)."""
+    with open("/proc/self/io") as f:
+        return int(next(line for line in f if line.startswith("rchar")).split()[1])
+
+
+needs_io = pytest.mark.skipif(not os.path.exists("/proc/self/io"), reason="no /proc/self/io to count reads")
+_BIG = 2 << 20  # float32 elements: 8 MiB
+
+
+def _prefetched(ckpt_dir: Any, **kw: Any) -> fc.CheckpointManager:
+    mgr = fc.CheckpointManager(ckpt_dir)
+    assert mgr.prefetch(**kw) == 2
+    assert mgr._prefetch is not None and mgr._prefetch.done.wait(60)
+    return mgr
+
+
+@needs_io
+def test_a_restore_after_the_prefetch_reads_no_data_again_and_is_exact(ckpt_dir):
+    rng = np.random.default_rng(0)
+    saved = {
+        "big": rng.standard_normal(_BIG).astype(np.float32),
+        "small": [rng.integers(0, 1 << 30, i + 1).astype(np.int32) for i in range(20)],
+        "key": jax.random.key(5),
+        "n": 7,
+    }
     with fc.CheckpointManager(ckpt_dir) as mgr:
+        mgr.save(1, {**saved, "big": np.zeros(_BIG, np.float32)})
+        mgr.save(2, saved)
+    target = {**jax.tree_util.tree_map(jnp.asarray, {**saved, "n": 0}), "n": 0}
+    for restore in (lambda m: m.restore(target=target), lambda m: m.restore()):  # jax arrays, numpy
+        with _prefetched(ckpt_dir) as mgr:
+            before = _rchar()
+            out = restore(mgr)
+            assert _rchar() - before < _BIG  # the manifest: no data file read again
+            assert mgr._prefetch.nbytes == 0  # the buffers went to the restore
+        assert np.asarray(out["big"]).tobytes() == saved["big"].tobytes() and out["n"] == 7
+        assert all(np.array_equal(a, b) for a, b in zip(out["small"], saved["small"]))
+        assert np.array_equal(jax.random.key_data(out["key"]), jax.random.key_data(saved["key"]))
+    with fc.CheckpointManager(ckpt_dir) as mgr:  # a restore while the read runs: it stops, the rest is read
         assert mgr.prefetch() == 2
-        assert mgr._prefetch is not None and mgr._prefetch.done.wait(60)
-        assert mgr._prefetch.nbytes == stored  # every file of the step, no link, no FIFO
+        assert np.asarray(mgr.restore(target=target)["big"]).tobytes() == saved["big"].tobytes()
+
+
+@needs_io
+def test_a_file_changed_after_the_prefetch_is_read_again(ckpt_dir, caplog):
+    w = np.arange(_BIG, dtype=np.float32)
     with fc.CheckpointManager(ckpt_dir) as mgr:
-        assert mgr.prefetch(limit=100) == 2 and mgr._prefetch is not None and mgr._prefetch.done.wait(60)
-        assert mgr._prefetch.nbytes == 100
+        mgr.save(1, {"w": np.zeros(_BIG, np.float32)})
+        mgr.save(2, {"w": w})
+    (data,) = (ckpt_dir / "2" / "data").iterdir()
+    with _prefetched(ckpt_dir) as mgr:  # the same bytes written again: read again, as they are now
+        data.write_bytes(data.read_bytes())
+        before = _rchar()
+        assert mgr.restore()["w"].tobytes() == w.tobytes() and _rchar() - before >= w.nbytes
+    with _prefetched(ckpt_dir) as mgr:  # damaged after the prefetch verified it: found, never served
+        raw = bytearray(data.read_bytes())
+        raw[10] ^= 1
+        data.write_bytes(bytes(raw))
+        with caplog.at_level(logging.WARNING, "flax_ckpt"):
+            assert not mgr.restore()["w"].any()  # step 1's zeros
+        assert "falling back" in caplog.text
+
+
+@needs_io
+def test_the_prefetch_holds_at_most_its_limit_and_close_frees_it(ckpt_dir):
+    saved = {"a": np.full(_BIG, 1, np.float32), "b": np.full(_BIG, 2, np.float32)}
+    with fc.CheckpointManager(ckpt_dir) as mgr:
+        mgr.save(1, saved)
+        mgr.save(2, saved)
+    with _prefetched(ckpt_dir, limit=6 * _BIG) as mgr:  # bytes: room for one leaf of two
+        assert mgr._prefetch.nbytes == 4 * _BIG
+        before = _rchar()
+        out = mgr.restore()
+        assert 4 * _BIG <= _rchar() - before < 5 * _BIG  # the other leaf alone was read
+        assert all(np.array_equal(out[k], v) for k, v in saved.items())
+    mgr = _prefetched(ckpt_dir)
+    buffers = [weakref.ref(b) for _, b in mgr._prefetch._held.values()]
+    assert len(buffers) == 2 and mgr._prefetch.nbytes == 8 * _BIG
+    mgr.close()  # no restore came: what the prefetch holds is freed
+    gc.collect()
+    assert all(b() is None for b in buffers)
+    with _prefetched(ckpt_dir) as mgr:  # a run that saves instead of restoring frees them too
+        buffers = [weakref.ref(b) for _, b in mgr._prefetch._held.values()]
+        assert len(buffers) == 2 and mgr.save(3, saved)
+        gc.collect()
+        assert all(b() is None for b in buffers)
 
 
 def test_prefetch_of_a_damaged_step_costs_only_the_read(ckpt_dir, caplog):

@@ -51,6 +51,9 @@ class AgreedRestore:
         self._steps, self._prefix, self.strict = steps, prefix, strict
         self.directory = steps.directory
         self.stats: Window[RestoreStats] = Window()  # the newest restores, with totals
+        # a read of a step ahead of its restore (prefetch.py): the next read takes it (its buffers serve
+        # that step when they are still what it holds) and frees it
+        self.ahead: Any = None
 
     def restore(
         self, step: int | None, target_of: TargetOf, shardings: Any, fit: Fit, item: str | None
@@ -87,8 +90,14 @@ class AgreedRestore:
         Fit.report, returns (tree, RestoreReport)."""
         t0 = time.perf_counter()
         source = self._steps.open(step, item)
-        target = target_of(source)
-        out = engine.restore(source, target, shardings=shardings, fit=fit)
+        ahead, self.ahead = self.ahead, None
+        try:
+            source = source if ahead is None else ahead.serve(step, source)
+            target = target_of(source)
+            out = engine.restore(source, target, shardings=shardings, fit=fit)
+        finally:
+            if ahead is not None:
+                ahead.release()
         stats = RestoreStats(
             step, "persistent", engine.restored_nbytes(source, target, fit), time.perf_counter() - t0
         )

@@ -238,6 +238,10 @@ class Directory:
             sharing.resumed(self.layout, self.restore_stats[-1].step)
         return out
 
+    def read_ahead(self, prefetch: Any) -> None:
+        """The next step read takes ``prefetch`` (manager/prefetch.py: its buffers serve that step)."""
+        self._restore.ahead = prefetch
+
     def read(self, step: int, target_of: TargetOf, shardings: Any, fit: Fit) -> Any:
         """``step`` read on this process alone (a memory tiers' restore plan's persistent source)."""
         return self._restore.read(step, target_of, shardings, fit)

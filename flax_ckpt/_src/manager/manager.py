@@ -32,7 +32,7 @@ from flax_ckpt._src.errors import CheckpointError, CheckpointNotFoundError
 from flax_ckpt._src.lazy import lazy
 from flax_ckpt._src.manager.agreed import targets
 from flax_ckpt._src.manager.directory import Directory
-from flax_ckpt._src.manager.prefetch import Prefetch, available_bytes
+from flax_ckpt._src.manager.prefetch import Buffered, Prefetch, available_bytes
 from flax_ckpt._src.manager.schedule import Schedule
 from flax_ckpt._src.manager.stats import RestoreStats, SaveStats
 from flax_ckpt._src.manager.store import Store
@@ -382,6 +382,9 @@ class CheckpointManager:
         with self._busy:  # threads saving through one manager: one save at a time, each step whole
             if self._closed:
                 raise CheckpointError(f"CheckpointManager({self.directory}) is closed")
+            if self._prefetch is not None:  # a run that saves did not restore what was read ahead: freed
+                self._prefetch, prefetch = None, self._prefetch
+                prefetch.release()
             return self._save(step, state, leaves, metrics, force)
 
     def _save(
@@ -555,11 +558,17 @@ class CheckpointManager:
         return self._store.restore(step, targets(target, target_for), shardings, fit, item)
 
     def prefetch(self, *, limit: int | None = None) -> int | None:
-        """Starts reading the newest committed step's files into host memory (the page cache) on a
-        background thread, so that a restore soon after (once the runtime has started and the program
-        traced) reads memory instead of the disk. The restore chooses, reads and verifies its step as
-        ever: a step found damaged, a target that does not fit, or no restore at all costs this read
-        and nothing else. Each process reads the files it wrote. ``close()`` stops the read.
+        """Starts reading the newest committed step into host memory on a background thread, so that a
+        restore soon after (once the runtime has started and the program traced) costs little more
+        than placing the arrays. With one process and a native step, its arrays are read and their
+        checksums verified into buffers that the restore of that step takes instead of reading, as
+        long as the step's manifest, records and files are still those that were read (a file changed
+        since, another step, a leaf the read did not reach: read by the restore as ever; a restore
+        that comes while the read runs stops it and reads the rest). Otherwise (several processes,
+        each reading the files it wrote; an Orbax step) the files are read into the page cache. A
+        step found damaged, a target that does not fit, or no restore at all costs this read and
+        nothing else. The buffers are freed after the first restore, or at the first save, or by
+        ``close()``, which stops the read.
 
         Args:
           limit: the most bytes read; None: half the memory the system has available.
@@ -581,11 +590,15 @@ class CheckpointManager:
         if step is None or folder is None:
             return None
         if self._prefetch is not None:
-            self._prefetch.cancel()
+            self._prefetch.release()
         limit = available_bytes() // 2 if limit is None else limit
-        self._prefetch = Prefetch(
-            step, folder, limit, distributed.process_index(), distributed.process_count()
-        )
+        if distributed.process_count() == 1 and self.format == "native":
+            self._prefetch = Buffered(step, folder, limit, functools.partial(self._directory.open, step))
+        else:
+            self._prefetch = Prefetch(
+                step, folder, limit, distributed.process_index(), distributed.process_count()
+            )
+        self._directory.read_ahead(self._prefetch)
         return step
 
     def item_metadata(self, step: int | None = None, *, item: str | None = None) -> CheckpointInfo:
@@ -644,7 +657,7 @@ class CheckpointManager:
         self._closed = True
         _OPEN.discard(self)
         if self._prefetch is not None:
-            self._prefetch.cancel()
+            self._prefetch.release()
         try:
             self._writer.close()
         except BaseException:  # the save in flight failed: its error is raised, the store let go
