@@ -2,9 +2,6 @@
 
     python benchmarks/bench_every_step.py                          # both models, every 1/10/100, 3 rounds
     python benchmarks/bench_every_step.py --models mlp --every 1,10 --steps 60 --rounds 3
-    git worktree add /tmp/flax_ckpt-base <commit>      # then, against that commit's package:
-    python benchmarks/bench_every_step.py --models mlp --every 1 --steps 60 --rounds 3 \
-        --contenders none,memory,memory@base --baseline /tmp/flax_ckpt-base
     python benchmarks/bench_every_step.py --models mlp --every 1 --steps 20 --pairs 8 --rounds 4 \
         --ahead --contenders floor,memory,persistent          # each against its own runs without saves
 
@@ -27,9 +24,6 @@ Contenders, each run in its own process (a fresh jax: no host copy cached by ano
 - ``orbax``: Orbax's ``CheckpointManager`` (async, max_to_keep=2, StandardSave);
 - ``orbax-emergency``: Orbax's emergency ``CheckpointManager`` (local tmpfs + persistent), where the
   installed orbax-checkpoint has one that runs in a single CPU process; else the table says why not.
-- ``<contender>@base`` (with ``--baseline DIR``): the same contender with the flax_ckpt package found in
-  DIR first on ``PYTHONPATH``, e.g. a ``git worktree`` of an earlier commit: old and new code side by
-  side, interleaved (each child reports which package it imported).
 Each process runs the loop once per frequency (warm-up steps and one save first, untimed), timing
 ``--steps`` steps plus the final ``wait_until_finished`` (all the work a checkpoint causes is inside).
 
@@ -503,12 +497,6 @@ class EveryStep(C.Scenario):
         cmd += (["--ahead"] if args.ahead else []) + (["--pairs", str(args.pairs)] if args.pairs else [])
         cmd += ["--side"] if side is not None else []
         path = [str(side)] if side is not None else []
-        if c.endswith("@base"):
-            if not args.baseline:
-                raise SystemExit(
-                    f"{c}: pass --baseline DIR (a folder holding the flax_ckpt package to compare)"
-                )
-            path.insert(0, args.baseline)
         env = dict(
             os.environ, PYTHONPATH=os.pathsep.join(filter(None, [*path, os.environ.get("PYTHONPATH")]))
         )
@@ -525,7 +513,7 @@ class EveryStep(C.Scenario):
                 f"ms, {got[str(e)]['saves']} saves"
                 for e in at
             )
-            base = os.path.abspath(str(side or args.baseline))
+            base = os.path.abspath(str(side))
             if label.endswith("@base") and "package" in got and not got["package"].startswith(base):
                 raise SystemExit(f"{label} imported {got['package']}, not the baseline's package")
             print(f"round {r} {model:11s} {label:16s} {brief}", flush=True)
@@ -759,8 +747,7 @@ def main() -> None:
     ap.add_argument(
         "--baseline",
         default=None,
-        help="a folder holding the flax_ckpt package that "
-        "<contender>@base runs (e.g. a git worktree of an earlier commit)",
+        help="with --side: a folder holding the flax_ckpt package to compare (e.g. a git worktree)",
     )
     ap.add_argument(
         "--ahead", action="store_true", help="no sync per step: the loop runs ahead of the device"
