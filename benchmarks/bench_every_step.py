@@ -14,9 +14,8 @@ with ``--ahead`` it does not (a loop that dispatches steps ahead of the device, 
 Contenders, each run in its own process (a fresh jax: no host copy cached by another contender):
 - ``none``: the loop without checkpoints (the reference of every ratio);
 - ``floor``: ``np.copyto`` of every leaf into buffers allocated once (the cost of one host copy);
-- ``write-floor``: every leaf written back to back into one file and fsynced, as a plain writer does
-  (bench_save_restore.py's raw baseline: ``ndarray.tofile``, through the page cache) on a background thread, one file in flight (the next save
-  waits for it), the two newest kept: the cost of making the state durable with no format at all;
+- ``write-floor``: every leaf written back to back into one file and fsynced on a background thread,
+  one file in flight, the two newest kept: the state made durable with no format at all;
 - ``memory``: ``CheckpointManager(tiers=Tiers(local_dir=<tmpfs>, peer=False, persist_interval_steps=50))``,
   the default ``on_busy="skip"`` (a save that finds the previous one in flight is skipped: the table
   says how many saves were made);
@@ -27,27 +26,21 @@ Contenders, each run in its own process (a fresh jax: no host copy cached by ano
 Each process runs the loop once per frequency (warm-up steps and one save first, untimed), timing
 ``--steps`` steps plus the final ``wait_until_finished`` (all the work a checkpoint causes is inside).
 
-Interleaved rounds: each round runs every contender once per model, the order rotated by one per round.
-Reported per (model, frequency, contender): the median over rounds of the wall-time ratio to ``none``
-of the same round, minus one (the overhead), and the same for process CPU time (every thread of the
-process: the checkpointer's background work included; steadier than wall time on a loaded machine).
+Interleaved rounds (the runner's). Reported per (model, frequency, contender): the median over rounds
+of the wall-time ratio to ``none`` of the same round, minus one (the overhead), and the same for process
+CPU time (every thread's: the checkpointer's background work included).
 
 ``--pairs N``: each contender's process runs the loop N times without saves and N times with, in turns
-(ABBA), ``--steps`` steps each, and its overhead is the ratio to its own runs without saves. On a
-shared 2-core machine the loop alone moves by 10-30% from one process to the next (its XLA threads'
-CPU time moves with the neighbours), which ``none`` in another process cannot cancel; runs of 20 steps
-in turns in one process can. ``none`` is then not needed. The report then also splits the CPU above
-the runs without saves: the Python threads' (the loop's and the checkpointer's, by process CPU minus
-the threads Python did not start, from /proc/self/task/*/schedstat) per save made, which is what a save
-itself costs, and the change of XLA's threads' per step, which moves with the machine's load.
+(ABBA), ``--steps`` steps each, and its overhead is the ratio to its own runs without saves (``none``
+is then not needed: a loop moves from one process to the next). The report then also splits the CPU
+above the runs without saves: the Python threads' (process CPU minus the threads Python did not
+start) per save made, and the change of XLA's threads' per step.
 
 ``--side`` (with ``--pairs N --baseline DIR``; contenders memory and persistent): each process holds the
-contender twice, this code's and the baseline's (DIR/flax_ckpt copied and imported as
-``flax_ckpt_base``), and runs N rounds of four runs in turns (without saves, saving with one, without,
-saving with the other), so that the two codes meet the same process and the same minute of the machine.
+contender twice, this code's and the baseline's (DIR/flax_ckpt imported as ``flax_ckpt_base``), and
+runs N rounds of four runs in turns (without saves, saving with one, without, saving with the other).
 The table adds, per contender, this code's CPU minus the baseline's in the same round, in points of the
-CPU without saves (mean, standard error): the comparison with an earlier commit that separate processes
-blur.
+CPU without saves (mean, standard error).
 
     python benchmarks/bench_every_step.py --models mlp --every 1 --steps 20 --pairs 40 --rounds 4 \
         --ahead --contenders persistent --side --baseline /tmp/flax_ckpt-base
@@ -78,7 +71,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import ab  # noqa: E402
 import fixtures as F  # noqa: E402
 import runner as C  # noqa: E402
-from _savers import FcManager, OrbaxManager, Saver  # noqa: E402
+from _savers import FcManager, OrbaxManager, Saver, train, warm_up  # noqa: E402
 
 CONTENDERS = ["none", "floor", "write-floor", "memory", "persistent", "orbax", "orbax-emergency"]
 MODELS = ["mlp", "transformer"]
@@ -230,62 +223,35 @@ def saver(name: str, state: Any, d: Path, package: str = "flax_ckpt") -> Saver |
 # ------------------------------------------------------------------------------------------ a child
 
 
-def threads_ms() -> dict[tuple[str, str], float]:
-    """CPU ms of every thread of this process by (tid, name), from /proc/self/task/<tid>/schedstat
-    (nanoseconds, not clock ticks); a thread Python did not start (XLA's) is named "xla"."""
-    names = {t.native_id: t.name for t in threading.enumerate()}
+def native_cpu() -> dict[str, float]:
+    """CPU seconds of each thread of this process that Python did not start (XLA's), by tid, from
+    /proc/self/task/<tid>/schedstat (nanoseconds). With ``--pairs`` the rest of the process's CPU is
+    its Python threads': the loop's and the checkpointer's."""
+    python = {str(t.native_id) for t in threading.enumerate()}
     out = {}
-    for tid in os.listdir("/proc/self/task"):
+    for tid in set(os.listdir("/proc/self/task")) - python:
         try:
             with open(f"/proc/self/task/{tid}/schedstat") as f:
-                ns = int(f.read().split()[0])
+                out[tid] = int(f.read().split()[0]) / 1e9
         except (OSError, ValueError, IndexError):  # ended meanwhile; or no schedstat in this kernel
             continue
-        out[(tid, names.get(int(tid), "xla"))] = ns / 1e6
     return out
-
-
-def native_cpu() -> dict[str, float]:
-    """CPU seconds of each thread of this process that Python did not start (XLA's), by tid. With
-    ``--pairs`` the rest of the process's CPU is its Python threads': the loop's and the checkpointer's."""
-    return {tid: ms / 1e3 for (tid, name), ms in threads_ms().items() if name == "xla"}
-
-
-def warm_up(step: Callable[[Any], Any], state: Any, s: Saver | None) -> Any:
-    """Three steps (compiled), then step 0 saved with ``s`` and finished (first-save costs apart; Orbax's
-    managers save only steps above the newest they hold); returns the state."""
-    import jax
-
-    for _ in range(3):
-        state = jax.block_until_ready(step(state))
-    if s is not None:
-        s.save(0, state)
-        s.finish()
-        getattr(s, "mark", lambda: None)()
-    return state
 
 
 def timed(
     step: Callable[[Any], Any], state: Any, steps: int, ahead: bool, s: Saver | None, every: int, at: int
 ) -> tuple[Any, int, tuple[float, float, int, float]]:
-    """``steps`` steps from ``state``, numbered on from ``at``, each ``every``-th saved with ``s`` (None:
-    no saves), the checkpointer's work finished inside. Returns the state, the last step number, and
-    (wall, process CPU, saves made, CPU of the threads Python did not start: XLA's)."""
-    import jax
-
+    """``steps`` steps numbered on from ``at``, each ``every``-th saved with ``s`` (None: no saves), the
+    checkpointer's work finished inside (``_savers.train``). Returns the state, the last step number,
+    and (wall, process CPU, saves made, CPU of the threads Python did not start: XLA's)."""
     n0 = native_cpu()
-    t0, c0, made = time.perf_counter(), time.process_time(), 0
-    for _ in range(steps):
-        at += 1
-        state = step(state) if ahead else jax.block_until_ready(step(state))
-        if s is not None and at % every == 0:
-            made += bool(s.save(at, state))
-    jax.block_until_ready(state)
-    if s is not None:
-        s.finish()
-    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    state, got = train(step, state, steps, s, lambda i: i % every == 0, sync=not ahead, start=at)
     n1 = native_cpu()
-    return state, at, (wall, cpu, made, sum(v - n0[t] for t, v in n1.items() if t in n0))
+    return (
+        state,
+        at + steps,
+        (got["wall"], got["cpu"], got["made"], sum(v - n0[t] for t, v in n1.items() if t in n0)),
+    )
 
 
 def counted(s: Saver | None, made: int) -> dict[str, Any]:
@@ -350,7 +316,7 @@ def child(
         except Exception as e:  # e.g. an orbax without a single-process emergency manager
             return {"error": f"{type(e).__name__}: {e}"[:300]}
         try:
-            state = warm_up(step, state, s)
+            state = warm_up(step, state, s, 3)
             at = 0  # the last step number given (saves' steps grow across the blocks)
 
             def block(saving: bool) -> tuple[float, float, int, float]:
@@ -416,7 +382,7 @@ def side_child(
         }
         try:
             for s in savers.values():
-                state = warm_up(step, state, s)
+                state = warm_up(step, state, s, 3)
             at = {"none": 0, "new": 0, "base": 0}  # each saver's last step number (saves' steps grow)
 
             def block(mode: str) -> tuple[float, float, int, float]:
