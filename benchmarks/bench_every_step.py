@@ -647,18 +647,8 @@ def pool(reports: list[dict[str, Any]]) -> str:
                     for e, row in proc.items():
                         if not isinstance(row, dict) or not row.get("pairs"):
                             continue
-                        d = got.setdefault((model, e), {}).setdefault(
-                            label,
-                            {
-                                "pairs": [],
-                                "py": [],
-                                "xla": [],
-                                "side": [],
-                                "saves": 0,
-                                "asked": 0,
-                                "procs": 0,
-                            },
-                        )
+                        new = dict(pairs=[], py=[], xla=[], side=[], saves=0, asked=0, procs=0)
+                        d = got.setdefault((model, e), {}).setdefault(label, new)
                         d["side"] += row.get("side_diff", [])
                         d["pairs"] += row["pairs"]
                         d["procs"] += 1
@@ -683,11 +673,8 @@ def pool(reports: list[dict[str, Any]]) -> str:
             ratios = [c1 / c0 for _, c0, _, c1 in d["pairs"]]
             sums = sum(p[3] for p in d["pairs"]) / sum(p[1] for p in d["pairs"])
             py = f"{statistics.median(d['py']):.1f}" if d["py"] else "n/a"
-            xla = (
-                f"{statistics.median(d['xla']):+.1f} ({statistics.mean(d['xla']):+.1f})"
-                if d["xla"]
-                else "n/a"
-            )
+            mx = d["xla"] and (statistics.median(d["xla"]), statistics.mean(d["xla"]))
+            xla = f"{mx[0]:+.1f} ({mx[1]:+.1f})" if mx else "n/a"
             lines.append(
                 f"| {label} | {d['procs']} | {len(ratios)} | {statistics.median(ratios) - 1:+.1%} | "
                 f"{sums - 1:+.1%} | {py} | {xla} | {d['saves']}/{d['asked']} |"

@@ -3,29 +3,12 @@
     python benchmarks/plots.py [--results benchmarks/results] [--out docs/_static]
     python benchmarks/plots.py --bench-out bench_out --out /tmp/preview   # with runs not yet committed
 
-Scope: reading the benchmarks' JSON reports and drawing them (matplotlib, the `plot` extra); it
-measures nothing and imports nothing of flax_ckpt. The reports a user's pages quote are committed
-under benchmarks/results/: a benchmark writes its report to bench_out/, and copying it there publishes
-it (``--bench-out`` adds a folder of reports for a preview). Of each kind of report the newest (by the date it records)
-is drawn. What it writes under ``--out``:
-
-| file | from | shows |
-|---|---|---|
-| save_restore.png | save_restore-*.json (bench_save_restore.py) | save and restore seconds per contender |
-| every_step.png | every_step-*.json (bench_every_step.py) | step-time overhead against the interval |
-| per_leaf.png | bench_scale-*.json (bench_scale.py) | microseconds per leaf against the leaf count |
-| accelerator.png | bench_accelerator.py's table report | the time a save blocks training, per contender |
-| shared.png | bench_shared-*.json (bench_shared.py) | a fine-tune's saves: bytes on disk and time, sharing against writing all |
-| perf_table.md | save_restore-*.json | the Performance page's table |
-| accelerator_table.md | bench_accelerator.py's table report, else a note: to be measured | the Accelerators page's table |
-| figures.json | every report | every figure of every run, with its machine, date and command |
-
-figures.json is the one source of the figures the pages state: a page section quoting a run names it
-in a comment, ``<!-- figures: <run> -->``, and tests/test_figures.py checks every figure of the
-section against that run. Charts show the median of the interleaved rounds as a bar or line and
-every round as a point; an overhead whose rounds straddle zero is drawn as "within noise", not as a
-negative cost. PNGs are written without a timestamp, so a chart redrawn from the same report is
-byte-identical.
+Reads the benchmarks' JSON reports and draws them (matplotlib, the `plot` extra); it measures nothing
+and imports nothing of flax_ckpt. Of each kind of report in benchmarks/results/ (and ``--bench-out``)
+the newest is drawn; benchmarks/README.md ("Charts and figures") lists what it writes under ``--out``.
+figures.json holds every figure of every run: a page section quoting a run names it in a comment,
+``<!-- figures: <run> -->``, and tests/test_figures.py checks it. PNGs carry no timestamp, so a chart
+redrawn from the same report is byte-identical.
 """
 
 from __future__ import annotations
