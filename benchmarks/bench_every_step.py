@@ -284,6 +284,9 @@ def paired_row(
     }
 
 
+BASE = ab.BASE  # the name --side imports the baseline's package under
+
+
 def child(
     contender: str,
     model: str,
@@ -292,134 +295,83 @@ def child(
     scratch: Path,
     ahead: bool = False,
     pairs: int = 0,
+    side: bool = False,
 ) -> dict[str, Any]:
     """One process: the loop once per frequency; {every: {wall, cpu, saves, skipped}} or {"error"}.
     ``ahead``: no sync per step (the loop runs ahead of the device), one at the end. ``pairs``: instead
     of one run of ``steps`` steps, ``pairs`` pairs of runs, one without saves and one with, in turns
     (each row then also has ``alone``, the runs without saves, and ``pairs``, every pair's
-    [wall alone, CPU alone, wall saving, CPU saving])."""
-    import jax
-    import numpy as np
-
-    init, step = make_model(model)
-    out: dict[str, Any] = {"state_mb": None}
-    if contender.split("@")[0] in ("memory", "persistent"):
-        import flax_ckpt
-
-        out["package"] = os.path.dirname(flax_ckpt.__file__)  # which flax_ckpt ran (see --baseline)
-    for every in everies:
-        d = C.fresh_dir(scratch / f"{contender}-{model}-{every}")
-        state = jax.block_until_ready(step(init()))
-        out["state_mb"] = sum(np.asarray(x).nbytes for x in jax.tree_util.tree_leaves(state)) / C.MB
-        try:
-            s = saver(contender, state, d / "ckpt")
-        except Exception as e:  # e.g. an orbax without a single-process emergency manager
-            return {"error": f"{type(e).__name__}: {e}"[:300]}
-        try:
-            state = warm_up(step, state, s, 3)
-            at = 0  # the last step number given (saves' steps grow across the blocks)
-
-            def block(saving: bool) -> tuple[float, float, int, float]:
-                nonlocal state, at
-                state, at, got = timed(step, state, steps, ahead, s if saving else None, every, at)
-                return got
-
-            if not pairs:
-                wall, cpu, made, _ = block(True)
-                row: dict[str, Any] = {"wall": wall / steps, "cpu": cpu / steps}
-            else:  # alone and saving in turns, ABBA (a drift of the machine falls on both alike)
-                got: list[list[float]] = []
-                xla: list[list[float]] = []
-                made = 0
-                for k in range(pairs):
-                    order = (False, True) if k % 2 == 0 else (True, False)
-                    r = {o: block(o) for o in order}
-                    made += r[True][2]
-                    got.append([r[False][0], r[False][1], r[True][0], r[True][1]])
-                    xla.append([r[False][3], r[True][3]])
-                row = paired_row(got, xla, made, steps * pairs, every)
-            out[str(every)] = row | counted(s, made)
-        except Exception as e:
-            return {"error": f"{type(e).__name__}: {e}"[:300]}
-        finally:
-            if s is not None:
-                s.close()
-            shutil.rmtree(d, ignore_errors=True)
-    return out
-
-
-BASE = ab.BASE  # the name --side imports the baseline's package under
-
-
-def side_child(
-    contender: str, model: str, everies: list[int], steps: int, scratch: Path, ahead: bool, pairs: int
-) -> dict[str, Any]:
-    """``--side``: one process, two savers of ``contender``: this flax_ckpt's and the baseline's
-    (package ``BASE``), and ``pairs`` rounds of four runs of ``steps`` steps in turns, rotated a place
-    a round: without saves, saving with the one, without, saving with the other. Each saving run is
-    compared with the mean of its round's two runs without saves, so that the two codes meet the same
-    state of the machine and of this process (XLA's threads move by several ms a step from one process
-    to the next). Returns {"side": {contender: row, contender@base: row}} with rows as ``child``'s
-    (``pairs``: [wall alone, CPU alone, wall saving, CPU saving] a round), and in the first row
-    ``side_diff``: per round, (CPU saving with this code − with the baseline's) / CPU alone."""
+    [wall alone, CPU alone, wall saving, CPU saving]). ``side`` (with ``pairs``): two savers of
+    ``contender``, this flax_ckpt's and the baseline's (package ``BASE``), and ``pairs`` rounds of four
+    runs in turns, rotated a place a round: without saves, saving with the one, without, saving with
+    the other, each saving run against the mean of its round's two runs without saves. Returns then
+    {"side": {contender: row, contender@base: row}}, the first row with ``side_diff``: per round,
+    (CPU saving with this code − with the baseline's) / CPU alone."""
     import importlib
 
     import jax
     import numpy as np
 
     init, step = make_model(model)
-    names = {"new": contender, "base": f"{contender}@base"}
-    out: dict[str, dict[str, Any]] = {n: {"state_mb": None} for n in names.values()}
-    for k, pkg in (("new", "flax_ckpt"), ("base", BASE)):
-        out[names[k]]["package"] = os.path.dirname(importlib.import_module(pkg).__file__ or "")
+    modes = {"new": contender, "base": f"{contender}@base"} if side else {"new": contender}
+    packages = {"new": "flax_ckpt", "base": BASE}
+    out: dict[str, dict[str, Any]] = {n: {"state_mb": None} for n in modes.values()}
+    if contender in ("memory", "persistent"):  # which flax_ckpt ran
+        for k, n in modes.items():
+            out[n]["package"] = os.path.dirname(importlib.import_module(packages[k]).__file__ or "")
     for every in everies:
-        d = C.fresh_dir(scratch / f"side-{contender}-{model}-{every}")
+        d = C.fresh_dir(scratch / f"{contender}-{model}-{every}")
         state = jax.block_until_ready(step(init()))
         mb = sum(np.asarray(x).nbytes for x in jax.tree_util.tree_leaves(state)) / C.MB
-        savers = {
-            "new": saver(contender, state, d / "new"),
-            "base": saver(contender, state, d / "base", package=BASE),
-        }
+        savers: dict[str, Saver | None] = {}
         try:
+            for k in modes:
+                savers[k] = saver(contender, state, d / k, package=packages[k])
             for s in savers.values():
                 state = warm_up(step, state, s, 3)
-            at = {"none": 0, "new": 0, "base": 0}  # each saver's last step number (saves' steps grow)
+            at: dict[str, int] = {}  # the last step number given (saves' steps grow), per saver with side
 
             def block(mode: str) -> tuple[float, float, int, float]:
                 nonlocal state
-                state, at[mode], got = timed(step, state, steps, ahead, savers.get(mode), every, at[mode])
+                key = mode if side else ""
+                state, at[key], got = timed(
+                    step, state, steps, ahead, savers.get(mode), every, at.get(key, 0)
+                )
                 return got
 
-            got: dict[str, list[list[float]]] = {"new": [], "base": []}
-            xla: dict[str, list[list[float]]] = {"new": [], "base": []}
-            made = {"new": 0, "base": 0}
-            for k in range(pairs):
-                order = ["none", "new", "none", "base"]
-                order = order[k % 4 :] + order[: k % 4]
-                r = [(m, block(m)) for m in order]
-                alone = [b for m, b in r if m == "none"]
-                w0, c0, x0 = (statistics.mean(b[i] for b in alone) for i in (0, 1, 3))
-                for m, b in r:
-                    if m != "none":
-                        got[m].append([w0, c0, b[0], b[1]])
-                        xla[m].append([x0, b[3]])
-                        made[m] += b[2]
-            for m, s in savers.items():
-                out[names[m]]["state_mb"] = mb
-                out[names[m]][str(every)] = paired_row(
-                    got[m], xla[m], made[m], steps * pairs, every
-                ) | counted(s, made[m])
-            out[contender][str(every)]["side_diff"] = [
-                (a[3] - b[3]) / a[1] for a, b in zip(got["new"], got["base"])
-            ]
-        except Exception as e:
+            if not pairs:
+                wall, cpu, made, _ = block("new")
+                rows = {"new": {"wall": wall / steps, "cpu": cpu / steps} | counted(savers["new"], made)}
+            else:  # alone and saving in turns (ABBA with one saver: a drift falls on both alike)
+                got = {m: [] for m in modes}
+                xla = {m: [] for m in modes}
+                made = dict.fromkeys(modes, 0)
+                turn = ["none", "new", "none", "base"] if side else ["none", "new"]
+                for k in range(pairs):
+                    r = [(m, block(m)) for m in turn[k % len(turn) :] + turn[: k % len(turn)]]
+                    alone = [b for m, b in r if m == "none"]
+                    w0, c0, x0 = (statistics.mean(b[i] for b in alone) for i in (0, 1, 3))
+                    for m, b in r:
+                        if m != "none":
+                            got[m].append([w0, c0, b[0], b[1]])
+                            xla[m].append([x0, b[3]])
+                            made[m] += b[2]
+                rows = {
+                    m: paired_row(got[m], xla[m], made[m], steps * pairs, every) | counted(savers[m], made[m])
+                    for m in modes
+                }
+                if side:
+                    rows["new"]["side_diff"] = [(a[3] - b[3]) / a[1] for a, b in zip(got["new"], got["base"])]
+            for m, row in rows.items():
+                out[modes[m]].update({"state_mb": mb, str(every): row})
+        except Exception as e:  # e.g. an orbax without a single-process emergency manager
             return {"error": f"{type(e).__name__}: {e}"[:300]}
         finally:
             for s in savers.values():
                 if s is not None:
                     s.close()
             shutil.rmtree(d, ignore_errors=True)
-    return {"side": out}
+    return {"side": out} if side else out[contender]
 
 
 # ----------------------------------------------------------------------------------------- the parent
@@ -736,12 +688,9 @@ def main() -> None:
         scratch = C.SCRATCH
         try:
             everies = [int(e) for e in args.every.split(",")]
-            if args.side:
-                res = side_child(
-                    args.child, args.models, everies, args.steps, scratch, args.ahead, args.pairs
-                )
-            else:
-                res = child(args.child, args.models, everies, args.steps, scratch, args.ahead, args.pairs)
+            res = child(
+                args.child, args.models, everies, args.steps, scratch, args.ahead, args.pairs, args.side
+            )
         finally:
             C.remove_scratch(scratch)
         print(json.dumps(res), flush=True)
