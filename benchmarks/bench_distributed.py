@@ -183,10 +183,7 @@ def main() -> None:
         for n in args.procs:
             results[n] = run_job(n, args.devices, nbytes, args.rounds, scratch)
     finally:
-        if scratch.exists():
-            import shutil
-
-            shutil.rmtree(scratch)
+        C.remove_scratch(scratch)  # and this process's scratch folder, left empty before
     rows = ["| processes x devices | " + " | ".join(MEASURES) + " |", "|---" * (len(MEASURES) + 1) + "|"]
     for n, times in results.items():
         cells = [
