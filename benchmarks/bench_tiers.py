@@ -17,11 +17,9 @@ Each contender saves its own, freshly created arrays of equal values (a jax CPU 
 copy on first use, which would make the second contender's snapshot free); the frozen backbone is one
 array shared by both and by every step.
 Per save: ``blocked`` (time ``save`` held the caller) and ``to tier`` (from the ``save`` call to the
-commit: durable on disk, resp. committed in local memory); the memory tier's bytes written. Each
-state's arrays are ready before ``save`` is called (block_until_ready). Three warm-up saves per
-contender come first: the first saves of a run write into freshly allocated memory (page cache for
-the disk, tmpfs pages for the memory tier, which from the third save on writes into the pages of the
-copies retention removed); the first memory save, a full base, is reported apart.
+commit: durable on disk, resp. committed in local memory); the memory tier's bytes written. Three
+warm-up saves per contender come first (fresh pages); the first memory save, a full base, is reported
+apart.
 
 Restore (the fine-tuning state's newest step, into jax CPU arrays): from local memory; from disk cold
 (the step's files evicted from the page cache with posix_fadvise(DONTNEED) after fsync) and warm. The

@@ -1,4 +1,4 @@
-"""The reliability table: every fault class of issue 10, N real trials each, and what restore gave.
+"""The reliability table: every fault class, N real trials each, and what restore gave.
 
     python benchmarks/faults.py                                   # 200 SIGKILLs, 20 trials per class
     python benchmarks/faults.py --kills 40 --trials 5 --fuzz 500  # quicker

@@ -3,29 +3,12 @@
     python benchmarks/plots.py [--results benchmarks/results] [--out docs/_static]
     python benchmarks/plots.py --bench-out bench_out --out /tmp/preview   # with runs not yet committed
 
-Scope: reading the benchmarks' JSON reports and drawing them (matplotlib, the `plot` extra); it
-measures nothing and imports nothing of flax_ckpt. The reports a user's pages quote are committed
-under benchmarks/results/: a benchmark writes its report to bench_out/, and copying it there publishes
-it (``--bench-out`` adds a folder of reports for a preview). Of each kind of report the newest (by the date it records)
-is drawn. What it writes under ``--out``:
-
-| file | from | shows |
-|---|---|---|
-| save_restore.png | save_restore-*.json (bench_save_restore.py) | save and restore seconds per contender |
-| every_step.png | every_step-*.json (bench_every_step.py) | step-time overhead against the interval |
-| per_leaf.png | bench_scale-*.json (bench_scale.py) | microseconds per leaf against the leaf count |
-| accelerator.png | bench_accelerator.py's table report | the time a save blocks training, per contender |
-| shared.png | bench_shared-*.json (bench_shared.py) | a fine-tune's saves: bytes on disk and time, sharing against writing all |
-| perf_table.md | save_restore-*.json | the Performance page's table |
-| accelerator_table.md | bench_accelerator.py's table report, else a note: to be measured | the Accelerators page's table |
-| figures.json | every report | every figure of every run, with its machine, date and command |
-
-figures.json is the one source of the figures the pages state: a page section quoting a run names it
-in a comment, ``<!-- figures: <run> -->``, and tests/test_figures.py checks every figure of the
-section against that run. Charts show the median of the interleaved rounds as a bar or line and
-every round as a point; an overhead whose rounds straddle zero is drawn as "within noise", not as a
-negative cost. PNGs are written without a timestamp, so a chart redrawn from the same report is
-byte-identical.
+Reads the benchmarks' JSON reports and draws them (matplotlib, the `plot` extra); it measures nothing
+and imports nothing of flax_ckpt. Of each kind of report in benchmarks/results/ (and ``--bench-out``)
+the newest is drawn; benchmarks/README.md ("Charts and figures") lists what it writes under ``--out``.
+figures.json holds every figure of every run: a page section quoting a run names it in a comment,
+``<!-- figures: <run> -->``, and tests/test_figures.py checks it. PNGs carry no timestamp, so a chart
+redrawn from the same report is byte-identical.
 """
 
 from __future__ import annotations
@@ -178,8 +161,7 @@ def command(body: dict[str, Any]) -> str:
     return body.get("command", "?")
 
 
-def _median(values: list[float]) -> float:
-    return statistics.median(values)
+_median = statistics.median
 
 
 # ------------------------------------------------------------------------------------------- figures
@@ -331,10 +313,18 @@ def _source(fig: Any, body: dict[str, Any], y: float, note: str = "") -> None:
     fig.text(0.01, y, text, fontsize=SMALL - 1, color="#555555", va="top")
 
 
-def _points(ax: Any, xs: list[float], rounds: list[list[float]], **kw: Any) -> None:
-    """Every round's value as a small dot beside its median: the spread a reader should see."""
+def _points(ax: Any, xs: list[float], rounds: list[list[float]], *, across: bool = False, **kw: Any) -> None:
+    """Every round's value as a small dot beside its median: the spread a reader should see (``across``:
+    on a horizontal bar, the values along x at height ``x``)."""
     for x, values in zip(xs, rounds):
-        ax.plot([x] * len(values), values, linestyle="", marker="o", markersize=4, color="black", **kw)
+        at = [x] * len(values)
+        ax.plot(*((values, at) if across else (at, values)), ls="", marker="o", ms=4, color="black", **kw)
+
+
+def _slots(i: int, n: int, groups: int) -> tuple[list[float], float]:
+    """Where the i-th of n bars side by side stands in each of ``groups`` groups, and its width."""
+    width = 0.8 / n
+    return [j + (i - (n - 1) / 2) * width for j in range(groups)], width
 
 
 # ------------------------------------------------------------------------------------ save / restore
@@ -352,9 +342,8 @@ def save_restore_chart(body: dict[str, Any], out: pathlib.Path, svg: bool) -> li
     names = list(medians)
     measures = [(m, label) for m, label in MEASURES if any(medians[n].get(m) for n in names)]
     fig, ax = plt.subplots(figsize=(7.5, 4.6))
-    width = 0.8 / len(names)
     for i, name in enumerate(names):
-        xs = [j + (i - (len(names) - 1) / 2) * width for j in range(len(measures))]
+        xs, width = _slots(i, len(names), len(measures))
         ys = [medians[name].get(m) or 0.0 for m, _ in measures]
         bars = ax.bar(xs, ys, width, label=LABELS.get(name, name), color=COLORS.get(name))
         ax.bar_label(bars, fmt="%.2f", fontsize=SMALL, padding=3)
@@ -445,9 +434,8 @@ def every_step_chart(body: dict[str, Any], out: pathlib.Path, svg: bool) -> list
         everies = sorted(data[model], key=int)
         contenders = list(data[model][everies[0]])
         for ax, measure, what in zip(row, ("wall", "cpu"), ("wall time", "CPU time")):
-            width = 0.8 / len(contenders)
             for i, name in enumerate(contenders):
-                xs = [j + (i - (len(contenders) - 1) / 2) * width for j in range(len(everies))]
+                xs, width = _slots(i, len(contenders), len(everies))
                 rounds = [[100 * v for v in data[model][e].get(name, {}).get(measure, [])] for e in everies]
                 ys = [0.0 if within_noise(r) else _median(r) for r in rounds]  # noise: no bar
                 bars = ax.bar(xs, ys, width, label=LABELS.get(name, name), color=COLORS.get(name))
@@ -462,13 +450,9 @@ def every_step_chart(body: dict[str, Any], out: pathlib.Path, svg: bool) -> list
     axes[0][0].legend(frameon=False, loc="upper left", ncol=2, fontsize=SMALL)
     rounds = body.get("args", {}).get("rounds", "?")
     fig.tight_layout()
-    _source(
-        fig,
-        body,
-        0.0,
-        f"\nbars: medians of {rounds} interleaved rounds against the same loop without checkpoints; "
-        "dots: each round;\n'noise': rounds on both sides of zero (no cost this run can tell apart)",
-    )
+    note = f"\nbars: medians of {rounds} interleaved rounds against the same loop without checkpoints; "
+    note += "dots: each round;\n'noise': rounds on both sides of zero (no cost this run can tell apart)"
+    _source(fig, body, 0.0, note)
     return _save(fig, out, "every_step", svg)
 
 
@@ -490,25 +474,13 @@ def per_leaf_chart(body: dict[str, Any], out: pathlib.Path, svg: bool) -> list[p
     for key, label, color in SCALE_MEASURES:
         ax.plot(ns, [r["flax_ckpt_us"].get(key) for r in leaves], marker="o", label=label, color=color)
         _points(ax, ns, [r.get("rounds_us", {}).get(key, []) for r in leaves], alpha=0.35)
-    ax.plot(
-        ns,
-        [r["device_put_us"] for r in leaves],
-        linestyle="--",
-        color="#9e9e9e",
-        label="one jax.device_put per leaf",
-    )
+    put = [r["device_put_us"] for r in leaves]
+    ax.plot(ns, put, ls="--", color="#9e9e9e", label="one jax.device_put per leaf")
     for r in leaves:
         for key, marker in (("save", "s"), ("restore", "D")):
             if key in r.get("orbax", {}):
-                ax.plot(
-                    [r["n"]],
-                    [r["orbax"][key]["us_per_leaf"]],
-                    marker=marker,
-                    markersize=9,
-                    linestyle="",
-                    color=COLORS["orbax"],
-                    label=f"Orbax {key}",
-                )
+                y, orbax = r["orbax"][key]["us_per_leaf"], COLORS["orbax"]
+                ax.plot([r["n"]], [y], marker=marker, ms=9, ls="", color=orbax, label=f"Orbax {key}")
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xticks(ns, [f"{n:,}" for n in ns])
@@ -521,12 +493,8 @@ def per_leaf_chart(body: dict[str, Any], out: pathlib.Path, svg: bool) -> list[p
     ax.legend(frameon=False, loc="upper left", ncol=2, fontsize=SMALL)
     rounds = body.get("args", {}).get("rounds", "?")
     dots = "dots: each round" if any(r.get("rounds_us") for r in leaves) else "(no per-round values kept)"
-    _source(
-        fig,
-        body,
-        -0.04,
-        f"\nlines: medians of {rounds} short interleaved rounds on a shared machine; {dots}",
-    )
+    note = f"\nlines: medians of {rounds} short interleaved rounds on a shared machine; {dots}"
+    _source(fig, body, -0.04, note)
     return _save(fig, out, "per_leaf", svg)
 
 
@@ -619,7 +587,7 @@ def accelerator_chart(body: dict[str, Any], out: pathlib.Path, svg: bool) -> lis
     ax.barh(labels, [v for _, v in named], color=[COLORS.get(n, "#1565c0") for n, _ in named])
     for i, (name, value) in enumerate(named):
         values = [scale * v for v in table.get(name, [])]
-        ax.plot(values, [i] * len(values), linestyle="", marker="o", markersize=4, color="black", alpha=0.6)
+        _points(ax, [i], [values], across=True, alpha=0.6)
         text = (f"{value:.2g}" if value < 10 else f"{value:.0f}") + (" ms" if scale == 1e3 else "")
         ax.text(max([value, *values]) * 1.25, i, text, va="center")
     ax.set_xscale("log")
@@ -682,9 +650,7 @@ def resume_chart(body: dict[str, Any], out: pathlib.Path, svg: bool) -> list[pat
         ax.barh(
             [RESUME_LABELS[m] for m in modes], width, left=left, color=colors[i], label=RESUME_PHASES[phase]
         )
-    for y, m in enumerate(modes):
-        totals = [r["total"] for r in body["runs"][m]]
-        ax.plot(totals, [y] * len(totals), linestyle="", marker="o", markersize=4, color="black")
+    _points(ax, list(range(len(modes))), [[r["total"] for r in body["runs"][m]] for m in modes], across=True)
     n = body.get("rounds_run", body.get("rounds", 1))
     ax.set_xlabel("seconds from the process's start to the end of its first training step")
     ax.set_title(
@@ -736,8 +702,7 @@ def shared_chart(body: dict[str, Any], out: pathlib.Path, svg: bool) -> list[pat
     ms = [body["durable_s"][n] * 1e3 for n in names]
     right.barh(range(2), ms, color=["#bdbdbd", COLORS["persistent"]], height=0.5)
     for y, n in enumerate(names):
-        values = [v * 1e3 for v in body.get("rounds_s", {}).get(n, [])]
-        right.plot(values, [y] * len(values), linestyle="", marker="o", markersize=4, color="black")
+        _points(right, [y], [[v * 1e3 for v in body.get("rounds_s", {}).get(n, [])]], across=True)
         right.text(ms[y], y + 0.3, f" {ms[y]:.0f} ms", va="center", fontsize=SMALL)
     right.set_yticks(range(2), [SHARED_LABELS[n] for n in names])
     right.set_xlabel("ms from save() until durable")
