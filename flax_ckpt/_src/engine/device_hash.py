@@ -20,18 +20,17 @@ four independent lanes with probability at most ``((B + Q) / P)^4``: at most 2^-
 to 2^30 limbs (1 GiB of 8-bit or 2 GiB of 16- or 32-bit elements), 2^-56 up to 2^32 limbs (the most
 hashed: a larger shard is always brought to host). This holds for any change (one bit of one
 bfloat16, the last byte, a difference of 2^31 in one word, changes that cancel in a sum or an XOR, a
-swap of two words), since the key is drawn after the bytes are chosen and never leaves the process:
-it is passed to each computation as an argument (never a constant of a compiled program, which a
+swap of two words), since the bytes cannot depend on the key: it never leaves the process. It is passed to each computation as an argument (never a constant of a compiled program, which a
 compilation cache would write to disk), never stored, logged or shown in a repr. A process that
 restarts draws a new key and has no ledger: its first save brings every shard to host (the host
 path decides what is shared).
 
 The arithmetic is in uint32 (JAX runs without 64-bit types by default): products of a 16-bit limb
 and a 31-bit key in 16-bit halves, reduced modulo the Mersenne prime with shifts; each row's sum is
-taken of the products' 16-bit halves (no overflow for rows of up to 2^16 limbs). XLA fuses it into
-one reduction per shard reading the shard once, with no temporary of the shard's size (the compiled
-program's temporaries are a few rows' sums: tests/test_device_hash.py checks ``memory_analysis``). Each
-program's memory is checked where it is compiled: a shard whose hash would need a temporary of more
+taken of the products' 16-bit halves in one variadic reduction (no overflow for rows of up to 2^16
+limbs), which XLA fuses with the arithmetic: no temporary of the shard's size (on CPU the program's
+temporaries are a few rows' sums: tests/test_device_hash.py checks ``memory_analysis``). Each
+program's memory is checked where it is compiled, on any backend: a shard whose hash would need a temporary of more
 than 1/32 of its bytes (or more than ``FLAX_CKPT_DEVICE_BUDGET``) is brought to host, never hashed.
 
 Private switch, for tests and benchmarks (not a user setting): the environment variable
@@ -165,9 +164,10 @@ def _shift16(x: jax.Array) -> jax.Array:
 
 
 def _mul_limb(m: jax.Array, t: jax.Array) -> jax.Array:
-    """``m * t`` (mod P) for a limb m < 2^16 and t < 2^31, < 2^31."""
-    hi = _shift16(m * (t >> 16))  # m * (t >> 16) < 2^31
-    return _fold2(_fold2(hi) + _fold2(m * (t & 0xFFFF)))
+    """``m * t`` (mod P) for a limb m < 2^16 and t < 2^31, < 2^31. (One ``_fold`` of x < 2^32 - 1 is
+    < 2^31: the per-limb work of the hash, kept to the fewest operations.)"""
+    hi = _fold(_shift16(m * (t >> 16)))  # m * (t >> 16) < 2^31, so _shift16 of it <= 2^31
+    return _fold(hi + _fold(m * (t & 0xFFFF)))  # m * (t & 0xFFFF) <= (2^16 - 1)^2
 
 
 def _mul(a: jax.Array, b: jax.Array) -> jax.Array:

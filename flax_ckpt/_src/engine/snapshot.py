@@ -8,7 +8,9 @@ checkpoint will say of it) and this process's shards (arrays only: one per disti
 replica_id is 0, so a replicated shard has exactly one writer). How the shards are stored is a
 layout's business (native/layout.py, orbax/write.py, tiers/store.py). A training loop saves one
 structure again and again: what does not change between those saves (key paths, kinds, records, the
-shards' boxes) is learned at the first and checked, not rebuilt, at the next (``learned``).
+shards' boxes) is learned at the first and checked, not rebuilt, at the next (``learned``). Shards
+copied on their devices are hashed there first, and those unchanged since the last save are never
+brought to host (engine/device_hash.py; ``Snapshot.complete``).
 """
 
 from __future__ import annotations
