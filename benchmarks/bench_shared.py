@@ -164,7 +164,8 @@ def hash_probe(frozen_mb: int) -> dict:
     xs = [jax.random.normal(jax.random.key(i), (2048, 2048)) for i in range(max(1, frozen_mb // 16))]
     d = next(iter(xs[0].devices()))
     t1, t2 = dh._key().tables(d)
-    temp = jax.jit(dh._digest).lower(xs[0], t1, t2).compile().memory_analysis().temp_size_in_bytes
+    stats = jax.jit(dh._digest).lower(xs[0], t1, t2).compile().memory_analysis()
+    temp = -1 if stats is None else stats.temp_size_in_bytes
     times = []
     for _ in range(6):
         t0 = time.perf_counter()

@@ -202,13 +202,14 @@ def _row_sums(rows: Sequence[jax.Array], keys: jax.Array) -> jax.Array:
     """Per lane and row, ``sum_j m[q][j] r^j`` (mod P), < 2^31: ``rows`` are the limbs (each (Q, W),
     limb c of element w at position w * len(rows) + c), ``keys`` the r powers (LANES, W * len(rows))."""
     k = len(rows)
-    lo = hi = None
+    parts = []
     for c, m in enumerate(rows):
         t = keys[:, c::k][:, None, :]  # (LANES, 1, W)
         v = _mul_limb(m[None], t)  # (LANES, Q, W), fused into the sums
-        a, b = _sums(v & 0xFFFF, v >> 16, 2)  # < 2^32, < 2^31: no overflow
-        lo, hi = (a, b) if lo is None else (_fold2(lo) + _fold2(a), _fold2(hi) + _fold2(b))
-    assert lo is not None and hi is not None
+        parts.append(_sums(v & 0xFFFF, v >> 16, 2))  # < 2^32, < 2^31: no overflow
+    lo, hi = parts[0]
+    for a, b in parts[1:]:
+        lo, hi = _fold2(lo) + _fold2(a), _fold2(hi) + _fold2(b)
     return _fold2(_fold2(_shift16(_fold2(hi))) + _fold2(lo))
 
 
