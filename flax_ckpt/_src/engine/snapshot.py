@@ -8,7 +8,9 @@ checkpoint will say of it) and this process's shards (arrays only: one per disti
 replica_id is 0, so a replicated shard has exactly one writer). How the shards are stored is a
 layout's business (native/layout.py, orbax/write.py, tiers/store.py). A training loop saves one
 structure again and again: what does not change between those saves (key paths, kinds, records, the
-shards' boxes) is learned at the first and checked, not rebuilt, at the next (``learned``).
+shards' boxes) is learned at the first and checked, not rebuilt, at the next (``learned``). Shards
+copied on their devices are hashed there first, and those unchanged since the last save are never
+brought to host (engine/device_hash.py; ``Snapshot.complete``).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import crc32c
 import numpy as np
 
 from flax_ckpt._src import tree as tree_mod
-from flax_ckpt._src.engine import device
+from flax_ckpt._src.engine import device, device_hash
 from flax_ckpt._src.engine.arena import Arena
 from flax_ckpt._src.engine.equal import same_bytes
 from flax_ckpt._src.engine.leaves import key_data_shape
@@ -91,6 +93,10 @@ class Snapshot:
     #   (the arena's ``saved_as`` when this snapshot began), or None: then they are equal to nothing known
     fill: int = 0  # the arena's fill this snapshot is (``Arena.fills``): a layout marks it saved only if
     #   no other snapshot has filled the arena since
+    prior: device_hash.Ledger | None = None  # with device copies hashed on their devices: what the last
+    #   save knew of them (engine/device_hash.py), from ``reuse``
+    ledger: device_hash.Ledger | None = None  # what this one knows of them, once ``complete`` has run
+    hashing: str = ""  # "" (none hashed), "auto" (on accelerators) or "cpu" (CPU devices too)
 
     def __post_init__(self) -> None:
         if self.pending:
@@ -105,22 +111,76 @@ class Snapshot:
             return
         assert self.hurry is not None, "a snapshot with device copies has its hurry event (__post_init__)"
         try:
-            hosts, self.ready_at = device.to_host(self.pending, self.hurry)
+            held, plan = self._hashed()
+            rest = [p for i, p in enumerate(self.pending) if i not in held]
+            hosts, self.ready_at = device.to_host(rest, self.hurry)
         finally:
             self.on_host.set()
         copies: list[tuple[np.ndarray, np.ndarray]] = []
         got: dict[tuple[int, int], np.ndarray] = {}
-        for p, a in zip(self.pending, hosts):
+        brought = iter(hosts)
+        for i, p in enumerate(self.pending):
+            if i in held:  # unchanged: the host copy the last save wrote, never brought again
+                got[(p.leaf, p.shard)] = a = cast(np.ndarray, held[i].data)
+                self.crcs[id(a)] = cast(np.ndarray, held[i].crcs)
+                continue
+            a = next(brought)
             if p.dest is not None:
                 copies.append((p.dest, a))
                 a = p.dest
             got[(p.leaf, p.shard)] = a
         crcs = copy_all(copies, self.checksum)
         self.crcs.update({id(d): c for (d, _), c in zip(copies, crcs or ()) if d.size})
+        if plan:
+            self._keep(held, plan, got)
         for i in sorted({p.leaf for p in self.pending}):
             lf = self.leaves[i]
             lf.shards = tuple(Shard(s.box, got.get((i, n), s.data)) for n, s in enumerate(lf.shards))
         self.pending = []  # the device copies are freed
+
+    def _hashed(self) -> tuple[dict[int, device_hash.Entry], dict[int, device_hash.Planned]]:
+        """With ``hashing``: which device copies (by index in ``pending``) hold the bytes the last save
+        wrote (their digests computed on their devices equal the ledger's), and the plan of this save's
+        ledger (device_hash.sort)."""
+        if not self.hashing or self.checksum is None:
+            return {}, {}
+        cpu_too = self.hashing == "cpu"
+        cands = [
+            (i, self.leaves[p.leaf].record, self.leaves[p.leaf].shards[p.shard].box, p.dev)
+            for i, p in enumerate(self.pending)
+            if p.dest is None and device_hash.hashable(p.dev, cpu_too)
+        ]
+        try:
+            return device_hash.sort(cands, self.prior)
+        except Exception as e:  # the state's computation failed: raised as to_host raises it
+            raise device.failed(e) from e
+
+    def _keep(
+        self,
+        held: dict[int, device_hash.Entry],
+        plan: dict[int, device_hash.Planned],
+        got: dict[tuple[int, int], np.ndarray],
+    ) -> None:
+        """This save's ledger: per hashed shard its digest, host copy and block checksums (computed
+        here for those brought to host, which the writer then takes as made); the unchanged shards are
+        the earlier step's (``unchanged``, ``since``) when nothing else in this snapshot says another."""
+        block = cast(int, self.checksum)
+        data = {i: got[(self.pending[i].leaf, self.pending[i].shard)] for i in plan}
+        fresh = [i for i, pl in plan.items() if i not in held and pl.digest is not None]
+        for i, c in zip(fresh, block_crcs([data[i] for i in fresh], block)):
+            self.crcs[id(data[i])] = c
+        self.ledger = device_hash.ledger(plan, {i: (data[i], self.crcs.get(id(data[i]))) for i in plan})
+        since = self.prior.saved_as if self.prior is not None else None
+        if (
+            held
+            and since is not None
+            and (self.since == since or (self.since is None and not self.unchanged))
+        ):
+            self.since = since
+            for i in held:
+                p = self.pending[i]
+                self.unchanged.setdefault(p.leaf, []).append(self.leaves[p.leaf].shards[p.shard].box)
+        self.prior = None  # the earlier copies this save did not keep are freed
 
     def reuse_buffers(self) -> dict[tuple[Any, Box], np.ndarray]:
         """This snapshot's buffers by (key path, box), for ``snapshot(reuse=...)``; none unless owned.
@@ -141,7 +201,10 @@ class Snapshot:
         buffers)."""
         if self.arena is not None:  # the next save's arena holds all that this one asked for (made now if
             # this one was too small): keeping other buffers would be a second copy
-            return Snapshot([], 0, owned=True, arena=self.arena.after())
+            ledger = self.ledger
+            if ledger is not None:  # the step this save was committed as (the layout said), if it was
+                ledger.saved_as = self.arena.saved_as if self.arena.fills == self.fill else None
+            return Snapshot([], 0, owned=True, arena=self.arena.after(), prior=ledger)
         own = self.reuse_buffers()
         if not own:
             return None
@@ -518,6 +581,7 @@ def _snapshot(
     copies: list[tuple[np.ndarray, np.ndarray]] = []  # (buffer from ``into``, source), made at the end
     pending: list[device.Pending] = []  # shards copied on their devices
     data_of = {j: x for j, x, _, _ in arrays if j in on_dev}
+    hashing = _hashing(copy, into, checksum) if on_dev else ""
 
     def leaf(j: int) -> HostLeaf:
         x, k = flat.leaves[only[j]], seen[j]
@@ -543,7 +607,7 @@ def _snapshot(
         if leaves[j] is not None:
             continue
         if j in on_dev:
-            leaves[j] = _device_leaf(j, data_of[j], k, into, pending)
+            leaves[j] = _device_leaf(j, data_of[j], k, into, pending, hashing == "cpu")
             continue
         if into is not None and k.whole and k.cpu and k.kind in ("jax", "prng_key"):  # most leaves: one
             x = flat.leaves[only[j]]  # shard, one buffer (without _array_leaf's general path)
@@ -582,7 +646,40 @@ def _snapshot(
         unchanged=unchanged,
         since=since,
         fill=arena.fills if arena is not None else 0,
+        prior=reuse.prior if reuse is not None and hashing else None,
+        hashing=hashing if pending else "",
     )
+
+
+def _hashing(copy: bool, into: Into | None, checksum: int | None) -> str:
+    """Whether a snapshot's device copies are hashed on their devices (engine/device_hash.py): those of
+    a save into an arena with block checksums (the native layout's, whose steps share unchanged bytes),
+    "auto" on accelerators, "cpu" on CPU devices too (the private switch), "" for none."""
+    if not (copy and checksum and isinstance(into, Arena)):
+        return ""
+    m = device_hash.mode()
+    return "" if m == "off" else m
+
+
+def block_crcs(arrays: Sequence[np.ndarray], block: int) -> list[np.ndarray]:
+    """The crc32c (uint32) of every ``block`` bytes of each C-contiguous array, on up to 4 threads."""
+    flats = [a.reshape(-1).view(np.uint8) for a in arrays]
+    out = [np.zeros(max(1, -(-f.nbytes // block)), np.uint32) for f in flats]
+    units = [(c, k) for c, f in enumerate(flats) for k in range(0, max(1, f.nbytes), block)]
+
+    def run(u: tuple[int, int]) -> None:
+        c, k = u
+        out[c][k // block] = crc32c.crc32c(as_buffer(flats[c][k : k + block]))
+
+    global _copier
+    if len(units) > 1:
+        if _copier is None:
+            _copier = ThreadPoolExecutor(4, thread_name_prefix="flax_ckpt-copy")
+        list(_copier.map(run, units))
+    else:
+        for u in units:
+            run(u)
+    return out
 
 
 _SAME_MIN = 64 << 10  # smaller shards are copied without comparing (a step's smaller pieces are written)
@@ -695,11 +792,18 @@ def _wait_for_host_part(
 
 
 def _device_leaf(
-    j: int, data: jax.Array, seen: _Learned, into: Into | None, pending: list[device.Pending]
+    j: int,
+    data: jax.Array,
+    seen: _Learned,
+    into: Into | None,
+    pending: list[device.Pending],
+    hash_cpu: bool = False,
 ) -> HostLeaf:
     """A leaf whose shards are copied on their devices (``pending``; dispatched together at the end of
     the snapshot): its shards' data comes with ``Snapshot.complete``. A CPU array's host copy goes into
-    ``into``'s buffer where it gives one (the arena, the memory tier's pages), as without the device."""
+    ``into``'s buffer where it gives one (the arena, the memory tier's pages), as without the device,
+    but for a shard hashed on its device (``hash_cpu``): its host copy is kept by the next save's
+    ledger, as an accelerator's is (engine/device_hash.py)."""
     rec = seen.array
     parts = (
         [(data, seen.box)]
@@ -710,7 +814,8 @@ def _device_leaf(
     )
     shards = []
     for a, b in parts:
-        dest = into(tuple(a.shape), np.dtype(a.dtype)) if into is not None and seen.cpu else None
+        mine = hash_cpu and device_hash.hashable(a, True)
+        dest = into(tuple(a.shape), np.dtype(a.dtype)) if into is not None and seen.cpu and not mine else None
         pending.append(device.Pending(j, len(shards), a, dest))
         shards.append(Shard(b, cast(np.ndarray, None)))  # its data: Snapshot.complete sets it
     return HostLeaf(rec, tuple(shards), data.sharding, whole=seen.whole)
