@@ -27,7 +27,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import flax_ckpt as fc
-from flax_ckpt._src.manager.prefetch import Prefetch
+from flax_ckpt._src.native.prefetch import Prefetch
 from flax_ckpt.callbacks import CheckpointCallback
 
 

@@ -51,7 +51,7 @@ class AgreedRestore:
         self._steps, self._prefix, self.strict = steps, prefix, strict
         self.directory = steps.directory
         self.stats: Window[RestoreStats] = Window()  # the newest restores, with totals
-        # a read of a step ahead of its restore (prefetch.py): the next read takes it (its buffers serve
+        # a read of a step ahead of its restore (native/prefetch.py): the next read takes it (its buffers serve
         # that step when they are still what it holds) and frees it
         self.ahead: Any = None
 

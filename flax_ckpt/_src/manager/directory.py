@@ -239,7 +239,7 @@ class Directory:
         return out
 
     def read_ahead(self, prefetch: Any) -> None:
-        """The next step read takes ``prefetch`` (manager/prefetch.py: its buffers serve that step)."""
+        """The next step read takes ``prefetch`` (native/prefetch.py: its buffers serve that step)."""
         self._restore.ahead = prefetch
 
     def read(self, step: int, target_of: TargetOf, shardings: Any, fit: Fit) -> Any:

@@ -32,11 +32,11 @@ from flax_ckpt._src.errors import CheckpointError, CheckpointNotFoundError
 from flax_ckpt._src.lazy import lazy
 from flax_ckpt._src.manager.agreed import targets
 from flax_ckpt._src.manager.directory import Directory
-from flax_ckpt._src.manager.prefetch import Buffered, Prefetch, available_bytes
 from flax_ckpt._src.manager.schedule import Schedule
 from flax_ckpt._src.manager.stats import RestoreStats, SaveStats
 from flax_ckpt._src.manager.store import Store
 from flax_ckpt._src.manager.writer import AsyncWriter
+from flax_ckpt._src.native.prefetch import Buffered, Prefetch, available_bytes
 from flax_ckpt._src.retention import Retention
 from flax_ckpt._src.serializers import Serializer
 from flax_ckpt._src.storage import ObjectStoreOptions, Storage
@@ -592,7 +592,7 @@ class CheckpointManager:
         if self._prefetch is not None:
             self._prefetch.release()
         limit = available_bytes() // 2 if limit is None else limit
-        if distributed.process_count() == 1 and self.format == "native":
+        if distributed.process_count() == 1:
             self._prefetch = Buffered(step, folder, limit, functools.partial(self._directory.open, step))
         else:
             self._prefetch = Prefetch(

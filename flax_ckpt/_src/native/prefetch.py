@@ -6,7 +6,7 @@ by default half the memory the system has available). Two kinds:
 
 - ``Buffered`` (one process, a native step): the step opened as the restore opens it, and its array
   leaves read whole through the source's own verified read (``Source.read_many``: every crc32c
-  checked) into host buffers. The restore of that step (agreed.py) takes them through ``serve``: only
+  checked) into host buffers. The restore of that step (manager/agreed.py) takes them through ``serve``: only
   from the same folder and manifest (its id and time, and the file itself unchanged: so the same
   records and checksums), for leaves whose files have not changed since before the prefetch read them
   (``st_ino``, ``st_size``, ``st_mtime_ns``, ``st_ctime_ns``; a commit renames a new file in, a write
@@ -14,14 +14,15 @@ by default half the memory the system has available). Two kinds:
   the restore's own read finds it) is read as ever. A served byte is one the verified read wrote. A prefetch still running when the
   restore comes is stopped (the leaf in flight finishes: the restore would read it anyway), and the
   restore reads what it had not read yet. The buffers are freed after that restore, or at close.
-- ``Prefetch`` (several processes, an Orbax step): the files only warmed into the operating system's
+- ``Prefetch`` (several processes; ``Buffered`` too where the step it opens is not native, an Orbax
+  step): the files only warmed into the operating system's
   page cache; the restore reads and verifies them as ever. Each process reads the files it wrote
   (``p<process>.*``, as the raw serializer names them) and the small ones (which boxes a process's
   restore reads depends on its target's sharding, not known yet).
 
 Only regular files inside the step folder are read (the page-cache warm-up opens them beside a folder
 descriptor, never through a link, and reads no FIFO; the buffered read goes through the folder's own
-storage, which refuses both). Not here: which step the restore takes (agreed.py), object stores (the
+storage, which refuses both). Not here: which step the restore takes (manager/agreed.py), object stores (the
 restore reads them as ever).
 """
 
@@ -149,6 +150,7 @@ class Buffered(Prefetch):
             self._manifest = _identity(os.path.join(self.folder, MANIFEST))
             source = self._open()
             if not isinstance(source, NativeSource) or source.storage.local_path is None:
+                super()._run()  # another layout's step: its files warmed into the page cache
                 return
             self._source = source
             chosen, size = [], 0
@@ -167,16 +169,16 @@ class Buffered(Prefetch):
                 if size >= _BATCH or len(batch) >= _BATCH_LEAVES:
                     if self._stop.is_set():
                         return
-                    self._read(source, batch)
+                    self._read_leaves(source, batch)
                     batch, size = [], 0
             if batch and not self._stop.is_set():
-                self._read(source, batch)
+                self._read_leaves(source, batch)
         except Exception as e:  # the restore opens and reads the step itself, and says what it finds
             log.debug("prefetch of %s stopped: %s: %s", self.folder, type(e).__name__, e)
         finally:
             self.done.set()
 
-    def _read(self, source: NativeSource, leaves: list[LeafRecord]) -> None:
+    def _read_leaves(self, source: NativeSource, leaves: list[LeafRecord]) -> None:
         """Reads ``leaves`` whole (Source.read_many, verified); a batch that fails is read leaf by leaf,
         and a leaf that fails again (damaged, gone) is not kept."""
         requests = [
