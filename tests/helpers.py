@@ -27,6 +27,7 @@ all it needs from here. Here only: the worker side of a multi-process job (``sta
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -302,3 +303,14 @@ class Within:
             f"{what} took {elapsed:.2f} s: more than {seconds} s on an idle machine times "
             f"{self.factor:.1f}, the stretch of wall time that this machine's load causes now"
         )
+
+
+def file_digests(folder: Any) -> dict[str, str]:
+    """{path under ``folder``: sha256 of its bytes} of every file below it (to see a folder untouched)."""
+    out = {}
+    for dirpath, _, names in os.walk(folder):
+        for n in names:
+            path = os.path.join(dirpath, n)
+            with open(path, "rb") as f:
+                out[os.path.relpath(path, folder)] = hashlib.sha256(f.read()).hexdigest()
+    return out

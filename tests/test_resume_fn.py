@@ -9,7 +9,6 @@ Real arrays, real files, real JAX (8 CPU devices, conftest); nothing of the code
 from __future__ import annotations
 
 import gc
-import hashlib
 import logging
 import os
 import random
@@ -29,17 +28,7 @@ from jax.sharding import PartitionSpec as P
 import flax_ckpt as fc
 from flax_ckpt._src.native.prefetch import Prefetch
 from flax_ckpt.callbacks import CheckpointCallback
-
-
-def _folder(path: Any) -> dict[str, str]:
-    """Every file under ``path`` with the sha256 of its bytes (the run directory, to see it untouched)."""
-    out = {}
-    for root, _, files in os.walk(path):
-        for name in files:
-            p = os.path.join(root, name)
-            with open(p, "rb") as f:
-                out[os.path.relpath(p, path)] = hashlib.sha256(f.read()).hexdigest()
-    return out
+from helpers import file_digests
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -172,7 +161,7 @@ def test_function_restores_into_its_shardings_and_reshards_another_topology(ckpt
 def _saved_run(ckpt_dir: Any) -> dict[str, str]:
     with CheckpointCallback(ckpt_dir, every_steps=1, compile_cache=False) as ckpt:
         ckpt(1, {"w": jnp.ones((2, 3)), "n": jnp.int32(7)})
-    return _folder(ckpt_dir)
+    return file_digests(ckpt_dir)
 
 
 def test_a_function_that_raises_raises_and_touches_nothing(ckpt_dir):
@@ -184,7 +173,7 @@ def test_a_function_that_raises_raises_and_touches_nothing(ckpt_dir):
     with CheckpointCallback(ckpt_dir, every_steps=1, compile_cache=False) as ckpt:
         with pytest.raises(RuntimeError, match="no such dataset"):
             ckpt.restore_or(broken)
-    assert _folder(ckpt_dir) == before
+    assert file_digests(ckpt_dir) == before
 
 
 @pytest.mark.parametrize(
@@ -205,7 +194,7 @@ def test_a_function_of_other_shapes_gives_the_error_of_a_state(ckpt_dir, other, 
             ckpt.restore_or(make())
     assert type(as_fn.value) is type(as_state.value) and str(as_fn.value) == str(as_state.value)
     assert said in str(as_fn.value)
-    assert _folder(ckpt_dir) == before
+    assert file_digests(ckpt_dir) == before
 
 
 def test_missing_keep_calls_the_function_so_new_leaves_have_values(ckpt_dir):
@@ -240,7 +229,7 @@ def test_traced_values_are_refused_before_anything_is_read(ckpt_dir):
         for form in (lambda x: {"w": x, "n": jnp.int32(0)}, lambda x: lambda: {"w": x, "n": jnp.int32(0)}):
             with pytest.raises(fc.InvalidArgumentError, match="outside it"):
                 jax.jit(lambda x, form=form: ckpt.restore_or(form(x))[0]["w"])(jnp.zeros((2, 3)))
-    assert _folder(ckpt_dir) == before
+    assert file_digests(ckpt_dir) == before
 
 
 # ------------------------------------------------------------------------------------------ prefetch
@@ -360,9 +349,9 @@ def test_prefetch_of_a_damaged_step_costs_only_the_read(ckpt_dir, caplog):
     raw = bytearray(data.read_bytes())
     raw[10] ^= 1
     data.write_bytes(bytes(raw))
-    before = _folder(ckpt_dir)
+    before = file_digests(ckpt_dir)
     with caplog.at_level(logging.WARNING, "flax_ckpt"):
         with CheckpointCallback(ckpt_dir, every_steps=1, compile_cache=False) as ckpt:  # prefetches step 2
             st, start = ckpt.restore_or(lambda: {"w": jnp.zeros(1000)})
     assert start == 1 and np.array_equal(st["w"], np.zeros(1000)) and "falling back" in caplog.text
-    assert _folder(ckpt_dir) == before
+    assert file_digests(ckpt_dir) == before

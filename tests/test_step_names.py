@@ -5,7 +5,6 @@ recycler never moves a file out of it); folders whose names stand for one step n
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import shutil
@@ -17,17 +16,7 @@ import flax_ckpt as fc
 from flax_ckpt._src import tools as fc_tools
 from flax_ckpt._src.commit.recycler import MIN_BYTES
 from flax_ckpt._src.tools.prune import prune
-
-
-def _files(folder) -> dict[str, str]:
-    """{path under ``folder``: sha256 of its bytes} of every file below it."""
-    out = {}
-    for dirpath, _, names in os.walk(folder):
-        for n in names:
-            path = os.path.join(dirpath, n)
-            with open(path, "rb") as f:
-                out[os.path.relpath(path, folder)] = hashlib.sha256(f.read()).hexdigest()
-    return out
+from helpers import file_digests
 
 
 def _state(value: float) -> dict:
@@ -52,7 +41,7 @@ def test_retention_and_prune_remove_a_linked_step_as_a_link_and_leave_its_target
             mgr.save(step, _state(step))
     _link_away(run, away, 1, what)
     _link_away(run, away, 2, what)
-    before = _files(away)
+    before = file_digests(away)
     assert len(before) == (4 if what == "step" else 2)
     with caplog.at_level(logging.WARNING, logger="flax_ckpt"):
         with fc.CheckpointManager(run, max_to_keep=2, async_save=False) as mgr:
@@ -60,7 +49,7 @@ def test_retention_and_prune_remove_a_linked_step_as_a_link_and_leave_its_target
             for step in (3, 4, 5):  # retention removes 1 (its files would be recycled), then 2, 3
                 mgr.save(step, _state(step))
             assert mgr.all_steps() == [4, 5]
-    assert _files(away) == before  # byte for byte: nothing moved, written over or deleted there
+    assert file_digests(away) == before  # byte for byte: nothing moved, written over or deleted there
     assert not os.path.lexists(run / "1") and not os.path.lexists(run / "2")
     if what == "step":
         assert f"{run / '1'} was a symbolic link to {away / 'step1'}" in caplog.text
@@ -68,9 +57,9 @@ def test_retention_and_prune_remove_a_linked_step_as_a_link_and_leave_its_target
     with fc.CheckpointManager(run, async_save=False) as mgr:
         mgr.save(6, _state(6))
     _link_away(run, away, 5, what)
-    before = _files(away)
+    before = file_digests(away)
     assert prune(run, keep=1).deleted == [4, 5]
-    assert _files(away) == before
+    assert file_digests(away) == before
     assert sorted(p.name for p in run.iterdir() if not p.name.startswith(".")) == ["6"]
 
 
