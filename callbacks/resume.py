@@ -123,6 +123,7 @@ def _placed(shapes: Any, jaxpr: Any) -> Any:
     ``out_shardings`` of a ``jax.jit`` call or the sharding of a ``jax.device_put`` that makes it
     or a ``jax.lax.with_sharding_constraint`` (``out_info`` has none for the first, and an abstract
     mesh's for the others)."""
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)  # a ClosedJaxpr's own jaxpr (jax < 0.7 forwards no outvars)
     made: dict[int, Any] = {}
     for eqn in jaxpr.eqns:
         given = eqn.params.get("out_shardings", eqn.params.get("devices", eqn.params.get("sharding", ())))
@@ -134,8 +135,11 @@ def _placed(shapes: Any, jaxpr: Any) -> Any:
     out = []
     for s, var in zip(flat, jaxpr.outvars, strict=True):
         sharding = made.get(id(var))
+        weak = getattr(s, "weak_type", False)  # jax < 0.7's OutInfo has shape, dtype, sharding only
         if sharding is not None:
-            s = jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding, weak_type=s.weak_type)
+            s = jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding, weak_type=weak)
+        elif not isinstance(s, jax.ShapeDtypeStruct):
+            s = jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=getattr(s, "sharding", None), weak_type=weak)
         out.append(s)
     return jax.tree_util.tree_unflatten(treedef, out)
 
